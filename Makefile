@@ -1,0 +1,33 @@
+# Every target sets itself up: a fresh machine needs only `make demo` or `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.installed
+
+.PHONY: setup demo test bench lint reliability clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU build of torch first so the `hf` extra's range is already satisfied.
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[hf,sglang,demo,test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m rollfleet.demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -ra
+
+bench: $(STAMP)
+	$(PY) -m benchmarks
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

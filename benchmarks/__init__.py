@@ -1,0 +1,1 @@
+"""Measured comparisons. Each ``bench_*.py`` module has ``run(quick: bool) -> list[Row]``."""

@@ -1,0 +1,1 @@
+"""rollfleet: an external rollout service for asynchronous RL."""

@@ -1,0 +1,24 @@
+"""The broker: run the embedded nats-server and declare a namespace's topology."""
+
+from rollfleet.broker.server import EmbeddedBroker, check_server_binary, find_server_binary, free_port
+from rollfleet.broker.topology import (
+    DEFAULT_TOPOLOGY,
+    TopologyConfig,
+    ensure_job_consumer,
+    ensure_results_consumer,
+    ensure_topology,
+    queue_depths,
+)
+
+__all__ = [
+    "DEFAULT_TOPOLOGY",
+    "EmbeddedBroker",
+    "TopologyConfig",
+    "check_server_binary",
+    "ensure_job_consumer",
+    "ensure_results_consumer",
+    "ensure_topology",
+    "find_server_binary",
+    "free_port",
+    "queue_depths",
+]

@@ -1,0 +1,190 @@
+"""Declare the streams, KV buckets and consumers of one namespace, idempotently.
+
+Whoever connects first (``rollfleet broker``, a worker, a client) declares what is
+missing; what exists is left as it is, so a second declaration changes and loses nothing.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+from rollfleet.schemas import ConstraintKind, Names
+from rollfleet.schemas.errors import ServiceUnavailable
+
+
+class TopologyConfig(msgspec.Struct, kw_only=True, frozen=True):
+    """Broker-side settings of a namespace. Sized for a fleet, not left at server defaults."""
+
+    replicas: int = 1  # R3 on a 3-node cluster
+    duplicate_window_s: float = 600.0  # resubmitting a key within this window makes no second job
+    ack_wait_s: float = 30.0  # a silent holder loses its job after this; long jobs send progress acks
+    max_deliver: int = 10
+    results_max_age_s: float = 24 * 3600.0
+    events_max_age_s: float = 24 * 3600.0
+    max_msg_bytes: int = 4 * 1024 * 1024
+    jobs_max_bytes: int = 4 * 1024**3
+    # Per jobs consumer: how many jobs may be held unacked across the fleet, and how many
+    # pull requests may wait. Sized for fleet_slots (sum of worker capacities) with headroom.
+    fleet_slots: int = 4096
+    max_waiting: int = 4096
+    consumer_inactive_s: float = 6 * 3600.0  # idle per-version consumers are cleaned up
+    fleet_entry_ttl_s: float = 3600.0  # the registry forgets a replica entry untouched this long
+    policy_history: int = 1
+
+    def job_consumer_config(self, names: Names, kind: ConstraintKind, version: int) -> ConsumerConfig:
+        name = names.job_consumer(kind, version)
+        return ConsumerConfig(
+            name=name,
+            durable_name=name,
+            filter_subject=names.job_subject(kind, version),
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=self.ack_wait_s,
+            max_deliver=self.max_deliver,
+            max_ack_pending=self.fleet_slots,
+            max_waiting=self.max_waiting,
+            inactive_threshold=self.consumer_inactive_s,
+            num_replicas=self.replicas if self.replicas > 1 else None,
+        )
+
+    def results_consumer_config(self, names: Names, client_id: str) -> ConsumerConfig:
+        name = names.results_consumer(client_id)
+        return ConsumerConfig(
+            name=name,
+            durable_name=name,
+            filter_subject=names.results_filter(client_id),
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=60.0,
+            max_ack_pending=65_536,
+            max_waiting=64,
+            inactive_threshold=self.results_max_age_s,
+            num_replicas=self.replicas if self.replicas > 1 else None,
+        )
+
+
+DEFAULT_TOPOLOGY = TopologyConfig()
+
+
+def _stream_configs(names: Names, cfg: TopologyConfig) -> list[StreamConfig]:
+    return [
+        StreamConfig(
+            name=names.jobs_stream,
+            subjects=[names.jobs_wildcard],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            num_replicas=cfg.replicas,
+            duplicate_window=cfg.duplicate_window_s,
+            max_msg_size=cfg.max_msg_bytes,
+            max_bytes=cfg.jobs_max_bytes,
+            allow_direct=True,
+        ),
+        StreamConfig(
+            name=names.results_stream,
+            subjects=[names.results_wildcard],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            num_replicas=cfg.replicas,
+            duplicate_window=cfg.duplicate_window_s,
+            max_age=cfg.results_max_age_s,
+            max_msg_size=cfg.max_msg_bytes,
+            allow_direct=True,
+        ),
+        StreamConfig(
+            name=names.events_stream,
+            subjects=[names.events_wildcard],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            num_replicas=cfg.replicas,
+            max_age=cfg.events_max_age_s,
+            max_msgs=100_000,
+        ),
+    ]
+
+
+def _bucket_configs(names: Names, cfg: TopologyConfig) -> list[KeyValueConfig]:
+    return [
+        KeyValueConfig(
+            bucket=names.policy_bucket,
+            history=cfg.policy_history,
+            storage=StorageType.FILE,
+            replicas=cfg.replicas,
+        ),
+        KeyValueConfig(
+            bucket=names.fleet_bucket,
+            history=1,
+            ttl=cfg.fleet_entry_ttl_s,
+            storage=StorageType.FILE,
+            replicas=cfg.replicas,
+        ),
+    ]
+
+
+async def ensure_topology(js: JetStreamContext, names: Names, cfg: TopologyConfig = DEFAULT_TOPOLOGY) -> list[str]:
+    """Create what is missing; return the names created (empty on a second run)."""
+    created: list[str] = []
+    try:
+        for scfg in _stream_configs(names, cfg):
+            try:
+                await js.stream_info(scfg.name)  # type: ignore[arg-type]
+            except nats.js.errors.NotFoundError:
+                try:
+                    await js.add_stream(scfg)
+                    created.append(scfg.name or "")
+                except nats.js.errors.BadRequestError as exc:  # a racing declarer won
+                    if exc.err_code != 10058:  # stream name already in use
+                        raise
+        for kcfg in _bucket_configs(names, cfg):
+            try:
+                await js.key_value(kcfg.bucket)
+            except nats.js.errors.BucketNotFoundError:
+                await js.create_key_value(kcfg)
+                created.append(kcfg.bucket)
+    except nats.errors.Error as exc:
+        raise ServiceUnavailable(f"cannot declare the topology of namespace {names.namespace!r}: {exc}") from exc
+    return created
+
+
+async def ensure_job_consumer(
+    js: JetStreamContext, names: Names, kind: ConstraintKind, version: int, cfg: TopologyConfig = DEFAULT_TOPOLOGY
+) -> str:
+    """The shared durable pull consumer of one jobs subject (created on first use)."""
+    name = names.job_consumer(kind, version)
+    try:
+        await js.consumer_info(names.jobs_stream, name)
+    except nats.js.errors.NotFoundError:
+        await js.add_consumer(names.jobs_stream, cfg.job_consumer_config(names, kind, version))
+    return name
+
+
+async def ensure_results_consumer(
+    js: JetStreamContext, names: Names, client_id: str, cfg: TopologyConfig = DEFAULT_TOPOLOGY
+) -> str:
+    name = names.results_consumer(client_id)
+    try:
+        await js.consumer_info(names.results_stream, name)
+    except nats.js.errors.NotFoundError:
+        await js.add_consumer(names.results_stream, cfg.results_consumer_config(names, client_id))
+    return name
+
+
+async def queue_depths(js: JetStreamContext, names: Names) -> dict[tuple[ConstraintKind, int], int]:
+    """Jobs waiting (stored, not yet acknowledged) per jobs subject."""
+    info = await js.stream_info(names.jobs_stream, subjects_filter=names.jobs_wildcard)
+    depths: dict[tuple[ConstraintKind, int], int] = {}
+    for subject, count in (info.state.subjects or {}).items():
+        parsed = names.parse_job_subject(subject)
+        if parsed is not None and count:
+            depths[parsed] = int(count)
+    return depths

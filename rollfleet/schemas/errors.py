@@ -1,0 +1,176 @@
+"""Typed errors shared by every side of rollfleet.
+
+Each error has a stable ``code`` (what travels on the wire) and a ``retryable`` flag
+(whether the same request may succeed if tried again later).
+"""
+
+from __future__ import annotations
+
+
+class RollfleetError(Exception):
+    """Base of every rollfleet error."""
+
+    code: str = "internal"
+    retryable: bool = False
+
+    def __init__(self, message: str = "", *, detail: str | None = None) -> None:
+        super().__init__(message or self.__class__.__doc__ or self.code)
+        self.message = message or (self.__class__.__doc__ or self.code).strip()
+        self.detail = detail
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code!r}, retryable={self.retryable}, {self.message!r})"
+
+
+# -- request path -------------------------------------------------------------------------
+
+
+class NoCompatibleReplica(RollfleetError):
+    """No live replica is at, or preparing, a version the request accepts."""
+
+    code = "no_compatible_replica"
+    retryable = True
+
+
+class Expired(RollfleetError):
+    """The job was not served before its deadline."""
+
+    code = "expired"
+    retryable = True
+
+
+class Interrupted(RollfleetError):
+    """An at_most_once job's holder died; it was not run again."""
+
+    code = "interrupted"
+    retryable = True
+
+
+class InvalidRequest(RollfleetError):
+    """The request is malformed or asks for something impossible."""
+
+    code = "invalid_request"
+    retryable = False
+
+
+class EngineFailure(RollfleetError):
+    """The inference engine failed while serving the request."""
+
+    code = "engine_failure"
+    retryable = True
+
+
+class ServiceUnavailable(RollfleetError):
+    """The broker could not be reached or refused the operation."""
+
+    code = "unavailable"
+    retryable = True
+
+
+class InternalError(RollfleetError):
+    """An unexpected error inside rollfleet."""
+
+    code = "internal"
+    retryable = False
+
+
+# -- broker / environment ------------------------------------------------------------------
+
+
+class BrokerBinaryError(RollfleetError):
+    """The nats-server binary is missing or too old."""
+
+    code = "broker_binary"
+    retryable = False
+
+
+# -- policy versions -------------------------------------------------------------------------
+
+
+class PolicyError(RollfleetError):
+    """Base of weight publication and materialization errors."""
+
+    code = "policy_error"
+    retryable = False
+
+
+class LayoutMismatch(PolicyError):
+    """Tensor names, dtypes, shapes or byte sizes differ from the base layout."""
+
+    code = "layout_mismatch"
+
+
+class LineageMismatch(PolicyError):
+    """A delta's base version is not the version it would be applied to."""
+
+    code = "lineage_mismatch"
+
+
+class ChecksumMismatch(PolicyError):
+    """A tensor's final state does not match its published checksum."""
+
+    code = "checksum_mismatch"
+
+
+class CorruptArtifact(PolicyError):
+    """A version's files are missing, truncated, or inconsistent with the index."""
+
+    code = "corrupt_artifact"
+
+
+class UnsupportedFormat(PolicyError):
+    """Unknown delta encoding, compression or checksum format."""
+
+    code = "unsupported_format"
+
+
+class HostileName(PolicyError):
+    """A file or tensor name would escape its directory."""
+
+    code = "hostile_name"
+
+
+class DecompressionBomb(CorruptArtifact):
+    """A compressed frame would decompress past the tensor's size."""
+
+    code = "decompression_bomb"
+
+
+class VersionConflict(PolicyError):
+    """Another publisher already committed this version number."""
+
+    code = "version_conflict"
+    retryable = True
+
+
+class VersionNotFound(PolicyError):
+    """The requested version is not in the store."""
+
+    code = "version_not_found"
+    retryable = True
+
+
+_BY_CODE: dict[str, type[RollfleetError]] = {}
+
+
+def _register(cls: type[RollfleetError]) -> None:
+    for sub in cls.__subclasses__():
+        _BY_CODE.setdefault(sub.code, sub)
+        _register(sub)
+
+
+_register(RollfleetError)
+_BY_CODE.setdefault(RollfleetError.code, InternalError)
+
+
+def error_class(code: str) -> type[RollfleetError]:
+    """The error class for a wire code; unknown codes map to InternalError."""
+    return _BY_CODE.get(code, InternalError)
+
+
+def error_from_code(code: str, message: str, retryable: bool | None = None) -> RollfleetError:
+    """Rebuild a typed error from its wire form."""
+    err = error_class(code)(message)
+    if retryable is not None and retryable != err.retryable:
+        err.retryable = retryable  # the sender's judgement wins for this instance
+    return err

@@ -1,0 +1,186 @@
+"""Every message that crosses the broker, as plain typed data.
+
+MessagePack on the wire (see ``codec``); msgspec validates types on decode, so a
+field of the wrong type is an error, never a silently wrong value.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import msgspec
+
+SCHEMA_VERSION = 1
+
+RetryPolicy = Literal["replayable", "at_most_once"]
+ConstraintKind = Literal["min", "exact"]
+FinishReason = Literal["stop", "length", "abort"]
+ReplicaState = Literal["starting", "ready", "preparing", "activating", "degraded", "draining", "stopped"]
+VersionKind = Literal["base", "delta", "full"]
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    seed: int | None = None
+    logprobs: bool = True
+
+
+class RolloutPayload(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What to generate: a prompt (token ids or text), sampling parameters, samples."""
+
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    n: int = 1
+    # Engine-specific pass-through (e.g. extra SGLang sampling keys); never interpreted here.
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class VersionConstraint(msgspec.Struct, frozen=True):
+    kind: ConstraintKind
+    version: int
+
+    def allows(self, version: int) -> bool:
+        """Whether a replica at ``version`` may serve this request."""
+        if self.kind == "exact":
+            return version == self.version
+        return version >= self.version
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.version}"
+
+
+class RolloutJob(msgspec.Struct, kw_only=True):
+    job_id: str
+    idempotency_key: str
+    client_id: str
+    constraint: VersionConstraint
+    payload: RolloutPayload
+    deadline: float  # unix seconds
+    submitted_at: float
+    retry_policy: RetryPolicy = "replayable"
+    session_id: str | None = None
+    # The trainer's latest published version when it submitted; staleness is measured
+    # against the trainer's version when the result is consumed, not this.
+    trainer_version: int | None = None
+    schema: int = SCHEMA_VERSION
+
+
+class Completion(msgspec.Struct, kw_only=True, omit_defaults=True):
+    token_ids: list[int]
+    finish_reason: FinishReason
+    logprobs: list[float] | None = None  # log-prob of each sampled token, when the engine gives it
+    text: str | None = None
+
+
+class RolloutResult(msgspec.Struct, tag="result", kw_only=True):
+    job_id: str
+    idempotency_key: str
+    client_id: str
+    outputs: list[Completion]
+    version_start: int  # active version when generation started
+    version_end: int  # active version when it ended (differs if an activation happened mid-request)
+    worker_id: str
+    engine: str
+    queue_wait_s: float
+    generation_s: float
+    delivery_attempt: int
+    finished_at: float
+    session_id: str | None = None
+    prompt_tokens: int = 0
+    staleness: int | None = None  # filled in by the trainer client when consumed
+
+
+class RolloutFailure(msgspec.Struct, tag="failure", kw_only=True):
+    idempotency_key: str
+    client_id: str
+    code: str
+    message: str
+    retryable: bool
+    job_id: str | None = None
+    worker_id: str | None = None
+    delivery_attempt: int = 0
+    finished_at: float = 0.0
+
+
+Outcome = RolloutResult | RolloutFailure
+
+
+class ReplicaStatus(msgspec.Struct, kw_only=True):
+    """A worker's entry in the fleet registry, rewritten on every heartbeat."""
+
+    worker_id: str
+    state: ReplicaState
+    active_version: int
+    engine: str
+    capacity: int
+    in_flight: int
+    heartbeat_at: float
+    heartbeat_interval_s: float
+    started_at: float
+    preparing_version: int | None = None
+    degraded_reason: str | None = None
+    host: str = ""
+    pid: int = 0
+    metrics_url: str | None = None
+    jobs_done: int = 0
+
+    def stale_after_s(self) -> float:
+        return max(3.0 * self.heartbeat_interval_s, 1.0)
+
+    def is_live(self, now: float | None = None) -> bool:
+        now = time.time() if now is None else now
+        return self.state != "stopped" and now - self.heartbeat_at <= self.stale_after_s()
+
+    def can_serve(self, constraint: VersionConstraint) -> bool:
+        """At, or preparing, a version the constraint accepts, and taking work."""
+        if self.state in ("draining", "stopped"):
+            return False
+        if self.preparing_version is not None and constraint.allows(self.preparing_version):
+            return True
+        # A starting replica serves nothing yet; only what it is preparing counts.
+        return self.state != "starting" and constraint.allows(self.active_version)
+
+
+class VersionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One committed policy version, as stored in the policy KV under ``v.<N>``."""
+
+    version: int
+    kind: VersionKind
+    base_version: int | None = None
+    encoding: str | None = None
+    checksum_format: str | None = None
+    path: str = ""  # directory name inside the store, e.g. weight_v000007
+    changed_bytes: int = 0
+    total_bytes: int = 0
+    density: float = 0.0
+    wire_bytes: int = 0
+    seconds: float = 0.0
+    created_at: float = 0.0
+    publisher: str = ""
+
+
+class VersionPublished(msgspec.Struct, tag="published", kw_only=True):
+    record: VersionRecord
+
+
+class VersionActivated(msgspec.Struct, tag="activated", kw_only=True):
+    """A replica's acknowledgement that it now serves ``version``."""
+
+    worker_id: str
+    version: int
+    previous_version: int
+    prepare_s: float
+    pause_s: float
+    wire_bytes: int
+    density: float
+    activated_at: float
+    changed_tensors: int = 0
+
+
+VersionEvent = VersionPublished | VersionActivated

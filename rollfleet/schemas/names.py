@@ -1,0 +1,134 @@
+"""Every subject, stream, consumer and bucket name, built in one place from the namespace."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from rollfleet.schemas.errors import InvalidRequest
+from rollfleet.schemas.messages import ConstraintKind
+
+# Lower-case only so that the upper-cased stream and bucket names stay unique per namespace.
+_NAMESPACE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+# Headers that let a worker answer even a job whose body it cannot decode.
+HDR_MSG_ID = "Nats-Msg-Id"
+HDR_CLIENT_ID = "Rf-Client-Id"
+HDR_IDEMPOTENCY_KEY = "Rf-Idempotency-Key"
+HDR_JOB_ID = "Rf-Job-Id"
+
+
+def check_token(value: str, what: str) -> str:
+    """A subject token: letters, digits, '-', '_' (no dots or wildcards)."""
+    if not isinstance(value, str) or not _TOKEN.match(value):
+        raise InvalidRequest(f"{what} must match [A-Za-z0-9_-]{{1,128}}, got {value!r}")
+    return value
+
+
+def key_token(idempotency_key: str) -> str:
+    """A subject-safe, fixed-size token for an arbitrary idempotency key."""
+    return hashlib.blake2b(idempotency_key.encode(), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class Names:
+    namespace: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.namespace, str) or not _NAMESPACE.match(self.namespace):
+            raise InvalidRequest(f"namespace must match {_NAMESPACE.pattern}, got {self.namespace!r}")
+
+    @property
+    def _up(self) -> str:
+        return self.namespace.upper()
+
+    @property
+    def _root(self) -> str:
+        return f"rf.{self.namespace}"
+
+    # -- jobs --------------------------------------------------------------------------------
+    @property
+    def jobs_stream(self) -> str:
+        return f"RF_{self._up}_JOBS"
+
+    @property
+    def jobs_wildcard(self) -> str:
+        return f"{self._root}.jobs.>"
+
+    def job_subject(self, kind: ConstraintKind, version: int) -> str:
+        return f"{self._root}.jobs.{kind}.{int(version)}"
+
+    def job_consumer(self, kind: ConstraintKind, version: int) -> str:
+        return f"{kind}-{int(version)}"
+
+    def parse_job_subject(self, subject: str) -> tuple[ConstraintKind, int] | None:
+        prefix = f"{self._root}.jobs."
+        if not subject.startswith(prefix):
+            return None
+        parts = subject[len(prefix) :].split(".")
+        if len(parts) != 2 or parts[0] not in ("min", "exact") or not parts[1].isdigit():
+            return None
+        return parts[0], int(parts[1])  # type: ignore[return-value]
+
+    @property
+    def bell_wildcard(self) -> str:
+        return f"{self._root}.bell.>"
+
+    def bell_subject(self, kind: ConstraintKind, version: int) -> str:
+        """Core-NATS wake-up rung after a job is stored, so idle workers pull at once."""
+        return f"{self._root}.bell.{kind}.{int(version)}"
+
+    # -- results -----------------------------------------------------------------------------
+    @property
+    def results_stream(self) -> str:
+        return f"RF_{self._up}_RESULTS"
+
+    @property
+    def results_wildcard(self) -> str:
+        return f"{self._root}.results.>"
+
+    def result_subject(self, client_id: str, idempotency_key: str) -> str:
+        return f"{self._root}.results.{check_token(client_id, 'client_id')}.{key_token(idempotency_key)}"
+
+    def results_filter(self, client_id: str) -> str:
+        return f"{self._root}.results.{check_token(client_id, 'client_id')}.>"
+
+    def results_consumer(self, client_id: str) -> str:
+        return f"client-{check_token(client_id, 'client_id')}"
+
+    # -- policy versions and fleet -----------------------------------------------------------
+    @property
+    def policy_bucket(self) -> str:
+        return f"RF_{self._up}_POLICY"
+
+    @property
+    def fleet_bucket(self) -> str:
+        return f"RF_{self._up}_FLEET"
+
+    @staticmethod
+    def version_key(version: int) -> str:
+        return f"v.{int(version)}"
+
+    LATEST_KEY = "latest"
+
+    @staticmethod
+    def replica_key(worker_id: str) -> str:
+        return f"replica.{check_token(worker_id, 'worker_id')}"
+
+    @property
+    def events_stream(self) -> str:
+        return f"RF_{self._up}_EVENTS"
+
+    @property
+    def events_wildcard(self) -> str:
+        return f"{self._root}.versions.>"
+
+    @property
+    def versions_published(self) -> str:
+        return f"{self._root}.versions.published"
+
+    @property
+    def versions_activated(self) -> str:
+        return f"{self._root}.versions.activated"

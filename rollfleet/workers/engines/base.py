@@ -1,0 +1,75 @@
+"""The engine interface: what a worker needs from an inference server.
+
+Three adapters implement it: ``echo`` (no model), ``hf`` (transformers + torch) and
+``sglang`` (HTTP to an SGLang server). The worker owns versions and the job loop; an
+engine only generates and swaps weights when told.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollfleet.schemas import Completion, RolloutPayload
+
+
+@dataclass
+class Generation:
+    """What one request produced, with the versions active at its first and last step."""
+
+    outputs: list[Completion]
+    version_start: int
+    version_end: int
+    prompt_tokens: int = 0
+
+
+@dataclass
+class EngineHealth:
+    ok: bool
+    detail: str = ""
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+class Engine(abc.ABC):
+    """One inference engine. All methods are coroutines safe to call from the worker's loop.
+
+    Lifecycle: ``start`` -> any number of ``generate`` calls, interleaved with
+    ``pause`` -> ``load_weights`` -> ``resume`` activations -> ``close``.
+    """
+
+    name: str = "engine"
+
+    def __init__(self) -> None:
+        self.version = 0  # the version whose weights are live
+
+    @abc.abstractmethod
+    async def start(self, checkpoint_dir: Path | None, version: int) -> None:
+        """Load ``checkpoint_dir`` (None for engines without weights) as ``version``."""
+
+    @abc.abstractmethod
+    async def generate(self, request_id: str, payload: RolloutPayload) -> Generation:
+        """Generate for one request; must report the version at start and at end."""
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Stop advancing requests between steps; in-flight requests stay and continue later."""
+
+    @abc.abstractmethod
+    async def load_weights(self, checkpoint_dir: Path | None, changed: Sequence[str], version: int) -> None:
+        """While paused: make ``version`` live, reloading only the ``changed`` tensors."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Continue generation (on whatever weights are now live)."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop one request; its ``generate`` returns with finish_reason 'abort'."""
+
+    @abc.abstractmethod
+    async def health(self) -> EngineHealth: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...

@@ -1,0 +1,45 @@
+"""Shared fixtures: a real nats-server on a free loopback port with a temporary store."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import nats
+import pytest
+
+from rollfleet.broker import EmbeddedBroker
+
+os.environ.setdefault("ROLLFLEET_LOG_LEVEL", "warning")
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[EmbeddedBroker]:
+    """A fresh nats-server with JetStream for one test."""
+    b = EmbeddedBroker(store_dir=tmp_path / "nats-store", log_file=tmp_path / "nats.log")
+    b.start()
+    try:
+        yield b
+    finally:
+        b.stop()
+
+
+@pytest.fixture
+def nats_url(broker: EmbeddedBroker) -> str:
+    return broker.url
+
+
+@pytest.fixture
+def namespace() -> str:
+    return "t" + uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[nats.NATS]:
+    conn = await nats.connect(nats_url)
+    try:
+        yield conn
+    finally:
+        await conn.close()
