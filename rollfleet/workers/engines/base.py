@@ -52,6 +52,11 @@ class Engine(abc.ABC):
     async def generate(self, request_id: str, payload: RolloutPayload) -> Generation:
         """Generate for one request; must report the version at start and at end."""
 
+    async def prepare_weights(self, checkpoint_dir: Path | None, changed: Sequence[str], version: int) -> None:
+        """Optional, while still serving: stage ``changed`` tensors of ``version`` (e.g. on the
+        GPU) so that ``load_weights`` during the pause only has to swap them in."""
+        return None
+
     @abc.abstractmethod
     async def pause(self) -> None:
         """Stop advancing requests between steps; in-flight requests stay and continue later."""
