@@ -1,0 +1,3 @@
+from rollfleet.cli import main
+
+raise SystemExit(main())

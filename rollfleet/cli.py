@@ -1,0 +1,195 @@
+"""The ``rollfleet`` command: broker, declare, worker, status (and up, in its own module)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rollfleet import logs
+from rollfleet.schemas.errors import RollfleetError
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+
+
+def _add_conn(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nats", default=DEFAULT_URL, help="broker URL(s), comma-separated (default %(default)s)")
+    p.add_argument("--namespace", "-n", default="default", help="run namespace (default %(default)s)")
+    p.add_argument("--token", default=None, help="broker auth token")
+    p.add_argument("--creds", default=None, help="NATS credentials file")
+    p.add_argument("--tls-ca", default=None, help="CA bundle for TLS to the broker")
+
+
+def _conn_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    if args.token:
+        opts["token"] = args.token
+    if args.creds:
+        opts["creds_file"] = args.creds
+    if args.tls_ca:
+        opts["tls_ca"] = args.tls_ca
+    return opts
+
+
+def _topology(args: argparse.Namespace) -> Any:
+    from rollfleet.broker.topology import TopologyConfig
+
+    fields: dict[str, Any] = {}
+    if getattr(args, "replicas", None):
+        fields["replicas"] = args.replicas
+    if getattr(args, "ack_wait", None):
+        fields["ack_wait_s"] = args.ack_wait
+    if getattr(args, "duplicate_window", None):
+        fields["duplicate_window_s"] = args.duplicate_window
+    return TopologyConfig(**fields)
+
+
+def _add_topology(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, default=None, help="stream replicas (3 on a 3-node cluster)")
+    p.add_argument("--ack-wait", type=float, default=None, help="seconds before an unacked job is redelivered")
+    p.add_argument("--duplicate-window", type=float, default=None, help="idempotency window in seconds")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollfleet", description=__doc__)
+    parser.add_argument("--log-level", default=None, help="debug, info, warning (env ROLLFLEET_LOG_LEVEL)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("broker", help="run the embedded nats-server and declare a namespace")
+    p.add_argument("--store", default=".rollfleet/broker", help="JetStream store directory")
+    p.add_argument("--port", type=int, default=4222)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--config", default=None, help="nats-server config (default: the packaged single-node one)")
+    p.add_argument("--namespace", "-n", action="append", default=None, help="namespace(s) to declare")
+    _add_topology(p)
+
+    p = sub.add_parser("declare", help="declare a namespace's streams and buckets on a running broker")
+    _add_conn(p)
+    _add_topology(p)
+
+    p = sub.add_parser("worker", help="run a rollout worker")
+    _add_conn(p)
+    _add_topology(p)
+    p.add_argument("--engine", default="echo", choices=["echo", "hf", "sglang"])
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--version", type=int, default=None, help="serve this fixed version (no policy following)")
+    p.add_argument("--capacity", type=int, default=4, help="jobs run at once")
+    p.add_argument("--heartbeat", type=float, default=2.0, help="registry heartbeat seconds")
+    p.add_argument("--echo-latency", type=float, default=0.0, help="echo engine: seconds per job")
+    p.add_argument("--echo-token-latency", type=float, default=0.0, help="echo engine: seconds per token")
+
+    p = sub.add_parser("status", help="show the fleet, queue depths and the latest version")
+    _add_conn(p)
+    p.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.configure(args.log_level)
+    try:
+        if args.command == "broker":
+            return cmd_broker(args)
+        if args.command == "declare":
+            return asyncio.run(cmd_declare(args))
+        if args.command == "worker":
+            return asyncio.run(cmd_worker(args))
+        if args.command == "status":
+            return asyncio.run(cmd_status(args))
+    except RollfleetError as exc:
+        print(f"rollfleet: error: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 1
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    from rollfleet.broker import EmbeddedBroker, check_server_binary
+    from rollfleet.broker.server import DEFAULT_CONFIG
+
+    log = logs.get_logger("rollfleet.broker")
+    binary = check_server_binary()
+    broker = EmbeddedBroker(
+        store_dir=Path(args.store),
+        port=args.port,
+        host=args.host,
+        config=Path(args.config) if args.config else DEFAULT_CONFIG,
+        binary=binary,
+    )
+    broker.start()
+    namespaces = args.namespace or ["default"]
+    args.nats = broker.url
+    for ns in namespaces:
+        args.namespace = ns
+        asyncio.run(cmd_declare(args, quiet=True))
+    log.info("broker running", url=broker.url, store=str(Path(args.store).resolve()), namespaces=namespaces)
+    print(f"broker: {broker.url}  store: {Path(args.store).resolve()}", flush=True)
+    stop = {"now": False}
+
+    def on_signal(signum: int, _: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    while not stop["now"] and broker.alive():
+        time.sleep(0.2)
+    broker.stop()
+    return 0 if stop["now"] else 1
+
+
+async def cmd_declare(args: argparse.Namespace, quiet: bool = False) -> int:
+    from rollfleet.broker import ensure_topology
+    from rollfleet.connection import connect
+    from rollfleet.schemas import Names
+
+    nc = await connect(args.nats, name="rollfleet-declare", **_conn_options(args) if hasattr(args, "token") else {})
+    try:
+        created = await ensure_topology(nc.jetstream(), Names(args.namespace), _topology(args))
+    finally:
+        await nc.close()
+    if not quiet:
+        print(f"namespace {args.namespace}: created {created or 'nothing (already declared)'}")
+    return 0
+
+
+async def cmd_worker(args: argparse.Namespace) -> int:
+    from rollfleet.workers.engines import make_engine
+    from rollfleet.workers.worker import Worker, WorkerConfig, default_worker_id
+
+    options: dict[str, Any] = {}
+    if args.engine == "echo":
+        options = {"latency_s": args.echo_latency, "per_token_s": args.echo_token_latency}
+    engine = make_engine(args.engine, **options)
+    config = WorkerConfig(
+        nats_url=args.nats,
+        namespace=args.namespace,
+        worker_id=args.worker_id or default_worker_id(),
+        version=args.version or 0,
+        capacity=args.capacity,
+        heartbeat_s=args.heartbeat,
+        topology=_topology(args),
+        connect_options=_conn_options(args),
+    )
+    worker = Worker(config, engine)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.request_stop)
+    await worker.run()
+    return 0
+
+
+async def cmd_status(args: argparse.Namespace) -> int:
+    from rollfleet.status import collect_status, render_table
+
+    snapshot = await collect_status(args.nats, args.namespace, **_conn_options(args))
+    if args.json:
+        print(json.dumps(snapshot, indent=2))
+    else:
+        print(render_table(snapshot))
+    return 0

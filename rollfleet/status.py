@@ -1,0 +1,85 @@
+"""``rollfleet status``: the fleet, queue depth per jobs subject, and the latest version."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import nats.js.errors
+
+from rollfleet.broker.topology import queue_depths
+from rollfleet.connection import connect
+from rollfleet.schemas import Names, ReplicaStatus, decode
+
+
+async def collect_status(url: str, namespace: str, **connect_options: Any) -> dict[str, Any]:
+    names = Names(namespace)
+    nc = await connect(url, name="rollfleet-status", **connect_options)
+    try:
+        js = nc.jetstream()
+        replicas: list[ReplicaStatus] = []
+        latest = None
+        try:
+            fleet = await js.key_value(names.fleet_bucket)
+            policy = await js.key_value(names.policy_bucket)
+        except nats.js.errors.BucketNotFoundError:
+            return {"namespace": namespace, "declared": False, "replicas": [], "queues": {}, "latest_version": None}
+        try:
+            keys = await fleet.keys()
+        except nats.js.errors.NoKeysError:
+            keys = []
+        for key in keys:
+            try:
+                entry = await fleet.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                continue
+            if entry.value:
+                replicas.append(decode(entry.value, ReplicaStatus, what="replica status"))
+        try:
+            latest = int((await policy.get(names.LATEST_KEY)).value or b"0")
+        except nats.js.errors.KeyNotFoundError:
+            pass
+        depths = await queue_depths(js, names)
+    finally:
+        await nc.close()
+    now = time.time()
+    return {
+        "namespace": namespace,
+        "declared": True,
+        "latest_version": latest,
+        "replicas": [
+            msgspec.to_builtins(r) | {"live": r.is_live(now), "heartbeat_age_s": round(now - r.heartbeat_at, 1)}
+            for r in sorted(replicas, key=lambda r: r.worker_id)
+        ],
+        "queues": {f"{kind}-{v}": n for (kind, v), n in sorted(depths.items())},
+    }
+
+
+def render_table(snapshot: dict[str, Any]) -> str:
+    if not snapshot.get("declared"):
+        return f"namespace {snapshot['namespace']}: not declared on this broker"
+    lines = [f"namespace {snapshot['namespace']}   latest published version: {snapshot['latest_version']}", ""]
+    cols = ("worker", "state", "active", "preparing", "in flight", "capacity", "heartbeat", "engine")
+    rows = [
+        (
+            r["worker_id"],
+            r["state"] + ("" if r["live"] else " (stale)"),
+            str(r["active_version"]),
+            "-" if r["preparing_version"] is None else str(r["preparing_version"]),
+            str(r["in_flight"]),
+            str(r["capacity"]),
+            f"{r['heartbeat_age_s']}s ago",
+            r["engine"],
+        )
+        for r in snapshot["replicas"]
+    ]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
+    if not rows:
+        lines.append("(no replicas registered)")
+    lines += ["", "queue depth per jobs subject:"]
+    queues = snapshot["queues"]
+    lines += [f"  {name:<12} {count}" for name, count in queues.items()] or ["  (empty)"]
+    return "\n".join(lines)

@@ -1,0 +1,400 @@
+"""RolloutClient: what a training loop imports to submit version-constrained rollouts.
+
+``submit`` stores a job on ``jobs.min.<v>`` / ``jobs.exact.<v>`` (deduplicated by its
+idempotency key) and returns a handle; results arrive on this client's durable results
+consumer, so a restarted trainer with the same ``client_id`` still receives them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Generator
+from contextlib import suppress
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from rollfleet.broker.topology import DEFAULT_TOPOLOGY, TopologyConfig, ensure_results_consumer, ensure_topology
+from rollfleet.connection import connect
+from rollfleet.logs import get_logger
+from rollfleet.schemas import (
+    DEFAULT_LIMITS,
+    Limits,
+    Names,
+    Outcome,
+    RetryPolicy,
+    RolloutFailure,
+    RolloutJob,
+    RolloutPayload,
+    RolloutResult,
+    VersionConstraint,
+    check_job,
+    check_token,
+    decode_outcome,
+    encode,
+    error_from_code,
+)
+from rollfleet.schemas.errors import Expired, InvalidRequest, NoCompatibleReplica, RollfleetError, ServiceUnavailable
+from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_IDEMPOTENCY_KEY, HDR_JOB_ID, HDR_MSG_ID
+from rollfleet.trainer_client.fleet import FleetView
+
+log = get_logger("rollfleet.client")
+
+_DELIVERED_MEMORY = 100_000  # keys whose result was already handed out (drop late duplicates)
+
+
+class RolloutHandle:
+    """An awaitable for one job's result. ``await handle`` returns a ``RolloutResult`` or
+    raises the job's typed error (``Expired``, ``NoCompatibleReplica``, ``InvalidRequest``...)."""
+
+    def __init__(self, client: RolloutClient, job: RolloutJob, stream_seq: int | None) -> None:
+        self.client = client
+        self.job = job
+        self.stream_seq = stream_seq
+        self._future: asyncio.Future[RolloutResult] = asyncio.get_running_loop().create_future()
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def idempotency_key(self) -> str:
+        return self.job.idempotency_key
+
+    @property
+    def job_id(self) -> str:
+        return self.job.job_id
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def __await__(self) -> Generator[Any, None, RolloutResult]:
+        return self._future.__await__()
+
+    async def result(self, timeout: float | None = None) -> RolloutResult:
+        return await asyncio.wait_for(asyncio.shield(self._future), timeout)
+
+    async def cancel(self) -> bool:
+        """Withdraw the job if no worker has taken it yet; returns whether it was withdrawn."""
+        removed = await self.client._withdraw(self)
+        self._fail(asyncio.CancelledError())
+        return removed
+
+    def _arm_deadline(self, grace_s: float) -> None:
+        delay = max(0.0, self.job.deadline - time.time()) + grace_s
+        self._timer = asyncio.get_running_loop().call_later(delay, self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        if not self._future.done():
+            self._fail(Expired(f"no result for {self.job.idempotency_key!r} by its deadline"))
+            self.client._spawn(self.client._withdraw(self))
+
+    def _resolve(self, outcome: Outcome) -> bool:
+        if self._future.done():
+            return False
+        if isinstance(outcome, RolloutResult):
+            self.client._attach_staleness(outcome)
+            self._future.set_result(outcome)
+        else:
+            self._future.set_exception(error_from_code(outcome.code, outcome.message, outcome.retryable))
+        if self._timer is not None:
+            self._timer.cancel()
+        return True
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._future.done():
+            self._future.set_exception(exc)
+            # Mark retrieved so an unawaited failed handle does not warn at exit.
+            self._future.exception()
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+class RolloutClient:
+    def __init__(
+        self,
+        nc: NATS,
+        names: Names,
+        client_id: str,
+        *,
+        topology: TopologyConfig = DEFAULT_TOPOLOGY,
+        limits: Limits = DEFAULT_LIMITS,
+        default_timeout_s: float = 600.0,
+        deadline_grace_s: float = 2.0,
+        fail_fast: bool = True,
+    ) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.names = names
+        self.client_id = check_token(client_id, "client_id")
+        self.topology = topology
+        self.limits = limits
+        self.default_timeout_s = default_timeout_s
+        self.deadline_grace_s = deadline_grace_s
+        self.fail_fast = fail_fast
+        self.fleet = FleetView(self.js, names)
+        self._handles: dict[str, RolloutHandle] = {}
+        self._unclaimed: dict[str, Outcome] = {}  # results with no handle (e.g. from before a restart)
+        self._unclaimed_event = asyncio.Event()
+        self._delivered: OrderedDict[str, None] = OrderedDict()
+        self._results_task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        namespace: str,
+        client_id: str,
+        topology: TopologyConfig = DEFAULT_TOPOLOGY,
+        limits: Limits = DEFAULT_LIMITS,
+        default_timeout_s: float = 600.0,
+        fail_fast: bool = True,
+        **connect_options: Any,
+    ) -> RolloutClient:
+        """Connect, declare the namespace if needed, and start receiving results."""
+        check_token(client_id, "client_id")
+        nc = await connect(url, name=f"rollfleet-client-{client_id}", **connect_options)
+        client = cls(
+            nc,
+            Names(namespace),
+            client_id,
+            topology=topology,
+            limits=limits,
+            default_timeout_s=default_timeout_s,
+            fail_fast=fail_fast,
+        )
+        try:
+            await client._start()
+        except BaseException:
+            await nc.close()
+            raise
+        return client
+
+    async def _start(self) -> None:
+        await ensure_topology(self.js, self.names, self.topology)
+        consumer = await ensure_results_consumer(self.js, self.names, self.client_id, self.topology)
+        self._results_sub = await self.js.pull_subscribe_bind(consumer, stream=self.names.results_stream)
+        await self.fleet.start()
+        self._results_task = asyncio.create_task(self._receive_results(), name="results")
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._results_task is not None:
+            self._results_task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._results_task
+        await self.fleet.close()
+        for handle in self._handles.values():
+            handle._fail(ServiceUnavailable("client closed before the result arrived"))
+        with suppress(Exception):
+            await self.nc.drain()
+
+    # -- submitting -------------------------------------------------------------------------
+    @property
+    def latest_version(self) -> int | None:
+        return self.fleet.latest_version
+
+    async def submit(
+        self,
+        payload: RolloutPayload,
+        *,
+        min_version: int | None = None,
+        exact_version: int | None = None,
+        max_staleness: int | None = None,
+        idempotency_key: str | None = None,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        retry_policy: RetryPolicy = "replayable",
+        session_id: str | None = None,
+    ) -> RolloutHandle:
+        """Queue one rollout job and return its handle.
+
+        Exactly one of ``min_version``, ``exact_version`` or ``max_staleness`` (meaning
+        ``min_version = latest - max_staleness``) says which policy versions may serve it.
+        Resubmitting an ``idempotency_key`` within the duplicate window makes no second job.
+        """
+        constraint = self._constraint(min_version, exact_version, max_staleness)
+        if retry_policy not in ("replayable", "at_most_once"):
+            raise InvalidRequest(f"retry_policy must be 'replayable' or 'at_most_once', got {retry_policy!r}")
+        if deadline is not None and timeout is not None:
+            raise InvalidRequest("give deadline or timeout, not both")
+        now = time.time()
+        key = idempotency_key or uuid.uuid4().hex
+        existing = self._handles.get(key)
+        if existing is not None:
+            return existing
+        job = RolloutJob(
+            job_id=uuid.uuid4().hex,
+            idempotency_key=key,
+            client_id=self.client_id,
+            constraint=constraint,
+            payload=payload,
+            deadline=deadline if deadline is not None else now + (timeout or self.default_timeout_s),
+            submitted_at=now,
+            retry_policy=retry_policy,
+            session_id=session_id,
+            trainer_version=self.latest_version,
+        )
+        check_job(job, self.limits)
+        data = encode(job)
+        if len(data) > self.limits.max_job_bytes:
+            raise InvalidRequest(f"job is {len(data)} bytes, over the limit of {self.limits.max_job_bytes}")
+
+        if self.fail_fast and not self.fleet.compatible(constraint):
+            await self.fleet.refresh()  # the view may lag a replica that just registered
+            if not self.fleet.compatible(constraint):
+                handle = RolloutHandle(self, job, None)
+                handle._fail(NoCompatibleReplica(self._no_replica_message(constraint)))
+                return handle
+
+        handle = RolloutHandle(self, job, None)
+        self._handles[key] = handle
+        unclaimed = self._unclaimed.pop(key, None)
+        if unclaimed is not None:  # the answer came before we asked again (trainer restart)
+            handle._resolve(unclaimed)
+            return handle
+        headers = {HDR_MSG_ID: key, HDR_CLIENT_ID: self.client_id, HDR_IDEMPOTENCY_KEY: key, HDR_JOB_ID: job.job_id}
+        subject = self.names.job_subject(constraint.kind, constraint.version)
+        try:
+            ack = await self.js.publish(subject, data, headers=headers, timeout=10.0)
+        except nats.js.errors.BadRequestError as exc:
+            self._handles.pop(key, None)
+            raise InvalidRequest(f"broker refused the job: {exc.description}") from exc
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            self._handles.pop(key, None)
+            raise ServiceUnavailable(f"cannot queue the job: {exc}") from exc
+        handle.stream_seq = None if ack.duplicate else ack.seq
+        # Wake idle workers at once; it carries nothing and may be lost (they also poll).
+        with suppress(Exception):
+            await self.nc.publish(self.names.bell_subject(constraint.kind, constraint.version), b"")
+        handle._arm_deadline(self.deadline_grace_s)
+        if ack.duplicate:
+            await self._recover_stored_result(handle)
+        log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
+        return handle
+
+    def _constraint(
+        self, min_version: int | None, exact_version: int | None, max_staleness: int | None
+    ) -> VersionConstraint:
+        given = [x is not None for x in (min_version, exact_version, max_staleness)]
+        if sum(given) != 1:
+            raise InvalidRequest("give exactly one of min_version, exact_version or max_staleness")
+        if exact_version is not None:
+            return VersionConstraint("exact", int(exact_version))
+        if min_version is not None:
+            return VersionConstraint("min", int(min_version))
+        assert max_staleness is not None
+        if max_staleness < 0:
+            raise InvalidRequest("max_staleness must be >= 0")
+        latest = self.latest_version or 0
+        return VersionConstraint("min", max(0, latest - int(max_staleness)))
+
+    def _no_replica_message(self, constraint: VersionConstraint) -> str:
+        live = {r.worker_id: f"{r.state}@{r.active_version}" for r in self.fleet.replicas()}
+        return f"no live replica is at, or preparing, a version allowed by {constraint}; fleet: {live or 'empty'}"
+
+    def _attach_staleness(self, result: RolloutResult) -> None:
+        latest = self.latest_version
+        if latest is not None:
+            # Measured from the oldest policy that produced any of its tokens.
+            result.staleness = max(0, latest - result.version_start)
+
+    async def _recover_stored_result(self, handle: RolloutHandle) -> None:
+        """A duplicate submit whose result was already delivered earlier: read it back."""
+        subject = self.names.result_subject(self.client_id, handle.idempotency_key)
+        try:
+            raw = await self.js.get_last_msg(self.names.results_stream, subject)
+        except nats.js.errors.NotFoundError:
+            return
+        with suppress(InvalidRequest):
+            handle._resolve(decode_outcome(raw.data or b""))
+
+    async def _withdraw(self, handle: RolloutHandle) -> bool:
+        self._handles.pop(handle.idempotency_key, None)
+        if handle.stream_seq is None:
+            return False
+        try:
+            return bool(await self.js.delete_msg(self.names.jobs_stream, handle.stream_seq))
+        except Exception:  # already taken (acked and removed) or broker away
+            return False
+
+    # -- results ----------------------------------------------------------------------------
+    async def result(self, idempotency_key: str, timeout: float | None = None) -> RolloutResult:
+        """The result for a key, whether submitted by this process or before a restart."""
+        handle = self._handles.get(idempotency_key)
+        if handle is not None:
+            return await handle.result(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while idempotency_key not in self._unclaimed:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"no result for {idempotency_key!r}")
+            event = self._unclaimed_event
+            with suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), remaining)
+        outcome = self._unclaimed.pop(idempotency_key)
+        if isinstance(outcome, RolloutFailure):
+            raise error_from_code(outcome.code, outcome.message, outcome.retryable)
+        self._attach_staleness(outcome)
+        return outcome
+
+    def unclaimed(self) -> dict[str, Outcome]:
+        """Results that arrived for keys this process did not submit (e.g. before a restart)."""
+        return dict(self._unclaimed)
+
+    async def _receive_results(self) -> None:
+        while True:
+            try:
+                msgs = await self._results_sub.fetch(256, timeout=1.0)
+            except (TimeoutError, nats.errors.TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # reconnecting: keep going
+                log.debug("results fetch failed", error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                self._deliver(msg)
+                with suppress(Exception):
+                    await msg.ack()
+
+    def _deliver(self, msg: Msg) -> None:
+        try:
+            outcome = decode_outcome(msg.data)
+        except RollfleetError as exc:
+            log.warning("undecodable result dropped", error=exc.message, subject=msg.subject)
+            return
+        key = outcome.idempotency_key
+        if key in self._delivered:
+            return  # one result per key: a late duplicate is dropped
+        handle = self._handles.pop(key, None)
+        if handle is not None:
+            handle._resolve(outcome)
+        else:
+            self._unclaimed[key] = outcome
+            event, self._unclaimed_event = self._unclaimed_event, asyncio.Event()
+            event.set()
+        self._delivered[key] = None
+        if len(self._delivered) > _DELIVERED_MEMORY:
+            self._delivered.popitem(last=False)

@@ -1,0 +1,197 @@
+"""FleetView: what the trainer knows about the fleet and the policy versions.
+
+Follows the fleet registry and the policy KV with watchers, and re-reads both
+periodically, because watcher updates can be missed across a reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import suppress
+
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from rollfleet.logs import get_logger
+from rollfleet.schemas import Names, ReplicaStatus, VersionConstraint, VersionRecord, decode
+from rollfleet.schemas.errors import InvalidRequest, ServiceUnavailable
+
+log = get_logger("rollfleet.fleet")
+
+_REPLICA_PREFIX = "replica."
+
+
+class FleetView:
+    def __init__(self, js: JetStreamContext, names: Names, refresh_s: float = 5.0) -> None:
+        self._js = js
+        self._names = names
+        self._refresh_s = refresh_s
+        self._replicas: dict[str, ReplicaStatus] = {}
+        self._latest: int | None = None
+        self._fleet_kv: KeyValue | None = None
+        self._policy_kv: KeyValue | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._changed = asyncio.Event()  # replaced on every change; waiters hold the old one
+
+    async def start(self) -> FleetView:
+        self._fleet_kv = await self._js.key_value(self._names.fleet_bucket)
+        self._policy_kv = await self._js.key_value(self._names.policy_bucket)
+        await self.refresh()
+        self._tasks = [
+            asyncio.create_task(self._watch(self._fleet_kv, ">"), name="fleet-watch"),
+            asyncio.create_task(self._watch(self._policy_kv, self._names.LATEST_KEY), name="policy-watch"),
+            asyncio.create_task(self._periodic(), name="fleet-refresh"),
+        ]
+        return self
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with suppress(asyncio.CancelledError, Exception):
+                await task
+
+    # -- reading ----------------------------------------------------------------------------
+    @property
+    def latest_version(self) -> int | None:
+        """The newest committed policy version (None before the first commit)."""
+        return self._latest
+
+    def replicas(self, live_only: bool = True) -> list[ReplicaStatus]:
+        now = time.time()
+        return sorted(
+            (r for r in self._replicas.values() if not live_only or r.is_live(now)), key=lambda r: r.worker_id
+        )
+
+    def compatible(self, constraint: VersionConstraint) -> list[ReplicaStatus]:
+        """Live replicas at, or preparing, a version the constraint accepts."""
+        return [r for r in self.replicas() if r.can_serve(constraint)]
+
+    async def version_record(self, version: int) -> VersionRecord | None:
+        assert self._policy_kv is not None
+        try:
+            entry = await self._policy_kv.get(self._names.version_key(version))
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return decode(entry.value or b"", VersionRecord, what="version record") if entry.value else None
+
+    async def refresh(self) -> None:
+        """Re-read the registry and the latest version from the broker."""
+        assert self._fleet_kv is not None and self._policy_kv is not None
+        replicas: dict[str, ReplicaStatus] = {}
+        try:
+            keys = await self._fleet_kv.keys()
+        except nats.js.errors.NoKeysError:
+            keys = []
+        for key in keys:
+            with suppress(nats.js.errors.KeyNotFoundError, InvalidRequest):
+                entry = await self._fleet_kv.get(key)
+                if entry.value:
+                    status = decode(entry.value, ReplicaStatus, what="replica status")
+                    replicas[status.worker_id] = status
+        self._replicas = replicas
+        try:
+            entry = await self._policy_kv.get(self._names.LATEST_KEY)
+            self._set_latest(int(entry.value or b"0"))
+        except nats.js.errors.KeyNotFoundError:
+            pass
+        self._notify()
+
+    async def wait_for_version(
+        self,
+        version: int,
+        *,
+        replicas: int | None = None,
+        fraction: float | None = None,
+        timeout: float = 120.0,
+    ) -> list[ReplicaStatus]:
+        """Wait until ``replicas`` live replicas (or ``fraction`` of the live fleet; default: all,
+        at least one) serve ``version`` or newer. Raises ``ServiceUnavailable`` on time-out."""
+        if replicas is not None and fraction is not None:
+            raise InvalidRequest("give replicas or fraction, not both")
+        deadline = time.monotonic() + timeout
+
+        def satisfied() -> list[ReplicaStatus] | None:
+            live = [r for r in self.replicas() if r.state not in ("draining", "starting")]
+            at = [r for r in live if r.active_version >= version]
+            if replicas is not None:
+                need = replicas
+            elif fraction is not None:
+                need = max(1, int(-(-fraction * len(live) // 1)))
+            else:
+                need = max(1, len(live))
+            return at if len(at) >= need else None
+
+        while (done := satisfied()) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                have = {r.worker_id: r.active_version for r in self.replicas()}
+                raise ServiceUnavailable(f"fleet did not reach version {version} in {timeout:.0f}s: {have}")
+            try:
+                await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
+            except TimeoutError:
+                await self._refresh_quietly()
+        return done
+
+    # -- following --------------------------------------------------------------------------
+    def _set_latest(self, version: int) -> None:
+        if self._latest is None or version > self._latest:
+            self._latest = version
+
+    def note_committed(self, version: int) -> None:
+        """Called by a publisher in this process right after it commits."""
+        self._set_latest(version)
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def _apply(self, key: str, value: bytes | None, deleted: bool) -> None:
+        if key == self._names.LATEST_KEY:
+            if value and not deleted:
+                with suppress(ValueError):
+                    self._set_latest(int(value))
+            return
+        if not key.startswith(_REPLICA_PREFIX):
+            return
+        worker_id = key[len(_REPLICA_PREFIX) :]
+        if deleted or not value:
+            self._replicas.pop(worker_id, None)
+            return
+        try:
+            self._replicas[worker_id] = decode(value, ReplicaStatus, what="replica status")
+        except InvalidRequest as exc:
+            log.warning("ignoring undecodable registry entry", key=key, error=exc.message)
+
+    async def _watch(self, kv: KeyValue, keys: str) -> None:
+        while True:
+            try:
+                watcher = await kv.watch(keys)
+                while True:
+                    try:
+                        entry = await watcher.updates(timeout=30.0)
+                    except nats.errors.TimeoutError:
+                        continue
+                    if entry is None:
+                        continue
+                    self._apply(entry.key, entry.value, entry.operation in ("DEL", "PURGE"))
+                    self._notify()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # reconnecting: recreate the watcher
+                log.debug("watch restarting", error=str(exc))
+                await asyncio.sleep(1.0)
+
+    async def _refresh_quietly(self) -> None:
+        try:
+            await self.refresh()
+        except Exception as exc:
+            log.debug("fleet refresh failed", error=str(exc))
+
+    async def _periodic(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_s)
+            await self._refresh_quietly()

@@ -1,0 +1,62 @@
+"""Which jobs subject a worker pulls from next.
+
+A worker at version ``w`` may serve ``exact-w`` and ``min-v`` for every ``v <= w``, never
+anything else. It prefers the most constrained work (exact, then the highest ``min``),
+but a subject that has waited longer than ``aging_s`` goes first, so loose work never
+starves behind a steady stream of tight work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rollfleet.schemas import ConstraintKind
+
+Subject = tuple[ConstraintKind, int]
+
+
+def compatible(version: int, subject: Subject) -> bool:
+    kind, v = subject
+    return v == version if kind == "exact" else v <= version
+
+
+@dataclass
+class SubjectScheduler:
+    version: int
+    aging_s: float = 5.0
+    # subject -> when it was first seen with work we have not pulled since
+    _waiting_since: dict[Subject, float] = field(default_factory=dict)
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+        for subject in [s for s in self._waiting_since if not compatible(version, s)]:
+            del self._waiting_since[subject]
+
+    def note_pending(self, subject: Subject, now: float) -> bool:
+        """Work may be waiting on ``subject``; returns whether this worker may serve it."""
+        if not compatible(self.version, subject):
+            return False
+        self._waiting_since.setdefault(subject, now)
+        return True
+
+    def note_served(self, subject: Subject, now: float) -> None:
+        # There may be more behind what we pulled; its age restarts now.
+        self._waiting_since[subject] = now
+
+    def note_empty(self, subject: Subject) -> None:
+        self._waiting_since.pop(subject, None)
+
+    def order(self, now: float) -> list[Subject]:
+        """Candidates, best first."""
+
+        def rank(subject: Subject) -> tuple[int, float, int, int]:
+            kind, v = subject
+            age = now - self._waiting_since[subject]
+            starving = age >= self.aging_s
+            # starving first (oldest first), then exact before min, then higher min first
+            return (0 if starving else 1, -age if starving else 0.0, 0 if kind == "exact" else 1, -v)
+
+        return sorted(self._waiting_since, key=rank)
+
+    def has_candidates(self) -> bool:
+        return bool(self._waiting_since)

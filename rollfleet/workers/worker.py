@@ -1,0 +1,395 @@
+"""The rollout worker: pulls the jobs its active version can serve, runs them, answers.
+
+One asyncio task schedules pulls (``scheduler``), one task per running job generates,
+publishes the result to the client's results subject, then acks the job. A job is acked
+only after its result is stored, so a worker that dies mid-job loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from rollfleet.broker.topology import (
+    DEFAULT_TOPOLOGY,
+    TopologyConfig,
+    ensure_job_consumer,
+    ensure_topology,
+    queue_depths,
+)
+from rollfleet.connection import connect
+from rollfleet.logs import get_logger
+from rollfleet.schemas import (
+    DEFAULT_LIMITS,
+    Limits,
+    Names,
+    ReplicaStatus,
+    RolloutFailure,
+    RolloutJob,
+    RolloutResult,
+    check_job,
+    decode,
+    encode,
+)
+from rollfleet.schemas.errors import EngineFailure, Expired, Interrupted, InvalidRequest, RollfleetError
+from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_IDEMPOTENCY_KEY, HDR_JOB_ID, HDR_MSG_ID, check_token
+from rollfleet.workers.engines import Engine
+from rollfleet.workers.puller import JobPuller
+from rollfleet.workers.registry import Registration
+from rollfleet.workers.scheduler import Subject, SubjectScheduler, compatible
+
+
+@dataclass
+class WorkerConfig:
+    nats_url: str
+    namespace: str
+    worker_id: str = field(default_factory=lambda: f"w-{uuid.uuid4().hex[:8]}")
+    version: int = 0
+    capacity: int = 4  # jobs run at once; never more are pulled
+    heartbeat_s: float = 2.0
+    poll_s: float = 1.0  # backstop scan of queue depths (bells can be missed during a reconnect)
+    aging_s: float = 5.0
+    drain_timeout_s: float = 120.0
+    limits: Limits = DEFAULT_LIMITS
+    topology: TopologyConfig = DEFAULT_TOPOLOGY
+    connect_options: dict[str, Any] = field(default_factory=dict)
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, engine: Engine) -> None:
+        check_token(config.worker_id, "worker_id")
+        self.config = config
+        self.engine = engine
+        self.names = Names(config.namespace)
+        self.version = config.version
+        self.scheduler = SubjectScheduler(config.version, aging_s=config.aging_s)
+        self.log = get_logger("rollfleet.worker", worker_id=config.worker_id, namespace=config.namespace)
+        self.nc: NATS | None = None
+        self.js: JetStreamContext | None = None
+        self.registration: Registration | None = None
+        self._pullers: dict[Subject, JobPuller] = {}
+        self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._wake = asyncio.Event()
+        self._slot_freed = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._stopped = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.jobs_done = 0
+        self.outcomes: dict[str, int] = {}
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        cfg = self.config
+        self.nc = await connect(cfg.nats_url, name=f"rollfleet-worker-{cfg.worker_id}", **cfg.connect_options)
+        self.js = self.nc.jetstream()
+        await ensure_topology(self.js, self.names, cfg.topology)
+        await self.engine.start(None, self.version)
+        now = time.time()
+        status = ReplicaStatus(
+            worker_id=cfg.worker_id,
+            state="ready",
+            active_version=self.version,
+            engine=self.engine.name,
+            capacity=cfg.capacity,
+            in_flight=0,
+            heartbeat_at=now,
+            heartbeat_interval_s=cfg.heartbeat_s,
+            started_at=now,
+        )
+        self.registration = Registration(self.js, self.names, status, refresh=self._refresh_status)
+        await self.nc.subscribe(self.names.bell_wildcard, cb=self._on_bell)
+        await self.registration.start()
+        self._tasks = [
+            asyncio.create_task(self._pull_loop(), name="pull-loop"),
+            asyncio.create_task(self._poll_loop(), name="poll-loop"),
+        ]
+        self.log.info("worker ready", version=self.version, engine=self.engine.name, capacity=cfg.capacity)
+
+    def request_stop(self) -> None:
+        """Drain: no new pulls; running jobs finish; then ``run`` returns."""
+        self._stopping.set()
+        self._wake.set()
+
+    async def run(self) -> None:
+        await self.start()
+        try:
+            await self._stopping.wait()
+        finally:
+            await self.stop()
+
+    async def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopping.set()
+        self._wake.set()
+        self.log.info("draining", in_flight=len(self._inflight))
+        if self.registration is not None:
+            await self.registration.write(state="draining")
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with suppress(asyncio.CancelledError):
+                await task
+        if self._inflight:
+            _, pending = await asyncio.wait(list(self._inflight.values()), timeout=self.config.drain_timeout_s)
+            for task in pending:  # unacked: the broker redelivers them to another worker
+                task.cancel()
+        if self.registration is not None:
+            await self.registration.stop()
+        for puller in self._pullers.values():
+            await puller.close()
+        await self.engine.close()
+        if self.nc is not None:
+            with suppress(Exception):
+                await self.nc.drain()
+        self._stopped.set()
+        self.log.info("stopped", jobs_done=self.jobs_done)
+
+    def _refresh_status(self, status: ReplicaStatus) -> None:
+        status.in_flight = len(self._inflight)
+        status.jobs_done = self.jobs_done
+        status.active_version = self.version
+
+    # -- deciding what to pull --------------------------------------------------------------
+    async def _on_bell(self, msg: Msg) -> None:
+        parsed = self.names.parse_job_subject(msg.subject.replace(".bell.", ".jobs.", 1))
+        if parsed is not None and self.scheduler.note_pending(parsed, time.monotonic()):
+            self._wake.set()
+
+    async def _poll_loop(self) -> None:
+        assert self.js is not None
+        while not self._stopping.is_set():
+            try:
+                depths = await queue_depths(self.js, self.names)
+            except Exception as exc:  # broker away; keep trying
+                self.log.debug("queue scan failed", error=str(exc))
+                depths = {}
+            now = time.monotonic()
+            if any(self.scheduler.note_pending(subject, now) for subject in depths):
+                self._wake.set()
+            await asyncio.sleep(self.config.poll_s)
+
+    async def _puller(self, subject: Subject) -> JobPuller:
+        puller = self._pullers.get(subject)
+        if puller is None:
+            assert self.js is not None and self.nc is not None
+            consumer = await ensure_job_consumer(self.js, self.names, *subject, self.config.topology)
+            puller = await JobPuller(self.nc, self.names.jobs_stream, consumer).start()
+            self._pullers[subject] = puller
+        return puller
+
+    async def _pull_loop(self) -> None:
+        while not self._stopping.is_set():
+            free = self.config.capacity - len(self._inflight)
+            if free <= 0:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            self._wake.clear()
+            pulled = False
+            for subject in self.scheduler.order(time.monotonic()):
+                if self._stopping.is_set() or not compatible(self.version, subject):
+                    break
+                try:
+                    msgs = await (await self._puller(subject)).pull(free)
+                except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+                    self.log.warning("pull failed", subject=f"{subject[0]}-{subject[1]}", error=str(exc))
+                    await asyncio.sleep(0.2)
+                    break
+                if not msgs:
+                    self.scheduler.note_empty(subject)
+                    continue
+                self.scheduler.note_served(subject, time.monotonic())
+                for msg in msgs:
+                    self._dispatch(msg)
+                pulled = True
+                break
+            if not pulled:
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
+
+    def _dispatch(self, msg: Msg) -> None:
+        task_id = uuid.uuid4().hex
+        task = asyncio.create_task(self._handle(msg), name=f"job-{task_id[:8]}")
+        self._inflight[task_id] = task
+
+        def done(_: asyncio.Task[None]) -> None:
+            self._inflight.pop(task_id, None)
+            self._slot_freed.set()
+
+        task.add_done_callback(done)
+
+    # -- running one job --------------------------------------------------------------------
+    async def _handle(self, msg: Msg) -> None:
+        headers = msg.headers or {}
+        client_id = headers.get(HDR_CLIENT_ID)
+        key = headers.get(HDR_IDEMPOTENCY_KEY) or headers.get(HDR_MSG_ID)
+        try:
+            attempt = msg.metadata.num_delivered
+            stored_at = msg.metadata.timestamp.timestamp()
+        except Exception:
+            attempt, stored_at = 1, time.time()
+        log = self.log.bind(job_id=headers.get(HDR_JOB_ID), idempotency_key=key, attempt=attempt)
+        try:
+            job = decode(msg.data, RolloutJob, max_bytes=self.config.limits.max_job_bytes, what="rollout job")
+            check_job(job, self.config.limits)
+            subject = self.names.parse_job_subject(msg.subject)
+            if subject != (job.constraint.kind, job.constraint.version):
+                raise InvalidRequest(f"job constraint {job.constraint} does not match its subject {msg.subject}")
+            client_id, key = job.client_id, job.idempotency_key
+            check_token(client_id, "client_id")
+        except InvalidRequest as exc:
+            log.warning("invalid job", error=exc.message)
+            await self._answer_failure(msg, client_id, key, exc, attempt, job_id=headers.get(HDR_JOB_ID))
+            await msg.term()
+            return
+        log = log.bind(job_id=job.job_id, idempotency_key=job.idempotency_key, version=self.version)
+        if not job.constraint.allows(self.version):  # only after a version change raced the pull
+            await msg.nak()
+            return
+        if time.time() > job.deadline:
+            log.info("expired before it ran")
+            await self._answer_failure(
+                msg, client_id, key, Expired("deadline passed before a worker ran it"), attempt, job.job_id
+            )
+            await msg.ack()
+            return
+        if attempt > 1:
+            if await self._result_exists(client_id, key):
+                log.info("redelivered job already answered; acking")
+                await msg.ack()
+                return
+            if job.retry_policy == "at_most_once":
+                log.info("at_most_once job redelivered after its holder died")
+                err = Interrupted("the worker holding this at_most_once job stopped; it was not run again")
+                await self._answer_failure(msg, client_id, key, err, attempt, job.job_id)
+                await msg.ack()
+                return
+        await self._run(msg, job, attempt, stored_at, log)
+
+    async def _run(self, msg: Msg, job: RolloutJob, attempt: int, stored_at: float, log: Any) -> None:
+        started = time.time()
+        keepalive = asyncio.create_task(self._keep_alive(msg))
+        try:
+            generation = await self.engine.generate(job.job_id, job.payload)
+        except RollfleetError as exc:
+            keepalive.cancel()
+            log.warning("generation refused", error=exc.message, code=exc.code)
+            await self._answer_failure(msg, job.client_id, job.idempotency_key, exc, attempt, job.job_id)
+            await msg.ack()
+            return
+        except Exception as exc:
+            keepalive.cancel()
+            log.exception("engine failed")
+            err = EngineFailure(f"engine {self.engine.name} failed: {exc}")
+            await self._answer_failure(msg, job.client_id, job.idempotency_key, err, attempt, job.job_id)
+            await msg.ack()
+            return
+        finally:
+            keepalive.cancel()
+        finished = time.time()
+        result = RolloutResult(
+            job_id=job.job_id,
+            idempotency_key=job.idempotency_key,
+            client_id=job.client_id,
+            outputs=generation.outputs,
+            version_start=generation.version_start,
+            version_end=generation.version_end,
+            worker_id=self.config.worker_id,
+            engine=self.engine.name,
+            queue_wait_s=max(0.0, started - min(stored_at, job.submitted_at if job.submitted_at > 0 else stored_at)),
+            generation_s=finished - started,
+            delivery_attempt=attempt,
+            finished_at=finished,
+            session_id=job.session_id,
+            prompt_tokens=generation.prompt_tokens,
+        )
+        if not await self._publish_outcome(job.client_id, job.idempotency_key, result):
+            return  # not stored: leave the job unacked so it is redelivered
+        await msg.ack()
+        self.jobs_done += 1
+        self._count("ok")
+        log.info(
+            "job done",
+            version_start=result.version_start,
+            version_end=result.version_end,
+            generation_s=round(result.generation_s, 4),
+            queue_wait_s=round(result.queue_wait_s, 4),
+        )
+
+    async def _keep_alive(self, msg: Msg) -> None:
+        """In-progress acks, so a job longer than ack_wait is not redelivered meanwhile."""
+        interval = max(self.config.topology.ack_wait_s / 3.0, 0.2)
+        while True:
+            await asyncio.sleep(interval)
+            with suppress(Exception):
+                await msg.in_progress()
+
+    async def _result_exists(self, client_id: str, key: str) -> bool:
+        assert self.js is not None
+        try:
+            await self.js.get_last_msg(self.names.results_stream, self.names.result_subject(client_id, key))
+            return True
+        except nats.js.errors.NotFoundError:
+            return False
+
+    async def _publish_outcome(self, client_id: str, key: str, outcome: RolloutResult | RolloutFailure) -> bool:
+        assert self.js is not None
+        subject = self.names.result_subject(client_id, key)
+        for attempt in range(5):
+            try:
+                await self.js.publish(subject, encode(outcome), headers={HDR_MSG_ID: key}, timeout=5.0)
+                return True
+            except (nats.errors.Error, nats.js.errors.Error) as exc:
+                self.log.warning("result publish failed", attempt=attempt, error=str(exc))
+                await asyncio.sleep(0.2 * 2**attempt)
+        return False
+
+    async def _answer_failure(
+        self,
+        msg: Msg,
+        client_id: str | None,
+        key: str | None,
+        error: RollfleetError,
+        attempt: int,
+        job_id: str | None = None,
+    ) -> None:
+        self._count(error.code)
+        try:
+            check_token(client_id or "", "client_id")
+        except InvalidRequest:
+            self.log.warning("no reply address; dropping", error=error.message)
+            return
+        if not key:
+            self.log.warning("no idempotency key; dropping", error=error.message)
+            return
+        failure = RolloutFailure(
+            idempotency_key=key,
+            client_id=client_id,  # type: ignore[arg-type]
+            code=error.code,
+            message=error.message,
+            retryable=error.retryable,
+            job_id=job_id,
+            worker_id=self.config.worker_id,
+            delivery_attempt=attempt,
+            finished_at=time.time(),
+        )
+        await self._publish_outcome(client_id, key, failure)  # type: ignore[arg-type]
+
+    def _count(self, outcome: str) -> None:
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+
+def default_worker_id() -> str:
+    return f"{os.uname().nodename.split('.')[0][:40]}-{os.getpid()}".replace("_", "-")
