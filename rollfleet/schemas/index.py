@@ -124,19 +124,10 @@ class PublicationIndex:
 
     @classmethod
     def from_json(cls, doc: object) -> PublicationIndex:
-        if not isinstance(doc, dict):
-            raise CorruptArtifact("index must be a JSON object")
-        meta = doc.get("metadata")
-        wmap = doc.get("weight_map")
+        weight_map = _weight_map(doc)
+        meta = doc.get("metadata")  # type: ignore[union-attr]
         if not isinstance(meta, dict):
             raise CorruptArtifact("index.metadata must be an object")
-        if not isinstance(wmap, dict):
-            raise CorruptArtifact("index.weight_map must be an object")
-        weight_map: dict[str, str] = {}
-        for name, shard in wmap.items():
-            check_name(name, "tensor name in weight_map")
-            check_name(shard, f"shard file name for {name!r}")
-            weight_map[name] = shard
         if "version" not in meta:
             raise CorruptArtifact("index.metadata.version is missing")
         version = parse_version(meta["version"], "metadata.version")
@@ -168,3 +159,26 @@ class PublicationIndex:
             ),
             weight_map,
         )
+
+
+def _weight_map(doc: object) -> dict[str, str]:
+    if not isinstance(doc, dict):
+        raise CorruptArtifact("index must be a JSON object")
+    wmap = doc.get("weight_map")
+    if not isinstance(wmap, dict):
+        raise CorruptArtifact("index.weight_map must be an object")
+    for name, shard in wmap.items():
+        check_name(name, "tensor name in weight_map")
+        check_name(shard, f"shard file name for {name!r}")
+    return dict(wmap)
+
+
+def parse_weight_map(raw: bytes | str) -> dict[str, str]:
+    """The weight_map of any HF index (an ordinary checkpoint need not carry our metadata)."""
+    if len(raw) > MAX_INDEX_BYTES:
+        raise CorruptArtifact(f"index is {len(raw)} bytes, over the {MAX_INDEX_BYTES} byte limit")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptArtifact(f"index is not valid JSON: {exc}") from None
+    return _weight_map(doc)

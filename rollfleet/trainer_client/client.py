@@ -206,8 +206,11 @@ class RolloutClient:
         await self.fleet.close()
         for handle in self._handles.values():
             handle._fail(ServiceUnavailable("client closed before the result arrived"))
+        # flush + close rather than drain: drain waits on the watchers' push subscriptions.
         with suppress(Exception):
-            await self.nc.drain()
+            await self.nc.flush(timeout=2)
+        with suppress(Exception):
+            await self.nc.close()
 
     # -- submitting -------------------------------------------------------------------------
     @property

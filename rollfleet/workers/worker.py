@@ -21,6 +21,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from rollfleet import faults
 from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
     TopologyConfig,
@@ -152,7 +153,9 @@ class Worker:
         await self.engine.close()
         if self.nc is not None:
             with suppress(Exception):
-                await self.nc.drain()
+                await self.nc.flush(timeout=2)
+            with suppress(Exception):
+                await self.nc.close()
         self._stopped.set()
         self.log.info("stopped", jobs_done=self.jobs_done)
 
@@ -317,6 +320,7 @@ class Worker:
         )
         if not await self._publish_outcome(job.client_id, job.idempotency_key, result):
             return  # not stored: leave the job unacked so it is redelivered
+        faults.point("after-result-before-ack")
         await msg.ack()
         self.jobs_done += 1
         self._count("ok")

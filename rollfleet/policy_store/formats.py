@@ -1,0 +1,121 @@
+"""Registries of what a publication may declare: delta encodings, compression, checksums.
+
+Anything not listed here is rejected with :class:`UnsupportedFormat` before a byte is applied.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Protocol
+
+import blake3
+import numpy as np
+import xxhash
+
+from rollfleet.schemas.errors import UnsupportedFormat
+
+# Encodings miles and SGLang understand, then ours. Foreign readers reject unknown names,
+# which is exactly what we want for "rf-sparse-xor".
+XOR = "xor"
+OVERWRITE = "overwrite"
+SPARSE_XOR = "rf-sparse-xor"
+COMPATIBLE_ENCODINGS = (XOR, OVERWRITE)
+DELTA_ENCODINGS = (XOR, OVERWRITE, SPARSE_XOR)
+
+ZSTD = "zstd"
+COMPRESSION_FORMATS = (ZSTD,)
+
+DEFAULT_CHECKSUM = "xxh3-128"
+
+
+class Hasher(Protocol):
+    def update(self, data: object, /) -> object: ...
+    def hexdigest(self) -> str: ...
+
+
+class _Adler32:
+    """zlib's adler32 behind the hashlib-style interface (hex is the 8-digit big-endian value)."""
+
+    def __init__(self) -> None:
+        self._value = 1
+
+    def update(self, data: object, /) -> None:
+        self._value = zlib.adler32(data, self._value)  # type: ignore[arg-type]
+
+    def hexdigest(self) -> str:
+        return f"{self._value:08x}"
+
+
+_CHECKSUMS = {
+    "xxh3-128": xxhash.xxh3_128,
+    "blake3": blake3.blake3,
+    "adler32": _Adler32,
+}
+CHECKSUM_FORMATS = tuple(_CHECKSUMS)
+_HEX_LEN = {"xxh3-128": 32, "blake3": 64, "adler32": 8}
+
+
+def check_checksum_format(fmt: object) -> str:
+    if fmt not in _CHECKSUMS:
+        raise UnsupportedFormat(f"unknown checksum format {fmt!r}; known: {', '.join(CHECKSUM_FORMATS)}")
+    return fmt  # type: ignore[return-value]
+
+
+def check_encoding(encoding: object) -> str:
+    if encoding not in DELTA_ENCODINGS:
+        raise UnsupportedFormat(f"unknown delta encoding {encoding!r}; known: {', '.join(DELTA_ENCODINGS)}")
+    return encoding  # type: ignore[return-value]
+
+
+def check_compression(fmt: object) -> str:
+    if fmt not in COMPRESSION_FORMATS:
+        raise UnsupportedFormat(f"unknown compression format {fmt!r}; known: {', '.join(COMPRESSION_FORMATS)}")
+    return fmt  # type: ignore[return-value]
+
+
+def new_hasher(fmt: str = DEFAULT_CHECKSUM) -> Hasher:
+    return _CHECKSUMS[check_checksum_format(fmt)]()
+
+
+def valid_checksum(fmt: str, value: object) -> bool:
+    """Whether ``value`` is a well-formed hex digest for ``fmt`` (case-insensitive)."""
+    if not isinstance(value, str) or len(value) != _HEX_LEN[fmt]:
+        return False
+    try:
+        int(value, 16)
+    except ValueError:
+        return False
+    return True
+
+
+def _as_buffer(data: object) -> object:
+    if isinstance(data, bytes | bytearray | memoryview):
+        return data
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    try:  # a torch tensor, without importing torch here
+        import torch
+
+        if isinstance(data, torch.Tensor):
+            return data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    except ImportError:  # pragma: no cover - torch is optional for the store
+        pass
+    raise TypeError(f"cannot checksum a {type(data).__name__}")
+
+
+CHUNK = 4 << 20  # hashing in chunks keeps each GIL-free stretch long but bounded
+
+
+def tensor_checksum(data: object, fmt: str = DEFAULT_CHECKSUM) -> str:
+    """Hex checksum of a tensor's raw bytes: bytes, a numpy array, or a torch tensor (any device).
+
+    This is the value published in each shard's ``__metadata__``; compare it with a live
+    parameter to check that an engine holds exactly the trainer's bytes.
+    """
+    hasher = new_hasher(fmt)
+    buf = memoryview(_as_buffer(data)).cast("B")  # type: ignore[arg-type]
+    for start in range(0, len(buf), CHUNK):
+        hasher.update(buf[start : start + CHUNK])
+    if len(buf) == 0:
+        hasher.update(b"")
+    return hasher.hexdigest()

@@ -1,0 +1,219 @@
+"""Safetensors files and checkpoint layouts, read and written without loading tensor data.
+
+We parse headers ourselves (8-byte little-endian length, JSON, data) so that a reader can
+validate a foreign file strictly, locate every tensor by byte offset for in-place mmap
+updates, and write shards from raw byte buffers of any dtype (numpy has no bfloat16).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from rollfleet.schemas.errors import CorruptArtifact, LayoutMismatch
+from rollfleet.schemas.index import INDEX_FILE, check_name, parse_weight_map
+
+DTYPE_SIZES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+MAX_HEADER_BYTES = 100 << 20  # the safetensors reference limit
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What must agree between the base layout and every later version."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    file: Path
+    spec: TensorSpec
+    offset: int  # absolute byte offset of the tensor's data in ``file``
+
+    @property
+    def nbytes(self) -> int:
+        return self.spec.nbytes
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    tensors: dict[str, tuple[TensorSpec, int, int]]  # name -> (spec, start, end) relative to data
+    metadata: dict[str, str]
+    data_start: int  # absolute offset of the data section
+    file_size: int
+
+
+def read_header(path: Path) -> ShardHeader:
+    """Parse and validate a safetensors header; a truncated or inconsistent file is CorruptArtifact."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise CorruptArtifact(f"{path.name}: truncated safetensors file ({size} bytes)")
+            (hlen,) = struct.unpack("<Q", head)
+            if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+                raise CorruptArtifact(f"{path.name}: header length {hlen} does not fit a {size} byte file")
+            raw = f.read(hlen)
+    except FileNotFoundError:
+        raise CorruptArtifact(f"shard {path.name} is missing") from None
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise CorruptArtifact(f"{path.name}: safetensors header is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise CorruptArtifact(f"{path.name}: safetensors header is not an object")
+    meta = doc.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CorruptArtifact(f"{path.name}: __metadata__ must map strings to strings")
+    data_start = 8 + hlen
+    tensors: dict[str, tuple[TensorSpec, int, int]] = {}
+    for name, entry in doc.items():
+        check_name(name, f"tensor name in {path.name}")
+        try:
+            dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CorruptArtifact(f"{path.name}: malformed entry for {name!r}") from None
+        if dtype not in DTYPE_SIZES:
+            raise CorruptArtifact(f"{path.name}: unknown dtype {dtype!r} for {name!r}")
+        ints = (*shape, start, end)
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints):
+            raise CorruptArtifact(f"{path.name}: bad shape or offsets for {name!r}")
+        spec = TensorSpec(dtype, shape)
+        if end - start != spec.nbytes:
+            raise CorruptArtifact(f"{path.name}: {name!r} spans {end - start} bytes, its shape needs {spec.nbytes}")
+        if data_start + end > size:
+            raise CorruptArtifact(f"{path.name}: truncated: {name!r} ends past the end of the file")
+        tensors[name] = (spec, start, end)
+    return ShardHeader(tensors, meta, data_start, size)
+
+
+def header_bytes(entries: Iterable[tuple[str, TensorSpec, int]], metadata: Mapping[str, str]) -> bytes:
+    """A safetensors header for tensors laid out back to back, in the given order."""
+    doc: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, spec, nbytes in entries:
+        doc[name] = {"dtype": spec.dtype, "shape": list(spec.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the reference writer aligns the data section to 8 bytes
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def write_shard(
+    f: BinaryIO, tensors: Iterable[tuple[str, TensorSpec, object]], metadata: Mapping[str, str] | None = None
+) -> int:
+    """Write one safetensors file from (name, spec, bytes-like) triples; returns bytes written."""
+    items = [(name, spec, memoryview(buf).cast("B")) for name, spec, buf in tensors]  # type: ignore[arg-type]
+    head = header_bytes(((n, s, len(b)) for n, s, b in items), metadata or {})
+    f.write(head)
+    total = len(head)
+    for _, _, buf in items:
+        f.write(buf)
+        total += len(buf)
+    return total
+
+
+def frame_spec(nbytes: int) -> TensorSpec:
+    """Delta shards hold each changed tensor as a 1-D uint8 tensor (one zstd frame)."""
+    return TensorSpec("U8", (nbytes,))
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Where every tensor of an ordinary HF checkpoint directory lives."""
+
+    root: Path
+    tensors: dict[str, TensorLocation]
+    files: tuple[str, ...]  # shard file names
+
+    @property
+    def specs(self) -> dict[str, TensorSpec]:
+        return {name: loc.spec for name, loc in self.tensors.items()}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(loc.nbytes for loc in self.tensors.values())
+
+    @classmethod
+    def read(cls, root: Path) -> CheckpointLayout:
+        root = Path(root)
+        index_path = root / INDEX_FILE
+        if index_path.exists():
+            weight_map = parse_weight_map(index_path.read_bytes())
+            files = tuple(sorted(set(weight_map.values())))
+            wanted: dict[str, set[str]] = {}
+            for name, shard in weight_map.items():
+                wanted.setdefault(shard, set()).add(name)
+        elif (root / SINGLE_FILE).exists():
+            files, wanted = (SINGLE_FILE,), {}
+        else:
+            raise CorruptArtifact(f"{root}: no {INDEX_FILE} or {SINGLE_FILE}")
+        tensors: dict[str, TensorLocation] = {}
+        for shard in files:
+            header = read_header(root / shard)
+            if shard in wanted and set(header.tensors) != wanted[shard]:
+                raise CorruptArtifact(f"{root.name}/{shard}: tensors differ from the index weight_map")
+            for name, (spec, start, _) in header.tensors.items():
+                if name in tensors:
+                    raise CorruptArtifact(f"{root.name}: tensor {name!r} appears in two shards")
+                tensors[name] = TensorLocation(root / shard, spec, header.data_start + start)
+        return cls(root, tensors, files)
+
+
+def check_layout(expected: Mapping[str, TensorSpec], got: Mapping[str, TensorSpec], what: str) -> None:
+    """Names, dtypes and shapes must agree exactly; the message names the first differences."""
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    if missing or extra:
+        raise LayoutMismatch(f"{what}: missing tensors {missing[:5]}, unexpected tensors {extra[:5]}")
+    for name, spec in expected.items():
+        if got[name] != spec:
+            raise LayoutMismatch(f"{what}: {name!r} is {got[name]}, the base layout has {spec}")
+
+
+def raw_view(path: Path, loc: TensorLocation) -> np.ndarray:
+    """Read-only memory map of one tensor's bytes."""
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=loc.offset, shape=(loc.nbytes,))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,424 @@
+"""Replica side: bring a host-local checkpoint to a target version.
+
+The host-local checkpoint is an ordinary HF checkpoint directory (loadable with
+``from_pretrained``) plus the applied-version marker ``rollfleet-version.json``. Protocol per
+version: check the version's structure against the local layout; remove the marker (fsynced);
+apply every tensor in place through mmap with a thread pool, verifying each final-state
+checksum; on any failure undo what was applied and put the marker back; on success flush,
+fsync and write the marker. A process killed mid-apply therefore leaves no marker, and the
+next call reseeds from a full version instead of applying an XOR delta twice.
+
+Reseeding copies a full version into a staging directory, verifies it, and only then moves it
+into place, so a bad full version leaves the local checkpoint as it was.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from rollfleet.policy_store import codecs
+from rollfleet.policy_store.formats import DEFAULT_CHECKSUM, new_hasher
+from rollfleet.policy_store.hooks import Hook, pause_point, resolve_hook
+from rollfleet.policy_store.layout import CheckpointLayout, TensorLocation, check_layout, fsync_dir
+from rollfleet.policy_store.store import SIDECAR, list_versions, read_index, version_path
+from rollfleet.policy_store.verify import OpenVersion, check_delta_against, open_version
+from rollfleet.schemas.errors import (
+    ChecksumMismatch,
+    CorruptArtifact,
+    LineageMismatch,
+    PolicyError,
+    VersionNotFound,
+)
+from rollfleet.schemas.index import INDEX_FILE, check_name
+
+MARKER = "rollfleet-version.json"
+LOCK = ".rollfleet.lock"
+STAGING = ".rollfleet-staging"
+DEFAULT_WORKERS = max(1, min(8, os.cpu_count() or 1))
+
+
+@dataclass
+class MaterializeResult:
+    version: int  # the version the local checkpoint now holds
+    previous_version: int | None  # the marker before the call (None: missing)
+    changed: list[str]  # tensors whose bytes may differ from before: reload only these
+    applied: list[int] = field(default_factory=list)  # versions applied, in order (a seed included)
+    reseeded: bool = False
+    seeded_from: int | None = None
+    wire_bytes: int = 0  # bytes of version files read
+    changed_bytes: int = 0  # as recorded by the publisher, where known
+    total_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def density(self) -> float:
+        return min(1.0, self.changed_bytes / self.total_bytes) if self.total_bytes else 0.0
+
+
+# -- marker and lock ---------------------------------------------------------------------------
+
+
+def read_marker(local_dir: Path) -> int | None:
+    """The applied version of a host-local checkpoint, or None when missing or unreadable."""
+    try:
+        doc = json.loads((Path(local_dir) / MARKER).read_bytes())
+        v = doc["version"]
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_marker(local_dir: Path, version: int) -> None:
+    tmp = local_dir / f".{MARKER}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(json.dumps({"version": version, "written_at": time.time()}).encode())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, local_dir / MARKER)
+    fsync_dir(local_dir)
+
+
+def _remove_marker(local_dir: Path) -> None:
+    try:
+        os.unlink(local_dir / MARKER)
+    except FileNotFoundError:
+        return
+    fsync_dir(local_dir)
+
+
+_THREAD_LOCKS: dict[str, threading.Lock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
+@contextmanager
+def host_lock(local_dir: Path) -> Iterator[None]:
+    """Exclusive across threads (a lock per path) and processes (flock on a lock file)."""
+    key = os.path.realpath(local_dir)
+    with _THREAD_LOCKS_GUARD:
+        tlock = _THREAD_LOCKS.setdefault(key, threading.Lock())
+    with tlock:
+        fd = os.open(Path(local_dir) / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
+
+# -- planning ----------------------------------------------------------------------------------
+
+
+def plan(
+    store: Path, marker: int | None, target: int, present: list[int] | None = None
+) -> tuple[int | None, list[int]]:
+    """(version to seed from or None, versions to apply after it) to reach ``target``.
+
+    Continue from the marker when every version after it is present; otherwise seed from the
+    newest full version at or below the target from which the chain is complete.
+    """
+    have = set(list_versions(store) if present is None else present)
+    if target not in have:
+        raise VersionNotFound(f"version {target} is not in {store}")
+    if marker is not None and marker <= target and all(v in have for v in range(marker + 1, target + 1)):
+        return None, list(range(marker + 1, target + 1))
+    for v in sorted((x for x in have if x <= target), reverse=True):
+        if not all(x in have for x in range(v + 1, target + 1)):
+            break  # an older seed would need the same missing versions
+        try:
+            if not read_index(version_path(store, v)).metadata.is_delta:
+                return v, list(range(v + 1, target + 1))
+        except PolicyError:
+            continue
+    raise VersionNotFound(f"no full version at or below {target} with a complete chain in {store}")
+
+
+# -- materialize -------------------------------------------------------------------------------
+
+
+def materialize(
+    local_dir: Path | str,
+    store_dir: Path | str,
+    target_version: int,
+    *,
+    pre_read_hook: str | Hook | None = None,
+    workers: int = DEFAULT_WORKERS,
+) -> MaterializeResult:
+    """Bring ``local_dir`` to ``target_version`` from ``store_dir``; thread- and process-safe.
+
+    Raises a typed PolicyError on any inconsistency; the local checkpoint then stays at its last
+    good version (the marker says which), or has no marker if it had none to begin with.
+    """
+    t0 = time.perf_counter()
+    local = Path(local_dir)
+    store = Path(store_dir)
+    local.mkdir(parents=True, exist_ok=True)
+    hook = resolve_hook(pre_read_hook)
+    with host_lock(local):
+        marker = read_marker(local)
+        if hook is not None:
+            hook(store)
+        seed, chain = plan(store, marker, target_version)
+        result = MaterializeResult(version=marker if marker is not None else -1, previous_version=marker, changed=[])
+        changed: set[str] = set()
+        if seed is not None:
+            names, wire, total = _seed(local, version_path(store, seed), seed, hook, workers)
+            result.reseeded, result.seeded_from = True, seed
+            result.applied.append(seed)
+            result.wire_bytes += wire
+            result.total_bytes = total
+            result.version = seed
+            changed.update(names)
+        layout = CheckpointLayout.read(local)
+        result.total_bytes = layout.total_bytes
+        for v in chain:
+            path = version_path(store, v)
+            if hook is not None:
+                hook(path)
+            ov = open_version(path, expected_version=v)
+            if ov.is_delta:
+                if ov.index.metadata.base_version != result.version:
+                    raise LineageMismatch(
+                        f"{path.name} is based on {ov.index.metadata.base_version}, the local checkpoint is at "
+                        f"{result.version}"
+                    )
+                names = _apply_delta(local, layout, ov, result.version, workers)
+            else:
+                names = _apply_full(local, layout, ov, result.version, workers)
+            rec = ov.record()
+            result.changed_bytes += rec.changed_bytes
+            result.wire_bytes += ov.wire_bytes
+            result.applied.append(v)
+            result.version = v
+            changed.update(names)
+        order = {n: i for i, n in enumerate(layout.tensors)}
+        result.changed = sorted(changed, key=lambda n: order.get(n, 0))
+        result.seconds = time.perf_counter() - t0
+        return result
+
+
+# -- apply a delta in place --------------------------------------------------------------------
+
+
+class _Mapped:
+    """Writable memory maps of the local shards, opened once per version."""
+
+    def __init__(self) -> None:
+        self.maps: dict[Path, np.memmap] = {}
+
+    def view(self, loc: TensorLocation) -> np.ndarray:
+        mm = self.maps.get(loc.file)
+        if mm is None:
+            mm = self.maps[loc.file] = np.memmap(loc.file, dtype=np.uint8, mode="r+")
+        return mm[loc.offset : loc.offset + loc.nbytes]
+
+    def flush(self) -> None:
+        for path, mm in self.maps.items():
+            mm.flush()
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def close(self) -> None:
+        self.maps.clear()
+
+
+def _apply_delta(local: Path, layout: CheckpointLayout, ov: OpenVersion, current: int, workers: int) -> list[str]:
+    check_delta_against(ov, layout.specs)
+    meta = ov.index.metadata
+    enc, fmt = meta.delta_encoding or "", meta.checksum_format or DEFAULT_CHECKSUM
+    names = sorted(ov.frames, key=lambda n: -layout.tensors[n].nbytes)  # big first: better packing
+    if not names:
+        _write_marker(local, ov.version)  # an empty delta is valid
+        return []
+    _remove_marker(local)
+    mapped = _Mapped()
+    dsts = {n: mapped.view(layout.tensors[n]) for n in names}  # map every file before threads start
+    undos: dict[str, codecs.Undo] = {}
+    lock = threading.Lock()
+    first_done = threading.Event()
+
+    def one(name: str) -> None:
+        loc, frame = layout.tensors[name], ov.frames[name]
+        dst = dsts[name]
+        hasher = new_hasher(fmt)
+        undo = codecs.apply(enc, dst, frame.view(), loc.spec.itemsize, hasher, name)
+        digest = hasher.hexdigest()
+        if digest != frame.checksum:
+            undo()
+            raise ChecksumMismatch(f"{ov.path.name}: {name!r} final state is {digest}, published {frame.checksum}")
+        with lock:
+            undos[name] = undo
+        if not first_done.is_set():
+            first_done.set()
+            pause_point("apply:mid-version")
+
+    try:
+        error = _run_all(one, names, workers)
+        if error is not None:
+            for undo in undos.values():
+                undo()
+            mapped.flush()
+            _write_marker(local, current)  # back at the last good version
+            raise error
+        mapped.flush()
+        pause_point("apply:before-marker")
+        _write_marker(local, ov.version)
+    finally:
+        undos.clear()
+        dsts.clear()
+        mapped.close()
+    return names
+
+
+def _run_all(fn: Callable[[str], None], names: list[str], workers: int) -> BaseException | None:
+    """Run ``fn`` over names on a pool; stop starting new work after the first failure."""
+    failed: list[BaseException] = []
+    stop = threading.Event()
+
+    def guarded(name: str) -> None:
+        if stop.is_set():
+            return
+        try:
+            fn(name)
+        except BaseException as exc:
+            stop.set()
+            failed.append(exc)
+
+    if workers <= 1 or len(names) == 1:
+        for name in names:
+            guarded(name)
+    else:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rf-apply") as pool:
+            list(pool.map(guarded, names))
+    typed = [e for e in failed if isinstance(e, PolicyError)]
+    return (typed or failed or [None])[0]
+
+
+# -- full versions -----------------------------------------------------------------------------
+
+
+def _hash_file_range(loc: TensorLocation, fmt: str) -> str:
+    hasher = new_hasher(fmt)
+    if loc.nbytes == 0:
+        hasher.update(b"")
+        return hasher.hexdigest()
+    mm = np.memmap(loc.file, dtype=np.uint8, mode="r", offset=loc.offset, shape=(loc.nbytes,))
+    for s in range(0, loc.nbytes, codecs.CHUNK):
+        hasher.update(mm[s : s + codecs.CHUNK])
+    return hasher.hexdigest()
+
+
+def _verify_full(ov: OpenVersion, layout: CheckpointLayout, workers: int) -> None:
+    if not ov.checksums:
+        return  # a foreign full version without checksums: structure only
+    fmt = ov.index.metadata.checksum_format or DEFAULT_CHECKSUM
+
+    def one(name: str) -> None:
+        digest = _hash_file_range(layout.tensors[name], fmt)
+        if digest != ov.checksums[name]:
+            raise ChecksumMismatch(f"{ov.path.name}: {name!r} is {digest}, its checksum says {ov.checksums[name]}")
+
+    error = _run_all(one, list(layout.tensors), workers)
+    if error is not None:
+        raise error
+
+
+def _apply_full(local: Path, layout: CheckpointLayout, ov: OpenVersion, current: int, workers: int) -> list[str]:
+    """Apply a full version met inside a chain: copy only tensors whose bytes differ."""
+    assert ov.layout is not None
+    check_layout(layout.specs, ov.layout.specs, ov.path.name)
+    fmt = ov.index.metadata.checksum_format or DEFAULT_CHECKSUM
+    differing: list[str] = []
+    lock = threading.Lock()
+
+    def compare(name: str) -> None:
+        src, dst = ov.layout.tensors[name], layout.tensors[name]  # type: ignore[union-attr]
+        if ov.checksums:
+            same = _hash_file_range(dst, fmt) == ov.checksums[name]
+        else:
+            same = bool(np.array_equal(_ro(src), _ro(dst)))
+        if not same:
+            with lock:
+                differing.append(name)
+
+    error = _run_all(compare, list(layout.tensors), workers)
+    if error is None and ov.checksums:  # verify the sources we will copy, before writing anything
+        sub = CheckpointLayout(ov.path, {n: ov.layout.tensors[n] for n in differing}, ov.layout.files)
+        try:
+            _verify_full(OpenVersion(ov.path, ov.index, layout=sub, checksums=ov.checksums), sub, workers)
+        except PolicyError as exc:
+            error = exc
+    if error is not None:
+        raise error
+    _remove_marker(local)
+    mapped = _Mapped()
+    try:
+        for name in differing:
+            np.copyto(mapped.view(layout.tensors[name]), _ro(ov.layout.tensors[name]))
+        mapped.flush()
+    finally:
+        mapped.close()
+    _write_marker(local, ov.version)
+    return differing
+
+
+def _ro(loc: TensorLocation) -> np.ndarray:
+    if loc.nbytes == 0:
+        return np.empty(0, np.uint8)
+    return np.memmap(loc.file, dtype=np.uint8, mode="r", offset=loc.offset, shape=(loc.nbytes,))
+
+
+def _seed(local: Path, src: Path, version: int, hook: Hook | None, workers: int) -> tuple[list[str], int, int]:
+    """Replace the local checkpoint with full version ``version``: stage, verify, swap, mark."""
+    if hook is not None:
+        hook(src)
+    ov = open_version(src, expected_version=version)
+    if ov.is_delta:
+        raise CorruptArtifact(f"{src.name} is a delta, not a full version to seed from")
+    staging = local / STAGING
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    wire = 0
+    files = []
+    for entry in sorted(os.scandir(src), key=lambda e: e.name):
+        if entry.name.startswith(".") or entry.name == SIDECAR or not entry.is_file(follow_symlinks=False):
+            continue
+        check_name(entry.name, "checkpoint file name")
+        shutil.copyfile(entry.path, staging / entry.name)
+        with open(staging / entry.name, "rb+") as f:
+            os.fsync(f.fileno())
+        wire += entry.stat().st_size
+        files.append(entry.name)
+        pause_point("seed:mid-copy")
+    try:
+        staged = CheckpointLayout.read(staging)
+        _verify_full(ov, staged, workers)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    # Commit: from here the old local files are replaced; no marker until it is all in place.
+    _remove_marker(local)
+    keep = set(files)
+    for entry in os.scandir(local):
+        if entry.name not in keep and (entry.name.endswith(".safetensors") or entry.name == INDEX_FILE):
+            os.unlink(entry.path)
+    for name in files:
+        os.replace(staging / name, local / name)
+    fsync_dir(local)
+    shutil.rmtree(staging, ignore_errors=True)
+    _write_marker(local, version)
+    return list(staged.tensors), wire, staged.total_bytes

@@ -1,0 +1,326 @@
+"""PolicyPublisher: what a training loop calls after each optimizer step to publish a policy version.
+
+Synchronous and file-only: ``publish()`` compares the trainer's tensors with the previously
+published bytes (kept on the CPU), writes ``weight_vNNNNNN/`` holding only what changed, and
+returns the VersionRecord. A caller that also commits records elsewhere (the policy KV) wraps
+it: ``latest_version``, ``store_dir`` and ``state`` are public, and a failed publication leaves
+nothing visible.
+
+Version 0 is the base checkpoint. The first ``publish()`` on an empty store records it as
+``weight_v000000`` (hard links to the base files, copies when linking is impossible, plus
+per-tensor checksums) and publishes no delta; a replica then needs nothing but the store.
+On a store that already holds versions, the first call rebuilds the comparison state by
+materializing the newest version, and publishes the next one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from rollfleet.policy_store import codecs
+from rollfleet.policy_store.formats import (
+    COMPRESSION_FORMATS,
+    DEFAULT_CHECKSUM,
+    XOR,
+    check_checksum_format,
+    check_encoding,
+)
+from rollfleet.policy_store.hooks import Hook, resolve_hook
+from rollfleet.policy_store.layout import CheckpointLayout, TensorSpec, check_layout
+from rollfleet.policy_store.materialize import DEFAULT_WORKERS, materialize
+from rollfleet.policy_store.retention import apply_retention
+from rollfleet.policy_store.store import list_versions, version_dir_name
+from rollfleet.policy_store.writer import DEFAULT_SHARD_BYTES, clean_temporaries, link_full, write_delta, write_full
+from rollfleet.schemas.errors import LayoutMismatch
+from rollfleet.schemas.index import IndexMetadata, check_name
+from rollfleet.schemas.messages import VersionRecord
+
+_NUMPY_DTYPES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "uint16": "U16",
+    "float16": "F16",
+    "bfloat16": "BF16",  # ml_dtypes, when installed
+    "int32": "I32",
+    "uint32": "U32",
+    "float32": "F32",
+    "int64": "I64",
+    "uint64": "U64",
+    "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+
+
+def _torch_dtype_name(t: Any) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def tensor_spec(name: str, t: Any) -> TensorSpec:
+    """dtype and shape of a torch tensor or numpy array, in safetensors terms (no data is read)."""
+    if isinstance(t, np.ndarray):
+        dtype = _NUMPY_DTYPES.get(t.dtype.name)
+    elif hasattr(t, "dtype") and hasattr(t, "shape") and type(t).__module__.startswith("torch"):
+        dtype = _NUMPY_DTYPES.get(_torch_dtype_name(t))
+    else:
+        raise LayoutMismatch(f"{name!r}: expected a torch tensor or numpy array, got {type(t).__name__}")
+    if dtype is None:
+        raise LayoutMismatch(f"{name!r}: unsupported dtype {t.dtype}")
+    return TensorSpec(dtype, tuple(int(d) for d in t.shape))
+
+
+def raw_bytes(t: Any) -> np.ndarray:
+    """A 1-D uint8 view (or CPU copy, for device tensors) of a tensor's bytes."""
+    if isinstance(t, np.ndarray):
+        return np.ascontiguousarray(t).reshape(-1).view(np.uint8)
+    import torch
+
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+class PolicyPublisher:
+    """Publish policy versions into ``store_dir`` as miles-compatible disk deltas.
+
+    encoding: "xor" (default; compatible), "overwrite" (compatible, idempotent) or
+    "rf-sparse-xor" (ours; smaller, rejected by foreign readers). keyframe_every=K writes a full
+    version every K versions (0: never). keep_last=R bounds what retention keeps (None: keep all).
+    post_write_hook runs as ``hook(version_dir, record)`` after each commit.
+    """
+
+    def __init__(
+        self,
+        store_dir: Path | str,
+        base_checkpoint_dir: Path | str,
+        encoding: str = XOR,
+        checksum: str = DEFAULT_CHECKSUM,
+        keyframe_every: int = 50,
+        keep_last: int | None = 8,
+        *,
+        compression_level: int = 1,
+        workers: int = DEFAULT_WORKERS,
+        post_write_hook: str | Hook | None = None,
+        publisher: str = "",
+        max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    ) -> None:
+        self.encoding = check_encoding(encoding)
+        self.checksum_format = check_checksum_format(checksum)
+        self.compression_format = COMPRESSION_FORMATS[0]
+        self.keyframe_every = max(0, int(keyframe_every))
+        self.keep_last = keep_last
+        self.level = compression_level
+        self.workers = max(1, workers)
+        self.post_write_hook = resolve_hook(post_write_hook)
+        self.publisher = publisher or f"{os.uname().nodename}:{os.getpid()}"
+        self.max_shard_bytes = max_shard_bytes
+        self.store_dir = Path(store_dir)
+        self.base_dir = Path(base_checkpoint_dir)
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        clean_temporaries(self.store_dir)
+        self._base = CheckpointLayout.read(self.base_dir)
+        self.specs: dict[str, TensorSpec] = self._base.specs
+        self.total_bytes = self._base.total_bytes
+        existing = list_versions(self.store_dir)
+        self.latest_version: int | None = existing[-1] if existing else None
+        self._state: dict[str, np.ndarray] | None = None  # bytes of latest_version, per tensor
+        self._checksums: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    # -- what a wrapper may read ------------------------------------------------------------
+
+    @property
+    def state(self) -> Mapping[str, np.ndarray]:
+        """The bytes of the latest published version (read-only views); empty before the first call."""
+        if self._state is None:
+            return MappingProxyType({})
+        views = {}
+        for name, arr in self._state.items():
+            v = arr.view()
+            v.flags.writeable = False
+            views[name] = v
+        return MappingProxyType(views)
+
+    @property
+    def checksums(self) -> Mapping[str, str]:
+        return MappingProxyType(self._checksums)
+
+    # -- publish ------------------------------------------------------------------------------
+
+    def publish(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> VersionRecord:
+        """Publish the next version from (HF name, tensor) pairs; see the module docstring."""
+        with self._lock:
+            items = self._validate(named_tensors)
+            if self._state is None:
+                if self.latest_version is None:
+                    return self._record_base()
+                self._resume()
+            try:
+                return self._publish(items)
+            except BaseException:
+                self._state = None  # the comparison state may be half-updated: rebuild it from the store
+                self.latest_version = (list_versions(self.store_dir) or [None])[-1]
+                raise
+
+    def _validate(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        got: dict[str, TensorSpec] = {}
+        for name, t in items:
+            check_name(name, "tensor name")
+            if name in got:
+                raise LayoutMismatch(f"tensor {name!r} given twice")
+            got[name] = tensor_spec(name, t)
+        check_layout(self.specs, got, "published tensors vs. the base checkpoint")
+        return sorted(items, key=lambda it: -self.specs[it[0]].nbytes)
+
+    def _load_base(self) -> None:
+        """Snapshot the base checkpoint's bytes (what every replica seeds from) and checksum them."""
+        state: dict[str, np.ndarray] = {}
+        for name, loc in self._base.tensors.items():
+            arr = np.empty(loc.nbytes, np.uint8)
+            with open(loc.file, "rb") as f:
+                f.seek(loc.offset)
+                f.readinto(memoryview(arr))
+            state[name] = arr
+        self._state = state
+        self._checksums = self._hash_all(state)
+
+    def _hash_all(self, state: Mapping[str, np.ndarray]) -> dict[str, str]:
+        from rollfleet.policy_store.formats import tensor_checksum
+
+        with ThreadPoolExecutor(self.workers) as pool:
+            sums = pool.map(lambda n: (n, tensor_checksum(state[n], self.checksum_format)), list(state))
+            return dict(sums)
+
+    def _record_base(self) -> VersionRecord:
+        t0 = time.perf_counter()
+        self._load_base()
+        try:
+            return self._link_base(t0)
+        except BaseException:
+            self._state = None
+            raise
+
+    def _link_base(self, t0: float) -> VersionRecord:
+        meta = IndexMetadata(version=0, checksum_format=self.checksum_format)
+        weight_map = {n: loc.file.name for n, loc in self._base.tensors.items()}
+        rec = lambda wire: self._record(0, "base", None, None, self.total_bytes, wire, t0)  # noqa: E731
+        path, record = link_full(self.store_dir, meta, self.base_dir, weight_map, self._checksums, rec)
+        return self._after_commit(path, record)
+
+    def _resume(self) -> None:
+        """Rebuild the comparison state from the newest committed version."""
+        assert self.latest_version is not None
+        with tempfile.TemporaryDirectory(dir=self.store_dir, prefix=".tmp-resume-") as tmp:
+            materialize(tmp, self.store_dir, self.latest_version, workers=self.workers)
+            layout = CheckpointLayout.read(Path(tmp))
+            check_layout(self.specs, layout.specs, f"{version_dir_name(self.latest_version)} vs. the base")
+            state: dict[str, np.ndarray] = {}
+            for name, loc in layout.tensors.items():
+                arr = np.empty(loc.nbytes, np.uint8)
+                with open(loc.file, "rb") as f:
+                    f.seek(loc.offset)
+                    f.readinto(memoryview(arr))
+                state[name] = arr
+        self._state = state
+        self._checksums = self._hash_all(state)
+
+    def _publish(self, items: list[tuple[str, Any]]) -> VersionRecord:
+        t0 = time.perf_counter()
+        assert self._state is not None and self.latest_version is not None
+        state = self._state
+        version = self.latest_version + 1
+        full = self.keyframe_every > 0 and version % self.keyframe_every == 0
+
+        def one(item: tuple[str, Any]) -> tuple[str, codecs.Encoded]:
+            name, t = item
+            new = raw_bytes(t)
+            spec = self.specs[name]
+            if full:
+                return name, codecs.absorb(new, state[name], self.checksum_format)
+            enc = codecs.encode(self.encoding, new, state[name], spec.itemsize, self.checksum_format, self.level)
+            return name, enc
+
+        if self.workers > 1 and len(items) > 1:
+            with ThreadPoolExecutor(self.workers, thread_name_prefix="rf-encode") as pool:
+                encoded = dict(pool.map(one, items))
+        else:
+            encoded = dict(map(one, items))
+        changed = sum(e.changed_bytes for e in encoded.values())
+        for name, e in encoded.items():
+            if e.changed_bytes:
+                self._checksums[name] = e.checksum
+        base = self.latest_version
+        if full:
+            meta = IndexMetadata(version=version, base_version=base, checksum_format=self.checksum_format)
+            rec = lambda wire: self._record(version, "full", base, None, changed, wire, t0)  # noqa: E731
+            path, record = write_full(
+                self.store_dir,
+                meta,
+                self.specs,
+                state.__getitem__,
+                self._checksums,
+                rec,
+                aux_dir=self.base_dir,
+                max_shard_bytes=self.max_shard_bytes,
+            )
+        else:
+            meta = IndexMetadata(
+                version=version,
+                base_version=base,
+                delta_encoding=self.encoding,
+                compression_format=self.compression_format,
+                checksum_format=self.checksum_format,
+            )
+            frames = {n: e.frame for n, e in encoded.items() if e.frame is not None}
+            sums = {n: encoded[n].checksum for n in frames}
+            rec = lambda wire: self._record(version, "delta", base, self.encoding, changed, wire, t0)  # noqa: E731
+            path, record = write_delta(self.store_dir, meta, frames, sums, rec, self.max_shard_bytes)
+        return self._after_commit(path, record)
+
+    def _after_commit(self, path: Path, record: VersionRecord) -> VersionRecord:
+        self.latest_version = record.version
+        if self.post_write_hook is not None:
+            self.post_write_hook(path, record)
+        if self.keep_last is not None:
+            apply_retention(self.store_dir, self.keep_last)
+        return record
+
+    def _record(
+        self, version: int, kind: str, base: int | None, encoding: str | None, changed: int, wire: int, t0: float
+    ) -> VersionRecord:
+        return VersionRecord(
+            version=version,
+            kind=kind,  # type: ignore[arg-type]
+            base_version=base,
+            encoding=encoding,
+            checksum_format=self.checksum_format,
+            path=version_dir_name(version),
+            changed_bytes=changed,
+            total_bytes=self.total_bytes,
+            density=changed / self.total_bytes if self.total_bytes else 0.0,
+            wire_bytes=wire,
+            seconds=time.perf_counter() - t0,
+            created_at=time.time(),
+            publisher=self.publisher,
+        )
+
+    def close(self) -> None:
+        """Drop the CPU copy of the weights."""
+        self._state = None
+
+
+__all__ = ["PolicyPublisher", "raw_bytes", "tensor_spec"]

@@ -1,0 +1,196 @@
+"""The 3-node JetStream cluster and the leaf node of broker_config/, started from their files.
+
+One cluster serves the whole module (forming it and electing a meta leader takes a few
+seconds); each test uses its own namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.js.api import ConsumerConfig
+
+from rollfleet.broker import TopologyConfig, ensure_job_consumer, ensure_topology
+from rollfleet.schemas import Names
+from deploy_helpers import (
+    BROKER_CONFIG,
+    LEAF_PORTS,
+    LocalCluster,
+    NatsProcess,
+    eventually,
+    render_config,
+    run_cli,
+    start_cluster,
+    start_worker,
+    stop_process,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+R3 = TopologyConfig(replicas=3)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = start_cluster(tmp_path_factory.mktemp("cluster"))
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def ns() -> str:
+    return "c" + uuid.uuid4().hex[:8]
+
+
+async def connect_when_ready(servers: list[str], timeout: float = 20.0) -> nats.NATS:
+    """Connect and wait until JetStream answers, i.e. the cluster has elected a meta leader."""
+    nc = await nats.connect(servers=servers, connect_timeout=2, max_reconnect_attempts=-1)
+    try:
+        await eventually(lambda: nc.jetstream(timeout=2).account_info(), timeout, "JetStream meta leader election")
+    except BaseException:
+        await nc.close()
+        raise
+    return nc
+
+
+async def test_cluster_forms_and_declares_r3_streams(cluster: LocalCluster, ns: str) -> None:
+    nc = await connect_when_ready(cluster.urls)
+    try:
+        js = nc.jetstream(timeout=10)
+        names = Names(ns)
+        created = await eventually(lambda: ensure_topology(js, names, R3), 20, "declaring R3 streams")
+        assert names.jobs_stream in created
+
+        for stream in (names.jobs_stream, names.results_stream, names.events_stream, f"KV_{names.policy_bucket}"):
+            info = await js.stream_info(stream)
+            assert info.config.num_replicas == 3, stream
+            # The leader plus two replicas, one on each node.
+            assert info.cluster is not None and info.cluster.leader, stream
+            peers = {p.name for p in info.cluster.replicas or []} | {info.cluster.leader}
+            assert peers == {"rf-node-a", "rf-node-b", "rf-node-c"}, (stream, peers)
+    finally:
+        await nc.close()
+
+
+async def test_cluster_round_trip_across_nodes(cluster: LocalCluster, ns: str) -> None:
+    """A job stored through node A is pulled through node C; its result is read through node B."""
+    names = Names(ns)
+    trainer = await connect_when_ready([cluster.nodes["a"].url])
+    worker = await connect_when_ready([cluster.nodes["c"].url])
+    reader = await connect_when_ready([cluster.nodes["b"].url])
+    try:
+        await eventually(lambda: ensure_topology(trainer.jetstream(timeout=10), names, R3), 20, "declaring")
+        tjs, wjs, rjs = trainer.jetstream(), worker.jetstream(), reader.jetstream()
+
+        ack = await tjs.publish(names.job_subject("min", 0), b"job-1", headers={"Nats-Msg-Id": "k1"})
+        assert ack.stream == names.jobs_stream
+        # The same idempotency key again is a duplicate, not a second job (R3 dedup).
+        assert (await tjs.publish(names.job_subject("min", 0), b"job-1", headers={"Nats-Msg-Id": "k1"})).duplicate
+
+        consumer = await ensure_job_consumer(wjs, names, "min", 0, R3)
+        sub = await wjs.pull_subscribe_bind(consumer, stream=names.jobs_stream)
+        [job] = await sub.fetch(1, timeout=10)
+        assert job.data == b"job-1"
+        subject = names.result_subject("trainer-0", "k1")
+        await wjs.publish(subject, b"result-1", headers={"Nats-Msg-Id": "k1"})
+        await job.ack_sync()
+
+        msg = await rjs.get_last_msg(names.results_stream, subject)
+        assert msg.data == b"result-1"
+        info = await tjs.stream_info(names.jobs_stream)
+        assert info.state.messages == 0  # work queue: acked means gone, on every replica's leader view
+    finally:
+        for conn in (trainer, worker, reader):
+            await conn.close()
+
+
+async def test_leaf_node_region_reaches_hub_jetstream(cluster: LocalCluster, ns: str, tmp_path: Path) -> None:
+    """A worker connected only to the region's leaf node pulls jobs from and stores results in the hub."""
+    port_map = dict(cluster.port_map)
+    conf = render_config(BROKER_CONFIG / "leaf" / "region-leaf.conf", tmp_path / "leaf.conf", port_map)
+    leaf = NatsProcess(
+        name="leaf", config=conf, port=port_map[LEAF_PORTS["client"]], log_file=tmp_path / "leaf.log"
+    ).start()
+    try:
+        leaf.wait_listening()
+        names = Names(ns)
+        trainer = await connect_when_ready(cluster.urls)
+        try:
+            tjs = trainer.jetstream(timeout=10)
+            await eventually(lambda: ensure_topology(tjs, names, R3), 20, "declaring")
+            await tjs.publish(names.job_subject("exact", 0), b"far-job", headers={"Nats-Msg-Id": "far"})
+
+            # Until the leaf's link to the hub is up, JetStream requests through it get no answer.
+            worker = await connect_when_ready([leaf.url])
+            try:
+                wjs = worker.jetstream(timeout=10)
+                sub = await wjs.pull_subscribe(
+                    names.job_subject("exact", 0),
+                    durable="exact-0",
+                    stream=names.jobs_stream,
+                    config=ConsumerConfig(num_replicas=3),
+                )
+                [job] = await sub.fetch(1, timeout=10)
+                assert job.data == b"far-job"
+                await wjs.publish(names.result_subject("trainer-0", "far"), b"far-result")
+                await job.ack_sync()
+            finally:
+                await worker.close()
+
+            got = await tjs.get_last_msg(names.results_stream, names.result_subject("trainer-0", "far"))
+            assert got.data == b"far-result"
+        finally:
+            await trainer.close()
+    except BaseException:
+        print(leaf.log_tail())
+        raise
+    finally:
+        leaf.stop()
+
+
+async def test_cluster_rollfleet_round_trip(cluster: LocalCluster, ns: str, tmp_path: Path) -> None:
+    """The real pieces: `rollfleet declare --replicas 3`, a worker process on one node, a client on another."""
+    from rollfleet.schemas import RolloutPayload, SamplingParams
+    from rollfleet.trainer_client import RolloutClient
+
+    nc = await connect_when_ready(cluster.urls)  # the meta leader is elected before the CLI runs
+    await nc.close()
+    declared = await asyncio.to_thread(run_cli, "declare", "--nats", cluster.url, "--namespace", ns, "--replicas", "3")
+    assert declared.returncode == 0, declared.stderr + declared.stdout
+
+    worker = start_worker(cluster.nodes["c"].url, ns, tmp_path / "worker.log")
+    try:
+        async with await RolloutClient.connect(
+            cluster.nodes["a"].url + "," + cluster.nodes["b"].url, namespace=ns, client_id="trainer-0"
+        ) as client:
+            payload = RolloutPayload(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4))
+
+            async def round_trip() -> object:
+                handle = await client.submit(payload, min_version=0)
+                return await asyncio.wait_for(handle, 10)
+
+            # The first submit can fail fast (retryably) until the worker has registered.
+            result = await eventually(round_trip, 25, "a round trip through the cluster", interval=0.5)
+        assert result.version_start == 0 and result.version_end == 0  # type: ignore[attr-defined]
+        assert result.worker_id  # type: ignore[attr-defined]
+        assert result.outputs  # type: ignore[attr-defined]
+
+        nc = await connect_when_ready(cluster.urls)
+        try:
+            info = await nc.jetstream().stream_info(Names(ns).jobs_stream)
+            assert info.config.num_replicas == 3
+        finally:
+            await nc.close()
+    except BaseException:
+        print((tmp_path / "worker.log").read_text(errors="replace")[-4000:])
+        raise
+    finally:
+        code = stop_process(worker, timeout=15)
+    assert code == 0, f"worker exit code {code} after SIGTERM"

@@ -1,0 +1,251 @@
+"""docker-compose.yml, the Dockerfile and the broker configs, checked without a Docker engine.
+
+Every service, volume, build context, mounted file and command the compose file names must
+exist in this repository; every nats-server config must pass ``nats-server -t``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from deploy_helpers import BROKER_CONFIG, REPO, TEST_SECRETS, make_dev_certs
+
+from rollfleet.broker import check_server_binary
+
+COMPOSE_FILE = REPO / "docker-compose.yml"
+DOCKERFILE = REPO / "Dockerfile"
+CONTAINER_CONFIG = "/etc/nats/nats-server.conf"
+
+_VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::?-(?P<default>[^}]*))?\}")
+
+
+def interpolate(value: Any) -> Any:
+    """Compose variable substitution with every variable unset: ${X:-default} -> default."""
+    if isinstance(value, str):
+        return _VAR.sub(lambda m: m.group("default") or "", value)
+    if isinstance(value, list):
+        return [interpolate(v) for v in value]
+    if isinstance(value, dict):
+        return {k: interpolate(v) for k, v in value.items()}
+    return value
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return interpolate(yaml.safe_load(COMPOSE_FILE.read_text()))
+
+
+def as_list(command: str | list[str]) -> list[str]:
+    return shlex.split(command) if isinstance(command, str) else [str(c) for c in command]
+
+
+def volume_mounts(service: dict[str, Any]) -> list[tuple[str, str]]:
+    """(source, target) of each short- or long-syntax volume entry."""
+    mounts = []
+    for entry in service.get("volumes", []):
+        if isinstance(entry, str):
+            source, target = entry.split(":")[:2]
+        else:
+            source, target = entry.get("source", ""), entry["target"]
+        mounts.append((source, target))
+    return mounts
+
+
+def is_bind(source: str) -> bool:
+    return source.startswith((".", "/", "~"))
+
+
+def test_services_volumes_and_files_exist(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert {"nats", "worker", "demo-trainer"} <= set(services)
+    declared = set(compose.get("volumes") or {})
+    used: set[str] = set()
+    for name, service in services.items():
+        for source, target in volume_mounts(service):
+            assert target.startswith("/"), (name, target)
+            if is_bind(source):
+                path = (REPO / source).resolve()
+                assert path.exists(), f"{name} mounts {source}, which is not in the repository"
+                assert REPO in path.parents, f"{name} mounts {source} from outside the repository"
+            else:
+                assert source in declared, f"{name} uses volume {source!r} not declared under volumes:"
+                used.add(source)
+        for dep in service.get("depends_on") or {}:
+            assert dep in services, f"{name} depends on unknown service {dep}"
+        build = service.get("build")
+        if build is not None:
+            context = REPO / (build if isinstance(build, str) else build.get("context", "."))
+            dockerfile = context / ("Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile"))
+            assert context.is_dir() and dockerfile.is_file(), (name, context, dockerfile)
+            declared_args = set(re.findall(r"^ARG\s+(\w+)", dockerfile.read_text(), re.MULTILINE))
+            args = {} if isinstance(build, str) else build.get("args") or {}
+            assert set(args) <= declared_args, f"{name} passes build args the Dockerfile does not declare"
+    assert used == declared, f"declared but unused volumes: {declared - used}"
+    # The weight store is one volume shared by the worker and the demo trainer.
+    assert "weights" in {s for s, _ in volume_mounts(services["worker"])}
+    assert "weights" in {s for s, _ in volume_mounts(services["demo-trainer"])}
+
+
+def test_nats_service_runs_a_repository_config(compose: dict[str, Any]) -> None:
+    nats = compose["services"]["nats"]
+    image, _, tag = nats["image"].partition(":")
+    assert image == "nats"
+    major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", tag).groups())  # type: ignore[union-attr]
+    assert (major, minor) >= (2, 10), "rollfleet needs nats-server >= 2.10"
+    command = as_list(nats["command"])
+    assert command[command.index("-c") + 1] == CONTAINER_CONFIG
+    mounts = dict((target, source) for source, target in volume_mounts(nats))
+    config = REPO / mounts[CONTAINER_CONFIG]
+    assert BROKER_CONFIG in config.resolve().parents
+    text = config.read_text()
+    # JetStream's store must be on the named volume, or jobs and versions die with the container.
+    store = re.search(r'store_dir:\s*"([^"]+)"', text)
+    assert store and store.group(1) in mounts and not is_bind(mounts[store.group(1)])
+    assert re.search(r"^host:\s*0\.0\.0\.0", text, re.MULTILINE), "other containers must reach the broker"
+    assert "8222" in " ".join(nats["healthcheck"]["test"]) and re.search(r"^http_port:\s*8222", text, re.MULTILINE)
+
+
+def test_worker_service_scales(compose: dict[str, Any]) -> None:
+    worker = compose["services"]["worker"]
+    # `--scale worker=N` fails on a fixed container name or a fixed host port.
+    assert "container_name" not in worker
+    for port in worker.get("ports", []):
+        assert ":" not in str(port), f"worker publishes a fixed host port: {port}"
+    assert "hostname" not in worker
+    command = as_list(worker["command"])
+    assert command[0] == "worker"
+    assert command[command.index("--nats") + 1] == "nats://nats:4222"
+    assert command[command.index("--engine") + 1] == "echo"  # the default needs no model or GPU
+    # Workers must be stopped by SIGTERM (drain), with time to finish their jobs.
+    assert worker.get("stop_signal", "SIGTERM") == "SIGTERM"
+
+
+def test_demo_trainer_is_optional(compose: dict[str, Any]) -> None:
+    demo = compose["services"]["demo-trainer"]
+    assert demo.get("profiles"), "the demo trainer must not start on a plain `docker compose up`"
+    assert "profiles" not in compose["services"]["worker"] and "profiles" not in compose["services"]["nats"]
+
+
+def test_gpu_reservation_is_commented_and_valid() -> None:
+    """The commented GPU block parses, once uncommented, to a device reservation."""
+    lines = COMPOSE_FILE.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(r"^\s*#\s*deploy:\s*$", line))
+    prefix = lines[start][: lines[start].index("deploy")]
+    block = []
+    for line in lines[start:]:
+        if not line.startswith(prefix) or (block and not line[len(prefix) :].startswith(" ")):
+            break
+        block.append(line[len(prefix) :])
+    parsed = yaml.safe_load("\n".join(block))
+    [device] = parsed["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and device["count"] == 1
+    # It is a comment in the worker service (not active: machines without GPUs must work).
+    worker_start = next(i for i, line in enumerate(lines) if re.match(r"^  worker:\s*$", line))
+    next_service = next(i for i, line in enumerate(lines) if i > worker_start and re.match(r"^  \S.*:\s*$", line))
+    assert worker_start < start < next_service
+
+
+def test_compose_commands_exist(compose: dict[str, Any]) -> None:
+    """Every flag the services pass is accepted by the rollfleet CLI / the demo module."""
+    worker = as_list(compose["services"]["worker"]["command"])
+    help_text = subprocess.run(
+        [sys.executable, "-m", "rollfleet", worker[0], "--help"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert help_text.returncode == 0, help_text.stderr
+    for flag in (arg for arg in worker if arg.startswith("--")):
+        assert flag in help_text.stdout, f"`rollfleet {worker[0]}` has no {flag}"
+
+    demo = compose["services"]["demo-trainer"]
+    entrypoint = as_list(demo["entrypoint"])
+    assert entrypoint[:2] == ["python", "-m"]
+    module = entrypoint[2]
+    assert importlib.util.find_spec(module) is not None, f"no module {module}"
+    demo_help = subprocess.run(
+        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert demo_help.returncode == 0, demo_help.stderr
+    for flag in (arg for arg in as_list(demo["command"]) if arg.startswith("--")):
+        assert flag in demo_help.stdout, f"`python -m {module}` has no {flag}"
+
+
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """Enough of .dockerignore matching for this repository's patterns (no negations used)."""
+    parts = path.split("/")
+    for pattern in patterns:
+        for i in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:i])
+            if fnmatch.fnmatch(prefix, pattern) or fnmatch.fnmatch(prefix, pattern.removeprefix("**/")):
+                return True
+    return False
+
+
+def test_dockerfile_builds_from_repository_files() -> None:
+    text = DOCKERFILE.read_text()
+    instructions = [line.strip() for line in re.sub(r"\\\n", " ", text).splitlines() if line.strip()]
+    instructions = [line for line in instructions if not line.startswith("#")]
+    assert instructions[0] == "FROM python:3.11-slim"
+    ignore = [p.strip() for p in (REPO / ".dockerignore").read_text().splitlines()]
+    ignore = [p for p in ignore if p and not p.startswith("#")]
+    assert not any(p.startswith("!") for p in ignore), "extend dockerignored() before using negations"
+    assert dockerignored(".venv", ignore) and dockerignored(".git", ignore)
+    copied = []
+    for line in instructions:
+        if line.startswith("COPY "):
+            *sources, _dest = [w for w in line.split()[1:] if not w.startswith("--")]
+            copied += sources
+    assert copied
+    for source in copied:
+        assert (REPO / source).exists(), f"COPY {source}: not in the repository"
+        assert not dockerignored(source, ignore), f"COPY {source}: excluded by .dockerignore"
+    # pyproject's readme and package must be in the image for `pip install .` to work.
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["readme"] in copied and "rollfleet" in copied
+    # The extras build arg names real extras; the entrypoint is the console script.
+    default_extras = re.search(r"^ARG ROLLFLEET_EXTRAS=(\S*)", text, re.MULTILINE)
+    assert default_extras is not None
+    for extra in filter(None, default_extras.group(1).split(",")):
+        assert extra in project["optional-dependencies"], extra
+    entrypoint = re.search(r"^ENTRYPOINT\s+(\[.*\])", text, re.MULTILINE)
+    assert entrypoint is not None and yaml.safe_load(entrypoint.group(1)) == ["rollfleet"]
+    assert "rollfleet" in project["scripts"]
+
+
+CONFIGS = sorted(p for p in BROKER_CONFIG.rglob("*.conf"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[str(p.relative_to(BROKER_CONFIG)) for p in CONFIGS])
+def test_broker_config_is_valid(config: Path, tmp_path: Path) -> None:
+    """nats-server itself accepts each config (with the environment variables they document)."""
+    env = {**os.environ, **TEST_SECRETS}
+    if "ROLLFLEET_TLS_" in config.read_text():  # -t loads the certificates
+        if shutil.which("openssl") is None:
+            pytest.skip("openssl is needed to make test certificates")
+        env.update(make_dev_certs(tmp_path / "tls"))
+    out = subprocess.run(
+        [str(check_server_binary()), "-c", str(config), "-t"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "is valid" in out.stdout + out.stderr
+
+
+def test_broker_config_readme_names_every_config() -> None:
+    readme = (BROKER_CONFIG / "README.md").read_text()
+    for config in CONFIGS:
+        assert str(config.relative_to(BROKER_CONFIG)) in readme, config

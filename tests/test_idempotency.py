@@ -1,0 +1,123 @@
+"""Idempotency keys, redelivery after a worker dies, at_most_once, durable results."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from rollfleet.broker.topology import TopologyConfig
+from rollfleet.schemas.errors import Interrupted
+from rollfleet.trainer_client import RolloutClient
+from tests.helpers import CountingEcho, eventually, payload, running_worker, stop_process, worker_process
+
+TOPO = TopologyConfig(ack_wait_s=1.5)
+
+
+async def test_resubmitting_a_key_makes_one_job_and_one_result(nats_url: str, namespace: str) -> None:
+    engine = CountingEcho(latency_s=0.3)
+    async with running_worker(nats_url, namespace, engine=engine):
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+            first = await client.submit(payload(), min_version=0, idempotency_key="step1/g0")
+            again = await client.submit(payload(), min_version=0, idempotency_key="step1/g0")
+            assert again is first  # same process: the same handle
+            result = await first.result(10)
+        # Another client process with the same id (a restarted trainer) resubmits the key.
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client2:
+            info = await client2.js.stream_info(client2.names.jobs_stream)
+            third = await client2.submit(payload(), min_version=0, idempotency_key="step1/g0")
+            assert third.stream_seq is None  # the broker saw a duplicate and stored nothing
+            again_result = await third.result(10)
+            assert (await client2.js.stream_info(client2.names.jobs_stream)).state.last_seq == info.state.last_seq
+    assert again_result.job_id == result.job_id and again_result.outputs == result.outputs
+    assert len(engine.calls) == 1
+
+
+def _wait_log(path: Path, event: str, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.startswith("{") and json.loads(line).get("event") == event:
+                    return json.loads(line)
+        time.sleep(0.05)
+    raise AssertionError(f"{event!r} not logged in {path}: {path.read_text() if path.exists() else ''}")
+
+
+@pytest.mark.parametrize("policy", ["replayable", "at_most_once"])
+async def test_worker_killed_mid_job(nats_url: str, namespace: str, tmp_path: Path, policy: str) -> None:
+    """SIGKILL a real worker process holding a job: replayable -> rerun once; at_most_once -> Interrupted."""
+    log_a = tmp_path / "a.log"
+    a = worker_process(nats_url, namespace, "victim", "--echo-latency", "30", "--ack-wait", "1.5", log_path=log_a)
+    try:
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=TOPO) as client:
+            await eventually(lambda: len(client.fleet.replicas()) == 1, timeout=20)
+            handle = await client.submit(payload(), min_version=0, retry_policy=policy, idempotency_key="k1")
+            await eventually(lambda: client.fleet.replicas()[0].in_flight == 1, timeout=10)
+            a.send_signal(signal.SIGKILL)
+            a.wait(10)
+            engine = CountingEcho()
+            async with running_worker(nats_url, namespace, engine=engine, worker_id="rescuer", topology=TOPO):
+                if policy == "replayable":
+                    result = await handle.result(20)
+                    assert result.worker_id == "rescuer" and result.delivery_attempt == 2
+                    assert engine.calls  # it ran again
+                else:
+                    with pytest.raises(Interrupted) as info:
+                        await handle.result(20)
+                    assert info.value.retryable
+                    assert not engine.calls  # not run again
+                # Exactly one outcome reaches the client for the key.
+                await client.nc.flush()
+                assert client.unclaimed() == {}
+                info_r = await client.js.stream_info(client.names.results_stream)
+                assert info_r.state.messages == 1
+    finally:
+        stop_process(a, signal.SIGKILL)
+
+
+async def test_result_stored_before_death_is_not_regenerated(nats_url: str, namespace: str, tmp_path: Path) -> None:
+    """The holder dies after storing the result but before acking: the redelivery is acked, not rerun."""
+    env = {"ROLLFLEET_FAULT": "after-result-before-ack"}
+    a = worker_process(nats_url, namespace, "dies-late", "--ack-wait", "1.5", env=env, log_path=tmp_path / "a.log")
+    try:
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=TOPO) as client:
+            await eventually(lambda: len(client.fleet.replicas()) == 1, timeout=20)
+            handle = await client.submit(payload(), min_version=0, idempotency_key="stored")
+            result = await handle.result(10)
+            assert a.wait(10) == -signal.SIGKILL  # it died right after storing the result
+            engine = CountingEcho()
+            async with running_worker(nats_url, namespace, engine=engine, topology=TOPO):
+
+                async def job_gone() -> bool:
+                    return await _jobs_left(client) == 0
+
+                await eventually(job_gone, timeout=15)
+            assert engine.calls == []  # found the stored result instead of generating again
+            assert result.delivery_attempt == 1 and result.worker_id == "dies-late"
+            assert client.unclaimed() == {}
+    finally:
+        stop_process(a, signal.SIGKILL)
+
+
+async def _jobs_left(client: RolloutClient) -> int:
+    return (await client.js.stream_info(client.names.jobs_stream)).state.messages
+
+
+async def test_results_wait_for_a_reconnecting_client(nats_url: str, namespace: str) -> None:
+    engine = CountingEcho(latency_s=0.5)
+    async with running_worker(nats_url, namespace, engine=engine):
+        client = await RolloutClient.connect(nats_url, namespace=namespace, client_id="trainer-7")
+        keys = [f"step3/s{i}" for i in range(5)]
+        for key in keys:
+            await client.submit(payload([len(key), 7]), min_version=0, idempotency_key=key)
+        await client.close()  # the trainer goes away before any result arrives
+        await eventually(lambda: len(engine.calls) == 5, timeout=15)
+        await eventually(lambda: engine.running == 0, timeout=15)
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="trainer-7") as back:
+            results = {key: await back.result(key, timeout=10) for key in keys}
+    assert {r.idempotency_key for r in results.values()} == set(keys)
+    assert all(r.client_id == "trainer-7" for r in results.values())

@@ -1,0 +1,91 @@
+"""The fleet registry, fail-fast routing, and deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from rollfleet.schemas.errors import Expired, NoCompatibleReplica
+from rollfleet.trainer_client import RolloutClient
+from rollfleet.workers.engines.echo import EchoEngine
+from tests.helpers import CountingEcho, eventually, payload, running_worker
+
+
+async def test_workers_register_and_heartbeat(nats_url: str, namespace: str) -> None:
+    async with (
+        running_worker(nats_url, namespace, version=3, worker_id="reg", capacity=7) as worker,
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        [entry] = client.fleet.replicas()
+        assert (entry.worker_id, entry.state, entry.active_version, entry.engine, entry.capacity) == (
+            "reg",
+            "ready",
+            3,
+            "echo",
+            7,
+        )
+        first = entry.heartbeat_at
+        await eventually(lambda: client.fleet.replicas()[0].heartbeat_at > first, timeout=5)
+        worker.engine.latency_s = 1.0
+        handle = await client.submit(payload(), min_version=0)
+        await eventually(lambda: client.fleet.replicas()[0].in_flight == 1, timeout=5)
+        await handle.result(10)
+    await eventually(lambda: not client.fleet.replicas(), timeout=5)  # clean exit deregisters
+
+
+async def test_dead_worker_goes_stale_and_client_fails_fast(nats_url: str, namespace: str) -> None:
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        async with running_worker(nats_url, namespace, version=1, worker_id="dies", heartbeat_s=0.3) as worker:
+            await eventually(lambda: len(client.fleet.replicas()) == 1)
+            # Simulate death: stop heartbeats without deregistering.
+            assert worker.registration is not None and worker.registration._task is not None
+            worker.registration._task.cancel()
+            worker.registration._kv = None  # its final delete is lost too
+            await eventually(lambda: not client.fleet.replicas(), timeout=5)
+            assert client.fleet.replicas(live_only=False)[0].worker_id == "dies"  # still there, but stale
+            t0 = time.monotonic()
+            handle = await client.submit(payload(), min_version=1)
+            with pytest.raises(NoCompatibleReplica):
+                await handle
+            assert time.monotonic() - t0 < 2.0  # fail fast, not at the deadline
+
+
+async def test_no_replica_at_all_fails_fast(nats_url: str, namespace: str) -> None:
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        with pytest.raises(NoCompatibleReplica, match="empty"):
+            await (await client.submit(payload(), min_version=0))
+
+
+async def test_unserved_job_expires_and_a_late_pull_answers_expired(nats_url: str, namespace: str) -> None:
+    engine = CountingEcho(latency_s=1.5)
+    async with (
+        running_worker(nats_url, namespace, version=0, worker_id="busy", capacity=1, engine=engine),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        client.deadline_grace_s = 5.0  # let the worker's own answer arrive first
+        blocker = await client.submit(payload(), min_version=0, idempotency_key="blocker")
+        await eventually(lambda: len(engine.calls) == 1)
+        late = await client.submit(payload(), min_version=0, timeout=0.3, idempotency_key="late")
+        await blocker.result(10)
+        with pytest.raises(Expired) as info:
+            await late.result(10)
+        assert info.value.retryable
+        assert len(engine.calls) == 1  # the expired job never reached the engine
+
+
+async def test_client_side_deadline_when_nobody_pulls(nats_url: str, namespace: str) -> None:
+    engine = EchoEngine(latency_s=3.0)
+    async with (
+        running_worker(nats_url, namespace, version=0, capacity=1, engine=engine),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        client.deadline_grace_s = 0.2
+        await client.submit(payload(), min_version=0)
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        late = await client.submit(payload(), min_version=0, timeout=0.5)
+        with pytest.raises(Expired):
+            await late
+        assert time.monotonic() - t0 < 2.0

@@ -1,0 +1,61 @@
+"""Version-constrained routing: each job is served only by a compatible replica."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollfleet.schemas.errors import NoCompatibleReplica
+from rollfleet.trainer_client import RolloutClient
+from rollfleet.workers.scheduler import SubjectScheduler, compatible
+from tests.helpers import payload, running_worker
+
+
+async def test_jobs_reach_only_compatible_workers(nats_url: str, namespace: str) -> None:
+    async with (
+        running_worker(nats_url, namespace, version=2, worker_id="v2") as w2,
+        running_worker(nats_url, namespace, version=5, worker_id="v5") as w5,
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="trainer") as client,
+    ):
+        cases = {
+            "min1": dict(min_version=1),
+            "min4": dict(min_version=4),
+            "exact2": dict(exact_version=2),
+            "exact5": dict(exact_version=5),
+        }
+        handles = {name: await client.submit(payload(), idempotency_key=name, **kw) for name, kw in cases.items()}
+        # Many jobs at min 1 so both workers get some; each must still be compatible.
+        many = [await client.submit(payload(), min_version=1) for _ in range(20)]
+        results = {name: await h.result(15) for name, h in handles.items()}
+        assert results["min4"].worker_id == "v5" and results["min4"].version_start == 5
+        assert results["exact2"].worker_id == "v2" and results["exact2"].version_start == 2
+        assert results["exact5"].worker_id == "v5" and results["exact5"].version_end == 5
+        assert results["min1"].version_start >= 1
+        for r in [await h.result(15) for h in many]:
+            assert r.version_start >= 1 and r.worker_id in ("v2", "v5")
+        exact3 = await client.submit(payload(), exact_version=3)
+        with pytest.raises(NoCompatibleReplica) as info:
+            await exact3.result(5)
+        assert info.value.retryable
+        assert w2.jobs_done + w5.jobs_done == 24  # exact 3 ran nowhere
+
+
+def test_worker_subjects_are_exact_w_and_min_up_to_w() -> None:
+    assert compatible(5, ("exact", 5)) and not compatible(5, ("exact", 4)) and not compatible(5, ("exact", 6))
+    assert compatible(5, ("min", 0)) and compatible(5, ("min", 5)) and not compatible(5, ("min", 6))
+
+
+def test_scheduler_prefers_constrained_work_and_ages_loose_work() -> None:
+    s = SubjectScheduler(version=5, aging_s=2.0)
+    for subject in [("min", 1), ("exact", 5), ("min", 4), ("exact", 3), ("min", 7)]:
+        s.note_pending(subject, now=0.0)  # type: ignore[arg-type]
+    # exact-3 and min-7 are not ours; exact first, then the highest min
+    assert s.order(now=1.0) == [("exact", 5), ("min", 4), ("min", 1)]
+    s.note_served(("exact", 5), now=1.0)
+    s.note_served(("min", 4), now=1.0)
+    # min-1 has waited 2.5 s (> aging_s) while tighter work kept being served: it goes first
+    assert s.order(now=2.5)[0] == ("min", 1)
+    s.note_empty(("min", 1))
+    assert ("min", 1) not in s.order(now=3.0)
+    s.set_version(6)
+    s.note_pending(("exact", 5), now=3.0)
+    assert ("exact", 5) not in s.order(now=3.0)

@@ -1,0 +1,192 @@
+"""The contract: messages round-trip, decode validates, names and errors are stable."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from rollfleet.schemas import (
+    Completion,
+    Names,
+    ReplicaStatus,
+    RolloutFailure,
+    RolloutJob,
+    RolloutPayload,
+    RolloutResult,
+    SamplingParams,
+    VersionActivated,
+    VersionConstraint,
+    VersionPublished,
+    VersionRecord,
+    check_job,
+    decode,
+    decode_event,
+    decode_outcome,
+    encode,
+    error_from_code,
+)
+from rollfleet.schemas import errors as E
+
+
+def _job(**kw: object) -> RolloutJob:
+    base = dict(
+        job_id="j1",
+        idempotency_key="step1/g0/s0",
+        client_id="trainer-0",
+        constraint=VersionConstraint("min", 3),
+        payload=RolloutPayload(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=8, temperature=0.7)),
+        deadline=2e9,
+        submitted_at=1.7e9,
+    )
+    base.update(kw)
+    return RolloutJob(**base)  # type: ignore[arg-type]
+
+
+def test_every_message_round_trips() -> None:
+    result = RolloutResult(
+        job_id="j",
+        idempotency_key="k",
+        client_id="c",
+        outputs=[Completion(token_ids=[1, 2], finish_reason="length", logprobs=[-0.1, -0.2])],
+        version_start=3,
+        version_end=4,
+        worker_id="w",
+        engine="echo",
+        queue_wait_s=0.1,
+        generation_s=0.2,
+        delivery_attempt=1,
+        finished_at=1.0,
+    )
+    failure = RolloutFailure(idempotency_key="k", client_id="c", code="expired", message="late", retryable=True)
+    status = ReplicaStatus(
+        worker_id="w",
+        state="ready",
+        active_version=2,
+        engine="echo",
+        capacity=4,
+        in_flight=1,
+        heartbeat_at=1.0,
+        heartbeat_interval_s=2.0,
+        started_at=0.5,
+    )
+    record = VersionRecord(version=7, kind="delta", base_version=6, encoding="xor", checksum_format="xxh3-128")
+    job = _job()
+    assert decode(encode(job), RolloutJob) == job
+    assert decode_outcome(encode(result)) == result
+    assert decode_outcome(encode(failure)) == failure
+    assert decode(encode(status), ReplicaStatus) == status
+    assert decode(encode(record), VersionRecord) == record
+    published = VersionPublished(record=record)
+    activated = VersionActivated(
+        worker_id="w",
+        version=7,
+        previous_version=6,
+        prepare_s=1,
+        pause_s=0.01,
+        wire_bytes=10,
+        density=0.01,
+        activated_at=2.0,
+    )
+    assert decode_event(encode(published)) == published
+    assert decode_event(encode(activated)) == activated
+
+
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        (b"\xc1\xff not msgpack", "not valid MessagePack"),
+        (encode({"job_id": 5}), "invalid field"),
+        (encode({**msgspec.to_builtins(_job()), "deadline": "tomorrow"}), "deadline"),
+        (encode({**msgspec.to_builtins(_job()), "constraint": {"kind": "max", "version": 1}}), "invalid field"),
+    ],
+)
+def test_decode_rejects_bad_input_with_a_typed_error(data: bytes, fragment: str) -> None:
+    with pytest.raises(E.InvalidRequest) as info:
+        decode(data, RolloutJob)
+    assert fragment in info.value.message
+    assert info.value.retryable is False
+
+
+def test_decode_rejects_oversized_before_parsing() -> None:
+    with pytest.raises(E.InvalidRequest, match="over the limit"):
+        decode(b"\x00" * 2000, RolloutJob, max_bytes=1000)
+
+
+@pytest.mark.parametrize(
+    "payload, fragment",
+    [
+        (RolloutPayload(), "exactly one"),
+        (RolloutPayload(prompt_token_ids=[1], prompt_text="x"), "exactly one"),
+        (RolloutPayload(prompt_token_ids=[]), "empty"),
+        (RolloutPayload(prompt_token_ids=[-1]), "non-negative"),
+        (RolloutPayload(prompt_token_ids=[1], sampling=SamplingParams(temperature=-1)), "temperature"),
+        (RolloutPayload(prompt_token_ids=[1], sampling=SamplingParams(temperature=float("nan"))), "temperature"),
+        (RolloutPayload(prompt_token_ids=[1], sampling=SamplingParams(top_p=0)), "top_p"),
+        (RolloutPayload(prompt_token_ids=[1], sampling=SamplingParams(max_tokens=0)), "max_tokens"),
+        (RolloutPayload(prompt_token_ids=[1], sampling=SamplingParams(top_k=-2)), "top_k"),
+        (RolloutPayload(prompt_token_ids=[1], n=0), "n must be"),
+        (RolloutPayload(prompt_token_ids=list(range(40_000))), "over the limit"),
+    ],
+)
+def test_impossible_payloads_are_invalid(payload: RolloutPayload, fragment: str) -> None:
+    with pytest.raises(E.InvalidRequest, match=fragment):
+        check_job(_job(payload=payload))
+
+
+def test_constraints() -> None:
+    assert VersionConstraint("min", 3).allows(3) and VersionConstraint("min", 3).allows(9)
+    assert not VersionConstraint("min", 3).allows(2)
+    assert VersionConstraint("exact", 3).allows(3) and not VersionConstraint("exact", 3).allows(4)
+
+
+def test_replica_liveness_and_compatibility() -> None:
+    s = ReplicaStatus(
+        worker_id="w",
+        state="ready",
+        active_version=2,
+        engine="echo",
+        capacity=1,
+        in_flight=0,
+        heartbeat_at=100.0,
+        heartbeat_interval_s=1.0,
+        started_at=0.0,
+        preparing_version=4,
+    )
+    assert s.is_live(now=102.0) and not s.is_live(now=104.0)
+    assert s.can_serve(VersionConstraint("exact", 2))
+    assert s.can_serve(VersionConstraint("exact", 4))  # preparing counts
+    assert not s.can_serve(VersionConstraint("exact", 3))
+    s.state = "draining"
+    assert not s.can_serve(VersionConstraint("min", 0))
+
+
+def test_names_are_built_from_the_namespace() -> None:
+    n = Names("run1")
+    assert n.jobs_stream == "RF_RUN1_JOBS" and n.results_stream == "RF_RUN1_RESULTS"
+    assert n.job_subject("min", 3) == "rf.run1.jobs.min.3" and n.job_consumer("exact", 5) == "exact-5"
+    assert n.parse_job_subject("rf.run1.jobs.exact.5") == ("exact", 5)
+    assert n.parse_job_subject("rf.run1.jobs.max.5") is None
+    assert n.policy_bucket == "RF_RUN1_POLICY" and n.fleet_bucket == "RF_RUN1_FLEET"
+    assert n.result_subject("trainer-0", "a.b/c d").startswith("rf.run1.results.trainer-0.")
+    assert "." not in n.result_subject("t", "a.b.c").split("results.t.")[1]
+    for bad in ("Run1", "a.b", "", "x*"):
+        with pytest.raises(E.InvalidRequest):
+            Names(bad)
+    with pytest.raises(E.InvalidRequest):
+        n.results_filter("bad.client")
+
+
+def test_errors_have_stable_codes_and_retryable_flags() -> None:
+    expected = {
+        "no_compatible_replica": (E.NoCompatibleReplica, True),
+        "expired": (E.Expired, True),
+        "interrupted": (E.Interrupted, True),
+        "invalid_request": (E.InvalidRequest, False),
+        "checksum_mismatch": (E.ChecksumMismatch, False),
+        "lineage_mismatch": (E.LineageMismatch, False),
+    }
+    for code, (cls, retryable) in expected.items():
+        err = error_from_code(code, "m")
+        assert type(err) is cls and err.code == code and err.retryable is retryable
+        assert isinstance(err, E.RollfleetError)
+    assert type(error_from_code("something-new", "m")) is E.InternalError
