@@ -80,8 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", type=int, default=None, help="serve this fixed version (no policy following)")
     p.add_argument("--capacity", type=int, default=4, help="jobs run at once")
     p.add_argument("--heartbeat", type=float, default=2.0, help="registry heartbeat seconds")
+    p.add_argument("--store", default=None, help="policy store to follow (published versions)")
+    p.add_argument("--local-dir", default=None, help="host-local checkpoint directory (with --store)")
+    p.add_argument("--model-dir", default=None, help="serve this fixed checkpoint (without --store)")
+    p.add_argument("--catch-up-wait", type=float, default=0.0, help="seconds to wait for a first commit")
+    p.add_argument("--pre-read-hook", default=None, help="module:function run before reading a version")
     p.add_argument("--echo-latency", type=float, default=0.0, help="echo engine: seconds per job")
     p.add_argument("--echo-token-latency", type=float, default=0.0, help="echo engine: seconds per token")
+    p.add_argument("--device", default="auto", help="hf engine: cpu, cuda, auto")
+    p.add_argument("--dtype", default=None, help="hf engine: float32, bfloat16 (default: the checkpoint's)")
+    p.add_argument("--max-batch", type=int, default=32, help="hf engine: sequences decoded together")
+    p.add_argument("--sglang-url", default=None, help="sglang engine: attach to this server")
+    p.add_argument("--sglang-arg", action="append", default=[], help="sglang engine: extra launch_server argument")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
 
     p = sub.add_parser("status", help="show the fleet, queue depths and the latest version")
     _add_conn(p)
@@ -165,12 +176,22 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
     if args.engine == "echo":
         options = {"latency_s": args.echo_latency, "per_token_s": args.echo_token_latency}
+    elif args.engine == "hf":
+        options = {"device": args.device, "dtype": args.dtype, "max_batch": args.max_batch}
+    elif args.engine == "sglang":
+        options = {"url": args.sglang_url, "launch_args": list(args.sglang_arg)}
     engine = make_engine(args.engine, **options)
     config = WorkerConfig(
         nats_url=args.nats,
         namespace=args.namespace,
         worker_id=args.worker_id or default_worker_id(),
         version=args.version or 0,
+        store_dir=Path(args.store) if args.store else None,
+        local_dir=Path(args.local_dir) if args.local_dir else None,
+        model_dir=Path(args.model_dir) if args.model_dir else None,
+        catch_up_wait_s=args.catch_up_wait,
+        pre_read_hook=args.pre_read_hook,
+        metrics_port=args.metrics_port,
         capacity=args.capacity,
         heartbeat_s=args.heartbeat,
         topology=_topology(args),

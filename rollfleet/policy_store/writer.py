@@ -225,5 +225,3 @@ def clean_temporaries(store: Path, older_than_s: float = 0.0) -> list[str]:
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(entry.name)
     return removed
-
-

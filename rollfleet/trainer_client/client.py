@@ -13,6 +13,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Generator
 from contextlib import suppress
+from pathlib import Path
 from typing import Any
 
 import nats.errors
@@ -29,12 +30,14 @@ from rollfleet.schemas import (
     Limits,
     Names,
     Outcome,
+    ReplicaStatus,
     RetryPolicy,
     RolloutFailure,
     RolloutJob,
     RolloutPayload,
     RolloutResult,
     VersionConstraint,
+    VersionRecord,
     check_job,
     check_token,
     decode_outcome,
@@ -44,6 +47,7 @@ from rollfleet.schemas import (
 from rollfleet.schemas.errors import Expired, InvalidRequest, NoCompatibleReplica, RollfleetError, ServiceUnavailable
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_IDEMPOTENCY_KEY, HDR_JOB_ID, HDR_MSG_ID
 from rollfleet.trainer_client.fleet import FleetView
+from rollfleet.trainer_client.versions import adopt_version, commit_version
 
 log = get_logger("rollfleet.client")
 
@@ -340,6 +344,33 @@ class RolloutClient:
             return bool(await self.js.delete_msg(self.names.jobs_stream, handle.stream_seq))
         except Exception:  # already taken (acked and removed) or broker away
             return False
+
+    # -- policy versions --------------------------------------------------------------------
+    async def publish_policy(self, publisher: Any, named_tensors: Any) -> VersionRecord:
+        """Write the next version with a ``PolicyPublisher`` (in a thread) and commit it.
+
+        The first call records the base checkpoint as version 0 and commits that.
+        """
+        record = await asyncio.to_thread(publisher.publish, named_tensors)
+        await self.commit_version(record)
+        return record
+
+    async def commit_version(self, record: VersionRecord) -> None:
+        """Make a written version visible to the fleet (create ``v.<N>``, CAS ``latest``, announce)."""
+        await commit_version(self.js, self.names, record)
+        self.fleet.note_committed(record.version)
+
+    async def adopt_version(self, store_dir: str | Path, version_dir: str | Path) -> VersionRecord:
+        """Verify and commit a version directory written by another publisher, without re-encoding."""
+        record = await adopt_version(self.js, self.names, Path(store_dir), Path(version_dir))
+        self.fleet.note_committed(record.version)
+        return record
+
+    async def wait_for_version(
+        self, version: int, *, replicas: int | None = None, fraction: float | None = None, timeout: float = 120.0
+    ) -> list[ReplicaStatus]:
+        """Wait until ``replicas`` (or ``fraction``, default all live) replicas serve ``version``+."""
+        return await self.fleet.wait_for_version(version, replicas=replicas, fraction=fraction, timeout=timeout)
 
     # -- results ----------------------------------------------------------------------------
     async def result(self, idempotency_key: str, timeout: float | None = None) -> RolloutResult:

@@ -13,6 +13,7 @@ import time
 import uuid
 from contextlib import suppress
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import nats.errors
@@ -46,9 +47,11 @@ from rollfleet.schemas import (
 from rollfleet.schemas.errors import EngineFailure, Expired, Interrupted, InvalidRequest, RollfleetError
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_IDEMPOTENCY_KEY, HDR_JOB_ID, HDR_MSG_ID, check_token
 from rollfleet.workers.engines import Engine
+from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.puller import JobPuller
 from rollfleet.workers.registry import Registration
 from rollfleet.workers.scheduler import Subject, SubjectScheduler, compatible
+from rollfleet.workers.version_sync import VersionSync
 
 
 @dataclass
@@ -62,6 +65,15 @@ class WorkerConfig:
     poll_s: float = 1.0  # backstop scan of queue depths (bells can be missed during a reconnect)
     aging_s: float = 5.0
     drain_timeout_s: float = 120.0
+    # Weights: follow published versions from a store (store_dir + local_dir), or serve a
+    # fixed checkpoint (model_dir) at ``version``. Neither: a model-free engine such as echo.
+    store_dir: Path | None = None
+    local_dir: Path | None = None
+    model_dir: Path | None = None
+    catch_up_wait_s: float = 0.0  # how long to wait for a first commit before serving the base
+    resync_s: float = 5.0
+    pre_read_hook: str | None = None
+    metrics_port: int | None = None  # Prometheus endpoint; 0 picks a free port
     limits: Limits = DEFAULT_LIMITS
     topology: TopologyConfig = DEFAULT_TOPOLOGY
     connect_options: dict[str, Any] = field(default_factory=dict)
@@ -79,6 +91,7 @@ class Worker:
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
         self.registration: Registration | None = None
+        self.sync: VersionSync | None = None
         self._pullers: dict[Subject, JobPuller] = {}
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
@@ -88,6 +101,7 @@ class Worker:
         self._tasks: list[asyncio.Task[None]] = []
         self.jobs_done = 0
         self.outcomes: dict[str, int] = {}
+        self.metrics = WorkerMetrics(config.worker_id, engine.name)
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -95,11 +109,10 @@ class Worker:
         self.nc = await connect(cfg.nats_url, name=f"rollfleet-worker-{cfg.worker_id}", **cfg.connect_options)
         self.js = self.nc.jetstream()
         await ensure_topology(self.js, self.names, cfg.topology)
-        await self.engine.start(None, self.version)
         now = time.time()
         status = ReplicaStatus(
             worker_id=cfg.worker_id,
-            state="ready",
+            state="starting",
             active_version=self.version,
             engine=self.engine.name,
             capacity=cfg.capacity,
@@ -108,14 +121,47 @@ class Worker:
             heartbeat_interval_s=cfg.heartbeat_s,
             started_at=now,
         )
+        if cfg.metrics_port is not None:
+            port = self.metrics.serve(cfg.metrics_port)
+            status.metrics_url = f"http://{os.uname().nodename}:{port}/metrics"
         self.registration = Registration(self.js, self.names, status, refresh=self._refresh_status)
-        await self.nc.subscribe(self.names.bell_wildcard, cb=self._on_bell)
         await self.registration.start()
+        if cfg.store_dir is not None:
+            # A new or restarted replica catches up before it registers as ready.
+            self.sync = VersionSync(
+                self.js,
+                self.names,
+                self.engine,
+                cfg.store_dir,
+                cfg.local_dir or Path(f".rollfleet/replicas/{cfg.worker_id}"),
+                worker_id=cfg.worker_id,
+                on_activated=self._activated,
+                resync_s=cfg.resync_s,
+                pre_read_hook=cfg.pre_read_hook,
+                metrics=self.metrics,
+            )
+            caught_up = await self.sync.catch_up(cfg.catch_up_wait_s, self.registration)
+            self.version = caught_up.version
+            self.scheduler.set_version(self.version)
+            await self.engine.start(self.sync.local_dir, self.version)
+        else:
+            await self.engine.start(cfg.model_dir, self.version)
+        await self.nc.subscribe(self.names.bell_wildcard, cb=self._on_bell)
+        await self.registration.write(state="ready", active_version=self.version, preparing_version=None)
+        if self.sync is not None:
+            self.sync.start(self.registration)
         self._tasks = [
             asyncio.create_task(self._pull_loop(), name="pull-loop"),
             asyncio.create_task(self._poll_loop(), name="poll-loop"),
         ]
         self.log.info("worker ready", version=self.version, engine=self.engine.name, capacity=cfg.capacity)
+
+    async def _activated(self, version: int) -> None:
+        """The engine serves ``version`` now: pull its subjects from here on."""
+        self.metrics.active_version.set(version)
+        self.version = version
+        self.scheduler.set_version(version)
+        self._wake.set()
 
     def request_stop(self) -> None:
         """Drain: no new pulls; running jobs finish; then ``run`` returns."""
@@ -137,6 +183,8 @@ class Worker:
         self.log.info("draining", in_flight=len(self._inflight))
         if self.registration is not None:
             await self.registration.write(state="draining")
+        if self.sync is not None:
+            await self.sync.stop()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -151,6 +199,7 @@ class Worker:
         for puller in self._pullers.values():
             await puller.close()
         await self.engine.close()
+        self.metrics.close()
         if self.nc is not None:
             with suppress(Exception):
                 await self.nc.flush(timeout=2)
@@ -160,6 +209,8 @@ class Worker:
         self.log.info("stopped", jobs_done=self.jobs_done)
 
     def _refresh_status(self, status: ReplicaStatus) -> None:
+        self.metrics.in_flight.set(len(self._inflight))
+        self.metrics.active_version.set(self.version)
         status.in_flight = len(self._inflight)
         status.jobs_done = self.jobs_done
         status.active_version = self.version
@@ -324,6 +375,8 @@ class Worker:
         await msg.ack()
         self.jobs_done += 1
         self._count("ok")
+        self.metrics.queue_wait.observe(result.queue_wait_s)
+        self.metrics.generation.observe(result.generation_s)
         log.info(
             "job done",
             version_start=result.version_start,
@@ -393,6 +446,7 @@ class Worker:
 
     def _count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        self.metrics.job(outcome)
 
 
 def default_worker_id() -> str:

@@ -1,0 +1,279 @@
+"""Weight publication: encode/apply throughput, wire bytes and apply memory, against same-run baselines.
+
+A bf16 model (>= 1 GiB; ~64 MiB with --quick) takes one simulated RL step per density: fp32
+master weights plus a small multiplicative update, cast to bf16, calibrated so that 0.25 %, 1 %
+and 3 % of the bf16 elements change. For each delta encoding we time ``PolicyPublisher.publish``
+(encode + write + fsync) and ``materialize`` (apply in place + verify + fsync), in model bytes per
+second, against
+
+- ``numpy.copyto`` of the same bytes (the memory-bandwidth ceiling), and
+- a straightforward single-threaded per-tensor baseline: XOR, zstd level 1, xxh3-128 (and the
+  same file writes / mmap application), which is what the target ratio is measured against.
+
+Wire bytes per encoding are compared with xor+zstd-1. Peak memory while applying is measured in
+a child process: anonymous RSS (heap) sampled during the apply, and VmHWM growth; the mmap'd
+checkpoint pages are file-backed page cache, not process memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+import zstandard as zstd
+
+from benchmarks.report import Row
+from rollfleet.policy_store import materialize
+from rollfleet.policy_store.layout import CheckpointLayout, TensorSpec, write_shard
+from rollfleet.policy_store.writer import write_file
+from rollfleet.trainer_client.publisher import PolicyPublisher
+
+DENSITIES = (0.0025, 0.01, 0.03)
+ENCODINGS = ("xor", "overwrite", "rf-sparse-xor")
+BASELINE = "1-thread xor+zstd1+xxh3"
+
+
+def model_shapes(quick: bool) -> dict[str, tuple[int, ...]]:
+    """A Llama-like layout: ~1.17 GB of bf16 (or ~67 MB with quick)."""
+    h, inter, vocab, layers = (512, 1376, 8000, 8) if quick else (2048, 5504, 32000, 9)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, h)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for proj in ("q", "k", "v", "o"):
+            shapes[p + f"self_attn.{proj}_proj.weight"] = (h, h)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+        shapes[p + "mlp.up_proj.weight"] = (inter, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (vocab, h)
+    return shapes
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def calibrate(density: float) -> float:
+    """Relative update size r such that bf16(w + r*|w|*N(0,1)) differs from bf16(w) at ``density``."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(1 << 20, generator=g) * 0.02
+    noise = torch.randn(1 << 20, generator=g)
+    lo, hi = 1e-6, 1.0
+    for _ in range(40):
+        r = (lo * hi) ** 0.5
+        changed = ((w + noise * w.abs() * r).to(torch.bfloat16) != w.to(torch.bfloat16)).float().mean().item()
+        lo, hi = (r, hi) if changed < density else (lo, r)
+    return (lo * hi) ** 0.5
+
+
+class Model:
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.master = {n: torch.randn(s, generator=g) * 0.02 for n, s in shapes.items()}
+        self.g = g
+
+    def bf16(self) -> dict[str, torch.Tensor]:
+        return {n: m.to(torch.bfloat16) for n, m in self.master.items()}
+
+    def step(self, r: float) -> dict[str, torch.Tensor]:
+        for m in self.master.values():
+            noise = torch.randn(m.shape, generator=self.g)
+            m.add_(noise.mul_(m.abs()).mul_(r))
+        return self.bf16()
+
+
+def write_checkpoint(root: Path, tensors: dict[str, torch.Tensor]) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text("{}")
+    items = [(n, TensorSpec("BF16", tuple(t.shape)), _bits(t)) for n, t in tensors.items()]
+    (root / "model.safetensors").unlink(missing_ok=True)  # a new inode: a store may hard-link the old one
+    write_file(root / "model.safetensors", lambda f: write_shard(f, items, {"format": "pt"}))
+
+
+# -- baselines ---------------------------------------------------------------------------------
+
+
+def baseline_encode(new: dict[str, np.ndarray], old: dict[str, np.ndarray], out: Path) -> float:
+    t0 = time.perf_counter()
+    frames, sums = [], {}
+    for name, n in new.items():
+        x = np.bitwise_xor(n, old[name])
+        frames.append((name, TensorSpec("U8", (0,)), zstd.ZstdCompressor(level=1).compress(x)))
+        sums[name] = xxhash.xxh3_128_hexdigest(n)
+        np.copyto(old[name], n)
+    frames = [(n, TensorSpec("U8", (len(f),)), f) for n, _, f in frames]
+    write_file(out, lambda f: write_shard(f, frames, sums))
+    return time.perf_counter() - t0
+
+
+def baseline_apply(local: Path, frames: dict[str, bytes]) -> float:
+    layout = CheckpointLayout.read(local)
+    t0 = time.perf_counter()
+    mm = np.memmap(local / "model.safetensors", dtype=np.uint8, mode="r+")
+    for name, frame in frames.items():
+        loc = layout.tensors[name]
+        dst = mm[loc.offset : loc.offset + loc.nbytes]
+        delta = np.frombuffer(zstd.ZstdDecompressor().decompress(frame), np.uint8)
+        np.bitwise_xor(dst, delta, out=dst)
+        xxhash.xxh3_128_hexdigest(dst)
+    mm.flush()
+    os.fsync(os.open(local / "model.safetensors", os.O_RDONLY))
+    del mm
+    return time.perf_counter() - t0
+
+
+def copyto_seconds(new: dict[str, np.ndarray]) -> float:
+    dst = {n: np.empty_like(a) for n, a in new.items()}
+    for n, a in new.items():  # fault the pages in first: we want bandwidth, not page faults
+        np.copyto(dst[n], a)
+    t0 = time.perf_counter()
+    for n, a in new.items():
+        np.copyto(dst[n], a)
+    return time.perf_counter() - t0
+
+
+# -- peak memory -------------------------------------------------------------------------------
+
+_PEAK_CHILD = """
+import json, sys, threading, time
+from rollfleet.policy_store import materialize
+def field(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    return 0
+peak, stop = [0], threading.Event()
+def sample():
+    while not stop.is_set():
+        peak[0] = max(peak[0], field("RssAnon:"))
+        time.sleep(0.002)
+start_anon, start_hwm = field("RssAnon:"), field("VmHWM:")
+t = threading.Thread(target=sample); t.start()
+materialize(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+stop.set(); t.join()
+print(json.dumps({"anon_peak": peak[0] - start_anon, "hwm_growth": field("VmHWM:") - start_hwm}))
+"""
+
+
+def peak_apply_memory(local: Path, store: Path, version: int) -> dict[str, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_CHILD, str(local), str(store), str(version)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def _seed_copy(src: Path, dst: Path) -> None:
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst)
+
+
+def run(quick: bool) -> list[Row]:
+    rows: list[Row] = []
+    shapes = model_shapes(quick)
+    tmp = Path(tempfile.mkdtemp(prefix="rf-bench-weights-"))
+    try:
+        model = Model(shapes)
+        base = model.bf16()
+        total = sum(t.numel() * 2 for t in base.values())
+        largest = max(t.numel() * 2 for t in base.values())
+        write_checkpoint(tmp / "base", base)
+        mb = total / 1e6
+        case0 = f"{total / 2**30:.2f} GiB bf16"
+        print(f"model: {len(shapes)} tensors, {total / 2**20:.0f} MiB, largest {largest / 2**20:.0f} MiB", flush=True)
+        copy_s = copyto_seconds({n: _bits(t) for n, t in base.items()})
+        rows.append(Row("weights/copyto", case0, "MB/s", mb / copy_s, extra={"seconds": copy_s}))
+        for density in DENSITIES:
+            r = calibrate(density)
+            prev = model.bf16()
+            new = model.step(r)
+            new_bits = {n: _bits(t) for n, t in new.items()}
+            prev_bits = {n: _bits(t).copy() for n, t in prev.items()}
+            elem_density = sum(
+                int(np.count_nonzero(new[n].view(torch.int16) != prev[n].view(torch.int16))) for n in new
+            ) / sum(t.numel() for t in new.values())
+            case = f"density={density * 100:g}%"
+            extra_d = {"element_density": round(elem_density, 5)}
+            # the baseline, encode then apply, on its own copy of the base checkpoint
+            write_checkpoint(tmp / "prev", prev)
+            enc_s = baseline_encode(new_bits, prev_bits, tmp / "baseline.safetensors")
+            from safetensors.numpy import load_file
+
+            frames = {n: a.tobytes() for n, a in load_file(str(tmp / "baseline.safetensors")).items()}
+            base_wire = (tmp / "baseline.safetensors").stat().st_size
+            app_s = baseline_apply(tmp / "prev", frames)
+            base_enc, base_app = mb / enc_s, mb / app_s
+            rows.append(Row("weights/encode", case, "MB/s", base_enc, extra={"encoding": BASELINE} | extra_d))
+            rows.append(Row("weights/apply", case, "MB/s", base_app, extra={"encoding": BASELINE} | extra_d))
+            wires: dict[str, int] = {}
+            for enc in ENCODINGS:
+                store, local = tmp / f"store-{enc}", tmp / f"local-{enc}"
+                shutil.rmtree(store, ignore_errors=True)
+                write_checkpoint(tmp / "prev", prev)
+                pub = PolicyPublisher(store, tmp / "prev", encoding=enc, keyframe_every=0, keep_last=None)
+                pub.publish(prev)  # version 0, not timed
+                materialize(local, store, 0)  # seed, not timed
+                t0 = time.perf_counter()
+                rec = pub.publish(new)
+                pub_s = time.perf_counter() - t0
+                pub.close()
+                wires[enc] = rec.wire_bytes
+                ex = {"encoding": enc, "seconds": round(pub_s, 4), "wire_bytes": rec.wire_bytes} | extra_d
+                rows.append(Row("weights/encode", case + f" {enc}", "MB/s", mb / pub_s, base_enc, BASELINE,
+                                target=">= 1.5x baseline", extra=ex))
+                rows.append(Row("weights/encode", case + f" {enc}", "MB/s", mb / pub_s, mb / copy_s, "np.copyto",
+                                extra=ex))
+                if enc == "xor" and density == 0.01:
+                    _seed_copy(local, tmp / "local-peak")
+                t0 = time.perf_counter()
+                res = materialize(local, store, 1)
+                app_s2 = time.perf_counter() - t0
+                assert res.version == 1 and not res.reseeded
+                ex = {"encoding": enc, "seconds": round(app_s2, 4)} | extra_d
+                target = ">= 1.5x baseline" if enc != "rf-sparse-xor" else ">= xor apply"
+                rows.append(Row("weights/apply", case + f" {enc}", "MB/s", mb / app_s2, base_app, BASELINE,
+                                target=target, extra=ex))
+                rows.append(Row("weights/apply", case + f" {enc}", "MB/s", mb / app_s2, mb / copy_s, "np.copyto",
+                                extra=ex))
+                if enc == "xor" and density == 0.01:
+                    peak = peak_apply_memory(tmp / "local-peak", store, 1)
+                    shutil.rmtree(tmp / "local-peak", ignore_errors=True)
+                    rows.append(Row("weights/apply-memory", case + " xor", "MiB", peak["anon_peak"] / 2**20,
+                                    largest / 2**20, "largest tensor", higher_is_better=False,
+                                    target="small multiple of largest tensor",
+                                    extra={"vmhwm_growth_mib": round(peak["hwm_growth"] / 2**20, 1)}))
+                shutil.rmtree(local, ignore_errors=True)
+            for enc in ENCODINGS:
+                target = "<= 0.75x xor at 1%" if enc == "rf-sparse-xor" else ""
+                rows.append(Row("weights/wire", case + f" {enc}", "bytes", wires[enc], wires["xor"], "xor+zstd1",
+                                higher_is_better=False, target=target,
+                                extra={"fraction_of_model": round(wires[enc] / total, 5)}))
+            rows.append(Row("weights/wire", case + " baseline", "bytes", base_wire, wires["xor"], "xor+zstd1",
+                            higher_is_better=False))
+            for enc in ENCODINGS:
+                shutil.rmtree(tmp / f"store-{enc}", ignore_errors=True)
+            # the apply-memory check also covers the sparse path, where the payload is decoded whole
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
+if __name__ == "__main__":
+    for row in run(quick="--quick" in sys.argv):
+        print(row.line())

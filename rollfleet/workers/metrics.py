@@ -1,0 +1,56 @@
+"""Prometheus metrics of one worker, on their own registry (several workers may share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_PAUSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class WorkerMetrics:
+    def __init__(self, worker_id: str, engine: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"worker_id": worker_id, "engine": engine}
+        r = self.registry
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, (*labels, *extra), registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, tuple(labels), registry=r).labels(**labels)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, tuple(labels), buckets=buckets, registry=r).labels(**labels)
+
+        self._labels = labels
+        self._jobs = counter("rollfleet_jobs_total", "Jobs finished, by outcome (ok or an error code)", ("outcome",))
+        self.queue_wait = hist("rollfleet_queue_wait_seconds", "Submit to start of generation", _LATENCY_BUCKETS)
+        self.generation = hist("rollfleet_generation_seconds", "Generation time per job", _LATENCY_BUCKETS)
+        self.in_flight = gauge("rollfleet_jobs_in_flight", "Jobs running now")
+        self.active_version = gauge("rollfleet_active_version", "Policy version being served")
+        self.prepare = hist(
+            "rollfleet_prepare_seconds", "Pull + apply + verify + stage per activation", _LATENCY_BUCKETS
+        )
+        self.pause = hist("rollfleet_pause_seconds", "Engine pause per activation", _PAUSE_BUCKETS)
+        self.wire_bytes = counter("rollfleet_wire_bytes_total", "Bytes of version files read").labels(**labels)
+        self.density = gauge("rollfleet_update_density", "Changed fraction of the model in the last activation")
+        self.activations = counter("rollfleet_activations_total", "Versions activated").labels(**labels)
+        self.prepare_failures = counter("rollfleet_prepare_failures_total", "Failed prepares").labels(**labels)
+        self.port: int | None = None
+
+    def job(self, outcome: str) -> None:
+        self._jobs.labels(**self._labels, outcome=outcome).inc()
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+        """Serve /metrics; port 0 picks a free one. Returns the port."""
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        self.port = int(server.server_address[1])
+        self._server = server
+        return self.port
+
+    def close(self) -> None:
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
