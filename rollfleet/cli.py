@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=32, help="hf engine: sequences decoded together")
     p.add_argument("--sglang-url", default=None, help="sglang engine: attach to this server")
     p.add_argument("--sglang-arg", action="append", default=[], help="sglang engine: extra launch_server argument")
+    p.add_argument("--verify-live", action="store_true", help="announce a digest of the live weights")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
 
     p = sub.add_parser("status", help="show the fleet, queue depths and the latest version")
@@ -192,6 +193,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         catch_up_wait_s=args.catch_up_wait,
         pre_read_hook=args.pre_read_hook,
         metrics_port=args.metrics_port,
+        verify_live=args.verify_live,
         capacity=args.capacity,
         heartbeat_s=args.heartbeat,
         topology=_topology(args),

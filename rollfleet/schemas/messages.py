@@ -181,6 +181,8 @@ class VersionActivated(msgspec.Struct, tag="activated", kw_only=True):
     density: float
     activated_at: float
     changed_tensors: int = 0
+    # weights_digest() of the live weights' checksums, when the replica was asked to verify them
+    weights_digest: str | None = None
 
 
 VersionEvent = VersionPublished | VersionActivated

@@ -24,6 +24,7 @@ from nats.js.kv import KeyValue
 from rollfleet import faults
 from rollfleet.logs import get_logger
 from rollfleet.policy_store import MaterializeResult, materialize
+from rollfleet.policy_store.digest import weights_digest
 from rollfleet.schemas import Names, VersionActivated, encode
 from rollfleet.schemas.errors import PolicyError, RollfleetError
 from rollfleet.workers.engines import Engine
@@ -66,6 +67,7 @@ class VersionSync:
         resync_s: float = 5.0,
         pre_read_hook: str | None = None,
         metrics: WorkerMetrics | None = None,
+        verify_live: bool = False,
     ) -> None:
         self._js = js
         self._names = names
@@ -77,6 +79,7 @@ class VersionSync:
         self._resync_s = resync_s
         self._pre_read_hook = pre_read_hook
         self._metrics = metrics
+        self._verify_live = verify_live
         self._kv: KeyValue | None = None
         self._registration: Registration | None = None
         self._wake = asyncio.Event()
@@ -230,6 +233,10 @@ class VersionSync:
             activated_at=time.time(),
             changed_tensors=len(result.changed),
         )
+        if self._verify_live:
+            # After resume, off the pause: hashing every live tensor is not free.
+            live = await asyncio.to_thread(self._engine.live_checksums)
+            announcement.weights_digest = weights_digest(live) if live is not None else None
         with suppress(Exception):
             await self._js.publish(self._names.versions_activated, encode(announcement))
         log.info(

@@ -73,6 +73,7 @@ class WorkerConfig:
     catch_up_wait_s: float = 0.0  # how long to wait for a first commit before serving the base
     resync_s: float = 5.0
     pre_read_hook: str | None = None
+    verify_live: bool = False  # announce a digest of the live weights after each activation
     metrics_port: int | None = None  # Prometheus endpoint; 0 picks a free port
     limits: Limits = DEFAULT_LIMITS
     topology: TopologyConfig = DEFAULT_TOPOLOGY
@@ -139,6 +140,7 @@ class Worker:
                 resync_s=cfg.resync_s,
                 pre_read_hook=cfg.pre_read_hook,
                 metrics=self.metrics,
+                verify_live=cfg.verify_live,
             )
             caught_up = await self.sync.catch_up(cfg.catch_up_wait_s, self.registration)
             self.version = caught_up.version

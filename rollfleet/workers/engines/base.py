@@ -73,6 +73,11 @@ class Engine(abc.ABC):
     async def abort(self, request_id: str) -> None:
         """Stop one request; its ``generate`` returns with finish_reason 'abort'."""
 
+    def live_checksums(self) -> dict[str, str] | None:
+        """Per-tensor checksums (xxh3-128) of the live weights under HF names, where the engine
+        can read them (None otherwise); lets a replica prove it serves the trainer's bytes."""
+        return None
+
     @abc.abstractmethod
     async def health(self) -> EngineHealth: ...
 

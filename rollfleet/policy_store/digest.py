@@ -1,0 +1,19 @@
+"""One digest for a whole set of tensors, from their per-tensor checksums.
+
+The trainer (``PolicyPublisher.checksums``) and a replica (its engine's live parameters)
+compute it the same way, so comparing two short strings proves the replica serves exactly
+the trainer's bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import xxhash
+
+
+def weights_digest(checksums: Mapping[str, str]) -> str:
+    h = xxhash.xxh3_128()
+    for name in sorted(checksums):
+        h.update(f"{name}={checksums[name]}\n".encode())
+    return h.hexdigest()

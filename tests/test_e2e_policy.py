@@ -1,0 +1,110 @@
+"""End to end with real processes: a trainer publishes versions while two hf workers serve."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollfleet.models import build_model_dir
+from rollfleet.policy_store.digest import weights_digest
+from rollfleet.schemas import RolloutPayload, SamplingParams, VersionActivated, decode
+from rollfleet.trainer_client import PolicyPublisher, RolloutClient
+from tests.helpers import eventually, stop_process, worker_process
+
+pytestmark = pytest.mark.slow
+
+
+def load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def rl_step(tensors: dict[str, torch.Tensor], gen: torch.Generator, density: float = 0.01) -> None:
+    """A small update to about ``density`` of the elements of every tensor, in place."""
+    for t in tensors.values():
+        flat = t.view(-1)
+        k = max(1, int(flat.numel() * density))
+        idx = torch.randint(0, flat.numel(), (k,), generator=gen)
+        flat[idx] += torch.randn(k, generator=gen).to(flat.dtype) * 0.05
+
+
+async def activations(client: RolloutClient) -> list[VersionActivated]:
+    sub = await client.js.pull_subscribe(client.names.versions_activated, stream=client.names.events_stream)
+    out: list[VersionActivated] = []
+    try:
+        while True:
+            msgs = await sub.fetch(100, timeout=0.5)
+            out += [decode(m.data, VersionActivated) for m in msgs]
+    except TimeoutError:
+        pass
+    await sub.unsubscribe()
+    return out
+
+
+LONG = RolloutPayload(
+    prompt_token_ids=[5, 6, 7, 8],
+    sampling=SamplingParams(max_tokens=160, temperature=1.0, seed=1),
+    extra={"ignore_eos": True},
+)
+
+
+async def test_fleet_follows_published_versions(nats_url: str, namespace: str, tmp_path: Path) -> None:
+    base = build_model_dir(tmp_path / "base", preset="tiny", seed=0)
+    store = tmp_path / "store"
+    publisher = PolicyPublisher(store, base, keyframe_every=2)
+    tensors = load_tensors(base)
+    gen = torch.Generator().manual_seed(0)
+    procs = []
+    try:
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="trainer") as client:
+            record = await client.publish_policy(publisher, tensors)
+            assert record.version == 0
+            for i in range(2):
+                procs.append(
+                    worker_process(
+                        nats_url, namespace, f"hf{i}", "--engine", "hf", "--device", "cpu", "--store", str(store),
+                        "--local-dir", str(tmp_path / f"local{i}"), "--verify-live", "--capacity", "4",
+                        log_path=tmp_path / f"hf{i}.log",
+                    )
+                )  # fmt: skip
+            await client.wait_for_version(0, replicas=2, timeout=60)
+            handles = []
+            for step in range(1, 4):
+                handles += [await client.submit(LONG, max_staleness=1) for _ in range(6)]
+                # Publish while those jobs are being generated, so activations land mid-request.
+                await eventually(lambda: sum(r.in_flight for r in client.fleet.replicas()) > 0, timeout=30)
+                rl_step(tensors, gen)
+                record = await client.publish_policy(publisher, tensors)
+                assert record.version == step and record.kind in ("delta", "full")
+                handles += [await client.submit(LONG, max_staleness=1) for _ in range(2)]
+            results = await asyncio.gather(*(h.result(120) for h in handles))
+            await client.wait_for_version(3, replicas=2, timeout=60)
+            for handle, result in zip(handles, results, strict=True):
+                constraint = handle.job.constraint
+                assert constraint.allows(result.version_start) and constraint.allows(result.version_end)
+                assert len(result.outputs[0].token_ids) == 160
+                assert all(lp <= 0.0 for lp in result.outputs[0].logprobs or [])
+            spans = [r for r in results if r.version_start < r.version_end]
+            assert spans, "no request spanned an activation"
+            assert {r.worker_id for r in results} == {"hf0", "hf1"}
+            acts = await activations(client)
+            final = {a.worker_id: a for a in acts if a.version == 3}
+            assert set(final) == {"hf0", "hf1"}
+            expected = weights_digest(publisher.checksums)
+            for a in final.values():
+                assert a.weights_digest == expected  # each worker serves exactly the trainer's bytes
+            for a in acts:
+                assert a.prepare_s > 0 and a.pause_s > 0 and a.wire_bytes > 0 and 0 < a.density <= 1
+                print("activation", msgspec.to_builtins(a))
+            print(f"{len(spans)}/{len(results)} requests spanned an activation")
+    finally:
+        for p in procs:
+            stop_process(p, signal.SIGTERM)
