@@ -95,6 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify-live", action="store_true", help="announce a digest of the live weights")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
 
+    p = sub.add_parser("up", help="start the embedded broker and N workers; Ctrl-C stops them all")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--engine", default="echo", choices=["echo", "hf"])
+    p.add_argument("--namespace", "-n", default="default")
+    p.add_argument("--home", default=".rollfleet", help="broker store, replica checkpoints, logs")
+    p.add_argument("--port", type=int, default=4222, help="broker port (0: a free one)")
+    p.add_argument("--metrics-base-port", type=int, default=9400, help="worker i serves metrics on base+i (0: free)")
+    p.add_argument("--model-dir", default=None, help="hf: the base checkpoint (version 0)")
+    p.add_argument("--tiny-model", action="store_true", help="hf: build a tiny Qwen3-style model as the base")
+    p.add_argument("--store", default=None, help="hf: policy store (default HOME/store)")
+    p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker")
+
     p = sub.add_parser("status", help="show the fleet, queue depths and the latest version")
     _add_conn(p)
     p.add_argument("--json", action="store_true")
@@ -111,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(cmd_declare(args))
         if args.command == "worker":
             return asyncio.run(cmd_worker(args))
+        if args.command == "up":
+            from rollfleet.up import cmd_up
+
+            return asyncio.run(cmd_up(args))
         if args.command == "status":
             return asyncio.run(cmd_status(args))
     except RollfleetError as exc:

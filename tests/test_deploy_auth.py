@@ -22,7 +22,7 @@ from rollfleet.broker import EmbeddedBroker, ensure_job_consumer, ensure_topolog
 from rollfleet.connection import connect
 from rollfleet.schemas import Names
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(45)
 
 # The namespace the permissions example is written for (JetStream names cannot be wildcarded).
 NS = "run1"

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zstandard as zstd
+from policy_helpers import Trainer, forge_version, make_checkpoint, raw, read_local
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from policy_helpers import Trainer, forge_version, make_checkpoint, raw, read_local
 from rollfleet.policy_store import materialize, read_marker, tensor_checksum
 from rollfleet.schemas.errors import (
     ChecksumMismatch,
@@ -64,7 +64,7 @@ class Setup:
     def rewrite_shard(self, fn: Callable[[dict[str, np.ndarray], dict[str, str]], None]) -> None:
         path = self.v2dir / SHARD
         with safe_open(str(path), framework="numpy") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
             meta = dict(f.metadata())
         fn(tensors, meta)
         os.unlink(path)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +12,7 @@ import xxhash
 import zstandard as zstd
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from policy_helpers import Trainer, forge_version, make_checkpoint, raw, read_local
 from safetensors import safe_open
 
 from rollfleet.policy_store import codecs, materialize, read_record, tensor_checksum, verify_version_dir
@@ -21,9 +21,6 @@ from rollfleet.policy_store.layout import CheckpointLayout
 from rollfleet.schemas.errors import CorruptArtifact, HostileName
 from rollfleet.schemas.index import PublicationIndex
 from rollfleet.trainer_client.publisher import PolicyPublisher
-
-sys.path.insert(0, str(Path(__file__).parent))
-from policy_helpers import Trainer, forge_version, make_checkpoint, raw, read_local
 
 # -- index model -------------------------------------------------------------------------------
 

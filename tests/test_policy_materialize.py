@@ -10,11 +10,11 @@ import sys
 import threading
 from pathlib import Path
 
+import policy_helpers
 import pytest
 import torch
-
-import policy_helpers
 from policy_helpers import Trainer, make_checkpoint, raw, read_local
+
 from rollfleet.policy_store import materialize, read_marker
 from rollfleet.policy_store.formats import CHECKSUM_FORMATS, DELTA_ENCODINGS
 from rollfleet.policy_store.materialize import STAGING
@@ -186,3 +186,12 @@ def test_a_replica_killed_while_seeding_recovers(tmp_path: Path) -> None:
     res = materialize(local, store, 3)
     assert res.reseeded and read_local(local) == raw(weights[3])
     assert not (local / STAGING).exists()
+
+
+def test_a_marker_without_its_checkpoint_files_reseeds(tmp_path: Path) -> None:
+    store, weights = publish_steps(tmp_path, 2, keyframe_every=0)
+    local = tmp_path / "local"
+    materialize(local, store, 1)
+    os.unlink(local / "model.safetensors")
+    res = materialize(local, store, 2)
+    assert res.reseeded and read_local(local) == raw(weights[2])

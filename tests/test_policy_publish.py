@@ -12,14 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from policy_helpers import Trainer, make_checkpoint, raw, read_local
 
 from rollfleet.policy_store import list_records, list_versions, materialize, read_record
 from rollfleet.policy_store.retention import plan_retention
 from rollfleet.schemas.errors import LayoutMismatch, UnsupportedFormat
 from rollfleet.trainer_client.publisher import PolicyPublisher
-
-sys.path.insert(0, str(Path(__file__).parent))
-from policy_helpers import Trainer, make_checkpoint, raw, read_local
 
 
 @pytest.fixture
@@ -213,4 +211,23 @@ def test_a_killed_publisher_leaves_no_partial_version(tmp_path: Path, base: dict
     rec = nxt.publish(trainer.step())
     assert rec.version == versions[-1] + 1
     materialize(tmp_path / "local", store, rec.version)
+    assert read_local(tmp_path / "local") == raw(trainer.weights())
+
+
+def test_two_publishers_cannot_commit_the_same_version(tmp_path: Path, base: dict) -> None:
+    from rollfleet.schemas.errors import VersionConflict
+
+    store = tmp_path / "store"
+    trainer = Trainer(base)
+    a = PolicyPublisher(store, tmp_path / "base")
+    a.publish(trainer.weights())
+    b = PolicyPublisher(store, tmp_path / "base")
+    b.publish(trainer.step())  # b resumes from version 0 and commits 1
+    with pytest.raises(VersionConflict) as info:
+        a.publish(trainer.step())  # a still believes 0 is the latest
+    assert info.value.retryable
+    assert list_versions(store) == [0, 1]
+    rec = a.publish(trainer.weights())  # a rebuilt its state from the store and moves on
+    assert rec.version == 2 and rec.base_version == 1
+    materialize(tmp_path / "local", store, 2)
     assert read_local(tmp_path / "local") == raw(trainer.weights())

@@ -21,7 +21,6 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,11 +59,8 @@ class MaterializeResult:
     wire_bytes: int = 0  # bytes of version files read
     changed_bytes: int = 0  # as recorded by the publisher, where known
     total_bytes: int = 0
+    density: float = 0.0  # changed_bytes / total_bytes (over every version applied), capped at 1
     seconds: float = 0.0
-
-    @property
-    def density(self) -> float:
-        return min(1.0, self.changed_bytes / self.total_bytes) if self.total_bytes else 0.0
 
 
 # -- marker and lock ---------------------------------------------------------------------------
@@ -167,6 +163,8 @@ def materialize(
     hook = resolve_hook(pre_read_hook)
     with host_lock(local):
         marker = read_marker(local)
+        if marker is not None and not _readable(local):
+            marker = None  # a marker without a loadable checkpoint beside it: start over
         if hook is not None:
             hook(store)
         seed, chain = plan(store, marker, target_version)
@@ -204,8 +202,18 @@ def materialize(
             changed.update(names)
         order = {n: i for i, n in enumerate(layout.tensors)}
         result.changed = sorted(changed, key=lambda n: order.get(n, 0))
+        if result.total_bytes:
+            result.density = min(1.0, result.changed_bytes / result.total_bytes)
         result.seconds = time.perf_counter() - t0
         return result
+
+
+def _readable(local: Path) -> bool:
+    try:
+        CheckpointLayout.read(local)
+    except PolicyError:
+        return False
+    return True
 
 
 # -- apply a delta in place --------------------------------------------------------------------
@@ -302,8 +310,7 @@ def _run_all(fn: Callable[[str], None], names: list[str], workers: int) -> BaseE
         for name in names:
             guarded(name)
     else:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rf-apply") as pool:
-            list(pool.map(guarded, names))
+        list(codecs.executor(workers).map(guarded, names))
     typed = [e for e in failed if isinstance(e, PolicyError)]
     return (typed or failed or [None])[0]
 

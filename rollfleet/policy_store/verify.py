@@ -39,11 +39,10 @@ class Frame:
     offset: int  # absolute offset of the frame in the shard
     length: int
     checksum: str
+    data: np.ndarray  # the whole shard, memory-mapped read-only (shared by its frames)
 
     def view(self) -> np.ndarray:
-        if self.length == 0:
-            return np.empty(0, np.uint8)
-        return np.memmap(self.shard, dtype=np.uint8, mode="r", offset=self.offset, shape=(self.length,))
+        return self.data[self.offset : self.offset + self.length]
 
 
 @dataclass
@@ -87,6 +86,7 @@ def open_version(path: Path, expected_version: int | None = None) -> OpenVersion
         wanted.setdefault(shard, set()).add(name)
     for shard, names in wanted.items():
         header = read_header(path / shard)
+        data = np.memmap(path / shard, dtype=np.uint8, mode="r")
         if set(header.tensors) != names:
             extra = sorted(set(header.tensors) - names)[:5]
             missing = sorted(names - set(header.tensors))[:5]
@@ -99,7 +99,8 @@ def open_version(path: Path, expected_version: int | None = None) -> OpenVersion
             checksum = header.metadata.get(name)
             if not valid_checksum(fmt, checksum):
                 raise CorruptArtifact(f"{path.name}: {name!r} has no valid {fmt} checksum in __metadata__")
-            ov.frames[name] = Frame(path / shard, header.data_start + start, end - start, checksum.lower())  # type: ignore[union-attr]
+            offset = header.data_start + start
+            ov.frames[name] = Frame(path / shard, offset, end - start, checksum.lower(), data)  # type: ignore[union-attr]
     return ov
 
 

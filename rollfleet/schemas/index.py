@@ -28,6 +28,7 @@ INDEX_FILE = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 64 << 20  # a weight_map of a few hundred thousand tensors still fits
 MAX_NAME_LEN = 1024
 _VERSION = re.compile(r"^[0-9]{1,12}$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _KNOWN_META = ("version", "base_version", "delta_encoding", "compression_format", "checksum_format")
 
 
@@ -66,7 +67,7 @@ def check_name(name: object, what: str) -> str:
         or name in (".", "~")
         or name.startswith("~")
         or (len(name) > 1 and name[1] == ":")  # drive-letter absolute paths
-        or any(ord(c) < 0x20 or ord(c) == 0x7F for c in name)
+        or _CONTROL.search(name) is not None
     )
     if bad:
         raise HostileName(f"hostile {what}: {name!r}")

@@ -20,7 +20,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -201,9 +200,8 @@ class PolicyPublisher:
     def _hash_all(self, state: Mapping[str, np.ndarray]) -> dict[str, str]:
         from rollfleet.policy_store.formats import tensor_checksum
 
-        with ThreadPoolExecutor(self.workers) as pool:
-            sums = pool.map(lambda n: (n, tensor_checksum(state[n], self.checksum_format)), list(state))
-            return dict(sums)
+        pool = codecs.executor(self.workers)
+        return dict(pool.map(lambda n: (n, tensor_checksum(state[n], self.checksum_format)), list(state)))
 
     def _record_base(self) -> VersionRecord:
         t0 = time.perf_counter()
@@ -255,8 +253,7 @@ class PolicyPublisher:
             return name, enc
 
         if self.workers > 1 and len(items) > 1:
-            with ThreadPoolExecutor(self.workers, thread_name_prefix="rf-encode") as pool:
-                encoded = dict(pool.map(one, items))
+            encoded = dict(codecs.executor(self.workers).map(one, items))
         else:
             encoded = dict(map(one, items))
         changed = sum(e.changed_bytes for e in encoded.values())

@@ -194,12 +194,14 @@ class VersionSync:
         prepare_s = time.perf_counter() - t0
         faults.point("before-activation")
         t1 = time.perf_counter()
-        await self._engine.pause()
+        await self._engine.pause()  # returns at the next step boundary; generation runs until then
+        t2 = time.perf_counter()
         try:
             await self._engine.load_weights(self.local_dir, result.changed, result.version)
         finally:
             await self._engine.resume()
-        pause_s = time.perf_counter() - t1
+        pause_s = time.perf_counter() - t2  # the stall: no step runs between pause and resume
+        pause_wait_s = t2 - t1
         activation = Activation(
             version=result.version,
             previous_version=previous,
@@ -243,6 +245,7 @@ class VersionSync:
             "activated",
             prepare_s=round(prepare_s, 4),
             pause_s=round(pause_s, 5),
+            pause_wait_s=round(pause_wait_s, 5),
             wire_bytes=result.wire_bytes,
             density=round(result.density, 6),
             changed_tensors=len(result.changed),

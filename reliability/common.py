@@ -1,0 +1,342 @@
+"""Shared pieces of the reliability scenarios: figures, process management, result counting.
+
+Everything here drives the real system: a real nats-server, real ``rollfleet worker``
+processes, real SIGKILLs. Every wait is bounded; every process is stopped in ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rollfleet.schemas import Names, RolloutPayload, SamplingParams, VersionActivated, decode_event, decode_outcome
+from rollfleet.schemas.errors import RollfleetError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- figures -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Figures:
+    """What one scenario run measured. ``problems`` lists every broken promise (empty: passed)."""
+
+    scenario: str
+    title: str
+    size: dict[str, Any] = field(default_factory=dict)
+    submitted: int = 0
+    completed: int = 0
+    failed: int = 0  # typed failures delivered as results (counted, not lost)
+    duplicated: int = 0  # keys with more than one distinct result stored or delivered
+    lost: int = 0  # submitted (acknowledged) keys with no outcome
+    reexecuted: int = 0  # results generated on a redelivery (the holder had died)
+    faults: int = 0  # kills / corruptions injected
+    versions_published: int = 0
+    versions_activated: int = 0
+    recover_s: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    notes: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def expect(self, ok: bool, problem: str) -> bool:
+        if not ok:
+            self.problems.append(problem)
+        return ok
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "passed": self.passed}
+
+    def summary(self) -> str:
+        rec = f"{max(self.recover_s):.2f}s" if self.recover_s else "-"
+        return (
+            f"[{self.scenario}] {self.title}: submitted={self.submitted} completed={self.completed} "
+            f"failed={self.failed} duplicated={self.duplicated} lost={self.lost} reexecuted={self.reexecuted} "
+            f"faults={self.faults} published={self.versions_published} activated={self.versions_activated} "
+            f"max_recover={rec} seconds={self.seconds:.1f} problems={self.problems}"
+        )
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+class Processes:
+    """Real child processes of one scenario, by name; ``close`` kills whatever is left."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def log(self, name: str) -> Path:
+        return self.workdir / f"{name}.log"
+
+    def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        full_env = {**os.environ, "ROLLFLEET_LOG_JSON": "1", "ROLLFLEET_LOG_LEVEL": "info", **(env or {})}
+        with open(self.log(name), "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=full_env)
+        self.procs[name] = proc
+        return proc
+
+    def worker(
+        self, url: str, namespace: str, worker_id: str, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """A real ``rollfleet worker`` process (echo engine unless ``args`` say otherwise)."""
+        cmd = [sys.executable, "-m", "rollfleet", "worker", "--nats", url, "--namespace", namespace]
+        cmd += ["--worker-id", worker_id, "--heartbeat", "0.5", *args]
+        return self.spawn(worker_id, cmd, env)
+
+    def alive(self, prefix: str = "") -> list[str]:
+        return [n for n, p in self.procs.items() if n.startswith(prefix) and p.poll() is None]
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+    def stop(self, name: str, timeout: float = 15.0) -> int | None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        return proc.returncode
+
+    def close(self) -> None:
+        for name in list(self.procs):
+            try:
+                self.stop(name, timeout=5.0)
+            except Exception:  # noqa: BLE001 - cleanup must reach every process
+                pass
+
+    def tail(self, name: str, chars: int = 3000) -> str:
+        try:
+            return self.log(name).read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def log_events(self, name: str, event: str) -> list[dict[str, Any]]:
+        """The structured (JSON) log lines of one process with ``event``."""
+        out = []
+        try:
+            lines = self.log(name).read_text(errors="replace").splitlines()
+        except OSError:
+            return out
+        for line in lines:
+            if line.startswith("{"):
+                try:
+                    doc = json.loads(line)
+                except ValueError:
+                    continue
+                if doc.get("event") == event:
+                    out.append(doc)
+        return out
+
+    async def wait_log(self, name: str, needle: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if needle in self.log(name).read_text(errors="replace"):
+                    return True
+            except OSError:
+                pass
+            if self.procs[name].poll() is not None:
+                return needle in self.tail(name, 1 << 20)
+            await asyncio.sleep(0.05)
+        return False
+
+
+# -- waiting -----------------------------------------------------------------------------------
+
+
+async def wait_for(check: Callable[[], Awaitable[bool] | bool], timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``check`` until true; False at the time-out (never raises for the time-out)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            result = check()
+            if isinstance(result, Awaitable):
+                result = await result
+        except Exception:  # noqa: BLE001 - a probe failing (broker away) is just "not yet"
+            result = False
+        if result:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(interval)
+
+
+# -- counting results --------------------------------------------------------------------------
+
+
+class Ledger:
+    """Every result message the client is handed, per idempotency key, before its own dedup.
+
+    ``duplicated`` counts keys for which more than one *distinct* result exists: two stored
+    messages on the results stream, or two different stream sequences delivered. A stored
+    message redelivered to a client (its ack was lost) is the same result, not a duplicate.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.deliveries: dict[str, set[int]] = defaultdict(set)
+        self.first_arrival: dict[str, float] = {}
+        self.arrivals: list[float] = []  # monotonic time of every first delivery
+        original = client._deliver
+
+        def counting(msg: Any) -> None:
+            try:
+                key = decode_outcome(msg.data).idempotency_key
+                seq = int(msg.metadata.sequence.stream)
+            except (RollfleetError, Exception):  # noqa: BLE001 - counting never breaks delivery
+                key, seq = None, -1
+            if key is not None:
+                if key not in self.first_arrival:
+                    now = time.monotonic()
+                    self.first_arrival[key] = now
+                    self.arrivals.append(now)
+                self.deliveries[key].add(seq)
+            original(msg)
+
+        client._deliver = counting  # the receive loop looks the method up on the instance
+
+    async def stored(self) -> dict[str, int]:
+        """Messages on the results stream per subject (one subject per idempotency key)."""
+        names: Names = self.client.names
+        info = await self.client.js.stream_info(
+            names.results_stream, subjects_filter=names.results_filter(self.client.client_id)
+        )
+        return {s: int(c) for s, c in (info.state.subjects or {}).items()}
+
+    async def duplicated(self) -> int:
+        stored = await self.stored()
+        dup_keys = {k for k, seqs in self.deliveries.items() if len(seqs) > 1}
+        extra_stored = sum(1 for c in stored.values() if c > 1)
+        return len(dup_keys) + extra_stored
+
+
+async def gather_outcomes(handles: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[str, Exception]]:
+    """Await every handle until one shared deadline: (results by key, typed errors by key)."""
+    results: dict[str, Any] = {}
+    errors: dict[str, Exception] = {}
+    deadline = time.monotonic() + timeout
+
+    async def one(key: str, handle: Any) -> None:
+        try:
+            results[key] = await handle.result(max(0.1, deadline - time.monotonic()))
+        except (TimeoutError, asyncio.TimeoutError):
+            pass
+        except Exception as exc:  # noqa: BLE001 - typed failures are counted by the caller
+            errors[key] = exc
+
+    await asyncio.gather(*(one(k, h) for k, h in handles.items()))
+    return results, errors
+
+
+def max_gap(times: Iterable[float], start: float, end: float) -> float:
+    """The longest interval in [start, end] with no event in it."""
+    pts = sorted(t for t in times if start <= t <= end)
+    edges = [start, *pts, end]
+    return max((b - a for a, b in zip(edges, edges[1:], strict=False)), default=end - start)
+
+
+def job_payload(i: int, max_tokens: int = 4) -> RolloutPayload:
+    return RolloutPayload(prompt_token_ids=[1 + i % 97, 2, 3], sampling=SamplingParams(max_tokens=max_tokens))
+
+
+async def read_activations(js: Any, names: Names, timeout: float = 0.5) -> list[VersionActivated]:
+    """Every activation announcement on the events stream so far."""
+    sub = await js.pull_subscribe(names.versions_activated, stream=names.events_stream)
+    out: list[VersionActivated] = []
+    try:
+        while True:
+            msgs = await sub.fetch(256, timeout=timeout)
+            for m in msgs:
+                event = decode_event(m.data)
+                if isinstance(event, VersionActivated):
+                    out.append(event)
+    except (TimeoutError, asyncio.TimeoutError, Exception):  # noqa: BLE001 - nats raises its own TimeoutError
+        pass
+    finally:
+        try:
+            await sub.unsubscribe()
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+# -- a small model-free checkpoint for policy scenarios (no torch needed) ----------------------
+
+TENSORS = {
+    "model.embed_tokens.weight": (256, 64),
+    "model.layers.0.mlp.up_proj.weight": (128, 64),
+    "model.layers.0.input_layernorm.weight": (64,),
+    "lm_head.weight": (256, 64),
+}
+
+
+def base_tensors(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal(shape).astype(np.float32) for n, shape in TENSORS.items()}
+
+
+def tensors_at(version: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """The trainer's weights at ``version``: a deterministic function, so a restarted trainer agrees."""
+    out = base_tensors(seed)
+    for v in range(1, version + 1):
+        rng = np.random.default_rng(1000 * seed + v)
+        for t in out.values():
+            flat = t.reshape(-1)
+            idx = rng.integers(0, flat.size, max(1, flat.size // 50))
+            flat[idx] += rng.standard_normal(idx.size).astype(np.float32) * 0.01
+    return out
+
+
+def write_base_checkpoint(path: Path, seed: int = 0) -> Path:
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "reliability-test"}))
+    save_file(base_tensors(seed), str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def expected_digest(version: int, seed: int = 0, fmt: str = "xxh3-128") -> str:
+    """weights_digest of the trainer's tensors at ``version`` (what a converged replica holds)."""
+    from rollfleet.policy_store import tensor_checksum
+    from rollfleet.policy_store.digest import weights_digest
+
+    return weights_digest({n: tensor_checksum(t, fmt) for n, t in tensors_at(version, seed).items()})
+
+
+def local_digest(local_dir: Path, fmt: str = "xxh3-128") -> str:
+    """weights_digest of the bytes in a replica's host-local checkpoint."""
+    from rollfleet.policy_store import CheckpointLayout, tensor_checksum
+    from rollfleet.policy_store.digest import weights_digest
+
+    layout = CheckpointLayout.read(local_dir)
+    sums = {}
+    for name, loc in layout.tensors.items():
+        with open(loc.file, "rb") as f:
+            f.seek(loc.offset)
+            sums[name] = tensor_checksum(np.frombuffer(f.read(loc.nbytes), np.uint8), fmt)
+    return weights_digest(sums)
