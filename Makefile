@@ -26,6 +26,9 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks
 
+reliability: $(STAMP)
+	$(PY) -m reliability
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 

@@ -1,0 +1,282 @@
+"""Security configs of broker_config/: trainer/worker permissions, token auth, mutual TLS.
+
+Each test runs the embedded broker (rollfleet.broker.EmbeddedBroker) with the config file
+as written; secrets come from the environment, as the configs document.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+from deploy_helpers import BROKER_CONFIG, TEST_SECRETS, eventually, make_dev_certs, start_worker, stop_process
+
+from rollfleet.broker import EmbeddedBroker, ensure_job_consumer, ensure_topology, free_port
+from rollfleet.connection import connect
+from rollfleet.schemas import Names
+
+pytestmark = pytest.mark.timeout(45)
+
+# The namespace the permissions example is written for (JetStream names cannot be wildcarded).
+NS = "run1"
+TRAINER = ("trainer", TEST_SECRETS["ROLLFLEET_TRAINER_PASSWORD"])
+WORKER = ("worker", TEST_SECRETS["ROLLFLEET_WORKER_PASSWORD"])
+REFUSED_WAIT = 1.0  # a refused publish is dropped by the server: its ack simply never comes
+
+
+def run_broker(tmp_path: Path, config: Path) -> EmbeddedBroker:
+    # The configs document monitoring on 8222; a free port keeps parallel runs apart.
+    return EmbeddedBroker(
+        store_dir=tmp_path / "store",
+        config=config,
+        log_file=tmp_path / "nats.log",
+        extra_args=["-m", str(free_port())],
+    ).start()
+
+
+@pytest.fixture
+def secrets_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in TEST_SECRETS.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture
+def perm_broker(tmp_path: Path, secrets_env: None) -> Iterator[EmbeddedBroker]:
+    broker = run_broker(tmp_path, BROKER_CONFIG / "auth" / "permissions.conf")
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def with_user(url: str, user: tuple[str, str]) -> str:
+    return url.replace("nats://", f"nats://{user[0]}:{user[1]}@")
+
+
+async def refused_connect(url: str, **options: Any) -> None:
+    # nats-py raises several types here: authorization errors, NoServersError, a reset TLS handshake.
+    with pytest.raises(Exception):  # noqa: B017, PT011
+        nc = await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2, **options)
+        await nc.close()
+
+
+async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) -> None:
+    names = Names(NS)
+    violations: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        violations.append(str(exc))
+
+    trainer = await nats.connect(with_user(perm_broker.url, TRAINER))
+    worker = await nats.connect(with_user(perm_broker.url, WORKER), error_cb=on_error)
+    try:
+        # The trainer declares the namespace, submits a job and commits version 0.
+        tjs = trainer.jetstream(timeout=5)
+        await ensure_topology(tjs, names)
+        await tjs.publish(names.job_subject("min", 0), b"job", headers={"Nats-Msg-Id": "k1"})
+        policy = await tjs.key_value(names.policy_bucket)
+        await policy.put(names.version_key(0), b"v0")
+        await policy.put(names.LATEST_KEY, b"0")
+
+        # What a worker needs works: bind, pull, store a result, ack, register, read versions.
+        wjs = worker.jetstream(timeout=5)
+        assert await ensure_topology(wjs, names) == []  # already declared: read-only checks
+        consumer = await ensure_job_consumer(wjs, names, "min", 0)
+        sub = await wjs.pull_subscribe_bind(consumer, stream=names.jobs_stream)
+        [job] = await sub.fetch(1, timeout=5)
+        result_subject = names.result_subject("trainer-0", "k1")
+        await wjs.publish(result_subject, b"result", headers={"Nats-Msg-Id": "k1"})
+        await job.ack_sync()
+        assert (await wjs.get_last_msg(names.results_stream, result_subject, direct=True)).data == b"result"
+        fleet = await wjs.key_value(names.fleet_bucket)
+        await fleet.put(names.replica_key("w1"), b"{}")
+        worker_policy = await wjs.key_value(names.policy_bucket)
+        assert (await worker_policy.get(names.LATEST_KEY)).value == b"0"
+        await worker.publish(names.versions_activated, b"{}")
+
+        # What it must not do is refused by the server.
+        refused = worker.jetstream(timeout=REFUSED_WAIT)
+        with pytest.raises(nats.errors.TimeoutError):
+            await (await refused.key_value(names.policy_bucket)).put(names.version_key(1), b"evil weights")
+        with pytest.raises(nats.errors.TimeoutError):
+            await (await refused.key_value(names.policy_bucket)).put(names.LATEST_KEY, b"1")
+        with pytest.raises(nats.errors.TimeoutError):
+            await refused.publish(names.job_subject("exact", 1), b"injected job")
+        await worker.publish(names.versions_published, b"fake announcement")
+        with pytest.raises(nats.errors.TimeoutError):
+            await refused.delete_stream(names.jobs_stream)
+        await worker.flush()
+
+        async def all_reported() -> None:
+            text = "\n".join(violations).lower()  # nats-py lower-cases the server's -ERR
+            for subject in (
+                f"$KV.{names.policy_bucket}.{names.version_key(1)}",
+                f"$KV.{names.policy_bucket}.{names.LATEST_KEY}",
+                names.job_subject("exact", 1),
+                names.versions_published,
+                f"$JS.API.STREAM.DELETE.{names.jobs_stream}",
+            ):
+                assert f'permissions violation for publish to "{subject.lower()}"' in text, (subject, violations)
+
+        await eventually(all_reported, 5, "permission violations reported to the worker")
+
+        # Nothing the worker attempted was stored: the trainer's view is unchanged.
+        assert (await policy.get(names.LATEST_KEY)).value == b"0"
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await policy.get(names.version_key(1))
+        assert (await tjs.stream_info(names.jobs_stream)).state.messages == 0
+        assert (await tjs.stream_info(names.events_stream)).state.messages == 1  # the activation only
+
+        # The trainer, in turn, may not forge results.
+        trainer_violations: list[str] = []
+
+        async def on_trainer_error(exc: Exception) -> None:
+            trainer_violations.append(str(exc))
+
+        forger = await nats.connect(with_user(perm_broker.url, TRAINER), error_cb=on_trainer_error)
+        try:
+            await forger.publish(names.result_subject("trainer-0", "forged"), b"forged")
+            await forger.flush()
+            await eventually(lambda: _contains(trainer_violations, "permissions violation"), 5, "trainer refused")
+        finally:
+            await forger.close()
+    finally:
+        await worker.close()
+        await trainer.close()
+
+
+async def _contains(items: list[str], needle: str) -> None:
+    assert any(needle in item.lower() for item in items), items
+
+
+async def test_permissions_refuse_anonymous_and_wrong_password(perm_broker: EmbeddedBroker) -> None:
+    await refused_connect(perm_broker.url)
+    await refused_connect(with_user(perm_broker.url, ("worker", "wrong")))
+
+
+async def test_permissions_rollfleet_round_trip(perm_broker: EmbeddedBroker, tmp_path: Path) -> None:
+    """The real worker process, as the `worker` user, serves the real client as `trainer`."""
+    from rollfleet.schemas import RolloutPayload, SamplingParams
+    from rollfleet.trainer_client import RolloutClient
+
+    async with await RolloutClient.connect(
+        with_user(perm_broker.url, TRAINER), namespace=NS, client_id="trainer-0"
+    ) as client:  # the trainer declares the namespace; a worker could not
+        worker = start_worker(with_user(perm_broker.url, WORKER), NS, tmp_path / "worker.log")
+        try:
+            payload = RolloutPayload(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4))
+
+            async def round_trip() -> Any:
+                return await asyncio.wait_for(await client.submit(payload, min_version=0), 10)
+
+            print("T0 before eventually", flush=True)
+            result = await eventually(round_trip, 25, "a round trip with the permissions config", interval=0.5)
+            print("T1 got", result, flush=True)
+            assert result.version_start == 0 and result.outputs
+            print("T2", flush=True)
+        except BaseException:
+            print((tmp_path / "worker.log").read_text(errors="replace")[-4000:])
+            raise
+        finally:
+            code = stop_process(worker, timeout=15)
+            print("T3 stopped", code, flush=True)
+    print("T4 closed", flush=True)
+    log = (tmp_path / "nats.log").read_text(errors="replace")
+    assert "Permissions Violation" not in log, "the real worker or client needs a subject the config does not allow"
+    assert code == 0
+
+
+@pytest.fixture
+def token_broker(tmp_path: Path, secrets_env: None) -> Iterator[EmbeddedBroker]:
+    broker = run_broker(tmp_path, BROKER_CONFIG / "auth" / "token.conf")
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+async def test_token_auth(token_broker: EmbeddedBroker) -> None:
+    token = TEST_SECRETS["ROLLFLEET_TOKEN"]
+    await refused_connect(token_broker.url)
+    await refused_connect(token_broker.url, token="not-the-token")
+    for nc in (
+        await connect(token_broker.url, name="t-option", token=token),
+        await connect(token_broker.url.replace("nats://", f"nats://{token}@"), name="t-url"),
+    ):
+        try:
+            names = Names("t" + uuid.uuid4().hex[:6])
+            await ensure_topology(nc.jetstream(timeout=5), names)
+            ack = await nc.jetstream().publish(names.job_subject("min", 0), b"job")
+            assert ack.stream == names.jobs_stream
+        finally:
+            await nc.close()
+
+
+async def test_token_rollfleet_round_trip(token_broker: EmbeddedBroker, tmp_path: Path) -> None:
+    from rollfleet.schemas import RolloutPayload, SamplingParams
+    from rollfleet.trainer_client import RolloutClient
+
+    token = TEST_SECRETS["ROLLFLEET_TOKEN"]
+    ns = "t" + uuid.uuid4().hex[:6]
+    worker = start_worker(token_broker.url, ns, tmp_path / "worker.log", "--token", token)
+    try:
+        async with await RolloutClient.connect(token_broker.url, namespace=ns, client_id="c0", token=token) as client:
+            payload = RolloutPayload(prompt_token_ids=[5, 6], sampling=SamplingParams(max_tokens=3))
+
+            async def round_trip() -> Any:
+                return await asyncio.wait_for(await client.submit(payload, min_version=0), 10)
+
+            result = await eventually(round_trip, 25, "a round trip with token auth", interval=0.5)
+            assert result.outputs
+    except BaseException:
+        print((tmp_path / "worker.log").read_text(errors="replace")[-4000:])
+        raise
+    finally:
+        code = stop_process(worker, timeout=15)
+    assert code == 0
+
+
+@pytest.fixture
+def tls_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[EmbeddedBroker, dict[str, str]]]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make test certificates")
+    env = make_dev_certs(tmp_path / "tls")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    broker = run_broker(tmp_path, BROKER_CONFIG / "tls" / "nats-server-tls.conf")
+    try:
+        yield broker, env
+    finally:
+        broker.stop()
+
+
+async def test_mutual_tls(tls_broker: tuple[EmbeddedBroker, dict[str, str]]) -> None:
+    broker, env = tls_broker
+    tls_dir = Path(env["ROLLFLEET_TLS_CA"]).parent
+    client_cert = {
+        "tls_ca": env["ROLLFLEET_TLS_CA"],
+        "tls_cert": str(tls_dir / "client-cert.pem"),
+        "tls_key": str(tls_dir / "client-key.pem"),
+    }
+    url = broker.url.replace("nats://", "tls://")
+    nc = await connect(url, name="tls-client", **client_cert)
+    try:
+        names = Names("t" + uuid.uuid4().hex[:6])
+        await ensure_topology(nc.jetstream(timeout=5), names)
+        assert (await nc.jetstream().publish(names.job_subject("min", 0), b"job")).stream == names.jobs_stream
+    finally:
+        await nc.close()
+
+    # Without a client certificate, or without TLS at all, the server refuses the connection.
+    import ssl
+
+    no_cert = ssl.create_default_context(cafile=env["ROLLFLEET_TLS_CA"])
+    await refused_connect(url, tls=no_cert)
+    await refused_connect(broker.url)
