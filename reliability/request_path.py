@@ -289,8 +289,8 @@ async def cluster_node_loss(
                         if new and new != probe["killed"]:
                             await client.js.publish(names.job_subject("exact", 999_999), b"probe", timeout=1.0)
                             break
-                    except Exception:  # noqa: BLE001 - not yet
-                        pass
+                    except Exception as exc:  # noqa: BLE001 - not yet
+                        probe.setdefault("errors", []).append((round(time.monotonic() - t_kill, 2), repr(exc)[:80]))
                     await asyncio.sleep(0.05)
                 probe["failover_s"] = time.monotonic() - t_kill
 
@@ -309,6 +309,7 @@ async def cluster_node_loss(
             fig.recover_s.append(round(failover, 3))
             fig.notes.update(
                 killed=probe.get("killed"),
+                probe_errors=probe.get("errors", [])[:15],
                 failover_s=round(failover, 3),
                 stall_s=round(stall, 3),
                 normal_gap_s=round(before, 3),

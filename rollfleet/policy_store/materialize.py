@@ -128,7 +128,17 @@ def plan(
     if target not in have:
         raise VersionNotFound(f"version {target} is not in {store}")
     if marker is not None and marker <= target and all(v in have for v in range(marker + 1, target + 1)):
-        return None, list(range(marker + 1, target + 1))
+        # A full version on the way makes every delta before it moot (and routes around a
+        # corrupt one): continue from the newest full version instead.
+        start = marker + 1
+        for v in range(target, marker, -1):
+            try:
+                if not read_index(version_path(store, v)).metadata.is_delta:
+                    start = v
+                    break
+            except PolicyError:
+                continue
+        return None, list(range(start, target + 1))
     for v in sorted((x for x in have if x <= target), reverse=True):
         if not all(x in have for x in range(v + 1, target + 1)):
             break  # an older seed would need the same missing versions

@@ -1,0 +1,405 @@
+"""Request path: jobs/s and submit-to-result latency through rollfleet (echo engine, 2 workers, one
+client) against a minimal hand-written nats-py JetStream loop doing the same broker operations.
+
+Both systems run on the same broker in the same run, with the same process layout (the client in
+this process; 2 workers as child processes, or as tasks in this process for the ``inproc`` rows)
+and the same message sizes:
+
+- rollfleet: ``RolloutClient.submit`` (fleet check, JetStream publish with ack, bell) -> a worker
+  pulls (bell-woken no-wait pull), decodes and checks the job, runs the echo engine, publishes
+  the result (JetStream, with ack) and acks the job -> the client's results consumer receives it.
+- baseline: the client publishes an opaque job of the same size (JetStream, with ack, Nats-Msg-Id)
+  to a work-queue stream; each worker keeps one pull request outstanding per free slot on a
+  shared durable consumer, publishes an opaque result of the same size (JetStream, with ack) and
+  acks the job; the client receives results through a streaming pull on its results consumer.
+
+Measured: throughput with many jobs in flight (a window), and p50/p99 latency with exactly one job
+in flight (sequential jobs). Targets (issue 7): >= 0.8x the baseline's jobs/s, p50 <= 1.5x.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import nats
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
+
+from benchmarks._fleet import (
+    PullStream,
+    baseline_worker,
+    check_alive,
+    machine_load,
+    percentile,
+    spawn,
+    stop_all,
+    temp_broker,
+    until,
+    worker_cmd,
+)
+from benchmarks.report import Row
+from rollfleet.schemas import (
+    Completion,
+    RolloutJob,
+    RolloutPayload,
+    RolloutResult,
+    SamplingParams,
+    VersionConstraint,
+    encode,
+)
+from rollfleet.trainer_client import RolloutClient
+from rollfleet.workers.engines.echo import EchoEngine
+from rollfleet.workers.worker import Worker, WorkerConfig
+
+WORKERS = 2
+CAPACITY = 16  # jobs per worker at once, the same for both systems
+PROMPT_TOKENS, MAX_TOKENS = 32, 16
+PAYLOAD = RolloutPayload(prompt_token_ids=list(range(PROMPT_TOKENS)), sampling=SamplingParams(max_tokens=MAX_TOKENS))
+BASELINE = "minimal nats-py loop"
+
+JobFn = Callable[[], Awaitable[None]]
+
+
+def message_sizes() -> tuple[int, int]:
+    """Encoded sizes of a rollfleet job and its echo result: the baseline sends opaque bytes of these sizes."""
+    now = time.time()
+    key = uuid.uuid4().hex
+    job = RolloutJob(
+        job_id=uuid.uuid4().hex,
+        idempotency_key=key,
+        client_id="bench",
+        constraint=VersionConstraint("min", 0),
+        payload=PAYLOAD,
+        deadline=now + 600,
+        submitted_at=now,
+        trainer_version=0,
+    )
+    result = RolloutResult(
+        job_id=job.job_id,
+        idempotency_key=key,
+        client_id="bench",
+        outputs=[Completion(token_ids=list(range(1000, 1000 + MAX_TOKENS)), finish_reason="length", logprobs=[0.0] * 16)],
+        version_start=0,
+        version_end=0,
+        worker_id="echo-0",
+        engine="echo",
+        queue_wait_s=0.001,
+        generation_s=0.0001,
+        delivery_attempt=1,
+        finished_at=now,
+        prompt_tokens=PROMPT_TOKENS,
+    )
+    return len(encode(job)), len(encode(result))
+
+
+# -- measuring any system --------------------------------------------------------------------
+
+
+async def throughput(job: JobFn, n: int, window: int) -> dict[str, float]:
+    """``n`` jobs with up to ``window`` in flight: jobs/s, and the latency each saw under that load."""
+    sem = asyncio.Semaphore(window)
+    lat: list[float] = []
+
+    async def one() -> None:
+        t0 = time.perf_counter()
+        try:
+            await job()
+            lat.append(time.perf_counter() - t0)
+        finally:
+            sem.release()
+
+    tasks = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        await sem.acquire()
+        tasks.append(asyncio.create_task(one()))
+    await asyncio.gather(*tasks)
+    seconds = time.perf_counter() - t0
+    return {"jobs_s": n / seconds, "seconds": seconds, "loaded_p50_ms": percentile(lat, 50) * 1e3}
+
+
+async def latency(job: JobFn, n: int) -> dict[str, float]:
+    """Exactly one job in flight, ``n`` times: submit-to-result p50/p99."""
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await job()
+        lat.append(time.perf_counter() - t0)
+    return {
+        "p50_ms": percentile(lat, 50) * 1e3,
+        "p99_ms": percentile(lat, 99) * 1e3,
+        "mean_ms": sum(lat) / len(lat) * 1e3,
+    }
+
+
+# -- rollfleet ---------------------------------------------------------------------------------
+
+
+class RollfleetSystem:
+    def __init__(self, url: str, layout: str, tmp: Path, client_cls: type[RolloutClient] = RolloutClient) -> None:
+        self.url, self.layout, self.tmp, self.client_cls = url, layout, tmp, client_cls
+        self.namespace = "rp" + uuid.uuid4().hex[:8]
+        self.procs: list[Any] = []
+        self.workers: list[Worker] = []
+        self.client: RolloutClient | None = None
+
+    async def start(self) -> None:
+        if self.layout == "proc":
+            for i in range(WORKERS):
+                cmd = worker_cmd(self.url, self.namespace, f"echo-{i}", "--engine", "echo", "--capacity", str(CAPACITY))
+                self.procs.append(spawn(cmd, self.tmp / f"{self.namespace}-echo-{i}.log"))
+        else:
+            for i in range(WORKERS):
+                config = WorkerConfig(nats_url=self.url, namespace=self.namespace, worker_id=f"echo-{i}", capacity=CAPACITY)
+                worker = Worker(config, EchoEngine())
+                await worker.start()
+                self.workers.append(worker)
+        self.client = await self.client_cls.connect(self.url, namespace=self.namespace, client_id="bench")
+        client = self.client
+
+        def ready() -> bool:
+            check_alive(self.procs, "rollfleet worker")
+            return sum(r.state == "ready" for r in client.fleet.replicas()) >= WORKERS
+
+        await until(ready, 60, "rollfleet workers ready")
+
+    async def job(self) -> None:
+        assert self.client is not None
+        handle = await self.client.submit(PAYLOAD, min_version=0)
+        await handle
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+        for worker in self.workers:
+            await worker.stop()
+        stop_all(self.procs)
+
+
+class StreamingResultsClient(RolloutClient):
+    """Prototype fix: receive results through a streaming pull instead of ``fetch(256, timeout=1)``.
+
+    nats-py's ``fetch(256)`` returns only once 256 results arrived or its 1 s timeout passed, so
+    with few jobs in flight every result waits for the timeout. This keeps pull requests
+    outstanding and resolves each result as it arrives (same consumer, same acks).
+    """
+
+    async def _start(self) -> None:
+        from rollfleet.broker.topology import ensure_results_consumer, ensure_topology
+
+        await ensure_topology(self.js, self.names, self.topology)
+        consumer = await ensure_results_consumer(self.js, self.names, self.client_id, self.topology)
+
+        async def on_msg(msg: Msg) -> None:
+            self._deliver(msg)
+            await msg.ack()
+            self._received += 1
+            if self._received % 128 == 0:
+                await self._stream.want(128)  # keep ~256 requested
+
+        self._received = 0
+        self._stream = await PullStream(self.nc, self.names.results_stream, consumer, on_msg).start()
+        await self._stream.want(256)
+        await self.fleet.start()
+
+    async def close(self) -> None:
+        await self._stream.close()
+        await super().close()
+
+
+# -- the baseline ------------------------------------------------------------------------------
+
+
+class BaselineSystem:
+    def __init__(self, url: str, layout: str, tmp: Path, job_bytes: int, result_bytes: int) -> None:
+        self.url, self.layout, self.tmp = url, layout, tmp
+        self.job_bytes, self.result_bytes = job_bytes, result_bytes
+        ns = "bl" + uuid.uuid4().hex[:8]
+        self.jobs_stream, self.results_stream = f"{ns.upper()}_JOBS", f"{ns.upper()}_RESULTS"
+        self.jobs_subject, self.results_prefix = f"{ns}.jobs", f"{ns}.results"
+        self.client_id = "bench"
+        self.procs: list[Any] = []
+        self.stop = asyncio.Event()
+        self.tasks: list[asyncio.Task[int]] = []
+        self.pending: dict[str, asyncio.Future[bytes]] = {}
+        self.received = 0
+
+    async def start(self) -> None:
+        self.nc = await nats.connect(self.url, name="baseline-client")
+        self.js = self.nc.jetstream()
+        # The same stream kinds and consumer settings rollfleet declares (file storage, dedup window).
+        await self.js.add_stream(
+            StreamConfig(
+                name=self.jobs_stream,
+                subjects=[self.jobs_subject],
+                retention=RetentionPolicy.WORK_QUEUE,
+                storage=StorageType.FILE,
+                duplicate_window=600.0,
+            )
+        )
+        await self.js.add_stream(
+            StreamConfig(
+                name=self.results_stream,
+                subjects=[f"{self.results_prefix}.>"],
+                retention=RetentionPolicy.LIMITS,
+                storage=StorageType.FILE,
+                duplicate_window=600.0,
+                max_age=3600.0,
+            )
+        )
+        await self.js.add_consumer(
+            self.jobs_stream,
+            ConsumerConfig(
+                durable_name="workers",
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_wait=30.0,
+                max_ack_pending=4096,
+                max_waiting=4096,
+            ),
+        )
+        await self.js.add_consumer(
+            self.results_stream,
+            ConsumerConfig(
+                durable_name=self.client_id,
+                filter_subject=f"{self.results_prefix}.{self.client_id}.>",
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                max_ack_pending=65_536,
+            ),
+        )
+
+        async def on_result(msg: Msg) -> None:
+            future = self.pending.pop((msg.headers or {}).get("Nats-Msg-Id", ""), None)
+            if future is not None and not future.done():
+                future.set_result(msg.data)
+            await msg.ack()
+            self.received += 1
+            if self.received % 128 == 0:
+                await self.results.want(128)
+
+        self.results = await PullStream(self.nc, self.results_stream, self.client_id, on_result).start()
+        await self.results.want(256)
+        args = (self.url, self.jobs_stream, "workers", CAPACITY, self.result_bytes, self.results_prefix)
+        if self.layout == "proc":
+            for i in range(WORKERS):
+                cmd = [sys.executable, "-m", "benchmarks._fleet", "baseline-worker", "--nats", self.url]
+                cmd += ["--stream", args[1], "--consumer", args[2], "--capacity", str(CAPACITY)]
+                cmd += ["--result-bytes", str(self.result_bytes), "--results-prefix", self.results_prefix]
+                self.procs.append(spawn(cmd, self.tmp / f"baseline-{i}.log"))
+        else:
+            self.tasks = [asyncio.create_task(baseline_worker(*args, self.stop)) for _ in range(WORKERS)]
+        self.body = os.urandom(self.job_bytes)
+        deadline = time.monotonic() + 60
+        while (await self.js.consumer_info(self.jobs_stream, "workers")).num_waiting < WORKERS:
+            check_alive(self.procs, "baseline worker")
+            if time.monotonic() > deadline:
+                raise TimeoutError("baseline workers did not start")
+            await asyncio.sleep(0.05)
+
+    async def job(self) -> None:
+        key = uuid.uuid4().hex
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.pending[key] = future
+        headers = {"Nats-Msg-Id": key, "Client-Id": self.client_id, "Job-Id": key}
+        await self.js.publish(self.jobs_subject, self.body, headers=headers, timeout=10.0)
+        await future
+
+    async def close(self) -> None:
+        self.stop.set()
+        if self.tasks:
+            await asyncio.gather(*self.tasks)
+        stop_all(self.procs)
+        await self.results.close()
+        await self.nc.close()
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+async def measure(system: Any, n_tput: int, window: int, n_seq: int) -> dict[str, float]:
+    await system.start()
+    try:
+        await throughput(system.job, max(50, n_tput // 10), window)  # warm-up: connections, consumers, caches
+        out = await throughput(system.job, n_tput, window)
+        out |= await latency(system.job, n_seq)
+    finally:
+        await system.close()
+    return out
+
+
+async def run_async(quick: bool, layouts: tuple[str, ...], prototype: bool) -> list[Row]:
+    n_tput, window, n_seq = (300, 64, 40) if quick else (2000, 256, 300)
+    job_bytes, result_bytes = message_sizes()
+    rows: list[Row] = []
+    with temp_broker("rf-bench-rp-") as broker, tempfile.TemporaryDirectory(prefix="rf-bench-rp-logs-") as logs:
+        tmp = Path(logs)
+        for layout in layouts:
+            load = machine_load()
+            base = await measure(BaselineSystem(broker.url, layout, tmp, job_bytes, result_bytes), n_tput, window, n_seq)
+            rf = await measure(RollfleetSystem(broker.url, layout, tmp), n_tput, window, n_seq)
+            systems = [("rollfleet", rf)]
+            if prototype:
+                proto = await measure(
+                    RollfleetSystem(broker.url, layout, tmp, StreamingResultsClient), n_tput, window, n_seq
+                )
+                systems.append(("rollfleet+streaming-results (prototype)", proto))
+            common = {
+                "workers": WORKERS,
+                "capacity": CAPACITY,
+                "layout": "worker processes" if layout == "proc" else "workers in the client's event loop",
+                "job_bytes": job_bytes,
+                "result_bytes": result_bytes,
+            } | load
+            for name, m in systems:
+                case = f"{name} {layout}"
+                rows.append(
+                    Row(
+                        "request_path/throughput",
+                        f"{case} window={window}",
+                        "jobs/s",
+                        m["jobs_s"],
+                        base["jobs_s"],
+                        BASELINE,
+                        target=">= 0.8x baseline",
+                        extra=common
+                        | {
+                            "jobs": n_tput,
+                            "loaded_p50_ms": round(m["loaded_p50_ms"], 2),
+                            "baseline_loaded_p50_ms": round(base["loaded_p50_ms"], 2),
+                        },
+                    )
+                )
+                for q, target in (("p50", "<= 1.5x baseline"), ("p99", "")):
+                    rows.append(
+                        Row(
+                            "request_path/latency",
+                            f"{case} 1 in flight",
+                            f"{q} ms",
+                            m[f"{q}_ms"],
+                            base[f"{q}_ms"],
+                            BASELINE,
+                            higher_is_better=False,
+                            target=target,
+                            extra=common | {"jobs": n_seq, "mean_ms": round(m["mean_ms"], 3)},
+                        )
+                    )
+    return rows
+
+
+def run(quick: bool) -> list[Row]:
+    layouts = ("proc",) if quick else ("proc", "inproc")
+    return asyncio.run(run_async(quick, layouts, prototype=not quick))
+
+
+if __name__ == "__main__":
+    for row in run(quick="--quick" in sys.argv):
+        print(row.line())

@@ -1,0 +1,124 @@
+"""Version commits, adoption, staleness, waiting for the fleet, and failed prepares."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rollfleet.models import build_model_dir
+from rollfleet.policy_store import list_versions
+from rollfleet.schemas.errors import HostileName, ServiceUnavailable, VersionConflict
+from rollfleet.trainer_client import PolicyPublisher, RolloutClient
+from tests.helpers import eventually, payload, running_worker
+
+
+def bump(tensors: dict[str, torch.Tensor], k: int = 3) -> dict[str, torch.Tensor]:
+    for t in tensors.values():
+        t.view(-1)[:k] += torch.tensor(0.5, dtype=t.dtype)
+    return tensors
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    return build_model_dir(tmp_path / "base", preset="tiny")
+
+
+def tensors_of(base: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(base / "model.safetensors"))
+
+
+async def test_two_publishers_cannot_both_commit_a_version(
+    nats_url: str, namespace: str, tmp_path: Path, base: Path
+) -> None:
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        a = PolicyPublisher(tmp_path / "store-a", base)
+        b = PolicyPublisher(tmp_path / "store-b", base)
+        t = tensors_of(base)
+        await client.publish_policy(a, t)
+        with pytest.raises(VersionConflict):
+            await client.publish_policy(b, t)  # version 0 again
+        committed = await client.publish_policy(a, bump(t))
+        assert client.latest_version == 1
+        record_b = b.publish(t)  # b's own version 1 (written, not committed)
+        with pytest.raises(VersionConflict):
+            await client.commit_version(record_b)
+        assert await client.fleet.version_record(1) == committed  # a's version 1 stands
+
+
+async def test_adopting_a_version_written_elsewhere(nats_url: str, namespace: str, tmp_path: Path, base: Path) -> None:
+    store = tmp_path / "store"
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        ours = PolicyPublisher(store, base)
+        t = tensors_of(base)
+        await client.publish_policy(ours, t)
+        # Another publisher (think: miles' disk-delta writer) produced version 1 in its own place.
+        foreign = PolicyPublisher(tmp_path / "elsewhere", base)
+        foreign.publish(t)
+        foreign.publish(bump(t))
+        src = tmp_path / "elsewhere" / "weight_v000001"
+        with pytest.raises(HostileName):
+            await client.adopt_version(store, src)  # must be handed over into the store first
+        shutil.copytree(src, store / "weight_v000001")
+        async with running_worker(nats_url, namespace, store_dir=store, local_dir=tmp_path / "local") as worker:
+            record = await client.adopt_version(store, store / "weight_v000001")
+            assert record.version == 1 and record.base_version == 0
+            await client.wait_for_version(1, timeout=20)
+            assert worker.version == 1 and worker.sync is not None
+            assert worker.sync.activations[-1].changed_tensors == len(t)
+
+
+async def test_max_staleness_and_reported_staleness(nats_url: str, namespace: str, tmp_path: Path, base: Path) -> None:
+    store = tmp_path / "store"
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        publisher = PolicyPublisher(store, base)
+        t = tensors_of(base)
+        await client.publish_policy(publisher, t)
+        for _ in range(3):
+            await client.publish_policy(publisher, bump(t))
+        async with running_worker(nats_url, namespace, store_dir=store, local_dir=tmp_path / "l") as worker:
+            assert worker.version == 3  # caught up before serving
+            handle = await client.submit(payload(), max_staleness=1)
+            assert handle.job.constraint.kind == "min" and handle.job.constraint.version == 2
+            result = await handle.result(10)
+            assert result.version_start == 3 and result.staleness == 0
+            await client.publish_policy(publisher, bump(t))
+            await client.wait_for_version(4, timeout=20)
+            stale = await client.submit(payload(), min_version=0)
+            assert (await stale.result(10)).staleness == 0
+            with pytest.raises(ServiceUnavailable, match="did not reach version 9"):
+                await client.wait_for_version(9, fraction=0.5, timeout=1.5)
+
+
+async def test_failed_prepare_degrades_then_the_next_good_version_activates(
+    nats_url: str, namespace: str, tmp_path: Path, base: Path
+) -> None:
+    store = tmp_path / "store"
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        publisher = PolicyPublisher(store, base, keyframe_every=2)
+        t = tensors_of(base)
+        await client.publish_policy(publisher, t)
+        async with running_worker(nats_url, namespace, store_dir=store, local_dir=tmp_path / "l") as worker:
+            record = publisher.publish(bump(t))
+            shard = next((store / record.path).glob("*.safetensors"))
+            data = bytearray(shard.read_bytes())
+            data[-5] ^= 0xFF  # a flipped byte inside the last frame
+            shard.write_bytes(bytes(data))
+            await client.commit_version(record)
+
+            def degraded() -> bool:
+                return any(r.state == "degraded" for r in client.fleet.replicas())
+
+            await eventually(degraded, timeout=20)
+            [entry] = client.fleet.replicas()
+            assert entry.active_version == 0 and "version 1" in (entry.degraded_reason or "")
+            # Still serving version 0 meanwhile.
+            assert (await (await client.submit(payload(), exact_version=0)).result(10)).version_start == 0
+            good = await client.publish_policy(publisher, bump(t))  # a keyframe: reachable without v1
+            assert good.kind == "full"
+            await client.wait_for_version(2, timeout=20)
+            assert worker.version == 2 and client.fleet.replicas()[0].state == "ready"
+    assert list_versions(store)[-1] == 2
