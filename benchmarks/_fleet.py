@@ -67,7 +67,7 @@ def spawn(cmd: list[str], log_path: Path | None = None, env: dict[str, str] | No
 def worker_cmd(url: str, namespace: str, worker_id: str, *args: str) -> list[str]:
     """A real ``rollfleet worker`` command line."""
     cmd = [sys.executable, "-m", "rollfleet", "worker", "--nats", url, "--namespace", namespace]
-    return cmd + ["--worker-id", worker_id, *args]
+    return [*cmd, "--worker-id", worker_id, *args]
 
 
 def stop_all(procs: list[subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
@@ -104,8 +104,19 @@ async def until(check: Callable[[], bool], timeout: float, what: str, interval: 
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of a non-empty list."""
     ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, int(round(q / 100.0 * len(ordered) + 0.5)) - 1))
+    rank = max(0, min(len(ordered) - 1, round(q / 100.0 * len(ordered) + 0.5) - 1))
     return ordered[rank]
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (all its threads) so far; this process by default."""
+    if pid is None:
+        return time.process_time()
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def machine_load() -> dict[str, float]:

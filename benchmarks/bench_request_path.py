@@ -20,7 +20,9 @@ in flight (sequential jobs). Targets (issue 7): >= 0.8x the baseline's jobs/s, p
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -37,6 +39,7 @@ from benchmarks._fleet import (
     PullStream,
     baseline_worker,
     check_alive,
+    cpu_seconds,
     machine_load,
     percentile,
     spawn,
@@ -48,6 +51,8 @@ from benchmarks._fleet import (
 from benchmarks.report import Row
 from rollfleet.schemas import (
     Completion,
+    ConstraintKind,
+    Names,
     RolloutJob,
     RolloutPayload,
     RolloutResult,
@@ -86,7 +91,7 @@ def message_sizes() -> tuple[int, int]:
         job_id=job.job_id,
         idempotency_key=key,
         client_id="bench",
-        outputs=[Completion(token_ids=list(range(1000, 1000 + MAX_TOKENS)), finish_reason="length", logprobs=[0.0] * 16)],
+        outputs=[Completion(token_ids=list(range(MAX_TOKENS)), finish_reason="length", logprobs=[0.0] * MAX_TOKENS)],
         version_start=0,
         version_end=0,
         worker_id="echo-0",
@@ -143,9 +148,27 @@ async def latency(job: JobFn, n: int) -> dict[str, float]:
 # -- rollfleet ---------------------------------------------------------------------------------
 
 
+class _NoBellNames(Names):
+    """Ablation only: bells go to a subject no worker listens on (the client still publishes them)."""
+
+    def bell_subject(self, kind: ConstraintKind, version: int) -> str:
+        return f"rf.{self.namespace}.nobell"
+
+
 class RollfleetSystem:
-    def __init__(self, url: str, layout: str, tmp: Path, client_cls: type[RolloutClient] = RolloutClient) -> None:
+    def __init__(
+        self,
+        url: str,
+        layout: str,
+        tmp: Path,
+        client_cls: type[RolloutClient] = RolloutClient,
+        *,
+        worker_log_level: str | None = None,
+        bells: bool = True,
+    ) -> None:
         self.url, self.layout, self.tmp, self.client_cls = url, layout, tmp, client_cls
+        self.env = {"ROLLFLEET_LOG_LEVEL": worker_log_level} if worker_log_level else {}
+        self.bells = bells
         self.namespace = "rp" + uuid.uuid4().hex[:8]
         self.procs: list[Any] = []
         self.workers: list[Worker] = []
@@ -155,15 +178,17 @@ class RollfleetSystem:
         if self.layout == "proc":
             for i in range(WORKERS):
                 cmd = worker_cmd(self.url, self.namespace, f"echo-{i}", "--engine", "echo", "--capacity", str(CAPACITY))
-                self.procs.append(spawn(cmd, self.tmp / f"{self.namespace}-echo-{i}.log"))
+                self.procs.append(spawn(cmd, self.tmp / f"{self.namespace}-echo-{i}.log", self.env))
         else:
             for i in range(WORKERS):
-                config = WorkerConfig(nats_url=self.url, namespace=self.namespace, worker_id=f"echo-{i}", capacity=CAPACITY)
+                config = WorkerConfig(self.url, self.namespace, worker_id=f"echo-{i}", capacity=CAPACITY)
                 worker = Worker(config, EchoEngine())
                 await worker.start()
                 self.workers.append(worker)
         self.client = await self.client_cls.connect(self.url, namespace=self.namespace, client_id="bench")
         client = self.client
+        if not self.bells:
+            client.names = _NoBellNames(self.namespace)
 
         def ready() -> bool:
             check_alive(self.procs, "rollfleet worker")
@@ -325,42 +350,94 @@ class BaselineSystem:
 # -- the run -----------------------------------------------------------------------------------
 
 
-async def measure(system: Any, n_tput: int, window: int, n_seq: int) -> dict[str, float]:
+def cpu_snapshot(broker_pid: int, workers: list[int]) -> dict[str, float]:
+    return {
+        "client": cpu_seconds(),  # in the inproc layout: client and workers together
+        "workers": sum(cpu_seconds(pid) for pid in workers),
+        "broker": cpu_seconds(broker_pid),
+    }
+
+
+async def measure(system: Any, n_tput: int, window: int, n_seq: int, broker_pid: int) -> dict[str, float]:
     await system.start()
     try:
         await throughput(system.job, max(50, n_tput // 10), window)  # warm-up: connections, consumers, caches
+        pids = [p.pid for p in system.procs]
+        before = cpu_snapshot(broker_pid, pids)
         out = await throughput(system.job, n_tput, window)
-        out |= await latency(system.job, n_seq)
+        after = cpu_snapshot(broker_pid, pids)
+        # Where the CPU goes under load (2 cores shared by all of them): ms of CPU per job.
+        out |= {f"cpu_ms_per_job_{k}": (after[k] - before[k]) / n_tput * 1e3 for k in before}
+        if n_seq:
+            out |= await latency(system.job, n_seq)
     finally:
         await system.close()
     return out
 
 
-async def run_async(quick: bool, layouts: tuple[str, ...], prototype: bool) -> list[Row]:
-    n_tput, window, n_seq = (300, 64, 40) if quick else (2000, 256, 300)
+def _median_of(trials: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(t[k] for t in trials) for k in trials[0]}
+
+
+async def run_async(
+    quick: bool, layouts: tuple[str, ...], prototype: bool, rounds: int, ablation_layouts: tuple[str, ...] = ()
+) -> list[Row]:
+    n_tput, window, n_seq = (300, 64, 40) if quick else (4000, 256, 300)
     job_bytes, result_bytes = message_sizes()
     rows: list[Row] = []
     with temp_broker("rf-bench-rp-") as broker, tempfile.TemporaryDirectory(prefix="rf-bench-rp-logs-") as logs:
         tmp = Path(logs)
+        assert broker.proc is not None
+        pid = broker.proc.pid
         for layout in layouts:
+            ablations = layout in ablation_layouts
             load = machine_load()
-            base = await measure(BaselineSystem(broker.url, layout, tmp, job_bytes, result_bytes), n_tput, window, n_seq)
-            rf = await measure(RollfleetSystem(broker.url, layout, tmp), n_tput, window, n_seq)
-            systems = [("rollfleet", rf)]
+            factories: dict[str, Callable[[], Any]] = {
+                "baseline": functools.partial(BaselineSystem, broker.url, layout, tmp, job_bytes, result_bytes),
+                "rollfleet": functools.partial(RollfleetSystem, broker.url, layout, tmp),
+            }
             if prototype:
-                proto = await measure(
-                    RollfleetSystem(broker.url, layout, tmp, StreamingResultsClient), n_tput, window, n_seq
+                factories["rollfleet+streaming-results (prototype)"] = functools.partial(
+                    RollfleetSystem, broker.url, layout, tmp, StreamingResultsClient
                 )
-                systems.append(("rollfleet+streaming-results (prototype)", proto))
+            if ablations:
+                # Diagnostics: what each suspected cost is worth (throughput and CPU per job only).
+                factories["ablation: worker log level warning"] = functools.partial(
+                    RollfleetSystem, broker.url, layout, tmp, worker_log_level="warning"
+                )
+                factories["ablation: no bell fan-out"] = functools.partial(
+                    RollfleetSystem, broker.url, layout, tmp, bells=False
+                )
+                factories["ablation: all three"] = functools.partial(
+                    RollfleetSystem,
+                    broker.url,
+                    layout,
+                    tmp,
+                    StreamingResultsClient,
+                    worker_log_level="warning",
+                    bells=False,
+                )
+            # Interleaved rounds, medians: the machine's load drifts (2 cores shared with other work).
+            trials: dict[str, list[dict[str, float]]] = {name: [] for name in factories}
+            for _ in range(rounds):
+                for name, make in factories.items():
+                    seq = 0 if name.startswith("ablation") else n_seq // rounds  # no bells: latency is the 1 s poll
+                    trials[name].append(await measure(make(), n_tput, window, seq, pid))
+            base = _median_of(trials.pop("baseline"))
             common = {
                 "workers": WORKERS,
                 "capacity": CAPACITY,
                 "layout": "worker processes" if layout == "proc" else "workers in the client's event loop",
                 "job_bytes": job_bytes,
                 "result_bytes": result_bytes,
+                "rounds": rounds,
+                "loadavg_1m_after": machine_load()["loadavg_1m"],
             } | load
-            for name, m in systems:
+            for name, runs in trials.items():
+                m = _median_of(runs)
                 case = f"{name} {layout}"
+                cpu = {k: round(v, 4) for k, v in m.items() if k.startswith("cpu_ms")}
+                cpu |= {"baseline_" + k: round(v, 4) for k, v in base.items() if k.startswith("cpu_ms")}
                 rows.append(
                     Row(
                         "request_path/throughput",
@@ -375,9 +452,13 @@ async def run_async(quick: bool, layouts: tuple[str, ...], prototype: bool) -> l
                             "jobs": n_tput,
                             "loaded_p50_ms": round(m["loaded_p50_ms"], 2),
                             "baseline_loaded_p50_ms": round(base["loaded_p50_ms"], 2),
-                        },
+                            "jobs_s_each_round": [round(r["jobs_s"]) for r in runs],
+                        }
+                        | cpu,
                     )
                 )
+                if name.startswith("ablation"):
+                    continue  # without bells, one-in-flight latency is the 1 s poll: not a figure
                 for q, target in (("p50", "<= 1.5x baseline"), ("p99", "")):
                     rows.append(
                         Row(
@@ -397,7 +478,8 @@ async def run_async(quick: bool, layouts: tuple[str, ...], prototype: bool) -> l
 
 def run(quick: bool) -> list[Row]:
     layouts = ("proc",) if quick else ("proc", "inproc")
-    return asyncio.run(run_async(quick, layouts, prototype=not quick))
+    ablation_layouts = () if quick else ("proc",)
+    return asyncio.run(run_async(quick, layouts, not quick, 1 if quick else 3, ablation_layouts))
 
 
 if __name__ == "__main__":

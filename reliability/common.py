@@ -94,12 +94,22 @@ class Processes:
         return proc
 
     def worker(
-        self, url: str, namespace: str, worker_id: str, *args: str, env: dict[str, str] | None = None
+        self,
+        url: str,
+        namespace: str,
+        worker_id: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        name: str | None = None,
     ) -> subprocess.Popen[bytes]:
         """A real ``rollfleet worker`` process (echo engine unless ``args`` say otherwise)."""
         cmd = [sys.executable, "-m", "rollfleet", "worker", "--nats", url, "--namespace", namespace]
         cmd += ["--worker-id", worker_id, "--heartbeat", "0.5", *args]
-        return self.spawn(worker_id, cmd, env)
+        return self.spawn(name or worker_id, cmd, env)
+
+    def module(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """``python -m reliability.procs ARGS``: a trainer or publisher as a real process."""
+        return self.spawn(name, [sys.executable, "-m", "reliability.procs", *args], env)
 
     def alive(self, prefix: str = "") -> list[str]:
         return [n for n, p in self.procs.items() if n.startswith(prefix) and p.poll() is None]

@@ -48,7 +48,7 @@ async def submit_paced(
                 out.handles[key] = handle
                 break
             except Exception as exc:  # noqa: BLE001 - not acknowledged: retry the same key
-                name = type(exc).__name__
+                name = f"{type(exc).__module__}.{type(exc).__name__}"
                 out.errors[name] = out.errors.get(name, 0) + 1
                 out.retries += 1
                 if time.monotonic() > deadline:
@@ -281,12 +281,19 @@ async def cluster_node_loss(
                 probe["killed"] = f"rf-node-{node}"
                 cluster.nodes[node].proc.kill()  # type: ignore[union-attr]
                 t_kill = probe["t_kill"] = time.monotonic()
-                # Fail-over done: a live leader for the jobs stream, and it takes a write.
+                # Fail-over done: every Raft group on the request path (jobs and results streams,
+                # the jobs consumer, this client's results consumer) has a leader on a live node,
+                # and the jobs stream takes a write.
+                groups = [
+                    lambda: client.js.stream_info(names.jobs_stream),
+                    lambda: client.js.stream_info(names.results_stream),
+                    lambda: client.js.consumer_info(names.jobs_stream, names.job_consumer("min", 0)),
+                    lambda: client.js.consumer_info(names.results_stream, names.results_consumer("trainer")),
+                ]
                 for _ in range(600):
                     try:
-                        info = await client.js.stream_info(names.jobs_stream, timeout=1.0)
-                        new = info.cluster.leader if info.cluster else None
-                        if new and new != probe["killed"]:
+                        leaders = [(await asyncio.wait_for(g(), 1.0)).cluster for g in groups]
+                        if all(c and c.leader and c.leader != probe["killed"] for c in leaders):
                             await client.js.publish(names.job_subject("exact", 999_999), b"probe", timeout=1.0)
                             break
                     except Exception as exc:  # noqa: BLE001 - not yet

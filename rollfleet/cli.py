@@ -23,6 +23,8 @@ def _add_conn(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=None, help="broker auth token")
     p.add_argument("--creds", default=None, help="NATS credentials file")
     p.add_argument("--tls-ca", default=None, help="CA bundle for TLS to the broker")
+    p.add_argument("--tls-cert", default=None, help="client certificate (mutual TLS)")
+    p.add_argument("--tls-key", default=None, help="client key (mutual TLS)")
 
 
 def _conn_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -33,6 +35,8 @@ def _conn_options(args: argparse.Namespace) -> dict[str, Any]:
         opts["creds_file"] = args.creds
     if args.tls_ca:
         opts["tls_ca"] = args.tls_ca
+    if args.tls_cert:
+        opts["tls_cert"], opts["tls_key"] = args.tls_cert, args.tls_key
     return opts
 
 
@@ -83,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", default=None, help="policy store to follow (published versions)")
     p.add_argument("--local-dir", default=None, help="host-local checkpoint directory (with --store)")
     p.add_argument("--model-dir", default=None, help="serve this fixed checkpoint (without --store)")
-    p.add_argument("--catch-up-wait", type=float, default=0.0, help="seconds to wait for a first commit")
+    p.add_argument(
+        "--catch-up-wait", type=float, default=3600.0, help="with --store: seconds to wait for a first commit"
+    )
     p.add_argument("--pre-read-hook", default=None, help="module:function run before reading a version")
     p.add_argument("--echo-latency", type=float, default=0.0, help="echo engine: seconds per job")
     p.add_argument("--echo-token-latency", type=float, default=0.0, help="echo engine: seconds per token")

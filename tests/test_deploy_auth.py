@@ -16,13 +16,21 @@ from typing import Any
 import nats
 import nats.errors
 import pytest
-from deploy_helpers import BROKER_CONFIG, TEST_SECRETS, eventually, make_dev_certs, start_worker, stop_process
 
 from rollfleet.broker import EmbeddedBroker, ensure_job_consumer, ensure_topology, free_port
 from rollfleet.connection import connect
 from rollfleet.schemas import Names
+from tests.deploy_helpers import (
+    BROKER_CONFIG,
+    TEST_SECRETS,
+    eventually,
+    make_dev_certs,
+    run_cli,
+    start_worker,
+    stop_process,
+)
 
-pytestmark = pytest.mark.timeout(45)
+pytestmark = pytest.mark.timeout(120)
 
 # The namespace the permissions example is written for (JetStream names cannot be wildcarded).
 NS = "run1"
@@ -62,7 +70,7 @@ def with_user(url: str, user: tuple[str, str]) -> str:
 
 async def refused_connect(url: str, **options: Any) -> None:
     # nats-py raises several types here: authorization errors, NoServersError, a reset TLS handshake.
-    with pytest.raises(Exception):  # noqa: B017, PT011
+    with pytest.raises(Exception):  # noqa: B017
         nc = await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2, **options)
         await nc.close()
 
@@ -162,15 +170,17 @@ async def test_permissions_refuse_anonymous_and_wrong_password(perm_broker: Embe
 
 
 async def test_permissions_rollfleet_round_trip(perm_broker: EmbeddedBroker, tmp_path: Path) -> None:
-    """The real worker process, as the `worker` user, serves the real client as `trainer`."""
+    """The documented flow: declare as `trainer`, run the real worker as `worker`, submit as `trainer`."""
     from rollfleet.schemas import RolloutPayload, SamplingParams
     from rollfleet.trainer_client import RolloutClient
 
-    async with await RolloutClient.connect(
-        with_user(perm_broker.url, TRAINER), namespace=NS, client_id="trainer-0"
-    ) as client:  # the trainer declares the namespace; a worker could not
-        worker = start_worker(with_user(perm_broker.url, WORKER), NS, tmp_path / "worker.log")
-        try:
+    trainer_url, worker_url = with_user(perm_broker.url, TRAINER), with_user(perm_broker.url, WORKER)
+    declared = await asyncio.to_thread(run_cli, "declare", "--nats", trainer_url, "--namespace", NS)
+    assert declared.returncode == 0, declared.stderr + declared.stdout
+
+    worker = start_worker(worker_url, NS, tmp_path / "worker.log")
+    try:
+        async with await RolloutClient.connect(trainer_url, namespace=NS, client_id="trainer-0") as client:
             payload = RolloutPayload(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4))
 
             async def round_trip() -> Any:
@@ -178,14 +188,15 @@ async def test_permissions_rollfleet_round_trip(perm_broker: EmbeddedBroker, tmp
 
             result = await eventually(round_trip, 25, "a round trip with the permissions config", interval=0.5)
             assert result.version_start == 0 and result.outputs
-        except BaseException:
-            print((tmp_path / "worker.log").read_text(errors="replace")[-4000:])
-            raise
-        finally:
-            code = stop_process(worker, timeout=15)
-    log = (tmp_path / "nats.log").read_text(errors="replace")
-    assert "Permissions Violation" not in log, "the real worker or client needs a subject the config does not allow"
+    except BaseException:
+        print((tmp_path / "worker.log").read_text(errors="replace")[-4000:])
+        raise
+    finally:
+        code = stop_process(worker, timeout=15)
     assert code == 0
+    # The server logs "Publish Violation" / "Subscription Violation" for anything refused.
+    log = (tmp_path / "nats.log").read_text(errors="replace")
+    assert "violation" not in log.lower(), "the real worker or client needs a subject the config does not allow"
 
 
 @pytest.fixture
@@ -275,3 +286,37 @@ async def test_mutual_tls(tls_broker: tuple[EmbeddedBroker, dict[str, str]]) -> 
     no_cert = ssl.create_default_context(cafile=env["ROLLFLEET_TLS_CA"])
     await refused_connect(url, tls=no_cert)
     await refused_connect(broker.url)
+
+
+async def test_mutual_tls_rollfleet_round_trip(tls_broker: tuple[EmbeddedBroker, dict[str, str]]) -> None:
+    """Worker and client both connect with the CA and a client certificate; a job goes round."""
+    from rollfleet.schemas import RolloutPayload, SamplingParams
+    from rollfleet.trainer_client import RolloutClient
+    from rollfleet.workers.engines import make_engine
+    from rollfleet.workers.worker import Worker, WorkerConfig
+
+    broker, env = tls_broker
+    tls_dir = Path(env["ROLLFLEET_TLS_CA"]).parent
+    tls = {
+        "tls_ca": env["ROLLFLEET_TLS_CA"],
+        "tls_cert": str(tls_dir / "client-cert.pem"),
+        "tls_key": str(tls_dir / "client-key.pem"),
+    }
+    url = broker.url.replace("nats://", "tls://")
+    ns = "t" + uuid.uuid4().hex[:6]
+    # In-process worker: the CLI has --tls-ca but (yet) no client-certificate flags.
+    worker = Worker(
+        WorkerConfig(nats_url=url, namespace=ns, heartbeat_s=0.5, connect_options=dict(tls)), make_engine("echo")
+    )
+    await worker.start()
+    try:
+        async with await RolloutClient.connect(url, namespace=ns, client_id="c0", **tls) as client:
+            payload = RolloutPayload(prompt_token_ids=[7, 8], sampling=SamplingParams(max_tokens=2))
+
+            async def round_trip() -> Any:
+                return await asyncio.wait_for(await client.submit(payload, min_version=0), 10)
+
+            result = await eventually(round_trip, 20, "a round trip over mutual TLS", interval=0.5)
+            assert result.worker_id == worker.config.worker_id and result.outputs
+    finally:
+        await worker.stop()

@@ -10,14 +10,14 @@ import asyncio
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
-from nats.js.api import ConsumerConfig
 
 from rollfleet.broker import TopologyConfig, ensure_job_consumer, ensure_topology
 from rollfleet.schemas import Names
-from deploy_helpers import (
+from tests.deploy_helpers import (
     BROKER_CONFIG,
     LEAF_PORTS,
     LocalCluster,
@@ -111,48 +111,83 @@ async def test_cluster_round_trip_across_nodes(cluster: LocalCluster, ns: str) -
             await conn.close()
 
 
-async def test_leaf_node_region_reaches_hub_jetstream(cluster: LocalCluster, ns: str, tmp_path: Path) -> None:
-    """A worker connected only to the region's leaf node pulls jobs from and stores results in the hub."""
-    port_map = dict(cluster.port_map)
-    conf = render_config(BROKER_CONFIG / "leaf" / "region-leaf.conf", tmp_path / "leaf.conf", port_map)
-    leaf = NatsProcess(
-        name="leaf", config=conf, port=port_map[LEAF_PORTS["client"]], log_file=tmp_path / "leaf.log"
-    ).start()
+@pytest.fixture(scope="module")
+def leaf(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsProcess]:
+    """The region leaf node of broker_config/leaf/, dialing the cluster's leaf ports."""
+    workdir = tmp_path_factory.mktemp("leaf")
+    conf = render_config(BROKER_CONFIG / "leaf" / "region-leaf.conf", workdir / "leaf.conf", cluster.port_map)
+    node = NatsProcess(
+        name="leaf", config=conf, port=cluster.port_map[LEAF_PORTS["client"]], log_file=workdir / "leaf.log"
+    )
     try:
-        leaf.wait_listening()
-        names = Names(ns)
-        trainer = await connect_when_ready(cluster.urls)
+        node.start().wait_listening()
+        yield node
+    finally:
+        node.stop()
+
+
+async def test_leaf_node_region_reaches_hub_jetstream(cluster: LocalCluster, leaf: NatsProcess, ns: str) -> None:
+    """A worker connected only to the region's leaf node pulls jobs from and stores results in the hub."""
+    names = Names(ns)
+    trainer = await connect_when_ready(cluster.urls)
+    try:
+        tjs = trainer.jetstream(timeout=10)
+        await eventually(lambda: ensure_topology(tjs, names, R3), 20, "declaring")
+        await tjs.publish(names.job_subject("exact", 0), b"far-job", headers={"Nats-Msg-Id": "far"})
+
+        # Until the leaf's link to the hub is up, JetStream requests through it get no answer.
+        worker = await connect_when_ready([leaf.url])
         try:
-            tjs = trainer.jetstream(timeout=10)
-            await eventually(lambda: ensure_topology(tjs, names, R3), 20, "declaring")
-            await tjs.publish(names.job_subject("exact", 0), b"far-job", headers={"Nats-Msg-Id": "far"})
-
-            # Until the leaf's link to the hub is up, JetStream requests through it get no answer.
-            worker = await connect_when_ready([leaf.url])
-            try:
-                wjs = worker.jetstream(timeout=10)
-                sub = await wjs.pull_subscribe(
-                    names.job_subject("exact", 0),
-                    durable="exact-0",
-                    stream=names.jobs_stream,
-                    config=ConsumerConfig(num_replicas=3),
-                )
-                [job] = await sub.fetch(1, timeout=10)
-                assert job.data == b"far-job"
-                await wjs.publish(names.result_subject("trainer-0", "far"), b"far-result")
-                await job.ack_sync()
-            finally:
-                await worker.close()
-
-            got = await tjs.get_last_msg(names.results_stream, names.result_subject("trainer-0", "far"))
-            assert got.data == b"far-result"
+            wjs = worker.jetstream(timeout=10)
+            consumer = await ensure_job_consumer(wjs, names, "exact", 0, R3)
+            sub = await wjs.pull_subscribe_bind(consumer, stream=names.jobs_stream)
+            [job] = await sub.fetch(1, timeout=10)
+            assert job.data == b"far-job"
+            await wjs.publish(names.result_subject("trainer-0", "far"), b"far-result")
+            await job.ack_sync()
+            # KV traffic crosses too (registry entries), through the leaf's domain mapping.
+            fleet = await wjs.key_value(names.fleet_bucket)
+            await fleet.put(names.replica_key("far-worker"), b"{}")
         finally:
-            await trainer.close()
+            await worker.close()
+
+        got = await tjs.get_last_msg(names.results_stream, names.result_subject("trainer-0", "far"))
+        assert got.data == b"far-result"
+        entry = await (await tjs.key_value(names.fleet_bucket)).get(names.replica_key("far-worker"))
+        assert entry.value == b"{}"
     except BaseException:
         print(leaf.log_tail())
         raise
     finally:
-        leaf.stop()
+        await trainer.close()
+
+
+async def test_leaf_rollfleet_round_trip(cluster: LocalCluster, leaf: NatsProcess, ns: str, tmp_path: Path) -> None:
+    """The real worker process in the remote region (leaf only) serves a client in the hub."""
+    from rollfleet.schemas import RolloutPayload, SamplingParams
+    from rollfleet.trainer_client import RolloutClient
+
+    nc = await connect_when_ready([leaf.url])  # the leaf's link to the hub is up
+    await nc.close()
+    declared = await asyncio.to_thread(run_cli, "declare", "--nats", cluster.url, "--namespace", ns, "--replicas", "3")
+    assert declared.returncode == 0, declared.stderr + declared.stdout
+    worker = start_worker(leaf.url, ns, tmp_path / "worker.log")
+    try:
+        async with await RolloutClient.connect(cluster.url, namespace=ns, client_id="trainer-0") as client:
+            payload = RolloutPayload(prompt_token_ids=[4, 5, 6], sampling=SamplingParams(max_tokens=2))
+
+            async def round_trip() -> Any:
+                return await asyncio.wait_for(await client.submit(payload, min_version=0), 10)
+
+            result = await eventually(round_trip, 25, "a round trip through the leaf node", interval=0.5)
+            assert result.version_start == 0 and result.outputs
+    except BaseException:
+        print((tmp_path / "worker.log").read_text(errors="replace")[-4000:])
+        print(leaf.log_tail())
+        raise
+    finally:
+        code = stop_process(worker, timeout=15)
+    assert code == 0, f"worker exit code {code} after SIGTERM"
 
 
 async def test_cluster_rollfleet_round_trip(cluster: LocalCluster, ns: str, tmp_path: Path) -> None:
@@ -172,15 +207,15 @@ async def test_cluster_rollfleet_round_trip(cluster: LocalCluster, ns: str, tmp_
         ) as client:
             payload = RolloutPayload(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4))
 
-            async def round_trip() -> object:
+            async def round_trip() -> Any:
                 handle = await client.submit(payload, min_version=0)
                 return await asyncio.wait_for(handle, 10)
 
             # The first submit can fail fast (retryably) until the worker has registered.
             result = await eventually(round_trip, 25, "a round trip through the cluster", interval=0.5)
-        assert result.version_start == 0 and result.version_end == 0  # type: ignore[attr-defined]
-        assert result.worker_id  # type: ignore[attr-defined]
-        assert result.outputs  # type: ignore[attr-defined]
+        assert result.version_start == 0 and result.version_end == 0
+        assert result.worker_id
+        assert result.outputs
 
         nc = await connect_when_ready(cluster.urls)
         try:
@@ -194,3 +229,49 @@ async def test_cluster_rollfleet_round_trip(cluster: LocalCluster, ns: str, tmp_
     finally:
         code = stop_process(worker, timeout=15)
     assert code == 0, f"worker exit code {code} after SIGTERM"
+
+
+async def test_r3_streams_survive_losing_the_leader(cluster: LocalCluster, ns: str) -> None:
+    """Stop the node leading the jobs stream: a stored job is still served, new jobs still stored.
+
+    The node is restarted from its config and store afterwards and catches up, so the module's
+    cluster is whole again for any later test.
+    """
+    names = Names(ns)
+    victim: str | None = None
+    nc = await connect_when_ready(cluster.urls)
+    try:
+        js = nc.jetstream(timeout=10)
+        await eventually(lambda: ensure_topology(js, names, R3), 20, "declaring")
+        await js.publish(names.job_subject("min", 0), b"before", headers={"Nats-Msg-Id": "before"})
+        leader_name = (await js.stream_info(names.jobs_stream)).cluster.leader  # type: ignore[union-attr]
+        victim = next(key for key in cluster.nodes if f"rf-node-{key}" == leader_name)
+        survivors = [node.url for key, node in cluster.nodes.items() if key != victim]
+        cluster.nodes[victim].stop()
+        await nc.close()
+
+        nc = await connect_when_ready(survivors)
+        js = nc.jetstream(timeout=5)
+
+        async def new_leader() -> None:
+            info = await js.stream_info(names.jobs_stream)
+            assert info.cluster is not None and info.cluster.leader not in (None, leader_name), info.cluster
+
+        await eventually(new_leader, 20, "a new jobs-stream leader")
+        # Duplicate detection survived the failover too: the same key is still a duplicate.
+        again = await js.publish(names.job_subject("min", 0), b"before", headers={"Nats-Msg-Id": "before"})
+        assert again.duplicate
+        await js.publish(names.job_subject("min", 0), b"after", headers={"Nats-Msg-Id": "after"})
+        consumer = await ensure_job_consumer(js, names, "min", 0, R3)
+        sub = await js.pull_subscribe_bind(consumer, stream=names.jobs_stream)
+        jobs = await sub.fetch(2, timeout=10)
+        assert sorted(m.data for m in jobs) == [b"after", b"before"]
+        for m in jobs:
+            await m.ack_sync()
+    finally:
+        await nc.close()
+        if victim is not None:
+            node = cluster.nodes[victim]
+            if node.proc is None or node.proc.poll() is not None:
+                node.start()
+                node.wait_listening()

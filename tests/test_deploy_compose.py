@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_helpers import BROKER_CONFIG, REPO, TEST_SECRETS, make_dev_certs
 
 from rollfleet.broker import check_server_binary
+from tests.deploy_helpers import BROKER_CONFIG, REPO, TEST_SECRETS, make_dev_certs
 
 COMPOSE_FILE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "Dockerfile"
@@ -117,25 +117,39 @@ def test_nats_service_runs_a_repository_config(compose: dict[str, Any]) -> None:
     assert "8222" in " ".join(nats["healthcheck"]["test"]) and re.search(r"^http_port:\s*8222", text, re.MULTILINE)
 
 
-def test_worker_service_scales(compose: dict[str, Any]) -> None:
-    worker = compose["services"]["worker"]
-    # `--scale worker=N` fails on a fixed container name or a fixed host port.
-    assert "container_name" not in worker
+@pytest.mark.parametrize("name", ["worker", "demo-worker"])
+def test_worker_services_scale(compose: dict[str, Any], name: str) -> None:
+    worker = compose["services"][name]
+    # `--scale worker=N` fails on a fixed container name, hostname or host port.
+    assert "container_name" not in worker and "hostname" not in worker
     for port in worker.get("ports", []):
-        assert ":" not in str(port), f"worker publishes a fixed host port: {port}"
-    assert "hostname" not in worker
+        assert ":" not in str(port), f"{name} publishes a fixed host port: {port}"
     command = as_list(worker["command"])
     assert command[0] == "worker"
     assert command[command.index("--nats") + 1] == "nats://nats:4222"
-    assert command[command.index("--engine") + 1] == "echo"  # the default needs no model or GPU
-    # Workers must be stopped by SIGTERM (drain), with time to finish their jobs.
+    # Workers are stopped by SIGTERM (drain), with time to finish their jobs.
     assert worker.get("stop_signal", "SIGTERM") == "SIGTERM"
+    assert "weights" in {s for s, _ in volume_mounts(worker)}
 
 
-def test_demo_trainer_is_optional(compose: dict[str, Any]) -> None:
-    demo = compose["services"]["demo-trainer"]
-    assert demo.get("profiles"), "the demo trainer must not start on a plain `docker compose up`"
-    assert "profiles" not in compose["services"]["worker"] and "profiles" not in compose["services"]["nats"]
+def test_default_worker_needs_no_model(compose: dict[str, Any]) -> None:
+    command = as_list(compose["services"]["worker"]["command"])
+    assert command[command.index("--engine") + 1] == "echo"
+
+
+def test_demo_is_optional_and_consistent(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    for name in ("demo-trainer", "demo-worker"):
+        assert services[name].get("profiles") == ["demo"], f"{name} must not start on a plain `docker compose up`"
+    assert "profiles" not in services["worker"] and "profiles" not in services["nats"]
+    # The demo trainer publishes versions where its workers look, in the namespace they serve.
+    trainer = as_list(services["demo-trainer"]["command"])
+    worker = as_list(services["demo-worker"]["command"])
+    for flag in ("--namespace", "--store", "--nats"):
+        assert trainer[trainer.index(flag) + 1] == worker[worker.index(flag) + 1], flag
+    store = worker[worker.index("--store") + 1]
+    mounts = {target: source for source, target in volume_mounts(services["demo-worker"])}
+    assert any(store == target or store.startswith(target + "/") for target in mounts), store
 
 
 def test_gpu_reservation_is_commented_and_valid() -> None:
@@ -158,26 +172,25 @@ def test_gpu_reservation_is_commented_and_valid() -> None:
 
 
 def test_compose_commands_exist(compose: dict[str, Any]) -> None:
-    """Every flag the services pass is accepted by the rollfleet CLI / the demo module."""
-    worker = as_list(compose["services"]["worker"]["command"])
-    help_text = subprocess.run(
-        [sys.executable, "-m", "rollfleet", worker[0], "--help"], capture_output=True, text=True, timeout=60, cwd=REPO
-    )
-    assert help_text.returncode == 0, help_text.stderr
-    for flag in (arg for arg in worker if arg.startswith("--")):
-        assert flag in help_text.stdout, f"`rollfleet {worker[0]}` has no {flag}"
-
-    demo = compose["services"]["demo-trainer"]
-    entrypoint = as_list(demo["entrypoint"])
-    assert entrypoint[:2] == ["python", "-m"]
-    module = entrypoint[2]
-    assert importlib.util.find_spec(module) is not None, f"no module {module}"
-    demo_help = subprocess.run(
-        [sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60, cwd=REPO
-    )
-    assert demo_help.returncode == 0, demo_help.stderr
-    for flag in (arg for arg in as_list(demo["command"]) if arg.startswith("--")):
-        assert flag in demo_help.stdout, f"`python -m {module}` has no {flag}"
+    """Every command a service runs exists here and accepts every flag the service passes."""
+    checked = 0
+    for name, service in compose["services"].items():
+        if not str(service.get("image", "")).startswith("rollfleet") and "build" not in service:
+            continue  # a third-party image (nats)
+        command = as_list(service.get("command", []))
+        entrypoint = as_list(service.get("entrypoint", ["rollfleet"]))
+        if entrypoint == ["rollfleet"]:
+            argv = [sys.executable, "-m", "rollfleet", command[0]]  # the console script's module
+        else:
+            assert entrypoint[:2] == ["python", "-m"], f"{name}: unexpected entrypoint {entrypoint}"
+            assert importlib.util.find_spec(entrypoint[2]) is not None, f"{name}: no module {entrypoint[2]}"
+            argv = [sys.executable, *entrypoint[1:]]
+        out = subprocess.run([*argv, "--help"], capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert out.returncode == 0, f"{name}: {' '.join(argv[1:])} --help failed: {out.stderr}"
+        for flag in (arg for arg in command if arg.startswith("--")):
+            assert re.search(rf"(^|\s){re.escape(flag)}\b", out.stdout), f"{name}: {argv[1:]} has no {flag}"
+        checked += 1
+    assert checked == 3  # worker, demo-worker, demo-trainer
 
 
 def dockerignored(path: str, patterns: list[str]) -> bool:

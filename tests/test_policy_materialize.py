@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -195,3 +196,35 @@ def test_a_marker_without_its_checkpoint_files_reseeds(tmp_path: Path) -> None:
     os.unlink(local / "model.safetensors")
     res = materialize(local, store, 2)
     assert res.reseeded and read_local(local) == raw(weights[2])
+
+
+def _fake_reboot(local: Path) -> None:
+    marker = local / "rollfleet-version.json"
+    doc = json.loads(marker.read_text())
+    doc["boot_id"] = "an-earlier-boot"
+    marker.write_text(json.dumps(doc))
+
+
+def test_after_a_reboot_the_marker_is_trusted_only_if_every_tensor_verifies(tmp_path: Path) -> None:
+    store, weights = publish_steps(tmp_path, 3, keyframe_every=0)
+    local = tmp_path / "local"
+    materialize(local, store, 2)
+    _fake_reboot(local)
+    res = materialize(local, store, 3)  # the bytes survived: continue the chain
+    assert not res.reseeded and res.applied == [3]
+    materialize(local, store, 2)
+    _fake_reboot(local)
+    with open(local / "model.safetensors", "r+b") as f:  # a write the power cut lost
+        f.seek(-5, os.SEEK_END)
+        f.write(b"\xff\xff\xff\xff\xff")
+    res = materialize(local, store, 3)
+    assert res.reseeded and read_local(local) == raw(weights[3])
+
+
+def test_durable_mode_fsyncs_and_is_trusted_after_a_reboot(tmp_path: Path) -> None:
+    store, weights = publish_steps(tmp_path, 2, keyframe_every=0)
+    local = tmp_path / "local"
+    materialize(local, store, 1, durable=True)
+    _fake_reboot(local)
+    res = materialize(local, store, 2, durable=True)
+    assert not res.reseeded and read_local(local) == raw(weights[2])

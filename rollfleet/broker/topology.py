@@ -33,7 +33,7 @@ class TopologyConfig(msgspec.Struct, kw_only=True, frozen=True):
     results_max_age_s: float = 24 * 3600.0
     events_max_age_s: float = 24 * 3600.0
     max_msg_bytes: int = 4 * 1024 * 1024
-    jobs_max_bytes: int = 4 * 1024**3
+    jobs_max_bytes: int = 1024**3  # reserved per namespace on the broker's file store
     # Per jobs consumer: how many jobs may be held unacked across the fleet, and how many
     # pull requests may wait. Sized for fleet_slots (sum of worker capacities) with headroom.
     fleet_slots: int = 4096

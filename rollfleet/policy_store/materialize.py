@@ -10,6 +10,13 @@ next call reseeds from a full version instead of applying an XOR delta twice.
 
 Reseeding copies a full version into a staging directory, verifies it, and only then moves it
 into place, so a bad full version leaves the local checkpoint as it was.
+
+Durability without fsyncing the model: a process crash never loses page-cache writes, so the
+protocol above is enough across SIGKILL. Against power loss the marker records the kernel boot id
+and the checksum of every local tensor; a marker from an earlier boot is trusted only after every
+tensor hashes to its recorded value (a few hundred ms per GiB), otherwise the call reseeds. With
+``durable=True`` the data is msync'ed and fsync'ed before each marker instead (and such a marker
+is trusted after a reboot without re-hashing).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from rollfleet.policy_store import codecs
-from rollfleet.policy_store.formats import DEFAULT_CHECKSUM, new_hasher
+from rollfleet.policy_store.formats import CHECKSUM_FORMATS, DEFAULT_CHECKSUM, new_hasher
 from rollfleet.policy_store.hooks import Hook, pause_point, resolve_hook
 from rollfleet.policy_store.layout import CheckpointLayout, TensorLocation, check_layout, fsync_dir
 from rollfleet.policy_store.store import SIDECAR, list_versions, read_index, version_path
@@ -66,32 +73,94 @@ class MaterializeResult:
 # -- marker and lock ---------------------------------------------------------------------------
 
 
-def read_marker(local_dir: Path) -> int | None:
-    """The applied version of a host-local checkpoint, or None when missing or unreadable."""
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""  # unknown: every marker is then verified by hashing
+
+
+def _read_marker_doc(local_dir: Path) -> dict | None:
     try:
         doc = json.loads((Path(local_dir) / MARKER).read_bytes())
-        v = doc["version"]
-        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
+        return None
+    v = doc.get("version") if isinstance(doc, dict) else None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        return None
+    return doc  # type: ignore[no-any-return]
+
+
+def read_marker(local_dir: Path) -> int | None:
+    """The applied version of a host-local checkpoint, or None when missing or unreadable."""
+    doc = _read_marker_doc(Path(local_dir))
+    return None if doc is None else int(doc["version"])
+
+
+class _Local:
+    """The host-local checkpoint: where it is, how durably to write, what each tensor's checksum is."""
+
+    def __init__(self, root: Path, durable: bool, workers: int) -> None:
+        self.root = root
+        self.durable = durable
+        self.workers = workers
+        self.sums: dict[str, str] = {}  # tensor name -> "fmt:hex" of its current local bytes
+
+    def write_marker(self, version: int) -> None:
+        doc = {
+            "version": version,
+            "boot_id": _boot_id(),
+            "durable": self.durable,
+            "checksums": self.sums,
+            "written_at": time.time(),
+        }
+        tmp = self.root / f".{MARKER}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(json.dumps(doc).encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.root / MARKER)
+        fsync_dir(self.root)
+
+    def remove_marker(self) -> None:
+        try:
+            os.unlink(self.root / MARKER)
+        except FileNotFoundError:
+            return
+        fsync_dir(self.root)
+
+    def adopt_marker(self) -> int | None:
+        """The marker's version if it can be trusted (loading its checksums), else None."""
+        doc = _read_marker_doc(self.root)
+        if doc is None:
+            return None
+        try:
+            layout = CheckpointLayout.read(self.root)
+        except PolicyError:
+            return None  # a marker without a loadable checkpoint beside it
+        sums = doc.get("checksums")
+        if not isinstance(sums, dict) or set(sums) != set(layout.tensors):
+            return None
+        self.sums = {str(k): str(v) for k, v in sums.items()}
+        if doc.get("boot_id") == _boot_id() != "" or doc.get("durable") is True:
+            return int(doc["version"])
+        # Written before a reboot without fsync: trust it only if every tensor still matches.
+        if self.verify(layout):
+            self.write_marker(int(doc["version"]))  # with the current boot id
+            return int(doc["version"])
         return None
 
+    def verify(self, layout: CheckpointLayout) -> bool:
+        def one(name: str) -> None:
+            fmt, _, want = self.sums[name].partition(":")
+            if fmt not in CHECKSUM_FORMATS or _hash_file_range(layout.tensors[name], fmt) != want:
+                raise ChecksumMismatch(name)
 
-def _write_marker(local_dir: Path, version: int) -> None:
-    tmp = local_dir / f".{MARKER}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(json.dumps({"version": version, "written_at": time.time()}).encode())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, local_dir / MARKER)
-    fsync_dir(local_dir)
+        return _run_all(one, list(layout.tensors), self.workers) is None
 
-
-def _remove_marker(local_dir: Path) -> None:
-    try:
-        os.unlink(local_dir / MARKER)
-    except FileNotFoundError:
-        return
-    fsync_dir(local_dir)
+    def flush(self, mapped: _Mapped) -> None:
+        if self.durable:
+            mapped.flush()
 
 
 _THREAD_LOCKS: dict[str, threading.Lock] = {}
@@ -160,8 +229,12 @@ def materialize(
     *,
     pre_read_hook: str | Hook | None = None,
     workers: int = DEFAULT_WORKERS,
+    durable: bool = False,
 ) -> MaterializeResult:
     """Bring ``local_dir`` to ``target_version`` from ``store_dir``; thread- and process-safe.
+
+    ``durable=True`` fsyncs the model data before every marker (see the module docstring for why
+    the default does not need to).
 
     Raises a typed PolicyError on any inconsistency; the local checkpoint then stays at its last
     good version (the marker says which), or has no marker if it had none to begin with.
@@ -171,17 +244,17 @@ def materialize(
     store = Path(store_dir)
     local.mkdir(parents=True, exist_ok=True)
     hook = resolve_hook(pre_read_hook)
+    state = _Local(local, durable, workers)
     with host_lock(local):
-        marker = read_marker(local)
-        if marker is not None and not _readable(local):
-            marker = None  # a marker without a loadable checkpoint beside it: start over
+        previous = read_marker(local)
+        marker = state.adopt_marker()
         if hook is not None:
             hook(store)
         seed, chain = plan(store, marker, target_version)
-        result = MaterializeResult(version=marker if marker is not None else -1, previous_version=marker, changed=[])
+        result = MaterializeResult(version=marker if marker is not None else -1, previous_version=previous, changed=[])
         changed: set[str] = set()
         if seed is not None:
-            names, wire, total = _seed(local, version_path(store, seed), seed, hook, workers)
+            names, wire, total = _seed(state, version_path(store, seed), seed, hook)
             result.reseeded, result.seeded_from = True, seed
             result.applied.append(seed)
             result.wire_bytes += wire
@@ -201,9 +274,9 @@ def materialize(
                         f"{path.name} is based on {ov.index.metadata.base_version}, the local checkpoint is at "
                         f"{result.version}"
                     )
-                names = _apply_delta(local, layout, ov, result.version, workers)
+                names = _apply_delta(state, layout, ov, result.version)
             else:
-                names = _apply_full(local, layout, ov, result.version, workers)
+                names = _apply_full(state, layout, ov)
             rec = ov.record()
             result.changed_bytes += rec.changed_bytes
             result.wire_bytes += ov.wire_bytes
@@ -216,14 +289,6 @@ def materialize(
             result.density = min(1.0, result.changed_bytes / result.total_bytes)
         result.seconds = time.perf_counter() - t0
         return result
-
-
-def _readable(local: Path) -> bool:
-    try:
-        CheckpointLayout.read(local)
-    except PolicyError:
-        return False
-    return True
 
 
 # -- apply a delta in place --------------------------------------------------------------------
@@ -254,15 +319,15 @@ class _Mapped:
         self.maps.clear()
 
 
-def _apply_delta(local: Path, layout: CheckpointLayout, ov: OpenVersion, current: int, workers: int) -> list[str]:
+def _apply_delta(local: _Local, layout: CheckpointLayout, ov: OpenVersion, current: int) -> list[str]:
     check_delta_against(ov, layout.specs)
     meta = ov.index.metadata
     enc, fmt = meta.delta_encoding or "", meta.checksum_format or DEFAULT_CHECKSUM
     names = sorted(ov.frames, key=lambda n: -layout.tensors[n].nbytes)  # big first: better packing
     if not names:
-        _write_marker(local, ov.version)  # an empty delta is valid
+        local.write_marker(ov.version)  # an empty delta is valid
         return []
-    _remove_marker(local)
+    local.remove_marker()
     mapped = _Mapped()
     dsts = {n: mapped.view(layout.tensors[n]) for n in names}  # map every file before threads start
     undos: dict[str, codecs.Undo] = {}
@@ -285,16 +350,18 @@ def _apply_delta(local: Path, layout: CheckpointLayout, ov: OpenVersion, current
             pause_point("apply:mid-version")
 
     try:
-        error = _run_all(one, names, workers)
+        error = _run_all(one, names, local.workers)
         if error is not None:
             for undo in undos.values():
                 undo()
-            mapped.flush()
-            _write_marker(local, current)  # back at the last good version
+            local.flush(mapped)
+            local.write_marker(current)  # back at the last good version
             raise error
-        mapped.flush()
+        local.flush(mapped)
         pause_point("apply:before-marker")
-        _write_marker(local, ov.version)
+        for name in names:
+            local.sums[name] = f"{fmt}:{ov.frames[name].checksum}"
+        local.write_marker(ov.version)
     finally:
         undos.clear()
         dsts.clear()
@@ -354,7 +421,7 @@ def _verify_full(ov: OpenVersion, layout: CheckpointLayout, workers: int) -> Non
         raise error
 
 
-def _apply_full(local: Path, layout: CheckpointLayout, ov: OpenVersion, current: int, workers: int) -> list[str]:
+def _apply_full(local: _Local, layout: CheckpointLayout, ov: OpenVersion) -> list[str]:
     """Apply a full version met inside a chain: copy only tensors whose bytes differ."""
     assert ov.layout is not None
     check_layout(layout.specs, ov.layout.specs, ov.path.name)
@@ -372,25 +439,37 @@ def _apply_full(local: Path, layout: CheckpointLayout, ov: OpenVersion, current:
             with lock:
                 differing.append(name)
 
-    error = _run_all(compare, list(layout.tensors), workers)
+    error = _run_all(compare, list(layout.tensors), local.workers)
     if error is None and ov.checksums:  # verify the sources we will copy, before writing anything
         sub = CheckpointLayout(ov.path, {n: ov.layout.tensors[n] for n in differing}, ov.layout.files)
         try:
-            _verify_full(OpenVersion(ov.path, ov.index, layout=sub, checksums=ov.checksums), sub, workers)
+            _verify_full(OpenVersion(ov.path, ov.index, layout=sub, checksums=ov.checksums), sub, local.workers)
         except PolicyError as exc:
             error = exc
     if error is not None:
         raise error
-    _remove_marker(local)
+    local.remove_marker()
     mapped = _Mapped()
     try:
         for name in differing:
             np.copyto(mapped.view(layout.tensors[name]), _ro(ov.layout.tensors[name]))
-        mapped.flush()
+        local.flush(mapped)
     finally:
         mapped.close()
-    _write_marker(local, ov.version)
+    local.sums = _full_sums(ov, layout, local.workers)
+    local.write_marker(ov.version)
     return differing
+
+
+def _full_sums(ov: OpenVersion, layout: CheckpointLayout, workers: int) -> dict[str, str]:
+    """Checksums of a full version's tensors: published ones, or computed from ``layout``'s bytes."""
+    if ov.checksums:
+        fmt = ov.index.metadata.checksum_format or DEFAULT_CHECKSUM
+        return {n: f"{fmt}:{h}" for n, h in ov.checksums.items()}
+    names = list(layout.tensors)
+    pool = codecs.executor(workers)
+    hashes = pool.map(lambda n: _hash_file_range(layout.tensors[n], DEFAULT_CHECKSUM), names)
+    return {n: f"{DEFAULT_CHECKSUM}:{h}" for n, h in zip(names, hashes, strict=True)}
 
 
 def _ro(loc: TensorLocation) -> np.ndarray:
@@ -399,13 +478,14 @@ def _ro(loc: TensorLocation) -> np.ndarray:
     return np.memmap(loc.file, dtype=np.uint8, mode="r", offset=loc.offset, shape=(loc.nbytes,))
 
 
-def _seed(local: Path, src: Path, version: int, hook: Hook | None, workers: int) -> tuple[list[str], int, int]:
+def _seed(state: _Local, src: Path, version: int, hook: Hook | None) -> tuple[list[str], int, int]:
     """Replace the local checkpoint with full version ``version``: stage, verify, swap, mark."""
     if hook is not None:
         hook(src)
     ov = open_version(src, expected_version=version)
     if ov.is_delta:
         raise CorruptArtifact(f"{src.name} is a delta, not a full version to seed from")
+    local = state.root
     staging = local / STAGING
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
@@ -416,19 +496,21 @@ def _seed(local: Path, src: Path, version: int, hook: Hook | None, workers: int)
             continue
         check_name(entry.name, "checkpoint file name")
         shutil.copyfile(entry.path, staging / entry.name)
-        with open(staging / entry.name, "rb+") as f:
-            os.fsync(f.fileno())
+        if state.durable:
+            with open(staging / entry.name, "rb+") as f:
+                os.fsync(f.fileno())
         wire += entry.stat().st_size
         files.append(entry.name)
         pause_point("seed:mid-copy")
     try:
         staged = CheckpointLayout.read(staging)
-        _verify_full(ov, staged, workers)
+        _verify_full(ov, staged, state.workers)
+        sums = _full_sums(ov, staged, state.workers)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     # Commit: from here the old local files are replaced; no marker until it is all in place.
-    _remove_marker(local)
+    state.remove_marker()
     keep = set(files)
     for entry in os.scandir(local):
         if entry.name not in keep and (entry.name.endswith(".safetensors") or entry.name == INDEX_FILE):
@@ -437,5 +519,6 @@ def _seed(local: Path, src: Path, version: int, hook: Hook | None, workers: int)
         os.replace(staging / name, local / name)
     fsync_dir(local)
     shutil.rmtree(staging, ignore_errors=True)
-    _write_marker(local, version)
+    state.sums = sums
+    state.write_marker(version)
     return list(staged.tensors), wire, staged.total_bytes

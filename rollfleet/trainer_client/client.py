@@ -46,6 +46,7 @@ from rollfleet.schemas import (
 )
 from rollfleet.schemas.errors import Expired, InvalidRequest, NoCompatibleReplica, RollfleetError, ServiceUnavailable
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_IDEMPOTENCY_KEY, HDR_JOB_ID, HDR_MSG_ID
+from rollfleet.tasks import stop_tasks
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.versions import adopt_version, commit_version
 
@@ -204,9 +205,7 @@ class RolloutClient:
             return
         self._closed = True
         if self._results_task is not None:
-            self._results_task.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._results_task
+            await stop_tasks([self._results_task])
         await self.fleet.close()
         for handle in self._handles.values():
             handle._fail(ServiceUnavailable("client closed before the result arrived"))
@@ -427,6 +426,8 @@ class RolloutClient:
             handle._resolve(outcome)
         else:
             self._unclaimed[key] = outcome
+            if len(self._unclaimed) > _DELIVERED_MEMORY:  # nobody is asking: keep the newest only
+                self._unclaimed.pop(next(iter(self._unclaimed)))
             event, self._unclaimed_event = self._unclaimed_event, asyncio.Event()
             event.set()
         self._delivered[key] = None

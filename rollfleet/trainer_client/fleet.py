@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import suppress
+from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -18,6 +19,7 @@ from nats.js.kv import KeyValue
 from rollfleet.logs import get_logger
 from rollfleet.schemas import Names, ReplicaStatus, VersionConstraint, VersionRecord, decode
 from rollfleet.schemas.errors import InvalidRequest, ServiceUnavailable
+from rollfleet.tasks import stop_tasks, watch_keys
 
 log = get_logger("rollfleet.fleet")
 
@@ -41,18 +43,16 @@ class FleetView:
         self._policy_kv = await self._js.key_value(self._names.policy_bucket)
         await self.refresh()
         self._tasks = [
-            asyncio.create_task(self._watch(self._fleet_kv, ">"), name="fleet-watch"),
-            asyncio.create_task(self._watch(self._policy_kv, self._names.LATEST_KEY), name="policy-watch"),
+            asyncio.create_task(watch_keys(self._fleet_kv, ">", self._on_entry, log), name="fleet-watch"),
+            asyncio.create_task(
+                watch_keys(self._policy_kv, self._names.LATEST_KEY, self._on_entry, log), name="policy-watch"
+            ),
             asyncio.create_task(self._periodic(), name="fleet-refresh"),
         ]
         return self
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with suppress(asyncio.CancelledError, Exception):
-                await task
+        await stop_tasks(self._tasks)
 
     # -- reading ----------------------------------------------------------------------------
     @property
@@ -166,24 +166,9 @@ class FleetView:
         except InvalidRequest as exc:
             log.warning("ignoring undecodable registry entry", key=key, error=exc.message)
 
-    async def _watch(self, kv: KeyValue, keys: str) -> None:
-        while True:
-            try:
-                watcher = await kv.watch(keys)
-                while True:
-                    try:
-                        entry = await watcher.updates(timeout=30.0)
-                    except nats.errors.TimeoutError:
-                        continue
-                    if entry is None:
-                        continue
-                    self._apply(entry.key, entry.value, entry.operation in ("DEL", "PURGE"))
-                    self._notify()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # reconnecting: recreate the watcher
-                log.debug("watch restarting", error=str(exc))
-                await asyncio.sleep(1.0)
+    def _on_entry(self, entry: Any) -> None:
+        self._apply(entry.key, entry.value, entry.operation in ("DEL", "PURGE"))
+        self._notify()
 
     async def _refresh_quietly(self) -> None:
         try:

@@ -27,6 +27,7 @@ from rollfleet.policy_store import MaterializeResult, materialize
 from rollfleet.policy_store.digest import weights_digest
 from rollfleet.schemas import Names, VersionActivated, encode
 from rollfleet.schemas.errors import PolicyError, RollfleetError
+from rollfleet.tasks import stop_tasks, watch_keys
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.registry import Registration
@@ -117,37 +118,17 @@ class VersionSync:
     def start(self, registration: Registration) -> None:
         self._registration = registration
         self._tasks = [
-            asyncio.create_task(self._watch(), name="policy-watch"),
+            asyncio.create_task(
+                watch_keys(self._kv, self._names.LATEST_KEY, lambda _: self._wake.set(), self.log), name="policy-watch"
+            ),
             asyncio.create_task(self._resync(), name="policy-resync"),
             asyncio.create_task(self._follow(), name="policy-follow"),
         ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with suppress(asyncio.CancelledError, Exception):
-                await task
+        await stop_tasks(self._tasks)
 
     # -- noticing new versions --------------------------------------------------------------
-    async def _watch(self) -> None:
-        assert self._kv is not None
-        while True:  # re-created after errors: a reconnect can end a watcher
-            try:
-                watcher = await self._kv.watch(self._names.LATEST_KEY)
-                while True:
-                    try:
-                        entry = await watcher.updates(timeout=30.0)
-                    except nats.errors.TimeoutError:
-                        continue
-                    if entry is not None:
-                        self._wake.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.log.debug("policy watch restarting", error=str(exc))
-                await asyncio.sleep(1.0)
-
     async def _resync(self) -> None:
         """A periodic re-read of ``latest``: the guard against a missed watcher update."""
         while True:

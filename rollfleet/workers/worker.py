@@ -46,6 +46,7 @@ from rollfleet.schemas import (
 )
 from rollfleet.schemas.errors import EngineFailure, Expired, Interrupted, InvalidRequest, RollfleetError
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_IDEMPOTENCY_KEY, HDR_JOB_ID, HDR_MSG_ID, check_token
+from rollfleet.tasks import stop_tasks
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.puller import JobPuller
@@ -187,11 +188,7 @@ class Worker:
             await self.registration.write(state="draining")
         if self.sync is not None:
             await self.sync.stop()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(self._tasks)
         if self._inflight:
             _, pending = await asyncio.wait(list(self._inflight.values()), timeout=self.config.drain_timeout_s)
             for task in pending:  # unacked: the broker redelivers them to another worker

@@ -1,0 +1,245 @@
+"""Trainer-side processes the scenarios SIGKILL: ``python -m reliability.procs publish|trainer ...``.
+
+``publish``: publish and commit the next policy version (scenario 4). ``RELIABILITY_PAUSE_AT``
+names a commit-stage pause point (``commit:before-cas``: ``v.<N>`` is created, ``latest`` not
+yet moved; ``commit:before-announce``: ``latest`` moved, not yet announced); the policy store's
+own points come from ``ROLLFLEET_TEST_PAUSE_AT``. At a pause point the process prints
+``PAUSED <point>`` and sleeps until it is killed.
+
+``trainer``: a training loop that journals what it submitted and consumed (scenario 7);
+``--phase first`` runs until killed, ``--phase resume`` recovers and carries on, then prints
+a JSON summary on its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PAUSE_ENV = "RELIABILITY_PAUSE_AT"
+
+
+def pause(point: str) -> None:
+    sys.stdout.write(f"PAUSED {point}\n")
+    sys.stdout.flush()
+    while True:
+        time.sleep(3600)
+
+
+def install_commit_pauses(names: Any) -> None:
+    """Patch the KV and publish calls of the commit so the process can stop between them."""
+    point = os.environ.get(PAUSE_ENV)
+    if not point:
+        return
+    from nats.js import JetStreamContext
+    from nats.js.kv import KeyValue
+
+    if point == "commit:before-cas":
+        update, create = KeyValue.update, KeyValue.create
+
+        async def paused_update(self: KeyValue, key: str, *a: Any, **kw: Any) -> Any:
+            if key == names.LATEST_KEY:
+                pause(point)
+            return await update(self, key, *a, **kw)
+
+        async def paused_create(self: KeyValue, key: str, *a: Any, **kw: Any) -> Any:
+            if key == names.LATEST_KEY:
+                pause(point)
+            return await create(self, key, *a, **kw)
+
+        KeyValue.update = paused_update  # type: ignore[method-assign]
+        KeyValue.create = paused_create  # type: ignore[method-assign]
+    elif point == "commit:before-announce":
+        publish = JetStreamContext.publish
+
+        async def paused_publish(self: JetStreamContext, subject: str, *a: Any, **kw: Any) -> Any:
+            if subject == names.versions_published:
+                pause(point)
+            return await publish(self, subject, *a, **kw)
+
+        JetStreamContext.publish = paused_publish  # type: ignore[method-assign]
+
+
+async def cmd_publish(args: argparse.Namespace) -> int:
+    from reliability.common import tensors_at
+    from rollfleet.schemas import Names
+    from rollfleet.trainer_client import PolicyPublisher, RolloutClient
+
+    install_commit_pauses(Names(args.namespace))
+    async with await RolloutClient.connect(
+        args.nats, namespace=args.namespace, client_id=args.client_id, fail_fast=False
+    ) as client:
+        publisher = PolicyPublisher(args.store, args.base, keyframe_every=args.keyframe_every, keep_last=None)
+        records = []
+        for _ in range(args.count):
+            version = 0 if publisher.latest_version is None else publisher.latest_version + 1
+            record = await client.publish_policy(publisher, tensors_at(version))
+            records.append(record.version)
+        print(json.dumps({"published": records}), flush=True)
+    return 0
+
+
+class Journal:
+    """An append-only, fsynced record of what the training loop did (its own durable state)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.f = open(path, "a")  # noqa: SIM115 - kept open for the life of the process
+
+    def write(self, kind: str, value: str) -> None:
+        self.f.write(f"{kind} {value}\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+    @staticmethod
+    def read(path: Path) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {"S": [], "C": [], "V": []}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                kind, _, value = line.partition(" ")
+                if kind in out and value:
+                    out[kind].append(value)
+        return out
+
+
+async def cmd_trainer(args: argparse.Namespace) -> int:
+    from reliability.common import Ledger, job_payload, tensors_at
+    from rollfleet.trainer_client import PolicyPublisher, RolloutClient
+
+    journal_path = Path(args.journal)
+    client = await RolloutClient.connect(args.nats, namespace=args.namespace, client_id=args.client_id)
+    ledger = Ledger(client)
+    publisher = PolicyPublisher(args.store, args.base, keep_last=None)
+    journal = Journal(journal_path)
+
+    async def publish_next() -> int:
+        version = 0 if publisher.latest_version is None else publisher.latest_version + 1
+        record = await client.publish_policy(publisher, tensors_at(version))
+        journal.write("V", str(record.version))
+        return record.version
+
+    try:
+        if args.phase == "first":
+            await publish_next()
+            await publish_next()
+            await client.wait_for_version(1, replicas=args.replicas, timeout=30)
+            handles = {}
+            for i in range(args.jobs):
+                key = f"s7/{i}"
+                handles[key] = await client.submit(job_payload(i), min_version=0, idempotency_key=key)
+                journal.write("S", key)
+            consumed = 0
+            for fut in asyncio.as_completed([h.result(120) for h in handles.values()]):
+                result = await fut
+                await asyncio.sleep(args.consume_delay)  # the training step: slower than rollouts
+                journal.write("C", result.idempotency_key)
+                consumed += 1
+                if consumed == args.jobs // 2:
+                    await publish_next()
+            await asyncio.sleep(3600)  # the scenario kills this process before it gets here
+            return 0
+
+        # -- resume: what the restarted trainer recovers ---------------------------------------
+        before = Journal.read(journal_path)
+        submitted, consumed = before["S"], set(before["C"])
+        pending = [k for k in submitted if k not in consumed]
+        # Results of the dead process arrive on the durable consumer as unclaimed; let them settle.
+        last, stable_since, t0 = -1, time.monotonic(), time.monotonic()
+        while time.monotonic() - t0 < 15 and time.monotonic() - stable_since < 1.0:
+            n = len(client.unclaimed())
+            if n != last:
+                last, stable_since = n, time.monotonic()
+            await asyncio.sleep(0.05)
+        from_consumer = [k for k in pending if k in client.unclaimed()]
+        # Results the dead process had received (and acked) but not consumed are not redelivered;
+        # `result(key)` alone never sees them. Record that, then recover them by resubmitting.
+        acked_unconsumed = [k for k in pending if k not in from_consumer]
+        result_api_sees_it = None
+        if acked_unconsumed:
+            try:
+                await client.result(acked_unconsumed[0], timeout=1.0)
+                result_api_sees_it = True
+            except TimeoutError:
+                result_api_sees_it = False
+        # Resubmit every pending key: an unclaimed or stored result answers it at once (no new
+        # job, the key is a duplicate within the window); a queued job answers it later.
+        handles = {}
+        for key in pending:
+            i = int(key.rsplit("/", 1)[1])
+            handles[key] = await client.submit(job_payload(i), min_version=0, idempotency_key=key)
+        recovered, lost = {}, []
+        for key, handle in handles.items():
+            try:
+                recovered[key] = await handle.result(30)
+            except Exception:  # noqa: BLE001 - counted as lost
+                lost.append(key)
+        latest_recovered = client.latest_version
+        expected_latest = max(int(v) for v in before["V"]) if before["V"] else None
+        next_version = await publish_next()
+        await client.wait_for_version(next_version, replicas=args.replicas, timeout=30)
+        new = {}
+        for i in range(args.jobs // 2):
+            key = f"s7/new/{i}"
+            new[key] = await client.submit(job_payload(i), min_version=next_version, idempotency_key=key)
+        new_done = 0
+        for handle in new.values():
+            try:
+                result = await handle.result(30)
+                new_done += int(result.version_start >= next_version)
+            except Exception:  # noqa: BLE001 - counted below
+                pass
+        await asyncio.sleep(0.5)
+        summary = {
+            "submitted_before": len(submitted),
+            "consumed_before": len(consumed),
+            "pending": len(pending),
+            "from_consumer": len(from_consumer),
+            "by_resubmit": len(pending) - len(from_consumer),
+            "result_api_sees_acked_unconsumed": result_api_sees_it,
+            "recovered": len(recovered),
+            "lost": len(lost),
+            "duplicated": await ledger.duplicated(),
+            "reexecuted": sum(1 for r in recovered.values() if r.delivery_attempt > 1),
+            "latest_recovered": latest_recovered,
+            "expected_latest": expected_latest,
+            "next_version": next_version,
+            "new_jobs": len(new),
+            "new_jobs_done_at_next_version": new_done,
+        }
+        print(json.dumps(summary), flush=True)
+        return 0
+    finally:
+        await client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m reliability.procs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("publish", "trainer"):
+        p = sub.add_parser(name)
+        p.add_argument("--nats", required=True)
+        p.add_argument("--namespace", required=True)
+        p.add_argument("--store", required=True)
+        p.add_argument("--base", required=True)
+        p.add_argument("--client-id", default="trainer")
+    p = sub.choices["publish"]
+    p.add_argument("--count", type=int, default=1)
+    p.add_argument("--keyframe-every", type=int, default=0)
+    p = sub.choices["trainer"]
+    p.add_argument("--phase", choices=["first", "resume"], required=True)
+    p.add_argument("--journal", required=True)
+    p.add_argument("--jobs", type=int, default=60)
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--consume-delay", type=float, default=0.1, help="seconds the loop spends per result")
+    args = parser.parse_args(argv)
+    return asyncio.run(cmd_publish(args) if args.command == "publish" else cmd_trainer(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Small asyncio helpers shared by the client and the worker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from contextlib import suppress
+from typing import Any
+
+from nats.js.kv import KeyValue
+
+
+async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], timeout: float = 5.0) -> None:
+    """Cancel ``tasks`` and wait for them, but never longer than ``timeout``."""
+    tasks = [t for t in tasks if not t.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
+
+
+async def watch_keys(kv: KeyValue, keys: str, on_entry: Callable[[Any], None], log: Any) -> None:
+    """Feed every update of ``keys`` to ``on_entry``, re-creating the watcher after errors
+    (a reconnect can end it). Runs until cancelled."""
+    while True:
+        watcher = None
+        try:
+            watcher = await kv.watch(keys)
+            while True:
+                # No time-out: asyncio.wait_for with one can swallow a cancellation on 3.11.
+                entry = await watcher.updates(timeout=None)
+                if entry is not None:
+                    on_entry(entry)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.debug("watch restarting", keys=keys, error=str(exc))
+            await asyncio.sleep(1.0)
+        finally:
+            if watcher is not None:
+                with suppress(Exception):
+                    await asyncio.shield(watcher.stop())

@@ -1,0 +1,58 @@
+"""Each benchmark's quick mode runs and produces sane rows. Numbers are never asserted against targets:
+benchmarks measure, they do not fail CI on a figure."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+
+from benchmarks.report import Row
+
+pytestmark = pytest.mark.slow
+
+
+def _check(rows: list[Row], benches: set[str]) -> None:
+    assert rows, "no rows"
+    assert {r.bench for r in rows} >= benches
+    for r in rows:
+        assert math.isfinite(r.value) and r.value >= 0, r
+        if r.baseline is not None:
+            assert math.isfinite(r.baseline) and r.baseline > 0, r
+            assert r.baseline_name, r
+        r.line()  # renders
+
+
+def _run(name: str) -> list[Row]:
+    return importlib.import_module(f"benchmarks.bench_{name}").run(quick=True)  # type: ignore[no-any-return]
+
+
+def test_request_path_quick() -> None:
+    rows = _run("request_path")
+    _check(rows, {"request_path/throughput", "request_path/latency"})
+    for r in rows:
+        assert r.value > 0 and r.baseline is not None  # every figure has its same-run baseline
+        if r.bench == "request_path/latency":
+            assert r.value < 5_000, r  # ms with one job in flight: a hang would show here, not a slow box
+    tput = next(r for r in rows if r.bench == "request_path/throughput")
+    assert tput.extra["cpu_ms_per_job_client"] > 0  # type: ignore[operator]
+
+
+def test_activation_quick() -> None:
+    rows = _run("activation")
+    _check(rows, {"activation/pause", "activation/stall", "activation/prepare"})
+    pause = next(r for r in rows if r.bench == "activation/pause")
+    assert pause.value > 0 and pause.baseline is not None
+    assert pause.extra["inflight_versions"][0] == 0 and pause.extra["inflight_versions"][1] >= 1  # type: ignore[index]
+    assert 0 < pause.extra["density"] < 0.05  # type: ignore[operator]
+
+
+def test_convergence_quick() -> None:
+    rows = _run("convergence")
+    _check(rows, {"convergence/all-activated", "convergence/pull+apply", "convergence/pause", "convergence/notice"})
+    head = next(r for r in rows if r.bench == "convergence/all-activated")
+    assert head.extra["workers"] == 2
+    # The slowest worker's activation includes its own prepare and pause.
+    prepare = next(r for r in rows if r.bench == "convergence/pull+apply")
+    assert head.value >= prepare.value > 0
