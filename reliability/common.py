@@ -7,6 +7,7 @@ processes, real SIGKILLs. Every wait is bounded; every process is stopped in ``f
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -135,7 +136,7 @@ class Processes:
         for name in list(self.procs):
             try:
                 self.stop(name, timeout=5.0)
-            except Exception:  # noqa: BLE001 - cleanup must reach every process
+            except Exception:
                 pass
 
     def tail(self, name: str, chars: int = 3000) -> str:
@@ -186,7 +187,7 @@ async def wait_for(check: Callable[[], Awaitable[bool] | bool], timeout: float, 
             result = check()
             if isinstance(result, Awaitable):
                 result = await result
-        except Exception:  # noqa: BLE001 - a probe failing (broker away) is just "not yet"
+        except Exception:
             result = False
         if result:
             return True
@@ -217,7 +218,7 @@ class Ledger:
             try:
                 key = decode_outcome(msg.data).idempotency_key
                 seq = int(msg.metadata.sequence.stream)
-            except (RollfleetError, Exception):  # noqa: BLE001 - counting never breaks delivery
+            except (RollfleetError, Exception):
                 key, seq = None, -1
             if key is not None:
                 if key not in self.first_arrival:
@@ -253,9 +254,9 @@ async def gather_outcomes(handles: dict[str, Any], timeout: float) -> tuple[dict
     async def one(key: str, handle: Any) -> None:
         try:
             results[key] = await handle.result(max(0.1, deadline - time.monotonic()))
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             pass
-        except Exception as exc:  # noqa: BLE001 - typed failures are counted by the caller
+        except Exception as exc:
             errors[key] = exc
 
     await asyncio.gather(*(one(k, h) for k, h in handles.items()))
@@ -266,7 +267,7 @@ def max_gap(times: Iterable[float], start: float, end: float) -> float:
     """The longest interval in [start, end] with no event in it."""
     pts = sorted(t for t in times if start <= t <= end)
     edges = [start, *pts, end]
-    return max((b - a for a, b in zip(edges, edges[1:], strict=False)), default=end - start)
+    return max((b - a for a, b in itertools.pairwise(edges)), default=end - start)
 
 
 def job_payload(i: int, max_tokens: int = 4) -> RolloutPayload:
@@ -284,12 +285,12 @@ async def read_activations(js: Any, names: Names, timeout: float = 0.5) -> list[
                 event = decode_event(m.data)
                 if isinstance(event, VersionActivated):
                     out.append(event)
-    except (TimeoutError, asyncio.TimeoutError, Exception):  # noqa: BLE001 - nats raises its own TimeoutError
+    except (TimeoutError, Exception):
         pass
     finally:
         try:
             await sub.unsubscribe()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
     return out
 

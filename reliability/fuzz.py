@@ -21,6 +21,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from reliability.common import Figures, job_payload
 from rollfleet.schemas import (
     ReplicaStatus,
     RolloutJob,
@@ -34,7 +35,6 @@ from rollfleet.schemas import (
 )
 from rollfleet.schemas.errors import RollfleetError
 from rollfleet.schemas.index import PublicationIndex, parse_weight_map
-from reliability.common import Figures, job_payload
 
 # -- strategies --------------------------------------------------------------------------------
 
@@ -49,7 +49,8 @@ scalars = st.one_of(
 structures = st.recursive(
     scalars,
     lambda inner: st.one_of(
-        st.lists(inner, max_size=5), st.dictionaries(st.one_of(st.text(max_size=12), st.integers(-(2**63), 2**63)), inner, max_size=5)
+        st.lists(inner, max_size=5),
+        st.dictionaries(st.one_of(st.text(max_size=12), st.integers(-(2**63), 2**63)), inner, max_size=5),
     ),
     max_leaves=20,
 )
@@ -364,7 +365,7 @@ def fuzz_all(max_examples: int = 200) -> Figures:
         for name, (strategy, prop) in targets.items():
             try:
                 counts[name] = run_property(strategy, prop, max_examples)
-            except Exception as exc:  # noqa: BLE001 - the finding, shrunk by hypothesis
+            except Exception as exc:
                 fig.problems.append(f"{name}: {str(exc).splitlines()[0][:300]}")
                 counts[name] = -1
     finally:

@@ -9,15 +9,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollfleet.broker import EmbeddedBroker
-from rollfleet.broker.topology import TopologyConfig
-from rollfleet.policy_store import list_versions, read_marker, verify_version_dir
-from rollfleet.policy_store.digest import weights_digest
-from rollfleet.policy_store.layout import read_header
-from rollfleet.policy_store.store import version_path
-from rollfleet.schemas.errors import NoCompatibleReplica, RollfleetError
-from rollfleet.schemas.index import INDEX_FILE
-from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from reliability.common import (
     Figures,
     Ledger,
@@ -30,6 +21,15 @@ from reliability.common import (
     wait_for,
     write_base_checkpoint,
 )
+from rollfleet.broker import EmbeddedBroker
+from rollfleet.broker.topology import TopologyConfig
+from rollfleet.policy_store import list_versions, read_marker, verify_version_dir
+from rollfleet.policy_store.digest import weights_digest
+from rollfleet.policy_store.layout import read_header
+from rollfleet.policy_store.store import version_path
+from rollfleet.schemas.errors import NoCompatibleReplica, RollfleetError
+from rollfleet.schemas.index import INDEX_FILE
+from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 PUBLISH_POINTS = (
     "publish:after-shard",  # a shard written, no index: a hidden .tmp-* directory only
@@ -53,8 +53,11 @@ def _store_is_whole(store: Path) -> list[str]:
 
 
 async def _latest(client: RolloutClient) -> int | None:
-    await client.fleet.refresh()
-    return client.fleet.latest_version
+    """The committed ``latest``, read from the policy KV itself (bounded in time)."""
+    from rollfleet.workers.version_sync import read_latest
+
+    kv = await client.js.key_value(client.names.policy_bucket)
+    return await asyncio.wait_for(read_latest(kv), 10.0)
 
 
 # -- scenario 4 --------------------------------------------------------------------------------
@@ -76,7 +79,8 @@ async def publisher_kills(workdir: Path, points: tuple[str, ...] = PUBLISH_POINT
     try:
         async with await RolloutClient.connect(broker.url, namespace=ns, client_id="observer") as client:
             first = procs.module("publish-0", "publish", *pub_args, "--count", "2")
-            fig.expect(first.wait(60) == 0, f"the first publication failed: {procs.tail('publish-0')}")
+            code = await asyncio.to_thread(first.wait, 60)
+            fig.expect(code == 0, f"the first publication failed: {procs.tail('publish-0')}")
             committed += [0, 1]
             for i in range(workers):
                 procs.worker(broker.url, ns, f"w{i}", "--store", str(store), "--local-dir", str(workdir / f"local{i}"))
@@ -105,7 +109,7 @@ async def publisher_kills(workdir: Path, points: tuple[str, ...] = PUBLISH_POINT
                         uncommitted.add(before + 1)
                 # The next publication, by a fresh process, succeeds and the fleet follows it.
                 nxt = f"next-{n}"
-                code = procs.module(nxt, "publish", *pub_args).wait(60)
+                code = await asyncio.to_thread(procs.module(nxt, "publish", *pub_args).wait, 60)
                 if not fig.expect(code == 0, f"{point}: the next publication failed: {procs.tail(nxt)}"):
                     continue
                 version = json.loads(procs.tail(nxt).strip().splitlines()[-1])["published"][0]
@@ -194,7 +198,8 @@ async def replica_killed_mid_apply(workdir: Path, points: tuple[str, ...] = APPL
             await client.publish_policy(publisher, tensors)  # version 0, the base
             fig.versions_published += 1
             for n, point in enumerate(points):
-                victim = procs.worker(broker.url, ns, "victim", *hf, env={"ROLLFLEET_TEST_PAUSE_AT": point}, name=f"victim-{n}")  # fmt: skip
+                pause_env = {"ROLLFLEET_TEST_PAUSE_AT": point}
+                victim = procs.worker(broker.url, ns, "victim", *hf, env=pause_env, name=f"victim-{n}")
                 await client.wait_for_version(publisher.latest_version or 0, replicas=1, timeout=90)
                 target = await publish()
                 paused = await procs.wait_log(f"victim-{n}", f"PAUSED {point}", 60)
@@ -267,7 +272,7 @@ def corrupt(version_dir: Path, kind: str, good: int) -> None:
     elif kind == "truncated-shard":
         shard.write_bytes(bytes(data[: len(data) - 16]))
     elif kind == "forged-checksum":
-        name, value = next(iter(sorted(header.metadata.items())))
+        _name, value = next(iter(sorted(header.metadata.items())))
         forged = ("1" if value[0] != "1" else "2") + value[1:]  # well-formed, wrong
         head = bytes(data[: header.data_start]).replace(f'"{value}"'.encode(), f'"{forged}"'.encode(), 1)
         shard.write_bytes(head + bytes(data[header.data_start :]))
@@ -279,9 +284,7 @@ def corrupt(version_dir: Path, kind: str, good: int) -> None:
         raise ValueError(kind)
 
 
-async def corrupt_deltas(
-    workdir: Path, kinds: tuple[str, ...] = CORRUPTIONS, keyframe_wait_s: float = 6.0
-) -> Figures:
+async def corrupt_deltas(workdir: Path, kinds: tuple[str, ...] = CORRUPTIONS, keyframe_wait_s: float = 6.0) -> Figures:
     """Each corrupt delta is rejected; the replica keeps serving its version, reports itself
     degraded, and activates the next good version (a keyframe; see docs for the caveat)."""
     fig = Figures("6", "Corrupted deltas rejected, replica keeps serving", {"kinds": len(kinds)})
@@ -344,7 +347,9 @@ async def corrupt_deltas(
                 )
                 # The next good version: a full keyframe, with the corrupt delta still in the store.
                 nxt = await publish(bad + 1, full=True)
-                direct = await wait_for(lambda v=nxt: (r := replica()) is not None and r.active_version >= v, keyframe_wait_s)
+                direct = await wait_for(
+                    lambda v=nxt: (r := replica()) is not None and r.active_version >= v, keyframe_wait_s
+                )
                 fig.notes[f"{kind}: keyframe activated with the corrupt delta still in the store"] = direct
                 if not direct:
                     # Known limitation (see docs/reliability.md): catch-up chains through every
@@ -358,7 +363,9 @@ async def corrupt_deltas(
                     fig.versions_activated += 1
                     fig.recover_s.append(round(time.monotonic() - t_bad, 3))
                     r = replica()
-                    fig.expect(r is not None and r.state == "ready" and not r.degraded_reason, f"{kind}: still degraded")
+                    fig.expect(
+                        r is not None and r.state == "ready" and not r.degraded_reason, f"{kind}: still degraded"
+                    )
                     fig.expect(local_digest(local) == expected_digest(nxt), f"{kind}: local bytes differ at v{nxt}")
                 good = nxt
             fig.notes["keyframe_past_corrupt_delta"] = all(

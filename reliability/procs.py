@@ -90,7 +90,7 @@ class Journal:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.f = open(path, "a")  # noqa: SIM115 - kept open for the life of the process
+        self.f = open(path, "a")
 
     def write(self, kind: str, value: str) -> None:
         self.f.write(f"{kind} {value}\n")
@@ -177,7 +177,7 @@ async def cmd_trainer(args: argparse.Namespace) -> int:
         for key, handle in handles.items():
             try:
                 recovered[key] = await handle.result(30)
-            except Exception:  # noqa: BLE001 - counted as lost
+            except Exception:
                 lost.append(key)
         latest_recovered = client.latest_version
         expected_latest = max(int(v) for v in before["V"]) if before["V"] else None
@@ -192,7 +192,7 @@ async def cmd_trainer(args: argparse.Namespace) -> int:
             try:
                 result = await handle.result(30)
                 new_done += int(result.version_start >= next_version)
-            except Exception:  # noqa: BLE001 - counted below
+            except Exception:
                 pass
         await asyncio.sleep(0.5)
         summary = {

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reliability.common import Figures, Ledger, Processes, gather_outcomes, job_payload, max_gap, wait_for
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.schemas.errors import NoCompatibleReplica
 from rollfleet.trainer_client import RolloutClient
-from reliability.common import Figures, Ledger, Processes, gather_outcomes, job_payload, max_gap, wait_for
 
 ACK_WAIT_S = 2.0
 
@@ -47,7 +47,7 @@ async def submit_paced(
                     raise handle._future.exception()  # type: ignore[misc]
                 out.handles[key] = handle
                 break
-            except Exception as exc:  # noqa: BLE001 - not acknowledged: retry the same key
+            except Exception as exc:
                 name = f"{type(exc).__module__}.{type(exc).__name__}"
                 out.errors[name] = out.errors.get(name, 0) + 1
                 out.retries += 1
@@ -96,7 +96,9 @@ async def worker_kills(
     One extra worker dies by fault point right after storing a result and before acking it,
     the narrowest window for a duplicate.
     """
-    fig = Figures("1", "Workers SIGKILLed while replayable jobs run", {"jobs": jobs, "kills": kills, "workers": workers})
+    fig = Figures(
+        "1", "Workers SIGKILLed while replayable jobs run", {"jobs": jobs, "kills": kills, "workers": workers}
+    )
     t_start = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
     broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
@@ -170,9 +172,7 @@ async def broker_restart(
     timeout_s: float = 60.0,
 ) -> Figures:
     """The single-node broker (file store) SIGKILLed and restarted on the same store mid-run."""
-    fig = Figures(
-        "2", "Broker SIGKILLed and restarted mid-run", {"jobs": jobs, "restarts": restarts, "down_s": down_s}
-    )
+    fig = Figures("2", "Broker SIGKILLed and restarted mid-run", {"jobs": jobs, "restarts": restarts, "down_s": down_s})
     t_start = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
     broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
@@ -191,7 +191,7 @@ async def broker_restart(
             outages: list[tuple[float, float]] = []
 
             async def chaos() -> None:
-                for k in range(restarts):
+                for _k in range(restarts):
                     await asyncio.sleep(run_s / (restarts + 1))
                     broker.kill()  # SIGKILL: no flush, no goodbye
                     t_kill = time.monotonic()
@@ -238,7 +238,7 @@ async def cluster_node_loss(
     rate: float = 30.0,
     workers: int = 2,
     timeout_s: float = 60.0,
-    slack_s: float = 1.0,
+    slack_s: float = 2.0,
 ) -> Figures:
     """A 3-node cluster (broker_config/cluster/) with R3 streams; the jobs stream leader's node is
     SIGKILLed under load. Fail-over: kill -> the jobs stream has a leader on a live node and
@@ -265,7 +265,8 @@ async def cluster_node_loss(
         async with client:
             ledger = Ledger(client)
             for i in range(workers):
-                procs.worker(cluster.url, ns, f"w{i}", "--echo-latency", "0.05", "--ack-wait", str(ACK_WAIT_S), "--replicas", "3")  # fmt: skip
+                args = ["--echo-latency", "0.05", "--ack-wait", str(ACK_WAIT_S), "--replicas", "3"]
+                procs.worker(cluster.url, ns, f"w{i}", *args)
             ok = await wait_for(lambda: len(client.fleet.replicas()) >= workers, 30)
             if not fig.expect(ok, "workers did not register"):
                 return fig
@@ -296,7 +297,7 @@ async def cluster_node_loss(
                         if all(c and c.leader and c.leader != probe["killed"] for c in leaders):
                             await client.js.publish(names.job_subject("exact", 999_999), b"probe", timeout=1.0)
                             break
-                    except Exception as exc:  # noqa: BLE001 - not yet
+                    except Exception as exc:
                         probe.setdefault("errors", []).append((round(time.monotonic() - t_kill, 2), repr(exc)[:80]))
                     await asyncio.sleep(0.05)
                 probe["failover_s"] = time.monotonic() - t_kill

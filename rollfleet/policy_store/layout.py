@@ -108,7 +108,7 @@ def read_header(path: Path) -> ShardHeader:
             dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CorruptArtifact(f"{path.name}: malformed entry for {name!r}") from None
-        if dtype not in DTYPE_SIZES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise CorruptArtifact(f"{path.name}: unknown dtype {dtype!r} for {name!r}")
         ints = (*shape, start, end)
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints):

@@ -25,6 +25,7 @@ from nats.js import JetStreamContext
 from rollfleet.broker.topology import DEFAULT_TOPOLOGY, TopologyConfig, ensure_results_consumer, ensure_topology
 from rollfleet.connection import connect
 from rollfleet.logs import get_logger
+from rollfleet.pull import PullConsumer
 from rollfleet.schemas import (
     DEFAULT_LIMITS,
     Limits,
@@ -52,7 +53,9 @@ from rollfleet.trainer_client.versions import adopt_version, commit_version
 
 log = get_logger("rollfleet.client")
 
-_DELIVERED_MEMORY = 100_000  # keys whose result was already handed out (drop late duplicates)
+_DELIVERED_MEMORY = 100_000
+_RESULTS_BATCH = 512
+_RESULTS_WAIT_S = 5.0  # keys whose result was already handed out (drop late duplicates)
 
 
 class RolloutHandle:
@@ -189,8 +192,7 @@ class RolloutClient:
 
     async def _start(self) -> None:
         await ensure_topology(self.js, self.names, self.topology)
-        consumer = await ensure_results_consumer(self.js, self.names, self.client_id, self.topology)
-        self._results_sub = await self.js.pull_subscribe_bind(consumer, stream=self.names.results_stream)
+        self._results_consumer = await ensure_results_consumer(self.js, self.names, self.client_id, self.topology)
         await self.fleet.start()
         self._results_task = asyncio.create_task(self._receive_results(), name="results")
 
@@ -396,21 +398,25 @@ class RolloutClient:
         return dict(self._unclaimed)
 
     async def _receive_results(self) -> None:
-        while True:
-            try:
-                msgs = await self._results_sub.fetch(256, timeout=1.0)
-            except (TimeoutError, nats.errors.TimeoutError):
-                continue
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # reconnecting: keep going
-                log.debug("results fetch failed", error=str(exc))
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                self._deliver(msg)
-                with suppress(Exception):
-                    await msg.ack()
+        """Keep a pull request open on this client's results consumer; each result is handled
+        the moment it is stored (no batch to fill, no poll interval)."""
+        puller = await PullConsumer(self.nc, self.names.results_stream, self._results_consumer, self._on_result).start()
+        try:
+            while True:
+                try:
+                    if not puller.busy:
+                        await puller.request(_RESULTS_BATCH, wait_s=_RESULTS_WAIT_S)
+                    await puller.wait_idle(timeout=_RESULTS_WAIT_S + 1.0)
+                except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:  # reconnecting
+                    log.debug("results pull failed", error=str(exc))
+                    await asyncio.sleep(0.5)
+        finally:
+            await puller.close()
+
+    async def _on_result(self, msg: Msg) -> None:
+        self._deliver(msg)
+        with suppress(Exception):
+            await msg.ack()
 
     def _deliver(self, msg: Msg) -> None:
         try:

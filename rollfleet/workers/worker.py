@@ -32,6 +32,7 @@ from rollfleet.broker.topology import (
 )
 from rollfleet.connection import connect
 from rollfleet.logs import get_logger
+from rollfleet.pull import PullConsumer
 from rollfleet.schemas import (
     DEFAULT_LIMITS,
     Limits,
@@ -49,7 +50,6 @@ from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_IDEMPOTENCY_KEY, HDR_JOB_
 from rollfleet.tasks import stop_tasks
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.metrics import WorkerMetrics
-from rollfleet.workers.puller import JobPuller
 from rollfleet.workers.registry import Registration
 from rollfleet.workers.scheduler import Subject, SubjectScheduler, compatible
 from rollfleet.workers.version_sync import VersionSync
@@ -65,6 +65,9 @@ class WorkerConfig:
     heartbeat_s: float = 2.0
     poll_s: float = 1.0  # backstop scan of queue depths (bells can be missed during a reconnect)
     aging_s: float = 5.0
+    wait_pull_s: float = 1.0  # an idle worker's pull requests wait this long at the broker
+    hot_s: float = 30.0  # a subject stays "hot" (gets waiting pulls) this long after its last job
+    max_waiting_pulls: int = 4
     drain_timeout_s: float = 120.0
     # Weights: follow published versions from a store (store_dir + local_dir), or serve a
     # fixed checkpoint (model_dir) at ``version``. Neither: a model-free engine such as echo.
@@ -94,10 +97,10 @@ class Worker:
         self.js: JetStreamContext | None = None
         self.registration: Registration | None = None
         self.sync: VersionSync | None = None
-        self._pullers: dict[Subject, JobPuller] = {}
+        self._pullers: dict[Subject, PullConsumer] = {}
+        self._hot: dict[Subject, float] = {}  # subject -> when work last came from it
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
-        self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -189,10 +192,16 @@ class Worker:
         if self.sync is not None:
             await self.sync.stop()
         await stop_tasks(self._tasks)
-        if self._inflight:
-            _, pending = await asyncio.wait(list(self._inflight.values()), timeout=self.config.drain_timeout_s)
-            for task in pending:  # unacked: the broker redelivers them to another worker
-                task.cancel()
+        # Requests still open at the broker may hand us jobs for up to wait_pull_s more: run
+        # those too, so nothing is left unacked (an at_most_once job must not be bounced).
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while (self._inflight or any(p.busy for p in self._pullers.values())) and time.monotonic() < deadline:
+            if self._inflight:
+                await asyncio.wait(list(self._inflight.values()), timeout=0.1)
+            else:
+                await asyncio.sleep(0.05)
+        for task in list(self._inflight.values()):  # past the drain time-out: redelivered elsewhere
+            task.cancel()
         if self.registration is not None:
             await self.registration.stop()
         for puller in self._pullers.values():
@@ -217,7 +226,12 @@ class Worker:
     # -- deciding what to pull --------------------------------------------------------------
     async def _on_bell(self, msg: Msg) -> None:
         parsed = self.names.parse_job_subject(msg.subject.replace(".bell.", ".jobs.", 1))
-        if parsed is not None and self.scheduler.note_pending(parsed, time.monotonic()):
+        if parsed is None:
+            return
+        puller = self._pullers.get(parsed)
+        if puller is not None and puller.busy:
+            return  # a request is waiting there: the job is (being) delivered to it already
+        if self.scheduler.note_pending(parsed, time.monotonic()):
             self._wake.set()
 
     async def _poll_loop(self) -> None:
@@ -233,53 +247,84 @@ class Worker:
                 self._wake.set()
             await asyncio.sleep(self.config.poll_s)
 
-    async def _puller(self, subject: Subject) -> JobPuller:
+    async def _puller(self, subject: Subject) -> PullConsumer:
         puller = self._pullers.get(subject)
         if puller is None:
             assert self.js is not None and self.nc is not None
             consumer = await ensure_job_consumer(self.js, self.names, *subject, self.config.topology)
-            puller = await JobPuller(self.nc, self.names.jobs_stream, consumer).start()
+            puller = await PullConsumer(self.nc, self.names.jobs_stream, consumer, self._dispatch).start()
+            puller.on_idle = self._wake.set
             self._pullers[subject] = puller
         return puller
 
+    def _reserved(self) -> int:
+        """Slots promised to open pull requests: with those running, never above capacity."""
+        return sum(p.outstanding for p in self._pullers.values())
+
+    def _hot_subjects(self, now: float) -> list[Subject]:
+        """Where work is likely to arrive: this version's own subjects and recently busy ones."""
+        for subject in [
+            s for s, t in self._hot.items() if now - t > self.config.hot_s or not compatible(self.version, s)
+        ]:
+            del self._hot[subject]
+        recent = sorted(self._hot, key=self._hot.__getitem__, reverse=True)[: self.config.max_waiting_pulls]
+        own: list[Subject] = [("min", self.version), ("exact", self.version)]
+        return list(dict.fromkeys([*recent, *own]))[: max(self.config.max_waiting_pulls, 1)]
+
     async def _pull_loop(self) -> None:
+        """Two regimes. With known backlog, pull at once (no_wait) from the best subject first.
+        Otherwise keep requests waiting at the broker on the hot subjects, so a new job is
+        delivered the moment it is stored, split so their batches fit the free slots."""
+        cfg = self.config
         while not self._stopping.is_set():
-            free = self.config.capacity - len(self._inflight)
-            if free <= 0:
-                self._slot_freed.clear()
-                await self._slot_freed.wait()
-                continue
             self._wake.clear()
-            pulled = False
-            for subject in self.scheduler.order(time.monotonic()):
-                if self._stopping.is_set() or not compatible(self.version, subject):
-                    break
-                try:
-                    msgs = await (await self._puller(subject)).pull(free)
-                except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
-                    self.log.warning("pull failed", subject=f"{subject[0]}-{subject[1]}", error=str(exc))
-                    await asyncio.sleep(0.2)
-                    break
-                if not msgs:
-                    self.scheduler.note_empty(subject)
+            now = time.monotonic()
+            free = cfg.capacity - len(self._inflight) - self._reserved()
+            try:
+                if free > 0 and await self._pull_backlog(free, now):
                     continue
-                self.scheduler.note_served(subject, time.monotonic())
-                for msg in msgs:
-                    self._dispatch(msg)
-                pulled = True
-                break
-            if not pulled:
-                with suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
+                free = cfg.capacity - len(self._inflight) - self._reserved()
+                if free > 0 and not self.scheduler.has_candidates():
+                    idle = [s for s in self._hot_subjects(now) if not (await self._puller(s)).busy]
+                    for i, subject in enumerate(idle[:free]):
+                        batch = free // len(idle[:free]) + (1 if i < free % len(idle[:free]) else 0)
+                        await (await self._puller(subject)).request(batch, wait_s=cfg.wait_pull_s)
+            except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+                self.log.warning("pull failed", error=str(exc))
+                await asyncio.sleep(0.2)
+                continue
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), cfg.poll_s)
+
+    async def _pull_backlog(self, free: int, now: float) -> bool:
+        """Pull from the best subject with known backlog; True if that changed anything."""
+        for subject in self.scheduler.order(now):
+            if self._stopping.is_set() or not compatible(self.version, subject):
+                return False
+            puller = await self._puller(subject)
+            if puller.busy:  # a waiting request there already takes whatever arrives
+                continue
+            before = puller.delivered
+            await puller.request(free)
+            await puller.wait_idle(timeout=5.0)
+            if puller.delivered == before:
+                self.scheduler.note_empty(subject)
+                continue
+            self.scheduler.note_served(subject, time.monotonic())
+            return True
+        return False
 
     def _dispatch(self, msg: Msg) -> None:
+        subject = self.names.parse_job_subject(msg.subject)
+        if subject is not None:
+            self._hot[subject] = time.monotonic()
         task_id = uuid.uuid4().hex
         task = asyncio.create_task(self._handle(msg), name=f"job-{task_id[:8]}")
         self._inflight[task_id] = task
 
         def done(_: asyncio.Task[None]) -> None:
             self._inflight.pop(task_id, None)
-            self._slot_freed.set()
+            self._wake.set()
 
         task.add_done_callback(done)
 
