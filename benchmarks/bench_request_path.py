@@ -51,8 +51,6 @@ from benchmarks._fleet import (
 from benchmarks.report import Row
 from rollfleet.schemas import (
     Completion,
-    ConstraintKind,
-    Names,
     RolloutJob,
     RolloutPayload,
     RolloutResult,
@@ -148,27 +146,17 @@ async def latency(job: JobFn, n: int) -> dict[str, float]:
 # -- rollfleet ---------------------------------------------------------------------------------
 
 
-class _NoBellNames(Names):
-    """Ablation only: bells go to a subject no worker listens on (the client still publishes them)."""
-
-    def bell_subject(self, kind: ConstraintKind, version: int) -> str:
-        return f"rf.{self.namespace}.nobell"
-
-
 class RollfleetSystem:
     def __init__(
         self,
         url: str,
         layout: str,
         tmp: Path,
-        client_cls: type[RolloutClient] = RolloutClient,
         *,
         worker_log_level: str | None = None,
-        bells: bool = True,
     ) -> None:
-        self.url, self.layout, self.tmp, self.client_cls = url, layout, tmp, client_cls
+        self.url, self.layout, self.tmp = url, layout, tmp
         self.env = {"ROLLFLEET_LOG_LEVEL": worker_log_level} if worker_log_level else {}
-        self.bells = bells
         self.namespace = "rp" + uuid.uuid4().hex[:8]
         self.procs: list[Any] = []
         self.workers: list[Worker] = []
@@ -185,10 +173,8 @@ class RollfleetSystem:
                 worker = Worker(config, EchoEngine())
                 await worker.start()
                 self.workers.append(worker)
-        self.client = await self.client_cls.connect(self.url, namespace=self.namespace, client_id="bench")
+        self.client = await RolloutClient.connect(self.url, namespace=self.namespace, client_id="bench")
         client = self.client
-        if not self.bells:
-            client.names = _NoBellNames(self.namespace)
 
         def ready() -> bool:
             check_alive(self.procs, "rollfleet worker")
@@ -207,37 +193,6 @@ class RollfleetSystem:
         for worker in self.workers:
             await worker.stop()
         stop_all(self.procs)
-
-
-class StreamingResultsClient(RolloutClient):
-    """Prototype fix: receive results through a streaming pull instead of ``fetch(256, timeout=1)``.
-
-    nats-py's ``fetch(256)`` returns only once 256 results arrived or its 1 s timeout passed, so
-    with few jobs in flight every result waits for the timeout. This keeps pull requests
-    outstanding and resolves each result as it arrives (same consumer, same acks).
-    """
-
-    async def _start(self) -> None:
-        from rollfleet.broker.topology import ensure_results_consumer, ensure_topology
-
-        await ensure_topology(self.js, self.names, self.topology)
-        consumer = await ensure_results_consumer(self.js, self.names, self.client_id, self.topology)
-
-        async def on_msg(msg: Msg) -> None:
-            self._deliver(msg)
-            await msg.ack()
-            self._received += 1
-            if self._received % 128 == 0:
-                await self._stream.want(128)  # keep ~256 requested
-
-        self._received = 0
-        self._stream = await PullStream(self.nc, self.names.results_stream, consumer, on_msg).start()
-        await self._stream.want(256)
-        await self.fleet.start()
-
-    async def close(self) -> None:
-        await self._stream.close()
-        await super().close()
 
 
 # -- the baseline ------------------------------------------------------------------------------
@@ -380,7 +335,7 @@ def _median_of(trials: list[dict[str, float]]) -> dict[str, float]:
 
 
 async def run_async(
-    quick: bool, layouts: tuple[str, ...], prototype: bool, rounds: int, ablation_layouts: tuple[str, ...] = ()
+    quick: bool, layouts: tuple[str, ...], rounds: int, ablation_layouts: tuple[str, ...] = ()
 ) -> list[Row]:
     n_tput, window, n_seq = (300, 64, 40) if quick else (4000, 256, 300)
     job_bytes, result_bytes = message_sizes()
@@ -396,32 +351,16 @@ async def run_async(
                 "baseline": functools.partial(BaselineSystem, broker.url, layout, tmp, job_bytes, result_bytes),
                 "rollfleet": functools.partial(RollfleetSystem, broker.url, layout, tmp),
             }
-            if prototype:
-                factories["rollfleet+streaming-results (prototype)"] = functools.partial(
-                    RollfleetSystem, broker.url, layout, tmp, StreamingResultsClient
-                )
             if ablations:
-                # Diagnostics: what each suspected cost is worth (throughput and CPU per job only).
-                factories["ablation: worker log level warning"] = functools.partial(
-                    RollfleetSystem, broker.url, layout, tmp, worker_log_level="warning"
-                )
-                factories["ablation: no bell fan-out"] = functools.partial(
-                    RollfleetSystem, broker.url, layout, tmp, bells=False
-                )
-                factories["ablation: all three"] = functools.partial(
-                    RollfleetSystem,
-                    broker.url,
-                    layout,
-                    tmp,
-                    StreamingResultsClient,
-                    worker_log_level="warning",
-                    bells=False,
+                # Diagnostic: what per-job debug logging in the workers would cost.
+                factories["ablation: worker log level debug"] = functools.partial(
+                    RollfleetSystem, broker.url, layout, tmp, worker_log_level="debug"
                 )
             # Interleaved rounds, medians: the machine's load drifts (2 cores shared with other work).
             trials: dict[str, list[dict[str, float]]] = {name: [] for name in factories}
             for _ in range(rounds):
                 for name, make in factories.items():
-                    seq = 0 if name.startswith("ablation") else n_seq // rounds  # no bells: latency is the 1 s poll
+                    seq = 0 if name.startswith("ablation") else n_seq // rounds
                     trials[name].append(await measure(make(), n_tput, window, seq, pid))
             base = _median_of(trials.pop("baseline"))
             common = {
@@ -458,7 +397,7 @@ async def run_async(
                     )
                 )
                 if name.startswith("ablation"):
-                    continue  # without bells, one-in-flight latency is the 1 s poll: not a figure
+                    continue  # a throughput diagnostic only
                 for q, target in (("p50", "<= 1.5x baseline"), ("p99", "")):
                     rows.append(
                         Row(
@@ -479,7 +418,7 @@ async def run_async(
 def run(quick: bool) -> list[Row]:
     layouts = ("proc",) if quick else ("proc", "inproc")
     ablation_layouts = () if quick else ("proc",)
-    return asyncio.run(run_async(quick, layouts, not quick, 1 if quick else 3, ablation_layouts))
+    return asyncio.run(run_async(quick, layouts, 1 if quick else 3, ablation_layouts))
 
 
 if __name__ == "__main__":

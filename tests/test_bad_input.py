@@ -7,7 +7,7 @@ import pytest
 
 from rollfleet.schemas import Names, RolloutJob, VersionConstraint, encode
 from rollfleet.schemas.errors import InvalidRequest
-from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_IDEMPOTENCY_KEY, HDR_MSG_ID
+from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import CountingEcho, eventually, payload, running_worker
 
@@ -43,7 +43,7 @@ async def test_bad_job_is_answered_terminated_and_the_next_job_served(nats_url: 
         running_worker(nats_url, namespace, engine=engine) as worker,
         await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
     ):
-        headers = {HDR_MSG_ID: "bad-key", HDR_CLIENT_ID: "c", HDR_IDEMPOTENCY_KEY: "bad-key"}
+        headers = {HDR_MSG_ID: "bad-key", HDR_CLIENT_ID: "c"}
         await client.js.publish(names.job_subject("min", 0), CASES[case], headers=headers)
         with pytest.raises(InvalidRequest) as info:
             await client.result("bad-key", timeout=10)

@@ -82,7 +82,9 @@ async def test_broker_restart_does_not_wedge_workers_or_clients(tmp_path: Path, 
 
 async def test_sigterm_drains_in_flight_jobs_and_logs_json(nats_url: str, namespace: str, tmp_path: Path) -> None:
     log_path = tmp_path / "worker.log"
-    proc = worker_process(nats_url, namespace, "drainer", "--echo-latency", "1.5", log_path=log_path)
+    proc = worker_process(
+        nats_url, namespace, "drainer", "--echo-latency", "1.5", log_path=log_path, env={"ROLLFLEET_LOG_LEVEL": "debug"}
+    )
     try:
         async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
             await eventually(lambda: len(client.fleet.replicas()) == 1, timeout=20)

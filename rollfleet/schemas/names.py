@@ -13,11 +13,11 @@ from rollfleet.schemas.messages import ConstraintKind
 _NAMESPACE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
-# Headers that let a worker answer even a job whose body it cannot decode.
+# Headers that let a worker answer even a job whose body it cannot decode: the idempotency
+# key travels as the broker's deduplication id, the reply address as the client id. (Kept
+# to two: nats-py parses headers in Python, per message.)
 HDR_MSG_ID = "Nats-Msg-Id"
 HDR_CLIENT_ID = "Rf-Client-Id"
-HDR_IDEMPOTENCY_KEY = "Rf-Idempotency-Key"
-HDR_JOB_ID = "Rf-Job-Id"
 
 
 def check_token(value: str, what: str) -> str:

@@ -46,7 +46,7 @@ from rollfleet.schemas import (
     error_from_code,
 )
 from rollfleet.schemas.errors import Expired, InvalidRequest, NoCompatibleReplica, RollfleetError, ServiceUnavailable
-from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_IDEMPOTENCY_KEY, HDR_JOB_ID, HDR_MSG_ID
+from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
 from rollfleet.tasks import stop_tasks
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.versions import adopt_version, commit_version
@@ -55,7 +55,8 @@ log = get_logger("rollfleet.client")
 
 _DELIVERED_MEMORY = 100_000
 _RESULTS_BATCH = 512
-_RESULTS_WAIT_S = 5.0  # keys whose result was already handed out (drop late duplicates)
+_RESULTS_WAIT_S = 5.0
+_BELL_INTERVAL_S = 0.05  # keys whose result was already handed out (drop late duplicates)
 
 
 class RolloutHandle:
@@ -152,6 +153,7 @@ class RolloutClient:
         self._results_task: asyncio.Task[None] | None = None
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
+        self._bells: dict[str, float] = {}
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -281,7 +283,7 @@ class RolloutClient:
         if unclaimed is not None:  # the answer came before we asked again (trainer restart)
             handle._resolve(unclaimed)
             return handle
-        headers = {HDR_MSG_ID: key, HDR_CLIENT_ID: self.client_id, HDR_IDEMPOTENCY_KEY: key, HDR_JOB_ID: job.job_id}
+        headers = {HDR_MSG_ID: key, HDR_CLIENT_ID: self.client_id}
         subject = self.names.job_subject(constraint.kind, constraint.version)
         try:
             ack = await self.js.publish(subject, data, headers=headers, timeout=10.0)
@@ -292,9 +294,7 @@ class RolloutClient:
             self._handles.pop(key, None)
             raise ServiceUnavailable(f"cannot queue the job: {exc}") from exc
         handle.stream_seq = None if ack.duplicate else ack.seq
-        # Wake idle workers at once; it carries nothing and may be lost (they also poll).
-        with suppress(Exception):
-            await self.nc.publish(self.names.bell_subject(constraint.kind, constraint.version), b"")
+        self._ring(constraint)
         handle._arm_deadline(self.deadline_grace_s)
         if ack.duplicate:
             await self._recover_stored_result(handle)
@@ -316,6 +316,16 @@ class RolloutClient:
             raise InvalidRequest("max_staleness must be >= 0")
         latest = self.latest_version or 0
         return VersionConstraint("min", max(0, latest - int(max_staleness)))
+
+    def _ring(self, constraint: VersionConstraint) -> None:
+        """Wake idle workers that have no request waiting on this subject. It carries nothing
+        and may be lost (workers also poll); one per subject per interval is enough, since a
+        woken worker pulls everything there."""
+        now = time.monotonic()
+        subject = self.names.bell_subject(constraint.kind, constraint.version)
+        if now - self._bells.get(subject, 0.0) >= _BELL_INTERVAL_S:
+            self._bells[subject] = now
+            self._spawn(self.nc.publish(subject, b""))
 
     def _no_replica_message(self, constraint: VersionConstraint) -> str:
         live = {r.worker_id: f"{r.state}@{r.active_version}" for r in self.fleet.replicas()}

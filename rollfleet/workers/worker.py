@@ -8,6 +8,7 @@ only after its result is stored, so a worker that dies mid-job loses nothing.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
 import uuid
@@ -46,7 +47,7 @@ from rollfleet.schemas import (
     encode,
 )
 from rollfleet.schemas.errors import EngineFailure, Expired, Interrupted, InvalidRequest, RollfleetError
-from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_IDEMPOTENCY_KEY, HDR_JOB_ID, HDR_MSG_ID, check_token
+from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, check_token
 from rollfleet.tasks import stop_tasks
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.metrics import WorkerMetrics
@@ -68,6 +69,7 @@ class WorkerConfig:
     wait_pull_s: float = 1.0  # an idle worker's pull requests wait this long at the broker
     hot_s: float = 30.0  # a subject stays "hot" (gets waiting pulls) this long after its last job
     max_waiting_pulls: int = 4
+    progress_s: float = 30.0  # period of the info-level progress line
     drain_timeout_s: float = 120.0
     # Weights: follow published versions from a store (store_dir + local_dir), or serve a
     # fixed checkpoint (model_dir) at ``version``. Neither: a model-free engine such as echo.
@@ -99,7 +101,10 @@ class Worker:
         self.sync: VersionSync | None = None
         self._pullers: dict[Subject, PullConsumer] = {}
         self._hot: dict[Subject, float] = {}  # subject -> when work last came from it
-        self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._held: dict[int, tuple[Msg, float]] = {}  # running jobs' messages, for progress acks
+        self._keepalive_task: asyncio.Task[None] | None = None
+        self._inflight: dict[int, asyncio.Task[None]] = {}
+        self._task_ids = itertools.count()
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -159,7 +164,9 @@ class Worker:
         self._tasks = [
             asyncio.create_task(self._pull_loop(), name="pull-loop"),
             asyncio.create_task(self._poll_loop(), name="poll-loop"),
+            asyncio.create_task(self._report_progress(), name="progress"),
         ]
+        self._keepalive_task = asyncio.create_task(self._keep_alive(), name="keep-alive")
         self.log.info("worker ready", version=self.version, engine=self.engine.name, capacity=cfg.capacity)
 
     async def _activated(self, version: int) -> None:
@@ -202,6 +209,8 @@ class Worker:
                 await asyncio.sleep(0.05)
         for task in list(self._inflight.values()):  # past the drain time-out: redelivered elsewhere
             task.cancel()
+        if self._keepalive_task is not None:  # only now: draining jobs still need progress acks
+            await stop_tasks([self._keepalive_task])
         if self.registration is not None:
             await self.registration.stop()
         for puller in self._pullers.values():
@@ -318,8 +327,8 @@ class Worker:
         subject = self.names.parse_job_subject(msg.subject)
         if subject is not None:
             self._hot[subject] = time.monotonic()
-        task_id = uuid.uuid4().hex
-        task = asyncio.create_task(self._handle(msg), name=f"job-{task_id[:8]}")
+        task_id = next(self._task_ids)
+        task = asyncio.create_task(self._handle(msg), name=f"job-{task_id}")
         self._inflight[task_id] = task
 
         def done(_: asyncio.Task[None]) -> None:
@@ -332,13 +341,13 @@ class Worker:
     async def _handle(self, msg: Msg) -> None:
         headers = msg.headers or {}
         client_id = headers.get(HDR_CLIENT_ID)
-        key = headers.get(HDR_IDEMPOTENCY_KEY) or headers.get(HDR_MSG_ID)
+        key = headers.get(HDR_MSG_ID)
         try:
             attempt = msg.metadata.num_delivered
             stored_at = msg.metadata.timestamp.timestamp()
         except Exception:
             attempt, stored_at = 1, time.time()
-        log = self.log.bind(job_id=headers.get(HDR_JOB_ID), idempotency_key=key, attempt=attempt)
+        log = self.log.bind(idempotency_key=key, attempt=attempt)
         try:
             job = decode(msg.data, RolloutJob, max_bytes=self.config.limits.max_job_bytes, what="rollout job")
             check_job(job, self.config.limits)
@@ -349,7 +358,7 @@ class Worker:
             check_token(client_id, "client_id")
         except InvalidRequest as exc:
             log.warning("invalid job", error=exc.message)
-            await self._answer_failure(msg, client_id, key, exc, attempt, job_id=headers.get(HDR_JOB_ID))
+            await self._answer_failure(msg, client_id, key, exc, attempt)
             await msg.term()
             return
         log = log.bind(job_id=job.job_id, idempotency_key=job.idempotency_key, version=self.version)
@@ -378,24 +387,23 @@ class Worker:
 
     async def _run(self, msg: Msg, job: RolloutJob, attempt: int, stored_at: float, log: Any) -> None:
         started = time.time()
-        keepalive = asyncio.create_task(self._keep_alive(msg))
+        held_id = next(self._task_ids)
+        self._held[held_id] = (msg, time.monotonic())
         try:
             generation = await self.engine.generate(job.job_id, job.payload)
         except RollfleetError as exc:
-            keepalive.cancel()
             log.warning("generation refused", error=exc.message, code=exc.code)
             await self._answer_failure(msg, job.client_id, job.idempotency_key, exc, attempt, job.job_id)
             await msg.ack()
             return
         except Exception as exc:
-            keepalive.cancel()
             log.exception("engine failed")
             err = EngineFailure(f"engine {self.engine.name} failed: {exc}")
             await self._answer_failure(msg, job.client_id, job.idempotency_key, err, attempt, job.job_id)
             await msg.ack()
             return
         finally:
-            keepalive.cancel()
+            self._held.pop(held_id, None)
         finished = time.time()
         result = RolloutResult(
             job_id=job.job_id,
@@ -421,7 +429,7 @@ class Worker:
         self._count("ok")
         self.metrics.queue_wait.observe(result.queue_wait_s)
         self.metrics.generation.observe(result.generation_s)
-        log.info(
+        log.debug(
             "job done",
             version_start=result.version_start,
             version_end=result.version_end,
@@ -429,13 +437,34 @@ class Worker:
             queue_wait_s=round(result.queue_wait_s, 4),
         )
 
-    async def _keep_alive(self, msg: Msg) -> None:
-        """In-progress acks, so a job longer than ack_wait is not redelivered meanwhile."""
+    async def _keep_alive(self) -> None:
+        """In-progress acks for jobs held longer than a third of ack_wait, so a long job is not
+        redelivered meanwhile. One task for all jobs: short jobs cost nothing."""
         interval = max(self.config.topology.ack_wait_s / 3.0, 0.2)
         while True:
-            await asyncio.sleep(interval)
-            with suppress(Exception):
-                await msg.in_progress()
+            await asyncio.sleep(interval / 2)
+            now = time.monotonic()
+            for msg, since in list(self._held.values()):
+                if now - since >= interval:
+                    with suppress(Exception):
+                        await msg.in_progress()
+
+    async def _report_progress(self) -> None:
+        """An info line per interval for operators (per-job lines are at debug level)."""
+        last_done, last_t = self.jobs_done, time.monotonic()
+        while True:
+            await asyncio.sleep(self.config.progress_s)
+            now = time.monotonic()
+            done = self.jobs_done - last_done
+            self.log.info(
+                "progress",
+                version=self.version,
+                jobs_done=self.jobs_done,
+                jobs_per_s=round(done / (now - last_t), 2),
+                in_flight=len(self._inflight),
+                outcomes=dict(self.outcomes),
+            )
+            last_done, last_t = self.jobs_done, now
 
     async def _result_exists(self, client_id: str, key: str) -> bool:
         assert self.js is not None

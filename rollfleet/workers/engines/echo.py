@@ -45,7 +45,8 @@ class EchoEngine(Engine):
             tokens: list[int] = []
             finish = "length"
             for i in range(payload.sampling.max_tokens):
-                await self._running.wait()  # a pause lands between steps, as in a real engine
+                if not self._running.is_set():
+                    await self._running.wait()  # a pause lands between steps, as in a real engine
                 if request_id in self._aborted:
                     finish = "abort"
                     break
