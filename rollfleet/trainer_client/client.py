@@ -68,7 +68,6 @@ class RolloutHandle:
         self.job = job
         self.stream_seq = stream_seq
         self._future: asyncio.Future[RolloutResult] = asyncio.get_running_loop().create_future()
-        self._timer: asyncio.TimerHandle | None = None
 
     @property
     def idempotency_key(self) -> str:
@@ -93,10 +92,6 @@ class RolloutHandle:
         self._fail(asyncio.CancelledError())
         return removed
 
-    def _arm_deadline(self, grace_s: float) -> None:
-        delay = max(0.0, self.job.deadline - time.time()) + grace_s
-        self._timer = asyncio.get_running_loop().call_later(delay, self._on_deadline)
-
     def _on_deadline(self) -> None:
         if not self._future.done():
             self._fail(Expired(f"no result for {self.job.idempotency_key!r} by its deadline"))
@@ -110,8 +105,6 @@ class RolloutHandle:
             self._future.set_result(outcome)
         else:
             self._future.set_exception(error_from_code(outcome.code, outcome.message, outcome.retryable))
-        if self._timer is not None:
-            self._timer.cancel()
         return True
 
     def _fail(self, exc: BaseException) -> None:
@@ -119,8 +112,6 @@ class RolloutHandle:
             self._future.set_exception(exc)
             # Mark retrieved so an unawaited failed handle does not warn at exit.
             self._future.exception()
-        if self._timer is not None:
-            self._timer.cancel()
 
 
 class RolloutClient:
@@ -197,6 +188,7 @@ class RolloutClient:
         self._results_consumer = await ensure_results_consumer(self.js, self.names, self.client_id, self.topology)
         await self.fleet.start()
         self._results_task = asyncio.create_task(self._receive_results(), name="results")
+        self._expiry_task = asyncio.create_task(self._expire_handles(), name="deadlines")
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -209,7 +201,7 @@ class RolloutClient:
             return
         self._closed = True
         if self._results_task is not None:
-            await stop_tasks([self._results_task])
+            await stop_tasks([self._results_task, self._expiry_task])
         await self.fleet.close()
         for handle in self._handles.values():
             handle._fail(ServiceUnavailable("client closed before the result arrived"))
@@ -249,12 +241,13 @@ class RolloutClient:
         if deadline is not None and timeout is not None:
             raise InvalidRequest("give deadline or timeout, not both")
         now = time.time()
-        key = idempotency_key or uuid.uuid4().hex
+        job_id = uuid.uuid4().hex
+        key = idempotency_key or job_id
         existing = self._handles.get(key)
         if existing is not None:
             return existing
         job = RolloutJob(
-            job_id=uuid.uuid4().hex,
+            job_id=job_id,
             idempotency_key=key,
             client_id=self.client_id,
             constraint=constraint,
@@ -295,7 +288,6 @@ class RolloutClient:
             raise ServiceUnavailable(f"cannot queue the job: {exc}") from exc
         handle.stream_seq = None if ack.duplicate else ack.seq
         self._ring(constraint)
-        handle._arm_deadline(self.deadline_grace_s)
         if ack.duplicate:
             await self._recover_stored_result(handle)
         log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
@@ -316,6 +308,15 @@ class RolloutClient:
             raise InvalidRequest("max_staleness must be >= 0")
         latest = self.latest_version or 0
         return VersionConstraint("min", max(0, latest - int(max_staleness)))
+
+    async def _expire_handles(self) -> None:
+        """Fail pending handles whose deadline (plus grace) passed without a result: one sweep
+        over what is in flight, four times a second, instead of a timer per job."""
+        while True:
+            await asyncio.sleep(0.25)
+            cutoff = time.time() - self.deadline_grace_s
+            for handle in [h for h in self._handles.values() if h.job.deadline <= cutoff]:
+                handle._on_deadline()
 
     def _ring(self, constraint: VersionConstraint) -> None:
         """Wake idle workers that have no request waiting on this subject. It carries nothing
