@@ -231,9 +231,6 @@ FOOTER = """
 - **Open:** during a broker outage `RolloutClient.submit` can raise a raw
   `nats.errors.TimeoutError` (from the fail-fast `fleet.refresh()`), not `ServiceUnavailable`
   (seen in scenario 3's `submit_errors`). Suggested: wrap the refresh like the publish.
-- **Open:** `rollfleet worker` has `--tls-ca` but no `--tls-cert` / `--tls-key`, so a worker
-  *process* cannot join the mutual-TLS config of `broker_config/tls/`; scenario 9c runs the
-  worker in-process with `WorkerConfig.connect_options`.
 """
 
 

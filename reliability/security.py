@@ -172,11 +172,10 @@ async def token_end_to_end(workdir: Path, token: str = "rf-reliability-token-012
 
 
 async def tls_end_to_end(workdir: Path) -> Figures:
-    """broker_config/tls (mutual TLS): a worker and a client with certificates make a round trip;
+    """broker_config/tls (mutual TLS): a worker process and a client with certificates make a round trip;
     a client without a certificate is refused."""
     from rollfleet.broker import free_port
     from tests.deploy_helpers import BROKER_CONFIG, make_dev_certs
-    from tests.helpers import running_worker
 
     fig = Figures("9c", "Mutual TLS end to end", {})
     t0 = time.monotonic()
@@ -190,6 +189,7 @@ async def tls_end_to_end(workdir: Path) -> Figures:
         config=BROKER_CONFIG / "tls" / "nats-server-tls.conf",
         extra_args=["-m", str(free_port())],
     )
+    procs = Processes(workdir)
     try:
         broker.start()
         tls_dir = Path(env["ROLLFLEET_TLS_CA"]).parent
@@ -199,10 +199,11 @@ async def tls_end_to_end(workdir: Path) -> Figures:
             "tls_key": str(tls_dir / "client-key.pem"),
         }
         url = broker.url.replace("nats://", "tls://")
-        async with (
-            running_worker(url, "rel9c", worker_id="tls-worker", connect_options=opts),
-            await RolloutClient.connect(url, namespace="rel9c", client_id="trainer", **opts) as client,
-        ):
+        flags = ["--tls-ca", opts["tls_ca"], "--tls-cert", opts["tls_cert"], "--tls-key", opts["tls_key"]]
+        procs.worker(url, "rel9c", "tls-worker", *flags)
+        async with await RolloutClient.connect(url, namespace="rel9c", client_id="trainer", **opts) as client:
+            ok = await wait_for(lambda: len(client.fleet.replicas()) >= 1, 30)
+            fig.expect(ok, f"the worker process did not register over TLS: {procs.tail('tls-worker')}")
             result = await (await client.submit(job_payload(1), min_version=0)).result(20)
             fig.submitted, fig.completed = 1, 1
             fig.expect(result.worker_id == "tls-worker", "not served over TLS")
@@ -217,6 +218,7 @@ async def tls_end_to_end(workdir: Path) -> Figures:
         except TimeoutError:
             fig.notes["client without certificate"] = "refused (connect keeps retrying; timed out)"
     finally:
+        procs.close()
         broker.stop()
         for k, v in old.items():
             if v is None:

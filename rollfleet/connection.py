@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from typing import Any
 
@@ -9,7 +10,7 @@ import nats
 from nats.aio.client import Client as NATS
 
 from rollfleet.logs import get_logger
-from rollfleet.schemas.errors import ServiceUnavailable
+from rollfleet.schemas.errors import AuthorizationError, ServiceUnavailable
 
 log = get_logger("rollfleet.connection")
 
@@ -26,9 +27,13 @@ async def connect(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     connect_timeout: float = 5.0,
+    initial_timeout: float = 120.0,
     **extra: Any,
 ) -> NATS:
     """Connect with unlimited reconnects, so a broker restart never needs a process restart.
+
+    The first connection waits up to ``initial_timeout`` for the broker to come up, but fails
+    at once with ``AuthorizationError`` if the broker refuses the credentials.
 
     ``url`` may list several servers separated by commas (a cluster) and may carry
     ``user:password@`` credentials.
@@ -70,8 +75,24 @@ async def connect(
             ctx.load_cert_chain(tls_cert, tls_key)
         opts["tls"] = ctx
     opts.update(extra)
-    try:
-        conn["nc"] = await nats.connect(**opts)
+    refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+
+    async def on_error_first(exc: Exception) -> None:
+        # Wrong credentials never fix themselves: fail the first connect instead of retrying.
+        if "nc" not in conn and "authorization" in str(exc).lower() and not refused.done():
+            refused.set_result(exc)
+        await on_error(exc)
+
+    opts["error_cb"] = on_error_first
+    attempt = asyncio.ensure_future(nats.connect(**opts))
+    done, _ = await asyncio.wait({attempt, refused}, timeout=initial_timeout, return_when=asyncio.FIRST_COMPLETED)
+    if attempt in done:
+        try:
+            conn["nc"] = attempt.result()
+        except Exception as exc:  # nats raises several unrelated types here
+            raise ServiceUnavailable(f"cannot connect to NATS at {url}: {exc}") from exc
         return conn["nc"]
-    except Exception as exc:  # nats raises several unrelated types here
-        raise ServiceUnavailable(f"cannot connect to NATS at {url}: {exc}") from exc
+    attempt.cancel()
+    if refused.done():
+        raise AuthorizationError(f"NATS at {url} refused these credentials: {refused.result()}")
+    raise ServiceUnavailable(f"cannot connect to NATS at {url} within {initial_timeout:.0f}s")

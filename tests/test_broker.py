@@ -119,3 +119,21 @@ async def main():
     await nc.close()
 asyncio.run(main())
 """
+
+
+async def test_wrong_credentials_fail_fast_with_a_typed_error(tmp_path: Path) -> None:
+    import time
+
+    from rollfleet.schemas.errors import AuthorizationError
+    from rollfleet.trainer_client import RolloutClient
+
+    broker = EmbeddedBroker(store_dir=tmp_path / "s", extra_args=["--auth", "s3cret"]).start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(AuthorizationError) as info:
+            await RolloutClient.connect(broker.url, namespace="auth", client_id="c", token="wrong")
+        assert not info.value.retryable and time.monotonic() - t0 < 10
+        async with await RolloutClient.connect(broker.url, namespace="auth", client_id="c", token="s3cret") as ok:
+            assert ok.nc.is_connected
+    finally:
+        broker.stop()

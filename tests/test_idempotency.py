@@ -121,3 +121,14 @@ async def test_results_wait_for_a_reconnecting_client(nats_url: str, namespace: 
             results = {key: await back.result(key, timeout=10) for key in keys}
     assert {r.idempotency_key for r in results.values()} == set(keys)
     assert all(r.client_id == "trainer-7" for r in results.values())
+
+
+async def test_result_consumed_by_a_dead_process_is_read_back(nats_url: str, namespace: str) -> None:
+    """The previous trainer received (and acked) a result but died before using it."""
+    async with running_worker(nats_url, namespace):
+        first = await RolloutClient.connect(nats_url, namespace=namespace, client_id="t")
+        await (await first.submit(payload(), min_version=0, idempotency_key="used-by-the-dead")).result(10)
+        await first.close()
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as back:
+            result = await back.result("used-by-the-dead", timeout=5)
+    assert result.idempotency_key == "used-by-the-dead"

@@ -67,6 +67,13 @@ class ServiceUnavailable(RollfleetError):
     retryable = True
 
 
+class AuthorizationError(RollfleetError):
+    """The broker refused the credentials (or the operation for this user)."""
+
+    code = "unauthorized"
+    retryable = False
+
+
 class InternalError(RollfleetError):
     """An unexpected error inside rollfleet."""
 

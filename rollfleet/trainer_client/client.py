@@ -264,7 +264,10 @@ class RolloutClient:
             raise InvalidRequest(f"job is {len(data)} bytes, over the limit of {self.limits.max_job_bytes}")
 
         if self.fail_fast and not self.fleet.compatible(constraint):
-            await self.fleet.refresh()  # the view may lag a replica that just registered
+            try:
+                await self.fleet.refresh()  # the view may lag a replica that just registered
+            except Exception as exc:  # broker unreachable: a retryable error, never a raw one
+                raise ServiceUnavailable(f"cannot read the fleet registry: {exc}") from exc
             if not self.fleet.compatible(constraint):
                 handle = RolloutHandle(self, job, None)
                 handle._fail(NoCompatibleReplica(self._no_replica_message(constraint)))
@@ -390,6 +393,12 @@ class RolloutClient:
         handle = self._handles.get(idempotency_key)
         if handle is not None:
             return await handle.result(timeout)
+        if idempotency_key not in self._unclaimed:
+            # Delivered to an earlier process that died before using it: read it back.
+            subject = self.names.result_subject(self.client_id, idempotency_key)
+            with suppress(nats.js.errors.NotFoundError, InvalidRequest):
+                raw = await self.js.get_last_msg(self.names.results_stream, subject)
+                self._unclaimed.setdefault(idempotency_key, decode_outcome(raw.data or b""))
         deadline = None if timeout is None else time.monotonic() + timeout
         while idempotency_key not in self._unclaimed:
             remaining = None if deadline is None else deadline - time.monotonic()
