@@ -178,10 +178,10 @@ writes; use the R3 cluster (scenario 3) for that.
 **A restarted trainer gets its results.** Results go to a durable consumer per `client_id`
 and stay on the results stream for `results_max_age_s` (24 h). *Ends:* the client acks a
 result when it *receives* it, before the training loop consumes it, so results the dead
-process had received but not consumed are not redelivered, and `client.result(key)` alone
-waits for them in vain (measured in scenario 7). Resubmitting every pending key with the
-same idempotency key recovers them from the results stream without running them again —
-that is the supported recovery, and scenario 7 does exactly that.
+process had received but not consumed are not redelivered by the consumer; `client.result(key)`
+then reads them back from the results stream, and resubmitting the key recovers them too,
+without running anything again (scenario 7 resubmits every pending key). *Ends* at the
+results stream's max age.
 
 **No partial version is ever visible.** Files are written to a hidden temporary directory,
 fsynced, the index last, renamed atomically; only then is `v.<N>` created in the policy KV
@@ -210,9 +210,10 @@ key. *Ends:* losing two of three nodes stops the request path (no quorum) until 
 cannot publish jobs or policy versions, nor delete streams — proven in
 `tests/test_deploy_auth.py::test_worker_is_refused_versions_and_jobs` (not repeated here).
 Token auth (`nats-server --auth`, `rollfleet worker --token`, `RolloutClient.connect(...,
-token=)`) and mutual TLS work end to end (scenarios 9b, 9c). *Ends:* a process given wrong
-credentials is refused but does not exit: `rollfleet.connection.connect` reconnects forever,
-even when the first connection is refused for bad credentials (see findings).
+token=)`) and mutual TLS work end to end (scenarios 9b, 9c). A process given a wrong token
+or password fails its first connection at once with `AuthorizationError` (the worker exits
+with code 2). *Ends:* a TLS handshake refused for a missing client certificate is retried
+until the first-connection time-out (120 s) before `ServiceUnavailable`.
 """
 
 FOOTER = """
@@ -222,15 +223,17 @@ FOOTER = """
   (not `CorruptArtifact`) for a shard header whose `dtype` is a JSON list or object
   (`{"t": {"dtype": [], "shape": [1], "data_offsets": [0, 1]}}`): found by the scenario 8
   fuzzer; regression test in `tests/test_reliability_fuzz.py`.
-- **Open:** results received but not consumed by a trainer that dies are acked already;
-  `RolloutClient.result(key)` never returns for them (scenario 7, `result_api_sees_acked_unconsumed`).
-  Suggested: `result(key)` falls back to the stored result (`get_last_msg` on the key's
-  results subject), as `submit` already does for a duplicate.
-- **Open:** a client or worker with wrong credentials retries forever instead of failing
-  with a clear error (`max_reconnect_attempts=-1` also applies to the first connect).
-- **Open:** during a broker outage `RolloutClient.submit` can raise a raw
+- **Fixed:** results received but not consumed by a trainer that dies are acked already;
+  `RolloutClient.result(key)` never returned for them (scenario 7, `result_api_sees_acked_unconsumed`).
+  `result(key)` now reads the stored result back (`get_last_msg` on the key's results subject);
+  test `tests/test_idempotency.py::test_result_consumed_by_a_dead_process_is_read_back`.
+- **Fixed:** a client or worker with wrong credentials retried forever instead of failing
+  with a clear error (`max_reconnect_attempts=-1` also applies to the first connect). The first
+  connection now fails with `AuthorizationError`; test
+  `tests/test_broker.py::test_wrong_credentials_fail_fast_with_a_typed_error`.
+- **Fixed:** during a broker outage `RolloutClient.submit` could raise a raw
   `nats.errors.TimeoutError` (from the fail-fast `fleet.refresh()`), not `ServiceUnavailable`
-  (seen in scenario 3's `submit_errors`). Suggested: wrap the refresh like the publish.
+  (seen in scenario 3's `submit_errors` of the run below); the refresh is now wrapped.
 """
 
 
