@@ -56,3 +56,17 @@ def test_convergence_quick() -> None:
     # The slowest worker's activation includes its own prepare and pause.
     prepare = next(r for r in rows if r.bench == "convergence/pull+apply")
     assert head.value >= prepare.value > 0
+
+
+def test_gpu_activation_script_runs_on_cpu() -> None:
+    """The H200 script must not rot: its small CPU path runs end to end and checks the bytes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_activation.py"
+    proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert line["checksums_ok"] is True and line["pause_ms"] > 0
