@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -28,6 +29,7 @@ async def connect(
     tls_key: str | None = None,
     connect_timeout: float = 5.0,
     initial_timeout: float = 120.0,
+    reconnect_hooks: list[Callable[[], None]] | None = None,
     **extra: Any,
 ) -> NATS:
     """Connect with unlimited reconnects, so a broker restart never needs a process restart.
@@ -39,6 +41,8 @@ async def connect(
     ``user:password@`` credentials.
     """
     servers = [u.strip() for u in url.split(",") if u.strip()]
+    # Called after every reconnect; the list may be appended to after connecting.
+    reconnect_hooks = reconnect_hooks if reconnect_hooks is not None else []
     conn: dict[str, NATS] = {}
 
     async def on_error(exc: Exception) -> None:
@@ -51,6 +55,8 @@ async def connect(
 
     async def on_reconnect() -> None:
         log.info("nats reconnected", client=name)
+        for hook in reconnect_hooks:
+            hook()
 
     opts: dict[str, Any] = dict(
         servers=servers,

@@ -95,6 +95,10 @@ class PullConsumer:
             if self.on_idle is not None:
                 self.on_idle()
 
+    def reset(self) -> None:
+        """Forget the open request: after a reconnect the broker may have dropped it unseen."""
+        self._end()
+
     def _expire_if_overdue(self) -> None:
         if self._left and time.monotonic() > self._deadline:
             self._end()

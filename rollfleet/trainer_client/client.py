@@ -11,7 +11,7 @@ import asyncio
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -145,6 +145,7 @@ class RolloutClient:
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
         self._bells: dict[str, float] = {}
+        self._results_puller: PullConsumer | None = None
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -166,7 +167,8 @@ class RolloutClient:
     ) -> RolloutClient:
         """Connect, declare the namespace if needed, and start receiving results."""
         check_token(client_id, "client_id")
-        nc = await connect(url, name=f"rollfleet-client-{client_id}", **connect_options)
+        hooks: list[Callable[[], None]] = []
+        nc = await connect(url, name=f"rollfleet-client-{client_id}", reconnect_hooks=hooks, **connect_options)
         client = cls(
             nc,
             Names(namespace),
@@ -176,6 +178,7 @@ class RolloutClient:
             default_timeout_s=default_timeout_s,
             fail_fast=fail_fast,
         )
+        hooks.append(client._on_reconnect)
         try:
             await client._start()
         except BaseException:
@@ -417,10 +420,15 @@ class RolloutClient:
         """Results that arrived for keys this process did not submit (e.g. before a restart)."""
         return dict(self._unclaimed)
 
+    def _on_reconnect(self) -> None:
+        if self._results_puller is not None:
+            self._results_puller.reset()  # re-request at once instead of waiting out the old one
+
     async def _receive_results(self) -> None:
         """Keep a pull request open on this client's results consumer; each result is handled
         the moment it is stored (no batch to fill, no poll interval)."""
         puller = await PullConsumer(self.nc, self.names.results_stream, self._results_consumer, self._on_result).start()
+        self._results_puller = puller
         try:
             while True:
                 try:

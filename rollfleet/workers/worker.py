@@ -116,7 +116,12 @@ class Worker:
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config
-        self.nc = await connect(cfg.nats_url, name=f"rollfleet-worker-{cfg.worker_id}", **cfg.connect_options)
+        self.nc = await connect(
+            cfg.nats_url,
+            name=f"rollfleet-worker-{cfg.worker_id}",
+            reconnect_hooks=[self._on_reconnect],
+            **cfg.connect_options,
+        )
         self.js = self.nc.jetstream()
         await ensure_topology(self.js, self.names, cfg.topology)
         now = time.time()
@@ -174,6 +179,11 @@ class Worker:
         self.metrics.active_version.set(version)
         self.version = version
         self.scheduler.set_version(version)
+        self._wake.set()
+
+    def _on_reconnect(self) -> None:
+        for puller in self._pullers.values():
+            puller.reset()
         self._wake.set()
 
     def request_stop(self) -> None:
