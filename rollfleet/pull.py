@@ -21,7 +21,9 @@ from nats.aio.msg import Msg
 
 _STATUS = "Status"
 _HEARTBEAT = "100"
-_GRACE_S = 2.0  # a request whose end was lost (e.g. in a reconnect) is given up after this
+_GRACE_S = 1.0  # a request whose end was lost (e.g. in a reconnect) is given up after this
+_HEARTBEAT_S = 1.0  # long requests ask for server heartbeats, so a request lost in a
+# fail-over (the consumer's leader moved) is noticed in seconds, not at its expiry
 
 
 class PullConsumer:
@@ -33,6 +35,8 @@ class PullConsumer:
         self._sub = None
         self._left = 0  # messages the current request may still deliver
         self._deadline = 0.0
+        self._heartbeat_s = 0.0  # 0: the request has no heartbeats
+        self._last_seen = 0.0
         self._idle = asyncio.Event()
         self._idle.set()
         self.delivered = 0  # total messages handed to on_msg
@@ -58,12 +62,17 @@ class PullConsumer:
         if self.busy:
             raise RuntimeError("a pull request is already open on this consumer")
         body: dict[str, object] = {"batch": batch}
+        self._heartbeat_s = 0.0
         if wait_s is None:
             body["no_wait"] = True
         else:
             body["expires"] = int(wait_s * 1e9)
+            if wait_s >= 4 * _HEARTBEAT_S:
+                body["idle_heartbeat"] = int(_HEARTBEAT_S * 1e9)
+                self._heartbeat_s = _HEARTBEAT_S
         self._left = batch
-        self._deadline = time.monotonic() + (wait_s or 0.0) + _GRACE_S
+        self._last_seen = time.monotonic()
+        self._deadline = self._last_seen + (wait_s or 0.0) + _GRACE_S
         self._idle.clear()
         await self._nc.publish(self._api, json.dumps(body).encode(), reply=self._inbox)
 
@@ -74,6 +83,7 @@ class PullConsumer:
             self._expire_if_overdue()
 
     async def _receive(self, msg: Msg) -> None:
+        self._last_seen = time.monotonic()
         headers = msg.headers
         if headers and _STATUS in headers:
             if headers[_STATUS] != _HEARTBEAT:
@@ -100,7 +110,11 @@ class PullConsumer:
         self._end()
 
     def _expire_if_overdue(self) -> None:
-        if self._left and time.monotonic() > self._deadline:
+        if not self._left:
+            return
+        now = time.monotonic()
+        silent = self._heartbeat_s and now - self._last_seen > 3 * self._heartbeat_s
+        if now > self._deadline or silent:
             self._end()
 
     async def close(self) -> None:

@@ -434,7 +434,7 @@ class RolloutClient:
                 try:
                     if not puller.busy:
                         await puller.request(_RESULTS_BATCH, wait_s=_RESULTS_WAIT_S)
-                    await puller.wait_idle(timeout=_RESULTS_WAIT_S + 1.0)
+                    await puller.wait_idle(timeout=1.0)  # wakes to notice a request lost in a fail-over
                 except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:  # reconnecting
                     log.debug("results pull failed", error=str(exc))
                     await asyncio.sleep(0.5)
