@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from rollfleet.processes import terminate
 from rollfleet.schemas import Names, RolloutPayload, SamplingParams, VersionActivated, decode_event, decode_outcome
 from rollfleet.schemas.errors import RollfleetError
 
@@ -122,15 +123,7 @@ class Processes:
         proc.wait(10)
 
     def stop(self, name: str, timeout: float = 15.0) -> int | None:
-        proc = self.procs[name]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        return proc.returncode
+        return terminate(self.procs[name], timeout)
 
     def close(self) -> None:
         for name in list(self.procs):

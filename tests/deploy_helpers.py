@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import TypeVar
 
 from rollfleet.broker import check_server_binary, free_port
 from rollfleet.broker.server import wait_for_port
+from rollfleet.processes import terminate
 
 REPO = Path(__file__).resolve().parents[1]
 BROKER_CONFIG = REPO / "broker_config"
@@ -103,16 +103,7 @@ class NatsProcess:
 
 def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0) -> int | None:
     """SIGTERM, then SIGKILL if it does not exit in time. Returns the exit code."""
-    if proc is None:
-        return None
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    return proc.returncode
+    return terminate(proc, timeout)
 
 
 @dataclass

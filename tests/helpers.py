@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rollfleet.broker.topology import TopologyConfig
+from rollfleet.processes import terminate
 from rollfleet.schemas import RolloutPayload, SamplingParams
 from rollfleet.workers.engines.echo import EchoEngine
 from rollfleet.workers.worker import Worker, WorkerConfig
@@ -81,15 +82,8 @@ def worker_process(
     return proc
 
 
-def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    return proc.returncode
+def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
+    return terminate(proc, timeout, sig)
 
 
 async def eventually(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollfleet.processes import terminate
 from rollfleet.schemas.errors import BrokerBinaryError, ServiceUnavailable
 
 MIN_SERVER_VERSION = (2, 10, 0)
@@ -142,14 +142,7 @@ class EmbeddedBroker:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        terminate(self.proc, timeout)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
