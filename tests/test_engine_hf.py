@@ -224,6 +224,7 @@ async def test_activation_mid_request_copies_only_changed_tensors(engine: HFEngi
 
 
 async def test_prepared_delta_is_staged_sparse_and_applied_in_the_pause(engine: HFEngine, ckpt: Path) -> None:
+    engine.stage_mode = "scatter"  # the low-memory mode: only differing elements are staged
     task = asyncio.create_task(engine.generate("r", payload(max_tokens=200)))
     await wait_steps(engine, 2)
     new = perturbed(engine, CHANGED, density=0.01)
@@ -238,6 +239,25 @@ async def test_prepared_delta_is_staged_sparse_and_applied_in_the_pause(engine: 
     unchanged_before = engine.live_checksums([UNCHANGED])
     await engine.pause()
     (ckpt / "model-v1.safetensors").unlink()  # proves load_weights uses the staged copy, not the disk
+    await engine.load_weights(ckpt, CHANGED, version=1)
+    await engine.resume()
+    assert engine.live_checksums(CHANGED) == {n: digest(new[n]) for n in CHANGED}
+    assert engine.live_checksums([UNCHANGED]) == unchanged_before
+    result = await asyncio.wait_for(task, 30)
+    assert (result.version_start, result.version_end) == (0, 1)
+
+
+async def test_swap_mode_stages_whole_tensors_and_swaps_them_in(engine: HFEngine, ckpt: Path) -> None:
+    assert engine.stage_mode == "swap"  # the default: the pause is a pointer swap per tensor
+    task = asyncio.create_task(engine.generate("r", payload(max_tokens=200)))
+    await wait_steps(engine, 2)
+    new = perturbed(engine, CHANGED, density=0.01)
+    publish(ckpt, new)
+    await engine.prepare_weights(ckpt, CHANGED, version=1)
+    assert engine.staged_bytes == sum(t.numel() * t.element_size() for t in new.values())
+    unchanged_before = engine.live_checksums([UNCHANGED])
+    await engine.pause()
+    (ckpt / "model-v1.safetensors").unlink()  # the staged copies are the engine's own
     await engine.load_weights(ckpt, CHANGED, version=1)
     await engine.resume()
     assert engine.live_checksums(CHANGED) == {n: digest(new[n]) for n in CHANGED}

@@ -84,14 +84,19 @@ def check_layout(name: str, live: torch.Tensor, new: torch.Tensor) -> None:
 
 @dataclass
 class _Patch:
-    """One staged tensor: whole (``full``) or the differing elements (``idx``, ``vals``)."""
+    """One staged tensor: whole (``full``) or the differing elements (``idx``, ``vals``).
+    With ``param`` set, the whole new tensor replaces the parameter's storage (a pointer swap)."""
 
     target: torch.Tensor
     full: torch.Tensor | None = None
     idx: torch.Tensor | None = None
     vals: torch.Tensor | None = None
+    param: torch.Tensor | None = None
 
     def apply(self) -> None:
+        if self.param is not None and self.full is not None:
+            self.param.data = self.full  # O(1): the pause does not depend on the tensor's size
+            return
         dst = bits(self.target)
         if self.full is not None:
             dst.copy_(bits(self.full))
@@ -124,12 +129,18 @@ def stage(
     epoch: int,
     device: torch.device,
     stream: object | None = None,
+    mode: str = "swap",
 ) -> StagedUpdate:
-    """Upload ``new`` to ``device`` and keep, per tensor, only what differs from ``live``.
+    """Upload ``new`` to ``device``; per changed tensor keep either the whole new tensor, to be
+    swapped in as the parameter's storage (``mode="swap"``: the pause is a pointer swap, at the
+    cost of a second copy of the changed tensors while staged), or only the elements that
+    differ from ``live`` (``mode="scatter"``: little memory, the pause scatters them in place).
 
     Runs while the engine serves: it only reads the live parameters. On CUDA the uploads run
     on ``stream`` (a side stream), synchronised before returning.
     """
+    if mode not in ("swap", "scatter"):
+        raise ValueError(f"stage mode must be 'swap' or 'scatter', got {mode!r}")
     staged = StagedUpdate(version=version, names=tuple(new), epoch=epoch)
     seen: set[int] = set()
     ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
@@ -140,12 +151,16 @@ def stage(
             if target.data_ptr() in seen:  # tied names: one parameter, staged once
                 continue
             seen.add(target.data_ptr())
-            dev = cpu_tensor.to(device=device, dtype=target.dtype)
+            # A copy of its own: the checkpoint's files change in place on the next version.
+            dev = cpu_tensor.to(device=device, dtype=target.dtype, copy=True).reshape(target.shape)
             new_bits, old_bits = bits(dev), bits(target)
             idx = torch.nonzero(new_bits != old_bits).reshape(-1)
             if idx.numel() == 0:
                 continue
-            if idx.numel() > SPARSE_MAX_DENSITY * new_bits.numel():
+            if mode == "swap" and target.is_contiguous():
+                staged.patches.append(_Patch(target, full=dev, param=live[name]))
+                staged.staged_bytes += dev.numel() * dev.element_size()
+            elif idx.numel() > SPARSE_MAX_DENSITY * new_bits.numel():
                 staged.patches.append(_Patch(target, full=dev))
                 staged.staged_bytes += dev.numel() * dev.element_size()
             else:

@@ -113,6 +113,7 @@ class HFEngine(Engine):
         reprefill_after_activation: bool = True,
         attn_implementation: str | None = None,
         step_log_size: int = 4096,
+        stage_mode: str = "swap",
     ) -> None:
         super().__init__()
         if device == "auto":
@@ -124,6 +125,7 @@ class HFEngine(Engine):
         self.stop_on_eos = stop_on_eos
         self.reprefill_after_activation = reprefill_after_activation
         self.attn_implementation = attn_implementation
+        self.stage_mode = stage_mode  # "swap" (fastest pause) or "scatter" (least memory)
         self.model: Any = None
         self._cache_kw = "past_key_values"
         self.tokenizer: Any = None
@@ -477,7 +479,7 @@ class HFEngine(Engine):
         def work() -> _weights.StagedUpdate:
             new = _weights.read_tensors(Path(checkpoint_dir), names)
             stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
-            return _weights.stage(self._live, new, version, epoch, self.device, stream)
+            return _weights.stage(self._live, new, version, epoch, self.device, stream, self.stage_mode)
 
         self._staged = None  # a newer preparation replaces an older one
         staged = await asyncio.get_running_loop().run_in_executor(self._stager, work)
