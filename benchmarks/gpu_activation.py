@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", default=None, help="where to build the model (default: a temp dir)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true", help="quick CPU smoke run (tiny model) for CI")
+    p.add_argument(
+        "--stage-mode", default="swap", choices=["swap", "scatter"], help="swap: fastest pause; scatter: least memory"
+    )
     args = p.parse_args(argv)
     if args.check:
         args.device, args.preset = args.device or "cpu", args.preset or "tiny"
@@ -146,7 +149,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     )
     build_s = time.perf_counter() - t0
 
-    engine = HFEngine(device=args.device, max_batch=max(args.batch, 2), seed=args.seed)
+    engine = HFEngine(device=args.device, max_batch=max(args.batch, 2), seed=args.seed, stage_mode=args.stage_mode)
     t0 = time.perf_counter()
     await engine.start(ckpt, version=0)
     start_s = time.perf_counter() - t0
