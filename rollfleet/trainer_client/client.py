@@ -53,10 +53,11 @@ from rollfleet.trainer_client.versions import adopt_version, commit_version
 
 log = get_logger("rollfleet.client")
 
-_DELIVERED_MEMORY = 100_000
+_DELIVERED_MEMORY = 100_000  # keys whose result was already handed out (drop late duplicates)
 _RESULTS_BATCH = 512
 _RESULTS_WAIT_S = 5.0
-_BELL_INTERVAL_S = 0.05  # keys whose result was already handed out (drop late duplicates)
+_BELL_INTERVAL_S = 0.05
+_PUBLISH_BUDGET_S = 30.0  # how long submit keeps trying to store a job while the broker recovers
 
 
 class RolloutHandle:
@@ -285,13 +286,10 @@ class RolloutClient:
         headers = {HDR_MSG_ID: key, HDR_CLIENT_ID: self.client_id}
         subject = self.names.job_subject(constraint.kind, constraint.version)
         try:
-            ack = await self.js.publish(subject, data, headers=headers, timeout=10.0)
-        except nats.js.errors.BadRequestError as exc:
+            ack = await self._store_job(subject, data, headers, min(job.deadline, time.time() + _PUBLISH_BUDGET_S))
+        except RollfleetError:
             self._handles.pop(key, None)
-            raise InvalidRequest(f"broker refused the job: {exc.description}") from exc
-        except (nats.errors.Error, nats.js.errors.Error) as exc:
-            self._handles.pop(key, None)
-            raise ServiceUnavailable(f"cannot queue the job: {exc}") from exc
+            raise
         handle.stream_seq = None if ack.duplicate else ack.seq
         self._ring(constraint)
         if ack.duplicate:
@@ -324,6 +322,22 @@ class RolloutClient:
             for handle in [h for h in self._handles.values() if h.job.deadline <= cutoff]:
                 handle._on_deadline()
 
+    async def _store_job(self, subject: str, data: bytes, headers: dict[str, str], until: float) -> Any:
+        """Publish until the broker acknowledges. Short attempts: one sent to a stream leader
+        that just died is never answered, and a retry (deduplicated by the key) reaches the
+        new leader as soon as there is one."""
+        attempt = 0
+        while True:
+            try:
+                return await self.js.publish(subject, data, headers=headers, timeout=1.5)
+            except nats.js.errors.BadRequestError as exc:
+                raise InvalidRequest(f"broker refused the job: {exc.description}") from exc
+            except (nats.errors.Error, nats.js.errors.Error) as exc:
+                if time.time() >= until:
+                    raise ServiceUnavailable(f"cannot queue the job: {exc}") from exc
+                await asyncio.sleep(min(0.1 * 2**attempt, 1.0))
+                attempt += 1
+
     def _ring(self, constraint: VersionConstraint) -> None:
         """Wake idle workers that have no request waiting on this subject. It carries nothing
         and may be lost (workers also poll); one per subject per interval is enough, since a
@@ -349,8 +363,8 @@ class RolloutClient:
         subject = self.names.result_subject(self.client_id, handle.idempotency_key)
         try:
             raw = await self.js.get_last_msg(self.names.results_stream, subject)
-        except nats.js.errors.NotFoundError:
-            return
+        except (nats.errors.Error, nats.js.errors.Error):  # none stored yet, or the broker is away:
+            return  # the result arrives through the consumer as usual
         with suppress(InvalidRequest):
             handle._resolve(decode_outcome(raw.data or b""))
 

@@ -487,13 +487,16 @@ class Worker:
     async def _publish_outcome(self, client_id: str, key: str, outcome: RolloutResult | RolloutFailure) -> bool:
         assert self.js is not None
         subject = self.names.result_subject(client_id, key)
-        for attempt in range(5):
+        data = encode(outcome)
+        # Short attempts, many of them: a publish sent to a stream leader that just died is never
+        # answered, and the retry (deduplicated by the key) reaches the new leader sooner.
+        for attempt in range(12):
             try:
-                await self.js.publish(subject, encode(outcome), headers={HDR_MSG_ID: key}, timeout=5.0)
+                await self.js.publish(subject, data, headers={HDR_MSG_ID: key}, timeout=1.5)
                 return True
             except (nats.errors.Error, nats.js.errors.Error) as exc:
                 self.log.warning("result publish failed", attempt=attempt, error=str(exc))
-                await asyncio.sleep(0.2 * 2**attempt)
+                await asyncio.sleep(min(0.1 * 2**attempt, 1.0))
         return False
 
     async def _answer_failure(
