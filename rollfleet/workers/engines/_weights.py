@@ -154,13 +154,15 @@ def stage(
             # A copy of its own: the checkpoint's files change in place on the next version.
             dev = cpu_tensor.to(device=device, dtype=target.dtype, copy=True).reshape(target.shape)
             new_bits, old_bits = bits(dev), bits(target)
+            if mode == "swap" and target.is_contiguous():
+                if not torch.equal(new_bits, old_bits):  # no index list needed to swap
+                    staged.patches.append(_Patch(target, full=dev, param=live[name]))
+                    staged.staged_bytes += dev.numel() * dev.element_size()
+                continue
             idx = torch.nonzero(new_bits != old_bits).reshape(-1)
             if idx.numel() == 0:
                 continue
-            if mode == "swap" and target.is_contiguous():
-                staged.patches.append(_Patch(target, full=dev, param=live[name]))
-                staged.staged_bytes += dev.numel() * dev.element_size()
-            elif idx.numel() > SPARSE_MAX_DENSITY * new_bits.numel():
+            if idx.numel() > SPARSE_MAX_DENSITY * new_bits.numel():
                 staged.patches.append(_Patch(target, full=dev))
                 staged.staged_bytes += dev.numel() * dev.element_size()
             else:
