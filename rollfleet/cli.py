@@ -182,7 +182,8 @@ async def cmd_declare(args: argparse.Namespace, quiet: bool = False) -> int:
     from rollfleet.connection import connect
     from rollfleet.schemas import Names
 
-    nc = await connect(args.nats, name="rollfleet-declare", **_conn_options(args) if hasattr(args, "token") else {})
+    options = _conn_options(args) if hasattr(args, "token") else {}  # `broker` declares on its own server
+    nc = await connect(args.nats, name="rollfleet-declare", **options)
     try:
         created = await ensure_topology(nc.jetstream(), Names(args.namespace), _topology(args))
     finally:

@@ -8,9 +8,10 @@ from typing import Any
 import msgspec
 import nats.js.errors
 
+from rollfleet.broker.kv import read_latest, read_replicas
 from rollfleet.broker.topology import queue_depths
 from rollfleet.connection import connect
-from rollfleet.schemas import Names, ReplicaStatus, decode
+from rollfleet.schemas import Names
 
 
 async def collect_status(url: str, namespace: str, **connect_options: Any) -> dict[str, Any]:
@@ -18,28 +19,13 @@ async def collect_status(url: str, namespace: str, **connect_options: Any) -> di
     nc = await connect(url, name="rollfleet-status", **connect_options)
     try:
         js = nc.jetstream()
-        replicas: list[ReplicaStatus] = []
-        latest = None
         try:
             fleet = await js.key_value(names.fleet_bucket)
             policy = await js.key_value(names.policy_bucket)
         except nats.js.errors.BucketNotFoundError:
             return {"namespace": namespace, "declared": False, "replicas": [], "queues": {}, "latest_version": None}
-        try:
-            keys = await fleet.keys()
-        except nats.js.errors.NoKeysError:
-            keys = []
-        for key in keys:
-            try:
-                entry = await fleet.get(key)
-            except nats.js.errors.KeyNotFoundError:
-                continue
-            if entry.value:
-                replicas.append(decode(entry.value, ReplicaStatus, what="replica status"))
-        try:
-            latest = int((await policy.get(names.LATEST_KEY)).value or b"0")
-        except nats.js.errors.KeyNotFoundError:
-            pass
+        replicas = list((await read_replicas(fleet)).values())
+        latest = await read_latest(policy)
         depths = await queue_depths(js, names)
     finally:
         await nc.close()

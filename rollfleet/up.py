@@ -13,8 +13,6 @@ from rollfleet.schemas.errors import InvalidRequest
 
 async def seed_store(url: str, namespace: str, store: Path, model_dir: Path) -> int:
     """Make ``model_dir`` version 0 of ``store`` (and commit it) unless versions exist already."""
-    from safetensors.numpy import load_file
-
     from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
     publisher = PolicyPublisher(store, model_dir)
@@ -22,10 +20,7 @@ async def seed_store(url: str, namespace: str, store: Path, model_dir: Path) -> 
         if publisher.latest_version is not None and client.latest_version is not None:
             return client.latest_version
         if publisher.latest_version is None:
-            tensors: dict[str, object] = {}
-            for shard in sorted(model_dir.glob("*.safetensors")):
-                tensors.update(load_file(str(shard)))
-            await client.publish_policy(publisher, tensors)
+            await client.commit_version(await asyncio.to_thread(publisher.record_base))
         else:  # files exist but the broker was reset: commit what the store holds
             from rollfleet.policy_store import list_records
 

@@ -122,3 +122,17 @@ async def test_failed_prepare_degrades_then_the_next_good_version_activates(
             await client.wait_for_version(2, timeout=20)
             assert worker.version == 2 and client.fleet.replicas()[0].state == "ready"
     assert list_versions(store)[-1] == 2
+
+
+async def test_record_base_commits_version_zero_without_tensors(
+    nats_url: str, namespace: str, tmp_path: Path, base: Path
+) -> None:
+    publisher = PolicyPublisher(tmp_path / "store", base)
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        record = publisher.record_base()
+        await client.commit_version(record)
+        assert record.version == 0 and record.kind == "base" and client.latest_version == 0
+        with pytest.raises(VersionConflict):
+            publisher.record_base()
+        # Publishing continues from the recorded base.
+        assert (await client.publish_policy(publisher, bump(tensors_of(base)))).version == 1

@@ -292,8 +292,8 @@ class RolloutClient:
             raise
         handle.stream_seq = None if ack.duplicate else ack.seq
         self._ring(constraint)
-        if ack.duplicate:
-            await self._recover_stored_result(handle)
+        if ack.duplicate and (stored := await self._stored_outcome(key)) is not None:
+            handle._resolve(stored)  # a duplicate submit whose result was delivered earlier
         log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
         return handle
 
@@ -358,15 +358,16 @@ class RolloutClient:
             # Measured from the oldest policy that produced any of its tokens.
             result.staleness = max(0, latest - result.version_start)
 
-    async def _recover_stored_result(self, handle: RolloutHandle) -> None:
-        """A duplicate submit whose result was already delivered earlier: read it back."""
-        subject = self.names.result_subject(self.client_id, handle.idempotency_key)
+    async def _stored_outcome(self, key: str) -> Outcome | None:
+        """The outcome stored for ``key`` on the results stream, if any (e.g. one an earlier
+        process received and acked). None too when the broker is away: then the result, if
+        any, still arrives through the consumer."""
+        subject = self.names.result_subject(self.client_id, key)
         try:
             raw = await self.js.get_last_msg(self.names.results_stream, subject)
-        except (nats.errors.Error, nats.js.errors.Error):  # none stored yet, or the broker is away:
-            return  # the result arrives through the consumer as usual
-        with suppress(InvalidRequest):
-            handle._resolve(decode_outcome(raw.data or b""))
+            return decode_outcome(raw.data or b"")
+        except (nats.errors.Error, nats.js.errors.Error, InvalidRequest):
+            return None
 
     async def _withdraw(self, handle: RolloutHandle) -> bool:
         self._handles.pop(handle.idempotency_key, None)
@@ -412,10 +413,9 @@ class RolloutClient:
             return await handle.result(timeout)
         if idempotency_key not in self._unclaimed:
             # Delivered to an earlier process that died before using it: read it back.
-            subject = self.names.result_subject(self.client_id, idempotency_key)
-            with suppress(nats.js.errors.NotFoundError, InvalidRequest):
-                raw = await self.js.get_last_msg(self.names.results_stream, subject)
-                self._unclaimed.setdefault(idempotency_key, decode_outcome(raw.data or b""))
+            stored = await self._stored_outcome(idempotency_key)
+            if stored is not None:
+                self._unclaimed.setdefault(idempotency_key, stored)
         deadline = None if timeout is None else time.monotonic() + timeout
         while idempotency_key not in self._unclaimed:
             remaining = None if deadline is None else deadline - time.monotonic()

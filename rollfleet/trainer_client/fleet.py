@@ -7,6 +7,7 @@ periodically, because watcher updates can be missed across a reconnect.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from contextlib import suppress
 from typing import Any
@@ -16,6 +17,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from rollfleet.broker.kv import read_latest, read_replicas
 from rollfleet.logs import get_logger
 from rollfleet.schemas import Names, ReplicaStatus, VersionConstraint, VersionRecord, decode
 from rollfleet.schemas.errors import InvalidRequest, ServiceUnavailable
@@ -81,23 +83,10 @@ class FleetView:
     async def refresh(self) -> None:
         """Re-read the registry and the latest version from the broker."""
         assert self._fleet_kv is not None and self._policy_kv is not None
-        replicas: dict[str, ReplicaStatus] = {}
-        try:
-            keys = await self._fleet_kv.keys()
-        except nats.js.errors.NoKeysError:
-            keys = []
-        for key in keys:
-            with suppress(nats.js.errors.KeyNotFoundError, InvalidRequest):
-                entry = await self._fleet_kv.get(key)
-                if entry.value:
-                    status = decode(entry.value, ReplicaStatus, what="replica status")
-                    replicas[status.worker_id] = status
-        self._replicas = replicas
-        try:
-            entry = await self._policy_kv.get(self._names.LATEST_KEY)
-            self._set_latest(int(entry.value or b"0"))
-        except nats.js.errors.KeyNotFoundError:
-            pass
+        self._replicas = await read_replicas(self._fleet_kv)
+        latest = await read_latest(self._policy_kv)
+        if latest is not None:
+            self._set_latest(latest)
         self._notify()
 
     async def wait_for_version(
@@ -120,7 +109,7 @@ class FleetView:
             if replicas is not None:
                 need = replicas
             elif fraction is not None:
-                need = max(1, int(-(-fraction * len(live) // 1)))
+                need = max(1, math.ceil(fraction * len(live)))
             else:
                 need = max(1, len(live))
             return at if len(at) >= need else None

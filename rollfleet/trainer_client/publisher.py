@@ -40,7 +40,7 @@ from rollfleet.policy_store.materialize import DEFAULT_WORKERS, materialize
 from rollfleet.policy_store.retention import apply_retention
 from rollfleet.policy_store.store import list_versions, version_dir_name
 from rollfleet.policy_store.writer import DEFAULT_SHARD_BYTES, clean_temporaries, link_full, write_delta, write_full
-from rollfleet.schemas.errors import LayoutMismatch
+from rollfleet.schemas.errors import LayoutMismatch, VersionConflict
 from rollfleet.schemas.index import IndexMetadata, check_name
 from rollfleet.schemas.messages import VersionRecord
 
@@ -173,6 +173,14 @@ class PolicyPublisher:
                 self._state = None  # the comparison state may be half-updated: rebuild it from the store
                 self.latest_version = (list_versions(self.store_dir) or [None])[-1]
                 raise
+
+    def record_base(self) -> VersionRecord:
+        """Record the base checkpoint as version 0 without passing its tensors (what the first
+        ``publish`` call does, minus reading every tensor into memory first)."""
+        with self._lock:
+            if self.latest_version is not None:
+                raise VersionConflict(f"{self.store_dir} already holds version {self.latest_version}")
+            return self._record_base()
 
     def _validate(self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)

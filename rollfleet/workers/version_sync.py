@@ -16,12 +16,11 @@ from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-import nats.errors
-import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from rollfleet import faults
+from rollfleet.broker.kv import read_latest
 from rollfleet.logs import get_logger
 from rollfleet.policy_store import MaterializeResult, materialize
 from rollfleet.policy_store.digest import weights_digest
@@ -44,14 +43,6 @@ class Activation:
     wire_bytes: int
     density: float
     changed_tensors: int
-
-
-async def read_latest(kv: KeyValue) -> int | None:
-    try:
-        entry = await kv.get(Names.LATEST_KEY)
-    except nats.js.errors.KeyNotFoundError:
-        return None
-    return int(entry.value or b"0")
 
 
 class VersionSync:
