@@ -1,5 +1,5 @@
-"""Shared pieces of the fleet benchmarks: a broker on a temp store, worker processes, percentiles,
-a streaming JetStream pull (the baseline's receive loop), and the baseline worker itself.
+"""Shared pieces of the fleet benchmarks (brokers and processes come from ``rollfleet.testing``):
+percentiles, CPU time, a streaming JetStream pull (the baseline's receive loop), and the baseline worker itself.
 
 ``python -m benchmarks._fleet baseline-worker ...`` runs the baseline worker as its own process,
 so the baseline has the same process layout as rollfleet's ``rollfleet worker`` processes.
@@ -13,11 +13,9 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,77 +23,9 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from rollfleet.broker import EmbeddedBroker
-from rollfleet.local_fleet import _die_with_parent
-
 REPO = Path(__file__).resolve().parents[1]
 _STATUS = "Status"
 _PENDING = "Nats-Pending-Messages"
-
-
-# -- broker and processes ----------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def temp_broker(prefix: str = "rf-bench-") -> Iterator[EmbeddedBroker]:
-    """A nats-server with JetStream on a temporary store, removed afterwards."""
-    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        broker = EmbeddedBroker(store_dir=Path(tmp) / "nats", log_file=Path(tmp) / "nats.log").start()
-        try:
-            yield broker
-        finally:
-            broker.stop()
-
-
-def spawn(cmd: list[str], log_path: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """A child process in the repo root that dies with us; output goes to ``log_path`` (or nowhere)."""
-    out: Any = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    try:
-        return subprocess.Popen(
-            cmd,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env={**os.environ, **(env or {})},
-            preexec_fn=_die_with_parent,
-        )
-    finally:
-        if log_path:
-            out.close()
-
-
-def worker_cmd(url: str, namespace: str, worker_id: str, *args: str) -> list[str]:
-    """A real ``rollfleet worker`` command line."""
-    cmd = [sys.executable, "-m", "rollfleet", "worker", "--nats", url, "--namespace", namespace]
-    return [*cmd, "--worker-id", worker_id, *args]
-
-
-def stop_all(procs: list[subprocess.Popen[bytes]], timeout: float = 20.0) -> None:
-    """SIGTERM every process (workers drain), then kill what is left."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
-def check_alive(procs: list[subprocess.Popen[bytes]], what: str) -> None:
-    dead = [p.args for p in procs if p.poll() is not None]
-    if dead:
-        raise RuntimeError(f"{what} exited early: {dead}")
-
-
-async def until(check: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout:.0f}s")
-        await asyncio.sleep(interval)
 
 
 # -- numbers -----------------------------------------------------------------------------------

@@ -71,12 +71,12 @@ def full_reload_s(checkpoint: Path, *, own: bool) -> float:
     """
     from transformers import AutoModelForCausalLM
 
-    from rollfleet.workers.engines.hf import _own_memory
+    from rollfleet.workers.engines.hf import own_memory
 
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype="auto", local_files_only=True)
     if own:
-        _own_memory(model)
+        own_memory(model)
     seconds = time.perf_counter() - t0
     del model
     return seconds

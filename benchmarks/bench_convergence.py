@@ -31,12 +31,13 @@ from typing import Any
 import nats.errors
 import torch
 
-from benchmarks._fleet import machine_load, spawn, stop_all, temp_broker, worker_cmd
+from benchmarks._fleet import REPO, machine_load
 from benchmarks.bench_activation import load_tensors, rl_step
 from benchmarks.report import Row
 from rollfleet.models import build_model_dir, param_count
 from rollfleet.policy_store import materialize
 from rollfleet.schemas import ReplicaStatus, RolloutPayload, SamplingParams, VersionActivated, decode
+from rollfleet.testing import spawn, stop_all, temp_broker, worker_command
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from rollfleet.workers.engines.hf import HFEngine
 
@@ -127,7 +128,7 @@ async def bench_fleet(url: str, preset: str, n: int, versions: int, tmp: Path) -
             for w in workers:
                 args = ["--engine", "hf", "--device", "cpu", "--store", str(store), "--local-dir", str(tmp / w)]
                 args += ["--verify-live", "--capacity", "4", "--heartbeat", "0.5"]
-                procs.append(spawn(worker_cmd(url, namespace, w, *args), tmp / f"{w}.log", env))
+                procs.append(spawn(worker_command(url, namespace, w, *args), tmp / f"{w}.log", env=env, cwd=REPO))
             await client.wait_for_version(0, replicas=n, timeout=300)
             await asyncio.to_thread(materialize, tmp / "direct", store, 0)
             await engine.start(tmp / "direct", 0)

@@ -35,19 +35,7 @@ import nats
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
 
-from benchmarks._fleet import (
-    PullStream,
-    baseline_worker,
-    check_alive,
-    cpu_seconds,
-    machine_load,
-    percentile,
-    spawn,
-    stop_all,
-    temp_broker,
-    until,
-    worker_cmd,
-)
+from benchmarks._fleet import REPO, PullStream, baseline_worker, cpu_seconds, machine_load, percentile
 from benchmarks.report import Row
 from rollfleet.schemas import (
     Completion,
@@ -58,6 +46,7 @@ from rollfleet.schemas import (
     VersionConstraint,
     encode,
 )
+from rollfleet.testing import check_alive, spawn, stop_all, temp_broker, wait_until, worker_command
 from rollfleet.trainer_client import RolloutClient
 from rollfleet.workers.engines.echo import EchoEngine
 from rollfleet.workers.worker import Worker, WorkerConfig
@@ -165,8 +154,9 @@ class RollfleetSystem:
     async def start(self) -> None:
         if self.layout == "proc":
             for i in range(WORKERS):
-                cmd = worker_cmd(self.url, self.namespace, f"echo-{i}", "--engine", "echo", "--capacity", str(CAPACITY))
-                self.procs.append(spawn(cmd, self.tmp / f"{self.namespace}-echo-{i}.log", self.env))
+                args = ("--engine", "echo", "--capacity", str(CAPACITY))
+                cmd = worker_command(self.url, self.namespace, f"echo-{i}", *args)
+                self.procs.append(spawn(cmd, self.tmp / f"{self.namespace}-echo-{i}.log", env=self.env, cwd=REPO))
         else:
             for i in range(WORKERS):
                 config = WorkerConfig(self.url, self.namespace, worker_id=f"echo-{i}", capacity=CAPACITY)
@@ -180,7 +170,7 @@ class RollfleetSystem:
             check_alive(self.procs, "rollfleet worker")
             return sum(r.state == "ready" for r in client.fleet.replicas()) >= WORKERS
 
-        await until(ready, 60, "rollfleet workers ready")
+        await wait_until(ready, 60, what="rollfleet workers ready")
 
     async def job(self) -> None:
         assert self.client is not None
@@ -274,7 +264,7 @@ class BaselineSystem:
                 cmd = [sys.executable, "-m", "benchmarks._fleet", "baseline-worker", "--nats", self.url]
                 cmd += ["--stream", args[1], "--consumer", args[2], "--capacity", str(CAPACITY)]
                 cmd += ["--result-bytes", str(self.result_bytes), "--results-prefix", self.results_prefix]
-                self.procs.append(spawn(cmd, self.tmp / f"baseline-{i}.log"))
+                self.procs.append(spawn(cmd, self.tmp / f"baseline-{i}.log", cwd=REPO))
         else:
             self.tasks = [asyncio.create_task(baseline_worker(*args, self.stop)) for _ in range(WORKERS)]
         self.body = os.urandom(self.job_bytes)

@@ -34,8 +34,8 @@ import zstandard as zstd
 from benchmarks.report import Row
 from rollfleet.policy_store import materialize
 from rollfleet.policy_store.layout import CheckpointLayout, TensorSpec, write_shard
+from rollfleet.policy_store.publisher import PolicyPublisher
 from rollfleet.policy_store.writer import write_file
-from rollfleet.trainer_client.publisher import PolicyPublisher
 
 DENSITIES = (0.0025, 0.01, 0.03)
 ENCODINGS = ("xor", "overwrite", "rf-sparse-xor")

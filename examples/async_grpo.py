@@ -107,7 +107,7 @@ class Trainer:
 
 
 async def run(cfg: DemoConfig) -> list[StepStats]:
-    from rollfleet.local_fleet import LocalFleet
+    from rollfleet.cli.local_fleet import LocalFleet
     from rollfleet.models import build_model_dir
     from rollfleet.schemas import RolloutPayload, SamplingParams, VersionActivated, decode
     from rollfleet.trainer_client import PolicyPublisher, RolloutClient

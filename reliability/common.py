@@ -9,24 +9,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rollfleet.processes import terminate
 from rollfleet.schemas import Names, RolloutPayload, SamplingParams, VersionActivated, decode_event, decode_outcome
 from rollfleet.schemas.errors import RollfleetError
 
 REPO = Path(__file__).resolve().parents[1]
+BROKER_CONFIG = REPO / "broker_config"
 
 
 # -- figures -----------------------------------------------------------------------------------
@@ -73,120 +69,6 @@ class Figures:
             f"faults={self.faults} published={self.versions_published} activated={self.versions_activated} "
             f"max_recover={rec} seconds={self.seconds:.1f} problems={self.problems}"
         )
-
-
-# -- processes ---------------------------------------------------------------------------------
-
-
-class Processes:
-    """Real child processes of one scenario, by name; ``close`` kills whatever is left."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def log(self, name: str) -> Path:
-        return self.workdir / f"{name}.log"
-
-    def spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        full_env = {**os.environ, "ROLLFLEET_LOG_JSON": "1", "ROLLFLEET_LOG_LEVEL": "info", **(env or {})}
-        with open(self.log(name), "ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=full_env)
-        self.procs[name] = proc
-        return proc
-
-    def worker(
-        self,
-        url: str,
-        namespace: str,
-        worker_id: str,
-        *args: str,
-        env: dict[str, str] | None = None,
-        name: str | None = None,
-    ) -> subprocess.Popen[bytes]:
-        """A real ``rollfleet worker`` process (echo engine unless ``args`` say otherwise)."""
-        cmd = [sys.executable, "-m", "rollfleet", "worker", "--nats", url, "--namespace", namespace]
-        cmd += ["--worker-id", worker_id, "--heartbeat", "0.5", *args]
-        return self.spawn(name or worker_id, cmd, env)
-
-    def module(self, name: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        """``python -m reliability.procs ARGS``: a trainer or publisher as a real process."""
-        return self.spawn(name, [sys.executable, "-m", "reliability.procs", *args], env)
-
-    def alive(self, prefix: str = "") -> list[str]:
-        return [n for n, p in self.procs.items() if n.startswith(prefix) and p.poll() is None]
-
-    def kill(self, name: str) -> None:
-        proc = self.procs[name]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-
-    def stop(self, name: str, timeout: float = 15.0) -> int | None:
-        return terminate(self.procs[name], timeout)
-
-    def close(self) -> None:
-        for name in list(self.procs):
-            try:
-                self.stop(name, timeout=5.0)
-            except Exception:
-                pass
-
-    def tail(self, name: str, chars: int = 3000) -> str:
-        try:
-            return self.log(name).read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def log_events(self, name: str, event: str) -> list[dict[str, Any]]:
-        """The structured (JSON) log lines of one process with ``event``."""
-        out = []
-        try:
-            lines = self.log(name).read_text(errors="replace").splitlines()
-        except OSError:
-            return out
-        for line in lines:
-            if line.startswith("{"):
-                try:
-                    doc = json.loads(line)
-                except ValueError:
-                    continue
-                if doc.get("event") == event:
-                    out.append(doc)
-        return out
-
-    async def wait_log(self, name: str, needle: str, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if needle in self.log(name).read_text(errors="replace"):
-                    return True
-            except OSError:
-                pass
-            if self.procs[name].poll() is not None:
-                return needle in self.tail(name, 1 << 20)
-            await asyncio.sleep(0.05)
-        return False
-
-
-# -- waiting -----------------------------------------------------------------------------------
-
-
-async def wait_for(check: Callable[[], Awaitable[bool] | bool], timeout: float, interval: float = 0.05) -> bool:
-    """Poll ``check`` until true; False at the time-out (never raises for the time-out)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            result = check()
-            if isinstance(result, Awaitable):
-                result = await result
-        except Exception:
-            result = False
-        if result:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(interval)
 
 
 # -- counting results --------------------------------------------------------------------------

@@ -10,15 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from reliability.common import (
+    REPO,
     Figures,
     Ledger,
-    Processes,
     expected_digest,
     job_payload,
     local_digest,
     read_activations,
     tensors_at,
-    wait_for,
     write_base_checkpoint,
 )
 from rollfleet.broker import EmbeddedBroker
@@ -27,8 +26,10 @@ from rollfleet.policy_store import list_versions, read_marker, verify_version_di
 from rollfleet.policy_store.digest import weights_digest
 from rollfleet.policy_store.layout import read_header
 from rollfleet.policy_store.store import version_path
+from rollfleet.runtime import faults
 from rollfleet.schemas.errors import NoCompatibleReplica, RollfleetError
 from rollfleet.schemas.index import INDEX_FILE
+from rollfleet.testing import ProcessGroup, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 PUBLISH_POINTS = (
@@ -71,14 +72,14 @@ async def publisher_kills(workdir: Path, points: tuple[str, ...] = PUBLISH_POINT
     base = write_base_checkpoint(workdir / "base")
     store = workdir / "store"
     broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
-    procs = Processes(workdir)
+    procs = ProcessGroup(workdir, cwd=REPO)
     ns = "rel4"
     pub_args = ["--nats", broker.url, "--namespace", ns, "--store", str(store), "--base", str(base)]
     committed: list[int] = []
     uncommitted: set[int] = set()
     try:
         async with await RolloutClient.connect(broker.url, namespace=ns, client_id="observer") as client:
-            first = procs.module("publish-0", "publish", *pub_args, "--count", "2")
+            first = procs.module("publish-0", "reliability.procs", "publish", *pub_args, "--count", "2")
             code = await asyncio.to_thread(first.wait, 60)
             fig.expect(code == 0, f"the first publication failed: {procs.tail('publish-0')}")
             committed += [0, 1]
@@ -88,9 +89,9 @@ async def publisher_kills(workdir: Path, points: tuple[str, ...] = PUBLISH_POINT
             for n, point in enumerate(points, start=1):
                 before = await _latest(client)
                 assert before is not None
-                env = {"ROLLFLEET_TEST_PAUSE_AT": point, "RELIABILITY_PAUSE_AT": point}
+                env = faults.env("pause", point)
                 name = f"killed-{n}"
-                procs.module(name, "publish", *pub_args, env=env)
+                procs.module(name, "reliability.procs", "publish", *pub_args, env=env)
                 paused = await procs.wait_log(name, f"PAUSED {point}", 30)
                 if not fig.expect(paused, f"{point}: the publisher never reached the point: {procs.tail(name)}"):
                     continue
@@ -109,7 +110,7 @@ async def publisher_kills(workdir: Path, points: tuple[str, ...] = PUBLISH_POINT
                         uncommitted.add(before + 1)
                 # The next publication, by a fresh process, succeeds and the fleet follows it.
                 nxt = f"next-{n}"
-                code = await asyncio.to_thread(procs.module(nxt, "publish", *pub_args).wait, 60)
+                code = await asyncio.to_thread(procs.module(nxt, "reliability.procs", "publish", *pub_args).wait, 60)
                 if not fig.expect(code == 0, f"{point}: the next publication failed: {procs.tail(nxt)}"):
                     continue
                 version = json.loads(procs.tail(nxt).strip().splitlines()[-1])["published"][0]
@@ -180,7 +181,7 @@ async def replica_killed_mid_apply(workdir: Path, points: tuple[str, ...] = APPL
     base = build_model_dir(workdir / "base", preset="tiny", seed=0)
     store, local = workdir / "store", workdir / "local"
     broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
-    procs = Processes(workdir)
+    procs = ProcessGroup(workdir, cwd=REPO)
     ns = "rel5"
     hf = ["--engine", "hf", "--device", "cpu", "--store", str(store), "--local-dir", str(local), "--verify-live"]
     publisher = PolicyPublisher(store, base, keyframe_every=0, keep_last=None)
@@ -198,7 +199,7 @@ async def replica_killed_mid_apply(workdir: Path, points: tuple[str, ...] = APPL
             await client.publish_policy(publisher, tensors)  # version 0, the base
             fig.versions_published += 1
             for n, point in enumerate(points):
-                pause_env = {"ROLLFLEET_TEST_PAUSE_AT": point}
+                pause_env = faults.env("pause", point)
                 victim = procs.worker(broker.url, ns, "victim", *hf, env=pause_env, name=f"victim-{n}")
                 await client.wait_for_version(publisher.latest_version or 0, replicas=1, timeout=90)
                 target = await publish()
@@ -228,7 +229,9 @@ async def replica_killed_mid_apply(workdir: Path, points: tuple[str, ...] = APPL
                 fig.expect(local_digest(local) == trainer_digest, f"{point}: local bytes differ after catch-up")
                 # One more version: its activation announces the digest of the live parameters.
                 final = await publish()
-                ok = await wait_for(lambda v=final: _activation(client, "victim", v), 90, interval=0.5)
+                ok = await wait_until(
+                    lambda v=final: _activation(client, "victim", v), 90, interval=0.5, retry_errors=True, default=False
+                )
                 if not fig.expect(ok, f"{point}: no activation of v{final} announced"):
                     continue
                 act = await _activation(client, "victim", final)
@@ -294,7 +297,7 @@ async def corrupt_deltas(workdir: Path, kinds: tuple[str, ...] = CORRUPTIONS, ke
     store, local, quarantine = workdir / "store", workdir / "local", workdir / "quarantine"
     quarantine.mkdir(exist_ok=True)
     broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
-    procs = Processes(workdir)
+    procs = ProcessGroup(workdir, cwd=REPO)
     ns = "rel6"
     publisher = PolicyPublisher(store, base, keyframe_every=0, keep_last=None)
     try:
@@ -324,7 +327,9 @@ async def corrupt_deltas(workdir: Path, kinds: tuple[str, ...] = CORRUPTIONS, ke
                 bad = await publish(good + 1, damage=kind)
                 fig.faults += 1
                 t_bad = time.monotonic()
-                degraded = await wait_for(lambda: (r := replica()) is not None and r.state == "degraded", 20)
+                degraded = await wait_until(
+                    lambda: (r := replica()) is not None and r.state == "degraded", 20, retry_errors=True, default=False
+                )
                 r = replica()
                 reason = (r.degraded_reason or "") if r else ""
                 fig.notes[f"{kind}: degraded_reason"] = reason
@@ -347,8 +352,11 @@ async def corrupt_deltas(workdir: Path, kinds: tuple[str, ...] = CORRUPTIONS, ke
                 )
                 # The next good version: a full keyframe, with the corrupt delta still in the store.
                 nxt = await publish(bad + 1, full=True)
-                direct = await wait_for(
-                    lambda v=nxt: (r := replica()) is not None and r.active_version >= v, keyframe_wait_s
+                direct = await wait_until(
+                    lambda v=nxt: (r := replica()) is not None and r.active_version >= v,
+                    keyframe_wait_s,
+                    retry_errors=True,
+                    default=False,
                 )
                 fig.notes[f"{kind}: keyframe activated with the corrupt delta still in the store"] = direct
                 if not direct:
@@ -357,7 +365,12 @@ async def corrupt_deltas(workdir: Path, kinds: tuple[str, ...] = CORRUPTIONS, ke
                     # operator quarantines it; the next publication is then reached by reseeding.
                     shutil.move(str(store / f"weight_v{bad:06d}"), str(quarantine / f"weight_v{bad:06d}"))
                     nxt = await publish(nxt + 1)
-                ok = await wait_for(lambda v=nxt: (r := replica()) is not None and r.active_version >= v, 30)
+                ok = await wait_until(
+                    lambda v=nxt: (r := replica()) is not None and r.active_version >= v,
+                    30,
+                    retry_errors=True,
+                    default=False,
+                )
                 fig.expect(ok, f"{kind}: the next good version v{nxt} was not activated")
                 if ok:
                     fig.versions_activated += 1
@@ -390,7 +403,7 @@ async def trainer_restart(workdir: Path, jobs: int = 60, workers: int = 2) -> Fi
     base = write_base_checkpoint(workdir / "base")
     store, journal = workdir / "store", workdir / "journal.txt"
     broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
-    procs = Processes(workdir)
+    procs = ProcessGroup(workdir, cwd=REPO)
     ns = "rel7"
     args = ["--nats", broker.url, "--namespace", ns, "--store", str(store), "--base", str(base)]
     args += ["--journal", str(journal), "--jobs", str(jobs), "--replicas", str(workers)]
@@ -399,8 +412,10 @@ async def trainer_restart(workdir: Path, jobs: int = 60, workers: int = 2) -> Fi
         topo = TopologyConfig(ack_wait_s=2.0)
         async with await RolloutClient.connect(broker.url, namespace=ns, client_id="observer", topology=topo):
             pass
-        first = procs.module("trainer-first", "trainer", *args, "--phase", "first")
-        ok = await wait_for(lambda: (workdir / "store" / "weight_v000000").exists(), 30)
+        first = procs.module("trainer-first", "reliability.procs", "trainer", *args, "--phase", "first")
+        ok = await wait_until(
+            lambda: (workdir / "store" / "weight_v000000").exists(), 30, retry_errors=True, default=False
+        )
         fig.expect(ok, "the trainer did not publish v0")
         for i in range(workers):
             procs.worker(broker.url, ns, f"w{i}", "--store", str(store), "--local-dir", str(workdir / f"local{i}"),
@@ -411,13 +426,15 @@ async def trainer_restart(workdir: Path, jobs: int = 60, workers: int = 2) -> Fi
 
             return len(Journal.read(journal)["C"])
 
-        ok = await wait_for(lambda: consumed() >= jobs // 3 or first.poll() is not None, 60)
+        ok = await wait_until(
+            lambda: consumed() >= jobs // 3 or first.poll() is not None, 60, retry_errors=True, default=False
+        )
         fig.expect(ok and first.poll() is None, f"the first trainer did not get going: {procs.tail('trainer-first')}")
         procs.kill("trainer-first")
         fig.faults = 1
         t_kill = time.monotonic()
         await asyncio.sleep(0.5)  # results keep arriving for the dead trainer meanwhile
-        resumed = procs.module("trainer-resumed", "trainer", *args, "--phase", "resume")
+        resumed = procs.module("trainer-resumed", "reliability.procs", "trainer", *args, "--phase", "resume")
         code = await asyncio.to_thread(resumed.wait, 120)
         tail = procs.tail("trainer-resumed")
         if fig.expect(code == 0, f"the restarted trainer failed: {tail}"):

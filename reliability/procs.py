@@ -1,10 +1,7 @@
 """Trainer-side processes the scenarios SIGKILL: ``python -m reliability.procs publish|trainer ...``.
 
-``publish``: publish and commit the next policy version (scenario 4). ``RELIABILITY_PAUSE_AT``
-names a commit-stage pause point (``commit:before-cas``: ``v.<N>`` is created, ``latest`` not
-yet moved; ``commit:before-announce``: ``latest`` moved, not yet announced); the policy store's
-own points come from ``ROLLFLEET_TEST_PAUSE_AT``. At a pause point the process prints
-``PAUSED <point>`` and sleeps until it is killed.
+``publish``: publish and commit the next policy version (scenario 4); ``ROLLFLEET_FAULT``
+(see ``rollfleet.runtime.faults``) stops it at a publication or commit stage.
 
 ``trainer``: a training loop that journals what it submitted and consumed (scenario 7);
 ``--phase first`` runs until killed, ``--phase resume`` recovers and carries on, then prints
@@ -20,58 +17,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
-
-PAUSE_ENV = "RELIABILITY_PAUSE_AT"
-
-
-def pause(point: str) -> None:
-    sys.stdout.write(f"PAUSED {point}\n")
-    sys.stdout.flush()
-    while True:
-        time.sleep(3600)
-
-
-def install_commit_pauses(names: Any) -> None:
-    """Patch the KV and publish calls of the commit so the process can stop between them."""
-    point = os.environ.get(PAUSE_ENV)
-    if not point:
-        return
-    from nats.js import JetStreamContext
-    from nats.js.kv import KeyValue
-
-    if point == "commit:before-cas":
-        update, create = KeyValue.update, KeyValue.create
-
-        async def paused_update(self: KeyValue, key: str, *a: Any, **kw: Any) -> Any:
-            if key == names.LATEST_KEY:
-                pause(point)
-            return await update(self, key, *a, **kw)
-
-        async def paused_create(self: KeyValue, key: str, *a: Any, **kw: Any) -> Any:
-            if key == names.LATEST_KEY:
-                pause(point)
-            return await create(self, key, *a, **kw)
-
-        KeyValue.update = paused_update  # type: ignore[method-assign]
-        KeyValue.create = paused_create  # type: ignore[method-assign]
-    elif point == "commit:before-announce":
-        publish = JetStreamContext.publish
-
-        async def paused_publish(self: JetStreamContext, subject: str, *a: Any, **kw: Any) -> Any:
-            if subject == names.versions_published:
-                pause(point)
-            return await publish(self, subject, *a, **kw)
-
-        JetStreamContext.publish = paused_publish  # type: ignore[method-assign]
 
 
 async def cmd_publish(args: argparse.Namespace) -> int:
     from reliability.common import tensors_at
-    from rollfleet.schemas import Names
     from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
-    install_commit_pauses(Names(args.namespace))
     async with await RolloutClient.connect(
         args.nats, namespace=args.namespace, client_id=args.client_id, fail_fast=False
     ) as client:

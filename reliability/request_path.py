@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reliability.common import Figures, Ledger, Processes, gather_outcomes, job_payload, max_gap, wait_for
+from reliability.common import BROKER_CONFIG, REPO, Figures, Ledger, gather_outcomes, job_payload, max_gap
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.topology import TopologyConfig
+from rollfleet.runtime import faults
 from rollfleet.schemas.errors import NoCompatibleReplica
+from rollfleet.testing import ProcessGroup, wait_until
 from rollfleet.trainer_client import RolloutClient
 
 ACK_WAIT_S = 2.0
@@ -102,7 +104,7 @@ async def worker_kills(
     t_start = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
     broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
-    procs = Processes(workdir)
+    procs = ProcessGroup(workdir, cwd=REPO)
     ns = "rel1"
     common = ["--echo-latency", str(latency_s), "--ack-wait", str(ACK_WAIT_S), "--capacity", "4"]
     rng = random.Random(seed)
@@ -112,8 +114,10 @@ async def worker_kills(
             ledger = Ledger(client)
             for i in range(workers):
                 procs.worker(broker.url, ns, f"w{i}", *common)
-            procs.worker(broker.url, ns, "poisoned", *common, env={"ROLLFLEET_FAULT": "after-result-before-ack"})
-            ok = await wait_for(lambda: len(client.fleet.replicas()) >= workers + 1, 30)
+            procs.worker(broker.url, ns, "poisoned", *common, env=faults.env("kill", "worker:after-result-before-ack"))
+            ok = await wait_until(
+                lambda: len(client.fleet.replicas()) >= workers + 1, 30, retry_errors=True, default=False
+            )
             if not fig.expect(ok, "workers did not register"):
                 return fig
             run_s = jobs / rate
@@ -176,7 +180,7 @@ async def broker_restart(
     t_start = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
     broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
-    procs = Processes(workdir)
+    procs = ProcessGroup(workdir, cwd=REPO)
     ns = "rel2"
     try:
         topo = TopologyConfig(ack_wait_s=ACK_WAIT_S)
@@ -184,7 +188,7 @@ async def broker_restart(
             ledger = Ledger(client)
             for i in range(workers):
                 procs.worker(broker.url, ns, f"w{i}", "--echo-latency", "0.05", "--ack-wait", str(ACK_WAIT_S))
-            ok = await wait_for(lambda: len(client.fleet.replicas()) >= workers, 30)
+            ok = await wait_until(lambda: len(client.fleet.replicas()) >= workers, 30, retry_errors=True, default=False)
             if not fig.expect(ok, "workers did not register"):
                 return fig
             run_s = jobs / rate
@@ -243,13 +247,13 @@ async def cluster_node_loss(
     """A 3-node cluster (broker_config/cluster/) with R3 streams; the jobs stream leader's node is
     SIGKILLed under load. Fail-over: kill -> the jobs stream has a leader on a live node and
     accepts a write. Stall: the longest gap in result deliveries around the kill."""
-    from tests.deploy_helpers import start_cluster
+    from rollfleet.testing import start_cluster
 
     fig = Figures("3", "3-node cluster, R3 streams, stream leader's node SIGKILLed", {"jobs": jobs})
     t_start = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
-    cluster = start_cluster(workdir)
-    procs = Processes(workdir)
+    cluster = start_cluster(workdir, BROKER_CONFIG / "cluster")
+    procs = ProcessGroup(workdir, cwd=REPO)
     ns = "rel3"
     topo = TopologyConfig(replicas=3, ack_wait_s=ACK_WAIT_S)
     try:
@@ -267,7 +271,7 @@ async def cluster_node_loss(
             for i in range(workers):
                 args = ["--echo-latency", "0.05", "--ack-wait", str(ACK_WAIT_S), "--replicas", "3"]
                 procs.worker(cluster.url, ns, f"w{i}", *args)
-            ok = await wait_for(lambda: len(client.fleet.replicas()) >= workers, 30)
+            ok = await wait_until(lambda: len(client.fleet.replicas()) >= workers, 30, retry_errors=True, default=False)
             if not fig.expect(ok, "workers did not register"):
                 return fig
             names = client.names

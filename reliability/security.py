@@ -11,11 +11,12 @@ import shutil
 import time
 from pathlib import Path
 
-from reliability.common import Figures, Processes, job_payload, tensors_at, wait_for, write_base_checkpoint
+from reliability.common import BROKER_CONFIG, REPO, Figures, job_payload, tensors_at, write_base_checkpoint
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.policy_store.store import read_record
 from rollfleet.schemas.errors import RollfleetError
 from rollfleet.schemas.index import INDEX_FILE
+from rollfleet.testing import ProcessGroup, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 HOSTILE = ("shard-path-escape", "tensor-name-escape", "absolute-shard", "symlinked-shard")
@@ -67,7 +68,7 @@ async def hostile_versions(workdir: Path, kinds: tuple[str, ...] = HOSTILE) -> F
     shutil.copyfile(base / "model.safetensors", outside / "victim.safetensors")  # a file worth overwriting
     (outside / "notes.txt").write_text("must not change")
     broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
-    procs = Processes(workdir)
+    procs = ProcessGroup(workdir, cwd=REPO)
     ns = "rel9"
     publisher = PolicyPublisher(store, base, keyframe_every=0, keep_last=None)
     try:
@@ -104,7 +105,7 @@ async def hostile_versions(workdir: Path, kinds: tuple[str, ...] = HOSTILE) -> F
                     r = next((r for r in client.fleet.replicas() if r.worker_id == "replica"), None)
                     return (r.state, r.active_version, r.degraded_reason or "") if r else ("gone", -1, "")
 
-                degraded = await wait_for(lambda: state()[0] == "degraded", 20)
+                degraded = await wait_until(lambda: state()[0] == "degraded", 20, retry_errors=True, default=False)
                 st, active, reason = state()
                 fig.notes[f"{kind}: reason"] = reason
                 fig.expect(degraded and active == version, f"{kind}: not refused ({st}, v{active}, {reason!r})")
@@ -116,7 +117,7 @@ async def hostile_versions(workdir: Path, kinds: tuple[str, ...] = HOSTILE) -> F
                 # The next good version (a keyframe) is activated past the hostile one.
                 publisher.latest_version = hostile  # the hostile directory took this number
                 await publish(hostile + 1, full=True)
-                ok = await wait_for(lambda v=hostile + 1: state()[1] >= v, 20)
+                ok = await wait_until(lambda v=hostile + 1: state()[1] >= v, 20, retry_errors=True, default=False)
                 fig.expect(ok, f"{kind}: the next good version was not activated")
                 fig.versions_activated += int(ok)
                 version = hostile + 1
@@ -137,20 +138,20 @@ async def token_end_to_end(workdir: Path, token: str = "rf-reliability-token-012
     broker = EmbeddedBroker(
         store_dir=workdir / "nats", log_file=workdir / "nats.log", extra_args=["--auth", token]
     ).start()
-    procs = Processes(workdir)
+    procs = ProcessGroup(workdir, cwd=REPO)
     ns = "rel9b"
     try:
         good = procs.worker(broker.url, ns, "good", "--token", token)
         bad = procs.worker(broker.url, ns, "bad", "--token", "not-the-token")
         async with await RolloutClient.connect(broker.url, namespace=ns, client_id="trainer", token=token) as client:
-            ok = await wait_for(lambda: len(client.fleet.replicas()) >= 1, 30)
+            ok = await wait_until(lambda: len(client.fleet.replicas()) >= 1, 30, retry_errors=True, default=False)
             fig.expect(ok, f"the worker with the token did not register: {procs.tail('good')}")
             result = await (await client.submit(job_payload(1), min_version=0)).result(20)
             fig.submitted, fig.completed = 1, 1
             fig.expect(result.worker_id == "good", "served by the wrong worker")
             fig.expect({r.worker_id for r in client.fleet.replicas()} == {"good"}, "the bad worker registered")
         # Refused: the server answers "Authorization Violation". (Note: the worker does not exit;
-        # rollfleet.connection retries forever, also on a first connect refused for bad credentials.)
+        # rollfleet.broker.connection retries forever, also on a first connect refused for bad credentials.)
         refused = await procs.wait_log("bad", "Authorization Violation", 20)
         fig.expect(refused, f"the worker with a wrong token was not refused: {procs.tail('bad')}")
         fig.notes["worker with a wrong token"] = "refused" if refused else "?"
@@ -175,12 +176,12 @@ async def tls_end_to_end(workdir: Path) -> Figures:
     """broker_config/tls (mutual TLS): a worker process and a client with certificates make a round trip;
     a client without a certificate is refused."""
     from rollfleet.broker import free_port
-    from tests.deploy_helpers import BROKER_CONFIG, make_dev_certs
+    from rollfleet.testing import make_dev_certs
 
     fig = Figures("9c", "Mutual TLS end to end", {})
     t0 = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
-    env = make_dev_certs(workdir / "tls")
+    env = make_dev_certs(BROKER_CONFIG / "tls" / "make-dev-certs.sh", workdir / "tls")
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     broker = EmbeddedBroker(
@@ -189,7 +190,7 @@ async def tls_end_to_end(workdir: Path) -> Figures:
         config=BROKER_CONFIG / "tls" / "nats-server-tls.conf",
         extra_args=["-m", str(free_port())],
     )
-    procs = Processes(workdir)
+    procs = ProcessGroup(workdir, cwd=REPO)
     try:
         broker.start()
         tls_dir = Path(env["ROLLFLEET_TLS_CA"]).parent
@@ -202,7 +203,7 @@ async def tls_end_to_end(workdir: Path) -> Figures:
         flags = ["--tls-ca", opts["tls_ca"], "--tls-cert", opts["tls_cert"], "--tls-key", opts["tls_key"]]
         procs.worker(url, "rel9c", "tls-worker", *flags)
         async with await RolloutClient.connect(url, namespace="rel9c", client_id="trainer", **opts) as client:
-            ok = await wait_for(lambda: len(client.fleet.replicas()) >= 1, 30)
+            ok = await wait_until(lambda: len(client.fleet.replicas()) >= 1, 30, retry_errors=True, default=False)
             fig.expect(ok, f"the worker process did not register over TLS: {procs.tail('tls-worker')}")
             result = await (await client.submit(job_payload(1), min_version=0)).result(20)
             fig.submitted, fig.completed = 1, 1

@@ -1,5 +1,5 @@
 """rollfleet: an external rollout service for asynchronous RL."""
 
-from rollfleet.logs import configure_default as _configure_default
+from rollfleet.runtime.logs import configure_default as _configure_default
 
 _configure_default()

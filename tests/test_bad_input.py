@@ -8,8 +8,9 @@ import pytest
 from rollfleet.schemas import Names, RolloutJob, VersionConstraint, encode
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
+from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient
-from tests.helpers import CountingEcho, eventually, payload, running_worker
+from tests.helpers import CountingEcho, payload
 
 
 def _job_dict(**changes: object) -> dict:
@@ -55,7 +56,7 @@ async def test_bad_job_is_answered_terminated_and_the_next_job_served(nats_url: 
         async def gone() -> bool:  # terminated: not left in the work queue for redelivery
             return (await client.js.stream_info(names.jobs_stream)).state.messages == 0
 
-        await eventually(gone, timeout=5)
+        await wait_until(gone, timeout=5)
         assert worker.outcomes.get("invalid_request") == 1
 
 
@@ -72,7 +73,7 @@ async def test_bad_job_without_reply_address_is_terminated(nats_url: str, namesp
         async def gone() -> bool:
             return (await client.js.stream_info(names.jobs_stream)).state.messages == 0
 
-        await eventually(gone, timeout=5)
+        await wait_until(gone, timeout=5)
         assert worker.outcomes.get("invalid_request") == 1
         results = await client.js.stream_info(names.results_stream)
         assert results.state.messages == 1  # only the good job's result

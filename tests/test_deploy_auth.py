@@ -18,17 +18,10 @@ import nats.errors
 import pytest
 
 from rollfleet.broker import EmbeddedBroker, ensure_job_consumer, ensure_topology, free_port
-from rollfleet.connection import connect
+from rollfleet.broker.connection import connect
 from rollfleet.schemas import Names
-from tests.deploy_helpers import (
-    BROKER_CONFIG,
-    TEST_SECRETS,
-    eventually,
-    make_dev_certs,
-    run_cli,
-    start_worker,
-    stop_process,
-)
+from rollfleet.testing import make_dev_certs, start_worker_process, terminate, wait_until
+from tests.deploy_helpers import BROKER_CONFIG, DEV_CERTS_SCRIPT, ECHO_V0, TEST_SECRETS, run_cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,7 +115,7 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
             await refused.delete_stream(names.jobs_stream)
         await worker.flush()
 
-        async def all_reported() -> None:
+        async def all_reported() -> bool:
             text = "\n".join(violations).lower()  # nats-py lower-cases the server's -ERR
             for subject in (
                 f"$KV.{names.policy_bucket}.{names.version_key(1)}",
@@ -132,8 +125,11 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
                 f"$JS.API.STREAM.DELETE.{names.jobs_stream}",
             ):
                 assert f'permissions violation for publish to "{subject.lower()}"' in text, (subject, violations)
+            return True
 
-        await eventually(all_reported, 5, "permission violations reported to the worker")
+        await wait_until(
+            all_reported, 5, what="permission violations reported to the worker", interval=0.2, retry_errors=True
+        )
 
         # Nothing the worker attempted was stored: the trainer's view is unchanged.
         assert (await policy.get(names.LATEST_KEY)).value == b"0"
@@ -152,7 +148,13 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
         try:
             await forger.publish(names.result_subject("trainer-0", "forged"), b"forged")
             await forger.flush()
-            await eventually(lambda: _contains(trainer_violations, "permissions violation"), 5, "trainer refused")
+            await wait_until(
+                lambda: _contains(trainer_violations, "permissions violation"),
+                5,
+                what="trainer refused",
+                interval=0.2,
+                retry_errors=True,
+            )
         finally:
             await forger.close()
     finally:
@@ -160,8 +162,8 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
         await trainer.close()
 
 
-async def _contains(items: list[str], needle: str) -> None:
-    assert any(needle in item.lower() for item in items), items
+def _contains(items: list[str], needle: str) -> bool:
+    return any(needle in item.lower() for item in items)
 
 
 async def test_permissions_refuse_anonymous_and_wrong_password(perm_broker: EmbeddedBroker) -> None:
@@ -178,7 +180,7 @@ async def test_permissions_rollfleet_round_trip(perm_broker: EmbeddedBroker, tmp
     declared = await asyncio.to_thread(run_cli, "declare", "--nats", trainer_url, "--namespace", NS)
     assert declared.returncode == 0, declared.stderr + declared.stdout
 
-    worker = start_worker(worker_url, NS, tmp_path / "worker.log")
+    worker = start_worker_process(worker_url, NS, "w-deploy", *ECHO_V0, log_path=tmp_path / "worker.log")
     try:
         async with await RolloutClient.connect(trainer_url, namespace=NS, client_id="trainer-0") as client:
             payload = RolloutPayload(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4))
@@ -186,13 +188,15 @@ async def test_permissions_rollfleet_round_trip(perm_broker: EmbeddedBroker, tmp
             async def round_trip() -> Any:
                 return await asyncio.wait_for(await client.submit(payload, min_version=0), 10)
 
-            result = await eventually(round_trip, 25, "a round trip with the permissions config", interval=0.5)
+            result = await wait_until(
+                round_trip, 25, what="a round trip with the permissions config", interval=0.5, retry_errors=True
+            )
             assert result.version_start == 0 and result.outputs
     except BaseException:
         print((tmp_path / "worker.log").read_text(errors="replace")[-4000:])
         raise
     finally:
-        code = stop_process(worker, timeout=15)
+        code = terminate(worker, 15)
     assert code == 0
     # The server logs "Publish Violation" / "Subscription Violation" for anything refused.
     log = (tmp_path / "nats.log").read_text(errors="replace")
@@ -231,7 +235,9 @@ async def test_token_rollfleet_round_trip(token_broker: EmbeddedBroker, tmp_path
 
     token = TEST_SECRETS["ROLLFLEET_TOKEN"]
     ns = "t" + uuid.uuid4().hex[:6]
-    worker = start_worker(token_broker.url, ns, tmp_path / "worker.log", "--token", token)
+    worker = start_worker_process(
+        token_broker.url, ns, "w-deploy", *ECHO_V0, "--token", token, log_path=tmp_path / "worker.log"
+    )
     try:
         async with await RolloutClient.connect(token_broker.url, namespace=ns, client_id="c0", token=token) as client:
             payload = RolloutPayload(prompt_token_ids=[5, 6], sampling=SamplingParams(max_tokens=3))
@@ -239,13 +245,15 @@ async def test_token_rollfleet_round_trip(token_broker: EmbeddedBroker, tmp_path
             async def round_trip() -> Any:
                 return await asyncio.wait_for(await client.submit(payload, min_version=0), 10)
 
-            result = await eventually(round_trip, 25, "a round trip with token auth", interval=0.5)
+            result = await wait_until(
+                round_trip, 25, what="a round trip with token auth", interval=0.5, retry_errors=True
+            )
             assert result.outputs
     except BaseException:
         print((tmp_path / "worker.log").read_text(errors="replace")[-4000:])
         raise
     finally:
-        code = stop_process(worker, timeout=15)
+        code = terminate(worker, 15)
     assert code == 0
 
 
@@ -253,7 +261,7 @@ async def test_token_rollfleet_round_trip(token_broker: EmbeddedBroker, tmp_path
 def tls_broker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[EmbeddedBroker, dict[str, str]]]:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make test certificates")
-    env = make_dev_certs(tmp_path / "tls")
+    env = make_dev_certs(DEV_CERTS_SCRIPT, tmp_path / "tls")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     broker = run_broker(tmp_path, BROKER_CONFIG / "tls" / "nats-server-tls.conf")
@@ -316,7 +324,9 @@ async def test_mutual_tls_rollfleet_round_trip(tls_broker: tuple[EmbeddedBroker,
             async def round_trip() -> Any:
                 return await asyncio.wait_for(await client.submit(payload, min_version=0), 10)
 
-            result = await eventually(round_trip, 20, "a round trip over mutual TLS", interval=0.5)
+            result = await wait_until(
+                round_trip, 20, what="a round trip over mutual TLS", interval=0.5, retry_errors=True
+            )
             assert result.worker_id == worker.config.worker_id and result.outputs
     finally:
         await worker.stop()

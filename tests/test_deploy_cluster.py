@@ -17,18 +17,17 @@ import pytest
 
 from rollfleet.broker import TopologyConfig, ensure_job_consumer, ensure_topology
 from rollfleet.schemas import Names
-from tests.deploy_helpers import (
-    BROKER_CONFIG,
+from rollfleet.testing import (
     LEAF_PORTS,
     LocalCluster,
     NatsProcess,
-    eventually,
     render_config,
-    run_cli,
     start_cluster,
-    start_worker,
-    stop_process,
+    start_worker_process,
+    terminate,
+    wait_until,
 )
+from tests.deploy_helpers import BROKER_CONFIG, CLUSTER_DIR, ECHO_V0, run_cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,7 +36,7 @@ R3 = TopologyConfig(replicas=3)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory.mktemp("cluster"))
+    c = start_cluster(tmp_path_factory.mktemp("cluster"), CLUSTER_DIR)
     try:
         yield c
     finally:
@@ -49,11 +48,22 @@ def ns() -> str:
     return "c" + uuid.uuid4().hex[:8]
 
 
+async def declared(js: Any, names: Names, cfg: TopologyConfig) -> bool:
+    await ensure_topology(js, names, cfg)
+    return True
+
+
 async def connect_when_ready(servers: list[str], timeout: float = 20.0) -> nats.NATS:
     """Connect and wait until JetStream answers, i.e. the cluster has elected a meta leader."""
     nc = await nats.connect(servers=servers, connect_timeout=2, max_reconnect_attempts=-1)
     try:
-        await eventually(lambda: nc.jetstream(timeout=2).account_info(), timeout, "JetStream meta leader election")
+        await wait_until(
+            lambda: nc.jetstream(timeout=2).account_info(),
+            timeout,
+            what="JetStream meta leader election",
+            interval=0.2,
+            retry_errors=True,
+        )
     except BaseException:
         await nc.close()
         raise
@@ -65,7 +75,9 @@ async def test_cluster_forms_and_declares_r3_streams(cluster: LocalCluster, ns: 
     try:
         js = nc.jetstream(timeout=10)
         names = Names(ns)
-        created = await eventually(lambda: ensure_topology(js, names, R3), 20, "declaring R3 streams")
+        created = await wait_until(
+            lambda: ensure_topology(js, names, R3), 20, what="declaring R3 streams", interval=0.2, retry_errors=True
+        )
         assert names.jobs_stream in created
 
         for stream in (names.jobs_stream, names.results_stream, names.events_stream, f"KV_{names.policy_bucket}"):
@@ -86,7 +98,13 @@ async def test_cluster_round_trip_across_nodes(cluster: LocalCluster, ns: str) -
     worker = await connect_when_ready([cluster.nodes["c"].url])
     reader = await connect_when_ready([cluster.nodes["b"].url])
     try:
-        await eventually(lambda: ensure_topology(trainer.jetstream(timeout=10), names, R3), 20, "declaring")
+        await wait_until(
+            lambda: declared(trainer.jetstream(timeout=10), names, R3),
+            20,
+            what="declaring",
+            interval=0.2,
+            retry_errors=True,
+        )
         tjs, wjs, rjs = trainer.jetstream(), worker.jetstream(), reader.jetstream()
 
         ack = await tjs.publish(names.job_subject("min", 0), b"job-1", headers={"Nats-Msg-Id": "k1"})
@@ -132,7 +150,7 @@ async def test_leaf_node_region_reaches_hub_jetstream(cluster: LocalCluster, lea
     trainer = await connect_when_ready(cluster.urls)
     try:
         tjs = trainer.jetstream(timeout=10)
-        await eventually(lambda: ensure_topology(tjs, names, R3), 20, "declaring")
+        await wait_until(lambda: declared(tjs, names, R3), 20, what="declaring", interval=0.2, retry_errors=True)
         await tjs.publish(names.job_subject("exact", 0), b"far-job", headers={"Nats-Msg-Id": "far"})
 
         # Until the leaf's link to the hub is up, JetStream requests through it get no answer.
@@ -171,7 +189,7 @@ async def test_leaf_rollfleet_round_trip(cluster: LocalCluster, leaf: NatsProces
     await nc.close()
     declared = await asyncio.to_thread(run_cli, "declare", "--nats", cluster.url, "--namespace", ns, "--replicas", "3")
     assert declared.returncode == 0, declared.stderr + declared.stdout
-    worker = start_worker(leaf.url, ns, tmp_path / "worker.log")
+    worker = start_worker_process(leaf.url, ns, "w-deploy", *ECHO_V0, log_path=tmp_path / "worker.log")
     try:
         async with await RolloutClient.connect(cluster.url, namespace=ns, client_id="trainer-0") as client:
             payload = RolloutPayload(prompt_token_ids=[4, 5, 6], sampling=SamplingParams(max_tokens=2))
@@ -179,14 +197,16 @@ async def test_leaf_rollfleet_round_trip(cluster: LocalCluster, leaf: NatsProces
             async def round_trip() -> Any:
                 return await asyncio.wait_for(await client.submit(payload, min_version=0), 10)
 
-            result = await eventually(round_trip, 25, "a round trip through the leaf node", interval=0.5)
+            result = await wait_until(
+                round_trip, 25, what="a round trip through the leaf node", interval=0.5, retry_errors=True
+            )
             assert result.version_start == 0 and result.outputs
     except BaseException:
         print((tmp_path / "worker.log").read_text(errors="replace")[-4000:])
         print(leaf.log_tail())
         raise
     finally:
-        code = stop_process(worker, timeout=15)
+        code = terminate(worker, 15)
     assert code == 0, f"worker exit code {code} after SIGTERM"
 
 
@@ -200,7 +220,7 @@ async def test_cluster_rollfleet_round_trip(cluster: LocalCluster, ns: str, tmp_
     declared = await asyncio.to_thread(run_cli, "declare", "--nats", cluster.url, "--namespace", ns, "--replicas", "3")
     assert declared.returncode == 0, declared.stderr + declared.stdout
 
-    worker = start_worker(cluster.nodes["c"].url, ns, tmp_path / "worker.log")
+    worker = start_worker_process(cluster.nodes["c"].url, ns, "w-deploy", *ECHO_V0, log_path=tmp_path / "worker.log")
     try:
         async with await RolloutClient.connect(
             cluster.nodes["a"].url + "," + cluster.nodes["b"].url, namespace=ns, client_id="trainer-0"
@@ -212,7 +232,9 @@ async def test_cluster_rollfleet_round_trip(cluster: LocalCluster, ns: str, tmp_
                 return await asyncio.wait_for(handle, 10)
 
             # The first submit can fail fast (retryably) until the worker has registered.
-            result = await eventually(round_trip, 25, "a round trip through the cluster", interval=0.5)
+            result = await wait_until(
+                round_trip, 25, what="a round trip through the cluster", interval=0.5, retry_errors=True
+            )
         assert result.version_start == 0 and result.version_end == 0
         assert result.worker_id
         assert result.outputs
@@ -227,7 +249,7 @@ async def test_cluster_rollfleet_round_trip(cluster: LocalCluster, ns: str, tmp_
         print((tmp_path / "worker.log").read_text(errors="replace")[-4000:])
         raise
     finally:
-        code = stop_process(worker, timeout=15)
+        code = terminate(worker, 15)
     assert code == 0, f"worker exit code {code} after SIGTERM"
 
 
@@ -242,7 +264,7 @@ async def test_r3_streams_survive_losing_the_leader(cluster: LocalCluster, ns: s
     nc = await connect_when_ready(cluster.urls)
     try:
         js = nc.jetstream(timeout=10)
-        await eventually(lambda: ensure_topology(js, names, R3), 20, "declaring")
+        await wait_until(lambda: declared(js, names, R3), 20, what="declaring", interval=0.2, retry_errors=True)
         await js.publish(names.job_subject("min", 0), b"before", headers={"Nats-Msg-Id": "before"})
         leader_name = (await js.stream_info(names.jobs_stream)).cluster.leader  # type: ignore[union-attr]
         victim = next(key for key in cluster.nodes if f"rf-node-{key}" == leader_name)
@@ -253,11 +275,11 @@ async def test_r3_streams_survive_losing_the_leader(cluster: LocalCluster, ns: s
         nc = await connect_when_ready(survivors)
         js = nc.jetstream(timeout=5)
 
-        async def new_leader() -> None:
+        async def new_leader() -> bool:
             info = await js.stream_info(names.jobs_stream)
-            assert info.cluster is not None and info.cluster.leader not in (None, leader_name), info.cluster
+            return info.cluster is not None and info.cluster.leader not in (None, leader_name)
 
-        await eventually(new_leader, 20, "a new jobs-stream leader")
+        await wait_until(new_leader, 20, what="a new jobs-stream leader", interval=0.2, retry_errors=True)
         # Duplicate detection survived the failover too: the same key is still a duplicate.
         again = await js.publish(names.job_subject("min", 0), b"before", headers={"Nats-Msg-Id": "before"})
         assert again.duplicate

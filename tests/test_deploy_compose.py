@@ -22,7 +22,8 @@ import pytest
 import yaml
 
 from rollfleet.broker import check_server_binary
-from tests.deploy_helpers import BROKER_CONFIG, REPO, TEST_SECRETS, make_dev_certs
+from rollfleet.testing import make_dev_certs
+from tests.deploy_helpers import BROKER_CONFIG, DEV_CERTS_SCRIPT, REPO, TEST_SECRETS
 
 COMPOSE_FILE = REPO / "docker-compose.yml"
 DOCKERFILE = REPO / "Dockerfile"
@@ -249,7 +250,7 @@ def test_broker_config_is_valid(config: Path, tmp_path: Path) -> None:
     if "ROLLFLEET_TLS_" in config.read_text():  # -t loads the certificates
         if shutil.which("openssl") is None:
             pytest.skip("openssl is needed to make test certificates")
-        env.update(make_dev_certs(tmp_path / "tls"))
+        env.update(make_dev_certs(DEV_CERTS_SCRIPT, tmp_path / "tls"))
     out = subprocess.run(
         [str(check_server_binary()), "-c", str(config), "-t"],
         capture_output=True,

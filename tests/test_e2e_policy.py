@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 from rollfleet.models import build_model_dir
 from rollfleet.policy_store.digest import weights_digest
 from rollfleet.schemas import RolloutPayload, SamplingParams, VersionActivated, decode
+from rollfleet.testing import start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
-from tests.helpers import eventually, stop_process, worker_process
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ async def test_fleet_follows_published_versions(nats_url: str, namespace: str, t
             assert record.version == 0
             for i in range(2):
                 procs.append(
-                    worker_process(
+                    start_worker_process(
                         nats_url, namespace, f"hf{i}", "--engine", "hf", "--device", "cpu", "--store", str(store),
                         "--local-dir", str(tmp_path / f"local{i}"), "--verify-live", "--capacity", "4",
                         log_path=tmp_path / f"hf{i}.log",
@@ -80,7 +80,7 @@ async def test_fleet_follows_published_versions(nats_url: str, namespace: str, t
             for step in range(1, 4):
                 handles += [await client.submit(LONG, max_staleness=1) for _ in range(6)]
                 # Publish while those jobs are being generated, so activations land mid-request.
-                await eventually(lambda: sum(r.in_flight for r in client.fleet.replicas()) > 0, timeout=30)
+                await wait_until(lambda: sum(r.in_flight for r in client.fleet.replicas()) > 0, timeout=30)
                 rl_step(tensors, gen)
                 record = await client.publish_policy(publisher, tensors)
                 assert record.version == step and record.kind in ("delta", "full")
@@ -107,4 +107,4 @@ async def test_fleet_follows_published_versions(nats_url: str, namespace: str, t
             print(f"{len(spans)}/{len(results)} requests spanned an activation")
     finally:
         for p in procs:
-            stop_process(p, signal.SIGTERM)
+            terminate(p, 20.0, signal.SIGTERM)

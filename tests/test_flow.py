@@ -9,8 +9,9 @@ from pathlib import Path
 
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.topology import TopologyConfig
+from rollfleet.testing import running_worker, start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import RolloutClient
-from tests.helpers import CountingEcho, eventually, payload, running_worker, stop_process, worker_process
+from tests.helpers import CountingEcho, payload
 
 
 async def test_job_longer_than_ack_wait_is_not_redelivered(nats_url: str, namespace: str) -> None:
@@ -21,7 +22,7 @@ async def test_job_longer_than_ack_wait_is_not_redelivered(nats_url: str, namesp
         running_worker(nats_url, namespace, engine=CountingEcho(), topology=topo, worker_id="b") as other,
         await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=topo) as client,
     ):
-        await eventually(lambda: len(client.fleet.replicas()) == 2)
+        await wait_until(lambda: len(client.fleet.replicas()) == 2)
         handle = await client.submit(payload(), min_version=0)
         result = await handle.result(15)
         assert result.delivery_attempt == 1 and result.generation_s >= 3.5
@@ -69,34 +70,34 @@ async def test_broker_restart_does_not_wedge_workers_or_clients(tmp_path: Path, 
             broker.kill()
             await asyncio.sleep(1.0)
             broker.start()  # same port, same store
-            await eventually(lambda: client.nc.is_connected and worker.nc.is_connected, timeout=20)  # type: ignore[union-attr]
+            await wait_until(lambda: client.nc.is_connected and worker.nc.is_connected, timeout=20)  # type: ignore[union-attr]
             handles = [await client.submit(payload([i + 1]), min_version=0) for i in range(5)]
             results = [await h.result(20) for h in handles]
             assert {r.worker_id for r in results} == {worker.config.worker_id}
             # A result can be stored while its publish acknowledgement is lost in the reconnect;
             # the worker then republishes (deduplicated) before acking, so count eventually.
-            await eventually(lambda: worker.jobs_done == 6, timeout=15)
+            await wait_until(lambda: worker.jobs_done == 6, timeout=15)
     finally:
         broker.stop()
 
 
 async def test_sigterm_drains_in_flight_jobs_and_logs_json(nats_url: str, namespace: str, tmp_path: Path) -> None:
     log_path = tmp_path / "worker.log"
-    proc = worker_process(
+    proc = start_worker_process(
         nats_url, namespace, "drainer", "--echo-latency", "1.5", log_path=log_path, env={"ROLLFLEET_LOG_LEVEL": "debug"}
     )
     try:
         async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
-            await eventually(lambda: len(client.fleet.replicas()) == 1, timeout=20)
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=20)
             handle = await client.submit(payload(), min_version=0, idempotency_key="drain-me")
-            await eventually(lambda: client.fleet.replicas()[0].in_flight == 1, timeout=10)
+            await wait_until(lambda: client.fleet.replicas()[0].in_flight == 1, timeout=10)
             proc.send_signal(signal.SIGTERM)
             result = await handle.result(15)  # finished, not abandoned
             assert result.worker_id == "drainer" and result.delivery_attempt == 1
             assert proc.wait(15) == 0
-            await eventually(lambda: not client.fleet.replicas(), timeout=5)
+            await wait_until(lambda: not client.fleet.replicas(), timeout=5)
     finally:
-        stop_process(proc)
+        terminate(proc, 20.0)
     events = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
     done = [e for e in events if e["event"] == "job done"]
     assert len(done) == 1

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 from rollfleet.broker.topology import TopologyConfig
+from rollfleet.runtime import faults
 from rollfleet.schemas.errors import Interrupted
+from rollfleet.testing import running_worker, start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import RolloutClient
-from tests.helpers import CountingEcho, eventually, payload, running_worker, stop_process, worker_process
+from tests.helpers import CountingEcho, payload
 
 TOPO = TopologyConfig(ack_wait_s=1.5)
 
@@ -51,12 +53,12 @@ def _wait_log(path: Path, event: str, timeout: float = 20.0) -> dict:
 async def test_worker_killed_mid_job(nats_url: str, namespace: str, tmp_path: Path, policy: str) -> None:
     """SIGKILL a real worker process holding a job: replayable -> rerun once; at_most_once -> Interrupted."""
     log_a = tmp_path / "a.log"
-    a = worker_process(nats_url, namespace, "victim", "--echo-latency", "30", "--ack-wait", "1.5", log_path=log_a)
+    a = start_worker_process(nats_url, namespace, "victim", "--echo-latency", "30", "--ack-wait", "1.5", log_path=log_a)
     try:
         async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=TOPO) as client:
-            await eventually(lambda: len(client.fleet.replicas()) == 1, timeout=20)
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=20)
             handle = await client.submit(payload(), min_version=0, retry_policy=policy, idempotency_key="k1")
-            await eventually(lambda: client.fleet.replicas()[0].in_flight == 1, timeout=10)
+            await wait_until(lambda: client.fleet.replicas()[0].in_flight == 1, timeout=10)
             a.send_signal(signal.SIGKILL)
             a.wait(10)
             engine = CountingEcho()
@@ -76,16 +78,18 @@ async def test_worker_killed_mid_job(nats_url: str, namespace: str, tmp_path: Pa
                 info_r = await client.js.stream_info(client.names.results_stream)
                 assert info_r.state.messages == 1
     finally:
-        stop_process(a, signal.SIGKILL)
+        terminate(a, 20.0, signal.SIGKILL)
 
 
 async def test_result_stored_before_death_is_not_regenerated(nats_url: str, namespace: str, tmp_path: Path) -> None:
     """The holder dies after storing the result but before acking: the redelivery is acked, not rerun."""
-    env = {"ROLLFLEET_FAULT": "after-result-before-ack"}
-    a = worker_process(nats_url, namespace, "dies-late", "--ack-wait", "1.5", env=env, log_path=tmp_path / "a.log")
+    env = faults.env("kill", "worker:after-result-before-ack")
+    a = start_worker_process(
+        nats_url, namespace, "dies-late", "--ack-wait", "1.5", env=env, log_path=tmp_path / "a.log"
+    )
     try:
         async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=TOPO) as client:
-            await eventually(lambda: len(client.fleet.replicas()) == 1, timeout=20)
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=20)
             handle = await client.submit(payload(), min_version=0, idempotency_key="stored")
             result = await handle.result(10)
             assert a.wait(10) == -signal.SIGKILL  # it died right after storing the result
@@ -95,12 +99,12 @@ async def test_result_stored_before_death_is_not_regenerated(nats_url: str, name
                 async def job_gone() -> bool:
                     return await _jobs_left(client) == 0
 
-                await eventually(job_gone, timeout=15)
+                await wait_until(job_gone, timeout=15)
             assert engine.calls == []  # found the stored result instead of generating again
             assert result.delivery_attempt == 1 and result.worker_id == "dies-late"
             assert client.unclaimed() == {}
     finally:
-        stop_process(a, signal.SIGKILL)
+        terminate(a, 20.0, signal.SIGKILL)
 
 
 async def _jobs_left(client: RolloutClient) -> int:
@@ -115,8 +119,8 @@ async def test_results_wait_for_a_reconnecting_client(nats_url: str, namespace: 
         for key in keys:
             await client.submit(payload([len(key), 7]), min_version=0, idempotency_key=key)
         await client.close()  # the trainer goes away before any result arrives
-        await eventually(lambda: len(engine.calls) == 5, timeout=15)
-        await eventually(lambda: engine.running == 0, timeout=15)
+        await wait_until(lambda: len(engine.calls) == 5, timeout=15)
+        await wait_until(lambda: engine.running == 0, timeout=15)
         async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="trainer-7") as back:
             results = {key: await back.result(key, timeout=10) for key in keys}
     assert {r.idempotency_key for r in results.values()} == set(keys)

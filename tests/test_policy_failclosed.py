@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from rollfleet.policy_store import materialize, read_marker, tensor_checksum
+from rollfleet.policy_store.publisher import PolicyPublisher
 from rollfleet.schemas.errors import (
     ChecksumMismatch,
     CorruptArtifact,
@@ -26,7 +27,6 @@ from rollfleet.schemas.errors import (
     PolicyError,
     UnsupportedFormat,
 )
-from rollfleet.trainer_client.publisher import PolicyPublisher
 
 INDEX = "model.safetensors.index.json"
 SHARD = "model-00000-of-00001.safetensors"

@@ -18,9 +18,9 @@ from safetensors import safe_open
 from rollfleet.policy_store import codecs, materialize, read_record, tensor_checksum, verify_version_dir
 from rollfleet.policy_store.formats import CHECKSUM_FORMATS, DELTA_ENCODINGS, new_hasher
 from rollfleet.policy_store.layout import CheckpointLayout
+from rollfleet.policy_store.publisher import PolicyPublisher
 from rollfleet.schemas.errors import CorruptArtifact, HostileName
 from rollfleet.schemas.index import PublicationIndex
-from rollfleet.trainer_client.publisher import PolicyPublisher
 
 # -- index model -------------------------------------------------------------------------------
 

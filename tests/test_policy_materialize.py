@@ -19,8 +19,9 @@ from policy_helpers import Trainer, make_checkpoint, raw, read_local
 from rollfleet.policy_store import materialize, read_marker
 from rollfleet.policy_store.formats import CHECKSUM_FORMATS, DELTA_ENCODINGS
 from rollfleet.policy_store.materialize import STAGING
+from rollfleet.policy_store.publisher import PolicyPublisher
+from rollfleet.runtime import faults
 from rollfleet.schemas.errors import VersionNotFound
-from rollfleet.trainer_client.publisher import PolicyPublisher
 
 TWO = ["model.layers.0.mlp.up_proj.weight", "model.layers.0.quant.weight"]
 
@@ -155,7 +156,7 @@ _CHILD = "import sys; from rollfleet.policy_store import materialize; materializ
 
 
 def _kill_at(point: str, local: Path, store: Path) -> None:
-    env = dict(os.environ, ROLLFLEET_TEST_PAUSE_AT=point)
+    env = {**os.environ, **faults.env("pause", point)}
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD, str(local), str(store)], env=env, stdout=subprocess.PIPE, text=True
     )

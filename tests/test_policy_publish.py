@@ -15,9 +15,10 @@ import torch
 from policy_helpers import Trainer, make_checkpoint, raw, read_local
 
 from rollfleet.policy_store import list_records, list_versions, materialize, read_record
+from rollfleet.policy_store.publisher import PolicyPublisher
 from rollfleet.policy_store.retention import plan_retention
+from rollfleet.runtime import faults
 from rollfleet.schemas.errors import LayoutMismatch, UnsupportedFormat
-from rollfleet.trainer_client.publisher import PolicyPublisher
 
 
 @pytest.fixture
@@ -167,7 +168,7 @@ import sys, torch
 sys.path.insert(0, {tests!r})
 from policy_helpers import Trainer
 from safetensors.torch import load_file
-from rollfleet.trainer_client.publisher import PolicyPublisher
+from rollfleet.policy_store.publisher import PolicyPublisher
 pub = PolicyPublisher({store!r}, {base!r}, keyframe_every={k}, keep_last=None, max_shard_bytes=1 << 20)
 base = load_file({base!r} + "/model.safetensors")
 trainer = Trainer(base)
@@ -190,7 +191,7 @@ def test_a_killed_publisher_leaves_no_partial_version(tmp_path: Path, base: dict
     store = tmp_path / "store"
     PolicyPublisher(store, tmp_path / "base").publish(base)  # version 0 exists before the child starts
     code = _CHILD.format(tests=str(Path(__file__).parent), store=str(store), base=str(tmp_path / "base"), k=keyframe)
-    env = dict(os.environ, ROLLFLEET_TEST_PAUSE_AT=point)
+    env = {**os.environ, **faults.env("pause", point)}
     child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     try:
         line = child.stdout.readline()  # type: ignore[union-attr]

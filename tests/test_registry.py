@@ -8,9 +8,10 @@ import time
 import pytest
 
 from rollfleet.schemas.errors import Expired, NoCompatibleReplica
+from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient
 from rollfleet.workers.engines.echo import EchoEngine
-from tests.helpers import CountingEcho, eventually, payload, running_worker
+from tests.helpers import CountingEcho, payload
 
 
 async def test_workers_register_and_heartbeat(nats_url: str, namespace: str) -> None:
@@ -27,23 +28,23 @@ async def test_workers_register_and_heartbeat(nats_url: str, namespace: str) -> 
             7,
         )
         first = entry.heartbeat_at
-        await eventually(lambda: client.fleet.replicas()[0].heartbeat_at > first, timeout=5)
+        await wait_until(lambda: client.fleet.replicas()[0].heartbeat_at > first, timeout=5)
         worker.engine.latency_s = 1.0
         handle = await client.submit(payload(), min_version=0)
-        await eventually(lambda: client.fleet.replicas()[0].in_flight == 1, timeout=5)
+        await wait_until(lambda: client.fleet.replicas()[0].in_flight == 1, timeout=5)
         await handle.result(10)
-    await eventually(lambda: not client.fleet.replicas(), timeout=5)  # clean exit deregisters
+    await wait_until(lambda: not client.fleet.replicas(), timeout=5)  # clean exit deregisters
 
 
 async def test_dead_worker_goes_stale_and_client_fails_fast(nats_url: str, namespace: str) -> None:
     async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
         async with running_worker(nats_url, namespace, version=1, worker_id="dies", heartbeat_s=0.3) as worker:
-            await eventually(lambda: len(client.fleet.replicas()) == 1)
+            await wait_until(lambda: len(client.fleet.replicas()) == 1)
             # Simulate death: stop heartbeats without deregistering.
             assert worker.registration is not None and worker.registration._task is not None
             worker.registration._task.cancel()
             worker.registration._kv = None  # its final delete is lost too
-            await eventually(lambda: not client.fleet.replicas(), timeout=5)
+            await wait_until(lambda: not client.fleet.replicas(), timeout=5)
             assert client.fleet.replicas(live_only=False)[0].worker_id == "dies"  # still there, but stale
             t0 = time.monotonic()
             handle = await client.submit(payload(), min_version=1)
@@ -66,7 +67,7 @@ async def test_unserved_job_expires_and_a_late_pull_answers_expired(nats_url: st
     ):
         client.deadline_grace_s = 5.0  # let the worker's own answer arrive first
         blocker = await client.submit(payload(), min_version=0, idempotency_key="blocker")
-        await eventually(lambda: len(engine.calls) == 1)
+        await wait_until(lambda: len(engine.calls) == 1)
         late = await client.submit(payload(), min_version=0, timeout=0.3, idempotency_key="late")
         await blocker.result(10)
         with pytest.raises(Expired) as info:

@@ -16,8 +16,9 @@ import torch
 
 from rollfleet.broker import free_port
 from rollfleet.models import build_model_dir
+from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
-from tests.helpers import REPO, eventually, payload, running_worker
+from tests.helpers import REPO, payload
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -109,7 +110,7 @@ async def test_metrics_move_with_jobs_and_activations(nats_url: str, namespace: 
                 t.view(-1)[:3] += torch.tensor(1.0, dtype=t.dtype)
             await client.publish_policy(publisher, tensors)
             await client.wait_for_version(1, timeout=20)
-            await eventually(lambda: metric(scrape(port), "rollfleet_activations_total") == 1, timeout=10)
+            await wait_until(lambda: metric(scrape(port), "rollfleet_activations_total") == 1, timeout=10)
             after = scrape(port)
     assert (
         metric(after, "rollfleet_jobs_total", outcome="ok") - metric(before, "rollfleet_jobs_total", outcome="ok") == 3

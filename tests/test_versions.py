@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 from rollfleet.models import build_model_dir
 from rollfleet.policy_store import list_versions
 from rollfleet.schemas.errors import HostileName, ServiceUnavailable, VersionConflict
+from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
-from tests.helpers import eventually, payload, running_worker
+from tests.helpers import payload
 
 
 def bump(tensors: dict[str, torch.Tensor], k: int = 3) -> dict[str, torch.Tensor]:
@@ -112,7 +113,7 @@ async def test_failed_prepare_degrades_then_the_next_good_version_activates(
             def degraded() -> bool:
                 return any(r.state == "degraded" for r in client.fleet.replicas())
 
-            await eventually(degraded, timeout=20)
+            await wait_until(degraded, timeout=20)
             [entry] = client.fleet.replicas()
             assert entry.active_version == 0 and "version 1" in (entry.degraded_reason or "")
             # Still serving version 0 meanwhile.

@@ -1,14 +1,19 @@
-"""Reading the fleet registry and the policy version pointer: one way, for every reader."""
+"""The two KV buckets every side reads: the fleet registry and the policy version pointer.
+
+One reader for each, and the one writer of the commit boundary (``advance_latest``).
+"""
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import suppress
 
 import nats.js.errors
 from nats.js.kv import KeyValue
 
-from rollfleet.schemas import Names, ReplicaStatus, decode
-from rollfleet.schemas.errors import InvalidRequest
+from rollfleet.runtime import faults
+from rollfleet.schemas import Names, ReplicaStatus, VersionRecord, decode, encode
+from rollfleet.schemas.errors import InvalidRequest, VersionConflict
 
 
 async def read_latest(policy_kv: KeyValue) -> int | None:
@@ -34,3 +39,32 @@ async def read_replicas(fleet_kv: KeyValue) -> dict[str, ReplicaStatus]:
                 status = decode(entry.value, ReplicaStatus, what="replica status")
                 replicas[status.worker_id] = status
     return replicas
+
+
+async def advance_latest(policy_kv: KeyValue, names: Names, record: VersionRecord) -> None:
+    """The commit boundary: create ``v.<N>`` (fails if another publisher got there first), then
+    compare-and-set ``latest`` to N (fails if ``latest`` is already N or newer)."""
+    try:
+        await policy_kv.create(names.version_key(record.version), encode(record))
+    except nats.js.errors.KeyWrongLastSequenceError as exc:
+        raise VersionConflict(f"version {record.version} was already committed by another publisher") from exc
+    faults.point("commit:before-cas")
+    value = str(record.version).encode()
+    for _ in range(50):  # retry only the race of two CAS attempts; a newer latest is a conflict
+        try:
+            entry = await policy_kv.get(names.LATEST_KEY)
+        except nats.js.errors.KeyNotFoundError:
+            try:
+                await policy_kv.create(names.LATEST_KEY, value)
+                return
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue
+        current = int(entry.value or b"0")
+        if current >= record.version:
+            raise VersionConflict(f"latest is already {current}; cannot commit {record.version}")
+        try:
+            await policy_kv.update(names.LATEST_KEY, value, last=entry.revision)
+            return
+        except nats.js.errors.KeyWrongLastSequenceError:
+            await asyncio.sleep(0.01)
+    raise VersionConflict(f"could not move latest to {record.version}: too much contention")

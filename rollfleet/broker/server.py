@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollfleet.processes import terminate
+from rollfleet.runtime.processes import terminate
 from rollfleet.schemas.errors import BrokerBinaryError, ServiceUnavailable
 
 MIN_SERVER_VERSION = (2, 10, 0)

@@ -1,14 +1,14 @@
 """Versioned weight publication in the miles disk-delta / SGLang ``/pull_weights`` format.
 
-Layout (see shared/DESIGN.md, "A version's life")::
+Layout (see docs/architecture.md, "A version's life")::
 
     <store>/weight_v000007/model.safetensors.index.json   metadata + weight_map, written last
     <store>/weight_v000007/model-00000-of-00001.safetensors  one 1-D uint8 zstd frame per changed
                                                              tensor; __metadata__: name -> checksum
     <store>/weight_v000007/rollfleet.json                  our VersionRecord (optional to readers)
 
-Trainer side (``rollfleet.trainer_client.publisher.PolicyPublisher`` wraps these):
-    ``writer.write_delta / write_full / link_full / commit_version`` -- atomic version directories
+Trainer side (``publisher.PolicyPublisher`` wraps these; ``trainer_client`` re-exports it):
+    ``writer.write_delta / write_full / link_full`` -- atomic version directories (``write_version_dir``)
     ``retention.apply_retention(store, keep_last)``
 
 Replica / worker side:

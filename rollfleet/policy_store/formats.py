@@ -9,9 +9,9 @@ import zlib
 from typing import Protocol
 
 import blake3
-import numpy as np
 import xxhash
 
+from rollfleet.policy_store.layout import raw_bytes
 from rollfleet.schemas.errors import UnsupportedFormat
 
 # Encodings miles and SGLang understand, then ours. Foreign readers reject unknown names,
@@ -88,21 +88,6 @@ def valid_checksum(fmt: str, value: object) -> bool:
     return True
 
 
-def _as_buffer(data: object) -> object:
-    if isinstance(data, bytes | bytearray | memoryview):
-        return data
-    if isinstance(data, np.ndarray):
-        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-    try:  # a torch tensor, without importing torch here
-        import torch
-
-        if isinstance(data, torch.Tensor):
-            return data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    except ImportError:  # pragma: no cover - torch is optional for the store
-        pass
-    raise TypeError(f"cannot checksum a {type(data).__name__}")
-
-
 CHUNK = 4 << 20  # hashing in chunks keeps each GIL-free stretch long but bounded
 
 
@@ -113,7 +98,7 @@ def tensor_checksum(data: object, fmt: str = DEFAULT_CHECKSUM) -> str:
     parameter to check that an engine holds exactly the trainer's bytes.
     """
     hasher = new_hasher(fmt)
-    buf = memoryview(_as_buffer(data)).cast("B")  # type: ignore[arg-type]
+    buf = memoryview(raw_bytes(data)).cast("B")
     for start in range(0, len(buf), CHUNK):
         hasher.update(buf[start : start + CHUNK])
     if len(buf) == 0:

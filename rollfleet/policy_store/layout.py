@@ -14,7 +14,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -195,6 +195,58 @@ class CheckpointLayout:
         return cls(root, tensors, files)
 
 
+# In-memory dtype names (numpy, torch) -> safetensors dtypes.
+_NUMPY_DTYPES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "uint16": "U16",
+    "float16": "F16",
+    "bfloat16": "BF16",  # ml_dtypes, when installed
+    "int32": "I32",
+    "uint32": "U32",
+    "float32": "F32",
+    "int64": "I64",
+    "uint64": "U64",
+    "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+
+
+def _torch_dtype_name(t: Any) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def tensor_spec(name: str, t: Any) -> TensorSpec:
+    """dtype and shape of a torch tensor or numpy array, in safetensors terms (no data is read)."""
+    if isinstance(t, np.ndarray):
+        dtype = _NUMPY_DTYPES.get(t.dtype.name)
+    elif hasattr(t, "dtype") and hasattr(t, "shape") and type(t).__module__.startswith("torch"):
+        dtype = _NUMPY_DTYPES.get(_torch_dtype_name(t))
+    else:
+        raise LayoutMismatch(f"{name!r}: expected a torch tensor or numpy array, got {type(t).__name__}")
+    if dtype is None:
+        raise LayoutMismatch(f"{name!r}: unsupported dtype {t.dtype}")
+    return TensorSpec(dtype, tuple(int(d) for d in t.shape))
+
+
+def raw_bytes(t: Any) -> np.ndarray:
+    """A 1-D uint8 view (or CPU copy, for device tensors) of a tensor's bytes: a numpy array, a
+    torch tensor on any device, or a bytes-like object."""
+    if isinstance(t, bytes | bytearray | memoryview):
+        return np.frombuffer(t, np.uint8)
+    if isinstance(t, np.ndarray):
+        return np.ascontiguousarray(t).reshape(-1).view(np.uint8)
+    import torch
+
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
 def check_layout(expected: Mapping[str, TensorSpec], got: Mapping[str, TensorSpec], what: str) -> None:
     """Names, dtypes and shapes must agree exactly; the message names the first differences."""
     missing = sorted(set(expected) - set(got))
@@ -204,6 +256,18 @@ def check_layout(expected: Mapping[str, TensorSpec], got: Mapping[str, TensorSpe
     for name, spec in expected.items():
         if got[name] != spec:
             raise LayoutMismatch(f"{what}: {name!r} is {got[name]}, the base layout has {spec}")
+
+
+def read_tensor_bytes(layout: CheckpointLayout) -> dict[str, np.ndarray]:
+    """Every tensor's bytes of a checkpoint, read into memory (one uint8 array each)."""
+    out: dict[str, np.ndarray] = {}
+    for name, loc in layout.tensors.items():
+        arr = np.empty(loc.nbytes, np.uint8)
+        with open(loc.file, "rb") as f:
+            f.seek(loc.offset)
+            f.readinto(memoryview(arr))
+        out[name] = arr
+    return out
 
 
 def raw_view(path: Path, loc: TensorLocation) -> np.ndarray:

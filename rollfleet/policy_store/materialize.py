@@ -36,10 +36,11 @@ import numpy as np
 
 from rollfleet.policy_store import codecs
 from rollfleet.policy_store.formats import CHECKSUM_FORMATS, DEFAULT_CHECKSUM, new_hasher
-from rollfleet.policy_store.hooks import Hook, pause_point, resolve_hook
+from rollfleet.policy_store.hooks import Hook, resolve_hook
 from rollfleet.policy_store.layout import CheckpointLayout, TensorLocation, check_layout, fsync_dir
 from rollfleet.policy_store.store import SIDECAR, list_versions, read_index, version_path
 from rollfleet.policy_store.verify import OpenVersion, check_delta_against, open_version
+from rollfleet.runtime import faults
 from rollfleet.schemas.errors import (
     ChecksumMismatch,
     CorruptArtifact,
@@ -347,7 +348,7 @@ def _apply_delta(local: _Local, layout: CheckpointLayout, ov: OpenVersion, curre
             undos[name] = undo
         if not first_done.is_set():
             first_done.set()
-            pause_point("apply:mid-version")
+            faults.point("apply:mid-version")
 
     try:
         error = _run_all(one, names, local.workers)
@@ -358,7 +359,7 @@ def _apply_delta(local: _Local, layout: CheckpointLayout, ov: OpenVersion, curre
             local.write_marker(current)  # back at the last good version
             raise error
         local.flush(mapped)
-        pause_point("apply:before-marker")
+        faults.point("apply:before-marker")
         for name in names:
             local.sums[name] = f"{fmt}:{ov.frames[name].checksum}"
         local.write_marker(ov.version)
@@ -501,7 +502,7 @@ def _seed(state: _Local, src: Path, version: int, hook: Hook | None) -> tuple[li
                 os.fsync(f.fileno())
         wire += entry.stat().st_size
         files.append(entry.name)
-        pause_point("seed:mid-copy")
+        faults.point("seed:mid-copy")
     try:
         staged = CheckpointLayout.read(staging)
         _verify_full(ov, staged, state.workers)

@@ -18,9 +18,9 @@ import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from rollfleet.policy_store.hooks import pause_point
 from rollfleet.policy_store.layout import SINGLE_FILE, TensorSpec, frame_spec, fsync_dir, write_shard
 from rollfleet.policy_store.store import SIDECAR, version_dir_name
+from rollfleet.runtime import faults
 from rollfleet.schemas.errors import VersionConflict
 from rollfleet.schemas.index import INDEX_FILE, IndexMetadata, PublicationIndex, check_name
 from rollfleet.schemas.messages import VersionRecord
@@ -56,7 +56,7 @@ def _split(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
     return groups
 
 
-def commit_version(store: Path, version: int, fill: Callable[[Path], None]) -> Path:
+def write_version_dir(store: Path, version: int, fill: Callable[[Path], None]) -> Path:
     """Run ``fill(tmp_dir)`` (which must write the index last) and publish the result atomically."""
     store = Path(store)
     final = store / version_dir_name(version)
@@ -67,7 +67,7 @@ def commit_version(store: Path, version: int, fill: Callable[[Path], None]) -> P
     try:
         fill(tmp)
         fsync_dir(tmp)
-        pause_point("publish:before-rename")
+        faults.point("publish:before-rename")
         try:
             os.rename(tmp, final)
         except OSError as exc:
@@ -77,7 +77,7 @@ def commit_version(store: Path, version: int, fill: Callable[[Path], None]) -> P
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    pause_point("publish:after-rename")
+    faults.point("publish:after-rename")
     fsync_dir(store)
     return final
 
@@ -110,11 +110,11 @@ def write_delta(
             meta_map = {n: checksums[n] for n in group}
             wire += write_file(tmp / shard, lambda f, t=tensors, m=meta_map: write_shard(f, t, m))  # type: ignore[misc]
             weight_map.update(dict.fromkeys(group, shard))
-            pause_point("publish:after-shard")
+            faults.point("publish:after-shard")
         index = PublicationIndex(meta, weight_map)
         _write_index_and_sidecar(tmp, index, {"record": _record_json(_once(written, record, wire))})
 
-    return commit_version(store, meta.version, fill), written[-1]
+    return write_version_dir(store, meta.version, fill), written[-1]
 
 
 def write_full(
@@ -146,11 +146,11 @@ def write_full(
             tensors = [(n, specs[n], tensor_bytes(n)) for n in group]
             wire += write_file(tmp / shard, lambda f, t=tensors: write_shard(f, t, {"format": "pt"}))  # type: ignore[misc]
             weight_map.update(dict.fromkeys(group, shard))
-            pause_point("publish:after-shard")
+            faults.point("publish:after-shard")
         sidecar = {"record": _record_json(_once(written, record, wire)), "checksums": dict(checksums)}
         _write_index_and_sidecar(tmp, PublicationIndex(meta, weight_map), sidecar)
 
-    return commit_version(store, meta.version, fill), written[-1]
+    return write_version_dir(store, meta.version, fill), written[-1]
 
 
 def link_full(
@@ -173,7 +173,7 @@ def link_full(
         sidecar = {"record": _record_json(_once(written, record, wire)), "checksums": dict(checksums)}
         _write_index_and_sidecar(tmp, PublicationIndex(meta, dict(weight_map)), sidecar)
 
-    return commit_version(store, meta.version, fill), written[-1]
+    return write_version_dir(store, meta.version, fill), written[-1]
 
 
 def _link_or_copy(src: Path, dst: Path) -> int:

@@ -115,13 +115,7 @@ class PublicationIndex:
     @classmethod
     def parse(cls, raw: bytes | str) -> PublicationIndex:
         """Parse and validate an index file's content."""
-        if len(raw) > MAX_INDEX_BYTES:
-            raise CorruptArtifact(f"index is {len(raw)} bytes, over the {MAX_INDEX_BYTES} byte limit")
-        try:
-            doc = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CorruptArtifact(f"index is not valid JSON: {exc}") from None
-        return cls.from_json(doc)
+        return cls.from_json(_load_index_json(raw))
 
     @classmethod
     def from_json(cls, doc: object) -> PublicationIndex:
@@ -174,12 +168,15 @@ def _weight_map(doc: object) -> dict[str, str]:
     return dict(wmap)
 
 
-def parse_weight_map(raw: bytes | str) -> dict[str, str]:
-    """The weight_map of any HF index (an ordinary checkpoint need not carry our metadata)."""
+def _load_index_json(raw: bytes | str) -> object:
     if len(raw) > MAX_INDEX_BYTES:
         raise CorruptArtifact(f"index is {len(raw)} bytes, over the {MAX_INDEX_BYTES} byte limit")
     try:
-        doc = json.loads(raw)
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise CorruptArtifact(f"index is not valid JSON: {exc}") from None
-    return _weight_map(doc)
+
+
+def parse_weight_map(raw: bytes | str) -> dict[str, str]:
+    """The weight_map of any HF index (an ordinary checkpoint need not carry our metadata)."""
+    return _weight_map(_load_index_json(raw))

@@ -64,7 +64,10 @@ class Names:
         return f"{kind}-{int(version)}"
 
     def parse_job_subject(self, subject: str) -> tuple[ConstraintKind, int] | None:
-        prefix = f"{self._root}.jobs."
+        """``(kind, version)`` of a jobs subject; None for anything else."""
+        return self._parse_constraint(f"{self._root}.jobs.", subject)
+
+    def _parse_constraint(self, prefix: str, subject: str) -> tuple[ConstraintKind, int] | None:
         if not subject.startswith(prefix):
             return None
         parts = subject[len(prefix) :].split(".")
@@ -79,6 +82,10 @@ class Names:
     def bell_subject(self, kind: ConstraintKind, version: int) -> str:
         """Core-NATS wake-up rung after a job is stored, so idle workers pull at once."""
         return f"{self._root}.bell.{kind}.{int(version)}"
+
+    def parse_bell_subject(self, subject: str) -> tuple[ConstraintKind, int] | None:
+        """``(kind, version)`` of the jobs subject a bell rings for; None for anything else."""
+        return self._parse_constraint(f"{self._root}.bell.", subject)
 
     # -- results -----------------------------------------------------------------------------
     @property

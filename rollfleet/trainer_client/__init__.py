@@ -1,7 +1,8 @@
 """What a training loop imports: RolloutClient, RolloutHandle, FleetView, PolicyPublisher."""
 
-from rollfleet.trainer_client.client import RolloutClient, RolloutHandle
+from rollfleet.policy_store.publisher import PolicyPublisher  # the store's write side, re-exported
+from rollfleet.trainer_client.client import RolloutClient
 from rollfleet.trainer_client.fleet import FleetView
-from rollfleet.trainer_client.publisher import PolicyPublisher
+from rollfleet.trainer_client.handle import RolloutHandle
 
 __all__ = ["FleetView", "PolicyPublisher", "RolloutClient", "RolloutHandle"]

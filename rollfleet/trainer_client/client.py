@@ -11,7 +11,7 @@ import asyncio
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -22,10 +22,12 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from rollfleet.broker.connection import connect
+from rollfleet.broker.publish import publish_retrying
+from rollfleet.broker.pull import PullConsumer
 from rollfleet.broker.topology import DEFAULT_TOPOLOGY, TopologyConfig, ensure_results_consumer, ensure_topology
-from rollfleet.connection import connect
-from rollfleet.logs import get_logger
-from rollfleet.pull import PullConsumer
+from rollfleet.runtime.aio import stop_tasks
+from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
     DEFAULT_LIMITS,
     Limits,
@@ -47,8 +49,8 @@ from rollfleet.schemas import (
 )
 from rollfleet.schemas.errors import Expired, InvalidRequest, NoCompatibleReplica, RollfleetError, ServiceUnavailable
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
-from rollfleet.tasks import stop_tasks
 from rollfleet.trainer_client.fleet import FleetView
+from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.versions import adopt_version, commit_version
 
 log = get_logger("rollfleet.client")
@@ -58,61 +60,6 @@ _RESULTS_BATCH = 512
 _RESULTS_WAIT_S = 5.0
 _BELL_INTERVAL_S = 0.05
 _PUBLISH_BUDGET_S = 30.0  # how long submit keeps trying to store a job while the broker recovers
-
-
-class RolloutHandle:
-    """An awaitable for one job's result. ``await handle`` returns a ``RolloutResult`` or
-    raises the job's typed error (``Expired``, ``NoCompatibleReplica``, ``InvalidRequest``...)."""
-
-    def __init__(self, client: RolloutClient, job: RolloutJob, stream_seq: int | None) -> None:
-        self.client = client
-        self.job = job
-        self.stream_seq = stream_seq
-        self._future: asyncio.Future[RolloutResult] = asyncio.get_running_loop().create_future()
-
-    @property
-    def idempotency_key(self) -> str:
-        return self.job.idempotency_key
-
-    @property
-    def job_id(self) -> str:
-        return self.job.job_id
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def __await__(self) -> Generator[Any, None, RolloutResult]:
-        return self._future.__await__()
-
-    async def result(self, timeout: float | None = None) -> RolloutResult:
-        return await asyncio.wait_for(asyncio.shield(self._future), timeout)
-
-    async def cancel(self) -> bool:
-        """Withdraw the job if no worker has taken it yet; returns whether it was withdrawn."""
-        removed = await self.client._withdraw(self)
-        self._fail(asyncio.CancelledError())
-        return removed
-
-    def _on_deadline(self) -> None:
-        if not self._future.done():
-            self._fail(Expired(f"no result for {self.job.idempotency_key!r} by its deadline"))
-            self.client._spawn(self.client._withdraw(self))
-
-    def _resolve(self, outcome: Outcome) -> bool:
-        if self._future.done():
-            return False
-        if isinstance(outcome, RolloutResult):
-            self.client._attach_staleness(outcome)
-            self._future.set_result(outcome)
-        else:
-            self._future.set_exception(error_from_code(outcome.code, outcome.message, outcome.retryable))
-        return True
-
-    def _fail(self, exc: BaseException) -> None:
-        if not self._future.done():
-            self._future.set_exception(exc)
-            # Mark retrieved so an unawaited failed handle does not warn at exit.
-            self._future.exception()
 
 
 class RolloutClient:
@@ -208,7 +155,7 @@ class RolloutClient:
             await stop_tasks([self._results_task, self._expiry_task])
         await self.fleet.close()
         for handle in self._handles.values():
-            handle._fail(ServiceUnavailable("client closed before the result arrived"))
+            handle.set_error(ServiceUnavailable("client closed before the result arrived"))
         # flush + close rather than drain: drain waits on the watchers' push subscriptions.
         with suppress(Exception):
             await self.nc.flush(timeout=2)
@@ -273,27 +220,28 @@ class RolloutClient:
             except Exception as exc:  # broker unreachable: a retryable error, never a raw one
                 raise ServiceUnavailable(f"cannot read the fleet registry: {exc}") from exc
             if not self.fleet.compatible(constraint):
-                handle = RolloutHandle(self, job, None)
-                handle._fail(NoCompatibleReplica(self._no_replica_message(constraint)))
+                handle = RolloutHandle(job, self._withdraw)
+                handle.set_error(NoCompatibleReplica(self._no_replica_message(constraint)))
                 return handle
 
-        handle = RolloutHandle(self, job, None)
+        handle = RolloutHandle(job, self._withdraw)
         self._handles[key] = handle
         unclaimed = self._unclaimed.pop(key, None)
         if unclaimed is not None:  # the answer came before we asked again (trainer restart)
-            handle._resolve(unclaimed)
+            self._settle(handle, unclaimed)
             return handle
         headers = {HDR_MSG_ID: key, HDR_CLIENT_ID: self.client_id}
         subject = self.names.job_subject(constraint.kind, constraint.version)
         try:
-            ack = await self._store_job(subject, data, headers, min(job.deadline, time.time() + _PUBLISH_BUDGET_S))
+            until = min(job.deadline, time.time() + _PUBLISH_BUDGET_S)
+            ack = await publish_retrying(self.js, subject, data, headers, until=until)
         except RollfleetError:
             self._handles.pop(key, None)
             raise
         handle.stream_seq = None if ack.duplicate else ack.seq
         self._ring(constraint)
         if ack.duplicate and (stored := await self._stored_outcome(key)) is not None:
-            handle._resolve(stored)  # a duplicate submit whose result was delivered earlier
+            self._settle(handle, stored)  # a duplicate submit whose result was delivered earlier
         log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
         return handle
 
@@ -320,23 +268,8 @@ class RolloutClient:
             await asyncio.sleep(0.25)
             cutoff = time.time() - self.deadline_grace_s
             for handle in [h for h in self._handles.values() if h.job.deadline <= cutoff]:
-                handle._on_deadline()
-
-    async def _store_job(self, subject: str, data: bytes, headers: dict[str, str], until: float) -> Any:
-        """Publish until the broker acknowledges. Short attempts: one sent to a stream leader
-        that just died is never answered, and a retry (deduplicated by the key) reaches the
-        new leader as soon as there is one."""
-        attempt = 0
-        while True:
-            try:
-                return await self.js.publish(subject, data, headers=headers, timeout=1.5)
-            except nats.js.errors.BadRequestError as exc:
-                raise InvalidRequest(f"broker refused the job: {exc.description}") from exc
-            except (nats.errors.Error, nats.js.errors.Error) as exc:
-                if time.time() >= until:
-                    raise ServiceUnavailable(f"cannot queue the job: {exc}") from exc
-                await asyncio.sleep(min(0.1 * 2**attempt, 1.0))
-                attempt += 1
+                if handle.set_error(Expired(f"no result for {handle.idempotency_key!r} by its deadline")):
+                    self._spawn(self._withdraw(handle))
 
     def _ring(self, constraint: VersionConstraint) -> None:
         """Wake idle workers that have no request waiting on this subject. It carries nothing
@@ -351,6 +284,13 @@ class RolloutClient:
     def _no_replica_message(self, constraint: VersionConstraint) -> str:
         live = {r.worker_id: f"{r.state}@{r.active_version}" for r in self.fleet.replicas()}
         return f"no live replica is at, or preparing, a version allowed by {constraint}; fleet: {live or 'empty'}"
+
+    def _settle(self, handle: RolloutHandle, outcome: Outcome) -> None:
+        if isinstance(outcome, RolloutResult):
+            self._attach_staleness(outcome)
+            handle.set_result(outcome)
+        else:
+            handle.set_error(error_from_code(outcome.code, outcome.message, outcome.retryable))
 
     def _attach_staleness(self, result: RolloutResult) -> None:
         latest = self.latest_version
@@ -471,7 +411,7 @@ class RolloutClient:
             return  # one result per key: a late duplicate is dropped
         handle = self._handles.pop(key, None)
         if handle is not None:
-            handle._resolve(outcome)
+            self._settle(handle, outcome)
         else:
             self._unclaimed[key] = outcome
             if len(self._unclaimed) > _DELIVERED_MEMORY:  # nobody is asking: keep the newest only

@@ -18,10 +18,11 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from rollfleet.broker.kv import read_latest, read_replicas
-from rollfleet.logs import get_logger
+from rollfleet.broker.watch import watch_keys
+from rollfleet.runtime.aio import stop_tasks
+from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, ReplicaStatus, VersionConstraint, VersionRecord, decode
 from rollfleet.schemas.errors import InvalidRequest, ServiceUnavailable
-from rollfleet.tasks import stop_tasks, watch_keys
 
 log = get_logger("rollfleet.fleet")
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from rollfleet.logs import get_logger
+from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, ReplicaStatus, encode
 
 log = get_logger("rollfleet.registry")

@@ -8,6 +8,7 @@ starves behind a steady stream of tight work.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rollfleet.schemas import ConstraintKind
@@ -22,19 +23,20 @@ def compatible(version: int, subject: Subject) -> bool:
 
 @dataclass
 class SubjectScheduler:
-    version: int
+    version: Callable[[], int]  # the worker's live version, read from its one owner
     aging_s: float = 5.0
     # subject -> when it was first seen with work we have not pulled since
     _waiting_since: dict[Subject, float] = field(default_factory=dict)
 
-    def set_version(self, version: int) -> None:
-        self.version = version
+    def _prune(self) -> None:
+        """Forget subjects the live version can no longer serve (it moved on)."""
+        version = self.version()
         for subject in [s for s in self._waiting_since if not compatible(version, s)]:
             del self._waiting_since[subject]
 
     def note_pending(self, subject: Subject, now: float) -> bool:
         """Work may be waiting on ``subject``; returns whether this worker may serve it."""
-        if not compatible(self.version, subject):
+        if not compatible(self.version(), subject):
             return False
         self._waiting_since.setdefault(subject, now)
         return True
@@ -48,6 +50,7 @@ class SubjectScheduler:
 
     def order(self, now: float) -> list[Subject]:
         """Candidates, best first."""
+        self._prune()
 
         def rank(subject: Subject) -> tuple[int, float, int, int]:
             kind, v = subject
@@ -59,4 +62,5 @@ class SubjectScheduler:
         return sorted(self._waiting_since, key=rank)
 
     def has_candidates(self) -> bool:
+        self._prune()
         return bool(self._waiting_since)

@@ -13,36 +13,23 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from rollfleet import faults
 from rollfleet.broker.kv import read_latest
-from rollfleet.logs import get_logger
+from rollfleet.broker.watch import watch_keys
 from rollfleet.policy_store import MaterializeResult, materialize
 from rollfleet.policy_store.digest import weights_digest
+from rollfleet.runtime import faults
+from rollfleet.runtime.aio import stop_tasks
+from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, VersionActivated, encode
 from rollfleet.schemas.errors import PolicyError, RollfleetError
-from rollfleet.tasks import stop_tasks, watch_keys
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.registry import Registration
-
-
-@dataclass
-class Activation:
-    """What one activation cost; also the payload of the activation announcement."""
-
-    version: int
-    previous_version: int
-    prepare_s: float
-    pause_s: float
-    wire_bytes: int
-    density: float
-    changed_tensors: int
 
 
 class VersionSync:
@@ -77,7 +64,7 @@ class VersionSync:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._failed_version: int | None = None
-        self.activations: list[Activation] = []
+        self.activations: list[VersionActivated] = []  # what each activation cost, as announced
         self.failures: list[str] = []
         self.log = get_logger("rollfleet.version_sync", worker_id=worker_id)
 
@@ -143,7 +130,7 @@ class VersionSync:
             await self.update_to(latest)
 
     # -- prepare, activate, announce --------------------------------------------------------
-    async def update_to(self, target: int) -> Activation | None:
+    async def update_to(self, target: int) -> VersionActivated | None:
         assert self._registration is not None
         previous = self._engine.version
         log = self.log.bind(version=target, previous_version=previous)
@@ -164,7 +151,7 @@ class VersionSync:
             await self._registration.write(state="degraded", preparing_version=None, degraded_reason=reason)
             return None
         prepare_s = time.perf_counter() - t0
-        faults.point("before-activation")
+        faults.point("worker:before-activation")
         t1 = time.perf_counter()
         await self._engine.pause()  # returns at the next step boundary; generation runs until then
         t2 = time.perf_counter()
@@ -174,13 +161,15 @@ class VersionSync:
             await self._engine.resume()
         pause_s = time.perf_counter() - t2  # the stall: no step runs between pause and resume
         pause_wait_s = t2 - t1
-        activation = Activation(
+        activation = VersionActivated(
+            worker_id=self._worker_id,
             version=result.version,
             previous_version=previous,
             prepare_s=prepare_s,
             pause_s=pause_s,
             wire_bytes=result.wire_bytes,
             density=result.density,
+            activated_at=time.time(),
             changed_tensors=len(result.changed),
         )
         self.activations.append(activation)
@@ -194,25 +183,16 @@ class VersionSync:
         # Advertise only now: registry, announcement, then the new version's subjects.
         await self._on_activated(result.version)
         await self._registration.write(
-            state="ready", active_version=result.version, preparing_version=None, degraded_reason=None
-        )
-        announcement = VersionActivated(
-            worker_id=self._worker_id,
-            version=result.version,
-            previous_version=previous,
-            prepare_s=prepare_s,
-            pause_s=pause_s,
-            wire_bytes=result.wire_bytes,
-            density=result.density,
-            activated_at=time.time(),
-            changed_tensors=len(result.changed),
+            state="ready",
+            preparing_version=None,
+            degraded_reason=None,  # active_version: from the engine
         )
         if self._verify_live:
             # After resume, off the pause: hashing every live tensor is not free.
             live = await asyncio.to_thread(self._engine.live_checksums)
-            announcement.weights_digest = weights_digest(live) if live is not None else None
+            activation.weights_digest = weights_digest(live) if live is not None else None
         with suppress(Exception):
-            await self._js.publish(self._names.versions_activated, encode(announcement))
+            await self._js.publish(self._names.versions_activated, encode(activation))
         log.info(
             "activated",
             prepare_s=round(prepare_s, 4),

@@ -1,8 +1,9 @@
-"""The rollout worker: pulls the jobs its active version can serve, runs them, answers.
+"""The rollout worker process: its lifecycle, and deciding which jobs to pull.
 
-One asyncio task schedules pulls (``scheduler``), one task per running job generates,
-publishes the result to the client's results subject, then acks the job. A job is acked
-only after its result is stored, so a worker that dies mid-job loses nothing.
+It connects, registers, catches up with the published policy (``version_sync``), then pulls
+only jobs its live version can serve, never more than its free slots (``scheduler`` orders
+the subjects). Each pulled job runs as its own task in ``jobs.JobRunner``. SIGTERM drains:
+no new pulls, running jobs finish, the registry entry is removed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from rollfleet import faults
+from rollfleet.broker.connection import connect
+from rollfleet.broker.pull import PullConsumer
 from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
     TopologyConfig,
@@ -31,25 +33,17 @@ from rollfleet.broker.topology import (
     ensure_topology,
     queue_depths,
 )
-from rollfleet.connection import connect
-from rollfleet.logs import get_logger
-from rollfleet.pull import PullConsumer
+from rollfleet.runtime.aio import stop_tasks
+from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
     DEFAULT_LIMITS,
     Limits,
     Names,
     ReplicaStatus,
-    RolloutFailure,
-    RolloutJob,
-    RolloutResult,
-    check_job,
-    decode,
-    encode,
 )
-from rollfleet.schemas.errors import EngineFailure, Expired, Interrupted, InvalidRequest, RollfleetError
-from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, check_token
-from rollfleet.tasks import stop_tasks
+from rollfleet.schemas.names import check_token
 from rollfleet.workers.engines import Engine
+from rollfleet.workers.jobs import JobRunner
 from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.registry import Registration
 from rollfleet.workers.scheduler import Subject, SubjectScheduler, compatible
@@ -92,8 +86,7 @@ class Worker:
         self.config = config
         self.engine = engine
         self.names = Names(config.namespace)
-        self.version = config.version
-        self.scheduler = SubjectScheduler(config.version, aging_s=config.aging_s)
+        self.scheduler = SubjectScheduler(lambda: self.engine.version, aging_s=config.aging_s)
         self.log = get_logger("rollfleet.worker", worker_id=config.worker_id, namespace=config.namespace)
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
@@ -101,7 +94,6 @@ class Worker:
         self.sync: VersionSync | None = None
         self._pullers: dict[Subject, PullConsumer] = {}
         self._hot: dict[Subject, float] = {}  # subject -> when work last came from it
-        self._held: dict[int, tuple[Msg, float]] = {}  # running jobs' messages, for progress acks
         self._keepalive_task: asyncio.Task[None] | None = None
         self._inflight: dict[int, asyncio.Task[None]] = {}
         self._task_ids = itertools.count()
@@ -109,9 +101,8 @@ class Worker:
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self.jobs_done = 0
-        self.outcomes: dict[str, int] = {}
         self.metrics = WorkerMetrics(config.worker_id, engine.name)
+        self.jobs: JobRunner | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -124,6 +115,17 @@ class Worker:
         )
         self.js = self.nc.jetstream()
         await ensure_topology(self.js, self.names, cfg.topology)
+        self.jobs = JobRunner(
+            self.js,
+            self.names,
+            self.engine,
+            worker_id=cfg.worker_id,
+            limits=cfg.limits,
+            ack_wait_s=cfg.topology.ack_wait_s,
+            metrics=self.metrics,
+            log=self.log,
+            version=lambda: self.engine.version,
+        )
         now = time.time()
         status = ReplicaStatus(
             worker_id=cfg.worker_id,
@@ -157,13 +159,11 @@ class Worker:
                 verify_live=cfg.verify_live,
             )
             caught_up = await self.sync.catch_up(cfg.catch_up_wait_s, self.registration)
-            self.version = caught_up.version
-            self.scheduler.set_version(self.version)
-            await self.engine.start(self.sync.local_dir, self.version)
+            await self.engine.start(self.sync.local_dir, caught_up.version)
         else:
-            await self.engine.start(cfg.model_dir, self.version)
+            await self.engine.start(cfg.model_dir, cfg.version)
         await self.nc.subscribe(self.names.bell_wildcard, cb=self._on_bell)
-        await self.registration.write(state="ready", active_version=self.version, preparing_version=None)
+        await self.registration.write(state="ready", preparing_version=None)
         if self.sync is not None:
             self.sync.start(self.registration)
         self._tasks = [
@@ -171,14 +171,25 @@ class Worker:
             asyncio.create_task(self._poll_loop(), name="poll-loop"),
             asyncio.create_task(self._report_progress(), name="progress"),
         ]
-        self._keepalive_task = asyncio.create_task(self._keep_alive(), name="keep-alive")
+        self._keepalive_task = asyncio.create_task(self.jobs.keep_alive(), name="keep-alive")
         self.log.info("worker ready", version=self.version, engine=self.engine.name, capacity=cfg.capacity)
+
+    @property
+    def version(self) -> int:
+        """The live version: the engine owns it; routing, the registry and version sync read it."""
+        return self.engine.version
+
+    @property
+    def jobs_done(self) -> int:
+        return self.jobs.jobs_done if self.jobs is not None else 0
+
+    @property
+    def outcomes(self) -> dict[str, int]:
+        return dict(self.jobs.outcomes) if self.jobs is not None else {}
 
     async def _activated(self, version: int) -> None:
         """The engine serves ``version`` now: pull its subjects from here on."""
         self.metrics.active_version.set(version)
-        self.version = version
-        self.scheduler.set_version(version)
         self._wake.set()
 
     def _on_reconnect(self) -> None:
@@ -244,7 +255,7 @@ class Worker:
 
     # -- deciding what to pull --------------------------------------------------------------
     async def _on_bell(self, msg: Msg) -> None:
-        parsed = self.names.parse_job_subject(msg.subject.replace(".bell.", ".jobs.", 1))
+        parsed = self.names.parse_bell_subject(msg.subject)
         if parsed is None:
             return
         puller = self._pullers.get(parsed)
@@ -338,7 +349,8 @@ class Worker:
         if subject is not None:
             self._hot[subject] = time.monotonic()
         task_id = next(self._task_ids)
-        task = asyncio.create_task(self._handle(msg), name=f"job-{task_id}")
+        assert self.jobs is not None
+        task = asyncio.create_task(self.jobs.handle(msg), name=f"job-{task_id}")
         self._inflight[task_id] = task
 
         def done(_: asyncio.Task[None]) -> None:
@@ -346,118 +358,6 @@ class Worker:
             self._wake.set()
 
         task.add_done_callback(done)
-
-    # -- running one job --------------------------------------------------------------------
-    async def _handle(self, msg: Msg) -> None:
-        headers = msg.headers or {}
-        client_id = headers.get(HDR_CLIENT_ID)
-        key = headers.get(HDR_MSG_ID)
-        try:
-            attempt = msg.metadata.num_delivered
-            stored_at = msg.metadata.timestamp.timestamp()
-        except Exception:
-            attempt, stored_at = 1, time.time()
-        log = self.log.bind(idempotency_key=key, attempt=attempt)
-        try:
-            job = decode(msg.data, RolloutJob, max_bytes=self.config.limits.max_job_bytes, what="rollout job")
-            check_job(job, self.config.limits)
-            subject = self.names.parse_job_subject(msg.subject)
-            if subject != (job.constraint.kind, job.constraint.version):
-                raise InvalidRequest(f"job constraint {job.constraint} does not match its subject {msg.subject}")
-            client_id, key = job.client_id, job.idempotency_key
-            check_token(client_id, "client_id")
-        except InvalidRequest as exc:
-            log.warning("invalid job", error=exc.message)
-            await self._answer_failure(msg, client_id, key, exc, attempt)
-            await msg.term()
-            return
-        log = log.bind(job_id=job.job_id, idempotency_key=job.idempotency_key, version=self.version)
-        if not job.constraint.allows(self.version):  # only after a version change raced the pull
-            await msg.nak()
-            return
-        if time.time() > job.deadline:
-            log.info("expired before it ran")
-            await self._answer_failure(
-                msg, client_id, key, Expired("deadline passed before a worker ran it"), attempt, job.job_id
-            )
-            await msg.ack()
-            return
-        if attempt > 1:
-            if await self._result_exists(client_id, key):
-                log.info("redelivered job already answered; acking")
-                await msg.ack()
-                return
-            if job.retry_policy == "at_most_once":
-                log.info("at_most_once job redelivered after its holder died")
-                err = Interrupted("the worker holding this at_most_once job stopped; it was not run again")
-                await self._answer_failure(msg, client_id, key, err, attempt, job.job_id)
-                await msg.ack()
-                return
-        await self._run(msg, job, attempt, stored_at, log)
-
-    async def _run(self, msg: Msg, job: RolloutJob, attempt: int, stored_at: float, log: Any) -> None:
-        started = time.time()
-        held_id = next(self._task_ids)
-        self._held[held_id] = (msg, time.monotonic())
-        try:
-            generation = await self.engine.generate(job.job_id, job.payload)
-        except RollfleetError as exc:
-            log.warning("generation refused", error=exc.message, code=exc.code)
-            await self._answer_failure(msg, job.client_id, job.idempotency_key, exc, attempt, job.job_id)
-            await msg.ack()
-            return
-        except Exception as exc:
-            log.exception("engine failed")
-            err = EngineFailure(f"engine {self.engine.name} failed: {exc}")
-            await self._answer_failure(msg, job.client_id, job.idempotency_key, err, attempt, job.job_id)
-            await msg.ack()
-            return
-        finally:
-            self._held.pop(held_id, None)
-        finished = time.time()
-        result = RolloutResult(
-            job_id=job.job_id,
-            idempotency_key=job.idempotency_key,
-            client_id=job.client_id,
-            outputs=generation.outputs,
-            version_start=generation.version_start,
-            version_end=generation.version_end,
-            worker_id=self.config.worker_id,
-            engine=self.engine.name,
-            queue_wait_s=max(0.0, started - min(stored_at, job.submitted_at if job.submitted_at > 0 else stored_at)),
-            generation_s=finished - started,
-            delivery_attempt=attempt,
-            finished_at=finished,
-            session_id=job.session_id,
-            prompt_tokens=generation.prompt_tokens,
-        )
-        if not await self._publish_outcome(job.client_id, job.idempotency_key, result):
-            return  # not stored: leave the job unacked so it is redelivered
-        faults.point("after-result-before-ack")
-        await msg.ack()
-        self.jobs_done += 1
-        self._count("ok")
-        self.metrics.queue_wait.observe(result.queue_wait_s)
-        self.metrics.generation.observe(result.generation_s)
-        log.debug(
-            "job done",
-            version_start=result.version_start,
-            version_end=result.version_end,
-            generation_s=round(result.generation_s, 4),
-            queue_wait_s=round(result.queue_wait_s, 4),
-        )
-
-    async def _keep_alive(self) -> None:
-        """In-progress acks for jobs held longer than a third of ack_wait, so a long job is not
-        redelivered meanwhile. One task for all jobs: short jobs cost nothing."""
-        interval = max(self.config.topology.ack_wait_s / 3.0, 0.2)
-        while True:
-            await asyncio.sleep(interval / 2)
-            now = time.monotonic()
-            for msg, since in list(self._held.values()):
-                if now - since >= interval:
-                    with suppress(Exception):
-                        await msg.in_progress()
 
     async def _report_progress(self) -> None:
         """An info line per interval for operators (per-job lines are at debug level)."""
@@ -472,67 +372,9 @@ class Worker:
                 jobs_done=self.jobs_done,
                 jobs_per_s=round(done / (now - last_t), 2),
                 in_flight=len(self._inflight),
-                outcomes=dict(self.outcomes),
+                outcomes=self.outcomes,
             )
             last_done, last_t = self.jobs_done, now
-
-    async def _result_exists(self, client_id: str, key: str) -> bool:
-        assert self.js is not None
-        try:
-            await self.js.get_last_msg(self.names.results_stream, self.names.result_subject(client_id, key))
-            return True
-        except nats.js.errors.NotFoundError:
-            return False
-
-    async def _publish_outcome(self, client_id: str, key: str, outcome: RolloutResult | RolloutFailure) -> bool:
-        assert self.js is not None
-        subject = self.names.result_subject(client_id, key)
-        data = encode(outcome)
-        # Short attempts, many of them: a publish sent to a stream leader that just died is never
-        # answered, and the retry (deduplicated by the key) reaches the new leader sooner.
-        for attempt in range(12):
-            try:
-                await self.js.publish(subject, data, headers={HDR_MSG_ID: key}, timeout=1.5)
-                return True
-            except (nats.errors.Error, nats.js.errors.Error) as exc:
-                self.log.warning("result publish failed", attempt=attempt, error=str(exc))
-                await asyncio.sleep(min(0.1 * 2**attempt, 1.0))
-        return False
-
-    async def _answer_failure(
-        self,
-        msg: Msg,
-        client_id: str | None,
-        key: str | None,
-        error: RollfleetError,
-        attempt: int,
-        job_id: str | None = None,
-    ) -> None:
-        self._count(error.code)
-        try:
-            check_token(client_id or "", "client_id")
-        except InvalidRequest:
-            self.log.warning("no reply address; dropping", error=error.message)
-            return
-        if not key:
-            self.log.warning("no idempotency key; dropping", error=error.message)
-            return
-        failure = RolloutFailure(
-            idempotency_key=key,
-            client_id=client_id,  # type: ignore[arg-type]
-            code=error.code,
-            message=error.message,
-            retryable=error.retryable,
-            job_id=job_id,
-            worker_id=self.config.worker_id,
-            delivery_attempt=attempt,
-            finished_at=time.time(),
-        )
-        await self._publish_outcome(client_id, key, failure)  # type: ignore[arg-type]
-
-    def _count(self, outcome: str) -> None:
-        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
-        self.metrics.job(outcome)
 
 
 def default_worker_id() -> str:

@@ -78,7 +78,7 @@ class _Batch:
     valid: bool = False
 
 
-def _own_memory(model: Any) -> None:
+def own_memory(model: Any) -> None:
     """Copy every CPU tensor out of the checkpoint's memory map.
 
     transformers maps safetensors files on CPU, so the live weights would alias the checkpoint
@@ -178,7 +178,7 @@ class HFEngine(Engine):
         model.to(self.device).eval()
         model.requires_grad_(False)
         if self.device.type == "cpu":
-            _own_memory(model)
+            own_memory(model)
         self.model = model
         # transformers 5.x renamed the forward's ``past_key_values`` to ``cache``; accept both.
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

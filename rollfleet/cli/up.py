@@ -7,7 +7,7 @@ import asyncio
 import signal
 from pathlib import Path
 
-from rollfleet.local_fleet import LocalFleet
+from rollfleet.cli.local_fleet import LocalFleet
 from rollfleet.schemas.errors import InvalidRequest
 
 

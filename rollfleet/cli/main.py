@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollfleet import logs
+from rollfleet.runtime import logs
 from rollfleet.schemas.errors import RollfleetError
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "worker":
             return asyncio.run(cmd_worker(args))
         if args.command == "up":
-            from rollfleet.up import cmd_up
+            from rollfleet.cli.up import cmd_up
 
             return asyncio.run(cmd_up(args))
         if args.command == "status":
@@ -179,7 +179,7 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
 async def cmd_declare(args: argparse.Namespace, quiet: bool = False) -> int:
     from rollfleet.broker import ensure_topology
-    from rollfleet.connection import connect
+    from rollfleet.broker.connection import connect
     from rollfleet.schemas import Names
 
     options = _conn_options(args) if hasattr(args, "token") else {}  # `broker` declares on its own server
@@ -231,7 +231,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
 
 
 async def cmd_status(args: argparse.Namespace) -> int:
-    from rollfleet.status import collect_status, render_table
+    from rollfleet.cli.status import collect_status, render_table
 
     snapshot = await collect_status(args.nats, args.namespace, **_conn_options(args))
     if args.json:

@@ -10,10 +10,10 @@ from typing import Any
 import nats
 from nats.aio.client import Client as NATS
 
-from rollfleet.logs import get_logger
+from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas.errors import AuthorizationError, ServiceUnavailable
 
-log = get_logger("rollfleet.connection")
+log = get_logger("rollfleet.broker.connection")
 
 
 async def connect(

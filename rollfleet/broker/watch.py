@@ -1,22 +1,13 @@
-"""Small asyncio helpers shared by the client and the worker."""
+"""Following keys of a KV bucket: one watcher loop, restarted after errors, for every reader."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
 from nats.js.kv import KeyValue
-
-
-async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], timeout: float = 5.0) -> None:
-    """Cancel ``tasks`` and wait for them, but never longer than ``timeout``."""
-    tasks = [t for t in tasks if not t.done()]
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=timeout)
 
 
 async def watch_keys(kv: KeyValue, keys: str, on_entry: Callable[[Any], None], log: Any) -> None:

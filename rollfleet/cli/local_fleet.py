@@ -8,7 +8,6 @@ store survives for the next start.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import signal
 import subprocess
@@ -18,21 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollfleet.broker import EmbeddedBroker, check_server_binary, free_port
-from rollfleet.logs import get_logger
+from rollfleet.cli.status import collect_status
+from rollfleet.runtime.logs import get_logger
+from rollfleet.runtime.processes import die_with_parent
 from rollfleet.schemas.errors import ServiceUnavailable
-from rollfleet.status import collect_status
 
-log = get_logger("rollfleet.up")
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        except OSError:
-            pass
+log = get_logger("rollfleet.cli.up")
 
 
 @dataclass
@@ -81,7 +71,7 @@ class LocalFleet:
             env = {**os.environ, "ROLLFLEET_LOG_JSON": "1"}
             with open(logs_dir / f"{worker_id}.log", "ab") as out:
                 self.procs[worker_id] = subprocess.Popen(
-                    cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
+                    cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=die_with_parent
                 )
 
     async def wait_ready(self, timeout: float = 180.0) -> dict[str, object]:

@@ -33,9 +33,17 @@ from rollfleet.policy_store.formats import (
     XOR,
     check_checksum_format,
     check_encoding,
+    tensor_checksum,
 )
 from rollfleet.policy_store.hooks import Hook, resolve_hook
-from rollfleet.policy_store.layout import CheckpointLayout, TensorSpec, check_layout
+from rollfleet.policy_store.layout import (
+    CheckpointLayout,
+    TensorSpec,
+    check_layout,
+    raw_bytes,
+    read_tensor_bytes,
+    tensor_spec,
+)
 from rollfleet.policy_store.materialize import DEFAULT_WORKERS, materialize
 from rollfleet.policy_store.retention import apply_retention
 from rollfleet.policy_store.store import list_versions, version_dir_name
@@ -43,53 +51,6 @@ from rollfleet.policy_store.writer import DEFAULT_SHARD_BYTES, clean_temporaries
 from rollfleet.schemas.errors import LayoutMismatch, VersionConflict
 from rollfleet.schemas.index import IndexMetadata, check_name
 from rollfleet.schemas.messages import VersionRecord
-
-_NUMPY_DTYPES = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "int16": "I16",
-    "uint16": "U16",
-    "float16": "F16",
-    "bfloat16": "BF16",  # ml_dtypes, when installed
-    "int32": "I32",
-    "uint32": "U32",
-    "float32": "F32",
-    "int64": "I64",
-    "uint64": "U64",
-    "float64": "F64",
-    "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2",
-}
-
-
-def _torch_dtype_name(t: Any) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def tensor_spec(name: str, t: Any) -> TensorSpec:
-    """dtype and shape of a torch tensor or numpy array, in safetensors terms (no data is read)."""
-    if isinstance(t, np.ndarray):
-        dtype = _NUMPY_DTYPES.get(t.dtype.name)
-    elif hasattr(t, "dtype") and hasattr(t, "shape") and type(t).__module__.startswith("torch"):
-        dtype = _NUMPY_DTYPES.get(_torch_dtype_name(t))
-    else:
-        raise LayoutMismatch(f"{name!r}: expected a torch tensor or numpy array, got {type(t).__name__}")
-    if dtype is None:
-        raise LayoutMismatch(f"{name!r}: unsupported dtype {t.dtype}")
-    return TensorSpec(dtype, tuple(int(d) for d in t.shape))
-
-
-def raw_bytes(t: Any) -> np.ndarray:
-    """A 1-D uint8 view (or CPU copy, for device tensors) of a tensor's bytes."""
-    if isinstance(t, np.ndarray):
-        return np.ascontiguousarray(t).reshape(-1).view(np.uint8)
-    import torch
-
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 class PolicyPublisher:
@@ -195,19 +156,10 @@ class PolicyPublisher:
 
     def _load_base(self) -> None:
         """Snapshot the base checkpoint's bytes (what every replica seeds from) and checksum them."""
-        state: dict[str, np.ndarray] = {}
-        for name, loc in self._base.tensors.items():
-            arr = np.empty(loc.nbytes, np.uint8)
-            with open(loc.file, "rb") as f:
-                f.seek(loc.offset)
-                f.readinto(memoryview(arr))
-            state[name] = arr
-        self._state = state
-        self._checksums = self._hash_all(state)
+        self._state = read_tensor_bytes(self._base)
+        self._checksums = self._hash_all(self._state)
 
     def _hash_all(self, state: Mapping[str, np.ndarray]) -> dict[str, str]:
-        from rollfleet.policy_store.formats import tensor_checksum
-
         pool = codecs.executor(self.workers)
         return dict(pool.map(lambda n: (n, tensor_checksum(state[n], self.checksum_format)), list(state)))
 
@@ -234,15 +186,8 @@ class PolicyPublisher:
             materialize(tmp, self.store_dir, self.latest_version, workers=self.workers)
             layout = CheckpointLayout.read(Path(tmp))
             check_layout(self.specs, layout.specs, f"{version_dir_name(self.latest_version)} vs. the base")
-            state: dict[str, np.ndarray] = {}
-            for name, loc in layout.tensors.items():
-                arr = np.empty(loc.nbytes, np.uint8)
-                with open(loc.file, "rb") as f:
-                    f.seek(loc.offset)
-                    f.readinto(memoryview(arr))
-                state[name] = arr
-        self._state = state
-        self._checksums = self._hash_all(state)
+            self._state = read_tensor_bytes(layout)
+        self._checksums = self._hash_all(self._state)
 
     def _publish(self, items: list[tuple[str, Any]]) -> VersionRecord:
         t0 = time.perf_counter()
@@ -328,4 +273,4 @@ class PolicyPublisher:
         self._state = None
 
 
-__all__ = ["PolicyPublisher", "raw_bytes", "tensor_spec"]
+__all__ = ["PolicyPublisher"]

@@ -1,9 +1,23 @@
-"""Stopping child processes politely, then firmly."""
+"""Child processes: tied to their parent's life, stopped politely, then firmly."""
 
 from __future__ import annotations
 
+import ctypes
 import signal
 import subprocess
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for a child that must not outlive this process (PDEATHSIG on Linux: the
+    child gets SIGTERM, so it drains, when its parent dies for any reason, SIGKILL included)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        except OSError:
+            pass
 
 
 def terminate(proc: subprocess.Popen[bytes] | None, timeout: float = 10.0, sig: int = signal.SIGTERM) -> int | None:

@@ -8,9 +8,9 @@ from typing import Any
 import msgspec
 import nats.js.errors
 
+from rollfleet.broker.connection import connect
 from rollfleet.broker.kv import read_latest, read_replicas
 from rollfleet.broker.topology import queue_depths
-from rollfleet.connection import connect
 from rollfleet.schemas import Names
 
 

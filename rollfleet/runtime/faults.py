@@ -1,0 +1,60 @@
+"""Test faults: stop a real process at a named point, so tests kill it exactly there.
+
+``ROLLFLEET_FAULT=kill:<point>`` SIGKILLs the process at ``<point>``;
+``ROLLFLEET_FAULT=pause:<point>`` prints ``PAUSED <point>`` on stdout and sleeps there until
+the test kills it. Real processes die for real, so the tests exercise the broker's redelivery
+and the store's recovery, not a simulation of them. Unset (production), a point costs one
+dict lookup. These are test faults only; the storage hooks of object-store mounts are
+``policy_store.hooks``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+ENV = "ROLLFLEET_FAULT"
+POINTS = {
+    # policy store, trainer side (policy_store.writer)
+    "publish:after-shard": "a shard is written and fsynced, no index yet",
+    "publish:before-rename": "the whole temporary version directory is complete",
+    "publish:after-rename": "visible, before the store directory is fsynced and the hook runs",
+    # policy store, replica side (policy_store.materialize)
+    "apply:mid-version": "some tensors of a delta are applied in place, marker removed",
+    "apply:before-marker": "the whole delta is applied and verified, marker not yet written",
+    "seed:mid-copy": "part of a full version is copied into the staging directory",
+    # the commit (trainer_client.versions)
+    "commit:before-cas": "v.<N> is created in the policy KV, latest not yet moved",
+    "commit:before-announce": "latest moved, versions.published not yet sent",
+    # the worker
+    "worker:after-result-before-ack": "a job's result is stored, the job not yet acked",
+    "worker:before-activation": "a version is prepared, the engine not yet paused",
+}
+ACTIONS = ("kill", "pause")
+
+
+def point(name: str) -> None:
+    """Kill or pause here if ``ROLLFLEET_FAULT`` names this point."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    action, _, where = spec.partition(":")
+    if action not in ACTIONS or where not in POINTS:
+        raise ValueError(f"{ENV}={spec!r}: expected <{'|'.join(ACTIONS)}>:<point>, points: {', '.join(POINTS)}")
+    if where != name:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.stdout.write(f"PAUSED {name}\n")
+    sys.stdout.flush()
+    while True:
+        time.sleep(3600)
+
+
+def env(action: str, name: str) -> dict[str, str]:
+    """The environment entry that arms ``name`` in a child process."""
+    if action not in ACTIONS or name not in POINTS:
+        raise ValueError(f"unknown fault {action}:{name}")
+    return {ENV: f"{action}:{name}"}

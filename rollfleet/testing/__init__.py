@@ -1,0 +1,63 @@
+"""The harness that the tests, the benchmarks and the reliability suite share.
+
+Everything here drives real parts: a real nats-server (the embedded broker, or the configs of
+``broker_config/`` as written), real ``rollfleet worker`` processes, real signals. Waiting is
+bounded; processes are stopped by PID, politely first.
+
+- waiting: :func:`wait_until`
+- brokers: :func:`temp_broker`, :func:`start_cluster` / :class:`LocalCluster`, :func:`render_config`
+- workers: :func:`running_worker` (in this process), :func:`start_worker_process`,
+  :class:`ProcessGroup` (named child processes with log files), :class:`LocalFleet`
+- stopping: :func:`terminate`, :func:`stop_all`
+"""
+
+from rollfleet.cli.local_fleet import LocalFleet
+from rollfleet.runtime.processes import die_with_parent, terminate
+from rollfleet.testing.cluster import (
+    CLUSTER_PORTS,
+    LEAF_PORTS,
+    NODES,
+    LocalCluster,
+    NatsProcess,
+    cluster_port_map,
+    make_dev_certs,
+    render_config,
+    start_cluster,
+)
+from rollfleet.testing.processes import (
+    ProcessGroup,
+    check_alive,
+    rollfleet_command,
+    spawn,
+    start_worker_process,
+    stop_all,
+    worker_command,
+)
+from rollfleet.testing.waiting import WaitTimeout, wait_until
+from rollfleet.testing.workers import running_worker, temp_broker
+
+__all__ = [
+    "CLUSTER_PORTS",
+    "LEAF_PORTS",
+    "NODES",
+    "LocalCluster",
+    "LocalFleet",
+    "NatsProcess",
+    "ProcessGroup",
+    "WaitTimeout",
+    "check_alive",
+    "cluster_port_map",
+    "die_with_parent",
+    "make_dev_certs",
+    "render_config",
+    "rollfleet_command",
+    "running_worker",
+    "spawn",
+    "start_cluster",
+    "start_worker_process",
+    "stop_all",
+    "temp_broker",
+    "terminate",
+    "wait_until",
+    "worker_command",
+]

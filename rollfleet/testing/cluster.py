@@ -1,0 +1,166 @@
+"""The nats-server configs of ``broker_config/`` run as they are written, on free ports.
+
+The configs carry the documented ports (4222, 6222, ...) so a person can run them verbatim.
+The harness copies them with every documented port mapped to a free loopback port and every
+store directory moved under a temporary directory; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollfleet.broker import check_server_binary, free_port
+from rollfleet.broker.server import wait_for_port
+from rollfleet.runtime.processes import terminate
+
+NODES = ("a", "b", "c")
+
+# The ports the configs document (see broker_config/README.md).
+CLUSTER_PORTS = {
+    "a": {"client": 4222, "route": 6222, "leaf": 7422, "http": 8222},
+    "b": {"client": 4223, "route": 6223, "leaf": 7423, "http": 8223},
+    "c": {"client": 4224, "route": 6224, "leaf": 7424, "http": 8224},
+}
+LEAF_PORTS = {"client": 4225, "http": 8225}
+
+_STORE_DIR = re.compile(r'^(\s*store_dir:\s*)"[^"]*"', re.MULTILINE)
+
+
+def render_config(src: Path, dst: Path, port_map: Mapping[int, int], store_dir: Path | None = None) -> Path:
+    """Copy a config, replacing each documented port number and (if given) the store dir."""
+    text = src.read_text()
+    if port_map:
+        pattern = re.compile(r"(?<![\d.])(" + "|".join(str(p) for p in port_map) + r")(?!\d)")
+        text = pattern.sub(lambda m: str(port_map[int(m.group(1))]), text)
+    if store_dir is not None:
+        text, n = _STORE_DIR.subn(lambda m: f'{m.group(1)}"{store_dir}"', text)
+        assert n == 1, f"{src} should set exactly one store_dir"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text(text)
+    return dst
+
+
+@dataclass
+class NatsProcess:
+    """One nats-server started from a config file; always stopped by ``stop``."""
+
+    name: str
+    config: Path
+    port: int
+    log_file: Path
+    env: Mapping[str, str] | None = None
+    extra_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> NatsProcess:
+        cmd = [str(check_server_binary()), "-c", str(self.config), *self.extra_args]
+        env = {**os.environ, **(self.env or {})}
+        with open(self.log_file, "ab") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return self
+
+    def wait_listening(self, timeout: float = 20.0) -> None:
+        try:
+            wait_for_port("127.0.0.1", self.port, timeout, self.proc)
+        except Exception as exc:
+            raise AssertionError(f"{self.name} did not start: {exc}\n{self.log_tail()}") from None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_file.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0) -> None:
+        terminate(self.proc, timeout)
+
+
+@dataclass
+class LocalCluster:
+    """The 3-node cluster of broker_config/cluster/, on free loopback ports."""
+
+    nodes: dict[str, NatsProcess]
+    port_map: dict[int, int]
+
+    @property
+    def urls(self) -> list[str]:
+        return [node.url for node in self.nodes.values()]
+
+    @property
+    def url(self) -> str:
+        """All three servers, comma-separated: how clients and workers should be given a cluster."""
+        return ",".join(self.urls)
+
+    def leaf_port(self, node: str) -> int:
+        return self.port_map[CLUSTER_PORTS[node]["leaf"]]
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            node.stop()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {name}\n{node.log_tail()}" for name, node in self.nodes.items())
+
+
+def cluster_port_map() -> dict[int, int]:
+    """Every documented cluster and leaf port -> a distinct free loopback port."""
+    documented = [p for ports in CLUSTER_PORTS.values() for p in ports.values()] + list(LEAF_PORTS.values())
+    mapped: dict[int, int] = {}
+    while len(mapped) < len(documented):
+        port = free_port()
+        if port not in mapped.values():
+            mapped[documented[len(mapped)]] = port
+    return mapped
+
+
+def start_cluster(workdir: Path, cluster_dir: Path) -> LocalCluster:
+    """Start node-a/b/c from the configs in ``cluster_dir`` (``broker_config/cluster``); the
+    caller must ``stop()`` it (also on failure)."""
+    port_map = cluster_port_map()
+    nodes: dict[str, NatsProcess] = {}
+    cluster = LocalCluster(nodes=nodes, port_map=port_map)
+    try:
+        for name in NODES:
+            conf = render_config(
+                cluster_dir / f"node-{name}.conf",
+                workdir / "conf" / f"node-{name}.conf",
+                port_map,
+                store_dir=workdir / f"store-{name}",
+            )
+            node = NatsProcess(
+                name=f"node-{name}",
+                config=conf,
+                port=port_map[CLUSTER_PORTS[name]["client"]],
+                log_file=workdir / f"node-{name}.log",
+            )
+            nodes[name] = node.start()
+        for node in nodes.values():
+            node.wait_listening()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def make_dev_certs(script: Path, directory: Path) -> dict[str, str]:
+    """Run ``script`` (broker_config/tls/make-dev-certs.sh) for ``directory``; return the
+    ROLLFLEET_TLS_* variables it prints."""
+    out = subprocess.run(
+        ["sh", str(script), str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    env = dict(re.findall(r"^export (ROLLFLEET_TLS_\w+)='([^']*)'$", out.stdout, re.MULTILINE))
+    assert set(env) == {"ROLLFLEET_TLS_CA", "ROLLFLEET_TLS_CERT", "ROLLFLEET_TLS_KEY"}, out.stdout
+    return env

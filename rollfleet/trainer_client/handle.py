@@ -1,0 +1,65 @@
+"""RolloutHandle: the awaitable a caller holds for one submitted job.
+
+The client that created a handle settles it (``set_result`` / ``set_error``) when the job's
+answer arrives or its deadline passes; the caller only awaits or cancels it. Cancelling
+withdraws the job through the ``withdraw`` function the client gave the handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any
+
+from rollfleet.schemas import RolloutJob, RolloutResult
+
+
+class RolloutHandle:
+    """``await handle`` returns a ``RolloutResult`` or raises the job's typed error (``Expired``,
+    ``NoCompatibleReplica``, ``InvalidRequest``, ...)."""
+
+    def __init__(self, job: RolloutJob, withdraw: Callable[[RolloutHandle], Awaitable[bool]]) -> None:
+        self.job = job
+        self.stream_seq: int | None = None  # where the job is stored; None for a duplicate submit
+        self._withdraw = withdraw
+        self._future: asyncio.Future[RolloutResult] = asyncio.get_running_loop().create_future()
+
+    @property
+    def idempotency_key(self) -> str:
+        return self.job.idempotency_key
+
+    @property
+    def job_id(self) -> str:
+        return self.job.job_id
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def __await__(self) -> Generator[Any, None, RolloutResult]:
+        return self._future.__await__()
+
+    async def result(self, timeout: float | None = None) -> RolloutResult:
+        return await asyncio.wait_for(asyncio.shield(self._future), timeout)
+
+    async def cancel(self) -> bool:
+        """Withdraw the job if no worker has taken it yet; returns whether it was withdrawn."""
+        removed = await self._withdraw(self)
+        self.set_error(asyncio.CancelledError())
+        return removed
+
+    # -- settled by the client that owns the handle --------------------------------------------
+
+    def set_result(self, result: RolloutResult) -> bool:
+        """Settle with a result; False if the handle was already settled."""
+        if self._future.done():
+            return False
+        self._future.set_result(result)
+        return True
+
+    def set_error(self, exc: BaseException) -> bool:
+        """Settle with an error; False if the handle was already settled."""
+        if self._future.done():
+            return False
+        self._future.set_exception(exc)
+        self._future.exception()  # retrieved: an unawaited failed handle does not warn at exit
+        return True
