@@ -107,7 +107,14 @@ async def test_cluster_round_trip_across_nodes(cluster: LocalCluster, ns: str) -
         )
         tjs, wjs, rjs = trainer.jetstream(), worker.jetstream(), reader.jetstream()
 
-        ack = await tjs.publish(names.job_subject("min", 0), b"job-1", headers={"Nats-Msg-Id": "k1"})
+        # A new R3 stream answers once its leader is elected: the first store may need a retry.
+        ack = await wait_until(
+            lambda: tjs.publish(names.job_subject("min", 0), b"job-1", headers={"Nats-Msg-Id": "k1"}),
+            20,
+            what="the first store on the new R3 stream",
+            interval=0.2,
+            retry_errors=True,
+        )
         assert ack.stream == names.jobs_stream
         # The same idempotency key again is a duplicate, not a second job (R3 dedup).
         assert (await tjs.publish(names.job_subject("min", 0), b"job-1", headers={"Nats-Msg-Id": "k1"})).duplicate

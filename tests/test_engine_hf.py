@@ -218,6 +218,11 @@ async def test_activation_mid_request_copies_only_changed_tensors(engine: HFEngi
     old_steps = sum(1 for _, v, rids in engine.step_log if "r" in rids and v == 0)
     out = result.outputs[0]
     assert 0 < old_steps < len(out.token_ids)
+    # Per-token attribution: the tokens before the activation came from v0, the rest from v1.
+    assert [(w.version, w.start, w.end) for w in out.weight_versions] == [
+        (0, 0, old_steps),
+        (1, old_steps, len(out.token_ids)),
+    ]
     assert out.logprobs is not None
     new_lp = forward_logprobs(engine, out.token_ids)
     assert out.logprobs[old_steps:] == pytest.approx(new_lp[old_steps:], abs=1e-4)

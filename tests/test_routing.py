@@ -7,7 +7,8 @@ import pytest
 from rollfleet.schemas.errors import NoCompatibleReplica
 from rollfleet.testing import running_worker
 from rollfleet.trainer_client import RolloutClient
-from rollfleet.workers.scheduler import SubjectScheduler, compatible
+from rollfleet.workers.scheduler import SubjectScheduler
+from rollfleet.workers.serving import ServedVersion, compatible
 from tests.helpers import payload
 
 
@@ -46,8 +47,8 @@ def test_worker_subjects_are_exact_w_and_min_up_to_w() -> None:
 
 
 def test_scheduler_prefers_constrained_work_and_ages_loose_work() -> None:
-    live = [5]
-    s = SubjectScheduler(version=lambda: live[0], aging_s=2.0)
+    served = ServedVersion(5)
+    s = SubjectScheduler(served, aging_s=2.0)
     for subject in [("min", 1), ("exact", 5), ("min", 4), ("exact", 3), ("min", 7)]:
         s.note_pending(subject, now=0.0)  # type: ignore[arg-type]
     # exact-3 and min-7 are not ours; exact first, then the highest min
@@ -58,6 +59,6 @@ def test_scheduler_prefers_constrained_work_and_ages_loose_work() -> None:
     assert s.order(now=2.5)[0] == ("min", 1)
     s.note_empty(("min", 1))
     assert ("min", 1) not in s.order(now=3.0)
-    live[0] = 6  # the engine activated version 6
+    served.version = 6  # version 6 was activated and announced
     s.note_pending(("exact", 5), now=3.0)
     assert ("exact", 5) not in s.order(now=3.0)

@@ -190,3 +190,16 @@ def test_errors_have_stable_codes_and_retryable_flags() -> None:
         assert type(err) is cls and err.code == code and err.retryable is retryable
         assert isinstance(err, E.RollfleetError)
     assert type(error_from_code("something-new", "m")) is E.InternalError
+
+
+def test_version_spans_merge_runs_and_round_trip() -> None:
+    from rollfleet.schemas import version_spans
+
+    assert version_spans([]) == []
+    spans = version_spans([3, 3, 3, 4, 4, 6])
+    assert [(w.version, w.start, w.end) for w in spans] == [(3, 0, 3), (4, 3, 5), (6, 5, 6)]
+    c = Completion(token_ids=[1, 2, 3, 4, 5, 6], finish_reason="length", weight_versions=spans)
+    assert decode(encode(c), Completion) == c
+    # Engines that cannot tell send no spans, and the field costs nothing on the wire then.
+    bare = Completion(token_ids=[1], finish_reason="stop")
+    assert b"weight_versions" not in encode(bare)

@@ -21,6 +21,8 @@ from rollfleet.schemas.messages import (
     VersionEvent,
     VersionPublished,
     VersionRecord,
+    VersionSpan,
+    version_spans,
 )
 from rollfleet.schemas.names import Names, check_token, key_token
 
@@ -45,6 +47,7 @@ __all__ = [
     "VersionEvent",
     "VersionPublished",
     "VersionRecord",
+    "VersionSpan",
     "check_job",
     "check_payload",
     "check_token",
@@ -54,4 +57,5 @@ __all__ = [
     "encode",
     "error_from_code",
     "key_token",
+    "version_spans",
 ]

@@ -7,6 +7,7 @@ field of the wrong type is an error, never a silently wrong value.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import msgspec
@@ -71,11 +72,34 @@ class RolloutJob(msgspec.Struct, kw_only=True):
     schema: int = SCHEMA_VERSION
 
 
+class VersionSpan(msgspec.Struct, kw_only=True, frozen=True):
+    """Output tokens ``[start, end)`` of a completion were generated at policy ``version``
+    (the shape of SGLang's ``meta_info.weight_versions``, with integer versions)."""
+
+    version: int
+    start: int
+    end: int
+
+
+def version_spans(token_versions: Iterable[int]) -> list[VersionSpan]:
+    """The spans of a sequence of per-token versions (consecutive equal versions merge)."""
+    spans: list[VersionSpan] = []
+    for i, v in enumerate(token_versions):
+        if spans and spans[-1].version == v:
+            spans[-1] = VersionSpan(version=v, start=spans[-1].start, end=i + 1)
+        else:
+            spans.append(VersionSpan(version=v, start=i, end=i + 1))
+    return spans
+
+
 class Completion(msgspec.Struct, kw_only=True, omit_defaults=True):
     token_ids: list[int]
     finish_reason: FinishReason
     logprobs: list[float] | None = None  # log-prob of each sampled token, when the engine gives it
     text: str | None = None
+    # Which policy version produced which tokens; two or more spans when an activation landed
+    # mid-generation. Empty when the engine cannot tell (then version_start/end bound it).
+    weight_versions: list[VersionSpan] = msgspec.field(default_factory=list)
 
 
 class RolloutResult(msgspec.Struct, tag="result", kw_only=True):

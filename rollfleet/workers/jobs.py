@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
@@ -26,6 +25,7 @@ from rollfleet.schemas.errors import EngineFailure, Expired, Interrupted, Invali
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, check_token
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.metrics import WorkerMetrics
+from rollfleet.workers.serving import ServedVersion
 
 _RESULT_PUBLISH_BUDGET_S = 20.0  # then the job stays unacked and is redelivered
 
@@ -44,7 +44,7 @@ class JobRunner:
         ack_wait_s: float,
         metrics: WorkerMetrics,
         log: Any,
-        version: Callable[[], int],
+        served: ServedVersion,
     ) -> None:
         self._js = js
         self._names = names
@@ -54,7 +54,7 @@ class JobRunner:
         self._ack_wait_s = ack_wait_s
         self._metrics = metrics
         self._log = log
-        self._version = version  # the live version, read from its one owner (the engine)
+        self._served = served
         self._held: dict[int, tuple[Msg, float]] = {}  # running jobs' messages, for progress acks
         self._ids = itertools.count()
         self.jobs_done = 0
@@ -83,9 +83,8 @@ class JobRunner:
             await self.answer_failure(client_id, key, exc, attempt)
             await msg.term()
             return
-        version = self._version()
-        log = log.bind(job_id=job.job_id, idempotency_key=job.idempotency_key, version=version)
-        if not job.constraint.allows(version):  # only after a version change raced the pull
+        log = log.bind(job_id=job.job_id, idempotency_key=job.idempotency_key, version=self._served.version)
+        if not self._served.allows(job.constraint):  # only after a version change raced the pull
             await msg.nak()
             return
         if time.time() > job.deadline:

@@ -8,35 +8,28 @@ starves behind a steady stream of tight work.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rollfleet.schemas import ConstraintKind
+from rollfleet.workers.serving import ServedVersion, Subject, compatible
 
-Subject = tuple[ConstraintKind, int]
-
-
-def compatible(version: int, subject: Subject) -> bool:
-    kind, v = subject
-    return v == version if kind == "exact" else v <= version
+__all__ = ["Subject", "SubjectScheduler", "compatible"]
 
 
 @dataclass
 class SubjectScheduler:
-    version: Callable[[], int]  # the worker's live version, read from its one owner
+    served: ServedVersion
     aging_s: float = 5.0
     # subject -> when it was first seen with work we have not pulled since
     _waiting_since: dict[Subject, float] = field(default_factory=dict)
 
     def _prune(self) -> None:
         """Forget subjects the live version can no longer serve (it moved on)."""
-        version = self.version()
-        for subject in [s for s in self._waiting_since if not compatible(version, s)]:
+        for subject in [s for s in self._waiting_since if not self.served.accepts(s)]:
             del self._waiting_since[subject]
 
     def note_pending(self, subject: Subject, now: float) -> bool:
         """Work may be waiting on ``subject``; returns whether this worker may serve it."""
-        if not compatible(self.version(), subject):
+        if not self.served.accepts(subject):
             return False
         self._waiting_since.setdefault(subject, now)
         return True

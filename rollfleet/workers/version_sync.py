@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 
@@ -30,6 +30,7 @@ from rollfleet.schemas.errors import PolicyError, RollfleetError
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.registry import Registration
+from rollfleet.workers.serving import ServedVersion
 
 
 class VersionSync:
@@ -38,11 +39,12 @@ class VersionSync:
         js: JetStreamContext,
         names: Names,
         engine: Engine,
+        served: ServedVersion,
         store_dir: Path,
         local_dir: Path,
         *,
         worker_id: str,
-        on_activated: Callable[[int], Awaitable[None]],
+        on_activated: Callable[[], None],
         resync_s: float = 5.0,
         pre_read_hook: str | None = None,
         metrics: WorkerMetrics | None = None,
@@ -51,10 +53,11 @@ class VersionSync:
         self._js = js
         self._names = names
         self._engine = engine
+        self._served = served
         self.store_dir = Path(store_dir)
         self.local_dir = Path(local_dir)
         self._worker_id = worker_id
-        self._on_activated = on_activated  # the worker switches its subjects here
+        self._on_activated = on_activated  # wakes the worker's pull loop for the new subjects
         self._resync_s = resync_s
         self._pre_read_hook = pre_read_hook
         self._metrics = metrics
@@ -123,7 +126,7 @@ class VersionSync:
             except Exception as exc:
                 self.log.debug("reading latest failed", error=str(exc))
                 continue
-            if latest is None or latest <= self._engine.version:
+            if latest is None or latest <= self._served.version:
                 continue
             if self._failed_version is not None and latest <= self._failed_version:
                 continue  # that version failed here; wait for the next one
@@ -132,7 +135,7 @@ class VersionSync:
     # -- prepare, activate, announce --------------------------------------------------------
     async def update_to(self, target: int) -> VersionActivated | None:
         assert self._registration is not None
-        previous = self._engine.version
+        previous = self._served.version
         log = self.log.bind(version=target, previous_version=previous)
         await self._registration.write(state="preparing", preparing_version=target)
         t0 = time.perf_counter()
@@ -180,19 +183,17 @@ class VersionSync:
             self._metrics.density.set(result.density)
             self._metrics.activations.inc()
         self._failed_version = None
-        # Advertise only now: registry, announcement, then the new version's subjects.
-        await self._on_activated(result.version)
-        await self._registration.write(
-            state="ready",
-            preparing_version=None,
-            degraded_reason=None,  # active_version: from the engine
-        )
         if self._verify_live:
             # After resume, off the pause: hashing every live tensor is not free.
             live = await asyncio.to_thread(self._engine.live_checksums)
             activation.weights_digest = weights_digest(live) if live is not None else None
+        # Advertise, then serve: the registry entry and the announcement say the new version
+        # before the worker takes a single job for it.
+        self._served.version = result.version
+        await self._registration.write(state="ready", preparing_version=None, degraded_reason=None)
         with suppress(Exception):
             await self._js.publish(self._names.versions_activated, encode(activation))
+        self._on_activated()
         log.info(
             "activated",
             prepare_s=round(prepare_s, 4),

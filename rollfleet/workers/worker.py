@@ -46,7 +46,8 @@ from rollfleet.workers.engines import Engine
 from rollfleet.workers.jobs import JobRunner
 from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.registry import Registration
-from rollfleet.workers.scheduler import Subject, SubjectScheduler, compatible
+from rollfleet.workers.scheduler import SubjectScheduler
+from rollfleet.workers.serving import ServedVersion, Subject
 from rollfleet.workers.version_sync import VersionSync
 
 
@@ -86,7 +87,8 @@ class Worker:
         self.config = config
         self.engine = engine
         self.names = Names(config.namespace)
-        self.scheduler = SubjectScheduler(lambda: self.engine.version, aging_s=config.aging_s)
+        self.served = ServedVersion(config.version)  # routing, the registry and version sync read it
+        self.scheduler = SubjectScheduler(self.served, aging_s=config.aging_s)
         self.log = get_logger("rollfleet.worker", worker_id=config.worker_id, namespace=config.namespace)
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
@@ -124,7 +126,7 @@ class Worker:
             ack_wait_s=cfg.topology.ack_wait_s,
             metrics=self.metrics,
             log=self.log,
-            version=lambda: self.engine.version,
+            served=self.served,
         )
         now = time.time()
         status = ReplicaStatus(
@@ -149,6 +151,7 @@ class Worker:
                 self.js,
                 self.names,
                 self.engine,
+                self.served,
                 cfg.store_dir,
                 cfg.local_dir or Path(f".rollfleet/replicas/{cfg.worker_id}"),
                 worker_id=cfg.worker_id,
@@ -159,9 +162,10 @@ class Worker:
                 verify_live=cfg.verify_live,
             )
             caught_up = await self.sync.catch_up(cfg.catch_up_wait_s, self.registration)
-            await self.engine.start(self.sync.local_dir, caught_up.version)
+            self.served.version = caught_up.version
+            await self.engine.start(self.sync.local_dir, self.served.version)
         else:
-            await self.engine.start(cfg.model_dir, cfg.version)
+            await self.engine.start(cfg.model_dir, self.served.version)
         await self.nc.subscribe(self.names.bell_wildcard, cb=self._on_bell)
         await self.registration.write(state="ready", preparing_version=None)
         if self.sync is not None:
@@ -176,8 +180,8 @@ class Worker:
 
     @property
     def version(self) -> int:
-        """The live version: the engine owns it; routing, the registry and version sync read it."""
-        return self.engine.version
+        """The version this worker serves and advertises (``served`` owns it)."""
+        return self.served.version
 
     @property
     def jobs_done(self) -> int:
@@ -187,9 +191,9 @@ class Worker:
     def outcomes(self) -> dict[str, int]:
         return dict(self.jobs.outcomes) if self.jobs is not None else {}
 
-    async def _activated(self, version: int) -> None:
-        """The engine serves ``version`` now: pull its subjects from here on."""
-        self.metrics.active_version.set(version)
+    def _activated(self) -> None:
+        """A version was activated and announced: pull its subjects from here on."""
+        self.metrics.active_version.set(self.version)
         self._wake.set()
 
     def _on_reconnect(self) -> None:
@@ -294,7 +298,7 @@ class Worker:
     def _hot_subjects(self, now: float) -> list[Subject]:
         """Where work is likely to arrive: this version's own subjects and recently busy ones."""
         for subject in [
-            s for s, t in self._hot.items() if now - t > self.config.hot_s or not compatible(self.version, s)
+            s for s, t in self._hot.items() if now - t > self.config.hot_s or not self.served.accepts(s)
         ]:
             del self._hot[subject]
         recent = sorted(self._hot, key=self._hot.__getitem__, reverse=True)[: self.config.max_waiting_pulls]
@@ -329,7 +333,7 @@ class Worker:
     async def _pull_backlog(self, free: int, now: float) -> bool:
         """Pull from the best subject with known backlog; True if that changed anything."""
         for subject in self.scheduler.order(now):
-            if self._stopping.is_set() or not compatible(self.version, subject):
+            if self._stopping.is_set() or not self.served.accepts(subject):
                 return False
             puller = await self._puller(subject)
             if puller.busy:  # a waiting request there already takes whatever arrives

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollfleet.schemas import Completion, RolloutPayload
+from rollfleet.schemas import Completion, RolloutPayload, version_spans
 from rollfleet.workers.engines.base import Engine, EngineHealth, Generation
 
 
@@ -32,7 +32,6 @@ class EchoEngine(Engine):
 
     async def generate(self, request_id: str, payload: RolloutPayload) -> Generation:
         await self._running.wait()
-        version_start = self.version
         if payload.prompt_token_ids is not None:
             prompt = list(payload.prompt_token_ids)
         else:
@@ -43,6 +42,7 @@ class EchoEngine(Engine):
         stops = set(payload.sampling.stop_token_ids)
         for sample in range(payload.n):
             tokens: list[int] = []
+            versions: list[int] = []
             finish = "length"
             for i in range(payload.sampling.max_tokens):
                 if not self._running.is_set():
@@ -54,6 +54,7 @@ class EchoEngine(Engine):
                     await asyncio.sleep(self.per_token_s)
                 tok = (sum(prompt) + sample + i) % self.vocab
                 tokens.append(tok)
+                versions.append(self.version)
                 if tok in stops:
                     finish = "stop"
                     break
@@ -64,10 +65,14 @@ class EchoEngine(Engine):
                     finish_reason=finish,  # type: ignore[arg-type]
                     logprobs=[0.0] * len(tokens) if payload.sampling.logprobs else None,
                     text=text,
+                    weight_versions=version_spans(versions),
                 )
             )
         self._aborted.discard(request_id)
-        return Generation(outputs, version_start, self.version, prompt_tokens=len(prompt))
+        ran = [c.weight_versions for c in outputs if c.weight_versions]
+        version_start = min((w[0].version for w in ran), default=self.version)
+        version_end = max((w[-1].version for w in ran), default=self.version)
+        return Generation(outputs, version_start, version_end, prompt_tokens=len(prompt))
 
     async def pause(self) -> None:
         self._running.clear()

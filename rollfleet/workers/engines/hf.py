@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from rollfleet.schemas import Completion, RolloutPayload, SamplingParams
+from rollfleet.schemas import Completion, RolloutPayload, SamplingParams, version_spans
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest, RollfleetError
 from rollfleet.schemas.limits import check_payload
 from rollfleet.workers.engines import _weights
@@ -51,9 +51,8 @@ class _Seq:
     gen: torch.Generator | None
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the live version at each generated token
     finish: str | None = None
-    first_version: int | None = None
-    last_version: int | None = None
 
 
 @dataclass(eq=False)
@@ -312,15 +311,16 @@ class HFEngine(Engine):
         if any(s.finish is None for s in req.seqs) or req.future.done():
             return
         self._requests.pop(req.rid, None)
-        ran = [s for s in req.seqs if s.first_version is not None]
-        v_start = min((s.first_version for s in ran), default=self.version)  # type: ignore[type-var]
-        v_end = max((s.last_version for s in ran), default=self.version)  # type: ignore[type-var]
+        ran = [s for s in req.seqs if s.versions]
+        v_start = min((s.versions[0] for s in ran), default=self.version)
+        v_end = max((s.versions[-1] for s in ran), default=self.version)
         outputs = [
             Completion(
                 token_ids=list(s.out),
                 finish_reason=s.finish,  # type: ignore[arg-type]
                 logprobs=list(s.logprobs) if req.params.logprobs else None,
                 text=self.tokenizer.decode(s.out) if req.want_text and self.tokenizer is not None else None,
+                weight_versions=version_spans(s.versions),
             )
             for s in req.seqs
         ]
@@ -379,9 +379,7 @@ class HFEngine(Engine):
     def _advance(self, seq: _Seq, token: int, logprob: float, version: int) -> None:
         if seq.finish is not None:  # aborted while its step ran
             return
-        if seq.first_version is None:
-            seq.first_version = version
-        seq.last_version = version
+        seq.versions.append(version)
         seq.tokens.append(token)
         seq.out.append(token)
         seq.logprobs.append(logprob)
