@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from rollfleet.broker.watch import watch_keys
 from rollfleet.policy_store import MaterializeResult, materialize
 from rollfleet.policy_store.digest import weights_digest
 from rollfleet.runtime import faults
-from rollfleet.runtime.aio import stop_tasks
+from rollfleet.runtime.aio import in_daemon_thread, stop_tasks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, VersionActivated, encode
 from rollfleet.schemas.errors import PolicyError, RollfleetError
@@ -45,6 +45,8 @@ class VersionSync:
         *,
         worker_id: str,
         on_activated: Callable[[], None],
+        drain_exact: Callable[[int, float], Awaitable[tuple[float, int]]] | None = None,
+        exact_drain_s: float = 30.0,
         resync_s: float = 5.0,
         pre_read_hook: str | None = None,
         metrics: WorkerMetrics | None = None,
@@ -58,6 +60,8 @@ class VersionSync:
         self.local_dir = Path(local_dir)
         self._worker_id = worker_id
         self._on_activated = on_activated  # wakes the worker's pull loop for the new subjects
+        self._drain_exact = drain_exact  # waits for (then hands back) exact jobs of the old version
+        self._exact_drain_s = exact_drain_s
         self._resync_s = resync_s
         self._pre_read_hook = pre_read_hook
         self._metrics = metrics
@@ -84,7 +88,7 @@ class VersionSync:
         if registration is not None:  # clients see a replica preparing `target`, not an empty fleet
             await registration.write(preparing_version=target)
         t0 = time.perf_counter()
-        result = await asyncio.to_thread(
+        result = await in_daemon_thread(
             materialize, self.local_dir, self.store_dir, target, pre_read_hook=self._pre_read_hook
         )
         self.log.info(
@@ -140,7 +144,7 @@ class VersionSync:
         await self._registration.write(state="preparing", preparing_version=target)
         t0 = time.perf_counter()
         try:
-            result = await asyncio.to_thread(
+            result = await in_daemon_thread(
                 materialize, self.local_dir, self.store_dir, target, pre_read_hook=self._pre_read_hook
             )
             await self._engine.prepare_weights(self.local_dir, result.changed, result.version)
@@ -155,13 +159,29 @@ class VersionSync:
             return None
         prepare_s = time.perf_counter() - t0
         faults.point("worker:before-activation")
+        # From here exact jobs for `previous` are no longer taken; those running may finish
+        # (bounded), so that every exact job runs entirely at its version or not at all.
+        self._served.activating = result.version
+        drain_s, handed_back = 0.0, 0
+        if self._drain_exact is not None:
+            drain_s, handed_back = await self._drain_exact(previous, self._exact_drain_s)
         t1 = time.perf_counter()
-        await self._engine.pause()  # returns at the next step boundary; generation runs until then
-        t2 = time.perf_counter()
         try:
-            await self._engine.load_weights(self.local_dir, result.changed, result.version)
-        finally:
-            await self._engine.resume()
+            await self._engine.pause()  # returns at the next step boundary; generation runs until then
+            t2 = time.perf_counter()
+            try:
+                await self._engine.load_weights(self.local_dir, result.changed, result.version)
+            finally:
+                await self._engine.resume()
+        except (RollfleetError, OSError) as exc:
+            self._served.activating = None
+            self._failed_version = target
+            self.failures.append(reason := f"{getattr(exc, 'code', type(exc).__name__)}: {exc}")
+            log.warning("activation failed; still serving the current version", error=str(exc))
+            await self._registration.write(
+                state="degraded", preparing_version=None, degraded_reason=f"activation of {target} failed: {reason}"
+            )
+            return None
         pause_s = time.perf_counter() - t2  # the stall: no step runs between pause and resume
         pause_wait_s = t2 - t1
         activation = VersionActivated(
@@ -174,6 +194,8 @@ class VersionSync:
             density=result.density,
             activated_at=time.time(),
             changed_tensors=len(result.changed),
+            drain_s=drain_s,
+            handed_back=handed_back,
         )
         self.activations.append(activation)
         if self._metrics is not None:
@@ -182,23 +204,28 @@ class VersionSync:
             self._metrics.wire_bytes.inc(result.wire_bytes)
             self._metrics.density.set(result.density)
             self._metrics.activations.inc()
+            self._metrics.drain.observe(drain_s)
         self._failed_version = None
         if self._verify_live:
             # After resume, off the pause: hashing every live tensor is not free.
             live = await asyncio.to_thread(self._engine.live_checksums)
             activation.weights_digest = weights_digest(live) if live is not None else None
-        # Advertise, then serve: the registry entry and the announcement say the new version
+        # Announce, then serve: the registry entry and the announcement say the new version
         # before the worker takes a single job for it.
-        self._served.version = result.version
-        await self._registration.write(state="ready", preparing_version=None, degraded_reason=None)
+        await self._registration.write(
+            state="ready", active_version=result.version, preparing_version=None, degraded_reason=None
+        )
         with suppress(Exception):
             await self._js.publish(self._names.versions_activated, encode(activation))
+        self._served.version, self._served.activating = result.version, None
         self._on_activated()
         log.info(
             "activated",
             prepare_s=round(prepare_s, 4),
             pause_s=round(pause_s, 5),
             pause_wait_s=round(pause_wait_s, 5),
+            drain_s=round(drain_s, 4),
+            handed_back=handed_back,
             wire_bytes=result.wire_bytes,
             density=round(result.density, 6),
             changed_tensors=len(result.changed),
