@@ -17,9 +17,10 @@ DEV_CERTS_SCRIPT = BROKER_CONFIG / "tls" / "make-dev-certs.sh"
 
 # Passwords and tokens the auth configs read from the environment.
 TEST_SECRETS = {
-    "ROLLFLEET_TRAINER_PASSWORD": "trainer-secret",
-    "ROLLFLEET_WORKER_PASSWORD": "worker-secret",
-    "ROLLFLEET_SYS_PASSWORD": "sys-secret",
+    "ROLLFLEET_PASSWORD_TRAINER": "trainer-secret",
+    "ROLLFLEET_PASSWORD_W1": "w1-secret",
+    "ROLLFLEET_PASSWORD_W2": "w2-secret",
+    "ROLLFLEET_PASSWORD_SYS": "sys-secret",
     "ROLLFLEET_TOKEN": "s3cr3t-token-for-tests",
 }
 

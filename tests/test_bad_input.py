@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import msgspec
 import pytest
 
-from rollfleet.schemas import Names, RolloutJob, VersionConstraint, encode
+from rollfleet.schemas import Names, RolloutJob, RolloutPayload, SamplingParams, VersionConstraint, encode
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
 from rollfleet.testing import running_worker, wait_until
@@ -92,5 +97,60 @@ async def test_client_rejects_bad_requests_before_queueing(nats_url: str, namesp
             await client.submit(payload(), min_version=0, retry_policy="sometimes")  # type: ignore[arg-type]
         with pytest.raises(InvalidRequest, match="over the limit"):
             await client.submit(payload(list(range(50_000))), min_version=0)
+        # Nothing is coerced: a float version, a zero time-out, wrong types all say what is wrong.
+        bad: list[tuple[dict[str, Any], str]] = [
+            ({"exact_version": 1.7}, "exact_version must be an integer"),
+            ({"min_version": True}, "min_version must be an integer"),
+            ({"min_version": "3"}, "min_version must be an integer"),
+            ({"min_version": 2**70}, r"min_version must be in \[0, 2\*\*63\)"),
+            ({"min_version": -1}, r"min_version must be in"),
+            ({"max_staleness": 0.5}, "max_staleness must be an integer"),
+            ({"min_version": 0, "timeout": 0}, "timeout must be > 0"),
+            ({"min_version": 0, "timeout": -3}, "timeout must be > 0"),
+            ({"min_version": 0, "timeout": float("nan")}, "timeout must be a finite number"),
+            ({"min_version": 0, "timeout": "60"}, "timeout must be a finite number"),
+            ({"min_version": 0, "deadline": 1.0}, "not in the future"),
+            ({"min_version": 0, "idempotency_key": 5}, "idempotency_key must be a string"),
+            ({"min_version": 0, "session_id": "a.b"}, "session_id"),
+        ]
+        for kwargs, message in bad:
+            with pytest.raises(InvalidRequest, match=message):
+                await client.submit(payload(), **kwargs)
+        with pytest.raises(InvalidRequest, match="payload must be a RolloutPayload"):
+            await client.submit({"prompt_token_ids": [1]}, min_version=0)  # type: ignore[arg-type]
+        wrong_types = [
+            RolloutPayload(prompt_token_ids=["a", "b"]),  # type: ignore[list-item]
+            RolloutPayload(prompt_token_ids=[2**70]),
+            RolloutPayload(prompt_token_ids=[1], sampling=SamplingParams(temperature="hot")),  # type: ignore[arg-type]
+            RolloutPayload(prompt_token_ids=[1], sampling=None),  # type: ignore[arg-type]
+            RolloutPayload(prompt_token_ids=[1], n="2"),  # type: ignore[arg-type]
+        ]
+        for wrong in wrong_types:
+            with pytest.raises(InvalidRequest):
+                await client.submit(wrong, min_version=0)
         info = await client.js.stream_info(client.names.jobs_stream)
         assert info.state.messages == 0
+        # An explicit time-out is the time-out (0.5 s here, not the 600 s default).
+        handle = await client.submit(payload(), min_version=99, timeout=0.5)
+        assert handle.job.deadline - handle.job.submitted_at == pytest.approx(0.5)
+
+
+def test_cli_refuses_bad_worker_settings_in_one_line(tmp_path: Path) -> None:
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    cases = [
+        (["--capacity", "0"], "must be at least 1"),
+        (["--capacity", "two"], "expected a whole number"),
+        (["--local-dir", str(blocked / "sub")], "--local-dir"),
+        (["--exact-drain", "-1"], "--exact-drain must be >= 0"),
+    ]
+    for args, message in cases:
+        out = subprocess.run(
+            [sys.executable, "-m", "rollfleet", "worker", "--nats", "nats://127.0.0.1:1", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 2, (args, out.stderr)
+        last = out.stderr.strip().splitlines()[-1]  # (argparse prints its usage first)
+        assert last.startswith("rollfleet") and message in last and "Traceback" not in out.stderr, out.stderr

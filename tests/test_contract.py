@@ -195,3 +195,27 @@ async def test_randomized_schedule_never_serves_outside_a_constraint(
             assert isinstance(outcome, (Expired, NoCompatibleReplica)), repr(outcome)
             assert isinstance(outcome, RollfleetError) and outcome.retryable
     assert served >= len(handles) // 2, f"only {served}/{len(handles)} served: the schedule tested little"
+
+
+async def test_an_exact_job_no_replica_will_serve_fails_fast_instead_of_waiting_for_its_deadline(
+    nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
+) -> None:
+    """The only replica is busy, so an exact-0 job waits in the queue; then the replica moves to
+    version 1. Nobody will ever serve that job: the client withdraws it and says so within seconds."""
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        await client.publish_policy(publisher, tensors_at(0))
+        engine = EchoEngine(per_token_s=0.02)
+        async with running_worker(nats_url, namespace, engine=engine, capacity=1, **follower(tmp_path, "a")) as w:
+            busy = await client.submit(long_job(60), min_version=0)  # ~1.2 s, holds the only slot
+            assert w.jobs is not None
+            await wait_until(lambda: len(w.jobs.running) == 1, 10)
+            queued = await client.submit(long_job(3), exact_version=0, timeout=60)
+            await client.publish_policy(publisher, tensors_at(1))
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(NoCompatibleReplica):
+                await queued.result(30)
+            took = asyncio.get_running_loop().time() - t0
+            assert (await busy.result(10)).version_start == 0
+            stored = await client.js.stream_info(client.names.jobs_stream)
+    assert took < 10, took  # not the 60 s deadline
+    assert stored.state.messages == 0  # withdrawn: no worker will find it later

@@ -17,7 +17,14 @@ import nats
 import nats.errors
 import pytest
 
-from rollfleet.broker import EmbeddedBroker, ensure_job_consumer, ensure_topology, free_port
+from rollfleet.broker import (
+    EmbeddedBroker,
+    TopologyConfig,
+    bind_job_consumer,
+    ensure_job_consumer,
+    ensure_topology,
+    free_port,
+)
 from rollfleet.broker.connection import connect
 from rollfleet.schemas import Names
 from rollfleet.testing import make_dev_certs, start_worker_process, terminate, wait_until
@@ -27,8 +34,9 @@ pytestmark = pytest.mark.timeout(120)
 
 # The namespace the permissions example is written for (JetStream names cannot be wildcarded).
 NS = "run1"
-TRAINER = ("trainer", TEST_SECRETS["ROLLFLEET_TRAINER_PASSWORD"])
-WORKER = ("worker", TEST_SECRETS["ROLLFLEET_WORKER_PASSWORD"])
+TRAINER = ("trainer", TEST_SECRETS["ROLLFLEET_PASSWORD_TRAINER"])
+WORKER = ("w1", TEST_SECRETS["ROLLFLEET_PASSWORD_W1"])
+OTHER_WORKER = ("w2", TEST_SECRETS["ROLLFLEET_PASSWORD_W2"])
 REFUSED_WAIT = 1.0  # a refused publish is dropped by the server: its ack simply never comes
 
 
@@ -75,8 +83,10 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
     async def on_error(exc: Exception) -> None:
         violations.append(str(exc))
 
-    trainer = await nats.connect(with_user(perm_broker.url, TRAINER))
-    worker = await nats.connect(with_user(perm_broker.url, WORKER), error_cb=on_error)
+    trainer = await nats.connect(with_user(perm_broker.url, TRAINER), inbox_prefix=names.inbox_prefix("trainer"))
+    worker = await nats.connect(
+        with_user(perm_broker.url, WORKER), error_cb=on_error, inbox_prefix=names.inbox_prefix("worker")
+    )
     try:
         # The trainer declares the namespace, submits a job and commits version 0.
         tjs = trainer.jetstream(timeout=5)
@@ -86,10 +96,13 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
         await policy.put(names.version_key(0), b"v0")
         await policy.put(names.LATEST_KEY, b"0")
 
+        await ensure_job_consumer(tjs, names, "min", 0)  # the trainer creates the shared consumers
+
         # What a worker needs works: bind, pull, store a result, ack, register, read versions.
         wjs = worker.jetstream(timeout=5)
         assert await ensure_topology(wjs, names) == []  # already declared: read-only checks
-        consumer = await ensure_job_consumer(wjs, names, "min", 0)
+        consumer = await bind_job_consumer(wjs, names, "min", 0)
+        assert consumer is not None
         sub = await wjs.pull_subscribe_bind(consumer, stream=names.jobs_stream)
         [job] = await sub.fetch(1, timeout=5)
         result_subject = names.result_subject("trainer-0", "k1")
@@ -97,7 +110,9 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
         await job.ack_sync()
         assert (await wjs.get_last_msg(names.results_stream, result_subject, direct=True)).data == b"result"
         fleet = await wjs.key_value(names.fleet_bucket)
-        await fleet.put(names.replica_key("w1"), b"{}")
+        await fleet.put(names.replica_key("w1"), b"{}")  # its own registry entry
+        claims = await wjs.key_value(names.claims_bucket)
+        await claims.create("job-1", b"w1")  # an at_most_once claim
         worker_policy = await wjs.key_value(names.policy_bucket)
         assert (await worker_policy.get(names.LATEST_KEY)).value == b"0"
         await worker.publish(names.versions_activated, b"{}")
@@ -113,6 +128,23 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
         await worker.publish(names.versions_published, b"fake announcement")
         with pytest.raises(nats.errors.TimeoutError):
             await refused.delete_stream(names.jobs_stream)
+        # Another replica's registry entry: neither overwritten nor deleted.
+        with pytest.raises(nats.errors.TimeoutError):
+            await (await refused.key_value(names.fleet_bucket)).put(names.replica_key("w2"), b"{}")
+        with pytest.raises(nats.errors.TimeoutError):
+            await (await refused.key_value(names.fleet_bucket)).delete(names.replica_key("w2"))
+        # The shared job consumer: not re-created with other settings (max_deliver 1, ack_wait 0.5 s).
+        with pytest.raises(nats.errors.TimeoutError):
+            await refused.add_consumer(
+                names.jobs_stream, TopologyConfig(max_deliver=1, ack_wait_s=0.5).job_consumer_config(names, "min", 0)
+            )
+        # Another namespace's results: no forging.
+        with pytest.raises(nats.errors.TimeoutError):
+            await refused.publish(Names("run2").result_subject("trainer-0", "k"), b"forged")
+        # Other roles' replies (job deliveries to other replicas, of any namespace): not readable.
+        await worker.subscribe("_INBOX.>")
+        await worker.subscribe(Names("run2").inbox_prefix("worker") + ".>")
+        await worker.subscribe(names.inbox_prefix("trainer") + ".>")
         await worker.flush()
 
         async def all_reported() -> bool:
@@ -123,8 +155,13 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
                 names.job_subject("exact", 1),
                 names.versions_published,
                 f"$JS.API.STREAM.DELETE.{names.jobs_stream}",
+                f"$KV.{names.fleet_bucket}.{names.replica_key('w2')}",
+                f"$JS.API.CONSUMER.CREATE.{names.jobs_stream}.min-0.rf.run1.jobs.min.0",
+                Names("run2").result_subject("trainer-0", "k"),
             ):
                 assert f'permissions violation for publish to "{subject.lower()}"' in text, (subject, violations)
+            for subject in ("_INBOX.>", "_INBOX.run2.worker.>", "_INBOX.run1.trainer.>"):
+                assert f'permissions violation for subscription to "{subject.lower()}"' in text, (subject, violations)
             return True
 
         await wait_until(
@@ -133,6 +170,8 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
 
         # Nothing the worker attempted was stored: the trainer's view is unchanged.
         assert (await policy.get(names.LATEST_KEY)).value == b"0"
+        info = await tjs.consumer_info(names.jobs_stream, "min-0")
+        assert info.config.max_deliver == TopologyConfig().max_deliver and info.config.ack_wait == 30.0
         with pytest.raises(nats.js.errors.KeyNotFoundError):
             await policy.get(names.version_key(1))
         assert (await tjs.stream_info(names.jobs_stream)).state.messages == 0
@@ -180,7 +219,7 @@ async def test_permissions_rollfleet_round_trip(perm_broker: EmbeddedBroker, tmp
     declared = await asyncio.to_thread(run_cli, "declare", "--nats", trainer_url, "--namespace", NS)
     assert declared.returncode == 0, declared.stderr + declared.stdout
 
-    worker = start_worker_process(worker_url, NS, "w-deploy", *ECHO_V0, log_path=tmp_path / "worker.log")
+    worker = start_worker_process(worker_url, NS, "w1", *ECHO_V0, log_path=tmp_path / "worker.log")
     try:
         async with await RolloutClient.connect(trainer_url, namespace=NS, client_id="trainer-0") as client:
             payload = RolloutPayload(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4))
@@ -330,3 +369,27 @@ async def test_mutual_tls_rollfleet_round_trip(tls_broker: tuple[EmbeddedBroker,
             assert result.worker_id == worker.config.worker_id and result.outputs
     finally:
         await worker.stop()
+
+
+def test_the_example_config_is_what_rollfleet_permissions_generates(tmp_path: Path) -> None:
+    """The checked-in example cannot drift from the subjects the code uses."""
+    out = run_cli("permissions", "run1=w1,w2")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (BROKER_CONFIG / "auth" / "permissions.conf").read_text()
+    # Two namespaces: each has its own trainer and workers, each with its own password variable.
+    two = run_cli("permissions", "run1=w1", "run2=x1,x2")
+    conf = tmp_path / "two.conf"
+    conf.write_text(two.stdout)
+    env = {"ROLLFLEET_PASSWORD_" + u: "s" for u in ("TRAINER_RUN1", "TRAINER_RUN2", "W1", "X1", "X2", "SYS")}
+    import os
+    import subprocess
+
+    from rollfleet.broker import check_server_binary
+
+    checked = subprocess.run(
+        [str(check_server_binary()), "-c", str(conf), "-t"], capture_output=True, text=True, env={**os.environ, **env}
+    )
+    assert checked.returncode == 0, checked.stderr
+    assert "RF_RUN2_JOBS" in two.stdout and "user: trainer-run2" in two.stdout and "user: x2" in two.stdout
+    bad = run_cli("permissions", "run1")
+    assert bad.returncode == 2 and "NAMESPACE=WORKER" in bad.stderr

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from rollfleet.models import build_model_dir
 from rollfleet.policy_store.digest import weights_digest
-from rollfleet.schemas import RolloutPayload, SamplingParams, VersionActivated, decode
+from rollfleet.schemas import RolloutPayload, SamplingParams, VersionActivated, decode, served_within
+from rollfleet.schemas.errors import RollfleetError
 from rollfleet.testing import start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
@@ -49,6 +50,13 @@ async def activations(client: RolloutClient) -> list[VersionActivated]:
     return out
 
 
+async def taken(client: RolloutClient, kind: str, version: int, count: int) -> bool:
+    """Whether ``count`` jobs of a subject have been delivered to workers and none waits unpulled."""
+    consumer = client.names.job_consumer(kind, version)  # type: ignore[arg-type]
+    info = await client.js.consumer_info(client.names.jobs_stream, consumer)
+    return info.num_pending == 0 and (info.num_ack_pending or 0) + (info.delivered.consumer_seq or 0) >= count
+
+
 LONG = RolloutPayload(
     prompt_token_ids=[5, 6, 7, 8],
     sampling=SamplingParams(max_tokens=160, temperature=1.0, seed=1),
@@ -76,24 +84,38 @@ async def test_fleet_follows_published_versions(nats_url: str, namespace: str, t
                     )
                 )  # fmt: skip
             await client.wait_for_version(0, replicas=2, timeout=60)
-            handles = []
+            handles, pinned = [], []
             for step in range(1, 4):
-                handles += [await client.submit(LONG, max_staleness=1) for _ in range(6)]
-                # Publish while those jobs are being generated, so activations land mid-request.
-                await wait_until(lambda: sum(r.in_flight for r in client.fleet.replicas()) > 0, timeout=30)
+                # Exact jobs at the version about to be replaced: each runs entirely at it, or not at all.
+                await client.wait_for_version(step - 1, replicas=2, timeout=60)
+                pinned += [await client.submit(LONG, exact_version=step - 1, timeout=60) for _ in range(3)]
+                handles += [await client.submit(LONG, max_staleness=1) for _ in range(4)]
+                # Publish while those jobs are being generated, so activations land mid-request (and
+                # the exact ones, all taken by now, hold each activation until they are done).
+                await wait_until(lambda s=step: taken(client, "exact", s - 1, 3), timeout=30, retry_errors=True)
                 rl_step(tensors, gen)
                 record = await client.publish_policy(publisher, tensors)
                 assert record.version == step and record.kind in ("delta", "full")
                 handles += [await client.submit(LONG, max_staleness=1) for _ in range(2)]
             results = await asyncio.gather(*(h.result(120) for h in handles))
+            exact = await asyncio.gather(*(h.result(120) for h in pinned), return_exceptions=True)
             await client.wait_for_version(3, replicas=2, timeout=60)
             for handle, result in zip(handles, results, strict=True):
-                constraint = handle.job.constraint
-                assert constraint.allows(result.version_start) and constraint.allows(result.version_end)
+                assert served_within(handle.job.constraint, result)
                 assert len(result.outputs[0].token_ids) == 160
                 assert all(lp <= 0.0 for lp in result.outputs[0].logprobs or [])
+            for handle, outcome in zip(pinned, exact, strict=True):
+                if isinstance(outcome, RollfleetError):
+                    assert outcome.retryable, repr(outcome)  # never served, and told so
+                    continue
+                v = handle.job.constraint.version
+                assert [(w.version, w.start, w.end) for w in outcome.outputs[0].weight_versions] == [(v, 0, 160)]
+            served_exact = sum(not isinstance(o, BaseException) for o in exact)
+            assert served_exact == len(pinned), f"only {served_exact}/{len(pinned)} exact jobs served"
             spans = [r for r in results if r.version_start < r.version_end]
             assert spans, "no request spanned an activation"
+            for r in spans:  # the tokens say which version produced them
+                assert [w.version for w in r.outputs[0].weight_versions] == sorted({r.version_start, r.version_end})
             assert {r.worker_id for r in results} == {"hf0", "hf1"}
             acts = await activations(client)
             final = {a.worker_id: a for a in acts if a.version == 3}
@@ -104,7 +126,7 @@ async def test_fleet_follows_published_versions(nats_url: str, namespace: str, t
             for a in acts:
                 assert a.prepare_s > 0 and a.pause_s > 0 and a.wire_bytes > 0 and 0 < a.density <= 1
                 print("activation", msgspec.to_builtins(a))
-            print(f"{len(spans)}/{len(results)} requests spanned an activation")
+            print(f"{len(spans)}/{len(results)} requests spanned an activation; {served_exact}/{len(pinned)} exact")
     finally:
         for p in procs:
             terminate(p, 20.0, signal.SIGTERM)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import time
@@ -11,7 +12,7 @@ import pytest
 
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.runtime import faults
-from rollfleet.schemas.errors import Interrupted
+from rollfleet.schemas.errors import IdempotencyConflict, Interrupted, NoCompatibleReplica
 from rollfleet.testing import running_worker, start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import CountingEcho, payload
@@ -136,3 +137,54 @@ async def test_result_consumed_by_a_dead_process_is_read_back(nats_url: str, nam
         async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as back:
             result = await back.result("used-by-the-dead", timeout=5)
     assert result.idempotency_key == "used-by-the-dead"
+
+
+async def test_a_key_resubmitted_after_the_duplicate_window_is_a_new_job_with_its_own_answer(
+    nats_url: str, namespace: str
+) -> None:
+    """docs/reliability.md: past the window a resubmitted key makes a new job and may produce a
+    second result; the handle of that new job resolves with it (it is not dropped as a duplicate)."""
+    window = TopologyConfig(duplicate_window_s=1.0)
+    engine = CountingEcho()
+    async with running_worker(nats_url, namespace, engine=engine, topology=window):
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=window) as client:
+            first = await (await client.submit(payload(), min_version=0, idempotency_key="k")).result(10)
+            await asyncio.sleep(1.5)  # the broker forgets the key
+            again = await client.submit(payload(), min_version=0, idempotency_key="k")
+            assert again.stream_seq is not None  # stored: a new job
+            second = await again.result(10)
+    assert second.job_id != first.job_id and second.job_id == again.job_id
+    assert len(engine.calls) == 2
+
+
+async def test_a_stored_answer_wins_over_the_fleet_check(nats_url: str, namespace: str) -> None:
+    """Resubmitting an answered key must return its answer even when no replica could serve the
+    request any more (the fleet moved past its exact version)."""
+    async with running_worker(nats_url, namespace, version=0):
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+            answered = await (await client.submit(payload(), exact_version=0, idempotency_key="k0")).result(10)
+    async with running_worker(nats_url, namespace, version=1):  # the only replica is at version 1 now
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+            await wait_until(lambda: [r.active_version for r in client.fleet.replicas()] == [1], 10)
+            again = await (await client.submit(payload(), exact_version=0, idempotency_key="k0")).result(10)
+            with pytest.raises(NoCompatibleReplica):  # a new key still fails fast
+                await (await client.submit(payload(), exact_version=0, idempotency_key="new")).result(10)
+    assert again.job_id == answered.job_id and again.outputs == answered.outputs
+
+
+async def test_a_key_reused_for_a_different_request_is_refused(nats_url: str, namespace: str) -> None:
+    async with running_worker(nats_url, namespace, engine=CountingEcho(latency_s=0.5)):
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+            pending = await client.submit(payload([1, 2, 3]), min_version=0, idempotency_key="k")
+            with pytest.raises(IdempotencyConflict):  # while pending, in this process
+                await client.submit(payload([4, 5, 6]), min_version=0, idempotency_key="k")
+            with pytest.raises(IdempotencyConflict):  # another constraint is another request too
+                await client.submit(payload([1, 2, 3]), exact_version=0, idempotency_key="k")
+            assert (await client.submit(payload([1, 2, 3]), min_version=0, idempotency_key="k")) is pending
+            await pending.result(10)
+        # After the answer, from a restarted trainer: the stored answer is for another request.
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+            with pytest.raises(IdempotencyConflict):
+                await (await client.submit(payload([9]), min_version=0, idempotency_key="k")).result(10)
+            same = await (await client.submit(payload([1, 2, 3]), min_version=0, idempotency_key="k")).result(10)
+            assert same.idempotency_key == "k"

@@ -4,6 +4,7 @@ from rollfleet.broker.server import EmbeddedBroker, check_server_binary, find_se
 from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
     TopologyConfig,
+    bind_job_consumer,
     ensure_job_consumer,
     ensure_results_consumer,
     ensure_topology,
@@ -14,6 +15,7 @@ __all__ = [
     "DEFAULT_TOPOLOGY",
     "EmbeddedBroker",
     "TopologyConfig",
+    "bind_job_consumer",
     "check_server_binary",
     "ensure_job_consumer",
     "ensure_results_consumer",

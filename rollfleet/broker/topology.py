@@ -177,6 +177,17 @@ async def ensure_job_consumer(
     return name
 
 
+async def bind_job_consumer(js: JetStreamContext, names: Names, kind: ConstraintKind, version: int) -> str | None:
+    """The shared consumer of a jobs subject if it exists, else None (workers bind; only the
+    trainer, which stores the jobs, creates them)."""
+    name = names.job_consumer(kind, version)
+    try:
+        await js.consumer_info(names.jobs_stream, name)
+    except nats.js.errors.NotFoundError:
+        return None
+    return name
+
+
 async def ensure_results_consumer(
     js: JetStreamContext, names: Names, client_id: str, cfg: TopologyConfig = DEFAULT_TOPOLOGY
 ) -> str:

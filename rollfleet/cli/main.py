@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rollfleet.runtime import logs
+from rollfleet.schemas import Names
 from rollfleet.schemas.errors import InvalidRequest, RollfleetError
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -129,6 +130,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", default=None, help="hf: policy store (default HOME/store)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker")
 
+    p = sub.add_parser(
+        "permissions", help="print a nats-server auth config with a trainer and one user per worker, per namespace"
+    )
+    p.add_argument(
+        "spec",
+        nargs="+",
+        metavar="NAMESPACE=WORKER[,WORKER...]",
+        help="a namespace and its worker ids, e.g. run1=w1,w2",
+    )
+
     p = sub.add_parser("status", help="show the fleet, queue depths and the latest version")
     _add_conn(p)
     p.add_argument("--json", action="store_true")
@@ -151,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(cmd_up(args))
         if args.command == "status":
             return asyncio.run(cmd_status(args))
+        if args.command == "permissions":
+            return cmd_permissions(args)
     except RollfleetError as exc:
         print(f"rollfleet: error: {exc.message}", file=sys.stderr)
         return 2
@@ -199,9 +212,10 @@ async def cmd_declare(args: argparse.Namespace, quiet: bool = False) -> int:
     from rollfleet.schemas import Names
 
     options = _conn_options(args) if hasattr(args, "token") else {}  # `broker` declares on its own server
-    nc = await connect(args.nats, name="rollfleet-declare", **options)
+    names = Names(args.namespace)
+    nc = await connect(args.nats, name="rollfleet-declare", inbox_prefix=names.inbox_prefix("trainer"), **options)
     try:
-        created = await ensure_topology(nc.jetstream(), Names(args.namespace), _topology(args))
+        created = await ensure_topology(nc.jetstream(), names, _topology(args))
     finally:
         await nc.close()
     if not quiet:
@@ -252,6 +266,20 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):  # at every stage, connecting and catching up too
         loop.add_signal_handler(sig, worker.request_stop)
     await worker.run()
+    return 0
+
+
+def cmd_permissions(args: argparse.Namespace) -> int:
+    from rollfleet.broker.permissions import render_config
+
+    namespaces: dict[str, list[str]] = {}
+    for spec in args.spec:
+        namespace, sep, workers = spec.partition("=")
+        if not sep or not workers:
+            raise InvalidRequest(f"expected NAMESPACE=WORKER[,WORKER...], got {spec!r}")
+        Names(namespace)  # validates
+        namespaces.setdefault(namespace, []).extend(w for w in workers.split(",") if w)
+    sys.stdout.write(render_config(namespaces))
     return 0
 
 

@@ -21,7 +21,12 @@ async def collect_status(
     one ``ServiceUnavailable`` (no retrying for minutes, no warning per attempt)."""
     names = Names(namespace)
     nc = await connect(
-        url, name="rollfleet-status", initial_timeout=connect_timeout_s, log_errors=False, **connect_options
+        url,
+        name="rollfleet-status",
+        initial_timeout=connect_timeout_s,
+        log_errors=False,
+        inbox_prefix=names.inbox_prefix("trainer"),
+        **connect_options,
     )
     try:
         js = nc.jetstream()

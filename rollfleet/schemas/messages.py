@@ -205,6 +205,8 @@ class ReplicaStatus(msgspec.Struct, kw_only=True):
             return False
         if self.preparing_version is not None and constraint.allows(self.preparing_version):
             return True
+        if self.state == "activating" and constraint.kind == "exact":
+            return False  # it takes no more exact jobs for the version it is leaving
         # A starting replica serves nothing yet; only what it is preparing counts.
         return self.state != "starting" and constraint.allows(self.active_version)
 

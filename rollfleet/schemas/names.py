@@ -132,6 +132,11 @@ class Names:
         """Which at_most_once jobs a worker started (key: the job id)."""
         return f"RF_{self._up}_CLAIMS"
 
+    def inbox_prefix(self, role: str) -> str:
+        """Reply subjects of one role in this namespace (``trainer`` or ``worker``): the broker
+        can then let each role read its own replies and no one else's."""
+        return f"_INBOX.{self.namespace}.{check_token(role, 'role')}"
+
     def client_alive_subject(self, client_id: str) -> str:
         """A live client answers here; a second client with the same id asks first."""
         return f"{self._root}.client.{check_token(client_id, 'client_id')}.alive"

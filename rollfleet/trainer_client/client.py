@@ -25,7 +25,13 @@ from nats.js import JetStreamContext
 from rollfleet.broker.connection import connect
 from rollfleet.broker.publish import publish_retrying
 from rollfleet.broker.pull import PullConsumer
-from rollfleet.broker.topology import DEFAULT_TOPOLOGY, TopologyConfig, ensure_results_consumer, ensure_topology
+from rollfleet.broker.topology import (
+    DEFAULT_TOPOLOGY,
+    TopologyConfig,
+    ensure_job_consumer,
+    ensure_results_consumer,
+    ensure_topology,
+)
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
@@ -72,6 +78,8 @@ _DELIVERED_MEMORY = 100_000  # keys whose result was already handed out (drop la
 _RESULTS_BATCH = 512
 _RESULTS_WAIT_S = 5.0
 _BELL_INTERVAL_S = 0.05
+_CONSUMER_RECHECK_S = 600.0
+_ORPHAN_GRACE_S = 2.0  # an exact job no replica can serve is withdrawn after this long
 _PUBLISH_BUDGET_S = 30.0  # how long submit keeps trying to store a job while the broker recovers
 
 
@@ -108,6 +116,7 @@ class RolloutClient:
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
         self._bells: dict[str, float] = {}
+        self._consumers: dict[tuple[str, int], float] = {}  # subject -> until when it is known to exist
         self._results_puller: PullConsumer | None = None
 
     def _spawn(self, coro: Any) -> None:
@@ -131,10 +140,17 @@ class RolloutClient:
         """Connect, declare the namespace if needed, and start receiving results."""
         check_token(client_id, "client_id")
         hooks: list[Callable[[], None]] = []
-        nc = await connect(url, name=f"rollfleet-client-{client_id}", reconnect_hooks=hooks, **connect_options)
+        names = Names(namespace)
+        nc = await connect(
+            url,
+            name=f"rollfleet-client-{client_id}",
+            reconnect_hooks=hooks,
+            inbox_prefix=names.inbox_prefix("trainer"),
+            **connect_options,
+        )
         client = cls(
             nc,
-            Names(namespace),
+            names,
             client_id,
             topology=topology,
             limits=limits,
@@ -246,6 +262,7 @@ class RolloutClient:
         headers = {HDR_MSG_ID: key, HDR_CLIENT_ID: self.client_id}
         subject = self.names.job_subject(constraint.kind, constraint.version)
         try:
+            await self._ensure_consumer(constraint)
             until = min(job.deadline, time.time() + _PUBLISH_BUDGET_S)
             ack = await publish_retrying(self.js, subject, data, headers, until=until)
         except RollfleetError:
@@ -259,6 +276,19 @@ class RolloutClient:
         log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
         return handle
 
+    async def _ensure_consumer(self, constraint: VersionConstraint) -> None:
+        """The subject's shared consumer exists before its first job is stored: the trainer
+        creates it (workers only bind; they may not change how jobs are delivered)."""
+        subject = (constraint.kind, constraint.version)
+        if time.monotonic() < self._consumers.get(subject, 0.0):
+            return
+        try:
+            await ensure_job_consumer(self.js, self.names, *subject, self.topology)
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            raise ServiceUnavailable(f"cannot create the consumer of {constraint}: {exc}") from exc
+        # Looked at again now and then: an idle consumer is removed after consumer_inactive_s.
+        self._consumers[subject] = time.monotonic() + _CONSUMER_RECHECK_S
+
     @staticmethod
     def _check_same_request(job: RolloutJob, fingerprint: str) -> None:
         if job.fingerprint and fingerprint and job.fingerprint != fingerprint:
@@ -268,14 +298,52 @@ class RolloutClient:
             )
 
     async def _expire_handles(self) -> None:
-        """Fail pending handles whose deadline (plus grace) passed without a result: one sweep
-        over what is in flight, four times a second, instead of a timer per job."""
+        """Fail pending handles whose deadline (plus grace) passed without a result, and (with
+        fail_fast) exact jobs that no replica can serve any more: one sweep over what is in
+        flight, four times a second, instead of a timer per job."""
+        orphaned: dict[str, float] = {}  # key -> since when no live replica can serve it
         while True:
             await asyncio.sleep(0.25)
             cutoff = time.time() - self.deadline_grace_s
             for handle in [h for h in self._handles.values() if h.job.deadline <= cutoff]:
                 if handle.set_error(Expired(f"no result for {handle.idempotency_key!r} by its deadline")):
                     self._spawn(self._withdraw(handle))
+            if self.fail_fast:
+                await self._fail_orphaned(orphaned)
+
+    async def _fail_orphaned(self, orphaned: dict[str, float]) -> None:
+        """An exact job still queued when every replica has moved past its version is never served:
+        once that has lasted a moment, withdraw it and say so (NoCompatibleReplica), rather than
+        let the caller wait for its deadline. A job a worker already holds is left to finish."""
+        now = time.monotonic()
+        pending = {h.idempotency_key: h for h in self._handles.values() if h.job.constraint.kind == "exact"}
+        for key in [k for k in orphaned if k not in pending]:
+            del orphaned[key]
+        for key, handle in pending.items():
+            if self.fleet.compatible(handle.job.constraint):
+                orphaned.pop(key, None)
+                continue
+            if now - orphaned.setdefault(key, now) < _ORPHAN_GRACE_S:
+                continue
+            orphaned[key] = now  # look again after another grace period if it cannot be withdrawn
+            if await self._never_delivered(handle) and await self._delete_job(handle):
+                self._handles.pop(key, None)
+                handle.set_error(NoCompatibleReplica(self._no_replica_message(handle.job.constraint)))
+
+    async def _never_delivered(self, handle: RolloutHandle) -> bool:
+        """Whether no worker ever took this job: its subject's consumer delivers in stream order,
+        so a job stored after the last delivered one was never delivered (a job a worker may be
+        running, or has handed back, is never withdrawn under it)."""
+        if handle.stream_seq is None:
+            return False
+        constraint = handle.job.constraint
+        consumer = self.names.job_consumer(constraint.kind, constraint.version)
+        try:
+            info = await self.js.consumer_info(self.names.jobs_stream, consumer)
+        except (nats.errors.Error, nats.js.errors.Error):  # no consumer yet: nobody ever pulled there
+            return True
+        delivered = info.delivered.stream_seq if info.delivered is not None else 0
+        return (delivered or 0) < handle.stream_seq
 
     def _ring(self, constraint: VersionConstraint) -> None:
         """Wake idle workers that have no request waiting on this subject. It carries nothing
@@ -366,6 +434,10 @@ class RolloutClient:
 
     async def _withdraw(self, handle: RolloutHandle) -> bool:
         self._handles.pop(handle.idempotency_key, None)
+        return await self._delete_job(handle)
+
+    async def _delete_job(self, handle: RolloutHandle) -> bool:
+        """Remove the stored job if no worker holds it; whether it was removed."""
         if handle.stream_seq is None:
             return False
         try:

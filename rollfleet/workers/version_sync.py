@@ -13,7 +13,9 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
@@ -136,6 +138,56 @@ class VersionSync:
                 continue  # that version failed here; wait for the next one
             await self.update_to(latest)
 
+    async def _read_latest(self) -> int | None:
+        assert self._kv is not None
+        try:
+            return await read_latest(self._kv)
+        except Exception as exc:  # broker away: the follow loop tries again later
+            self.log.debug("reading latest failed", error=str(exc))
+            return None
+
+    async def _prepare(self, target: int, log: Any, since: MaterializeResult | None = None) -> MaterializeResult | None:
+        """Materialize ``target`` and stage it on the engine, serving meanwhile; ``since`` is a
+        materialization already staged on the way from the live version. On failure the replica
+        is marked degraded and keeps serving what it serves (None)."""
+        assert self._registration is not None
+        try:
+            result = await in_daemon_thread(
+                materialize, self.local_dir, self.store_dir, target, pre_read_hook=self._pre_read_hook
+            )
+            if since is not None:
+                result = _combined(since, result)
+            # Staged relative to the live weights: every tensor changed since the served version.
+            await self._engine.prepare_weights(self.local_dir, result.changed, result.version)
+        except (PolicyError, OSError, RollfleetError) as exc:
+            self._failed_version = target
+            self.failures.append(reason := f"{getattr(exc, 'code', type(exc).__name__)}: {exc}")
+            log.warning("prepare failed; still serving the current version", error=str(exc))
+            if self._metrics is not None:
+                self._metrics.prepare_failures.inc()
+            reason = f"prepare of version {target} failed: {reason}"
+            await self._registration.write(state="degraded", preparing_version=None, degraded_reason=reason)
+            return None
+        return result
+
+    async def _drain_watching(self, previous: int, target: int) -> tuple[float, int]:
+        """Drain exact jobs of ``previous``; meanwhile advertise a newer commit as the version being
+        prepared, so clients do not fail fast on a fleet that is about to serve it."""
+        assert self._drain_exact is not None and self._registration is not None
+        drain = asyncio.ensure_future(self._drain_exact(previous, self._exact_drain_s))
+        advertised = target
+        while not drain.done():
+            self._wake.clear()
+            woken = asyncio.ensure_future(self._wake.wait())
+            await asyncio.wait({drain, woken}, return_when=asyncio.FIRST_COMPLETED)
+            woken.cancel()
+            latest = await self._read_latest() if not drain.done() else None
+            if latest is not None and latest > advertised:
+                advertised = latest
+                await self._registration.write(preparing_version=latest)
+        self._wake.set()  # let the follow loop look at `latest` again afterwards
+        return drain.result()
+
     # -- prepare, activate, announce --------------------------------------------------------
     async def update_to(self, target: int) -> VersionActivated | None:
         assert self._registration is not None
@@ -143,28 +195,31 @@ class VersionSync:
         log = self.log.bind(version=target, previous_version=previous)
         await self._registration.write(state="preparing", preparing_version=target)
         t0 = time.perf_counter()
-        try:
-            result = await in_daemon_thread(
-                materialize, self.local_dir, self.store_dir, target, pre_read_hook=self._pre_read_hook
-            )
-            await self._engine.prepare_weights(self.local_dir, result.changed, result.version)
-        except (PolicyError, OSError, RollfleetError) as exc:
-            self._failed_version = target
-            self.failures.append(reason := f"{getattr(exc, 'code', type(exc).__name__)}: {exc}")
-            reason = f"prepare of version {target} failed: {reason}"
-            log.warning("prepare failed; still serving the current version", error=str(exc))
-            if self._metrics is not None:
-                self._metrics.prepare_failures.inc()
-            await self._registration.write(state="degraded", preparing_version=None, degraded_reason=reason)
+        result = await self._prepare(target, log)
+        if result is None:
             return None
         prepare_s = time.perf_counter() - t0
         faults.point("worker:before-activation")
         # From here exact jobs for `previous` are no longer taken; those running may finish
         # (bounded), so that every exact job runs entirely at its version or not at all.
         self._served.activating = result.version
+        await self._registration.write(state="activating")  # clients: no more exact jobs for `previous` here
         drain_s, handed_back = 0.0, 0
         if self._drain_exact is not None:
-            drain_s, handed_back = await self._drain_exact(previous, self._exact_drain_s)
+            drain_s, handed_back = await self._drain_watching(previous, result.version)
+        # A long drain may have let newer versions be committed: go straight to the newest (once),
+        # rather than activate a version already superseded.
+        newest = await self._read_latest()
+        if newest is not None and newest > result.version:
+            t_more = time.perf_counter()
+            more = await self._prepare(newest, log.bind(version=newest), since=result)
+            if more is None:
+                self._served.activating = None  # degraded (said by _prepare); keep serving `previous`
+                return None
+            result = more
+            self._served.activating = result.version
+            prepare_s += time.perf_counter() - t_more
+            log = log.bind(version=result.version)
         t1 = time.perf_counter()
         try:
             await self._engine.pause()  # returns at the next step boundary; generation runs until then
@@ -232,3 +287,21 @@ class VersionSync:
             versions_applied=result.applied,
         )
         return activation
+
+
+def _combined(first: MaterializeResult, then: MaterializeResult) -> MaterializeResult:
+    """Two materializations in a row, as one step from ``first.previous_version``."""
+    order = {name: i for i, name in enumerate(then.changed + first.changed)}
+    changed = sorted(set(first.changed) | set(then.changed), key=order.__getitem__)
+    changed_bytes = first.changed_bytes + then.changed_bytes
+    total = then.total_bytes or first.total_bytes
+    return replace(
+        then,
+        previous_version=first.previous_version,
+        changed=changed,
+        applied=first.applied + then.applied,
+        wire_bytes=first.wire_bytes + then.wire_bytes,
+        changed_bytes=changed_bytes,
+        density=min(1.0, changed_bytes / total) if total else 0.0,
+        seconds=first.seconds + then.seconds,
+    )

@@ -29,7 +29,7 @@ from rollfleet.broker.pull import PullConsumer
 from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
     TopologyConfig,
-    ensure_job_consumer,
+    bind_job_consumer,
     ensure_topology,
     queue_depths,
 )
@@ -49,6 +49,8 @@ from rollfleet.workers.registry import Registration
 from rollfleet.workers.scheduler import SubjectScheduler
 from rollfleet.workers.serving import ServedVersion, Subject
 from rollfleet.workers.version_sync import VersionSync
+
+_NO_CONSUMER_RECHECK_S = 5.0  # a bell for the subject rechecks at once
 
 
 @dataclass
@@ -98,6 +100,7 @@ class Worker:
         self.registration: Registration | None = None
         self.sync: VersionSync | None = None
         self._pullers: dict[Subject, PullConsumer] = {}
+        self._no_consumer: dict[Subject, float] = {}  # subject -> when to look for its consumer again
         self._hot: dict[Subject, float] = {}  # subject -> when work last came from it
         self._keepalive_task: asyncio.Task[None] | None = None
         self._inflight: dict[int, asyncio.Task[None]] = {}
@@ -116,6 +119,7 @@ class Worker:
             cfg.nats_url,
             name=f"rollfleet-worker-{cfg.worker_id}",
             reconnect_hooks=[self._on_reconnect],
+            inbox_prefix=self.names.inbox_prefix("worker"),
             **cfg.connect_options,
         )
         self.js = self.nc.jetstream()
@@ -278,6 +282,7 @@ class Worker:
         parsed = self.names.parse_bell_subject(msg.subject)
         if parsed is None:
             return
+        self._no_consumer.pop(parsed, None)  # a job was stored there: its consumer exists now
         puller = self._pullers.get(parsed)
         if puller is not None and puller.busy:
             return  # a request is waiting there: the job is (being) delivered to it already
@@ -297,11 +302,18 @@ class Worker:
                 self._wake.set()
             await asyncio.sleep(self.config.poll_s)
 
-    async def _puller(self, subject: Subject) -> PullConsumer:
+    async def _puller(self, subject: Subject) -> PullConsumer | None:
+        """The pull consumer of a subject; None while its shared consumer does not exist (the
+        trainer creates it with the first job there; workers may not, see broker_config/auth)."""
         puller = self._pullers.get(subject)
         if puller is None:
             assert self.js is not None and self.nc is not None
-            consumer = await ensure_job_consumer(self.js, self.names, *subject, self.config.topology)
+            if time.monotonic() < self._no_consumer.get(subject, 0.0):
+                return None
+            consumer = await bind_job_consumer(self.js, self.names, *subject)
+            if consumer is None:
+                self._no_consumer[subject] = time.monotonic() + _NO_CONSUMER_RECHECK_S
+                return None
             puller = await PullConsumer(self.nc, self.names.jobs_stream, consumer, self._dispatch).start()
             puller.on_idle = self._wake.set
             self._pullers[subject] = puller
@@ -316,7 +328,7 @@ class Worker:
         for subject in [s for s, t in self._hot.items() if now - t > self.config.hot_s or not self.served.accepts(s)]:
             del self._hot[subject]
         recent = sorted(self._hot, key=self._hot.__getitem__, reverse=True)[: self.config.max_waiting_pulls]
-        own: list[Subject] = [("min", self.version), ("exact", self.version)]
+        own: list[Subject] = [s for s in (("min", self.version), ("exact", self.version)) if self.served.accepts(s)]
         return list(dict.fromkeys([*recent, *own]))[: max(self.config.max_waiting_pulls, 1)]
 
     async def _pull_loop(self) -> None:
@@ -333,10 +345,11 @@ class Worker:
                     continue
                 free = cfg.capacity - len(self._inflight) - self._reserved()
                 if free > 0 and not self.scheduler.has_candidates():
-                    idle = [s for s in self._hot_subjects(now) if not (await self._puller(s)).busy]
-                    for i, subject in enumerate(idle[:free]):
-                        batch = free // len(idle[:free]) + (1 if i < free % len(idle[:free]) else 0)
-                        await (await self._puller(subject)).request(batch, wait_s=cfg.wait_pull_s)
+                    pullers = [p for s in self._hot_subjects(now) if (p := await self._puller(s)) is not None]
+                    idle = [p for p in pullers if not p.busy][:free]
+                    for i, puller in enumerate(idle):
+                        batch = free // len(idle) + (1 if i < free % len(idle) else 0)
+                        await puller.request(batch, wait_s=cfg.wait_pull_s)
             except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
                 self.log.warning("pull failed", error=str(exc))
                 await asyncio.sleep(0.2)
@@ -350,6 +363,9 @@ class Worker:
             if self._stopping.is_set() or not self.served.accepts(subject):
                 return False
             puller = await self._puller(subject)
+            if puller is None:  # no job was ever submitted there
+                self.scheduler.note_empty(subject)
+                continue
             if puller.busy:  # a waiting request there already takes whatever arrives
                 continue
             before = puller.delivered
