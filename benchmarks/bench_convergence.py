@@ -36,7 +36,7 @@ from benchmarks.bench_activation import load_tensors, rl_step
 from benchmarks.report import Row
 from rollfleet.models import build_model_dir, param_count
 from rollfleet.policy_store import materialize
-from rollfleet.schemas import ReplicaStatus, RolloutPayload, SamplingParams, VersionActivated, decode
+from rollfleet.schemas import Names, ReplicaStatus, RolloutPayload, SamplingParams, VersionActivated, decode
 from rollfleet.testing import spawn, stop_all, temp_broker, worker_command
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from rollfleet.workers.engines.hf import HFEngine
@@ -71,8 +71,8 @@ class Observer:
                     entry = await watcher.updates(timeout=30.0)
                 except nats.errors.TimeoutError:
                     continue
-                if entry is None or not entry.value:
-                    continue
+                if entry is None or not entry.value or not entry.key.startswith(Names.REPLICA_PREFIX):
+                    continue  # the bucket also holds client leases
                 status = decode(entry.value, ReplicaStatus)
                 if status.preparing_version is not None:
                     self.preparing.setdefault((status.worker_id, status.preparing_version), time.time())

@@ -15,8 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollfleet.schemas import Names, RolloutPayload, SamplingParams, VersionActivated, decode_event, decode_outcome
-from rollfleet.schemas.errors import RollfleetError
+from rollfleet.schemas import Names, RolloutPayload, SamplingParams, VersionActivated, decode_event
 
 REPO = Path(__file__).resolve().parents[1]
 BROKER_CONFIG = REPO / "broker_config"
@@ -84,23 +83,15 @@ class Ledger:
         self.deliveries: dict[str, set[int]] = defaultdict(set)
         self.first_arrival: dict[str, float] = {}
         self.arrivals: list[float] = []  # monotonic time of every first delivery
-        original = client._deliver
+        def counting(outcome: Any, seq: int | None) -> None:
+            key = outcome.idempotency_key
+            if key not in self.first_arrival:
+                now = time.monotonic()
+                self.first_arrival[key] = now
+                self.arrivals.append(now)
+            self.deliveries[key].add(seq if seq is not None else -1)
 
-        def counting(msg: Any) -> None:
-            try:
-                key = decode_outcome(msg.data).idempotency_key
-                seq = int(msg.metadata.sequence.stream)
-            except (RollfleetError, Exception):
-                key, seq = None, -1
-            if key is not None:
-                if key not in self.first_arrival:
-                    now = time.monotonic()
-                    self.first_arrival[key] = now
-                    self.arrivals.append(now)
-                self.deliveries[key].add(seq)
-            original(msg)
-
-        client._deliver = counting  # the receive loop looks the method up on the instance
+        client.observe = counting
 
     async def stored(self) -> dict[str, int]:
         """Messages on the results stream per subject (one subject per idempotency key)."""

@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from rollfleet.broker import ensure_job_consumer
 from rollfleet.schemas import Names, RolloutJob, RolloutPayload, SamplingParams, VersionConstraint, encode
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
@@ -31,6 +32,13 @@ def _job_dict(**changes: object) -> dict:
     return msgspec.to_builtins(job) | changes
 
 
+async def store_raw(client: RolloutClient, names: Names, data: bytes, headers: dict[str, str]) -> None:
+    """Store bytes on min-0 as a (buggy or hostile) trainer would: the shared consumer, the job, the bell."""
+    await ensure_job_consumer(client.js, names, "min", 0)
+    await client.js.publish(names.job_subject("min", 0), data, headers=headers)
+    await client.nc.publish(names.bell_subject("min", 0), b"")
+
+
 CASES = {
     "not-msgpack": b"\xc1\x00{this is not messagepack",
     "wrong-type": encode(_job_dict(deadline="tomorrow")),
@@ -50,7 +58,7 @@ async def test_bad_job_is_answered_terminated_and_the_next_job_served(nats_url: 
         await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
     ):
         headers = {HDR_MSG_ID: "bad-key", HDR_CLIENT_ID: "c"}
-        await client.js.publish(names.job_subject("min", 0), CASES[case], headers=headers)
+        await store_raw(client, names, CASES[case], headers)
         with pytest.raises(InvalidRequest) as info:
             await client.result("bad-key", timeout=10)
         assert not info.value.retryable
@@ -71,7 +79,7 @@ async def test_bad_job_without_reply_address_is_terminated(nats_url: str, namesp
         running_worker(nats_url, namespace) as worker,
         await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
     ):
-        await client.js.publish(names.job_subject("min", 0), b"garbage with no headers")
+        await store_raw(client, names, b"garbage with no headers", {})
         good = await client.submit(payload(), min_version=0)
         await good.result(10)
 

@@ -137,7 +137,8 @@ async def test_at_most_once_jobs_handed_back_unrun_are_served_not_interrupted(
         await client.publish_policy(publisher, tensors_at(0))
         # Pull requests wait 10 s at the broker, so a's request on exact-0 outlives its activation.
         async with running_worker(nats_url, namespace, **follower(tmp_path, "a", wait_pull_s=10.0)) as a:
-            await wait_until(lambda: any(p.busy for p in a._pullers.values()), 10)
+            await (await client.submit(long_job(3), exact_version=0)).result(10)  # exact-0 exists, and is hot
+            await wait_until(lambda: (p := a._pullers.get(("exact", 0))) is not None and p.busy, 10)
             await client.publish_policy(publisher, tensors_at(1))
             await wait_until(lambda: a.version == 1, 10)
             handles = [

@@ -116,6 +116,8 @@ class RolloutClient:
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
         self._bells: dict[str, float] = {}
+        # Called with every answer message received, before deduplication (for audits and tests).
+        self.observe: Callable[[Outcome, int | None], None] | None = None
         self._consumers: dict[tuple[str, int], float] = {}  # subject -> until when it is known to exist
         self._results_puller: PullConsumer | None = None
 
@@ -554,6 +556,8 @@ class RolloutClient:
                 await msg.nak(delay=1.0)
             return
         else:
+            if self.observe is not None:
+                self.observe(outcome, _stream_seq(msg))
             self._deliver(outcome)
         with suppress(Exception):
             await msg.ack()
@@ -575,3 +579,10 @@ class RolloutClient:
             self._unclaimed.pop(next(iter(self._unclaimed)))
         event, self._unclaimed_event = self._unclaimed_event, asyncio.Event()
         event.set()
+
+
+def _stream_seq(msg: Msg) -> int | None:
+    try:
+        return int(msg.metadata.sequence.stream)
+    except Exception:  # not a JetStream message
+        return None
