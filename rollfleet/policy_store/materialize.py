@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from rollfleet.policy_store import codecs
+from rollfleet.policy_store.files import check_file
 from rollfleet.policy_store.formats import CHECKSUM_FORMATS, DEFAULT_CHECKSUM, new_hasher
 from rollfleet.policy_store.hooks import Hook, resolve_hook
 from rollfleet.policy_store.layout import CheckpointLayout, TensorLocation, check_layout, fsync_dir
@@ -493,9 +494,10 @@ def _seed(state: _Local, src: Path, version: int, hook: Hook | None) -> tuple[li
     wire = 0
     files = []
     for entry in sorted(os.scandir(src), key=lambda e: e.name):
-        if entry.name.startswith(".") or entry.name == SIDECAR or not entry.is_file(follow_symlinks=False):
-            continue
+        if entry.name.startswith(".") or entry.name == SIDECAR or entry.is_dir(follow_symlinks=False):
+            continue  # subdirectories (e.g. original/) are not part of the checkpoint
         check_name(entry.name, "checkpoint file name")
+        check_file(Path(entry.path), src.parent)  # no FIFO, device or symlink out of the store
         shutil.copyfile(entry.path, staging / entry.name)
         if state.durable:
             with open(staging / entry.name, "rb+") as f:
