@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -108,3 +109,11 @@ HOOK_CALLS: list[tuple[str, object]] = []
 def record_hook(path: Path, record: object = None) -> None:
     """An importable storage hook (``policy_helpers:record_hook``) that logs its calls."""
     HOOK_CALLS.append((Path(path).name, getattr(record, "version", None)))
+
+
+def stuck_read_hook(path: Path, *args: object) -> None:
+    """A pre-read hook (``policy_helpers:stuck_read_hook``) that hangs on every version after 0,
+    like a read from a wedged mount."""
+    name = Path(path).name
+    if name.startswith("weight_v") and name != "weight_v000000":
+        threading.Event().wait()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--catch-up-wait", type=float, default=3600.0, help="with --store: seconds to wait for a first commit"
     )
     p.add_argument("--pre-read-hook", default=None, help="module:function run before reading a version")
+    p.add_argument(
+        "--prepare-timeout", type=float, default=1800.0, help="with --store: seconds before a prepare counts as stuck"
+    )
     p.add_argument("--echo-latency", type=float, default=0.0, help="echo engine: seconds per job")
     p.add_argument("--echo-token-latency", type=float, default=0.0, help="echo engine: seconds per token")
     p.add_argument("--device", default="auto", help="hf engine: cpu, cuda, auto")
@@ -215,6 +219,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         model_dir=Path(args.model_dir) if args.model_dir else None,
         catch_up_wait_s=args.catch_up_wait,
         pre_read_hook=args.pre_read_hook,
+        prepare_timeout_s=args.prepare_timeout,
         metrics_port=args.metrics_port,
         verify_live=args.verify_live,
         capacity=args.capacity,
@@ -227,6 +232,11 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.request_stop)
     await worker.run()
+    if worker.sync is not None and worker.sync.stuck is not None and worker.sync.stuck.is_alive():
+        # A prepare stuck in a read was abandoned; its reader threads would block the
+        # interpreter's exit (it joins them), so leave without waiting for them.
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

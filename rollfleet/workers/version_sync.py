@@ -5,11 +5,17 @@ the worker coalesces to the newest version, materializes it on the host-local ch
 (pull, apply, verify — in a thread, while the engine keeps serving), stages it on the
 engine, then pauses, swaps the changed tensors in, resumes, and only then advertises it
 (registry + ``versions.activated``) and starts pulling its job subjects.
+
+Preparing is bounded (``prepare_timeout_s``): a read that never returns (a wedged mount, a hook
+that hangs) marks the replica ``degraded`` instead of leaving it ``preparing`` forever, and the
+stuck thread is a daemon, so it never keeps the process from exiting on SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
 import time
 from collections.abc import Callable
 from contextlib import suppress
@@ -23,10 +29,10 @@ from rollfleet.broker.watch import watch_keys
 from rollfleet.policy_store import MaterializeResult, materialize
 from rollfleet.policy_store.digest import weights_digest
 from rollfleet.runtime import faults
-from rollfleet.runtime.aio import stop_tasks
+from rollfleet.runtime.aio import StuckThread, call_bounded, stop_tasks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, VersionActivated, encode
-from rollfleet.schemas.errors import PolicyError, RollfleetError
+from rollfleet.schemas.errors import PolicyError, PrepareTimeout, RollfleetError
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.registry import Registration
@@ -49,6 +55,7 @@ class VersionSync:
         pre_read_hook: str | None = None,
         metrics: WorkerMetrics | None = None,
         verify_live: bool = False,
+        prepare_timeout_s: float = 1800.0,
     ) -> None:
         self._js = js
         self._names = names
@@ -62,6 +69,8 @@ class VersionSync:
         self._pre_read_hook = pre_read_hook
         self._metrics = metrics
         self._verify_live = verify_live
+        self.prepare_timeout_s = prepare_timeout_s
+        self.stuck: threading.Thread | None = None  # a prepare that never returned (abandoned)
         self._kv: KeyValue | None = None
         self._registration: Registration | None = None
         self._wake = asyncio.Event()
@@ -84,9 +93,7 @@ class VersionSync:
         if registration is not None:  # clients see a replica preparing `target`, not an empty fleet
             await registration.write(preparing_version=target)
         t0 = time.perf_counter()
-        result = await asyncio.to_thread(
-            materialize, self.local_dir, self.store_dir, target, pre_read_hook=self._pre_read_hook
-        )
+        result = await self._materialize(target)
         self.log.info(
             "caught up",
             version=result.version,
@@ -132,6 +139,21 @@ class VersionSync:
                 continue  # that version failed here; wait for the next one
             await self.update_to(latest)
 
+    async def _materialize(self, target: int) -> MaterializeResult:
+        """materialize() on a daemon thread, bounded; a stuck one is abandoned and blocks retries."""
+        if self.stuck is not None and self.stuck.is_alive():
+            raise PrepareTimeout(f"an earlier prepare is still stuck; not preparing version {target}")
+        try:
+            hook = self._pre_read_hook
+            call = functools.partial(materialize, self.local_dir, self.store_dir, target, pre_read_hook=hook)
+            return await call_bounded(call, timeout=self.prepare_timeout_s, name=f"rf-prepare-v{target}")
+        except StuckThread as exc:
+            self.stuck = exc.thread
+            raise PrepareTimeout(
+                f"materializing version {target} took longer than {self.prepare_timeout_s:g} s (a read that never "
+                "returns?); abandoned"
+            ) from None
+
     # -- prepare, activate, announce --------------------------------------------------------
     async def update_to(self, target: int) -> VersionActivated | None:
         assert self._registration is not None
@@ -140,10 +162,13 @@ class VersionSync:
         await self._registration.write(state="preparing", preparing_version=target)
         t0 = time.perf_counter()
         try:
-            result = await asyncio.to_thread(
-                materialize, self.local_dir, self.store_dir, target, pre_read_hook=self._pre_read_hook
-            )
-            await self._engine.prepare_weights(self.local_dir, result.changed, result.version)
+            result = await self._materialize(target)
+            left = max(0.0, self.prepare_timeout_s - (time.perf_counter() - t0))
+            staging = self._engine.prepare_weights(self.local_dir, result.changed, result.version)
+            try:
+                await asyncio.wait_for(staging, left)
+            except TimeoutError:
+                raise PrepareTimeout(f"staging version {target} took over {self.prepare_timeout_s:g} s") from None
         except (PolicyError, OSError, RollfleetError) as exc:
             self._failed_version = target
             self.failures.append(reason := f"{getattr(exc, 'code', type(exc).__name__)}: {exc}")

@@ -74,6 +74,7 @@ class WorkerConfig:
     catch_up_wait_s: float = 0.0  # how long to wait for a first commit before serving the base
     resync_s: float = 5.0
     pre_read_hook: str | None = None
+    prepare_timeout_s: float = 1800.0  # a prepare past this marks the replica degraded
     verify_live: bool = False  # announce a digest of the live weights after each activation
     metrics_port: int | None = None  # Prometheus endpoint; 0 picks a free port
     limits: Limits = DEFAULT_LIMITS
@@ -160,6 +161,7 @@ class Worker:
                 pre_read_hook=cfg.pre_read_hook,
                 metrics=self.metrics,
                 verify_live=cfg.verify_live,
+                prepare_timeout_s=cfg.prepare_timeout_s,
             )
             caught_up = await self.sync.catch_up(cfg.catch_up_wait_s, self.registration)
             self.served.version = caught_up.version
@@ -297,9 +299,7 @@ class Worker:
 
     def _hot_subjects(self, now: float) -> list[Subject]:
         """Where work is likely to arrive: this version's own subjects and recently busy ones."""
-        for subject in [
-            s for s, t in self._hot.items() if now - t > self.config.hot_s or not self.served.accepts(s)
-        ]:
+        for subject in [s for s, t in self._hot.items() if now - t > self.config.hot_s or not self.served.accepts(s)]:
             del self._hot[subject]
         recent = sorted(self._hot, key=self._hot.__getitem__, reverse=True)[: self.config.max_waiting_pulls]
         own: list[Subject] = [("min", self.version), ("exact", self.version)]
