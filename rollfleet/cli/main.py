@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=32, help="hf engine: sequences decoded together")
     p.add_argument("--sglang-url", default=None, help="sglang engine: attach to this server")
     p.add_argument("--sglang-arg", action="append", default=[], help="sglang engine: extra launch_server argument")
+    p.add_argument(
+        "--sglang-pull-dir",
+        default=None,
+        help="sglang engine: activate through the server's /pull_weights from --store into this host-local directory",
+    )
     p.add_argument("--verify-live", action="store_true", help="announce a digest of the live weights")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
 
@@ -208,6 +213,8 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         options = {"device": args.device, "dtype": args.dtype, "max_batch": args.max_batch}
     elif args.engine == "sglang":
         options = {"url": args.sglang_url, "launch_args": list(args.sglang_arg)}
+        if args.sglang_pull_dir:
+            options |= {"pull_dir": args.sglang_pull_dir, "store_dir": args.store}
     engine = make_engine(args.engine, **options)
     config = WorkerConfig(
         nats_url=args.nats,
