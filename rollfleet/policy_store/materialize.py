@@ -463,15 +463,21 @@ def _apply_full(local: _Local, layout: CheckpointLayout, ov: OpenVersion) -> lis
     return differing
 
 
+def checkpoint_checksums(
+    layout: CheckpointLayout, fmt: str = DEFAULT_CHECKSUM, workers: int = DEFAULT_WORKERS
+) -> dict[str, str]:
+    """Every tensor's checksum, hashed from the checkpoint's files (nothing is loaded whole)."""
+    names = list(layout.tensors)
+    hashes = codecs.executor(workers).map(lambda n: _hash_file_range(layout.tensors[n], fmt), names)
+    return dict(zip(names, hashes, strict=True))
+
+
 def _full_sums(ov: OpenVersion, layout: CheckpointLayout, workers: int) -> dict[str, str]:
     """Checksums of a full version's tensors: published ones, or computed from ``layout``'s bytes."""
     if ov.checksums:
         fmt = ov.index.metadata.checksum_format or DEFAULT_CHECKSUM
         return {n: f"{fmt}:{h}" for n, h in ov.checksums.items()}
-    names = list(layout.tensors)
-    pool = codecs.executor(workers)
-    hashes = pool.map(lambda n: _hash_file_range(layout.tensors[n], DEFAULT_CHECKSUM), names)
-    return {n: f"{DEFAULT_CHECKSUM}:{h}" for n, h in zip(names, hashes, strict=True)}
+    return {n: f"{DEFAULT_CHECKSUM}:{h}" for n, h in checkpoint_checksums(layout, DEFAULT_CHECKSUM, workers).items()}
 
 
 def _ro(loc: TensorLocation) -> np.ndarray:
