@@ -89,6 +89,9 @@ def forge_delta(store: Path, version: int, old: dict[str, bytes], new: dict[str,
         a, b = np.frombuffer(old[name], np.uint8), np.frombuffer(new[name], np.uint8)
         if encoding == "xor":
             payload = (a ^ b).tobytes()
+        elif encoding == "xor_sparse":  # SGLang's newest fixture: u64 count, u64 positions, XOR bytes
+            pos = np.flatnonzero(a != b).astype("<u8")
+            payload = struct.pack("<Q", pos.size) + pos.tobytes() + (a ^ b)[pos].tobytes()
         else:
             pos = np.flatnonzero(a != b).astype("<u4")
             payload = struct.pack("<I", pos.size) + pos.tobytes() + b[pos].tobytes()
@@ -110,7 +113,7 @@ def every_dtype(rng: np.random.Generator) -> Raw:
     return out
 
 
-@pytest.mark.parametrize("encoding", ["xor", "overwrite"])
+@pytest.mark.parametrize("encoding", ["xor", "overwrite", "xor_sparse"])
 def test_every_safetensors_dtype_is_published_and_applied_by_bytes(tmp_path: Path, encoding: str) -> None:
     rng = np.random.default_rng(0)
     base = tmp_path / "base"
@@ -452,3 +455,32 @@ def test_checksum_of_a_plain_version_is_what_the_replica_computes(tmp_path: Path
     materialize(local, store, 1)
     marker = json.loads((local / "rollfleet-version.json").read_text())
     assert marker["checksums"] == {n: f"xxh3-128:{tensor_checksum(t)}" for n, t in v1.items()}
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        struct.pack("<Q", 2) + struct.pack("<2Q", 5, 5) + b"\x01\x01",  # a position twice
+        struct.pack("<Q", 2) + struct.pack("<2Q", 9, 3) + b"\x01\x01",  # decreasing
+        struct.pack("<Q", 1) + struct.pack("<Q", 1 << 40) + b"\x01",  # out of range
+        struct.pack("<Q", 3) + struct.pack("<Q", 1) + b"\x01",  # shorter than its count
+    ],
+)
+def test_a_malformed_xor_sparse_frame_is_corrupt(tmp_path: Path, payload: bytes) -> None:
+    base = make_checkpoint(tmp_path / "base")
+    store = tmp_path / "store"
+    PolicyPublisher(store, tmp_path / "base").record_base()
+    name = "model.layers.0.quant.weight"
+    vdir = store / "weight_v000001"
+    vdir.mkdir()
+    frame = zstd.ZstdCompressor().compress(payload)
+    shard = "model-00000-of-00001.safetensors"
+    write_safetensors(vdir / shard, {name: ("U8", [len(frame)], frame)}, {name: "0" * 32})
+    meta = {"version": "000001", "base_version": "000000", "delta_encoding": "xor_sparse"}
+    meta |= {"compression_format": "zstd", "checksum_format": "xxh3-128"}
+    (vdir / INDEX).write_text(json.dumps({"metadata": meta, "weight_map": {name: shard}}))
+    local = tmp_path / "local"
+    materialize(local, store, 0)
+    with pytest.raises(CorruptArtifact):
+        materialize(local, store, 1)
+    assert read_marker(local) == 0 and read_local(local) == raw(base)
