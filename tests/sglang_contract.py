@@ -24,7 +24,8 @@ SGLANG_VERSION = "0.5.23"
 
 # /pull_weights is not in 0.5.23. Its request, PullWeightsReqInput, as defined in the SGLang
 # revisions that ship python/sglang/srt/weight_sync/local_checkpoint.py (sgl-project/sglang
-# 81da301, modal-projects/sglang 44c81a6 .. 1d22906): three fields, all required.
+# 81da301, modal-projects/sglang 44c81a6 .. 1d22906): these three required fields (1d22906 adds
+# an optional ``prepare``, which the adapter leaves at its default).
 PULL_WEIGHTS_FIELDS = "local_checkpoint_dir: str\nsource_dir: str\ntarget_version: int\n"
 
 
