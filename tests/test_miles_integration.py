@@ -104,6 +104,13 @@ class Miles:
         return "\n".join(p.read_text(errors="replace")[-2000:] for p in sorted(self.tmp.glob("run*-rank*.log")))
 
 
+@pytest.fixture
+async def setup(nats_url: str, namespace: str, tmp_path: Path) -> AsyncIterator[tuple[Miles, RolloutClient]]:
+    """miles runs against a namespace, and a client that watches its versions."""
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="observer") as client:
+        yield Miles(tmp_path, nats_url, namespace), client
+
+
 async def latest_is(client: RolloutClient, version: int, timeout: float = 30) -> None:
     async def check() -> bool:
         await client.fleet.refresh()
@@ -118,97 +125,93 @@ def origin(store: Path, version: int) -> tuple[int, int] | None:
 
 
 async def test_runs_and_a_second_run_reach_the_fleet_byte_for_byte(
-    nats_url: str, namespace: str, tmp_path: Path
+    setup: tuple[Miles, RolloutClient], nats_url: str, namespace: str, tmp_path: Path
 ) -> None:
-    m = Miles(tmp_path, nats_url, namespace)
-    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="observer") as client:
-        run1 = m.start(3)
-        assert await run1.wait() == [0, 0], m.logs()
-        await latest_is(client, 3)
-        # miles' version 0 (its --hf-checkpoint) is rollfleet's 0; its 1..3 are rollfleet's 1..3.
-        assert list_versions(m.store) == [0, 1, 2, 3]
-        assert [origin(m.store, v) for v in range(4)] == [(0, 0), (0, 1), (0, 2), (0, 3)]
-        assert read_record(m.store, 0).kind == "base"
-        local = tmp_path / "check"
-        materialize(local, m.store, 0)
-        assert read_local(local) == raw(m.base)
-        materialize(local, m.store, 3)
-        assert read_local(local) == run1.state(3)
+    m, client = setup
+    run1 = m.start(3)
+    assert await run1.wait() == [0, 0], m.logs()
+    await latest_is(client, 3)
+    # miles' version 0 (its --hf-checkpoint) is rollfleet's 0; its 1..3 are rollfleet's 1..3.
+    assert list_versions(m.store) == [0, 1, 2, 3]
+    assert [origin(m.store, v) for v in range(4)] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert read_record(m.store, 0).kind == "base"
+    local = tmp_path / "check"
+    materialize(local, m.store, 0)
+    assert read_local(local) == raw(m.base)
+    materialize(local, m.store, 3)
+    assert read_local(local) == run1.state(3)
 
-        worker_dir = tmp_path / "replica"
-        async with running_worker(nats_url, namespace, store_dir=m.store, local_dir=worker_dir) as worker:
-            assert worker.version == 3 and read_local(worker_dir) == run1.state(3)
-            # A second run in the same namespace: miles numbers from 1 again and clears its directory.
-            run2 = m.start(2, encoding="overwrite", checksum="adler32")
-            assert await run2.wait() == [0, 0], m.logs()
-            await latest_is(client, 6)
-            assert [origin(m.store, v) for v in (4, 5, 6)] == [(4, 0), (4, 1), (4, 2)]
-            assert (
-                read_record(m.store, 4).kind == "full"
-                and read_index(m.store / "weight_v000005").metadata.base_version == 4
-            )
-            await client.wait_for_version(6, timeout=30)
-            assert worker.version == 6 and read_local(worker_dir) == run2.state(2)
-        # miles' start-up deleted its own directory, never the store.
-        assert sorted(p.name for p in m.disk_dir.iterdir()) == ["weight_v000001", "weight_v000002"]
-        assert list_versions(m.store) == [0, 1, 2, 3, 4, 5, 6]
-        fresh = tmp_path / "fresh"  # a new replica catches up through both runs
-        assert materialize(fresh, m.store, 6).seeded_from == 4 and read_local(fresh) == run2.state(2)
+    worker_dir = tmp_path / "replica"
+    async with running_worker(nats_url, namespace, store_dir=m.store, local_dir=worker_dir) as worker:
+        assert worker.version == 3 and read_local(worker_dir) == run1.state(3)
+        # A second run in the same namespace: miles numbers from 1 again and clears its directory.
+        run2 = m.start(2, encoding="overwrite", checksum="adler32")
+        assert await run2.wait() == [0, 0], m.logs()
+        await latest_is(client, 6)
+        assert [origin(m.store, v) for v in (4, 5, 6)] == [(4, 0), (4, 1), (4, 2)]
+        assert (
+            read_record(m.store, 4).kind == "full" and read_index(m.store / "weight_v000005").metadata.base_version == 4
+        )
+        await client.wait_for_version(6, timeout=30)
+        assert worker.version == 6 and read_local(worker_dir) == run2.state(2)
+    # miles' start-up deleted its own directory, never the store.
+    assert sorted(p.name for p in m.disk_dir.iterdir()) == ["weight_v000001", "weight_v000002"]
+    assert list_versions(m.store) == [0, 1, 2, 3, 4, 5, 6]
+    fresh = tmp_path / "fresh"  # a new replica catches up through both runs
+    assert materialize(fresh, m.store, 6).seeded_from == 4 and read_local(fresh) == run2.state(2)
 
 
 async def test_crashes_before_the_hook_and_inside_the_commit_then_a_restart(
-    nats_url: str, namespace: str, tmp_path: Path
+    setup: tuple[Miles, RolloutClient], nats_url: str, namespace: str, tmp_path: Path
 ) -> None:
-    m = Miles(tmp_path, nats_url, namespace)
-    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="observer") as client:
-        # A run that dies after writing version 2's files, before its hook: version 2 never reaches rollfleet.
-        run1 = m.start(3, "--crash-before-hook", "2")
-        assert await run1.wait() == [3, 3], m.logs()
-        await latest_is(client, 1)
-        assert list_versions(m.store) == [0, 1]
+    m, client = setup
+    # A run that dies after writing version 2's files, before its hook: version 2 never reaches rollfleet.
+    run1 = m.start(3, "--crash-before-hook", "2")
+    assert await run1.wait() == [3, 3], m.logs()
+    await latest_is(client, 1)
+    assert list_versions(m.store) == [0, 1]
 
-        # A run killed inside the commit of its version 1: written, v.N created, latest not moved.
-        run2 = m.start(2, "--kill-in-commit", "1")
-        codes = [await asyncio.to_thread(run2.procs[0].wait, 120)]
-        run2.kill()
-        assert codes == [-9], m.logs()
-        assert list_versions(m.store) == [0, 1, 2, 3] and origin(m.store, 3) == (2, 1)
-        await latest_is(client, 2)
-        # Handing the same version over again (here from another process) finishes that commit...
-        await asyncio.to_thread(miles.post_write_hook, m.args(), m.disk_dir / "weight_v000001", [])
-        await latest_is(client, 3)
-        # ... and changes nothing the second time.
-        await asyncio.to_thread(miles.post_write_hook, m.args(), m.disk_dir / "weight_v000001", [])
-        await asyncio.sleep(0.5)
-        await latest_is(client, 3)
-        assert list_versions(m.store) == [0, 1, 2, 3]
+    # A run killed inside the commit of its version 1: written, v.N created, latest not moved.
+    run2 = m.start(2, "--kill-in-commit", "1")
+    codes = [await asyncio.to_thread(run2.procs[0].wait, 120)]
+    run2.kill()
+    assert codes == [-9], m.logs()
+    assert list_versions(m.store) == [0, 1, 2, 3] and origin(m.store, 3) == (2, 1)
+    await latest_is(client, 2)
+    # Handing the same version over again (here from another process) finishes that commit...
+    await asyncio.to_thread(miles.post_write_hook, m.args(), m.disk_dir / "weight_v000001", [])
+    await latest_is(client, 3)
+    # ... and changes nothing the second time.
+    await asyncio.to_thread(miles.post_write_hook, m.args(), m.disk_dir / "weight_v000001", [])
+    await asyncio.sleep(0.5)
+    await latest_is(client, 3)
+    assert list_versions(m.store) == [0, 1, 2, 3]
 
-        async with running_worker(nats_url, namespace, store_dir=m.store, local_dir=tmp_path / "replica") as worker:
-            assert worker.version == 3 and read_local(tmp_path / "replica") == run2.state(1)
-            # The restarted trainer is a new run: a new base past everything, and the fleet follows it.
-            run3 = m.start(2)
-            assert await run3.wait() == [0, 0], m.logs()
-            assert [origin(m.store, v) for v in (4, 5, 6)] == [(4, 0), (4, 1), (4, 2)]
-            await client.wait_for_version(6, timeout=30)
-            assert worker.version == 6 and read_local(tmp_path / "replica") == run3.state(2)
+    async with running_worker(nats_url, namespace, store_dir=m.store, local_dir=tmp_path / "replica") as worker:
+        assert worker.version == 3 and read_local(tmp_path / "replica") == run2.state(1)
+        # The restarted trainer is a new run: a new base past everything, and the fleet follows it.
+        run3 = m.start(2)
+        assert await run3.wait() == [0, 0], m.logs()
+        assert [origin(m.store, v) for v in (4, 5, 6)] == [(4, 0), (4, 1), (4, 2)]
+        await client.wait_for_version(6, timeout=30)
+        assert worker.version == 6 and read_local(tmp_path / "replica") == run3.state(2)
 
 
 async def test_a_version_written_but_never_committed_is_passed_over(
-    nats_url: str, namespace: str, tmp_path: Path
+    setup: tuple[Miles, RolloutClient], nats_url: str, namespace: str, tmp_path: Path
 ) -> None:
-    m = Miles(tmp_path, nats_url, namespace)
-    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="observer") as client:
-        run1 = m.start(2, "--kill-in-commit", "2")
-        await asyncio.to_thread(run1.procs[0].wait, 120)
-        run1.kill()
-        await latest_is(client, 1)
-        assert list_versions(m.store) == [0, 1, 2]  # 2 is written, its commit never finished
-        async with running_worker(nats_url, namespace, store_dir=m.store, local_dir=tmp_path / "replica") as worker:
-            run2 = m.start(1)
-            assert await run2.wait() == [0, 0], m.logs()
-            assert [origin(m.store, v) for v in (3, 4)] == [(3, 0), (3, 1)]
-            await client.wait_for_version(4, timeout=30)
-            assert read_local(tmp_path / "replica") == run2.state(1) and worker.version == 4
+    m, client = setup
+    run1 = m.start(2, "--kill-in-commit", "2")
+    await asyncio.to_thread(run1.procs[0].wait, 120)
+    run1.kill()
+    await latest_is(client, 1)
+    assert list_versions(m.store) == [0, 1, 2]  # 2 is written, its commit never finished
+    async with running_worker(nats_url, namespace, store_dir=m.store, local_dir=tmp_path / "replica") as worker:
+        run2 = m.start(1)
+        assert await run2.wait() == [0, 0], m.logs()
+        assert [origin(m.store, v) for v in (3, 4)] == [(3, 0), (3, 1)]
+        await client.wait_for_version(4, timeout=30)
+        assert read_local(tmp_path / "replica") == run2.state(1) and worker.version == 4
 
 
 def test_only_rank_zero_acts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 import zstandard as zstd
-from policy_helpers import Trainer, make_checkpoint, raw, read_local
+from policy_helpers import Chain, Trainer, make_checkpoint, raw, read_local
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -215,16 +215,12 @@ def write_plain(path: Path, tensors: dict[str, torch.Tensor], kind: str) -> None
 
 @pytest.mark.parametrize("kind", ["single file, no index", "shards, no index", "plain HF index"])
 def test_a_plain_checkpoint_is_a_full_version(tmp_path: Path, kind: str) -> None:
-    base = make_checkpoint(tmp_path / "base")
-    store = tmp_path / "store"
-    trainer = Trainer(base)
-    pub = PolicyPublisher(store, tmp_path / "base", keyframe_every=0, keep_last=None)
-    pub.publish(trainer.weights())
-    v1 = trainer.step()
-    pub.publish(v1)
+    chain = Chain(tmp_path, keyframe_every=0)
+    store, trainer = chain.store, chain.trainer
+    chain.step()
     local = tmp_path / "local"
     materialize(local, store, 1)
-    v2 = trainer.step()
+    v2 = chain.step(publish=False)
     write_plain(store / "weight_v000002", v2, kind)
     record = verify_version_dir(store / "weight_v000002")
     assert (record.version, record.kind, record.encoding) == (2, "full", None)
@@ -285,16 +281,12 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], type[PolicyError]]] = {
 def test_a_flipped_byte_in_a_keyframe_is_refused_whatever_happened_to_its_checksums(
     tmp_path: Path, damage: str
 ) -> None:
-    base = make_checkpoint(tmp_path / "base")
-    store = tmp_path / "store"
-    trainer = Trainer(base)
-    pub = PolicyPublisher(store, tmp_path / "base", keyframe_every=2, keep_last=None)
-    pub.publish(trainer.weights())
-    v1 = trainer.step()
-    pub.publish(v1)
-    assert pub.publish(trainer.step()).kind == "full"
+    chain = Chain(tmp_path, keyframe_every=2)
+    store, v1 = chain.store, chain.step()
+    chain.step()
     keyframe = store / "weight_v000002"
-    assert json.loads((keyframe / INDEX).read_text())["metadata"]["checksum_format"] == "xxh3-128"
+    meta = json.loads((keyframe / INDEX).read_text())["metadata"]
+    assert meta["checksum_format"] == "xxh3-128" and "delta_encoding" not in meta  # a keyframe
     flip_a_data_byte(keyframe / "model.safetensors")
     fn, error = DAMAGE[damage]
     fn(keyframe / "rollfleet.json")
@@ -333,17 +325,12 @@ class Store:
     """Versions 0 and 1 (applied locally), and a good delta version 2 to be replaced by something hostile."""
 
     def __init__(self, tmp: Path) -> None:
-        base = make_checkpoint(tmp / "base")
+        chain = Chain(tmp, keyframe_every=0)
         self.tmp = tmp
-        self.store, self.local = tmp / "store", tmp / "local"
-        trainer = Trainer(base)
-        pub = PolicyPublisher(self.store, tmp / "base", keyframe_every=0, keep_last=None)
-        pub.publish(trainer.weights())
-        self.v1 = trainer.step()
-        pub.publish(self.v1)
+        self.store, self.local = chain.store, tmp / "local"
+        self.v1 = chain.step()
         materialize(self.local, self.store, 1)
-        self.v2 = trainer.step()
-        pub.publish(self.v2)
+        self.v2 = chain.step()
         self.v2dir = self.store / "weight_v000002"
         self.shard = self.v2dir / "model-00000-of-00001.safetensors"
 

@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from rollfleet.schemas.errors import CorruptArtifact, LayoutMismatch
-from rollfleet.schemas.index import INDEX_FILE, check_name, parse_weight_map
+from rollfleet.schemas.index import INDEX_FILE, check_name, json_object, parse_weight_map
 
 # Every dtype the safetensors format defines, in bits per element. Encodings work on bytes, so a
 # dtype only has to be sized here; sub-byte dtypes (F4, F6_*) pack elements and must end on a byte.
@@ -105,12 +105,7 @@ def read_header(path: Path) -> ShardHeader:
             raw = f.read(hlen)
     except FileNotFoundError:
         raise CorruptArtifact(f"shard {path.name} is missing") from None
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise CorruptArtifact(f"{path.name}: safetensors header is not valid JSON") from None
-    if not isinstance(doc, dict):
-        raise CorruptArtifact(f"{path.name}: safetensors header is not an object")
+    doc = json_object(raw, f"{path.name}: safetensors header")
     meta = doc.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise CorruptArtifact(f"{path.name}: __metadata__ must map strings to strings")

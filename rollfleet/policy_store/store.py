@@ -11,7 +11,6 @@ is read through ``files`` (regular files inside the store only).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -22,7 +21,7 @@ import msgspec
 from rollfleet.policy_store.files import check_dir, check_file, read_file
 from rollfleet.policy_store.layout import read_header
 from rollfleet.schemas.errors import CorruptArtifact, PolicyError, VersionNotFound
-from rollfleet.schemas.index import INDEX_FILE, MAX_INDEX_BYTES, IndexMetadata, PublicationIndex
+from rollfleet.schemas.index import INDEX_FILE, MAX_INDEX_BYTES, IndexMetadata, PublicationIndex, json_object
 from rollfleet.schemas.messages import VersionRecord
 
 SIDECAR = "rollfleet.json"
@@ -113,15 +112,7 @@ def read_sidecar(path: Path) -> dict[str, Any]:
 def read_sidecar_strict(path: Path) -> dict[str, Any] | None:
     """Our sidecar; None when absent; CorruptArtifact when present but unreadable."""
     raw = read_file(Path(path) / SIDECAR, Path(path).parent, MAX_SIDECAR_BYTES)
-    if raw is None:
-        return None
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise CorruptArtifact(f"{Path(path).name}/{SIDECAR} is not valid JSON") from None
-    if not isinstance(doc, dict):
-        raise CorruptArtifact(f"{Path(path).name}/{SIDECAR} is not an object")
-    return doc
+    return None if raw is None else json_object(raw, f"{Path(path).name}/{SIDECAR}")
 
 
 def record_from_index(path: Path, index: PublicationIndex, sidecar: dict[str, Any] | None = None) -> VersionRecord:

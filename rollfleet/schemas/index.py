@@ -176,13 +176,21 @@ def _weight_map(doc: object) -> dict[str, str]:
     return dict(wmap)
 
 
+def json_object(raw: bytes | str, what: str) -> dict[str, Any]:
+    """``raw`` parsed as a JSON object; CorruptArtifact naming ``what`` when it is not one."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptArtifact(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise CorruptArtifact(f"{what} is not a JSON object")
+    return doc
+
+
 def _load_index_json(raw: bytes | str) -> object:
     if len(raw) > MAX_INDEX_BYTES:
         raise CorruptArtifact(f"index is {len(raw)} bytes, over the {MAX_INDEX_BYTES} byte limit")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CorruptArtifact(f"index is not valid JSON: {exc}") from None
+    return json_object(raw, "index")
 
 
 def parse_weight_map(raw: bytes | str) -> dict[str, str]:
