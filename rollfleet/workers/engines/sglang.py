@@ -182,7 +182,8 @@ class SGLangEngine(Engine):
         self._client = httpx.AsyncClient(base_url=self.url or "", timeout=self.control_timeout_s)
         await self._wait_healthy()
         served = await self.served_version()
-        if served != version and (checkpoint_dir is not None or self.pull_dir is not None):
+        attached = self.process is None
+        if served != version and ((attached and checkpoint_dir is not None) or self.pull_dir is not None):
             # A server holding other weights (attached, or launched on version 0 to pull from).
             await self.prepare_weights(checkpoint_dir, (), version)
             await self.pause()
