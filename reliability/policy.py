@@ -9,17 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reliability.common import (
-    REPO,
-    Figures,
-    Ledger,
-    expected_digest,
-    job_payload,
-    local_digest,
-    read_activations,
-    tensors_at,
-    write_base_checkpoint,
-)
+from reliability.common import REPO, Figures, Ledger, job_payload, read_activations
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.policy_store import list_versions, read_marker, verify_version_dir
@@ -30,6 +20,7 @@ from rollfleet.runtime import faults
 from rollfleet.schemas.errors import NoCompatibleReplica, RollfleetError
 from rollfleet.schemas.index import INDEX_FILE
 from rollfleet.testing import ProcessGroup, wait_until
+from rollfleet.testing.weights import expected_digest, local_digest, tensors_at, write_base_checkpoint
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 PUBLISH_POINTS = (

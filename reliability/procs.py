@@ -20,7 +20,7 @@ from pathlib import Path
 
 
 async def cmd_publish(args: argparse.Namespace) -> int:
-    from reliability.common import tensors_at
+    from rollfleet.testing.weights import tensors_at
     from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
     async with await RolloutClient.connect(
@@ -60,7 +60,8 @@ class Journal:
 
 
 async def cmd_trainer(args: argparse.Namespace) -> int:
-    from reliability.common import Ledger, job_payload, tensors_at
+    from reliability.common import Ledger, job_payload
+    from rollfleet.testing.weights import tensors_at
     from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
     journal_path = Path(args.journal)

@@ -11,12 +11,13 @@ import shutil
 import time
 from pathlib import Path
 
-from reliability.common import BROKER_CONFIG, REPO, Figures, job_payload, tensors_at, write_base_checkpoint
+from reliability.common import BROKER_CONFIG, REPO, Figures, job_payload
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.policy_store.store import read_record
 from rollfleet.schemas.errors import RollfleetError
 from rollfleet.schemas.index import INDEX_FILE
 from rollfleet.testing import ProcessGroup, wait_until
+from rollfleet.testing.weights import tensors_at, write_base_checkpoint
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 HOSTILE = ("shard-path-escape", "tensor-name-escape", "absolute-shard", "symlinked-shard")

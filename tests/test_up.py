@@ -111,6 +111,8 @@ async def test_metrics_move_with_jobs_and_activations(nats_url: str, namespace: 
             await client.publish_policy(publisher, tensors)
             await client.wait_for_version(1, timeout=20)
             await wait_until(lambda: metric(scrape(port), "rollfleet_activations_total") == 1, timeout=10)
+            # Announced first, then served: the served-version gauge follows a moment later.
+            await wait_until(lambda: metric(scrape(port), "rollfleet_active_version") == 1, timeout=10)
             after = scrape(port)
     assert (
         metric(after, "rollfleet_jobs_total", outcome="ok") - metric(before, "rollfleet_jobs_total", outcome="ok") == 3

@@ -71,7 +71,9 @@ async def test_adopting_a_version_written_elsewhere(nats_url: str, namespace: st
             record = await client.adopt_version(store, store / "weight_v000001")
             assert record.version == 1 and record.base_version == 0
             await client.wait_for_version(1, timeout=20)
-            assert worker.version == 1 and worker.sync is not None
+            # Announced first, served a moment later: the worker takes v1 jobs only once it said so.
+            await wait_until(lambda: worker.version == 1, 5)
+            assert worker.sync is not None
             assert worker.sync.activations[-1].changed_tensors == len(t)
 
 
@@ -124,7 +126,8 @@ async def test_failed_prepare_degrades_then_the_next_good_version_activates(
             good = await client.publish_policy(publisher, bump(t))  # a keyframe: reachable without v1
             assert good.kind == "full"
             await client.wait_for_version(2, timeout=20)
-            assert worker.version == 2 and client.fleet.replicas()[0].state == "ready"
+            await wait_until(lambda: worker.version == 2, 5)
+            assert client.fleet.replicas()[0].state == "ready"
     assert list_versions(store)[-1] == 2
 
 

@@ -30,6 +30,7 @@ async def connect(
     connect_timeout: float = 5.0,
     initial_timeout: float = 120.0,
     reconnect_hooks: list[Callable[[], None]] | None = None,
+    log_errors: bool = True,
     **extra: Any,
 ) -> NATS:
     """Connect with unlimited reconnects, so a broker restart never needs a process restart.
@@ -46,7 +47,8 @@ async def connect(
     conn: dict[str, NATS] = {}
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats error", error=str(exc), client=name)
+        if log_errors:
+            log.warning("nats error", error=str(exc), client=name)
 
     async def on_disconnect() -> None:
         nc = conn.get("nc")
@@ -91,7 +93,11 @@ async def connect(
 
     opts["error_cb"] = on_error_first
     attempt = asyncio.ensure_future(nats.connect(**opts))
-    done, _ = await asyncio.wait({attempt, refused}, timeout=initial_timeout, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait({attempt, refused}, timeout=initial_timeout, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # e.g. a worker stopped while still connecting
+        attempt.cancel()
+        raise
     if attempt in done:
         try:
             conn["nc"] = attempt.result()

@@ -33,6 +33,8 @@ async def read_replicas(fleet_kv: KeyValue) -> dict[str, ReplicaStatus]:
         return {}
     replicas: dict[str, ReplicaStatus] = {}
     for key in keys:
+        if not key.startswith(Names.REPLICA_PREFIX):
+            continue  # the bucket also holds client leases
         with suppress(nats.js.errors.KeyNotFoundError, InvalidRequest):
             entry = await fleet_kv.get(key)
             if entry.value:

@@ -38,6 +38,8 @@ async def publish_retrying(
             return await js.publish(subject, data, headers=headers, timeout=ATTEMPT_S)
         except nats.js.errors.BadRequestError as exc:
             raise InvalidRequest(f"broker refused the message: {exc.description}") from exc
+        except nats.errors.MaxPayloadError as exc:
+            raise InvalidRequest(f"message of {len(data)} bytes is over the broker's max_payload") from exc
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             if time.time() >= until:
                 raise ServiceUnavailable(f"cannot store the message on {subject}: {exc}") from exc

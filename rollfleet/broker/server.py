@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollfleet.runtime.processes import terminate
+from rollfleet.runtime.processes import die_with_parent, terminate
 from rollfleet.schemas.errors import BrokerBinaryError, ServiceUnavailable
 
 MIN_SERVER_VERSION = (2, 10, 0)
@@ -102,6 +102,9 @@ class EmbeddedBroker:
     binary: Path | None = None
     log_file: Path | None = None
     extra_args: list[str] = field(default_factory=list)
+    # Stop with the process that started it (PDEATHSIG): call start() from the main thread then,
+    # since Linux sends the signal when the starting *thread* exits.
+    tie_to_parent: bool = True
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -126,8 +129,15 @@ class EmbeddedBroker:
         out = open(self.log_file, "ab")
         try:
             # Own process group: a Ctrl-C meant for a foreground `rollfleet up` is handled by
-            # it, which then stops the broker last, after the workers have drained.
-            self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            # it, which then stops the broker last, after the workers have drained. Tied to
+            # this process's life all the same: a SIGKILLed parent leaves no broker behind.
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent if self.tie_to_parent else None,
+            )
         finally:
             out.close()
         try:

@@ -122,6 +122,15 @@ def _bucket_configs(names: Names, cfg: TopologyConfig) -> list[KeyValueConfig]:
             replicas=cfg.replicas,
         ),
         KeyValueConfig(
+            bucket=names.claims_bucket,
+            history=1,
+            # A claim matters while its job can be redelivered: within the job's deadline and
+            # its redeliveries, both bounded well inside the duplicate window.
+            ttl=max(cfg.duplicate_window_s, cfg.ack_wait_s * cfg.max_deliver),
+            storage=StorageType.FILE,
+            replicas=cfg.replicas,
+        ),
+        KeyValueConfig(
             bucket=names.fleet_bucket,
             history=1,
             ttl=cfg.fleet_entry_ttl_s,

@@ -13,9 +13,19 @@ from pathlib import Path
 from typing import Any
 
 from rollfleet.runtime import logs
-from rollfleet.schemas.errors import RollfleetError
+from rollfleet.schemas.errors import InvalidRequest, RollfleetError
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _add_conn(p: argparse.ArgumentParser) -> None:
@@ -83,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="echo", choices=["echo", "hf", "sglang"])
     p.add_argument("--worker-id", default=None)
     p.add_argument("--version", type=int, default=None, help="serve this fixed version (no policy following)")
-    p.add_argument("--capacity", type=int, default=4, help="jobs run at once")
+    p.add_argument("--capacity", type=_positive_int, default=4, help="jobs run at once")
     p.add_argument("--heartbeat", type=float, default=2.0, help="registry heartbeat seconds")
     p.add_argument("--store", default=None, help="policy store to follow (published versions)")
     p.add_argument("--local-dir", default=None, help="host-local checkpoint directory (with --store)")
@@ -108,10 +118,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="sglang engine: activate through the server's /pull_weights from --store into this host-local directory",
     )
     p.add_argument("--verify-live", action="store_true", help="announce a digest of the live weights")
+    p.add_argument(
+        "--exact-drain",
+        type=float,
+        default=None,
+        help="seconds exact jobs of the old version may run on before an activation (default 30)",
+    )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
 
     p = sub.add_parser("up", help="start the embedded broker and N workers; Ctrl-C stops them all")
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", type=_positive_int, default=2)
     p.add_argument("--engine", default="echo", choices=["echo", "hf"])
     p.add_argument("--namespace", "-n", default="default")
     p.add_argument("--home", default=".rollfleet", help="broker store, replica checkpoints, logs")
@@ -215,6 +231,14 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         options = {"url": args.sglang_url, "launch_args": list(args.sglang_arg)}
         if args.sglang_pull_dir:
             options |= {"pull_dir": args.sglang_pull_dir, "store_dir": args.store}
+    for flag, value in (("--local-dir", args.local_dir), ("--store", args.store)):
+        if value:
+            try:
+                Path(value).mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise InvalidRequest(f"{flag} {value}: cannot be created: {exc.strerror or exc}") from None
+    if args.exact_drain is not None and args.exact_drain < 0:
+        raise InvalidRequest(f"--exact-drain must be >= 0 seconds, got {args.exact_drain}")
     engine = make_engine(args.engine, **options)
     config = WorkerConfig(
         nats_url=args.nats,
@@ -231,15 +255,16 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         verify_live=args.verify_live,
         capacity=args.capacity,
         heartbeat_s=args.heartbeat,
+        exact_drain_s=30.0 if args.exact_drain is None else args.exact_drain,
         topology=_topology(args),
         connect_options=_conn_options(args),
     )
     worker = Worker(config, engine)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # at every stage, connecting and catching up too
         loop.add_signal_handler(sig, worker.request_stop)
     await worker.run()
-    if worker.sync is not None and worker.sync.stuck is not None and worker.sync.stuck.is_alive():
+    if worker.sync is not None and worker.sync.stuck:
         # A prepare stuck in a read was abandoned; its reader threads would block the
         # interpreter's exit (it joins them), so leave without waiting for them.
         sys.stderr.flush()

@@ -14,9 +14,15 @@ from rollfleet.broker.topology import queue_depths
 from rollfleet.schemas import Names
 
 
-async def collect_status(url: str, namespace: str, **connect_options: Any) -> dict[str, Any]:
+async def collect_status(
+    url: str, namespace: str, connect_timeout_s: float = 5.0, **connect_options: Any
+) -> dict[str, Any]:
+    """A snapshot of the namespace; a broker that does not answer within ``connect_timeout_s`` is
+    one ``ServiceUnavailable`` (no retrying for minutes, no warning per attempt)."""
     names = Names(namespace)
-    nc = await connect(url, name="rollfleet-status", **connect_options)
+    nc = await connect(
+        url, name="rollfleet-status", initial_timeout=connect_timeout_s, log_errors=False, **connect_options
+    )
     try:
         js = nc.jetstream()
         try:

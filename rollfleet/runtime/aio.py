@@ -1,9 +1,8 @@
-"""Stopping asyncio tasks within a bound, for every side's shutdown; bounded blocking calls."""
+"""asyncio plumbing: stopping tasks within a bound; blocking work that never delays an exit."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -20,39 +19,24 @@ async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], timeout: float = 5.0) -
         await asyncio.wait(tasks, timeout=timeout)
 
 
-class StuckThread(TimeoutError):
-    """A call on a daemon thread did not return in time; ``thread`` is still running it."""
-
-    def __init__(self, message: str, thread: threading.Thread) -> None:
-        super().__init__(message)
-        self.thread = thread
-
-
-async def call_bounded(fn: Callable[..., T], *args: Any, timeout: float, name: str = "rf-bounded") -> T:
-    """``fn(*args)`` on a fresh daemon thread, awaited for at most ``timeout`` seconds.
-
-    Unlike ``asyncio.to_thread`` (the loop's default executor, which the interpreter joins at
-    exit), a call stuck in a read that never returns is abandoned: :class:`StuckThread` is
-    raised and the process can still exit.
-    """
+async def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run blocking ``fn`` in a daemon thread and await it. Unlike ``asyncio.to_thread``, a
+    cancelled caller is not held up at exit by the thread: for crash-safe work (materializing a
+    checkpoint) that a stop signal must not wait for."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
 
     def settle(ok: bool, value: Any) -> None:
         if not future.done():
-            future.set_result(value) if ok else future.set_exception(value)
+            (future.set_result if ok else future.set_exception)(value)
 
-    def run() -> None:
+    def work() -> None:
         try:
-            result: Any = (True, fn(*args))
-        except BaseException as exc:
-            result = (False, exc)
-        with contextlib.suppress(RuntimeError):  # the loop may be closed by now
-            loop.call_soon_threadsafe(settle, *result)
+            value = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the awaiting task
+            loop.call_soon_threadsafe(settle, False, exc)
+        else:
+            loop.call_soon_threadsafe(settle, True, value)
 
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    try:
-        return await asyncio.wait_for(asyncio.shield(future), timeout)
-    except TimeoutError:
-        raise StuckThread(f"{name} did not return within {timeout:g} s", thread) from None
+    threading.Thread(target=work, name=getattr(fn, "__name__", "work"), daemon=True).start()
+    return await future

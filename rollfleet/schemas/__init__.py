@@ -6,6 +6,7 @@ from rollfleet.schemas.errors import RollfleetError, error_from_code
 from rollfleet.schemas.limits import DEFAULT_LIMITS, Limits, check_job, check_payload
 from rollfleet.schemas.messages import (
     SCHEMA_VERSION,
+    ChunkedOutcome,
     Completion,
     ConstraintKind,
     Outcome,
@@ -16,12 +17,15 @@ from rollfleet.schemas.messages import (
     RolloutPayload,
     RolloutResult,
     SamplingParams,
+    StoredOutcome,
     VersionActivated,
     VersionConstraint,
     VersionEvent,
     VersionPublished,
     VersionRecord,
     VersionSpan,
+    request_fingerprint,
+    served_within,
     version_spans,
 )
 from rollfleet.schemas.names import Names, check_token, key_token
@@ -29,6 +33,7 @@ from rollfleet.schemas.names import Names, check_token, key_token
 __all__ = [
     "DEFAULT_LIMITS",
     "SCHEMA_VERSION",
+    "ChunkedOutcome",
     "Completion",
     "ConstraintKind",
     "Limits",
@@ -42,6 +47,7 @@ __all__ = [
     "RolloutPayload",
     "RolloutResult",
     "SamplingParams",
+    "StoredOutcome",
     "VersionActivated",
     "VersionConstraint",
     "VersionEvent",
@@ -57,5 +63,7 @@ __all__ = [
     "encode",
     "error_from_code",
     "key_token",
+    "request_fingerprint",
+    "served_within",
     "version_spans",
 ]

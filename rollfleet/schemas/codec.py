@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from rollfleet.schemas.errors import InvalidRequest
-from rollfleet.schemas.messages import Outcome, VersionEvent
+from rollfleet.schemas.messages import StoredOutcome, VersionEvent
 
 T = TypeVar("T")
 
@@ -35,8 +35,9 @@ def decode(data: bytes, type_: Any, *, max_bytes: int | None = None, what: str |
         raise InvalidRequest(f"{name} is not valid MessagePack: {exc}") from None
 
 
-def decode_outcome(data: bytes) -> Outcome:
-    return decode(data, Outcome, what="rollout outcome")
+def decode_outcome(data: bytes) -> StoredOutcome:
+    """A result, a failure, or the head of a result stored in chunks."""
+    return decode(data, StoredOutcome, what="rollout outcome")
 
 
 def decode_event(data: bytes) -> VersionEvent:

@@ -53,6 +53,34 @@ class InvalidRequest(RollfleetError):
     retryable = False
 
 
+class IdempotencyConflict(RollfleetError):
+    """The idempotency key was already used for a different request (constraint or payload)."""
+
+    code = "idempotency_conflict"
+    retryable = False
+
+
+class ClientIdInUse(RollfleetError):
+    """Another live client holds this client_id; two would split its results between them."""
+
+    code = "client_id_in_use"
+    retryable = True  # once the other client is gone, the same id works again
+
+
+class ResultUnstorable(RollfleetError):
+    """The worker produced a result but the broker refuses to store it (permanently)."""
+
+    code = "result_unstorable"
+    retryable = False
+
+
+class ContractViolation(RollfleetError):
+    """A result came back outside the version constraint it was submitted with; it was not used."""
+
+    code = "contract_violation"
+    retryable = False
+
+
 class EngineFailure(RollfleetError):
     """The inference engine failed while serving the request."""
 

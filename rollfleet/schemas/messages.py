@@ -6,6 +6,7 @@ field of the wrong type is an error, never a silently wrong value.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -70,6 +71,17 @@ class RolloutJob(msgspec.Struct, kw_only=True):
     # against the trainer's version when the result is consumed, not this.
     trainer_version: int | None = None
     schema: int = SCHEMA_VERSION
+    # request_fingerprint() of what was asked; the answer carries it back, so a key reused for
+    # a different request is refused instead of answered with another request's result.
+    fingerprint: str = ""
+
+
+def request_fingerprint(
+    constraint: VersionConstraint, payload: RolloutPayload, retry_policy: str, session_id: str | None
+) -> str:
+    """A short digest of everything that defines a request's answer (not its key or deadline)."""
+    raw = msgspec.msgpack.encode((constraint.kind, constraint.version, payload, retry_policy, session_id))
+    return hashlib.blake2b(raw, digest_size=12).hexdigest()
 
 
 class VersionSpan(msgspec.Struct, kw_only=True, frozen=True):
@@ -118,6 +130,17 @@ class RolloutResult(msgspec.Struct, tag="result", kw_only=True):
     session_id: str | None = None
     prompt_tokens: int = 0
     staleness: int | None = None  # filled in by the trainer client when consumed
+    fingerprint: str = ""  # the job's, echoed
+    constraint: VersionConstraint | None = None  # the job's, echoed: a result says what it had to satisfy
+
+
+def served_within(constraint: VersionConstraint, result: RolloutResult) -> bool:
+    """Whether every token of ``result`` was generated at a version ``constraint`` allows: for an
+    exact constraint, start, end and every per-token span at that version; for a minimum, the
+    oldest of them at or above it."""
+    versions = {result.version_start, result.version_end}
+    versions.update(span.version for out in result.outputs for span in out.weight_versions)
+    return all(constraint.allows(v) for v in versions)
 
 
 class RolloutFailure(msgspec.Struct, tag="failure", kw_only=True):
@@ -130,9 +153,24 @@ class RolloutFailure(msgspec.Struct, tag="failure", kw_only=True):
     worker_id: str | None = None
     delivery_attempt: int = 0
     finished_at: float = 0.0
+    fingerprint: str = ""  # the job's, echoed
+
+
+class ChunkedOutcome(msgspec.Struct, tag="chunked", kw_only=True):
+    """Stands for an outcome too large for one message. Its encoded bytes were stored first, in
+    ``chunks`` messages on ``Names.result_chunk_subject(client_id, idempotency_key, i)``, and
+    this message is stored last, so whoever sees it can read them all."""
+
+    idempotency_key: str
+    client_id: str
+    job_id: str | None
+    chunks: int
+    size: int
+    digest: str  # xxh3-128 of the whole encoded outcome
 
 
 Outcome = RolloutResult | RolloutFailure
+StoredOutcome = RolloutResult | RolloutFailure | ChunkedOutcome
 
 
 class ReplicaStatus(msgspec.Struct, kw_only=True):
@@ -207,6 +245,10 @@ class VersionActivated(msgspec.Struct, tag="activated", kw_only=True):
     changed_tensors: int = 0
     # weights_digest() of the live weights' checksums, when the replica was asked to verify them
     weights_digest: str | None = None
+    # Before pausing, the replica waited this long for its exact-`previous_version` jobs to
+    # finish; past its bound it aborted and handed back `handed_back` of them, unanswered.
+    drain_s: float = 0.0
+    handed_back: int = 0
 
 
 VersionEvent = VersionPublished | VersionActivated

@@ -99,6 +99,13 @@ class Names:
     def result_subject(self, client_id: str, idempotency_key: str) -> str:
         return f"{self._root}.results.{check_token(client_id, 'client_id')}.{key_token(idempotency_key)}"
 
+    def result_chunk_subject(self, client_id: str, idempotency_key: str, index: int) -> str:
+        """Where chunk ``index`` of an outcome too large for one message is stored."""
+        return f"{self.result_subject(client_id, idempotency_key)}.{int(index)}"
+
+    def is_result_chunk(self, subject: str) -> bool:
+        return subject.startswith(f"{self._root}.results.") and subject.count(".") == self._root.count(".") + 4
+
     def results_filter(self, client_id: str) -> str:
         return f"{self._root}.results.{check_token(client_id, 'client_id')}.>"
 
@@ -120,9 +127,25 @@ class Names:
 
     LATEST_KEY = "latest"
 
+    @property
+    def claims_bucket(self) -> str:
+        """Which at_most_once jobs a worker started (key: the job id)."""
+        return f"RF_{self._up}_CLAIMS"
+
+    def client_alive_subject(self, client_id: str) -> str:
+        """A live client answers here; a second client with the same id asks first."""
+        return f"{self._root}.client.{check_token(client_id, 'client_id')}.alive"
+
+    @staticmethod
+    def client_key(client_id: str) -> str:
+        """The fleet-bucket key naming the live instance of a client_id."""
+        return f"client.{check_token(client_id, 'client_id')}"
+
+    REPLICA_PREFIX = "replica."
+
     @staticmethod
     def replica_key(worker_id: str) -> str:
-        return f"replica.{check_token(worker_id, 'worker_id')}"
+        return f"{Names.REPLICA_PREFIX}{check_token(worker_id, 'worker_id')}"
 
     @property
     def events_stream(self) -> str:

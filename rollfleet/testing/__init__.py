@@ -9,6 +9,7 @@ bounded; processes are stopped by PID, politely first.
 - workers: :func:`running_worker` (in this process), :func:`start_worker_process`,
   :class:`ProcessGroup` (named child processes with log files), :class:`LocalFleet`
 - stopping: :func:`terminate`, :func:`stop_all`
+- weights: :func:`write_base_checkpoint`, :func:`tensors_at` (a model-free checkpoint and trainer)
 """
 
 from rollfleet.cli.local_fleet import LocalFleet
@@ -34,6 +35,7 @@ from rollfleet.testing.processes import (
     worker_command,
 )
 from rollfleet.testing.waiting import WaitTimeout, wait_until
+from rollfleet.testing.weights import expected_digest, local_digest, tensors_at, write_base_checkpoint
 from rollfleet.testing.workers import running_worker, temp_broker
 
 __all__ = [
@@ -48,6 +50,8 @@ __all__ = [
     "check_alive",
     "cluster_port_map",
     "die_with_parent",
+    "expected_digest",
+    "local_digest",
     "make_dev_certs",
     "render_config",
     "rollfleet_command",
@@ -57,7 +61,9 @@ __all__ = [
     "start_worker_process",
     "stop_all",
     "temp_broker",
+    "tensors_at",
     "terminate",
     "wait_until",
     "worker_command",
+    "write_base_checkpoint",
 ]

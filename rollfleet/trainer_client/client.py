@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import suppress
@@ -18,6 +17,7 @@ from typing import Any
 
 import nats.errors
 import nats.js.errors
+import xxhash
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -30,6 +30,7 @@ from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
     DEFAULT_LIMITS,
+    ChunkedOutcome,
     Limits,
     Names,
     Outcome,
@@ -39,18 +40,30 @@ from rollfleet.schemas import (
     RolloutJob,
     RolloutPayload,
     RolloutResult,
+    StoredOutcome,
     VersionConstraint,
     VersionRecord,
-    check_job,
     check_token,
     decode_outcome,
-    encode,
     error_from_code,
+    served_within,
 )
-from rollfleet.schemas.errors import Expired, InvalidRequest, NoCompatibleReplica, RollfleetError, ServiceUnavailable
+from rollfleet.schemas.errors import (
+    ClientIdInUse,
+    ContractViolation,
+    Expired,
+    IdempotencyConflict,
+    InvalidRequest,
+    NoCompatibleReplica,
+    RollfleetError,
+    ServiceUnavailable,
+)
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
+from rollfleet.trainer_client.lease import ClientLease
+from rollfleet.trainer_client.metrics import ClientMetrics
+from rollfleet.trainer_client.requests import build_job, constraint_from
 from rollfleet.trainer_client.versions import adopt_version, commit_version
 
 log = get_logger("rollfleet.client")
@@ -85,10 +98,12 @@ class RolloutClient:
         self.deadline_grace_s = deadline_grace_s
         self.fail_fast = fail_fast
         self.fleet = FleetView(self.js, names)
+        self.metrics = ClientMetrics(self.client_id)
+        self._lease = ClientLease(nc, self.js, names, self.client_id)
         self._handles: dict[str, RolloutHandle] = {}
         self._unclaimed: dict[str, Outcome] = {}  # results with no handle (e.g. from before a restart)
         self._unclaimed_event = asyncio.Event()
-        self._delivered: OrderedDict[str, None] = OrderedDict()
+        self._delivered: OrderedDict[tuple[str, str | None], None] = OrderedDict()  # (key, job id)
         self._results_task: asyncio.Task[None] | None = None
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
@@ -136,6 +151,7 @@ class RolloutClient:
 
     async def _start(self) -> None:
         await ensure_topology(self.js, self.names, self.topology)
+        await self._lease.acquire()  # one live client per client_id, or ClientIdInUse
         self._results_consumer = await ensure_results_consumer(self.js, self.names, self.client_id, self.topology)
         await self.fleet.start()
         self._results_task = asyncio.create_task(self._receive_results(), name="results")
@@ -154,6 +170,7 @@ class RolloutClient:
         if self._results_task is not None:
             await stop_tasks([self._results_task, self._expiry_task])
         await self.fleet.close()
+        await self._lease.release()
         for handle in self._handles.values():
             handle.set_error(ServiceUnavailable("client closed before the result arrived"))
         # flush + close rather than drain: drain waits on the watchers' push subscriptions.
@@ -184,52 +201,48 @@ class RolloutClient:
 
         Exactly one of ``min_version``, ``exact_version`` or ``max_staleness`` (meaning
         ``min_version = latest - max_staleness``) says which policy versions may serve it.
-        Resubmitting an ``idempotency_key`` within the duplicate window makes no second job.
+        Resubmitting an ``idempotency_key`` within the duplicate window makes no second job and
+        yields the same answer; the same key for a different request is ``IdempotencyConflict``.
+        Arguments of the wrong type or value are ``InvalidRequest``, raised here.
         """
-        constraint = self._constraint(min_version, exact_version, max_staleness)
-        if retry_policy not in ("replayable", "at_most_once"):
-            raise InvalidRequest(f"retry_policy must be 'replayable' or 'at_most_once', got {retry_policy!r}")
-        if deadline is not None and timeout is not None:
-            raise InvalidRequest("give deadline or timeout, not both")
-        now = time.time()
-        job_id = uuid.uuid4().hex
-        key = idempotency_key or job_id
-        existing = self._handles.get(key)
-        if existing is not None:
-            return existing
-        job = RolloutJob(
-            job_id=job_id,
-            idempotency_key=key,
+        constraint = constraint_from(min_version, exact_version, max_staleness, self.latest_version)
+        job, data = build_job(
+            payload,
             client_id=self.client_id,
             constraint=constraint,
-            payload=payload,
-            deadline=deadline if deadline is not None else now + (timeout or self.default_timeout_s),
-            submitted_at=now,
+            idempotency_key=idempotency_key,
+            deadline=deadline,
+            timeout=timeout,
+            default_timeout_s=self.default_timeout_s,
             retry_policy=retry_policy,
             session_id=session_id,
             trainer_version=self.latest_version,
+            limits=self.limits,
         )
-        check_job(job, self.limits)
-        data = encode(job)
-        if len(data) > self.limits.max_job_bytes:
-            raise InvalidRequest(f"job is {len(data)} bytes, over the limit of {self.limits.max_job_bytes}")
-
+        key = job.idempotency_key
+        existing = self._handles.get(key)
+        if existing is not None:
+            self._check_same_request(existing.job, job.fingerprint)
+            return existing
+        handle = RolloutHandle(job, self._withdraw)
+        unclaimed = self._unclaimed.pop(key, None)
+        if unclaimed is not None:  # the answer came before we asked again (trainer restart)
+            self._settle(handle, unclaimed)
+            return handle
         if self.fail_fast and not self.fleet.compatible(constraint):
             try:
                 await self.fleet.refresh()  # the view may lag a replica that just registered
             except Exception as exc:  # broker unreachable: a retryable error, never a raw one
                 raise ServiceUnavailable(f"cannot read the fleet registry: {exc}") from exc
             if not self.fleet.compatible(constraint):
-                handle = RolloutHandle(job, self._withdraw)
-                handle.set_error(NoCompatibleReplica(self._no_replica_message(constraint)))
+                # An answer already stored for this key wins: resubmitting is always safe.
+                stored = await self._stored_outcome(key) if idempotency_key is not None else None
+                if stored is not None:
+                    self._settle(handle, stored)
+                else:
+                    handle.set_error(NoCompatibleReplica(self._no_replica_message(constraint)))
                 return handle
-
-        handle = RolloutHandle(job, self._withdraw)
         self._handles[key] = handle
-        unclaimed = self._unclaimed.pop(key, None)
-        if unclaimed is not None:  # the answer came before we asked again (trainer restart)
-            self._settle(handle, unclaimed)
-            return handle
         headers = {HDR_MSG_ID: key, HDR_CLIENT_ID: self.client_id}
         subject = self.names.job_subject(constraint.kind, constraint.version)
         try:
@@ -241,25 +254,18 @@ class RolloutClient:
         handle.stream_seq = None if ack.duplicate else ack.seq
         self._ring(constraint)
         if ack.duplicate and (stored := await self._stored_outcome(key)) is not None:
+            self._handles.pop(key, None)
             self._settle(handle, stored)  # a duplicate submit whose result was delivered earlier
         log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
         return handle
 
-    def _constraint(
-        self, min_version: int | None, exact_version: int | None, max_staleness: int | None
-    ) -> VersionConstraint:
-        given = [x is not None for x in (min_version, exact_version, max_staleness)]
-        if sum(given) != 1:
-            raise InvalidRequest("give exactly one of min_version, exact_version or max_staleness")
-        if exact_version is not None:
-            return VersionConstraint("exact", int(exact_version))
-        if min_version is not None:
-            return VersionConstraint("min", int(min_version))
-        assert max_staleness is not None
-        if max_staleness < 0:
-            raise InvalidRequest("max_staleness must be >= 0")
-        latest = self.latest_version or 0
-        return VersionConstraint("min", max(0, latest - int(max_staleness)))
+    @staticmethod
+    def _check_same_request(job: RolloutJob, fingerprint: str) -> None:
+        if job.fingerprint and fingerprint and job.fingerprint != fingerprint:
+            raise IdempotencyConflict(
+                f"idempotency key {job.idempotency_key!r} is already used for a different request "
+                f"(constraint {job.constraint}); give this request its own key"
+            )
 
     async def _expire_handles(self) -> None:
         """Fail pending handles whose deadline (plus grace) passed without a result: one sweep
@@ -286,11 +292,44 @@ class RolloutClient:
         return f"no live replica is at, or preparing, a version allowed by {constraint}; fleet: {live or 'empty'}"
 
     def _settle(self, handle: RolloutHandle, outcome: Outcome) -> None:
-        if isinstance(outcome, RolloutResult):
-            self._attach_staleness(outcome)
-            handle.set_result(outcome)
-        else:
+        """Hand ``outcome`` to the caller, unless it answers another request or breaks its constraint."""
+        if outcome.fingerprint and handle.job.fingerprint and outcome.fingerprint != handle.job.fingerprint:
+            handle.set_error(
+                IdempotencyConflict(
+                    f"idempotency key {handle.idempotency_key!r} was answered for a different request; "
+                    "give this request its own key"
+                )
+            )
+            return
+        if isinstance(outcome, RolloutFailure):
             handle.set_error(error_from_code(outcome.code, outcome.message, outcome.retryable))
+            return
+        if not self._within_constraint(outcome, handle.job.constraint):
+            handle.set_error(
+                ContractViolation(
+                    f"result for {handle.idempotency_key!r} was served at versions {outcome.version_start}.."
+                    f"{outcome.version_end}, outside {handle.job.constraint}; it was not used"
+                )
+            )
+            return
+        self._attach_staleness(outcome)
+        handle.set_result(outcome)
+
+    def _within_constraint(self, result: RolloutResult, constraint: VersionConstraint | None) -> bool:
+        """Defence in depth: every result is checked against the constraint it was asked for."""
+        constraint = constraint or result.constraint
+        if constraint is None or served_within(constraint, result):
+            return True
+        self.metrics.contract_violations.inc()
+        log.error(
+            "contract violation: result outside its constraint, not handed to the caller",
+            idempotency_key=result.idempotency_key,
+            constraint=str(constraint),
+            version_start=result.version_start,
+            version_end=result.version_end,
+            worker_id=result.worker_id,
+        )
+        return False
 
     def _attach_staleness(self, result: RolloutResult) -> None:
         latest = self.latest_version
@@ -305,9 +344,25 @@ class RolloutClient:
         subject = self.names.result_subject(self.client_id, key)
         try:
             raw = await self.js.get_last_msg(self.names.results_stream, subject)
-            return decode_outcome(raw.data or b"")
+            return await self._whole(decode_outcome(raw.data or b""))
         except (nats.errors.Error, nats.js.errors.Error, InvalidRequest):
             return None
+
+    async def _whole(self, outcome: StoredOutcome) -> Outcome:
+        """An outcome stored in chunks, read back and checked; any other outcome as it is."""
+        if not isinstance(outcome, ChunkedOutcome):
+            return outcome
+        parts = []
+        for i in range(outcome.chunks):
+            subject = self.names.result_chunk_subject(self.client_id, outcome.idempotency_key, i)
+            parts.append((await self.js.get_last_msg(self.names.results_stream, subject)).data or b"")
+        data = b"".join(parts)
+        if len(data) != outcome.size or xxhash.xxh3_128_hexdigest(data) != outcome.digest:
+            raise InvalidRequest(f"the chunks of {outcome.idempotency_key!r} do not add up to the stored answer")
+        whole = decode_outcome(data)
+        if isinstance(whole, ChunkedOutcome):
+            raise InvalidRequest("a chunked answer cannot contain another")
+        return whole
 
     async def _withdraw(self, handle: RolloutHandle) -> bool:
         self._handles.pop(handle.idempotency_key, None)
@@ -367,6 +422,8 @@ class RolloutClient:
         outcome = self._unclaimed.pop(idempotency_key)
         if isinstance(outcome, RolloutFailure):
             raise error_from_code(outcome.code, outcome.message, outcome.retryable)
+        if not self._within_constraint(outcome, None):  # checked against the constraint it carries
+            raise ContractViolation(f"result for {idempotency_key!r} was served outside {outcome.constraint}")
         self._attach_staleness(outcome)
         return outcome
 
@@ -377,6 +434,21 @@ class RolloutClient:
     def _on_reconnect(self) -> None:
         if self._results_puller is not None:
             self._results_puller.reset()  # re-request at once instead of waiting out the old one
+        self._spawn(self._check_lease())
+
+    async def _check_lease(self) -> None:
+        """After a partition another client may have taken the id over: then stop taking results."""
+        try:
+            held = await self._lease.held()
+        except Exception:  # the broker went away again; the next reconnect checks again
+            return
+        if held or self._results_task is None:
+            return
+        log.error("client_id taken over by another client while disconnected; no longer receiving results")
+        await stop_tasks([self._results_task])
+        for handle in list(self._handles.values()):
+            handle.set_error(ClientIdInUse(f"client_id {self.client_id!r} was taken over by another client"))
+        self._handles.clear()
 
     async def _receive_results(self) -> None:
         """Keep a pull request open on this client's results consumer; each result is handled
@@ -396,28 +468,38 @@ class RolloutClient:
             await puller.close()
 
     async def _on_result(self, msg: Msg) -> None:
-        self._deliver(msg)
+        if self.names.is_result_chunk(msg.subject):
+            with suppress(Exception):  # read with its head, by subject
+                await msg.ack()
+            return
+        try:
+            outcome = await self._whole(decode_outcome(msg.data))
+        except RollfleetError as exc:
+            log.warning("undecodable result dropped", error=exc.message, subject=msg.subject)
+        except (nats.errors.Error, nats.js.errors.Error) as exc:  # chunks unreadable now: redelivered later
+            log.warning("result chunks not readable yet", error=str(exc), subject=msg.subject)
+            with suppress(Exception):
+                await msg.nak(delay=1.0)
+            return
+        else:
+            self._deliver(outcome)
         with suppress(Exception):
             await msg.ack()
 
-    def _deliver(self, msg: Msg) -> None:
-        try:
-            outcome = decode_outcome(msg.data)
-        except RollfleetError as exc:
-            log.warning("undecodable result dropped", error=exc.message, subject=msg.subject)
-            return
+    def _deliver(self, outcome: Outcome) -> None:
         key = outcome.idempotency_key
-        if key in self._delivered:
-            return  # one result per key: a late duplicate is dropped
+        answer = (key, outcome.job_id)
+        if answer in self._delivered:
+            return  # one answer per job: a late duplicate is dropped
+        self._delivered[answer] = None
+        if len(self._delivered) > _DELIVERED_MEMORY:
+            self._delivered.popitem(last=False)
         handle = self._handles.pop(key, None)
         if handle is not None:
             self._settle(handle, outcome)
-        else:
-            self._unclaimed[key] = outcome
-            if len(self._unclaimed) > _DELIVERED_MEMORY:  # nobody is asking: keep the newest only
-                self._unclaimed.pop(next(iter(self._unclaimed)))
-            event, self._unclaimed_event = self._unclaimed_event, asyncio.Event()
-            event.set()
-        self._delivered[key] = None
-        if len(self._delivered) > _DELIVERED_MEMORY:
-            self._delivered.popitem(last=False)
+            return
+        self._unclaimed[key] = outcome
+        if len(self._unclaimed) > _DELIVERED_MEMORY:  # nobody is asking: keep the newest only
+            self._unclaimed.pop(next(iter(self._unclaimed)))
+        event, self._unclaimed_event = self._unclaimed_event, asyncio.Event()
+        event.set()

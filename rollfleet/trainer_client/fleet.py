@@ -26,8 +26,6 @@ from rollfleet.schemas.errors import InvalidRequest, ServiceUnavailable
 
 log = get_logger("rollfleet.fleet")
 
-_REPLICA_PREFIX = "replica."
-
 
 class FleetView:
     def __init__(self, js: JetStreamContext, names: Names, refresh_s: float = 5.0) -> None:
@@ -145,9 +143,9 @@ class FleetView:
                 with suppress(ValueError):
                     self._set_latest(int(value))
             return
-        if not key.startswith(_REPLICA_PREFIX):
+        if not key.startswith(Names.REPLICA_PREFIX):
             return
-        worker_id = key[len(_REPLICA_PREFIX) :]
+        worker_id = key[len(Names.REPLICA_PREFIX) :]
         if deleted or not value:
             self._replicas.pop(worker_id, None)
             return

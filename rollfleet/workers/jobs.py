@@ -2,8 +2,16 @@
 
 A job is acked only after its answer is stored on the client's results subject, so a worker
 that dies mid-job loses nothing: the broker redelivers it. A redelivered job whose answer is
-already stored is acked without running again; an ``at_most_once`` job whose holder died is
-answered ``Interrupted`` instead of running twice.
+already stored is acked without running again.
+
+``at_most_once`` jobs are claimed (``Names.claims_bucket``, key = job id) before they start;
+a redelivered one whose claim exists may have started on a holder that died, so it is answered
+``Interrupted`` instead of running twice. A job handed back unrun (a version change raced its
+pull, or an activation's drain ran out) carries no claim and is served normally elsewhere.
+
+A job is admitted (registered as running) in the same step that checks its constraint against
+the served version, so an activation that drains exact jobs sees every job that passed the
+check. A result whose tokens fall outside the job's constraint is never stored.
 """
 
 from __future__ import annotations
@@ -12,22 +20,55 @@ import asyncio
 import itertools
 import time
 from contextlib import suppress
+from dataclasses import dataclass, field
 from typing import Any
 
 import nats.js.errors
+import xxhash
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from rollfleet.broker.publish import publish_retrying
 from rollfleet.runtime import faults
-from rollfleet.schemas import Limits, Names, RolloutFailure, RolloutJob, RolloutResult, check_job, decode, encode
-from rollfleet.schemas.errors import EngineFailure, Expired, Interrupted, InvalidRequest, RollfleetError
+from rollfleet.schemas import (
+    ChunkedOutcome,
+    Limits,
+    Names,
+    RolloutFailure,
+    RolloutJob,
+    RolloutResult,
+    check_job,
+    decode,
+    encode,
+    served_within,
+)
+from rollfleet.schemas.errors import (
+    EngineFailure,
+    Expired,
+    Interrupted,
+    InvalidRequest,
+    ResultUnstorable,
+    RollfleetError,
+)
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, check_token
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.serving import ServedVersion
 
 _RESULT_PUBLISH_BUDGET_S = 20.0  # then the job stays unacked and is redelivered
+_HEADROOM = 16 * 1024  # message size left for headers and protocol overhead
+# A job handed back waits this long before redelivery, so a pull request this worker still has
+# open on its subject does not take it straight back again and again.
+_HAND_BACK_DELAY_S = 0.2
+
+
+@dataclass(eq=False)
+class RunningJob:
+    msg: Msg
+    job: RolloutJob
+    since: float = field(default_factory=time.monotonic)  # for progress acks
+    handed_back: bool = False  # an activation's drain gave up on it: discard whatever it produced
 
 
 class JobRunner:
@@ -42,9 +83,11 @@ class JobRunner:
         worker_id: str,
         limits: Limits,
         ack_wait_s: float,
+        max_message_bytes: int,
         metrics: WorkerMetrics,
         log: Any,
         served: ServedVersion,
+        claims: KeyValue,
     ) -> None:
         self._js = js
         self._names = names
@@ -52,13 +95,20 @@ class JobRunner:
         self._worker_id = worker_id
         self._limits = limits
         self._ack_wait_s = ack_wait_s
+        self._chunk_bytes = max(1024, max_message_bytes - _HEADROOM)
         self._metrics = metrics
         self._log = log
         self._served = served
-        self._held: dict[int, tuple[Msg, float]] = {}  # running jobs' messages, for progress acks
+        self._claims = claims
+        self._running: dict[int, RunningJob] = {}
+        self._changed = asyncio.Event()  # set whenever a running job ends
         self._ids = itertools.count()
         self.jobs_done = 0
         self.outcomes: dict[str, int] = {}
+
+    @property
+    def running(self) -> list[RunningJob]:
+        return list(self._running.values())
 
     async def handle(self, msg: Msg) -> None:
         headers = msg.headers or {}
@@ -84,47 +134,62 @@ class JobRunner:
             await msg.term()
             return
         log = log.bind(job_id=job.job_id, idempotency_key=job.idempotency_key, version=self._served.version)
-        if not self._served.allows(job.constraint):  # only after a version change raced the pull
-            await msg.nak()
+        # Check and admit in one step (no await between): a draining activation sees this job.
+        if not self._served.allows(job.constraint):
+            log.debug("handed back unrun", constraint=str(job.constraint))
+            self._count("handed_back")
+            await msg.nak(delay=_HAND_BACK_DELAY_S)
             return
+        run_id = next(self._ids)
+        run = self._running[run_id] = RunningJob(msg, job)
+        try:
+            await self._serve(run, attempt, stored_at, log)
+        finally:
+            del self._running[run_id]
+            self._changed.set()
+
+    async def _serve(self, run: RunningJob, attempt: int, stored_at: float, log: Any) -> None:
+        msg, job = run.msg, run.job
         if time.time() > job.deadline:
             log.info("expired before it ran")
             err = Expired("deadline passed before a worker ran it")
-            await self.answer_failure(client_id, key, err, attempt, job.job_id)
+            await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
             await msg.ack()
             return
-        if attempt > 1:
-            if await self._result_exists(client_id, key):
-                log.info("redelivered job already answered; acking")
-                await msg.ack()
-                return
-            if job.retry_policy == "at_most_once":
-                log.info("at_most_once job redelivered after its holder died")
-                err = Interrupted("the worker holding this at_most_once job stopped; it was not run again")
-                await self.answer_failure(client_id, key, err, attempt, job.job_id)
-                await msg.ack()
-                return
-        await self._run(msg, job, attempt, stored_at, log)
+        if attempt > 1 and await self._result_exists(job.client_id, job.idempotency_key):
+            log.info("redelivered job already answered; acking")
+            await msg.ack()
+            return
+        if job.retry_policy == "at_most_once" and not await self._claim(job):
+            log.info("at_most_once job redelivered after its holder started it")
+            err = Interrupted("the worker that started this at_most_once job stopped; it was not run again")
+            await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
+            await msg.ack()
+            return
+        if run.handed_back:  # the drain gave up on it while we were claiming
+            await self._hand_back(run, log)
+            return
+        await self._run(run, attempt, stored_at, log)
 
-    async def _run(self, msg: Msg, job: RolloutJob, attempt: int, stored_at: float, log: Any) -> None:
+    async def _run(self, run: RunningJob, attempt: int, stored_at: float, log: Any) -> None:
+        msg, job = run.msg, run.job
         started = time.time()
-        held_id = next(self._ids)
-        self._held[held_id] = (msg, time.monotonic())
         try:
             generation = await self._engine.generate(job.job_id, job.payload)
         except RollfleetError as exc:
             log.warning("generation refused", error=exc.message, code=exc.code)
-            await self.answer_failure(job.client_id, job.idempotency_key, exc, attempt, job.job_id)
+            await self.answer_failure(job.client_id, job.idempotency_key, exc, attempt, job)
             await msg.ack()
             return
         except Exception as exc:
             log.exception("engine failed")
             err = EngineFailure(f"engine {self._engine.name} failed: {exc}")
-            await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job.job_id)
+            await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
             await msg.ack()
             return
-        finally:
-            self._held.pop(held_id, None)
+        if run.handed_back:
+            await self._hand_back(run, log)
+            return
         finished = time.time()
         result = RolloutResult(
             job_id=job.job_id,
@@ -141,9 +206,29 @@ class JobRunner:
             finished_at=finished,
             session_id=job.session_id,
             prompt_tokens=generation.prompt_tokens,
+            fingerprint=job.fingerprint,
+            constraint=job.constraint,
         )
-        if not await self._publish_outcome(job.client_id, job.idempotency_key, result):
-            return  # not stored: leave the job unacked so it is redelivered
+        if not served_within(job.constraint, result):
+            # Admission and the activation drain make this impossible; never store it if it happens.
+            log.error(
+                "contract violation: result outside its constraint; handing the job back",
+                constraint=str(job.constraint),
+                version_start=result.version_start,
+                version_end=result.version_end,
+            )
+            self._metrics.contract_violations.inc()
+            await self._hand_back(run, log)
+            return
+        try:
+            stored = await self._store(job.client_id, job.idempotency_key, result)
+        except ResultUnstorable as exc:
+            log.error("result cannot be stored", error=exc.message)
+            await self.answer_failure(job.client_id, job.idempotency_key, exc, attempt, job)
+            await msg.ack()
+            return
+        if not stored:
+            return  # broker away: leave the job unacked so it is redelivered
         faults.point("worker:after-result-before-ack")
         await msg.ack()
         self.jobs_done += 1
@@ -158,6 +243,56 @@ class JobRunner:
             queue_wait_s=round(result.queue_wait_s, 4),
         )
 
+    # -- activations: draining exact jobs -------------------------------------------------------
+
+    async def drain_exact(self, version: int, bound_s: float) -> tuple[float, int]:
+        """Wait until no admitted ``exact-<version>`` job is running; past ``bound_s``, abort
+        them and hand them back unanswered (another replica at that version may serve them).
+        Returns (seconds waited, jobs handed back)."""
+        t0 = time.monotonic()
+
+        def pinned() -> list[RunningJob]:
+            return [
+                r
+                for r in self._running.values()
+                if r.job.constraint.kind == "exact" and r.job.constraint.version == version and not r.handed_back
+            ]
+
+        deadline = t0 + bound_s
+        while pinned() and time.monotonic() < deadline:
+            self._changed.clear()
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - time.monotonic()))
+        late = pinned()
+        for run in late:
+            run.handed_back = True
+            await self._engine.abort(run.job.job_id)
+        while any(r.handed_back for r in self._running.values()):  # until they have unwound (nak)
+            self._changed.clear()
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), 1.0)
+        return time.monotonic() - t0, len(late)
+
+    async def _hand_back(self, run: RunningJob, log: Any) -> None:
+        """Return a job unanswered, as if never run: its claim is released, the broker redelivers it."""
+        log.info("handed back", constraint=str(run.job.constraint))
+        self._count("handed_back")
+        if run.job.retry_policy == "at_most_once":
+            with suppress(Exception):
+                await self._claims.delete(run.job.job_id)
+        with suppress(Exception):
+            await run.msg.nak(delay=_HAND_BACK_DELAY_S)
+
+    async def _claim(self, job: RolloutJob) -> bool:
+        """Record that this at_most_once job starts; False if a holder already started it."""
+        try:
+            await self._claims.create(job.job_id, self._worker_id.encode())
+            return True
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False
+
+    # -- answers ---------------------------------------------------------------------------------
+
     async def keep_alive(self) -> None:
         """In-progress acks for jobs held longer than a third of ack_wait, so a long job is not
         redelivered meanwhile. One task for all jobs: short jobs cost nothing. Runs until cancelled."""
@@ -165,10 +300,10 @@ class JobRunner:
         while True:
             await asyncio.sleep(interval / 2)
             now = time.monotonic()
-            for msg, since in list(self._held.values()):
-                if now - since >= interval:
+            for run in list(self._running.values()):
+                if now - run.since >= interval:
                     with suppress(Exception):
-                        await msg.in_progress()
+                        await run.msg.in_progress()
 
     async def _result_exists(self, client_id: str, key: str) -> bool:
         try:
@@ -177,11 +312,30 @@ class JobRunner:
         except nats.js.errors.NotFoundError:
             return False
 
-    async def _publish_outcome(self, client_id: str, key: str, outcome: RolloutResult | RolloutFailure) -> bool:
+    async def _store(self, client_id: str, key: str, outcome: RolloutResult | RolloutFailure) -> bool:
+        """Store an answer; one too large for a message goes in chunks, then a ChunkedOutcome head.
+        False if the broker stayed away; ResultUnstorable if it refuses the answer for good."""
         until = time.time() + _RESULT_PUBLISH_BUDGET_S
-        subject = self._names.result_subject(client_id, key)
+        data = encode(outcome)
         try:
-            await publish_retrying(self._js, subject, encode(outcome), {HDR_MSG_ID: key}, until=until)
+            if len(data) > self._chunk_bytes:
+                parts = [data[i : i + self._chunk_bytes] for i in range(0, len(data), self._chunk_bytes)]
+                for i, part in enumerate(parts):
+                    subject = self._names.result_chunk_subject(client_id, key, i)
+                    await publish_retrying(self._js, subject, part, {HDR_MSG_ID: f"{key}:{i}"}, until=until)
+                head = ChunkedOutcome(
+                    idempotency_key=key,
+                    client_id=client_id,
+                    job_id=outcome.job_id,
+                    chunks=len(parts),
+                    size=len(data),
+                    digest=xxhash.xxh3_128_hexdigest(data),
+                )
+                data = encode(head)
+            subject = self._names.result_subject(client_id, key)
+            await publish_retrying(self._js, subject, data, {HDR_MSG_ID: key}, until=until)
+        except InvalidRequest as exc:
+            raise ResultUnstorable(f"the broker refuses an answer of {len(data)} bytes: {exc.message}") from exc
         except RollfleetError as exc:
             self._log.warning("result not stored", error=exc.message, code=exc.code)
             return False
@@ -193,7 +347,7 @@ class JobRunner:
         key: str | None,
         error: RollfleetError,
         attempt: int,
-        job_id: str | None = None,
+        job: RolloutJob | None = None,
     ) -> None:
         """Store a typed failure as the job's answer (dropped, with a warning, if there is no
         reply address or key to store it under)."""
@@ -212,12 +366,14 @@ class JobRunner:
             code=error.code,
             message=error.message,
             retryable=error.retryable,
-            job_id=job_id,
+            job_id=job.job_id if job else None,
             worker_id=self._worker_id,
             delivery_attempt=attempt,
             finished_at=time.time(),
+            fingerprint=job.fingerprint if job else "",
         )
-        await self._publish_outcome(client_id, key, failure)  # type: ignore[arg-type]
+        with suppress(ResultUnstorable):  # a failure is small; nothing more to say if it is refused
+            await self._store(client_id, key, failure)  # type: ignore[arg-type]
 
     def _count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1

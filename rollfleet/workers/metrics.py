@@ -37,6 +37,12 @@ class WorkerMetrics:
         self.density = gauge("rollfleet_update_density", "Changed fraction of the model in the last activation")
         self.activations = counter("rollfleet_activations_total", "Versions activated").labels(**labels)
         self.prepare_failures = counter("rollfleet_prepare_failures_total", "Failed prepares").labels(**labels)
+        self.drain = hist(
+            "rollfleet_exact_drain_seconds", "Wait for exact jobs of the old version before a pause", _LATENCY_BUCKETS
+        )
+        self.contract_violations = counter(
+            "rollfleet_contract_violations_total", "Results outside their constraint (never stored)"
+        ).labels(**labels)
         self.port: int | None = None
 
     def job(self, outcome: str) -> None:

@@ -3,6 +3,10 @@
 It moves only after the engine has activated a version and the activation was announced,
 so a worker never pulls a version's jobs before it said it serves that version. The engine
 keeps its own record of its live weights only to stamp each generation step with it.
+
+While an activation to a newer version is under way (``activating``), exact jobs for the
+served version are no longer taken: they could not finish before the weights change. Jobs
+with a minimum version still are; they may span the activation and report both versions.
 """
 
 from __future__ import annotations
@@ -23,9 +27,14 @@ def compatible(version: int, subject: Subject) -> bool:
 @dataclass
 class ServedVersion:
     version: int
+    activating: int | None = None  # the version being activated, from the end of its prepare to its announcement
 
     def accepts(self, subject: Subject) -> bool:
+        """Whether to pull from ``subject`` now."""
+        if subject[0] == "exact" and self.activating is not None:
+            return False
         return compatible(self.version, subject)
 
     def allows(self, constraint: VersionConstraint) -> bool:
-        return constraint.allows(self.version)
+        """Whether a pulled job with ``constraint`` may start now."""
+        return self.accepts((constraint.kind, constraint.version))

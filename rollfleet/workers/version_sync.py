@@ -14,10 +14,9 @@ stuck thread is a daemon, so it never keeps the process from exiting on SIGTERM.
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from rollfleet.broker.watch import watch_keys
 from rollfleet.policy_store import MaterializeResult, materialize
 from rollfleet.policy_store.digest import weights_digest
 from rollfleet.runtime import faults
-from rollfleet.runtime.aio import StuckThread, call_bounded, stop_tasks
+from rollfleet.runtime.aio import in_daemon_thread, stop_tasks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, VersionActivated, encode
 from rollfleet.schemas.errors import PolicyError, PrepareTimeout, RollfleetError
@@ -51,6 +50,8 @@ class VersionSync:
         *,
         worker_id: str,
         on_activated: Callable[[], None],
+        drain_exact: Callable[[int, float], Awaitable[tuple[float, int]]] | None = None,
+        exact_drain_s: float = 30.0,
         resync_s: float = 5.0,
         pre_read_hook: str | None = None,
         metrics: WorkerMetrics | None = None,
@@ -65,12 +66,14 @@ class VersionSync:
         self.local_dir = Path(local_dir)
         self._worker_id = worker_id
         self._on_activated = on_activated  # wakes the worker's pull loop for the new subjects
+        self._drain_exact = drain_exact  # waits for (then hands back) exact jobs of the old version
+        self._exact_drain_s = exact_drain_s
         self._resync_s = resync_s
         self._pre_read_hook = pre_read_hook
         self._metrics = metrics
         self._verify_live = verify_live
         self.prepare_timeout_s = prepare_timeout_s
-        self.stuck: threading.Thread | None = None  # a prepare that never returned (abandoned)
+        self._stuck: threading.Event | None = None  # set when an abandoned prepare finally returns
         self._kv: KeyValue | None = None
         self._registration: Registration | None = None
         self._wake = asyncio.Event()
@@ -141,18 +144,29 @@ class VersionSync:
 
     async def _materialize(self, target: int) -> MaterializeResult:
         """materialize() on a daemon thread, bounded; a stuck one is abandoned and blocks retries."""
-        if self.stuck is not None and self.stuck.is_alive():
+        if self.stuck:
             raise PrepareTimeout(f"an earlier prepare is still stuck; not preparing version {target}")
+        done = threading.Event()
+
+        def run() -> MaterializeResult:
+            try:
+                return materialize(self.local_dir, self.store_dir, target, pre_read_hook=self._pre_read_hook)
+            finally:
+                done.set()
+
         try:
-            hook = self._pre_read_hook
-            call = functools.partial(materialize, self.local_dir, self.store_dir, target, pre_read_hook=hook)
-            return await call_bounded(call, timeout=self.prepare_timeout_s, name=f"rf-prepare-v{target}")
-        except StuckThread as exc:
-            self.stuck = exc.thread
+            return await asyncio.wait_for(in_daemon_thread(run), self.prepare_timeout_s)
+        except TimeoutError:
+            self._stuck = done
             raise PrepareTimeout(
                 f"materializing version {target} took longer than {self.prepare_timeout_s:g} s (a read that never "
                 "returns?); abandoned"
             ) from None
+
+    @property
+    def stuck(self) -> bool:
+        """Whether an abandoned prepare is still running (stuck in a read)."""
+        return self._stuck is not None and not self._stuck.is_set()
 
     # -- prepare, activate, announce --------------------------------------------------------
     async def update_to(self, target: int) -> VersionActivated | None:
@@ -180,13 +194,29 @@ class VersionSync:
             return None
         prepare_s = time.perf_counter() - t0
         faults.point("worker:before-activation")
+        # From here exact jobs for `previous` are no longer taken; those running may finish
+        # (bounded), so that every exact job runs entirely at its version or not at all.
+        self._served.activating = result.version
+        drain_s, handed_back = 0.0, 0
+        if self._drain_exact is not None:
+            drain_s, handed_back = await self._drain_exact(previous, self._exact_drain_s)
         t1 = time.perf_counter()
-        await self._engine.pause()  # returns at the next step boundary; generation runs until then
-        t2 = time.perf_counter()
         try:
-            await self._engine.load_weights(self.local_dir, result.changed, result.version)
-        finally:
-            await self._engine.resume()
+            await self._engine.pause()  # returns at the next step boundary; generation runs until then
+            t2 = time.perf_counter()
+            try:
+                await self._engine.load_weights(self.local_dir, result.changed, result.version)
+            finally:
+                await self._engine.resume()
+        except (RollfleetError, OSError) as exc:
+            self._served.activating = None
+            self._failed_version = target
+            self.failures.append(reason := f"{getattr(exc, 'code', type(exc).__name__)}: {exc}")
+            log.warning("activation failed; still serving the current version", error=str(exc))
+            await self._registration.write(
+                state="degraded", preparing_version=None, degraded_reason=f"activation of {target} failed: {reason}"
+            )
+            return None
         pause_s = time.perf_counter() - t2  # the stall: no step runs between pause and resume
         pause_wait_s = t2 - t1
         activation = VersionActivated(
@@ -199,6 +229,8 @@ class VersionSync:
             density=result.density,
             activated_at=time.time(),
             changed_tensors=len(result.changed),
+            drain_s=drain_s,
+            handed_back=handed_back,
         )
         self.activations.append(activation)
         if self._metrics is not None:
@@ -207,23 +239,28 @@ class VersionSync:
             self._metrics.wire_bytes.inc(result.wire_bytes)
             self._metrics.density.set(result.density)
             self._metrics.activations.inc()
+            self._metrics.drain.observe(drain_s)
         self._failed_version = None
         if self._verify_live:
             # After resume, off the pause: hashing every live tensor is not free.
             live = await asyncio.to_thread(self._engine.live_checksums)
             activation.weights_digest = weights_digest(live) if live is not None else None
-        # Advertise, then serve: the registry entry and the announcement say the new version
+        # Announce, then serve: the registry entry and the announcement say the new version
         # before the worker takes a single job for it.
-        self._served.version = result.version
-        await self._registration.write(state="ready", preparing_version=None, degraded_reason=None)
+        await self._registration.write(
+            state="ready", active_version=result.version, preparing_version=None, degraded_reason=None
+        )
         with suppress(Exception):
             await self._js.publish(self._names.versions_activated, encode(activation))
+        self._served.version, self._served.activating = result.version, None
         self._on_activated()
         log.info(
             "activated",
             prepare_s=round(prepare_s, 4),
             pause_s=round(pause_s, 5),
             pause_wait_s=round(pause_wait_s, 5),
+            drain_s=round(drain_s, 4),
+            handed_back=handed_back,
             wire_bytes=result.wire_bytes,
             density=round(result.density, 6),
             changed_tensors=len(result.changed),

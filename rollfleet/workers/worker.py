@@ -66,6 +66,9 @@ class WorkerConfig:
     max_waiting_pulls: int = 4
     progress_s: float = 30.0  # period of the info-level progress line
     drain_timeout_s: float = 120.0
+    # Before an activation, exact jobs of the old version may run this long to finish; then they
+    # are aborted and handed back unanswered (another replica at that version may serve them).
+    exact_drain_s: float = 30.0
     # Weights: follow published versions from a store (store_dir + local_dir), or serve a
     # fixed checkpoint (model_dir) at ``version``. Neither: a model-free engine such as echo.
     store_dir: Path | None = None
@@ -128,6 +131,8 @@ class Worker:
             metrics=self.metrics,
             log=self.log,
             served=self.served,
+            claims=await self.js.key_value(self.names.claims_bucket),
+            max_message_bytes=min(self.nc.max_payload, cfg.topology.max_msg_bytes),
         )
         now = time.time()
         status = ReplicaStatus(
@@ -157,6 +162,8 @@ class Worker:
                 cfg.local_dir or Path(f".rollfleet/replicas/{cfg.worker_id}"),
                 worker_id=cfg.worker_id,
                 on_activated=self._activated,
+                drain_exact=self.jobs.drain_exact,
+                exact_drain_s=cfg.exact_drain_s,
                 resync_s=cfg.resync_s,
                 pre_read_hook=cfg.pre_read_hook,
                 metrics=self.metrics,
@@ -169,7 +176,7 @@ class Worker:
         else:
             await self.engine.start(cfg.model_dir, self.served.version)
         await self.nc.subscribe(self.names.bell_wildcard, cb=self._on_bell)
-        await self.registration.write(state="ready", preparing_version=None)
+        await self.registration.write(state="ready", active_version=self.version, preparing_version=None)
         if self.sync is not None:
             self.sync.start(self.registration)
         self._tasks = [
@@ -209,10 +216,20 @@ class Worker:
         self._wake.set()
 
     async def run(self) -> None:
-        await self.start()
+        """Start, serve until asked to stop, then drain. A stop asked for while still starting
+        (connecting, catching up with the policy) ends the start at once."""
+        starting = asyncio.create_task(self.start(), name="start")
+        stop_asked = asyncio.create_task(self._stopping.wait(), name="stop-asked")
         try:
-            await self._stopping.wait()
+            await asyncio.wait({starting, stop_asked}, return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                self.log.info("stop asked while starting; not starting")
+                await stop_tasks([starting], timeout=10.0)
+            else:
+                starting.result()  # a failed start raises here
+                await self._stopping.wait()
         finally:
+            stop_asked.cancel()
             await self.stop()
 
     async def stop(self) -> None:
@@ -257,7 +274,6 @@ class Worker:
         self.metrics.active_version.set(self.version)
         status.in_flight = len(self._inflight)
         status.jobs_done = self.jobs_done
-        status.active_version = self.version
 
     # -- deciding what to pull --------------------------------------------------------------
     async def _on_bell(self, msg: Msg) -> None:
