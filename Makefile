@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	# CPU build of torch first so the `hf` extra's range is already satisfied.
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[hf,sglang,demo,test]"
+	# SGLang's own HTTP contract types for the sglang adapter's contract tests; only its
+	# generated api_types (msgspec) and io_struct (read as data) are used, so no dependencies.
+	$(PY) -m pip install -q --no-deps "sglang==0.5.23"
 	touch $(STAMP)
 
 demo: $(STAMP)

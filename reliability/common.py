@@ -83,6 +83,7 @@ class Ledger:
         self.deliveries: dict[str, set[int]] = defaultdict(set)
         self.first_arrival: dict[str, float] = {}
         self.arrivals: list[float] = []  # monotonic time of every first delivery
+
         def counting(outcome: Any, seq: int | None) -> None:
             key = outcome.idempotency_key
             if key not in self.first_arrival:

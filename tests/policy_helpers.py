@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -108,3 +109,33 @@ HOOK_CALLS: list[tuple[str, object]] = []
 def record_hook(path: Path, record: object = None) -> None:
     """An importable storage hook (``policy_helpers:record_hook``) that logs its calls."""
     HOOK_CALLS.append((Path(path).name, getattr(record, "version", None)))
+
+
+def stuck_read_hook(path: Path, *args: object) -> None:
+    """A pre-read hook (``policy_helpers:stuck_read_hook``) that hangs on every version after 0,
+    like a read from a wedged mount."""
+    name = Path(path).name
+    if name.startswith("weight_v") and name != "weight_v000000":
+        threading.Event().wait()
+
+
+class Chain:
+    """A base checkpoint under ``tmp/base``, a publisher into ``tmp/store`` that has recorded it as
+    version 0, and a trainer whose ``step()`` makes (and by default publishes) the next weights."""
+
+    def __init__(self, tmp: Path, sharded: bool = False, **publisher: object) -> None:
+        from rollfleet.policy_store.publisher import PolicyPublisher
+
+        self.base = make_checkpoint(tmp / "base", sharded=sharded)
+        self.store = tmp / "store"
+        publisher.setdefault("keep_last", None)
+        self.pub = PolicyPublisher(self.store, tmp / "base", **publisher)  # type: ignore[arg-type]
+        self.trainer = Trainer(self.base)
+        self.weights = [self.trainer.weights()]
+        self.pub.publish(self.weights[0])
+
+    def step(self, only: list[str] | None = None, publish: bool = True) -> dict[str, torch.Tensor]:
+        self.weights.append(self.trainer.step(only))
+        if publish:
+            self.pub.publish(self.weights[-1])
+        return self.weights[-1]

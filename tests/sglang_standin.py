@@ -1,11 +1,14 @@
 """A small stand-in for an SGLang server, for contract tests of the sglang adapter.
 
-It follows SGLang's documented native HTTP shapes (``/generate`` with ``input_ids``,
-``sampling_params``, ``return_logprob``, ``rid``; ``meta_info`` with ``finish_reason``,
-``output_token_logprobs`` triples and ``weight_version``; ``/pause_generation`` modes;
-``/update_weights_from_disk`` with ``weight_version``; ``/continue_generation``;
-``/flush_cache``; ``/abort_request``; ``/health``; ``/get_model_info``) and records every
-call, so tests can assert the adapter's exact requests and their order.
+It speaks SGLang 0.5.23's HTTP contract, taken from the installed sglang package
+(``sglang_contract``): ``/generate`` bodies are decoded with ``GenerateRequest.from_json_value``
+and answered with ``GenerateResponse``/``GenerateMetaInfo`` (``finish_reason``,
+``output_token_logprobs``, ``weight_version`` and the per-token ``weight_versions`` spans);
+control bodies are checked against io_struct's request classes (``PauseGenerationReqInput``,
+``UpdateWeightFromDiskReqInput``, ``ContinueGenerationReqInput``, ``AbortReq``, and
+``PullWeightsReqInput`` for ``/pull_weights``), and a body that breaks the contract gets the
+400 SGLang would answer. It records every call, so tests can assert the adapter's exact
+requests and their order.
 
 Generation is fake but shaped like the real thing: output token ``i`` of a sample is
 ``(sum(input_ids) + i) % vocab``, one token per ``token_delay_s``. A request in flight during
@@ -22,7 +25,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
+
+from sglang_contract import api_types, check_request
 
 
 @dataclass
@@ -41,6 +47,8 @@ class StandinState:
     logprob: float = -0.5
     healthy: bool = True
     fail_next_update: str | None = None  # message of a refused update, once
+    fail_next_pull: str | None = None  # message of a refused /pull_weights, once
+    contract_errors: list[str] = field(default_factory=list)  # bodies that broke SGLang's contract
     calls: list[Call] = field(default_factory=list)
     paused: str | None = None  # the pause mode, None when running
     running: dict[str, int] = field(default_factory=dict)  # rid -> tokens so far
@@ -104,7 +112,17 @@ class _Server(ThreadingHTTPServer):
 # -- routes -------------------------------------------------------------------------------------
 
 
+def _contract_error(state: StandinState, message: str) -> tuple[int, Any]:
+    with state.cond:
+        state.contract_errors.append(message)
+    return 400, {"error": {"message": message}}
+
+
 def _generate(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
+    try:
+        api_types().GenerateRequest.from_json_value(body)
+    except (api_types().JsonContractError, ValueError, TypeError) as exc:
+        return _contract_error(state, f"/generate: {exc}")
     ids = body.get("input_ids")
     if ids is None:
         return 400, {"error": {"message": "this stand-in needs input_ids"}}
@@ -130,10 +148,12 @@ def _generate(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
 
 
 def _one(state: StandinState, prompt: list[int], rid: str, params: dict[str, Any], body: dict[str, Any]) -> Any:
+    t = api_types()
     max_new = int(params.get("max_new_tokens", 128))
     stops = set(params.get("stop_token_ids") or [])
     out: list[int] = []
-    finish: dict[str, Any] = {"type": "length", "length": max_new}
+    versions: list[str] = []  # the weight version live when each output token was produced
+    finish: Any = t.FinishLength(length=max_new)
     with state.cond:
         state.running[rid] = 0
     try:
@@ -142,30 +162,56 @@ def _one(state: StandinState, prompt: list[int], rid: str, params: dict[str, Any
                 while state.paused == "in_place" and rid not in state.aborted:
                     state.cond.wait(0.05)
                 if rid in state.aborted:
-                    finish = {"type": "abort", "message": "Abort request."}
+                    finish = t.FinishAbort(message="Abort request.")
                     break
+                version = state.weight_version
             time.sleep(state.token_delay_s)
             tok = (sum(prompt) + i) % state.vocab
             out.append(tok)
+            versions.append(version)
             with state.cond:
                 state.running[rid] = len(out)
             if tok in stops:
-                finish = {"type": "stop", "matched": tok}
+                finish = t.FinishStop(matched=tok)
                 break
     finally:
         with state.cond:
             state.running.pop(rid, None)
             state.aborted.discard(rid)
-    meta: dict[str, Any] = {
-        "id": rid,
-        "finish_reason": finish,
-        "prompt_tokens": len(prompt),
-        "completion_tokens": len(out),
-        "weight_version": state.weight_version,
-    }
-    if body.get("return_logprob"):
-        meta["output_token_logprobs"] = [[state.logprob, t, None] for t in out]
-    return {"text": "", "output_ids": out, "meta_info": meta}
+            final = state.weight_version
+    spans: list[Any] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1].version == v:
+            spans[-1] = t.WeightVersionSpan(version=v, start=spans[-1].start, end=i + 1)
+        else:
+            spans.append(t.WeightVersionSpan(version=v, start=i, end=i + 1))
+    meta = t.GenerateMetaInfo(
+        id=rid,
+        finish_reason=finish,
+        prompt_tokens=len(prompt),
+        completion_tokens=len(out),
+        output_token_logprobs=[t.LogprobEntry(logprob=state.logprob, token_id=x) for x in out]
+        if body.get("return_logprob")
+        else None,
+        weight_version=versions[-1] if versions else final,
+        weight_versions=spans or [t.WeightVersionSpan(version=final, start=0, end=0)],
+    )
+    return t.GenerateResponse(text="", output_ids=out, meta_info=meta).to_json_value()
+
+
+def _checked(name: str, route: Any) -> Any:
+    """A control route whose body must fit io_struct's ``name`` (FastAPI answers 422 otherwise)."""
+
+    def handler(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
+        try:
+            check_request(name, body)
+        except AssertionError as exc:
+            with state.cond:
+                state.contract_errors.append(str(exc))
+            return 422, {"detail": str(exc)}
+        return route(state, body)  # type: ignore[no-any-return]
+
+    return handler
 
 
 def _pause(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
@@ -221,34 +267,45 @@ def _abort(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
     return 200, ""
 
 
+def _pull(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
+    """Like SGLang's /pull_weights: the published version must be in ``source_dir``."""
+    with state.cond:
+        if state.fail_next_pull is not None:
+            message, state.fail_next_pull = state.fail_next_pull, None
+            return 400, {"success": False, "message": message}
+    source = Path(body["source_dir"]) / f"weight_v{body['target_version']:06d}"
+    if not source.is_dir():
+        return 400, {"success": False, "message": f"published weight version missing: {source}"}
+    Path(body["local_checkpoint_dir"]).mkdir(parents=True, exist_ok=True)
+    return 200, {"success": True, "message": f"pulled version {body['target_version']}"}
+
+
 def _health(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
     return (200, "") if state.healthy else (503, "")
 
 
 def _model_info(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
-    return 200, {
-        "model_path": state.model_path,
-        "tokenizer_path": state.model_path,
-        "is_generation": True,
-        "weight_version": state.weight_version,
-    }
-
-
-def _weight_version(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
-    return 200, {"weight_version": state.weight_version}
+    info = api_types().GetModelInfoResponse(
+        model_path=state.model_path,
+        tokenizer_path=state.model_path,
+        is_generation=True,
+        weight_version=state.weight_version,
+    )
+    return 200, info.to_json_value()
 
 
 _ROUTES = {
     ("*", "/generate"): _generate,
-    ("POST", "/pause_generation"): _pause,
-    ("POST", "/continue_generation"): _continue,
-    ("POST", "/update_weights_from_disk"): _update,
-    ("*", "/flush_cache"): _flush,
-    ("POST", "/abort_request"): _abort,
+    ("POST", "/pause_generation"): _checked("PauseGenerationReqInput", _pause),
+    ("POST", "/continue_generation"): _checked("ContinueGenerationReqInput", _continue),
+    ("POST", "/update_weights_from_disk"): _checked("UpdateWeightFromDiskReqInput", _update),
+    ("POST", "/pull_weights"): _checked("PullWeightsReqInput", _pull),
+    ("*", "/flush_cache"): _flush,  # takes no body in SGLang (a query parameter)
+    ("POST", "/abort_request"): _checked("AbortReq", _abort),
     ("GET", "/health"): _health,
     ("GET", "/health_generate"): _health,
-    ("GET", "/get_model_info"): _model_info,
-    ("GET", "/get_weight_version"): _weight_version,
+    ("GET", "/model_info"): _model_info,
+    ("GET", "/get_model_info"): _model_info,  # deprecated in 0.5.23, kept for older servers
 }
 
 

@@ -1,7 +1,10 @@
-"""Contract tests: the sglang adapter against a stand-in that follows SGLang's documented HTTP shapes.
+"""Contract tests: the sglang adapter against a stand-in that speaks SGLang 0.5.23's HTTP contract.
 
 SGLang cannot run here; these tests pin the adapter's exact requests (paths, JSON bodies, order)
-and its reading of SGLang's answers, not SGLang itself.
+and its reading of SGLang's answers. Every body the adapter sends is checked against SGLang's own
+types from the installed package (``GenerateRequest.from_json_value`` for ``/generate``,
+io_struct's request classes for the control routes), and the stand-in's answers are built with
+SGLang's ``GenerateResponse``/``GenerateMetaInfo``.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from sglang_contract import api_types, check_request
 from sglang_standin import SGLangStandin
 
-from rollfleet.schemas import RolloutPayload, SamplingParams
+from rollfleet.schemas import RolloutPayload, SamplingParams, VersionSpan
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest
 from rollfleet.workers.engines import make_engine
 from rollfleet.workers.engines.sglang import SGLangEngine
@@ -24,10 +28,34 @@ pytestmark = pytest.mark.contract
 PROMPT = [3, 4, 5]
 
 
+CONTROL_TYPES = {
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/pull_weights": "PullWeightsReqInput",
+    "/abort_request": "AbortReq",
+}
+
+
+def check_against_sglang(standin: SGLangStandin) -> None:
+    """Every body the adapter sent fits SGLang's own request types."""
+    for call in standin.state.calls:
+        if call.path == "/generate":
+            api_types().GenerateRequest.from_json_value(call.body)
+        elif call.path in CONTROL_TYPES:
+            check_request(CONTROL_TYPES[call.path], call.body)
+        elif call.path == "/flush_cache":
+            assert call.body is None  # SGLang takes a query parameter, not a body
+        else:
+            assert call.method == "GET" and call.body is None, call
+    assert standin.state.contract_errors == []
+
+
 @pytest.fixture
 def standin() -> Iterator[SGLangStandin]:
     with SGLangStandin(weight_version="0") as s:
         yield s
+        check_against_sglang(s)
 
 
 @pytest.fixture
@@ -115,14 +143,19 @@ async def test_activation_pauses_in_place_updates_with_version_and_continues(
     assert engine.version == 1
     await engine.resume()
     gen = await asyncio.wait_for(task, 10)
-    assert (gen.version_start, gen.version_end) == (0, 1)  # read back from meta_info.weight_version
-    assert len(gen.outputs[0].token_ids) == 150 and gen.outputs[0].finish_reason == "length"
+    assert (gen.version_start, gen.version_end) == (0, 1)  # read back from meta_info.weight_versions
+    out = gen.outputs[0]
+    assert len(out.token_ids) == 150 and out.finish_reason == "length"
+    # Which tokens came from which version: SGLang's spans, with integer versions.
+    [before, after] = out.weight_versions
+    assert before == VersionSpan(version=0, start=0, end=before.end) and 0 < before.end < 150
+    assert after == VersionSpan(version=1, start=before.end, end=150)
     control = [c for c in standin.state.calls if c.path != "/generate"]
     assert [(c.method, c.path) for c in control] == [
         ("POST", "/pause_generation"),
         ("POST", "/update_weights_from_disk"),
         ("POST", "/flush_cache"),
-        ("GET", "/get_model_info"),
+        ("GET", "/model_info"),
         ("POST", "/continue_generation"),
     ]
     assert control[0].body == {"mode": "in_place"}
@@ -246,3 +279,177 @@ def test_parsing_tolerates_older_response_shapes() -> None:
     assert completion.finish_reason == "length" and version is None and prompt_tokens == 0
     aborted, _, _ = SGLangEngine._parse_item({"output_ids": [1], "meta_info": {"finish_reason": None}}, False, False)
     assert aborted.finish_reason == "abort" and aborted.logprobs is None
+
+
+def meta(**fields: object) -> dict:
+    """A /generate answer built with SGLang's own response types."""
+    t = api_types()
+    info = t.GenerateMetaInfo(finish_reason=t.FinishLength(length=3), **fields)
+    return t.GenerateResponse(text="", output_ids=[7, 8, 9], meta_info=info).to_json_value()
+
+
+def spans(*triples: tuple[str, int, int]) -> list:
+    return [api_types().WeightVersionSpan(version=v, start=a, end=b) for v, a, b in triples]
+
+
+def test_weight_version_spans_become_integer_spans() -> None:
+    item = meta(weight_version="5", weight_versions=spans(("4", 0, 1), ("5", 1, 3)))
+    completion, version, _ = SGLangEngine._parse_item(item, False, False)
+    assert completion.weight_versions == [
+        VersionSpan(version=4, start=0, end=1),
+        VersionSpan(version=5, start=1, end=3),
+    ]
+    assert version == 5
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        spans(("default", 0, 3)),  # SGLang's version before any update: not a rollfleet version
+        spans(("4", 0, 1), ("v5", 1, 3)),
+        spans(("-1", 0, 3)),
+        spans(("4", 0, 2)),  # does not cover the three tokens
+        spans(("4", 1, 3)),  # does not start at 0
+        spans(("4", 0, 2), ("5", 1, 3)),  # overlapping
+    ],
+)
+def test_spans_that_are_not_rollfleet_versions_or_do_not_tile_the_tokens_are_unknown(bad: list) -> None:
+    completion, _, _ = SGLangEngine._parse_item(meta(weight_versions=bad), False, False)
+    assert completion.weight_versions == [] and completion.token_ids == [7, 8, 9]
+
+
+async def test_a_server_at_a_non_integer_version_yields_unknown_spans_and_the_adapters_version(
+    standin: SGLangStandin,
+) -> None:
+    eng = SGLangEngine(url=standin.url)
+    await eng.start(None, 3)  # no checkpoint: the server keeps its weights and its "default" label
+    standin.state.weight_version = "default"
+    try:
+        gen = await eng.generate("d", payload(max_tokens=4))
+    finally:
+        await eng.close()
+    assert gen.outputs[0].weight_versions == [] and (gen.version_start, gen.version_end) == (3, 3)
+
+
+async def test_an_extra_sampling_param_sglang_does_not_know_is_refused_by_its_contract(
+    engine: SGLangEngine, standin: SGLangStandin
+) -> None:
+    p = payload(max_tokens=2)
+    p.extra = {"sampling_params": {"no_such_param": 1}}
+    with pytest.raises(InvalidRequest, match="no_such_param"):
+        await engine.generate("x", p)
+    assert standin.state.contract_errors and "no_such_param" in standin.state.contract_errors[0]
+    standin.state.contract_errors.clear()  # the refusal was the point
+    standin.state.calls.clear()
+
+
+def test_the_contract_checks_can_fail() -> None:
+    """The checks above are not vacuous: SGLang's types refuse what they should."""
+    with pytest.raises(AssertionError, match="requires"):
+        check_request("UpdateWeightFromDiskReqInput", {"weight_version": "1"})
+    with pytest.raises(AssertionError, match="no fields"):
+        check_request("PauseGenerationReqInput", {"mode": "in_place", "flush": True})
+    with pytest.raises(AssertionError, match="mode"):
+        check_request("PauseGenerationReqInput", {"mode": "sideways"})
+    with pytest.raises(AssertionError, match="target_version"):
+        check_request("PullWeightsReqInput", {"local_checkpoint_dir": "/a", "source_dir": "/b", "target_version": "7"})
+    with pytest.raises(api_types().JsonContractError):
+        api_types().GenerateRequest.from_json_value({"input_ids": [1], "sampling_params": {"max_new_tokens": "8"}})
+
+
+# -- activation through SGLang's own /pull_weights -----------------------------------------------
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    for v in (0, 1, 2):
+        (tmp_path / "store" / f"weight_v{v:06d}").mkdir(parents=True)
+    return tmp_path / "store"
+
+
+async def test_pull_weights_prepares_while_serving_and_the_activation_reloads_the_pulled_dir(
+    standin: SGLangStandin, store: Path, tmp_path: Path
+) -> None:
+    eng = SGLangEngine(url=standin.url, pull_dir=tmp_path / "pulled", store_dir=store)
+    await eng.start(None, 0)
+    standin.state.calls.clear()
+    try:
+        task = asyncio.create_task(eng.generate("busy", payload(max_tokens=100)))
+        await wait_running(standin)
+        await eng.prepare_weights(tmp_path / "unused", ["w"], 2)  # the server pulls; generation goes on
+        assert standin.state.running and standin.state.weight_version == "0"
+        await eng.pause()
+        await eng.load_weights(tmp_path / "unused", ["w"], 2)
+        await eng.resume()
+        gen = await asyncio.wait_for(task, 10)
+    finally:
+        await eng.close()
+    assert [c.path for c in standin.state.calls if c.path != "/generate"][:3] == [
+        "/pull_weights",
+        "/pause_generation",
+        "/update_weights_from_disk",
+    ]
+    assert standin.state.bodies("/pull_weights") == [
+        {"local_checkpoint_dir": str(tmp_path / "pulled"), "source_dir": str(store), "target_version": 2}
+    ]
+    assert standin.state.bodies("/update_weights_from_disk")[0]["model_path"] == str(tmp_path / "pulled")
+    assert eng.version == 2 and (gen.version_start, gen.version_end) == (0, 2)
+
+
+async def test_a_refused_or_missing_pull_keeps_the_served_version(
+    standin: SGLangStandin, store: Path, tmp_path: Path
+) -> None:
+    eng = SGLangEngine(url=standin.url, pull_dir=tmp_path / "pulled", store_dir=store)
+    await eng.start(None, 0)
+    try:
+        standin.state.fail_next_pull = "checksum mismatch for 1 tensors"
+        with pytest.raises(EngineFailure, match="checksum mismatch"):
+            await eng.prepare_weights(None, [], 1)
+        with pytest.raises(EngineFailure, match="missing"):
+            await eng.prepare_weights(None, [], 9)  # not in the store
+        await eng.pause()
+        with pytest.raises(EngineFailure, match="was not pulled"):
+            await eng.load_weights(None, [], 1)
+        await eng.resume()
+        assert eng.version == 0 and await eng.served_version() == 0
+        assert "/update_weights_from_disk" not in standin.state.paths()
+    finally:
+        await eng.close()
+
+
+async def test_a_launched_server_starts_on_the_stores_version_zero_and_pulls_the_current_one(
+    store: Path, tmp_path: Path
+) -> None:
+    standin_script = Path(__file__).with_name("sglang_standin.py")
+    eng = SGLangEngine(
+        launch_cmd=[sys.executable, str(standin_script)],
+        pull_dir=tmp_path / "pulled",
+        store_dir=store,
+        log_file=tmp_path / "server.log",
+        startup_timeout_s=30,
+    )
+    await eng.start(tmp_path / "rollfleet-local", 2)
+    try:
+        assert eng.process is not None and await eng.served_version() == 2
+        info = (await eng._http.get("/model_info")).json()
+        assert info["model_path"] == str(tmp_path / "pulled")  # reloaded from what the server pulled
+        cmdline = Path(f"/proc/{eng.process.pid}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[cmdline.index(b"--model-path") + 1] == str(store / "weight_v000000").encode()
+    finally:
+        await eng.close()
+
+
+async def test_without_pull_weights_route_the_error_says_so(
+    standin: SGLangStandin, store: Path, tmp_path: Path
+) -> None:
+    from sglang_standin import _ROUTES
+
+    route = _ROUTES.pop(("POST", "/pull_weights"))
+    eng = SGLangEngine(url=standin.url, pull_dir=tmp_path / "pulled", store_dir=store)
+    try:
+        await eng.start(None, 0)
+        with pytest.raises(EngineFailure, match="no /pull_weights"):
+            await eng.prepare_weights(None, [], 1)
+    finally:
+        _ROUTES[("POST", "/pull_weights")] = route
+        await eng.close()

@@ -14,7 +14,7 @@ from pathlib import Path
 import policy_helpers
 import pytest
 import torch
-from policy_helpers import Trainer, make_checkpoint, raw, read_local
+from policy_helpers import Chain, Trainer, make_checkpoint, raw, read_local
 
 from rollfleet.policy_store import materialize, read_marker
 from rollfleet.policy_store.formats import CHECKSUM_FORMATS, DELTA_ENCODINGS
@@ -28,18 +28,10 @@ TWO = ["model.layers.0.mlp.up_proj.weight", "model.layers.0.quant.weight"]
 
 def publish_steps(tmp: Path, n: int, **kw: object) -> tuple[Path, list[dict[str, torch.Tensor]]]:
     """A store with versions 0..n; returns the store and the trainer weights per version."""
-    sharded = bool(kw.pop("sharded", False))
-    base = make_checkpoint(tmp / "base", sharded=sharded)
-    store = tmp / "store"
-    kw.setdefault("keep_last", None)
-    pub = PolicyPublisher(store, tmp / "base", **kw)  # type: ignore[arg-type]
-    trainer = Trainer(base)
-    pub.publish(trainer.weights())
-    weights = [trainer.weights()]
+    chain = Chain(tmp, **kw)  # type: ignore[arg-type]
     for i in range(n):
-        weights.append(trainer.step(only=TWO if i % 2 else None))
-        pub.publish(weights[-1])
-    return store, weights
+        chain.step(only=TWO if i % 2 else None)
+    return chain.store, chain.weights
 
 
 @pytest.mark.parametrize("encoding", DELTA_ENCODINGS)

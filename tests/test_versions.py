@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ from safetensors.torch import load_file
 from rollfleet.models import build_model_dir
 from rollfleet.policy_store import list_versions
 from rollfleet.schemas.errors import HostileName, ServiceUnavailable, VersionConflict
-from rollfleet.testing import running_worker, wait_until
+from rollfleet.testing import running_worker, start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from tests.helpers import payload
 
@@ -140,3 +143,47 @@ async def test_record_base_commits_version_zero_without_tensors(
             publisher.record_base()
         # Publishing continues from the recorded base.
         assert (await client.publish_policy(publisher, bump(tensors_of(base)))).version == 1
+
+
+async def test_a_prepare_stuck_in_a_read_degrades_and_sigterm_still_stops_the_worker(
+    nats_url: str, namespace: str, tmp_path: Path, base: Path
+) -> None:
+    """A read that never returns (here a pre-read hook that hangs, as on a wedged mount) is bounded:
+    the replica turns degraded, keeps serving its version, and SIGTERM still ends the process."""
+    store = tmp_path / "store"
+    tests_dir = str(Path(__file__).parent)
+    env = {"PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        publisher = PolicyPublisher(store, base)
+        t = tensors_of(base)
+        await client.publish_policy(publisher, t)
+        proc = start_worker_process(
+            nats_url,
+            namespace,
+            "stuck-0",
+            "--store",
+            str(store),
+            "--local-dir",
+            str(tmp_path / "local"),
+            "--pre-read-hook",
+            "policy_helpers:stuck_read_hook",
+            "--prepare-timeout",
+            "2",
+            log_path=tmp_path / "worker.log",
+            env=env,
+        )
+        try:
+            await wait_until(lambda: any(r.state == "ready" for r in client.fleet.replicas()), timeout=30)
+            await client.publish_policy(publisher, bump(t))
+
+            def degraded() -> bool:
+                return any(r.state == "degraded" for r in client.fleet.replicas())
+
+            await wait_until(degraded, timeout=30)
+            [entry] = client.fleet.replicas()
+            assert entry.active_version == 0 and "prepare_timeout" in (entry.degraded_reason or "")
+            assert (await (await client.submit(payload(), exact_version=0)).result(10)).version_start == 0
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(proc.wait, 30) == 0
+        finally:
+            terminate(proc)

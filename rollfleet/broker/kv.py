@@ -51,7 +51,12 @@ async def advance_latest(policy_kv: KeyValue, names: Names, record: VersionRecor
     except nats.js.errors.KeyWrongLastSequenceError as exc:
         raise VersionConflict(f"version {record.version} was already committed by another publisher") from exc
     faults.point("commit:before-cas")
-    value = str(record.version).encode()
+    await move_latest(policy_kv, names, record.version)
+
+
+async def move_latest(policy_kv: KeyValue, names: Names, version: int) -> None:
+    """Compare-and-set ``latest`` to ``version``; VersionConflict if it is already there or newer."""
+    value = str(version).encode()
     for _ in range(50):  # retry only the race of two CAS attempts; a newer latest is a conflict
         try:
             entry = await policy_kv.get(names.LATEST_KEY)
@@ -62,11 +67,11 @@ async def advance_latest(policy_kv: KeyValue, names: Names, record: VersionRecor
             except nats.js.errors.KeyWrongLastSequenceError:
                 continue
         current = int(entry.value or b"0")
-        if current >= record.version:
-            raise VersionConflict(f"latest is already {current}; cannot commit {record.version}")
+        if current >= version:
+            raise VersionConflict(f"latest is already {current}; cannot commit {version}")
         try:
             await policy_kv.update(names.LATEST_KEY, value, last=entry.revision)
             return
         except nats.js.errors.KeyWrongLastSequenceError:
             await asyncio.sleep(0.01)
-    raise VersionConflict(f"could not move latest to {record.version}: too much contention")
+    raise VersionConflict(f"could not move latest to {version}: too much contention")

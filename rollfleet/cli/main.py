@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--catch-up-wait", type=float, default=3600.0, help="with --store: seconds to wait for a first commit"
     )
     p.add_argument("--pre-read-hook", default=None, help="module:function run before reading a version")
+    p.add_argument(
+        "--prepare-timeout", type=float, default=1800.0, help="with --store: seconds before a prepare counts as stuck"
+    )
     p.add_argument("--echo-latency", type=float, default=0.0, help="echo engine: seconds per job")
     p.add_argument("--echo-token-latency", type=float, default=0.0, help="echo engine: seconds per token")
     p.add_argument("--device", default="auto", help="hf engine: cpu, cuda, auto")
@@ -109,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=32, help="hf engine: sequences decoded together")
     p.add_argument("--sglang-url", default=None, help="sglang engine: attach to this server")
     p.add_argument("--sglang-arg", action="append", default=[], help="sglang engine: extra launch_server argument")
+    p.add_argument(
+        "--sglang-pull-dir",
+        default=None,
+        help="sglang engine: activate through the server's /pull_weights from --store into this host-local directory",
+    )
     p.add_argument("--verify-live", action="store_true", help="announce a digest of the live weights")
     p.add_argument(
         "--exact-drain",
@@ -234,6 +243,8 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         options = {"device": args.device, "dtype": args.dtype, "max_batch": args.max_batch}
     elif args.engine == "sglang":
         options = {"url": args.sglang_url, "launch_args": list(args.sglang_arg)}
+        if args.sglang_pull_dir:
+            options |= {"pull_dir": args.sglang_pull_dir, "store_dir": args.store}
     for flag, value in (("--local-dir", args.local_dir), ("--store", args.store)):
         if value:
             try:
@@ -253,6 +264,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         model_dir=Path(args.model_dir) if args.model_dir else None,
         catch_up_wait_s=args.catch_up_wait,
         pre_read_hook=args.pre_read_hook,
+        prepare_timeout_s=args.prepare_timeout,
         metrics_port=args.metrics_port,
         verify_live=args.verify_live,
         capacity=args.capacity,
@@ -266,6 +278,11 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):  # at every stage, connecting and catching up too
         loop.add_signal_handler(sig, worker.request_stop)
     await worker.run()
+    if worker.sync is not None and worker.sync.stuck:
+        # A prepare stuck in a read was abandoned; its reader threads would block the
+        # interpreter's exit (it joins them), so leave without waiting for them.
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -26,8 +26,12 @@ Replica / worker side:
     ``tensor_checksum(data, fmt="xxh3-128") -> str``    the published checksum of raw bytes,
         a numpy array or a torch tensor; compare live engine parameters with the trainer's
 
-Encodings: ``xor`` and ``overwrite`` (miles/SGLang compatible), ``rf-sparse-xor`` (ours,
-element-level sparse XOR with byte planes; foreign readers reject it by name).
+Encodings: ``xor`` and ``overwrite`` (miles/SGLang compatible), ``xor_sparse`` (byte-sparse
+XOR, read by SGLang's newest puller), ``rf-sparse-xor`` (ours, element-level sparse XOR with byte
+planes; foreign readers reject it by name). Full versions may be plain checkpoints (an HF index
+without version metadata, or none); every safetensors dtype is sized by bits (``layout``); only
+regular files inside the store are read (``files``). ``publisher.publish_checkpoint`` records an
+existing checkpoint as a full version (hard links and checksums).
 Errors are the typed ``PolicyError`` family from ``rollfleet.schemas.errors``.
 """
 

@@ -4,6 +4,8 @@ Every tensor is one zstd frame with its content size in the frame header:
 
 - ``xor``: zstd(new XOR old) over the raw bytes. Applied exactly once, to the declared base.
 - ``overwrite``: zstd(u32-le count, count u32-le byte positions, count new byte values). Idempotent.
+- ``xor_sparse`` (SGLang's): zstd(u64-le count, count u64-le strictly increasing byte positions,
+  count XOR byte values). Applied exactly once, like ``xor``.
 - ``rf-sparse-xor`` (ours): element-level sparse XOR. zstd of a 16-byte header
   (``b"RFSX"``, u8 format 1, u8 itemsize, u16 0, u64 count), then the gaps between changed
   elements as four u32 byte planes, then the XOR values as ``itemsize`` byte planes. Low
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard as zstd
 
-from rollfleet.policy_store.formats import OVERWRITE, SPARSE_XOR, XOR, Hasher, check_encoding, new_hasher
+from rollfleet.policy_store.formats import OVERWRITE, SPARSE_XOR, XOR, XOR_SPARSE, Hasher, check_encoding, new_hasher
 from rollfleet.schemas.errors import CorruptArtifact, DecompressionBomb
 
 CHUNK = 1 << 20  # fits L2 next to zstd's window, big enough that per-call overhead vanishes
@@ -88,6 +90,8 @@ def max_payload(encoding: str, nbytes: int, itemsize: int) -> int:
         return nbytes
     if encoding == OVERWRITE:
         return 4 + 5 * nbytes
+    if encoding == XOR_SPARSE:
+        return 8 + 9 * nbytes
     if encoding == SPARSE_XOR:
         return _SPARSE_HEAD.size + (nbytes // max(itemsize, 1)) * (4 + itemsize)
     check_encoding(encoding)
@@ -190,13 +194,13 @@ def _encode_xor(new: np.ndarray, old: np.ndarray, fmt: str, level: int, update_o
 def _encode_positions(
     encoding: str, new: np.ndarray, old: np.ndarray, itemsize: int, fmt: str, level: int, update_old: bool
 ) -> Encoded:
-    """overwrite and rf-sparse-xor: find changed positions chunk by chunk, then code them."""
+    """overwrite, xor_sparse and rf-sparse-xor: find changed positions chunk by chunk, then code them."""
     n = new.size
     unit = itemsize if encoding == SPARSE_XOR else 1
     elem = np.dtype(f"<u{unit}") if unit in (1, 2, 4, 8) else None
     if elem is None:
         raise CorruptArtifact(f"itemsize {itemsize} is not supported by {encoding}")
-    if n // unit >= 1 << 32:
+    if encoding != XOR_SPARSE and n // unit >= 1 << 32:
         raise CorruptArtifact(f"{encoding} positions are u32; a tensor of {n} bytes is too large")
     hasher = new_hasher(fmt)
     positions: list[np.ndarray] = []
@@ -212,10 +216,10 @@ def _encode_positions(
         xe = x.view(elem)
         idx = np.flatnonzero(xe != 0)  # nonzero() on a bool mask is ~5x faster than on integers
         if idx.size:
-            if encoding == SPARSE_XOR:
-                values.append(xe[idx])
-            else:
+            if encoding == OVERWRITE:
                 values.append(new[s:e][idx])
+            else:
+                values.append(xe[idx])
             positions.append(idx + s // unit)
             if update_old:
                 old[s:e] = new[s:e]
@@ -228,6 +232,8 @@ def _encode_positions(
     vals = np.concatenate(values)
     if encoding == OVERWRITE:
         payload = b"".join((struct.pack("<I", pos.size), pos.astype("<u4").tobytes(), vals.tobytes()))
+    elif encoding == XOR_SPARSE:
+        payload = b"".join((struct.pack("<Q", pos.size), pos.astype("<u8").tobytes(), vals.tobytes()))
     else:
         gaps = np.diff(pos, prepend=-1) - 1
         payload = b"".join(
@@ -269,6 +275,8 @@ def apply(encoding: str, dst: np.ndarray, frame: object, itemsize: int, hasher: 
     payload = memoryview(_bounded_decompress(frame, cap, name))
     if encoding == OVERWRITE:
         return _apply_overwrite(dst, payload, hasher, name)
+    if encoding == XOR_SPARSE:
+        return _apply_xor_sparse(dst, payload, hasher, name)
     return _apply_sparse(dst, payload, itemsize, hasher, name)
 
 
@@ -343,6 +351,23 @@ def _apply_overwrite(dst: np.ndarray, payload: memoryview, hasher: Hasher, name:
         dst[pos[::-1]] = old[::-1]  # reversed, so a repeated position ends at its original byte
 
     return undo
+
+
+def _apply_xor_sparse(dst: np.ndarray, payload: memoryview, hasher: Hasher, name: str) -> Undo:
+    if len(payload) < 8:
+        raise CorruptArtifact(f"{name}: {XOR_SPARSE} payload too short")
+    (count,) = struct.unpack_from("<Q", payload)
+    if count > dst.size or len(payload) != 8 + 9 * count:
+        raise CorruptArtifact(
+            f"{name}: {XOR_SPARSE} payload is {len(payload)} bytes, count {count} needs {8 + 9 * count}"
+        )
+    pos = np.frombuffer(payload, "<u8", count, 8)
+    vals = np.frombuffer(payload, np.uint8, count, 8 + 8 * count)
+    if count and (int(pos[-1]) >= dst.size or bool(np.any(pos[1:] <= pos[:-1]))):
+        raise CorruptArtifact(f"{name}: {XOR_SPARSE} positions are not increasing within {dst.size} bytes")
+    _scatter_xor(dst, pos, vals)
+    _hash_all(dst, hasher)
+    return lambda: _scatter_xor(dst, pos, vals)  # XOR is its own inverse
 
 
 def _apply_sparse(dst: np.ndarray, payload: memoryview, itemsize: int, hasher: Hasher, name: str) -> Undo:

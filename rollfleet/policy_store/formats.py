@@ -14,13 +14,15 @@ import xxhash
 from rollfleet.policy_store.layout import raw_bytes
 from rollfleet.schemas.errors import UnsupportedFormat
 
-# Encodings miles and SGLang understand, then ours. Foreign readers reject unknown names,
+# Encodings miles and every SGLang puller understand; SGLang's newer byte-sparse XOR (its newest
+# puller reads it, older ones and miles do not); then ours. Foreign readers reject unknown names,
 # which is exactly what we want for "rf-sparse-xor".
 XOR = "xor"
 OVERWRITE = "overwrite"
+XOR_SPARSE = "xor_sparse"
 SPARSE_XOR = "rf-sparse-xor"
 COMPATIBLE_ENCODINGS = (XOR, OVERWRITE)
-DELTA_ENCODINGS = (XOR, OVERWRITE, SPARSE_XOR)
+DELTA_ENCODINGS = (XOR, OVERWRITE, XOR_SPARSE, SPARSE_XOR)
 
 ZSTD = "zstd"
 COMPRESSION_FORMATS = (ZSTD,)

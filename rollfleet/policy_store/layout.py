@@ -19,24 +19,33 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from rollfleet.schemas.errors import CorruptArtifact, LayoutMismatch
-from rollfleet.schemas.index import INDEX_FILE, check_name, parse_weight_map
+from rollfleet.schemas.index import INDEX_FILE, check_name, json_object, parse_weight_map
 
-DTYPE_SIZES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
+# Every dtype the safetensors format defines, in bits per element. Encodings work on bytes, so a
+# dtype only has to be sized here; sub-byte dtypes (F4, F6_*) pack elements and must end on a byte.
+DTYPE_BITS = {
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
 }
 MAX_HEADER_BYTES = 100 << 20  # the safetensors reference limit
 SINGLE_FILE = "model.safetensors"
@@ -50,12 +59,17 @@ class TensorSpec:
     shape: tuple[int, ...]
 
     @property
+    def bits(self) -> int:
+        return math.prod(self.shape) * DTYPE_BITS[self.dtype]
+
+    @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+        return self.bits // 8
 
     @property
     def itemsize(self) -> int:
-        return DTYPE_SIZES[self.dtype]
+        """Bytes per element for element-wise encodings; sub-byte dtypes count as bytes."""
+        return max(1, DTYPE_BITS[self.dtype] // 8)
 
 
 @dataclass(frozen=True)
@@ -91,12 +105,7 @@ def read_header(path: Path) -> ShardHeader:
             raw = f.read(hlen)
     except FileNotFoundError:
         raise CorruptArtifact(f"shard {path.name} is missing") from None
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise CorruptArtifact(f"{path.name}: safetensors header is not valid JSON") from None
-    if not isinstance(doc, dict):
-        raise CorruptArtifact(f"{path.name}: safetensors header is not an object")
+    doc = json_object(raw, f"{path.name}: safetensors header")
     meta = doc.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise CorruptArtifact(f"{path.name}: __metadata__ must map strings to strings")
@@ -108,12 +117,14 @@ def read_header(path: Path) -> ShardHeader:
             dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CorruptArtifact(f"{path.name}: malformed entry for {name!r}") from None
-        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
             raise CorruptArtifact(f"{path.name}: unknown dtype {dtype!r} for {name!r}")
         ints = (*shape, start, end)
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints):
             raise CorruptArtifact(f"{path.name}: bad shape or offsets for {name!r}")
         spec = TensorSpec(dtype, shape)
+        if spec.bits % 8:
+            raise CorruptArtifact(f"{path.name}: {name!r} is {spec.bits} bits of {dtype}, not a whole number of bytes")
         if end - start != spec.nbytes:
             raise CorruptArtifact(f"{path.name}: {name!r} spans {end - start} bytes, its shape needs {spec.nbytes}")
         if data_start + end > size:
@@ -179,10 +190,15 @@ class CheckpointLayout:
             wanted: dict[str, set[str]] = {}
             for name, shard in weight_map.items():
                 wanted.setdefault(shard, set()).add(name)
-        elif (root / SINGLE_FILE).exists():
-            files, wanted = (SINGLE_FILE,), {}
-        else:
-            raise CorruptArtifact(f"{root}: no {INDEX_FILE} or {SINGLE_FILE}")
+        else:  # a plain checkpoint without an index: its safetensors files are the checkpoint
+            try:
+                names = os.listdir(root)
+            except (FileNotFoundError, NotADirectoryError):
+                raise CorruptArtifact(f"{root}: no such checkpoint directory") from None
+            files = tuple(sorted(n for n in names if n.endswith(".safetensors") and not n.startswith(".")))
+            wanted = {}
+            if not files:
+                raise CorruptArtifact(f"{root}: no {INDEX_FILE} and no safetensors files")
         tensors: dict[str, TensorLocation] = {}
         for shard in files:
             header = read_header(root / shard)
@@ -210,9 +226,15 @@ _NUMPY_DTYPES = {
     "int64": "I64",
     "uint64": "U64",
     "float64": "F64",
+    "complex64": "C64",
     "float8_e4m3fn": "F8_E4M3",
     "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "float8_e8m0fnu": "F8_E8M0",
+    "float4_e2m1fn_x2": "F4",  # two values per element: safetensors counts 4-bit values
 }
+_PACKED = {"float4_e2m1fn_x2": 2}  # values per in-memory element, along the last dimension
 
 
 def _torch_dtype_name(t: Any) -> str:
@@ -222,14 +244,18 @@ def _torch_dtype_name(t: Any) -> str:
 def tensor_spec(name: str, t: Any) -> TensorSpec:
     """dtype and shape of a torch tensor or numpy array, in safetensors terms (no data is read)."""
     if isinstance(t, np.ndarray):
-        dtype = _NUMPY_DTYPES.get(t.dtype.name)
+        kind = t.dtype.name
     elif hasattr(t, "dtype") and hasattr(t, "shape") and type(t).__module__.startswith("torch"):
-        dtype = _NUMPY_DTYPES.get(_torch_dtype_name(t))
+        kind = _torch_dtype_name(t)
     else:
         raise LayoutMismatch(f"{name!r}: expected a torch tensor or numpy array, got {type(t).__name__}")
+    dtype = _NUMPY_DTYPES.get(kind)
     if dtype is None:
         raise LayoutMismatch(f"{name!r}: unsupported dtype {t.dtype}")
-    return TensorSpec(dtype, tuple(int(d) for d in t.shape))
+    shape = [int(d) for d in t.shape]
+    if kind in _PACKED:
+        shape = [*shape[:-1], (shape[-1] if shape else 1) * _PACKED[kind]]
+    return TensorSpec(dtype, tuple(shape))
 
 
 def raw_bytes(t: Any) -> np.ndarray:

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from rollfleet.policy_store import codecs
+from rollfleet.policy_store.files import check_file
 from rollfleet.policy_store.formats import CHECKSUM_FORMATS, DEFAULT_CHECKSUM, new_hasher
 from rollfleet.policy_store.hooks import Hook, resolve_hook
 from rollfleet.policy_store.layout import CheckpointLayout, TensorLocation, check_layout, fsync_dir
@@ -462,15 +463,21 @@ def _apply_full(local: _Local, layout: CheckpointLayout, ov: OpenVersion) -> lis
     return differing
 
 
+def checkpoint_checksums(
+    layout: CheckpointLayout, fmt: str = DEFAULT_CHECKSUM, workers: int = DEFAULT_WORKERS
+) -> dict[str, str]:
+    """Every tensor's checksum, hashed from the checkpoint's files (nothing is loaded whole)."""
+    names = list(layout.tensors)
+    hashes = codecs.executor(workers).map(lambda n: _hash_file_range(layout.tensors[n], fmt), names)
+    return dict(zip(names, hashes, strict=True))
+
+
 def _full_sums(ov: OpenVersion, layout: CheckpointLayout, workers: int) -> dict[str, str]:
     """Checksums of a full version's tensors: published ones, or computed from ``layout``'s bytes."""
     if ov.checksums:
         fmt = ov.index.metadata.checksum_format or DEFAULT_CHECKSUM
         return {n: f"{fmt}:{h}" for n, h in ov.checksums.items()}
-    names = list(layout.tensors)
-    pool = codecs.executor(workers)
-    hashes = pool.map(lambda n: _hash_file_range(layout.tensors[n], DEFAULT_CHECKSUM), names)
-    return {n: f"{DEFAULT_CHECKSUM}:{h}" for n, h in zip(names, hashes, strict=True)}
+    return {n: f"{DEFAULT_CHECKSUM}:{h}" for n, h in checkpoint_checksums(layout, DEFAULT_CHECKSUM, workers).items()}
 
 
 def _ro(loc: TensorLocation) -> np.ndarray:
@@ -493,9 +500,10 @@ def _seed(state: _Local, src: Path, version: int, hook: Hook | None) -> tuple[li
     wire = 0
     files = []
     for entry in sorted(os.scandir(src), key=lambda e: e.name):
-        if entry.name.startswith(".") or entry.name == SIDECAR or not entry.is_file(follow_symlinks=False):
-            continue
+        if entry.name.startswith(".") or entry.name == SIDECAR or entry.is_dir(follow_symlinks=False):
+            continue  # subdirectories (e.g. original/) are not part of the checkpoint
         check_name(entry.name, "checkpoint file name")
+        check_file(Path(entry.path), src.parent)  # no FIFO, device or symlink out of the store
         shutil.copyfile(entry.path, staging / entry.name)
         if state.durable:
             with open(staging / entry.name, "rb+") as f:

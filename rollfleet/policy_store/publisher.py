@@ -44,7 +44,7 @@ from rollfleet.policy_store.layout import (
     read_tensor_bytes,
     tensor_spec,
 )
-from rollfleet.policy_store.materialize import DEFAULT_WORKERS, materialize
+from rollfleet.policy_store.materialize import DEFAULT_WORKERS, checkpoint_checksums, materialize
 from rollfleet.policy_store.retention import apply_retention
 from rollfleet.policy_store.store import list_versions, version_dir_name
 from rollfleet.policy_store.writer import DEFAULT_SHARD_BYTES, clean_temporaries, link_full, write_delta, write_full
@@ -273,4 +273,44 @@ class PolicyPublisher:
         self._state = None
 
 
-__all__ = ["PolicyPublisher"]
+def publish_checkpoint(
+    store_dir: Path | str,
+    version: int,
+    checkpoint_dir: Path | str,
+    *,
+    checksum: str = DEFAULT_CHECKSUM,
+    publisher: str = "",
+    workers: int = DEFAULT_WORKERS,
+    provenance: Mapping[str, object] | None = None,
+) -> VersionRecord:
+    """Write an existing HF checkpoint as full version ``version`` of ``store_dir`` (the root of a
+    new lineage: no base). Its files are hard-linked (copied across filesystems) with its config
+    and tokenizer files, and every tensor's checksum is hashed from the files, never loaded whole."""
+    t0 = time.perf_counter()
+    fmt = check_checksum_format(checksum)
+    layout = CheckpointLayout.read(Path(checkpoint_dir))
+    sums = checkpoint_checksums(layout, fmt, max(1, workers))
+    meta = IndexMetadata(version=version, checksum_format=fmt)
+    weight_map = {n: loc.file.name for n, loc in layout.tensors.items()}
+    total = layout.total_bytes
+
+    def record(wire: int) -> VersionRecord:
+        return VersionRecord(
+            version=version,
+            kind="base" if version == 0 else "full",
+            checksum_format=fmt,
+            path=version_dir_name(version),
+            changed_bytes=total,
+            total_bytes=total,
+            density=1.0 if total else 0.0,
+            wire_bytes=wire,
+            seconds=time.perf_counter() - t0,
+            created_at=time.time(),
+            publisher=publisher or f"{os.uname().nodename}:{os.getpid()}",
+        )
+
+    Path(store_dir).mkdir(parents=True, exist_ok=True)
+    return link_full(Path(store_dir), meta, Path(checkpoint_dir), weight_map, sums, record, provenance)[1]
+
+
+__all__ = ["PolicyPublisher", "publish_checkpoint"]

@@ -18,8 +18,8 @@ import numpy as np
 import zstandard as zstd
 
 from rollfleet.policy_store import codecs
+from rollfleet.policy_store.files import check_file
 from rollfleet.policy_store.formats import (
-    DEFAULT_CHECKSUM,
     XOR,
     check_checksum_format,
     check_compression,
@@ -27,7 +27,7 @@ from rollfleet.policy_store.formats import (
     valid_checksum,
 )
 from rollfleet.policy_store.layout import CheckpointLayout, TensorSpec, read_header
-from rollfleet.policy_store.store import read_index, read_sidecar, record_from_index
+from rollfleet.policy_store.store import SIDECAR, read_index, read_sidecar, read_sidecar_strict, record_from_index
 from rollfleet.schemas.errors import CorruptArtifact, DecompressionBomb, LayoutMismatch
 from rollfleet.schemas.index import PublicationIndex
 from rollfleet.schemas.messages import VersionRecord
@@ -75,6 +75,9 @@ def open_version(path: Path, expected_version: int | None = None) -> OpenVersion
     meta = index.metadata
     if expected_version is not None and meta.version != expected_version:
         raise CorruptArtifact(f"{path.name}: index says version {meta.version}, expected {expected_version}")
+    for name in (*index.shards, SIDECAR):  # before any read: no FIFO, device or symlink out of the store
+        if not check_file(path / name, path.parent) and name != SIDECAR:
+            raise CorruptArtifact(f"{path.name}: shard {name} is missing")
     if not meta.is_delta:
         return _open_full(path, index)
     check_encoding(meta.delta_encoding)
@@ -108,16 +111,21 @@ def _open_full(path: Path, index: PublicationIndex) -> OpenVersion:
     layout = CheckpointLayout.read(path)
     if set(layout.tensors) != set(index.weight_map):
         raise CorruptArtifact(f"{path.name}: shard tensors differ from the index weight_map")
-    fmt = index.metadata.checksum_format or DEFAULT_CHECKSUM
-    checksums: dict[str, str] = {}
-    if index.metadata.checksum_format is not None:
-        check_checksum_format(fmt)
-        side = read_sidecar(path).get("checksums")
-        if isinstance(side, dict) and set(side) == set(layout.tensors):
-            if not all(valid_checksum(fmt, v) for v in side.values()):
-                raise CorruptArtifact(f"{path.name}: malformed checksums in the sidecar")
-            checksums = {k: v.lower() for k, v in side.items()}
-    return OpenVersion(path, index, layout=layout, checksums=checksums)
+    declared = index.metadata.checksum_format
+    if declared is None:
+        return OpenVersion(path, index, layout=layout)  # a plain checkpoint: verified by structure, as SGLang does
+    # A declared checksum format is a promise: checksums that cannot be read refuse the version.
+    fmt = check_checksum_format(declared)
+    side = read_sidecar_strict(path) or {}
+    sums = side.get("checksums")
+    if not isinstance(sums, dict):
+        raise CorruptArtifact(f"{path.name} declares {fmt} checksums, but {SIDECAR} holds none")
+    if set(sums) != set(layout.tensors):
+        missing = sorted(set(layout.tensors) - set(sums))[:5]
+        raise CorruptArtifact(f"{path.name}: {SIDECAR} checksums do not cover its tensors (missing {missing})")
+    if not all(valid_checksum(fmt, v) for v in sums.values()):
+        raise CorruptArtifact(f"{path.name}: malformed {fmt} checksums in {SIDECAR}")
+    return OpenVersion(path, index, layout=layout, checksums={k: v.lower() for k, v in sums.items()})
 
 
 def check_delta_against(ov: OpenVersion, specs: Mapping[str, TensorSpec]) -> None:

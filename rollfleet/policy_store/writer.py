@@ -160,17 +160,28 @@ def link_full(
     weight_map: Mapping[str, str],
     checksums: Mapping[str, str],
     record: Callable[[int], VersionRecord],
+    provenance: Mapping[str, object] | None = None,
 ) -> tuple[Path, VersionRecord]:
-    """Record an existing HF checkpoint as a full version by hard-linking its files (copy if not possible)."""
+    """Publish files that already exist as a version by hard-linking them (copies if not possible).
+
+    A full version (an existing HF checkpoint) brings its config and tokenizer files along; a
+    delta (one written by another publisher, under its own number) only its shards, with the
+    index rewritten to ``meta``. ``provenance`` is kept in the sidecar.
+    """
     wire = 0
     written: list[VersionRecord] = []
 
     def fill(tmp: Path) -> None:
         nonlocal wire
-        copy_aux_files(source, tmp)
+        if not meta.is_delta:
+            copy_aux_files(source, tmp)
         for shard in sorted(set(weight_map.values())):
             wire += _link_or_copy(Path(source) / shard, tmp / shard)
-        sidecar = {"record": _record_json(_once(written, record, wire)), "checksums": dict(checksums)}
+        sidecar: dict[str, object] = {"record": _record_json(_once(written, record, wire))}
+        if checksums:
+            sidecar["checksums"] = dict(checksums)
+        if provenance:
+            sidecar["provenance"] = dict(provenance)
         _write_index_and_sidecar(tmp, PublicationIndex(meta, dict(weight_map)), sidecar)
 
     return write_version_dir(store, meta.version, fill), written[-1]

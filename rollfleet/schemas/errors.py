@@ -185,6 +185,13 @@ class VersionNotFound(PolicyError):
     retryable = True
 
 
+class PrepareTimeout(PolicyError):
+    """Preparing a version took longer than its bound (a read that never returns, e.g. a wedged mount)."""
+
+    code = "prepare_timeout"
+    retryable = True
+
+
 _BY_CODE: dict[str, type[RollfleetError]] = {}
 
 

@@ -7,8 +7,10 @@ This is the file miles' disk-delta path writes and SGLang's ``/pull_weights`` re
      "weight_map": {"<hf tensor name>": "<shard file>", ...}}
 
 A *full* version is an ordinary Hugging Face index: no ``delta_encoding`` (``base_version``
-may still name its lineage). Version numbers travel as zero-padded six-digit strings because
-the foreign readers compare them as strings; here they are parsed to ints.
+may still name its lineage). A plain HF index without our metadata is a full version too; its
+number then comes from the directory name (``default_version``), as SGLang's puller reads it.
+Version numbers travel as zero-padded six-digit strings because the foreign readers compare
+them as strings; here they are parsed to ints.
 
 Parsing is strict and fails closed: malformed input raises :class:`CorruptArtifact`, a name
 that could escape its directory raises :class:`HostileName`. Whether an encoding, compression
@@ -113,19 +115,25 @@ class PublicationIndex:
         return json.dumps(doc, indent=2).encode()
 
     @classmethod
-    def parse(cls, raw: bytes | str) -> PublicationIndex:
+    def parse(cls, raw: bytes | str, default_version: int | None = None) -> PublicationIndex:
         """Parse and validate an index file's content."""
-        return cls.from_json(_load_index_json(raw))
+        return cls.from_json(_load_index_json(raw), default_version)
 
     @classmethod
-    def from_json(cls, doc: object) -> PublicationIndex:
+    def from_json(cls, doc: object, default_version: int | None = None) -> PublicationIndex:
+        """``default_version``: the number of a plain HF index (no version, no delta_encoding)."""
         weight_map = _weight_map(doc)
         meta = doc.get("metadata")  # type: ignore[union-attr]
+        if meta is None and default_version is not None:
+            meta = {}
         if not isinstance(meta, dict):
             raise CorruptArtifact("index.metadata must be an object")
-        if "version" not in meta:
+        if "version" in meta:
+            version = parse_version(meta["version"], "metadata.version")
+        elif default_version is not None and meta.get("delta_encoding") is None:
+            version = default_version
+        else:
             raise CorruptArtifact("index.metadata.version is missing")
-        version = parse_version(meta["version"], "metadata.version")
         base = meta.get("base_version")
         base_version = None if base is None else parse_version(base, "metadata.base_version")
         strings: dict[str, str | None] = {}
@@ -168,13 +176,21 @@ def _weight_map(doc: object) -> dict[str, str]:
     return dict(wmap)
 
 
+def json_object(raw: bytes | str, what: str) -> dict[str, Any]:
+    """``raw`` parsed as a JSON object; CorruptArtifact naming ``what`` when it is not one."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptArtifact(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise CorruptArtifact(f"{what} is not a JSON object")
+    return doc
+
+
 def _load_index_json(raw: bytes | str) -> object:
     if len(raw) > MAX_INDEX_BYTES:
         raise CorruptArtifact(f"index is {len(raw)} bytes, over the {MAX_INDEX_BYTES} byte limit")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CorruptArtifact(f"index is not valid JSON: {exc}") from None
+    return json_object(raw, "index")
 
 
 def parse_weight_map(raw: bytes | str) -> dict[str, str]:

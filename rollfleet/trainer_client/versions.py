@@ -10,14 +10,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import nats.js.errors
 from nats.js import JetStreamContext
 
-from rollfleet.broker.kv import advance_latest
+from rollfleet.broker.kv import advance_latest, move_latest, read_latest
 from rollfleet.policy_store import verify_version_dir
 from rollfleet.policy_store.store import version_dir_name
 from rollfleet.runtime import faults
-from rollfleet.schemas import Names, VersionPublished, VersionRecord, encode
-from rollfleet.schemas.errors import CorruptArtifact, HostileName
+from rollfleet.schemas import Names, VersionPublished, VersionRecord, decode, encode
+from rollfleet.schemas.errors import CorruptArtifact, HostileName, VersionConflict
 
 
 async def commit_version(js: JetStreamContext, names: Names, record: VersionRecord) -> None:
@@ -25,6 +26,30 @@ async def commit_version(js: JetStreamContext, names: Names, record: VersionReco
     await advance_latest(await js.key_value(names.policy_bucket), names, record)
     faults.point("commit:before-announce")
     await js.publish(names.versions_published, encode(VersionPublished(record=record)))
+
+
+async def commit_or_finish(js: JetStreamContext, names: Names, record: VersionRecord) -> bool:
+    """Commit ``record``, or finish a commit of the same version by the same publisher that was
+    interrupted (``v.<N>`` created, ``latest`` not yet moved, nothing announced). False when it
+    was already complete; VersionConflict when another publisher holds N."""
+    try:
+        await commit_version(js, names, record)
+        return True
+    except VersionConflict:
+        kv = await js.key_value(names.policy_bucket)
+        try:
+            entry = await kv.get(names.version_key(record.version))
+        except nats.js.errors.KeyNotFoundError:
+            raise VersionConflict(f"latest is already past version {record.version}") from None
+        held = decode(entry.value or b"", VersionRecord, what="version record")
+        if (held.publisher, held.path) != (record.publisher, record.path):
+            raise
+        latest = await read_latest(kv)
+        if latest is not None and latest >= record.version:
+            return False
+        await move_latest(kv, names, record.version)
+        await js.publish(names.versions_published, encode(VersionPublished(record=held)))
+        return True
 
 
 async def adopt_version(js: JetStreamContext, names: Names, store_dir: Path, source: Path) -> VersionRecord:

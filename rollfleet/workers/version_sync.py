@@ -5,11 +5,16 @@ the worker coalesces to the newest version, materializes it on the host-local ch
 (pull, apply, verify — in a thread, while the engine keeps serving), stages it on the
 engine, then pauses, swaps the changed tensors in, resumes, and only then advertises it
 (registry + ``versions.activated``) and starts pulling its job subjects.
+
+Preparing is bounded (``prepare_timeout_s``): a read that never returns (a wedged mount, a hook
+that hangs) marks the replica ``degraded`` instead of leaving it ``preparing`` forever, and the
+stuck thread is a daemon, so it never keeps the process from exiting on SIGTERM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
@@ -28,7 +33,7 @@ from rollfleet.runtime import faults
 from rollfleet.runtime.aio import in_daemon_thread, stop_tasks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, VersionActivated, encode
-from rollfleet.schemas.errors import PolicyError, RollfleetError
+from rollfleet.schemas.errors import PolicyError, PrepareTimeout, RollfleetError
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.registry import Registration
@@ -53,6 +58,7 @@ class VersionSync:
         pre_read_hook: str | None = None,
         metrics: WorkerMetrics | None = None,
         verify_live: bool = False,
+        prepare_timeout_s: float = 1800.0,
     ) -> None:
         self._js = js
         self._names = names
@@ -68,6 +74,8 @@ class VersionSync:
         self._pre_read_hook = pre_read_hook
         self._metrics = metrics
         self._verify_live = verify_live
+        self.prepare_timeout_s = prepare_timeout_s
+        self._stuck: threading.Event | None = None  # set when an abandoned prepare finally returns
         self._kv: KeyValue | None = None
         self._registration: Registration | None = None
         self._wake = asyncio.Event()
@@ -90,9 +98,7 @@ class VersionSync:
         if registration is not None:  # clients see a replica preparing `target`, not an empty fleet
             await registration.write(preparing_version=target)
         t0 = time.perf_counter()
-        result = await in_daemon_thread(
-            materialize, self.local_dir, self.store_dir, target, pre_read_hook=self._pre_read_hook
-        )
+        result = await self._materialize(target)
         self.log.info(
             "caught up",
             version=result.version,
@@ -151,14 +157,18 @@ class VersionSync:
         materialization already staged on the way from the live version. On failure the replica
         is marked degraded and keeps serving what it serves (None)."""
         assert self._registration is not None
+        t0 = time.perf_counter()
         try:
-            result = await in_daemon_thread(
-                materialize, self.local_dir, self.store_dir, target, pre_read_hook=self._pre_read_hook
-            )
+            result = await self._materialize(target)
             if since is not None:
                 result = _combined(since, result)
             # Staged relative to the live weights: every tensor changed since the served version.
-            await self._engine.prepare_weights(self.local_dir, result.changed, result.version)
+            left = max(0.0, self.prepare_timeout_s - (time.perf_counter() - t0))
+            staging = self._engine.prepare_weights(self.local_dir, result.changed, result.version)
+            try:
+                await asyncio.wait_for(staging, left)
+            except TimeoutError:
+                raise PrepareTimeout(f"staging version {target} took over {self.prepare_timeout_s:g} s") from None
         except (PolicyError, OSError, RollfleetError) as exc:
             self._failed_version = target
             self.failures.append(reason := f"{getattr(exc, 'code', type(exc).__name__)}: {exc}")
@@ -187,6 +197,32 @@ class VersionSync:
                 await self._registration.write(preparing_version=latest)
         self._wake.set()  # let the follow loop look at `latest` again afterwards
         return drain.result()
+
+    async def _materialize(self, target: int) -> MaterializeResult:
+        """materialize() on a daemon thread, bounded; a stuck one is abandoned and blocks retries."""
+        if self.stuck:
+            raise PrepareTimeout(f"an earlier prepare is still stuck; not preparing version {target}")
+        done = threading.Event()
+
+        def run() -> MaterializeResult:
+            try:
+                return materialize(self.local_dir, self.store_dir, target, pre_read_hook=self._pre_read_hook)
+            finally:
+                done.set()
+
+        try:
+            return await asyncio.wait_for(in_daemon_thread(run), self.prepare_timeout_s)
+        except TimeoutError:
+            self._stuck = done
+            raise PrepareTimeout(
+                f"materializing version {target} took longer than {self.prepare_timeout_s:g} s (a read that never "
+                "returns?); abandoned"
+            ) from None
+
+    @property
+    def stuck(self) -> bool:
+        """Whether an abandoned prepare is still running (stuck in a read)."""
+        return self._stuck is not None and not self._stuck.is_set()
 
     # -- prepare, activate, announce --------------------------------------------------------
     async def update_to(self, target: int) -> VersionActivated | None:

@@ -79,6 +79,7 @@ class WorkerConfig:
     catch_up_wait_s: float = 0.0  # how long to wait for a first commit before serving the base
     resync_s: float = 5.0
     pre_read_hook: str | None = None
+    prepare_timeout_s: float = 1800.0  # a prepare past this marks the replica degraded
     verify_live: bool = False  # announce a digest of the live weights after each activation
     metrics_port: int | None = None  # Prometheus endpoint; 0 picks a free port
     limits: Limits = DEFAULT_LIMITS
@@ -171,6 +172,7 @@ class Worker:
                 pre_read_hook=cfg.pre_read_hook,
                 metrics=self.metrics,
                 verify_live=cfg.verify_live,
+                prepare_timeout_s=cfg.prepare_timeout_s,
             )
             caught_up = await self.sync.catch_up(cfg.catch_up_wait_s, self.registration)
             self.served.version = caught_up.version

@@ -4,7 +4,8 @@ Routes used (SGLang's native HTTP API):
 
 - ``POST /generate`` with ``input_ids`` (or ``text``), ``sampling_params``, ``return_logprob``
   and ``rid``; reads ``output_ids`` and ``meta_info`` (``finish_reason``,
-  ``output_token_logprobs`` as ``[logprob, token_id, text]`` triples, ``weight_version``).
+  ``output_token_logprobs`` as ``[logprob, token_id, text]`` triples, ``weight_version`` and,
+  from SGLang 0.5.23, ``weight_versions``: ``{version, start, end}`` spans of output tokens).
   ``n`` samples are sent as a batch of ``n`` copies of the prompt with one rid each.
 - ``POST /pause_generation`` ``{"mode": "in_place"}``: requests stay in the running batch and
   continue on the new weights after ``POST /continue_generation``.
@@ -13,8 +14,18 @@ Routes used (SGLang's native HTTP API):
   adapter asks for no flush there and then calls ``/flush_cache`` itself, best effort (a
   refusal while requests run is expected and tolerated; the radix cache then still holds
   prefixes computed with the old weights until it can be flushed).
-- ``POST /abort_request`` ``{"rid"}``, ``GET /health``, ``GET /get_model_info``
-  (``weight_version``; ``/get_weight_version`` as a fallback).
+- ``POST /pull_weights`` ``{"local_checkpoint_dir", "source_dir", "target_version"}`` where the
+  server has it (``pull_dir=``): SGLang then pulls the published version from the store itself
+  (on every host it spans) while it serves, and the activation reloads ``pull_dir``. rollfleet
+  still materializes and verifies the version first, so a bad one never reaches the server.
+  SGLang's puller treats version 0 as the server's own ``--model-path``; a launched server is
+  given the store's ``weight_v000000`` for that reason, an attached one must have been started
+  on the same base checkpoint.
+- ``POST /abort_request`` ``{"rid"}``, ``GET /health``, ``GET /model_info`` (``weight_version``;
+  ``/get_model_info``, deprecated in 0.5.23, as a fallback).
+
+Every body is checked in the contract tests against SGLang 0.5.23's own types
+(``sglang/api/v1/api_types.py`` for ``/generate``, ``io_struct.py`` for the control routes).
 
 Tolerances, because SGLang's shapes vary across releases: a ``/generate`` answer may be one
 object or a list; token ids come from ``output_ids`` or, failing that, from the log-prob
@@ -24,10 +35,15 @@ the server computes (see its ``SGLANG_RETURN_ORIGINAL_LOGPROB`` setting); the hf
 rule is temperature-scaled, untruncated.
 
 Versions: rollfleet versions are integers; SGLang's ``weight_version`` is a string, so the
-adapter sends ``str(version)`` and parses the served value back. ``version_start`` is the
-adapter's version when the request is sent (requests wait while paused, so it is exact unless
-an activation lands before SGLang's first step, in which case it is conservatively older);
-``version_end`` is the ``weight_version`` SGLang reports with the result.
+adapter sends ``str(version)`` and parses the served value back. With ``weight_versions`` spans
+each completion says which tokens came from which version, and ``version_start``/``version_end``
+are the first and last span's versions. Without spans (older servers), ``version_start`` is the
+adapter's version when the request is sent (requests wait while paused, so it is exact unless an
+activation lands before SGLang's first step, in which case it is conservatively older) and
+``version_end`` is the ``weight_version`` SGLang reports. A version string that is not a
+non-negative integer (SGLang's ``"default"``, or a label someone else set) is not a rollfleet
+version: spans holding one are dropped (the completion's ``weight_versions`` is then empty,
+meaning unknown) and the adapter's own version stands in for it.
 """
 
 from __future__ import annotations
@@ -45,7 +61,7 @@ from typing import Any
 
 import httpx
 
-from rollfleet.schemas import Completion, RolloutPayload
+from rollfleet.schemas import Completion, RolloutPayload, VersionSpan
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest
 from rollfleet.schemas.limits import check_payload
 from rollfleet.workers.engines.base import Engine, EngineHealth, Generation
@@ -60,10 +76,34 @@ def _free_port(host: str) -> int:
 
 
 def _parse_version(value: object) -> int | None:
-    try:
-        return int(str(value))
-    except (TypeError, ValueError):
-        return None
+    """A rollfleet version from SGLang's weight_version string; None for anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if value >= 0 else None
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    return None
+
+
+def _parse_spans(raw: object, n_tokens: int) -> list[VersionSpan]:
+    """SGLang's ``weight_versions`` as rollfleet spans; [] when absent, non-integer or inconsistent
+    with the tokens (they must tile ``[0, n_tokens)`` in order)."""
+    if not isinstance(raw, list) or not raw:
+        return []
+    spans: list[VersionSpan] = []
+    for item in raw:
+        if not isinstance(item, Mapping):
+            return []
+        version = _parse_version(item.get("version"))
+        start, end = item.get("start"), item.get("end")
+        if version is None or not isinstance(start, int) or not isinstance(end, int):
+            return []
+        if start != (spans[-1].end if spans else 0) or end < start:
+            return []
+        if end > start or n_tokens == 0:
+            spans.append(VersionSpan(version=version, start=start, end=end))
+    if (spans[-1].end if spans else 0) != n_tokens:
+        return []
+    return spans
 
 
 class SGLangEngine(Engine):
@@ -88,8 +128,17 @@ class SGLangEngine(Engine):
         flush_cache: bool = True,
         load_format: str | None = None,
         health_path: str = "/health",
+        pull_dir: str | Path | None = None,
+        store_dir: str | Path | None = None,
     ) -> None:
+        """``pull_dir`` (with ``store_dir``, the policy store): activate through SGLang's own
+        ``/pull_weights`` into this host-local directory instead of reloading the worker's."""
         super().__init__()
+        if pull_dir is not None and store_dir is None:
+            raise InvalidRequest("pulling weights (pull_dir) needs the store to pull from (store_dir)")
+        self.pull_dir = Path(pull_dir) if pull_dir is not None else None
+        self.store_dir = Path(store_dir) if store_dir is not None else None
+        self._pulled: int | None = None  # the version /pull_weights last brought pull_dir to
         self.url = url.rstrip("/") if url else None
         self.launch_args = list(launch_args)
         self.model_path = model_path
@@ -119,16 +168,24 @@ class SGLangEngine(Engine):
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self, checkpoint_dir: Path | None, version: int) -> None:
-        model_path = self.model_path or (str(checkpoint_dir) if checkpoint_dir is not None else None)
+        if self.pull_dir is not None and self.store_dir is not None:
+            # SGLang's puller seeds version 0 from the server's own model path: the store's version 0.
+            model_path = self.model_path or str(self.store_dir / "weight_v000000")
+            launch_version = 0
+        else:
+            model_path = self.model_path or (str(checkpoint_dir) if checkpoint_dir is not None else None)
+            launch_version = version
         if self.url is None:
             if model_path is None:
                 raise InvalidRequest("launching SGLang needs a model path or a checkpoint dir")
-            await self._launch(model_path, version)
+            await self._launch(model_path, launch_version)
         self._client = httpx.AsyncClient(base_url=self.url or "", timeout=self.control_timeout_s)
         await self._wait_healthy()
         served = await self.served_version()
-        if served != version and checkpoint_dir is not None and self.process is None:
-            # Attached to a server holding other weights: load the checkpoint we were given.
+        attached = self.process is None
+        if served != version and ((attached and checkpoint_dir is not None) or self.pull_dir is not None):
+            # A server holding other weights (attached, or launched on version 0 to pull from).
+            await self.prepare_weights(checkpoint_dir, (), version)
             await self.pause()
             try:
                 await self.load_weights(checkpoint_dir, (), version)
@@ -236,15 +293,22 @@ class SGLangEngine(Engine):
         items = items if isinstance(items, list) else [items]
         if len(items) != payload.n:
             raise EngineFailure(f"SGLang answered {len(items)} outputs for n={payload.n}")
-        outputs, versions, prompt_tokens = [], [], len(payload.prompt_token_ids or [])
+        outputs, firsts, lasts, prompt_tokens = [], [], [], len(payload.prompt_token_ids or [])
         for item in items:
             completion, served, prompt_len = self._parse_item(item, payload.sampling.logprobs, aborted)
             outputs.append(completion)
-            if served is not None:
-                versions.append(served)
+            if completion.weight_versions:
+                firsts.append(completion.weight_versions[0].version)
+                lasts.append(completion.weight_versions[-1].version)
+            elif served is not None:
+                lasts.append(served)
             prompt_tokens = prompt_len or prompt_tokens
-        version_end = max(versions) if versions else self.version
-        return Generation(outputs, min(version_start, version_end), version_end, prompt_tokens=prompt_tokens)
+        version_end = max(lasts) if lasts else self.version
+        if len(firsts) == len(outputs):  # every completion says where its tokens came from
+            version_start = min(firsts)
+        else:
+            version_start = min([version_start, version_end, *firsts])
+        return Generation(outputs, version_start, version_end, prompt_tokens=prompt_tokens)
 
     def _generate_body(self, rids: list[str], payload: RolloutPayload) -> dict[str, Any]:
         s = payload.sampling
@@ -301,6 +365,7 @@ class SGLangEngine(Engine):
             finish_reason=reason,  # type: ignore[arg-type]
             logprobs=logprobs,
             text=item.get("text") if isinstance(item.get("text"), str) else None,
+            weight_versions=_parse_spans(meta.get("weight_versions"), len(tokens)),
         )
         return completion, _parse_version(meta.get("weight_version")), int(meta.get("prompt_tokens") or 0)
 
@@ -323,11 +388,33 @@ class SGLangEngine(Engine):
         self._running.clear()
         await self._control("/pause_generation", {"mode": self.pause_mode})
 
+    async def prepare_weights(self, checkpoint_dir: Path | None, changed: Sequence[str], version: int) -> None:
+        """With ``pull_dir``: SGLang pulls ``version`` from the store into it, while it serves."""
+        if self.pull_dir is None:
+            return
+        body: dict[str, Any] = {"local_checkpoint_dir": str(self.pull_dir), "source_dir": str(self.store_dir)}
+        body["target_version"] = version
+        try:
+            r = await self._http.post("/pull_weights", json=body, timeout=self.control_timeout_s)
+        except httpx.HTTPError as exc:
+            raise EngineFailure(f"SGLang /pull_weights failed: {type(exc).__name__}: {exc}") from exc
+        result = _json(r)
+        if r.status_code == 404:
+            raise EngineFailure("this SGLang server has no /pull_weights; run without pull_dir")
+        if r.status_code != 200 or not result.get("success", False):
+            reason = result.get("message") or _error_message(r)
+            raise EngineFailure(f"SGLang refused to pull version {version}: {reason}")
+        self._pulled = version
+
     async def load_weights(self, checkpoint_dir: Path | None, changed: Sequence[str], version: int) -> None:
-        """Paused: SGLang reloads the (already materialized) checkpoint dir and serves ``version``.
+        """Paused: SGLang reloads the (already materialized or pulled) checkpoint dir and serves ``version``.
 
         SGLang reads the whole directory; ``changed`` is not needed by this route.
         """
+        if self.pull_dir is not None:
+            if self._pulled != version:
+                raise EngineFailure(f"version {version} was not pulled (pull_dir holds {self._pulled})")
+            checkpoint_dir = self.pull_dir
         if checkpoint_dir is None:
             raise InvalidRequest("the sglang engine loads weights from a checkpoint dir")
         body: dict[str, Any] = {
@@ -357,7 +444,7 @@ class SGLangEngine(Engine):
 
     async def served_version(self) -> int | None:
         """The weight version the server reports (None when it reports none or a non-integer)."""
-        for path in ("/get_model_info", "/get_weight_version"):
+        for path in ("/model_info", "/get_model_info"):
             try:
                 r = await self._http.get(path)
             except httpx.HTTPError:
