@@ -129,8 +129,12 @@ async def test_cluster_round_trip_across_nodes(cluster: LocalCluster, ns: str) -
 
         msg = await rjs.get_last_msg(names.results_stream, subject)
         assert msg.data == b"result-1"
-        info = await tjs.stream_info(names.jobs_stream)
-        assert info.state.messages == 0  # work queue: acked means gone, on every replica's leader view
+        # Work queue: acked means gone (the ack is applied through the stream's Raft log, so the
+        # leader's view may take a moment on a loaded machine).
+        async def gone() -> bool:
+            return (await tjs.stream_info(names.jobs_stream)).state.messages == 0
+
+        await wait_until(gone, 10, what="the acked job removed", interval=0.1)
     finally:
         for conn in (trainer, worker, reader):
             await conn.close()
