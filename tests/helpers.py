@@ -28,11 +28,11 @@ class CountingEcho(EchoEngine):
         self.running = 0
         self.peak = 0
 
-    async def generate(self, request_id: str, payload: RolloutPayload) -> Any:
+    async def generate(self, request_id: str, payload: RolloutPayload, session_id: str | None = None) -> Any:
         self.calls.append(request_id)
         self.running += 1
         self.peak = max(self.peak, self.running)
         try:
-            return await super().generate(request_id, payload)
+            return await super().generate(request_id, payload, session_id)
         finally:
             self.running -= 1

@@ -129,6 +129,7 @@ async def test_cluster_round_trip_across_nodes(cluster: LocalCluster, ns: str) -
 
         msg = await rjs.get_last_msg(names.results_stream, subject)
         assert msg.data == b"result-1"
+
         # Work queue: acked means gone (the ack is applied through the stream's Raft log, so the
         # leader's view may take a moment on a loaded machine).
         async def gone() -> bool:

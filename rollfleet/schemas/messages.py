@@ -132,6 +132,10 @@ class RolloutResult(msgspec.Struct, tag="result", kw_only=True):
     staleness: int | None = None  # filled in by the trainer client when consumed
     fingerprint: str = ""  # the job's, echoed
     constraint: VersionConstraint | None = None  # the job's, echoed: a result says what it had to satisfy
+    # Sessions: prompt tokens served from the replica's cache of the session (not prefilled), and
+    # whether that cache was from older weights and rebuilt on the new ones.
+    cached_tokens: int = 0
+    cache_rebuilt: bool = False
 
 
 def served_within(constraint: VersionConstraint, result: RolloutResult) -> bool:

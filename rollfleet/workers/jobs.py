@@ -175,7 +175,7 @@ class JobRunner:
         msg, job = run.msg, run.job
         started = time.time()
         try:
-            generation = await self._engine.generate(job.job_id, job.payload)
+            generation = await self._engine.generate(job.job_id, job.payload, job.session_id)
         except RollfleetError as exc:
             log.warning("generation refused", error=exc.message, code=exc.code)
             await self.answer_failure(job.client_id, job.idempotency_key, exc, attempt, job)
@@ -207,6 +207,8 @@ class JobRunner:
             session_id=job.session_id,
             prompt_tokens=generation.prompt_tokens,
             fingerprint=job.fingerprint,
+            cached_tokens=generation.cached_tokens,
+            cache_rebuilt=generation.cache_rebuilt,
             constraint=job.constraint,
         )
         if not served_within(job.constraint, result):

@@ -23,6 +23,10 @@ class Generation:
     version_start: int
     version_end: int
     prompt_tokens: int = 0
+    # Sessions: prompt tokens whose KV came from the session's cache instead of a prefill, and
+    # whether that cache was from older weights (an activation since the last turn) and rebuilt.
+    cached_tokens: int = 0
+    cache_rebuilt: bool = False
 
 
 @dataclass
@@ -49,8 +53,14 @@ class Engine(abc.ABC):
         """Load ``checkpoint_dir`` (None for engines without weights) as ``version``."""
 
     @abc.abstractmethod
-    async def generate(self, request_id: str, payload: RolloutPayload) -> Generation:
-        """Generate for one request; must report the version at start and at end."""
+    async def generate(self, request_id: str, payload: RolloutPayload, session_id: str | None = None) -> Generation:
+        """Generate for one request; must report the version at start and at end. ``session_id``
+        names the multi-turn session the request belongs to: an engine may keep state for it (a
+        prefix cache) until ``end_session``; engines without session state ignore it."""
+
+    async def end_session(self, session_id: str) -> None:
+        """Drop whatever the engine keeps for ``session_id`` (closed or expired)."""
+        return None
 
     async def prepare_weights(self, checkpoint_dir: Path | None, changed: Sequence[str], version: int) -> None:
         """Optional, while still serving: stage ``changed`` tensors of ``version`` (e.g. on the

@@ -30,7 +30,7 @@ class EchoEngine(Engine):
     async def start(self, checkpoint_dir: Path | None, version: int) -> None:
         self.version = version
 
-    async def generate(self, request_id: str, payload: RolloutPayload) -> Generation:
+    async def generate(self, request_id: str, payload: RolloutPayload, session_id: str | None = None) -> Generation:
         await self._running.wait()
         if payload.prompt_token_ids is not None:
             prompt = list(payload.prompt_token_ids)

@@ -238,7 +238,7 @@ class HFEngine(Engine):
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, payload: RolloutPayload) -> Generation:
+    async def generate(self, request_id: str, payload: RolloutPayload, session_id: str | None = None) -> Generation:
         if self.model is None or self._closed or self._failure is not None:
             raise EngineFailure(self._failure or "the hf engine is not running")
         if request_id in self._requests:

@@ -263,7 +263,7 @@ class SGLangEngine(Engine):
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, payload: RolloutPayload) -> Generation:
+    async def generate(self, request_id: str, payload: RolloutPayload, session_id: str | None = None) -> Generation:
         check_payload(payload)
         await self._running.wait()  # no new work reaches the server during an activation
         if self._closed:
