@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollfleet.schemas import Completion, RolloutPayload
+from rollfleet.workers.engines.sessions import SessionCacheStats
 
 
 @dataclass
@@ -60,6 +61,11 @@ class Engine(abc.ABC):
 
     async def end_session(self, session_id: str) -> None:
         """Drop whatever the engine keeps for ``session_id`` (closed or expired)."""
+        return None
+
+    def session_cache_stats(self) -> SessionCacheStats | None:
+        """Figures of the engine's own session prefix cache (entries, bytes, hits, misses,
+        evictions, ...); None where the engine keeps none in this process."""
         return None
 
     async def prepare_weights(self, checkpoint_dir: Path | None, changed: Sequence[str], version: int) -> None:
