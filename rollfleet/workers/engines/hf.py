@@ -1,10 +1,20 @@
 """The hf engine: transformers + torch on CPU or CUDA, serving a host-local checkpoint dir.
 
 One background decode loop advances every active sequence by one token per iteration, as
-one left-padded batch with a KV cache. The forward pass runs on a dedicated worker thread
-so the event loop (NATS heartbeats) stays responsive. A pause lands between steps: the
-loop checks the pause flag under the step lock, so ``pause()`` returns once the current
-step finished and no step runs until ``resume()``.
+one batch with one KV cache. The forward pass runs on a dedicated worker thread so the event
+loop (NATS heartbeats) stays responsive. A pause lands between steps: the loop checks the
+pause flag under the step lock, so ``pause()`` returns once the current step finished and no
+step runs until ``resume()``.
+
+The batch's KV cache is assembled from per-sequence rows (``_kvrows``): a sequence that joins
+is prefilled on its own rows (only the part of its prompt not already cached) and its rows are
+merged into the running batch, whose members keep their KV; a sequence that leaves gives its
+row back. A mask says which columns of a row hold its tokens' KV, so rows of different lengths
+and reused prefixes line up without recomputing anyone. Sessions (``generate(session_id=...)``):
+when a turn finishes, its rows' KV is kept in a ``SessionCache`` (bounded by bytes and idle time,
+LRU); the session's next turn, whose prompt starts with those tokens, prefills only the rest.
+KV is tagged with the weights it was computed on and never reused across an activation: the
+turn after one rebuilds its session's cache on the new weights and reports ``cache_rebuilt``.
 
 Activation copies only the changed tensors into the live parameters. ``prepare_weights``
 (while serving) reads them, uploads them to the device and keeps only the elements that
@@ -30,13 +40,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from rollfleet.schemas import Completion, RolloutPayload, SamplingParams, version_spans
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest, RollfleetError
 from rollfleet.schemas.limits import check_payload
-from rollfleet.workers.engines import _weights
+from rollfleet.workers.engines import _kvrows, _weights
 from rollfleet.workers.engines._sampling import make_generator, sample_token
 from rollfleet.workers.engines.base import Engine, EngineHealth, Generation
+from rollfleet.workers.engines.sessions import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_TTL_S,
+    Branch,
+    Lookup,
+    SessionCache,
+    SessionCacheStats,
+)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -53,6 +72,8 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # the live version at each generated token
     finish: str | None = None
+    cached: int = 0  # prompt tokens whose KV came from the session cache when it joined the batch
+    kv_epoch: int = -1  # the weights epoch of the oldest KV in its batch row (-1: never had a row)
 
 
 @dataclass(eq=False)
@@ -64,6 +85,8 @@ class _Request:
     want_text: bool
     future: asyncio.Future[Generation]
     seqs: list[_Seq] = field(default_factory=list)
+    session: str | None = None  # cleared by end_session: nothing is kept for it any more
+    lookup: Lookup | None = None  # what the session cache gave this turn (taken once)
 
 
 @dataclass
@@ -72,9 +95,8 @@ class _Batch:
 
     members: list[_Seq] = field(default_factory=list)
     cache: Any = None
-    mask: torch.Tensor | None = None  # [B, cached_len]
-    next_pos: torch.Tensor | None = None  # [B] position of the next input token
-    valid: bool = False
+    mask: torch.Tensor | None = None  # [B, width]: 1 where a column holds the KV of one of the row's tokens
+    valid: bool = True  # False: the rows' KV is from other weights, rebuild every row
 
 
 def own_memory(model: Any) -> None:
@@ -113,7 +135,11 @@ class HFEngine(Engine):
         attn_implementation: str | None = None,
         step_log_size: int = 4096,
         stage_mode: str = "swap",
+        session_cache_bytes: int = DEFAULT_MAX_BYTES,
+        session_ttl_s: float = DEFAULT_TTL_S,
     ) -> None:
+        """``session_cache_bytes`` and ``session_ttl_s`` bound the KV kept for sessions between
+        turns (on the engine's device); ``session_cache_bytes=0`` keeps none."""
         super().__init__()
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -131,7 +157,8 @@ class HFEngine(Engine):
         self.checkpoint_dir: Path | None = None
         # Observability and test hooks.
         self.steps = 0
-        self.rebuilds = 0
+        self.prefills = 0  # forward passes that prefilled joining sequences
+        self.prefill_tokens = 0  # tokens those passes computed (padding excluded)
         self.step_log: deque[tuple[int, int, tuple[str, ...]]] = deque(maxlen=step_log_size)
         self._live: dict[str, torch.Tensor] = {}
         self._names: list[str] = []
@@ -143,7 +170,10 @@ class HFEngine(Engine):
         self._active: list[_Seq] = []
         self._batch = _Batch()
         self._staged: _weights.StagedUpdate | None = None
-        self._epoch = 0  # bumps on every change of the live weights
+        self._epoch = 0  # bumps on every activation (staged updates must match it)
+        self._kv_epoch = 0  # bumps when an activation changes tensors: KV from before is stale
+        self._sessions = SessionCache(session_cache_bytes, session_ttl_s)
+        self._rows = True  # whether the model's cache can be assembled from rows (set at load)
         self._seed_counter = itertools.count()
         self._running = asyncio.Event()
         self._running.set()
@@ -181,6 +211,7 @@ class HFEngine(Engine):
         self.model = model
         # transformers 5.x renamed the forward's ``past_key_values`` to ``cache``; accept both.
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._rows = _kvrows.supported(model.config)
         self._live = dict(model.state_dict(keep_vars=True))
         stored = list(_weights.tensor_files(checkpoint_dir))
         self._names = [n for n in stored if n in self._live] or list(self._live)
@@ -213,6 +244,7 @@ class HFEngine(Engine):
             self._staged = None
             self.model = None
             self._live = {}
+            self._sessions.clear()
         self._executor.shutdown(wait=True)
         self._stager.shutdown(wait=True)
         if self.device.type == "cuda":
@@ -260,6 +292,7 @@ class HFEngine(Engine):
             prompt_len=len(prompt),
             want_text=payload.prompt_text is not None,
             future=asyncio.get_running_loop().create_future(),
+            session=session_id if self._rows and self._sessions.max_bytes > 0 else None,
         )
         for i in range(payload.n):
             gen = None
@@ -324,7 +357,32 @@ class HFEngine(Engine):
             )
             for s in req.seqs
         ]
-        req.future.set_result(Generation(outputs, int(v_start), int(v_end), prompt_tokens=req.prompt_len))
+        joined = [s.cached for s in req.seqs if s.kv_epoch >= 0]
+        req.future.set_result(
+            Generation(
+                outputs,
+                int(v_start),
+                int(v_end),
+                prompt_tokens=req.prompt_len,
+                cached_tokens=min(joined, default=0),
+                cache_rebuilt=req.lookup is not None and req.lookup.stale,
+            )
+        )
+
+    async def end_session(self, session_id: str) -> None:
+        """Free the session's cached KV; a turn of it still running keeps nothing when it ends."""
+        for req in [*self._requests.values(), *(s.req for s in self._batch.members)]:
+            if req.session == session_id:
+                req.session = None
+        try:
+            # On the step thread, after any step in progress: a turn that ended just before
+            # cannot add its rows back behind our back.
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._sessions.drop, session_id)
+        except RuntimeError:  # closed: the step thread takes no more work
+            self._sessions.drop(session_id)
+
+    def session_cache_stats(self) -> SessionCacheStats:
+        return self._sessions.stats()
 
     # -- the decode loop ---------------------------------------------------------------------
 
@@ -343,8 +401,15 @@ class HFEngine(Engine):
         while not self._closed:
             self._active = [s for s in self._active if s.finish is None]
             if not self._active and not self._pending:
+                if self._batch.members:  # idle: finished rows go to their sessions now
+                    async with self._step_lock:
+                        await loop.run_in_executor(self._executor, self._settle)
+                    continue
                 self._wake.clear()
-                await self._wake.wait()
+                try:  # idle: still let idle sessions expire on time
+                    await asyncio.wait_for(self._wake.wait(), self._sessions.ttl_s)
+                except TimeoutError:
+                    self._sessions.expire()
                 continue
             await self._running.wait()
             async with self._step_lock:
@@ -400,32 +465,62 @@ class HFEngine(Engine):
 
     # -- one step (runs on the step thread) ----------------------------------------------------
 
+    def _settle(self) -> None:
+        """Nothing is active: every row leaves (to its session, if any)."""
+        try:
+            with torch.inference_mode():
+                self._release([])
+        except Exception:  # losing cached rows is harmless: the next turns prefill
+            self._batch = _Batch()
+
     def _step(self, batch: list[_Seq]) -> list[tuple[int, float]]:
         with torch.inference_mode():
             logits = self._forward(batch)
             return [sample_token(logits[i], seq.req.params, seq.gen) for i, seq in enumerate(batch)]
 
-    def _forward(self, batch: list[_Seq]) -> torch.Tensor:
+    def _release(self, batch: list[_Seq]) -> _Batch:
+        """Rows of sequences not in ``batch`` leave (their KV kept for their sessions); with KV of
+        other weights (``valid`` false) every row leaves."""
         state = self._batch
-        keep: list[int] | None = None
-        if state.valid and len(batch) <= len(state.members):
-            rows = {id(s): i for i, s in enumerate(state.members)}
-            keep = [rows.get(id(s), -1) for s in batch]
-            # Reusable only if every member is cached and in the same order (rows only drop out).
-            if -1 in keep or keep != sorted(keep):
-                keep = None
-        if keep is None:
-            return self._prefill(batch)
-        if keep != list(range(len(state.members))):
-            idx = torch.tensor(keep, device=self.device)
-            state.cache.batch_select_indices(idx)
-            state.mask = state.mask.index_select(0, idx)  # type: ignore[union-attr]
-            state.next_pos = state.next_pos.index_select(0, idx)  # type: ignore[union-attr]
-            state.members = list(batch)
-        ids = torch.tensor([[s.tokens[-1]] for s in batch], device=self.device)
-        one = torch.ones((len(batch), 1), dtype=torch.long, device=self.device)
-        mask = torch.cat([state.mask, one], dim=1)  # type: ignore[list-item]
-        pos = state.next_pos.unsqueeze(1)  # type: ignore[union-attr]
+        wanted = {id(s) for s in batch}
+        members = state.members
+        if all(id(s) in wanted for s in members) and state.valid:
+            return state
+        for i, seq in enumerate(members):
+            if id(seq) not in wanted:
+                self._keep_for_session(state, i, seq)
+        kept = [i for i, s in enumerate(members) if id(s) in wanted] if state.valid else []
+        if not kept:
+            self._batch = _Batch()
+            return self._batch
+        state.cache, state.mask = _kvrows.select_rows(state.cache, state.mask, kept, compact=self._rows)  # type: ignore[arg-type]
+        state.members = [members[i] for i in kept]
+        return state
+
+    def _forward(self, batch: list[_Seq]) -> torch.Tensor:
+        """Logits of the next token of every sequence in ``batch`` (in that order)."""
+        state = self._release(batch)
+        rows = {id(s) for s in state.members}
+        joiners = [s for s in batch if id(s) not in rows]
+        if joiners and state.members and not self._rows:  # cannot merge rows: prefill everyone again
+            joiners, state = batch, _Batch()
+            self._batch = state
+        logits: dict[int, torch.Tensor] = {}
+        if state.members:
+            logits.update(zip(map(id, state.members), self._decode(state), strict=True))
+        if joiners:
+            seqs, cache, mask, out = self._prefill(joiners)
+            logits.update(zip(map(id, seqs), out, strict=True))
+            if state.members:
+                cache, mask = _kvrows.merge(state.cache, state.mask, cache, mask)  # type: ignore[arg-type]
+            state.cache, state.mask, state.members = cache, mask, [*state.members, *seqs]
+        return torch.stack([logits[id(s)] for s in batch])
+
+    def _decode(self, state: _Batch) -> torch.Tensor:
+        """One token for every row: the last token of each sequence is not in the cache yet."""
+        ids = torch.tensor([[s.tokens[-1]] for s in state.members], device=self.device)
+        pos = state.mask.sum(dim=1, keepdim=True)  # type: ignore[union-attr]
+        mask = F.pad(state.mask, (0, 1), value=1)  # type: ignore[arg-type]
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -435,25 +530,77 @@ class HFEngine(Engine):
             **{self._cache_kw: state.cache},
         )
         state.cache, state.mask = _out_cache(out), mask
-        state.next_pos = state.next_pos + 1  # type: ignore[operator]
         return out.logits[:, -1, :].float()
 
-    def _prefill(self, batch: list[_Seq]) -> torch.Tensor:
-        """Rebuild the KV cache for ``batch`` from scratch (membership grew or weights changed)."""
-        self.rebuilds += 1
-        width = max(len(s.tokens) for s in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, s in enumerate(batch):  # left padding: the next token is always the last column
-            ids[i, width - len(s.tokens) :] = torch.tensor(s.tokens)
-            mask[i, width - len(s.tokens) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        self._batch = _Batch(
-            members=list(batch), cache=_out_cache(out), mask=mask, next_pos=mask.sum(dim=1), valid=True
+    def _prefill(self, joiners: list[_Seq]) -> tuple[list[_Seq], Any, torch.Tensor, torch.Tensor]:
+        """Prefill ``joiners`` on rows of their own: what their session cache holds is reused, the
+        rest computed in one pass (samples of one request that join together share one row, copied
+        afterwards). Returns the sequences in row order, their cache, mask and next-token logits."""
+        groups: dict[int, list[_Seq]] = {}
+        for seq in joiners:
+            fresh = not seq.out  # all samples of a request start from the same prompt
+            groups.setdefault(id(seq.req) if fresh else id(seq), []).append(seq)
+        items = [(seqs, self._reusable(seqs[0])) for seqs in groups.values()]
+        self.prefills += 1
+        self.prefill_tokens += sum(len(seqs[0].tokens) - n for seqs, (_, n) in items)
+        suffixes = [seqs[0].tokens[n:] for seqs, (_, n) in items]
+        width = max(len(t) for t in suffixes)
+        ids = torch.zeros((len(items), width), dtype=torch.long)
+        in_mask = torch.zeros((len(items), width), dtype=torch.long)
+        for r, tokens in enumerate(suffixes):  # right-aligned: the last column is every row's last token
+            ids[r, width - len(tokens) :] = torch.tensor(tokens)
+            in_mask[r, width - len(tokens) :] = 1
+        ids, in_mask = ids.to(self.device), in_mask.to(self.device)
+        kwargs: dict[str, Any] = {}
+        mask = in_mask
+        if any(n for _, (_, n) in items):
+            past, past_mask = _kvrows.past([reuse for _, reuse in items], self.device)
+            kwargs[self._cache_kw] = past
+            mask = torch.cat([past_mask, in_mask], dim=1)
+        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)[:, -width:]
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1, **kwargs
         )
-        return out.logits[:, -1, :].float()
+        cache, logits = _out_cache(out), out.logits[:, -1, :].float()
+        order = [r for r, (seqs, _) in enumerate(items) for _ in seqs]
+        if order != list(range(len(items))):
+            cache, mask = _kvrows.select_rows(cache, mask, order, compact=self._rows)
+            logits = logits[torch.tensor(order, device=logits.device)]
+        seqs = [seq for group, _ in items for seq in group]
+        for seq, (_, n) in zip(seqs, (items[r][1] for r in order), strict=True):
+            seq.kv_epoch = self._kv_epoch
+            seq.cached = seq.cached or n
+        for req in {id(s.req): s.req for s in seqs}.values():
+            lookup = req.lookup
+            joined = all(s.kv_epoch >= 0 or s.finish is not None for s in req.seqs)
+            if lookup is not None and lookup.branch is not None and joined:
+                req.lookup = Lookup(cached=lookup.cached, stale=lookup.stale)  # every sample joined: free the KV
+        return seqs, cache, mask, logits
+
+    def _reusable(self, seq: _Seq) -> tuple[_kvrows.KV, int]:
+        """The session KV ``seq`` can start from (and how many of its tokens it covers)."""
+        req = seq.req
+        if seq.out or req.session is None:
+            return [], 0
+        if req.lookup is None:  # once per turn: samples admitted later reuse what the first got
+            req.lookup = self._sessions.take(req.session, seq.tokens, self._kv_epoch)
+        branch = req.lookup.branch
+        if branch is None or branch.epoch != self._kv_epoch:
+            return [], 0
+        return branch.kv, req.lookup.cached
+
+    def _keep_for_session(self, state: _Batch, i: int, seq: _Seq) -> None:
+        """Row ``i`` leaves the batch: keep its KV for the next turn of its session."""
+        req = seq.req
+        if req.session is None or seq.kv_epoch < 0 or state.mask is None:
+            return
+        n = int(state.mask[i].sum())
+        tokens = seq.tokens[:n]
+        if seq.kv_epoch != self._kv_epoch:  # computed (partly) on other weights: only say so
+            self._sessions.add(req.session, Branch(tokens=(), epoch=seq.kv_epoch))
+            return
+        kv = _kvrows.row(state.cache, state.mask, i)
+        self._sessions.add(req.session, Branch(tokens=tokens, epoch=seq.kv_epoch, kv=kv, nbytes=_kvrows.nbytes(kv)))
 
     # -- pause and weights ---------------------------------------------------------------------
 
@@ -512,8 +659,11 @@ class HFEngine(Engine):
                 await loop.run_in_executor(self._executor, self._copy_in, new)
             self._staged = None
             self._epoch += 1
-            if self.reprefill_after_activation and names:
-                self._batch.valid = False
+            if names:
+                self._kv_epoch += 1
+                self._sessions.invalidate(self._kv_epoch)  # never reuse KV of other weights
+                if self.reprefill_after_activation:
+                    self._batch.valid = False
             self.version = version
 
     def _apply_staged(self, staged: _weights.StagedUpdate) -> None:
