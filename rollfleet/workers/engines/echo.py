@@ -2,6 +2,13 @@
 
 Used for queue benchmarks and tests of the request path. Output token ``i`` is
 ``(sum(prompt) + i) % vocab``; log-probs are 0.0 so callers can exercise the full result.
+
+Sessions, so routing tests and benchmarks can observe affinity without a model: with
+``prefill_s_per_token``, a request first sleeps that long per prompt token it would have to
+prefill. A turn of a session keeps its tokens (what a real engine would hold the KV of: the
+prompt and all output tokens but the last) in a ``SessionCache`` like the hf engine's, charged 4
+bytes a token; the session's next turn pays only for the prompt tokens past the common prefix
+and reports them in ``cached_tokens``. An activation makes the cache stale (``cache_rebuilt``).
 """
 
 from __future__ import annotations
@@ -12,16 +19,31 @@ from pathlib import Path
 
 from rollfleet.schemas import Completion, RolloutPayload, version_spans
 from rollfleet.workers.engines.base import Engine, EngineHealth, Generation
+from rollfleet.workers.engines.sessions import DEFAULT_TTL_S, Branch, SessionCache, SessionCacheStats
+
+_TOKEN_BYTES = 4
 
 
 class EchoEngine(Engine):
     name = "echo"
 
-    def __init__(self, latency_s: float = 0.0, per_token_s: float = 0.0, vocab: int = 32_000) -> None:
+    def __init__(
+        self,
+        latency_s: float = 0.0,
+        per_token_s: float = 0.0,
+        vocab: int = 32_000,
+        *,
+        prefill_s_per_token: float = 0.0,
+        session_cache_bytes: int = 64 * 1024**2,
+        session_ttl_s: float = DEFAULT_TTL_S,
+    ) -> None:
         super().__init__()
         self.latency_s = latency_s
         self.per_token_s = per_token_s
         self.vocab = vocab
+        self.prefill_s_per_token = prefill_s_per_token
+        self.prefill_tokens = 0  # prompt tokens "prefilled" (not served from a session's cache)
+        self._sessions = SessionCache(session_cache_bytes, session_ttl_s)
         self._running = asyncio.Event()
         self._running.set()
         self._aborted: set[str] = set()
@@ -36,8 +58,13 @@ class EchoEngine(Engine):
             prompt = list(payload.prompt_token_ids)
         else:
             prompt = list((payload.prompt_text or "").encode())
-        if self.latency_s:
-            await asyncio.sleep(self.latency_s)
+        lookup = None
+        if session_id is not None and self._sessions.max_bytes > 0:
+            lookup = self._sessions.take(session_id, prompt, self.version)
+        cached = lookup.cached if lookup else 0
+        self.prefill_tokens += len(prompt) - cached
+        if self.latency_s or self.prefill_s_per_token:
+            await asyncio.sleep(self.latency_s + self.prefill_s_per_token * (len(prompt) - cached))
         outputs: list[Completion] = []
         stops = set(payload.sampling.stop_token_ids)
         for sample in range(payload.n):
@@ -72,13 +99,32 @@ class EchoEngine(Engine):
         ran = [c.weight_versions for c in outputs if c.weight_versions]
         version_start = min((w[0].version for w in ran), default=self.version)
         version_end = max((w[-1].version for w in ran), default=self.version)
-        return Generation(outputs, version_start, version_end, prompt_tokens=len(prompt))
+        if lookup is not None and session_id is not None:
+            for c in outputs:  # "computed" on the version of its last token, as a real engine's KV
+                held = prompt + c.token_ids[:-1]
+                epoch = c.weight_versions[-1].version if c.weight_versions else self.version
+                self._sessions.add(session_id, Branch(tokens=held, epoch=epoch, nbytes=_TOKEN_BYTES * len(held)))
+        return Generation(
+            outputs,
+            version_start,
+            version_end,
+            prompt_tokens=len(prompt),
+            cached_tokens=cached,
+            cache_rebuilt=lookup is not None and lookup.stale,
+        )
+
+    async def end_session(self, session_id: str) -> None:
+        self._sessions.drop(session_id)
+
+    def session_cache_stats(self) -> SessionCacheStats:
+        return self._sessions.stats()
 
     async def pause(self) -> None:
         self._running.clear()
 
     async def load_weights(self, checkpoint_dir: Path | None, changed: Sequence[str], version: int) -> None:
         self.version = version
+        self._sessions.invalidate(version)
 
     async def resume(self) -> None:
         self._running.set()
