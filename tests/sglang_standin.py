@@ -13,8 +13,12 @@ requests and their order.
 Generation is fake but shaped like the real thing: output token ``i`` of a sample is
 ``(sum(input_ids) + i) % vocab``, one token per ``token_delay_s``. A request in flight during
 an in-place pause waits and then continues, and reports the weight version live when it
-finished. Standard library only (``http.server`` in a thread); it also runs as a process with
-SGLang's launch flags: ``python tests/sglang_standin.py --model-path P --port N``.
+finished. A prefix cache keyed like SGLang's radix cache (token ids within a ``cache_salt``
+namespace) answers ``meta_info.cached_tokens``: the longest prefix of a finished request's
+prompt and output (all but its last token, whose KV is never computed) that a new prompt starts
+with, at most all but its last token; a flush empties it. ``/close_session`` is recorded.
+Standard library only (``http.server`` in a thread); it also runs as a process with SGLang's
+launch flags: ``python tests/sglang_standin.py --model-path P --port N``.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class StandinState:
     running: dict[str, int] = field(default_factory=dict)  # rid -> tokens so far
     aborted: set[str] = field(default_factory=set)
     cond: threading.Condition = field(default_factory=threading.Condition)
+    radix: dict[str | None, list[list[int]]] = field(default_factory=dict)  # cache_salt -> cached sequences
+    closed_sessions: list[str] = field(default_factory=list)
 
     def paths(self) -> list[str]:
         return [c.path for c in self.calls]
@@ -147,8 +153,19 @@ def _generate(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
     return 200, (results if batch else results[0])
 
 
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def _one(state: StandinState, prompt: list[int], rid: str, params: dict[str, Any], body: dict[str, Any]) -> Any:
     t = api_types()
+    salt = body.get("cache_salt") or None
+    with state.cond:
+        held = state.radix.get(salt, [])
+        cached = min(max((_prefix(seq, prompt) for seq in held), default=0), len(prompt) - 1)
     max_new = int(params.get("max_new_tokens", 128))
     stops = set(params.get("stop_token_ids") or [])
     out: list[int] = []
@@ -179,6 +196,7 @@ def _one(state: StandinState, prompt: list[int], rid: str, params: dict[str, Any
             state.running.pop(rid, None)
             state.aborted.discard(rid)
             final = state.weight_version
+            state.radix.setdefault(salt, []).append(prompt + out[:-1])
     spans: list[Any] = []
     for i, v in enumerate(versions):
         if spans and spans[-1].version == v:
@@ -190,6 +208,7 @@ def _one(state: StandinState, prompt: list[int], rid: str, params: dict[str, Any
         finish_reason=finish,
         prompt_tokens=len(prompt),
         completion_tokens=len(out),
+        cached_tokens=cached,
         output_token_logprobs=[t.LogprobEntry(logprob=state.logprob, token_id=x) for x in out]
         if body.get("return_logprob")
         else None,
@@ -254,7 +273,15 @@ def _update(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
 def _flush(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
     with state.cond:
         busy = bool(state.running)
+        if not busy:
+            state.radix.clear()
     return (400 if busy else 200), "Cache flushed.\n"
+
+
+def _close_session(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
+    with state.cond:
+        state.closed_sessions.append(body["session_id"])
+    return 200, ""
 
 
 def _abort(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
@@ -302,6 +329,7 @@ _ROUTES = {
     ("POST", "/pull_weights"): _checked("PullWeightsReqInput", _pull),
     ("*", "/flush_cache"): _flush,  # takes no body in SGLang (a query parameter)
     ("POST", "/abort_request"): _checked("AbortReq", _abort),
+    ("*", "/close_session"): _checked("CloseSessionReqInput", _close_session),
     ("GET", "/health"): _health,
     ("GET", "/health_generate"): _health,
     ("GET", "/model_info"): _model_info,

@@ -34,6 +34,7 @@ CONTROL_TYPES = {
     "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
     "/pull_weights": "PullWeightsReqInput",
     "/abort_request": "AbortReq",
+    "/close_session": "CloseSessionReqInput",
 }
 
 
@@ -98,6 +99,7 @@ async def test_generate_sends_sglang_request_and_reads_output(engine: SGLangEngi
             },
             "return_logprob": True,
             "stream": False,
+            "cache_salt": "rollfleet-v0",  # the radix cache never matches KV of other weights
         }
     ]
     out = gen.outputs[0]
@@ -355,6 +357,94 @@ def test_the_contract_checks_can_fail() -> None:
         check_request("PullWeightsReqInput", {"local_checkpoint_dir": "/a", "source_dir": "/b", "target_version": "7"})
     with pytest.raises(api_types().JsonContractError):
         api_types().GenerateRequest.from_json_value({"input_ids": [1], "sampling_params": {"max_new_tokens": "8"}})
+    with pytest.raises(api_types().JsonContractError):
+        api_types().GenerateRequest.from_json_value({"input_ids": [1], "session_id": 7})
+    with pytest.raises(AssertionError, match="requires"):
+        check_request("CloseSessionReqInput", {})
+
+
+# -- sessions: SGLang's radix-native session hints, and a prefix cache salted by version -----------
+
+
+def turn_payload(prompt: list[int], max_tokens: int = 5, n: int = 1) -> RolloutPayload:
+    return RolloutPayload(prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=max_tokens), n=n)
+
+
+async def test_session_turns_carry_the_session_hints_and_report_sglangs_cached_tokens(
+    engine: SGLangEngine, standin: SGLangStandin
+) -> None:
+    first = await engine.generate("t1", turn_payload(PROMPT), session_id="sess-1")
+    assert (first.cached_tokens, first.cache_rebuilt) == (0, False)
+    context = PROMPT + first.outputs[0].token_ids + [7, 8, 9]  # the tool's answer follows the output
+    second = await engine.generate("t2", turn_payload(context), session_id="sess-1")
+    # The server held the first turn's prompt and output but its last token (never fed back).
+    assert second.cached_tokens == len(PROMPT) + len(first.outputs[0].token_ids) - 1
+    assert second.cache_rebuilt is False
+    plain = await engine.generate("p", turn_payload(PROMPT))
+    assert plain.cached_tokens == len(PROMPT) - 1  # the radix cache matches by content, session or not
+    bodies = standin.state.bodies("/generate")
+    for body in bodies[:2]:
+        assert body["session_id"] == body["routing_key"] == "sess-1" and "session_params" not in body
+        # The keys are the ones SGLang reads (its GenerateRequest ignores unknown keys).
+        decoded = api_types().GenerateRequest.from_json_value(body)
+        assert (decoded.session_id, decoded.routing_key, decoded.cache_salt) == ("sess-1", "sess-1", "rollfleet-v0")
+        assert decoded.session_params is None  # the prompt is the whole context: nothing to rebuild
+    assert "session_id" not in bodies[2] and "routing_key" not in bodies[2]
+
+
+async def test_after_an_activation_the_next_turn_is_rebuilt_even_when_the_flush_was_refused(
+    engine: SGLangEngine, standin: SGLangStandin, tmp_path: Path
+) -> None:
+    first = await engine.generate("t1", turn_payload(PROMPT), session_id="s")
+    context = PROMPT + first.outputs[0].token_ids
+    busy = asyncio.create_task(engine.generate("busy", payload(max_tokens=150)))
+    await wait_running(standin)
+    await engine.pause()
+    await engine.load_weights(tmp_path, ["lm_head.weight"], 1)
+    await engine.resume()
+    assert engine.last_flush_ok is False  # the old prefixes are still in the server's cache...
+    grown = [*context, 11]  # the tool's answer
+    second = await engine.generate("t2", turn_payload(grown), session_id="s")
+    # ... but under the old version's salt: nothing computed with v0 is reused for v1.
+    assert standin.state.bodies("/generate")[-1]["cache_salt"] == "rollfleet-v1"
+    assert (second.cached_tokens, second.cache_rebuilt) == (0, True)
+    third = await engine.generate("t3", turn_payload([*grown, *second.outputs[0].token_ids]), session_id="s")
+    assert third.cached_tokens == len(grown) + len(second.outputs[0].token_ids) - 1
+    assert third.cache_rebuilt is False
+    retry = await engine.generate("t2-again", turn_payload(grown, n=2), session_id="s")  # n samples: one figure
+    assert retry.cached_tokens == len(grown) - 1 and retry.cache_rebuilt is False
+    assert (await busy).outputs[0].finish_reason == "length"
+
+
+async def test_without_the_version_salt_nothing_is_claimed_rebuilt(standin: SGLangStandin, tmp_path: Path) -> None:
+    engine = SGLangEngine(url=standin.url, version_cache_salt=False)
+    await engine.start(None, 0)
+    try:
+        first = await engine.generate("t1", turn_payload(PROMPT), session_id="s")
+        await engine.pause()
+        await engine.load_weights(tmp_path, [], 1)
+        await engine.resume()
+        second = await engine.generate("t2", turn_payload(PROMPT + first.outputs[0].token_ids), session_id="s")
+        assert "cache_salt" not in standin.state.bodies("/generate")[-1]
+        assert second.cache_rebuilt is False  # the adapter cannot know what the server reused
+    finally:
+        await engine.close()
+
+
+async def test_end_session_closes_it_on_the_server(engine: SGLangEngine, standin: SGLangStandin) -> None:
+    await engine.generate("t1", turn_payload(PROMPT), session_id="s")
+    await engine.end_session("s")
+    assert standin.state.bodies("/close_session") == [{"session_id": "s"}]
+    assert standin.state.closed_sessions == ["s"]
+    # Forgotten here too: a later turn under the same id is a first turn, not a rebuilt one.
+    await engine.pause()
+    await engine.load_weights(Path("/unused"), [], 1)
+    await engine.resume()
+    again = await engine.generate("t2", turn_payload(PROMPT), session_id="s")
+    assert again.cache_rebuilt is False
+    await engine.close()
+    await engine.end_session("s")  # closed: nothing sent, no error
+    assert len(standin.state.bodies("/close_session")) == 1
 
 
 # -- activation through SGLang's own /pull_weights -----------------------------------------------

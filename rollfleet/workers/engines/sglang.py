@@ -23,6 +23,19 @@ Routes used (SGLang's native HTTP API):
   on the same base checkpoint.
 - ``POST /abort_request`` ``{"rid"}``, ``GET /health``, ``GET /model_info`` (``weight_version``;
   ``/get_model_info``, deprecated in 0.5.23, as a fallback).
+- ``POST /close_session`` ``{"session_id"}`` when a session ends (best effort).
+
+Sessions and the radix cache: a turn's prompt is the whole context so far, which SGLang's radix
+cache already matches by content. A turn of a session also carries ``session_id`` (SGLang's
+radix-native session: "unlike session_params, this does not alter or reconstruct the prompt";
+with ``--enable-session-radix-cache`` the server tags the turn's KV with the session so eviction
+takes unreferenced KV first, until ``/close_session`` releases it) and ``routing_key`` (the same
+id: the ``routing-key`` schedule policy groups a session's requests). ``session_params`` is not
+used: it rebuilds the prompt from the server's session history and needs ``/open_session``. Every
+request also carries ``cache_salt`` naming the weight version it is sent on, so the radix cache
+never matches a prefix computed with other weights (a flush refused under an in-place pause would
+otherwise leave them reusable); the turn after an activation is prefilled on the new weights and
+reported with ``cache_rebuilt``. ``cached_tokens`` is SGLang's ``meta_info.cached_tokens``.
 
 Every body is checked in the contract tests against SGLang 0.5.23's own types
 (``sglang/api/v1/api_types.py`` for ``/generate``, ``io_struct.py`` for the control routes).
@@ -55,6 +68,7 @@ import signal
 import socket
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,6 +81,7 @@ from rollfleet.schemas.limits import check_payload
 from rollfleet.workers.engines.base import Engine, EngineHealth, Generation
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_SESSIONS_REMEMBERED = 65_536
 
 
 def _free_port(host: str) -> int:
@@ -130,9 +145,11 @@ class SGLangEngine(Engine):
         health_path: str = "/health",
         pull_dir: str | Path | None = None,
         store_dir: str | Path | None = None,
+        version_cache_salt: bool = True,
     ) -> None:
         """``pull_dir`` (with ``store_dir``, the policy store): activate through SGLang's own
-        ``/pull_weights`` into this host-local directory instead of reloading the worker's."""
+        ``/pull_weights`` into this host-local directory instead of reloading the worker's.
+        ``version_cache_salt``: namespace the server's prefix cache by weight version."""
         super().__init__()
         if pull_dir is not None and store_dir is None:
             raise InvalidRequest("pulling weights (pull_dir) needs the store to pull from (store_dir)")
@@ -164,6 +181,10 @@ class SGLangEngine(Engine):
         self._aborted: set[str] = set()
         self._closed = False
         self.last_flush_ok: bool | None = None
+        self.version_cache_salt = version_cache_salt
+        # The version each recent session's last turn ended on: a later version means the
+        # server's cache for it is salted away, so the next turn rebuilds it.
+        self._session_versions: OrderedDict[str, int] = OrderedDict()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -269,8 +290,8 @@ class SGLangEngine(Engine):
         if self._closed:
             raise EngineFailure("the sglang engine is closed")
         rids = [request_id] if payload.n == 1 else [f"{request_id}-{i}" for i in range(payload.n)]
-        body = self._generate_body(rids, payload)
-        version_start = self.version
+        body = self._generate_body(rids, payload, session_id)
+        version_start = salted = self.version
         self._inflight[request_id] = rids
         try:
             r = await self._http.post("/generate", json=body, timeout=self.request_timeout_s)
@@ -294,9 +315,11 @@ class SGLangEngine(Engine):
         if len(items) != payload.n:
             raise EngineFailure(f"SGLang answered {len(items)} outputs for n={payload.n}")
         outputs, firsts, lasts, prompt_tokens = [], [], [], len(payload.prompt_token_ids or [])
+        cached: list[int] = []
         for item in items:
             completion, served, prompt_len = self._parse_item(item, payload.sampling.logprobs, aborted)
             outputs.append(completion)
+            cached.append(_cached_tokens(item))
             if completion.weight_versions:
                 firsts.append(completion.weight_versions[0].version)
                 lasts.append(completion.weight_versions[-1].version)
@@ -308,9 +331,36 @@ class SGLangEngine(Engine):
             version_start = min(firsts)
         else:
             version_start = min([version_start, version_end, *firsts])
-        return Generation(outputs, version_start, version_end, prompt_tokens=prompt_tokens)
+        return Generation(
+            outputs,
+            version_start,
+            version_end,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=min(cached, default=0),
+            cache_rebuilt=self._session_turn(session_id, salted),
+        )
 
-    def _generate_body(self, rids: list[str], payload: RolloutPayload) -> dict[str, Any]:
+    def _session_turn(self, session_id: str | None, salted: int) -> bool:
+        """Remember the version the session's turn was salted with; True when its previous turn's
+        was older (an activation in between), so the server prefilled this turn anew."""
+        if session_id is None:
+            return False
+        before = self._session_versions.pop(session_id, None)
+        self._session_versions[session_id] = salted
+        while len(self._session_versions) > _SESSIONS_REMEMBERED:
+            self._session_versions.popitem(last=False)
+        return self.version_cache_salt and before is not None and before < salted
+
+    async def end_session(self, session_id: str) -> None:
+        """Forget the session; the server releases the KV it tagged with it (``/close_session``,
+        best effort: older servers and servers without session radix caching may refuse)."""
+        self._session_versions.pop(session_id, None)
+        if self._client is None or self._closed:
+            return
+        with contextlib.suppress(httpx.HTTPError):
+            await self._http.post("/close_session", json={"session_id": session_id})
+
+    def _generate_body(self, rids: list[str], payload: RolloutPayload, session_id: str | None = None) -> dict[str, Any]:
         s = payload.sampling
         base: dict[str, Any] = {
             "max_new_tokens": s.max_tokens,
@@ -341,6 +391,10 @@ class SGLangEngine(Engine):
             body["input_ids"] = ids if single else [ids] * len(rids)
         else:
             body["text"] = payload.prompt_text if single else [payload.prompt_text] * len(rids)
+        if self.version_cache_salt:
+            body["cache_salt"] = f"rollfleet-v{self.version}"
+        if session_id is not None:
+            body["session_id"] = body["routing_key"] = session_id
         return body
 
     @staticmethod
@@ -468,6 +522,11 @@ class SGLangEngine(Engine):
             raise EngineFailure(f"SGLang {path} failed: {type(exc).__name__}: {exc}") from exc
         if r.status_code != 200:
             raise EngineFailure(f"SGLang {path}: HTTP {r.status_code}: {_error_message(r)}")
+
+
+def _cached_tokens(item: Mapping[str, Any]) -> int:
+    value = (item.get("meta_info") or {}).get("cached_tokens")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def _json(r: httpx.Response) -> dict[str, Any]:
