@@ -58,6 +58,17 @@ def test_convergence_quick() -> None:
     assert head.value >= prepare.value > 0
 
 
+def test_sessions_quick() -> None:
+    rows = _run("sessions")
+    _check(rows, {"sessions/turn-p50", "sessions/prefill"})
+    head = rows[0].extra
+    assert head["identical_outputs"] is True  # prefix reuse changed no token
+    assert 0 < head["prefilled_tokens_with_reuse"] < head["prefilled_tokens_without"]  # type: ignore[operator]
+    last_prefill = [r for r in rows if r.bench == "sessions/prefill"][-1]
+    assert last_prefill.baseline is not None and last_prefill.value < last_prefill.baseline
+    assert "met" in [r for r in rows if r.bench == "sessions/turn-p50"][-1].extra
+
+
 def test_gpu_activation_script_runs_on_cpu() -> None:
     """The H200 script must not rot: its small CPU path runs end to end and checks the bytes."""
     import json
