@@ -33,7 +33,12 @@ def tensors(cache: Any) -> KV:
 
 
 def build(kv: KV) -> DynamicCache:
-    return DynamicCache(ddp_cache_data=kv)
+    """A cache holding ``kv`` itself: the layers are made on empty slices (DynamicCache copies what it
+    is given), then handed the tensors."""
+    cache = DynamicCache(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in kv])
+    for layer, (k, v) in zip(cache.layers, kv, strict=True):
+        layer.keys, layer.values = k, v
+    return cache
 
 
 def nbytes(kv: KV) -> int:

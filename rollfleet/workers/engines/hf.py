@@ -540,6 +540,7 @@ class HFEngine(Engine):
         for seq in joiners:
             fresh = not seq.out  # all samples of a request start from the same prompt
             groups.setdefault(id(seq.req) if fresh else id(seq), []).append(seq)
+        self._sessions.expire()  # idle sessions expire on time, even when only other traffic runs
         items = [(seqs, self._reusable(seqs[0])) for seqs in groups.values()]
         self.prefills += 1
         self.prefill_tokens += sum(len(seqs[0].tokens) - n for seqs, (_, n) in items)

@@ -89,7 +89,7 @@ class SessionCache:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_bytes < 0 or not 0 < ttl_s < math.inf:
-            raise ValueError(f"session cache bounds must be max_bytes >= 0 and ttl_s > 0, got {max_bytes}, {ttl_s}")
+            raise ValueError(f"session cache bounds: need max_bytes >= 0 and 0 < ttl_s < inf, got {max_bytes}, {ttl_s}")
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self._clock = clock
