@@ -13,13 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine_hf import CHANGED, perturbed, publish, wait_steps
+from hf_helpers import CHANGED, perturbed, publish, wait_steps
 
 from rollfleet.models import build_model_dir
 from rollfleet.schemas import Completion, RolloutPayload, SamplingParams
 from rollfleet.workers.engines.hf import HFEngine
-
-RNG = random.Random(0)
 
 
 def tokens(n: int, seed: int) -> list[int]:
