@@ -176,6 +176,14 @@ def test_dockerfile_needs_no_frontend_from_a_registry() -> None:
     assert not re.search(r"^#\s*syntax\s*=", DOCKERFILE.read_text(), re.MULTILINE | re.IGNORECASE)
 
 
+def test_compose_v2_is_required_and_documented() -> None:
+    """`name:` needs Compose v2; the README says so and quotes the error Compose v1 prints."""
+    assert yaml.safe_load(COMPOSE_FILE.read_text())["name"] == "rollfleet"
+    readme = (REPO / "README.md").read_text()
+    assert "Compose v2" in readme
+    assert "'name' does not match any of the regexes: '^x-'" in readme
+
+
 def test_demo_is_optional_and_consistent(compose: dict[str, Any]) -> None:
     services = compose["services"]
     for name in ("demo-trainer", "demo-worker"):
