@@ -43,7 +43,6 @@ from safetensors.numpy import load_file, save_file
 
 from rollfleet.broker import free_port
 from rollfleet.broker.kv import read_replicas
-from rollfleet.schemas import Names
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from tests import compose_trainer
 from tests.helpers import REPO, eventually
@@ -182,7 +181,7 @@ class HostTrainer:
                 "model.embed_tokens.weight": rng.standard_normal((256, 64)).astype(np.float32),
                 "model.norm.weight": np.ones(64, np.float32),
             }
-            save_file(tensors, str(base / "model.safetensors"))  # mode 0600, like any HF checkpoint
+            save_file(tensors, str(base / "model.safetensors"))  # mode 0600, as safetensors writes checkpoints
             (base / "config.json").write_text(json.dumps({"model_type": "test"}))
         self.publisher = PolicyPublisher(store, base)
         self.tensors = load_file(str(base / "model.safetensors"))
@@ -217,7 +216,7 @@ def served_by(results: list[dict[str, Any]]) -> Counter[str]:
 
 async def registry(client: RolloutClient) -> dict[str, Any]:
     """Every registry entry (live or stale), by worker id."""
-    return await read_replicas(await client.js.key_value(Names(client.names.namespace).fleet_bucket))
+    return await read_replicas(await client.js.key_value(client.names.fleet_bucket))
 
 
 def memory_mib(names: list[str], env: dict[str, str]) -> dict[str, float]:
