@@ -192,17 +192,7 @@ class Worker:
         self._wake.set()
 
     async def run(self) -> None:
-        # A stop requested while starting (SIGTERM during a long --catch-up-wait, before any
-        # version is committed) ends the start there instead of after it.
-        starting = asyncio.create_task(self.start(), name="start")
-        stop_requested = asyncio.create_task(self._stopping.wait(), name="stop-requested")
-        await asyncio.wait({starting, stop_requested}, return_when=asyncio.FIRST_COMPLETED)
-        if starting.done():
-            if starting.exception() is not None:
-                await stop_tasks([stop_requested])
-                starting.result()  # a failed start raises, as before
-        else:
-            await stop_tasks([starting])
+        await self.start()
         try:
             await self._stopping.wait()
         finally:
