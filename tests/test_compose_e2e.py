@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,10 +45,10 @@ from rollfleet.broker import free_port
 from rollfleet.broker.kv import read_replicas
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from tests import compose_trainer
-from tests.helpers import REPO, eventually
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(900)]
 
+REPO = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 TRAINER_SCRIPT = REPO / "tests" / "compose_trainer.py"
 MEASUREMENTS = REPO / ".rollfleet" / "compose" / "measurements.json"
@@ -208,6 +208,13 @@ async def in_network_trainer(s: Stack, *args: str) -> dict[str, Any]:
     lines = out.decode().strip().splitlines()
     assert lines and lines[-1].startswith("{"), f"in-network trainer exited {proc.returncode}: {err.decode()[-3000:]}"
     return json.loads(lines[-1])
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float, interval: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, f"condition not met within {timeout}s"
+        await asyncio.sleep(interval)
 
 
 def served_by(results: list[dict[str, Any]]) -> Counter[str]:

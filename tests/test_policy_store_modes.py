@@ -10,7 +10,7 @@ from pathlib import Path
 from policy_helpers import Trainer, make_checkpoint
 
 from rollfleet.policy_store import materialize
-from rollfleet.trainer_client.publisher import PolicyPublisher
+from rollfleet.trainer_client import PolicyPublisher
 
 SHARD = "model.safetensors"
 
