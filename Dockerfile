@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # rollfleet: one image for the worker, the broker helper commands and the demo trainer.
 #
 #   docker build -t rollfleet .                                      # hf extra, CPU torch

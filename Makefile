@@ -4,11 +4,11 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup demo test bench lint reliability clean
+.PHONY: setup demo test compose bench lint reliability clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch first so the `hf` extra's range is already satisfied.
@@ -24,7 +24,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -m "not docker"
+
+# docker-compose.yml and the Dockerfile in real containers (a few minutes): needs a Docker
+# engine with Compose v2, or ../shared/tools/docker-offline.sh to prepare one (see .ci/compose).
+compose: $(STAMP)
+	PY=$(PY) .ci/compose
 
 bench: $(STAMP)
 	$(PY) -m benchmarks

@@ -135,12 +135,14 @@ async def run(cfg: DemoConfig) -> list[StepStats]:
         else:
             url = cfg.nats
         async with await RolloutClient.connect(url, namespace=namespace, client_id="demo-trainer") as client:
-            await client.publish_policy(publisher, trainer.named_tensors())  # version 0: the base
+            # Version 0 (the base) in a fresh store; the next version in one kept from an
+            # earlier run (e.g. the compose demo's volume).
+            first = await client.publish_policy(publisher, trainer.named_tensors())
             if fleet is not None:
                 fleet.start_workers()
                 await fleet.wait_ready()
                 say(fleet.describe())
-            await client.wait_for_version(0, replicas=1, timeout=120)
+            await client.wait_for_version(first.version, replicas=1, timeout=120)
             activations: dict[str, VersionActivated] = {}
 
             async def on_activated(msg: Any) -> None:
@@ -160,7 +162,7 @@ async def run(cfg: DemoConfig) -> list[StepStats]:
                 return client.submit(payload, max_staleness=cfg.max_staleness, timeout=300)
 
             pending = [await submit_group() for _ in range(cfg.prompts_per_step * 2)]  # one step ahead
-            version = 0
+            version = first.version
             cols = ("step", "version", "reward", "stale", "dropped", "prepare", "pause")
             say(" ".join(f"{c:>{w}}" for c, w in zip(cols, (4, 7, 7, 9, 7, 8, 8), strict=True)) + "  replicas")
             for step in range(1, cfg.steps + 1):

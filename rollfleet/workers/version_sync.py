@@ -91,6 +91,8 @@ class VersionSync:
         self._kv = await self._js.key_value(self._names.policy_bucket)
         deadline = time.monotonic() + wait_s
         latest = await read_latest(self._kv)
+        if latest is None and wait_s > 0:
+            self.log.info("waiting for a first committed version", store=str(self.store_dir), wait_s=wait_s)
         while latest is None and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
             latest = await read_latest(self._kv)
