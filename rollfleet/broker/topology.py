@@ -34,10 +34,12 @@ class TopologyConfig(msgspec.Struct, kw_only=True, frozen=True):
     events_max_age_s: float = 24 * 3600.0
     max_msg_bytes: int = 4 * 1024 * 1024
     jobs_max_bytes: int = 1024**3  # reserved per namespace on the broker's file store
-    # Per jobs consumer: how many jobs may be held unacked across the fleet, and how many
-    # pull requests may wait. Sized for fleet_slots (sum of worker capacities) with headroom.
+    # Per jobs consumer: how many jobs may be held unacked across the fleet (the sum of the
+    # capacities of the replicas serving it, with headroom), and how many pull requests may
+    # wait: each replica keeps one waiting on each subject it listens to, plus short-lived
+    # top-ups (at most its capacity), so 16384 holds a thousand replicas of capacity 16.
     fleet_slots: int = 4096
-    max_waiting: int = 4096
+    max_waiting: int = 16384
     consumer_inactive_s: float = 6 * 3600.0  # idle per-version consumers are cleaned up
     fleet_entry_ttl_s: float = 3600.0  # the registry forgets a replica entry untouched this long
     policy_history: int = 1
@@ -120,6 +122,7 @@ def _bucket_configs(names: Names, cfg: TopologyConfig) -> list[KeyValueConfig]:
             history=cfg.policy_history,
             storage=StorageType.FILE,
             replicas=cfg.replicas,
+            direct=True,  # reads of `latest` (catch-up, resync) are direct gets, not JetStream API requests
         ),
         KeyValueConfig(
             bucket=names.fleet_bucket,

@@ -83,7 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-id", default=None)
     p.add_argument("--version", type=int, default=None, help="serve this fixed version (no policy following)")
     p.add_argument("--capacity", type=int, default=4, help="jobs run at once")
-    p.add_argument("--heartbeat", type=float, default=2.0, help="registry heartbeat seconds")
+    p.add_argument(
+        "--heartbeat",
+        type=float,
+        default=20.0,
+        help="registry refresh seconds; a replica silent for 3 of these stops counting as live",
+    )
     p.add_argument("--store", default=None, help="policy store to follow (published versions)")
     p.add_argument("--local-dir", default=None, help="host-local checkpoint directory (with --store)")
     p.add_argument("--model-dir", default=None, help="serve this fixed checkpoint (without --store)")
@@ -91,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--catch-up-wait", type=float, default=3600.0, help="with --store: seconds to wait for a first commit"
     )
     p.add_argument("--pre-read-hook", default=None, help="module:function run before reading a version")
+    p.add_argument(
+        "--follow-versions", action="store_true", help="without --store (echo): activate each committed version"
+    )
     p.add_argument("--echo-latency", type=float, default=0.0, help="echo engine: seconds per job")
     p.add_argument("--echo-token-latency", type=float, default=0.0, help="echo engine: seconds per token")
     p.add_argument("--device", default="auto", help="hf engine: cpu, cuda, auto")
@@ -213,7 +221,8 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         store_dir=Path(args.store) if args.store else None,
         local_dir=Path(args.local_dir) if args.local_dir else None,
         model_dir=Path(args.model_dir) if args.model_dir else None,
-        catch_up_wait_s=args.catch_up_wait,
+        follow_versions=args.follow_versions,
+        catch_up_wait_s=args.catch_up_wait if args.store else 0.0,
         pre_read_hook=args.pre_read_hook,
         metrics_port=args.metrics_port,
         verify_live=args.verify_live,

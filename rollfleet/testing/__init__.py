@@ -9,6 +9,8 @@ bounded; processes are stopped by PID, politely first.
 - workers: :func:`running_worker` (in this process), :func:`start_worker_process`,
   :class:`ProcessGroup` (named child processes with log files), :class:`LocalFleet`
 - stopping: :func:`terminate`, :func:`stop_all`
+- measuring the broker: :func:`temp_broker` with ``monitor=True``, :func:`broker_counters`,
+  :class:`BrokerCounters` (messages in/out, JetStream API requests, CPU), :func:`cpu_seconds`
 """
 
 from rollfleet.cli.local_fleet import LocalFleet
@@ -24,6 +26,7 @@ from rollfleet.testing.cluster import (
     render_config,
     start_cluster,
 )
+from rollfleet.testing.monitor import BrokerCounters, Counters, cpu_seconds
 from rollfleet.testing.processes import (
     ProcessGroup,
     check_alive,
@@ -34,19 +37,23 @@ from rollfleet.testing.processes import (
     worker_command,
 )
 from rollfleet.testing.waiting import WaitTimeout, wait_until
-from rollfleet.testing.workers import running_worker, temp_broker
+from rollfleet.testing.workers import broker_counters, running_worker, temp_broker
 
 __all__ = [
     "CLUSTER_PORTS",
     "LEAF_PORTS",
     "NODES",
+    "BrokerCounters",
+    "Counters",
     "LocalCluster",
     "LocalFleet",
     "NatsProcess",
     "ProcessGroup",
     "WaitTimeout",
+    "broker_counters",
     "check_alive",
     "cluster_port_map",
+    "cpu_seconds",
     "die_with_parent",
     "make_dev_certs",
     "render_config",

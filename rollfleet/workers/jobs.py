@@ -56,6 +56,7 @@ class JobRunner:
         self._log = log
         self._served = served
         self._held: dict[int, tuple[Msg, float]] = {}  # running jobs' messages, for progress acks
+        self._holding = asyncio.Event()  # set while _held is not empty: keep_alive sleeps otherwise
         self._ids = itertools.count()
         self.jobs_done = 0
         self.outcomes: dict[str, int] = {}
@@ -110,6 +111,7 @@ class JobRunner:
         started = time.time()
         held_id = next(self._ids)
         self._held[held_id] = (msg, time.monotonic())
+        self._holding.set()
         try:
             generation = await self._engine.generate(job.job_id, job.payload)
         except RollfleetError as exc:
@@ -125,6 +127,8 @@ class JobRunner:
             return
         finally:
             self._held.pop(held_id, None)
+            if not self._held:
+                self._holding.clear()
         finished = time.time()
         result = RolloutResult(
             job_id=job.job_id,
@@ -160,9 +164,11 @@ class JobRunner:
 
     async def keep_alive(self) -> None:
         """In-progress acks for jobs held longer than a third of ack_wait, so a long job is not
-        redelivered meanwhile. One task for all jobs: short jobs cost nothing. Runs until cancelled."""
+        redelivered meanwhile. One task for all jobs: short jobs cost nothing, and an idle worker
+        does not wake at all. Runs until cancelled."""
         interval = max(self._ack_wait_s / 3.0, 0.2)
         while True:
+            await self._holding.wait()
             await asyncio.sleep(interval / 2)
             now = time.monotonic()
             for msg, since in list(self._held.values()):

@@ -4,6 +4,25 @@ It connects, registers, catches up with the published policy (``version_sync``),
 only jobs its live version can serve, never more than its free slots (``scheduler`` orders
 the subjects). Each pulled job runs as its own task in ``jobs.JobRunner``. SIGTERM drains:
 no new pulls, running jobs finish, the registry entry is removed.
+
+Pulling costs the broker nothing while nothing happens. The worker keeps pull requests
+waiting at the broker on the subjects work comes from: its version's window
+(``names.listened_subjects``: ``exact-w`` and the newest ``min`` subjects up to ``w``, which
+clients know too) and subjects it served in the last ``hot_s``, with long expiries
+(``wait_pull_s``) and no server heartbeats, so a job stored there is delivered to it at once,
+with no wake-up at all. Every delivery says how many jobs its consumer still holds
+(``num_pending``): more behind it makes that subject known backlog, pulled at once
+(``no_wait``), by priority and age. Work on a subject outside every replica's window arrives
+as a bell: a core message to this replica alone (``rf.<ns>.bell.<worker_id>``), rung by a
+client that chose this replica because its version can serve the subject. There is no
+periodic scan: queue depths are read once at start and after a reconnect.
+
+A subject this worker may no longer take (``served.accepts`` says no: its version moved on)
+stops being pulled at once: ``release_unaccepted`` cancels its open requests (the inbox is
+drained, so a job the broker sent before the cancel is still handled, and handed back if it
+is not allowed). The same cancel ends requests the broker may have dropped: after a
+reconnect, after a consumer leader change (a cluster fail-over), or when a client's bell says
+the broker has no request of ours waiting where we think one is.
 """
 
 from __future__ import annotations
@@ -25,7 +44,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from rollfleet.broker.connection import connect
-from rollfleet.broker.pull import PullConsumer
+from rollfleet.broker.pull import PullConsumer, delivery_info
 from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
     TopologyConfig,
@@ -40,8 +59,11 @@ from rollfleet.schemas import (
     Limits,
     Names,
     ReplicaStatus,
+    VersionPublished,
+    decode,
 )
-from rollfleet.schemas.names import check_token
+from rollfleet.schemas.errors import InvalidRequest
+from rollfleet.schemas.names import check_token, listened_subjects
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.jobs import JobRunner
 from rollfleet.workers.metrics import WorkerMetrics
@@ -49,6 +71,8 @@ from rollfleet.workers.registry import Registration
 from rollfleet.workers.scheduler import SubjectScheduler
 from rollfleet.workers.serving import ServedVersion, Subject
 from rollfleet.workers.version_sync import VersionSync
+
+_REFUSED_BACKOFF_S = 1.0
 
 
 @dataclass
@@ -58,21 +82,23 @@ class WorkerConfig:
     worker_id: str = field(default_factory=lambda: f"w-{uuid.uuid4().hex[:8]}")
     version: int = 0
     capacity: int = 4  # jobs run at once; never more are pulled
-    heartbeat_s: float = 2.0
-    poll_s: float = 1.0  # backstop scan of queue depths (bells can be missed during a reconnect)
+    heartbeat_s: float = 20.0  # registry refresh; silent for 3 of these, a replica counts as gone
     aging_s: float = 5.0
-    wait_pull_s: float = 1.0  # an idle worker's pull requests wait this long at the broker
+    wait_pull_s: float = 240.0  # a waiting pull request's expiry at the broker (renewed when it ends)
     hot_s: float = 30.0  # a subject stays "hot" (gets waiting pulls) this long after its last job
-    max_waiting_pulls: int = 4
+    max_waiting_pulls: int = 6  # subjects with waiting requests at once (the version's window first)
+    rebalance_s: float = 1.0  # slots idle this long on one subject may be taken back for backlog elsewhere
     progress_s: float = 30.0  # period of the info-level progress line
     drain_timeout_s: float = 120.0
     # Weights: follow published versions from a store (store_dir + local_dir), or serve a
-    # fixed checkpoint (model_dir) at ``version``. Neither: a model-free engine such as echo.
+    # fixed checkpoint (model_dir) at ``version``. Neither: a model-free engine such as echo,
+    # which follows committed versions only with ``follow_versions``.
     store_dir: Path | None = None
     local_dir: Path | None = None
     model_dir: Path | None = None
+    follow_versions: bool = False
     catch_up_wait_s: float = 0.0  # how long to wait for a first commit before serving the base
-    resync_s: float = 5.0
+    resync_s: float = 120.0  # re-read the latest version this often (announcements can be missed)
     pre_read_hook: str | None = None
     verify_live: bool = False  # announce a digest of the live weights after each activation
     metrics_port: int | None = None  # Prometheus endpoint; 0 picks a free port
@@ -96,6 +122,7 @@ class Worker:
         self.sync: VersionSync | None = None
         self._pullers: dict[Subject, PullConsumer] = {}
         self._hot: dict[Subject, float] = {}  # subject -> when work last came from it
+        self._expired_seen: dict[Subject, int] = {}  # each puller's expiry count at the last look
         self._keepalive_task: asyncio.Task[None] | None = None
         self._inflight: dict[int, asyncio.Task[None]] = {}
         self._task_ids = itertools.count()
@@ -103,6 +130,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[Any]] = set()
         self.metrics = WorkerMetrics(config.worker_id, engine.name)
         self.jobs: JobRunner | None = None
 
@@ -143,9 +171,9 @@ class Worker:
         if cfg.metrics_port is not None:
             port = self.metrics.serve(cfg.metrics_port)
             status.metrics_url = f"http://{os.uname().nodename}:{port}/metrics"
-        self.registration = Registration(self.js, self.names, status, refresh=self._refresh_status)
+        self.registration = Registration(self.js, self.names, status, refresh=self._refresh_status, nc=self.nc)
         await self.registration.start()
-        if cfg.store_dir is not None:
+        if cfg.store_dir is not None or cfg.follow_versions:
             # A new or restarted replica catches up before it registers as ready.
             self.sync = VersionSync(
                 self.js,
@@ -161,18 +189,20 @@ class Worker:
                 metrics=self.metrics,
                 verify_live=cfg.verify_live,
             )
+            await self.nc.subscribe(self.names.versions_published, cb=self._on_published)
             caught_up = await self.sync.catch_up(cfg.catch_up_wait_s, self.registration)
             self.served.version = caught_up.version
-            await self.engine.start(self.sync.local_dir, self.served.version)
+            await self.engine.start(self.sync.local_dir if cfg.store_dir is not None else None, self.served.version)
         else:
             await self.engine.start(cfg.model_dir, self.served.version)
-        await self.nc.subscribe(self.names.bell_wildcard, cb=self._on_bell)
+        await self.nc.subscribe(self.names.bell_subject(cfg.worker_id), cb=self._on_bell)
+        await self.nc.subscribe(self.names.consumer_leader_advisory(self.names.jobs_stream), cb=self._on_leader)
         await self.registration.write(state="ready", preparing_version=None)
         if self.sync is not None:
             self.sync.start(self.registration)
+        await self._scan_once()  # backlog stored before this replica existed
         self._tasks = [
             asyncio.create_task(self._pull_loop(), name="pull-loop"),
-            asyncio.create_task(self._poll_loop(), name="poll-loop"),
             asyncio.create_task(self._report_progress(), name="progress"),
         ]
         self._keepalive_task = asyncio.create_task(self.jobs.keep_alive(), name="keep-alive")
@@ -192,13 +222,25 @@ class Worker:
         return dict(self.jobs.outcomes) if self.jobs is not None else {}
 
     def _activated(self) -> None:
-        """A version was activated and announced: pull its subjects from here on."""
+        """A version was activated and announced: stop pulling what it no longer allows, pull
+        its subjects from here on."""
         self.metrics.active_version.set(self.version)
         self._wake.set()
 
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _on_reconnect(self) -> None:
+        """The broker may have dropped our pull requests, bells and announcements meanwhile."""
         for puller in self._pullers.values():
             puller.reset()
+        if self.sync is not None:
+            self.sync.notice(None)
+        if self.registration is not None:
+            self._spawn(self.registration.refresh())
+        self._spawn(self._scan_once())
         self._wake.set()
 
     def request_stop(self) -> None:
@@ -224,18 +266,19 @@ class Worker:
         if self.sync is not None:
             await self.sync.stop()
         await stop_tasks(self._tasks)
-        # Requests still open at the broker may hand us jobs for up to wait_pull_s more: run
-        # those too, so nothing is left unacked (an at_most_once job must not be bounced).
+        # End every open request; a job the broker sent before that still runs, so nothing is
+        # left unacked (an at_most_once job must not be bounced).
+        for puller in self._pullers.values():
+            with suppress(Exception):
+                await puller.cancel()
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while (self._inflight or any(p.busy for p in self._pullers.values())) and time.monotonic() < deadline:
-            if self._inflight:
-                await asyncio.wait(list(self._inflight.values()), timeout=0.1)
-            else:
-                await asyncio.sleep(0.05)
+        while self._inflight and time.monotonic() < deadline:
+            await asyncio.wait(list(self._inflight.values()), timeout=0.1)
         for task in list(self._inflight.values()):  # past the drain time-out: redelivered elsewhere
             task.cancel()
         if self._keepalive_task is not None:  # only now: draining jobs still need progress acks
             await stop_tasks([self._keepalive_task])
+        await stop_tasks(list(self._background))
         if self.registration is not None:
             await self.registration.stop()
         for puller in self._pullers.values():
@@ -257,101 +300,200 @@ class Worker:
         status.jobs_done = self.jobs_done
         status.active_version = self.version
 
-    # -- deciding what to pull --------------------------------------------------------------
+    # -- hearing about work -----------------------------------------------------------------
     async def _on_bell(self, msg: Msg) -> None:
-        parsed = self.names.parse_bell_subject(msg.subject)
+        parsed = self.names.parse_bell_payload(msg.data)
         if parsed is None:
             return
-        puller = self._pullers.get(parsed)
+        subject, stalled = parsed
+        if not self.served.accepts(subject):
+            return
+        puller = self._pullers.get(subject)
         if puller is not None and puller.busy:
+            if stalled and puller.waiting:
+                # The client saw jobs there and no request waiting at the broker: ours was lost.
+                self._spawn(self._renew(puller))
             return  # a request is waiting there: the job is (being) delivered to it already
-        if self.scheduler.note_pending(parsed, time.monotonic()):
+        if self.scheduler.note_pending(subject, time.monotonic()):
             self._wake.set()
 
-    async def _poll_loop(self) -> None:
-        assert self.js is not None
-        while not self._stopping.is_set():
-            try:
-                depths = await queue_depths(self.js, self.names)
-            except Exception as exc:  # broker away; keep trying
-                self.log.debug("queue scan failed", error=str(exc))
-                depths = {}
-            now = time.monotonic()
-            if any(self.scheduler.note_pending(subject, now) for subject in depths):
-                self._wake.set()
-            await asyncio.sleep(self.config.poll_s)
+    async def _on_leader(self, msg: Msg) -> None:
+        """A jobs consumer has a new leader: requests held by the old one are gone."""
+        consumer = msg.subject.rpartition(".")[2]
+        for puller in list(self._pullers.values()):
+            if puller.consumer == consumer and puller.busy:
+                self._spawn(self._renew(puller))
 
+    async def _on_published(self, msg: Msg) -> None:
+        if self.sync is None:
+            return
+        try:
+            announced = decode(msg.data, VersionPublished, what="version announcement")
+        except InvalidRequest:
+            self.sync.notice(None)  # unreadable: read the version from the policy KV instead
+            return
+        self.sync.notice(announced.record.version)
+
+    async def _renew(self, puller: PullConsumer) -> None:
+        await puller.cancel()
+        self._wake.set()
+
+    async def _scan_once(self) -> None:
+        """One look at the queue depths (a JetStream API request): at start and after a
+        reconnect only, never periodically."""
+        assert self.js is not None
+        try:
+            depths = await queue_depths(self.js, self.names)
+        except Exception as exc:  # broker away; bells and deliveries will tell
+            self.log.debug("queue scan failed", error=str(exc))
+            return
+        now = time.monotonic()
+        if any([self.scheduler.note_pending(subject, now) for subject in depths]):
+            self._wake.set()
+
+    # -- deciding what to pull --------------------------------------------------------------
     async def _puller(self, subject: Subject) -> PullConsumer:
         puller = self._pullers.get(subject)
         if puller is None:
-            assert self.js is not None and self.nc is not None
-            consumer = await ensure_job_consumer(self.js, self.names, *subject, self.config.topology)
+            assert self.nc is not None
+            consumer = self.names.job_consumer(*subject)
             puller = await PullConsumer(self.nc, self.names.jobs_stream, consumer, self._dispatch).start()
-            puller.on_idle = self._wake.set
+            puller.on_end = self._wake.set
+            puller.missing = True  # declared on first use: one look-up per subject in this worker's life
             self._pullers[subject] = puller
+        if puller.missing:  # (or a request found no consumer, 503: declare it, then pull again)
+            assert self.js is not None
+            await ensure_job_consumer(self.js, self.names, *subject, self.config.topology)
+            puller.missing = False
         return puller
 
-    def _reserved(self) -> int:
-        """Slots promised to open pull requests: with those running, never above capacity."""
-        return sum(p.outstanding for p in self._pullers.values())
+    def _free(self) -> int:
+        """Slots neither running a job nor promised to an open pull request."""
+        return self.config.capacity - len(self._inflight) - sum(p.outstanding for p in self._pullers.values())
 
-    def _hot_subjects(self, now: float) -> list[Subject]:
-        """Where work is likely to arrive: this version's own subjects and recently busy ones."""
-        for subject in [
-            s for s, t in self._hot.items() if now - t > self.config.hot_s or not self.served.accepts(s)
-        ]:
+    def _listen_subjects(self, now: float) -> list[Subject]:
+        """Where work is likely to arrive, best first: this version's window (``exact-w`` and
+        the newest ``min`` subjects, see ``listened_subjects``), then subjects that delivered
+        within ``hot_s``, most recent first."""
+        cfg = self.config
+        for subject in [s for s, t in self._hot.items() if now - t > cfg.hot_s or not self.served.accepts(s)]:
             del self._hot[subject]
-        recent = sorted(self._hot, key=self._hot.__getitem__, reverse=True)[: self.config.max_waiting_pulls]
-        own: list[Subject] = [("min", self.version), ("exact", self.version)]
-        return list(dict.fromkeys([*recent, *own]))[: max(self.config.max_waiting_pulls, 1)]
+        own = [s for s in listened_subjects(self.version) if self.served.accepts(s)]
+        recent = sorted(self._hot, key=self._hot.__getitem__, reverse=True)
+        return list(dict.fromkeys([*own, *recent]))[: max(cfg.max_waiting_pulls, len(own))]
+
+    async def release_unaccepted(self) -> None:
+        """End, now, the open requests of every subject ``served.accepts`` no longer allows (a
+        job the broker sent before that is still handled: run if allowed, else handed back)."""
+        for subject, puller in list(self._pullers.items()):
+            if not self.served.accepts(subject):
+                await puller.cancel()
+                await puller.close()
+                del self._pullers[subject]
+                self._expired_seen.pop(subject, None)
 
     async def _pull_loop(self) -> None:
-        """Two regimes. With known backlog, pull at once (no_wait) from the best subject first.
-        Otherwise keep requests waiting at the broker on the hot subjects, so a new job is
-        delivered the moment it is stored, split so their batches fit the free slots."""
-        cfg = self.config
         while not self._stopping.is_set():
             self._wake.clear()
-            now = time.monotonic()
-            free = cfg.capacity - len(self._inflight) - self._reserved()
             try:
-                if free > 0 and await self._pull_backlog(free, now):
-                    continue
-                free = cfg.capacity - len(self._inflight) - self._reserved()
-                if free > 0 and not self.scheduler.has_candidates():
-                    idle = [s for s in self._hot_subjects(now) if not (await self._puller(s)).busy]
-                    for i, subject in enumerate(idle[:free]):
-                        batch = free // len(idle[:free]) + (1 if i < free % len(idle[:free]) else 0)
-                        await (await self._puller(subject)).request(batch, wait_s=cfg.wait_pull_s)
+                await self._fill(time.monotonic())
             except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
                 self.log.warning("pull failed", error=str(exc))
                 await asyncio.sleep(0.2)
                 continue
+            # Event-driven; the time-out only lets hot subjects cool down and overdue requests
+            # be noticed (no broker traffic), or retries a subject whose request was refused.
+            timeout = _REFUSED_BACKOFF_S if self._backing_off(time.monotonic()) else self.config.hot_s
             with suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), cfg.poll_s)
+                await asyncio.wait_for(self._wake.wait(), timeout)
 
-    async def _pull_backlog(self, free: int, now: float) -> bool:
-        """Pull from the best subject with known backlog; True if that changed anything."""
+    def _backing_off(self, now: float) -> bool:
+        return any(now - p.refused_at < _REFUSED_BACKOFF_S for p in self._pullers.values())
+
+    async def _fill(self, now: float) -> None:
+        """Put every free slot to use: known backlog first (``no_wait`` pulls by priority and
+        age), then requests that wait on the subjects work comes from."""
+        cfg = self.config
+        await self.release_unaccepted()
+        listen = self._listen_subjects(now)
+        await self._tidy(listen)
+        free = self._free()
+        if self.scheduler.has_candidates():
+            if free <= 0:
+                free += await self._reclaim(now)
+            free = await self._pull_backlog(free, now)
+            if self.scheduler.has_candidates():
+                return  # backlog left and no slot free: the next finished job pulls it
+        if free <= 0:
+            return
+        # (A subject whose last request was refused, too many waiting there, sits out a moment.)
+        pullers = [p for p in [await self._puller(s) for s in listen] if now - p.refused_at >= _REFUSED_BACKOFF_S]
+        ask = dict.fromkeys(pullers, 0)
+        for puller in pullers:  # a request waiting on each subject, own version's first
+            if free > 0 and not puller.busy:
+                ask[puller] = 1
+                free -= 1
+        takers = [p for p in pullers if ask[p] or p.waiting]
+        if free > 0 and takers:  # the rest where work came from last, in the same request if new
+            ask[max(takers, key=lambda p: p.last_delivery)] += free
+        for puller, batch in ask.items():
+            await puller.request(batch, wait_s=cfg.wait_pull_s)
+
+    async def _pull_backlog(self, free: int, now: float) -> int:
+        """Pull known backlog, best subject first; returns the slots still free."""
+        cfg = self.config
         for subject in self.scheduler.order(now):
-            if self._stopping.is_set() or not self.served.accepts(subject):
-                return False
+            if free <= 0 or self._stopping.is_set():
+                break
+            if not self.served.accepts(subject):
+                continue
             puller = await self._puller(subject)
-            if puller.busy:  # a waiting request there already takes whatever arrives
+            if puller.waiting:
+                # Its waiting request takes what is queued first; a top-up next to it takes more.
+                await puller.request(free, wait_s=cfg.wait_pull_s)
+                self.scheduler.note_served(subject, now)
+            elif not puller.busy:
+                if await puller.fetch_now(free):
+                    self.scheduler.note_served(subject, time.monotonic())
+                elif not puller.missing:  # (a missing consumer is declared on the next pass)
+                    self.scheduler.note_empty(subject)
+            free = self._free()
+        return free
+
+    async def _reclaim(self, now: float) -> int:
+        """No slot free while backlog is known: take back slots promised to waiting requests on
+        subjects that delivered nothing for ``rebalance_s``. Returns how many came back."""
+        candidates = set(self.scheduler.order(now))
+        freed = 0
+        for subject, puller in list(self._pullers.items()):
+            held = puller.outstanding
+            if held and subject not in candidates and now - puller.last_delivery > self.config.rebalance_s:
+                await puller.cancel()
+                freed += held
+        return freed
+
+    async def _tidy(self, listen: list[Subject]) -> None:
+        """Cancel what should not wait on: requests of subjects that cooled down (their slots
+        go back to the hot ones), and overlapping requests of a subject whose older request
+        just expired (renewed as one)."""
+        keep = set(listen) | set(self.scheduler.order(time.monotonic()))
+        for subject, puller in list(self._pullers.items()):
+            expired, seen = puller.expired, self._expired_seen.get(subject, 0)
+            self._expired_seen[subject] = expired
+            if not puller.waiting:
                 continue
-            before = puller.delivered
-            await puller.request(free)
-            await puller.wait_idle(timeout=5.0)
-            if puller.delivered == before:
-                self.scheduler.note_empty(subject)
-                continue
-            self.scheduler.note_served(subject, time.monotonic())
-            return True
-        return False
+            if subject not in keep or (expired != seen and puller.outstanding):
+                await puller.cancel()
 
     def _dispatch(self, msg: Msg) -> None:
         subject = self.names.parse_job_subject(msg.subject)
         if subject is not None:
-            self._hot[subject] = time.monotonic()
+            now = time.monotonic()
+            self._hot[subject] = now
+            info = delivery_info(msg.reply)
+            if info is not None and info[2] > 0:  # more queued behind it: backlog to pull now
+                if self.scheduler.note_pending(subject, now):
+                    self._wake.set()
         task_id = next(self._task_ids)
         assert self.jobs is not None
         task = asyncio.create_task(self.jobs.handle(msg), name=f"job-{task_id}")
@@ -370,14 +512,15 @@ class Worker:
             await asyncio.sleep(self.config.progress_s)
             now = time.monotonic()
             done = self.jobs_done - last_done
-            self.log.info(
-                "progress",
-                version=self.version,
-                jobs_done=self.jobs_done,
-                jobs_per_s=round(done / (now - last_t), 2),
-                in_flight=len(self._inflight),
-                outcomes=self.outcomes,
-            )
+            if done or self._inflight:
+                self.log.info(
+                    "progress",
+                    version=self.version,
+                    jobs_done=self.jobs_done,
+                    jobs_per_s=round(done / (now - last_t), 2),
+                    in_flight=len(self._inflight),
+                    outcomes=self.outcomes,
+                )
             last_done, last_t = self.jobs_done, now
 
 
