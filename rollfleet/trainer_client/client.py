@@ -25,7 +25,13 @@ from nats.js import JetStreamContext
 from rollfleet.broker.connection import connect
 from rollfleet.broker.publish import publish_retrying
 from rollfleet.broker.pull import PullConsumer
-from rollfleet.broker.topology import DEFAULT_TOPOLOGY, TopologyConfig, ensure_results_consumer, ensure_topology
+from rollfleet.broker.topology import (
+    DEFAULT_TOPOLOGY,
+    TopologyConfig,
+    ensure_job_consumer,
+    ensure_results_consumer,
+    ensure_topology,
+)
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
@@ -57,8 +63,9 @@ log = get_logger("rollfleet.client")
 
 _DELIVERED_MEMORY = 100_000  # keys whose result was already handed out (drop late duplicates)
 _RESULTS_BATCH = 512
-_RESULTS_WAIT_S = 5.0
+_RESULTS_WAIT_S = 30.0  # the results request's expiry; a lost one is replaced on reconnect or leader change
 _BELL_INTERVAL_S = 0.05
+_STALL_AFTER_S = 1.0  # a job unanswered this long makes its subject worth a look (see _watch_stalls)
 _PUBLISH_BUDGET_S = 30.0  # how long submit keeps trying to store a job while the broker recovers
 
 
@@ -92,7 +99,8 @@ class RolloutClient:
         self._results_task: asyncio.Task[None] | None = None
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
-        self._bells: dict[str, float] = {}
+        self._bells: dict[tuple[str, int], float] = {}
+        self._bell_inbox = ""
         self._results_puller: PullConsumer | None = None
 
     def _spawn(self, coro: Any) -> None:
@@ -138,8 +146,14 @@ class RolloutClient:
         await ensure_topology(self.js, self.names, self.topology)
         self._results_consumer = await ensure_results_consumer(self.js, self.names, self.client_id, self.topology)
         await self.fleet.start()
+        # A bell rung at a replica that is gone comes back as "no responders" on this inbox.
+        self._bell_inbox = self.nc.new_inbox()
+        await self.nc.subscribe(self._bell_inbox + ".>", cb=self._on_bell_unanswered)
+        advisory = self.names.consumer_leader_advisory(self.names.results_stream)
+        await self.nc.subscribe(advisory, cb=self._on_results_leader)
         self._results_task = asyncio.create_task(self._receive_results(), name="results")
         self._expiry_task = asyncio.create_task(self._expire_handles(), name="deadlines")
+        self._stall_task = asyncio.create_task(self._watch_stalls(), name="stalls")
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -152,7 +166,7 @@ class RolloutClient:
             return
         self._closed = True
         if self._results_task is not None:
-            await stop_tasks([self._results_task, self._expiry_task])
+            await stop_tasks([self._results_task, self._expiry_task, self._stall_task, *self._background])
         await self.fleet.close()
         for handle in self._handles.values():
             handle.set_error(ServiceUnavailable("client closed before the result arrived"))
@@ -271,15 +285,63 @@ class RolloutClient:
                 if handle.set_error(Expired(f"no result for {handle.idempotency_key!r} by its deadline")):
                     self._spawn(self._withdraw(handle))
 
-    def _ring(self, constraint: VersionConstraint) -> None:
-        """Wake idle workers that have no request waiting on this subject. It carries nothing
-        and may be lost (workers also poll); one per subject per interval is enough, since a
-        woken worker pulls everything there."""
+    def _ring(self, constraint: VersionConstraint, *, stalled: bool = False) -> None:
+        """Wake one replica for a job just stored on a subject outside every live replica's
+        window (``FleetView.covered``: no request is surely waiting there): a core message to that
+        replica alone, chosen round robin among those whose version can take it, at most one per
+        subject per interval. It may be lost; ``_watch_stalls`` rings again where jobs wait unpulled."""
+        if not stalled and self.fleet.covered(constraint):
+            return
+        key = (constraint.kind, constraint.version)
         now = time.monotonic()
-        subject = self.names.bell_subject(constraint.kind, constraint.version)
-        if now - self._bells.get(subject, 0.0) >= _BELL_INTERVAL_S:
-            self._bells[subject] = now
-            self._spawn(self.nc.publish(subject, b""))
+        if not stalled and now - self._bells.get(key, 0.0) < _BELL_INTERVAL_S:
+            return
+        target = self.fleet.bell_target(constraint)
+        if target is None:
+            return  # nobody serves it yet; a replica activating the version pulls it then
+        self._bells[key] = now
+        data = self.names.bell_payload(constraint.kind, constraint.version, stalled=stalled)
+        reply = f"{self._bell_inbox}.{constraint.kind}.{constraint.version}{'.stalled' if stalled else ''}"
+        self._spawn(self.nc.publish(self.names.bell_subject(target.worker_id), data, reply=reply))
+
+    async def _on_bell_unanswered(self, msg: Msg) -> None:
+        """No responders for a bell: that replica is gone. Drop it and ring the next one."""
+        headers = msg.headers or {}
+        if headers.get("Status") != "503":
+            return
+        self.fleet.mark_gone(headers.get("Nats-Subject", "").rpartition(".")[2])
+        parsed = self.names.parse_bell_payload(msg.subject[len(self._bell_inbox) + 1 :].encode())
+        if parsed is not None:
+            (kind, version), _ = parsed
+            self._ring(VersionConstraint(kind, version), stalled=True)
+
+    async def _watch_stalls(self) -> None:
+        """Once a second, while some job has waited over a second for its answer: for each of
+        their subjects, ask the broker (one consumer look-up) whether jobs wait there with no
+        pull request waiting for them, and ring a replica if so. This covers lost bells and a
+        replica that keeps a subject's jobs queued behind a full set of slots. Nothing pending,
+        nothing asked: an idle client makes no request."""
+        while True:
+            await asyncio.sleep(_STALL_AFTER_S)
+            cutoff = time.time() - _STALL_AFTER_S
+            waiting = {
+                (h.job.constraint.kind, h.job.constraint.version)
+                for h in list(self._handles.values())
+                if h.job.submitted_at < cutoff and not h.done()
+            }
+            for kind, version in waiting:
+                consumer = self.names.job_consumer(kind, version)  # type: ignore[arg-type]
+                try:
+                    info = await self.js.consumer_info(self.names.jobs_stream, consumer)
+                except nats.js.errors.NotFoundError:
+                    stuck = True  # no replica ever pulled this subject
+                except (nats.errors.Error, nats.js.errors.Error) as exc:
+                    log.debug("stall check failed", subject=consumer, error=str(exc))
+                    continue
+                else:
+                    stuck = bool(info.num_pending) and not info.num_waiting
+                if stuck:
+                    self._ring(VersionConstraint(kind, version), stalled=True)  # type: ignore[arg-type]
 
     def _no_replica_message(self, constraint: VersionConstraint) -> str:
         live = {r.worker_id: f"{r.state}@{r.active_version}" for r in self.fleet.replicas()}
@@ -332,12 +394,23 @@ class RolloutClient:
         """Make a written version visible to the fleet (create ``v.<N>``, CAS ``latest``, announce)."""
         await commit_version(self.js, self.names, record)
         self.fleet.note_committed(record.version)
+        await self._declare_version_consumers(record.version)
 
     async def adopt_version(self, store_dir: str | Path, version_dir: str | Path) -> VersionRecord:
         """Verify and commit a version directory written by another publisher, without re-encoding."""
         record = await adopt_version(self.js, self.names, Path(store_dir), Path(version_dir))
         self.fleet.note_committed(record.version)
+        await self._declare_version_consumers(record.version)
         return record
+
+    async def _declare_version_consumers(self, version: int) -> None:
+        """The new version's job consumers, declared once here rather than discovered missing
+        by every replica that activates it."""
+        for kind in ("min", "exact"):
+            try:
+                await ensure_job_consumer(self.js, self.names, kind, version, self.topology)  # type: ignore[arg-type]
+            except Exception as exc:  # the replicas declare it themselves if needed
+                log.debug("declaring job consumer failed", version=version, error=str(exc))
 
     async def wait_for_version(
         self, version: int, *, replicas: int | None = None, fraction: float | None = None, timeout: float = 120.0
@@ -377,6 +450,12 @@ class RolloutClient:
     def _on_reconnect(self) -> None:
         if self._results_puller is not None:
             self._results_puller.reset()  # re-request at once instead of waiting out the old one
+        self.fleet.note_reconnected()
+
+    async def _on_results_leader(self, msg: Msg) -> None:
+        """The results consumer has a new leader (a cluster fail-over): our request is gone."""
+        if self._results_puller is not None and msg.subject.rpartition(".")[2] == self._results_consumer:
+            self._results_puller.reset()
 
     async def _receive_results(self) -> None:
         """Keep a pull request open on this client's results consumer; each result is handled
@@ -388,7 +467,7 @@ class RolloutClient:
                 try:
                     if not puller.busy:
                         await puller.request(_RESULTS_BATCH, wait_s=_RESULTS_WAIT_S)
-                    await puller.wait_idle(timeout=1.0)  # wakes to notice a request lost in a fail-over
+                    await puller.wait_idle(timeout=1.0)  # wakes to notice an overdue request
                 except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:  # reconnecting
                     log.debug("results pull failed", error=str(exc))
                     await asyncio.sleep(0.5)
