@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from rollfleet.broker.publish import publish_retrying
+from rollfleet.broker.pull import delivery_info
 from rollfleet.runtime import faults
 from rollfleet.schemas import Limits, Names, RolloutFailure, RolloutJob, RolloutResult, check_job, decode, encode
 from rollfleet.schemas.errors import EngineFailure, Expired, Interrupted, InvalidRequest, RollfleetError
@@ -65,11 +66,8 @@ class JobRunner:
         headers = msg.headers or {}
         client_id = headers.get(HDR_CLIENT_ID)
         key = headers.get(HDR_MSG_ID)
-        try:
-            attempt = msg.metadata.num_delivered
-            stored_at = msg.metadata.timestamp.timestamp()
-        except Exception:
-            attempt, stored_at = 1, time.time()
+        delivery = delivery_info(msg.reply)  # read off the ack subject: no metadata objects per job
+        attempt, stored_at = (delivery[0], delivery[1]) if delivery is not None else (1, time.time())
         log = self._log.bind(idempotency_key=key, attempt=attempt)
         try:
             job = decode(msg.data, RolloutJob, max_bytes=self._limits.max_job_bytes, what="rollout job")
