@@ -24,6 +24,7 @@ class WorkerMetrics:
             return Histogram(name, doc, tuple(labels), buckets=buckets, registry=r).labels(**labels)
 
         self._labels = labels
+        self._job_children: dict[str, Counter] = {}
         self._jobs = counter("rollfleet_jobs_total", "Jobs finished, by outcome (ok or an error code)", ("outcome",))
         self.queue_wait = hist("rollfleet_queue_wait_seconds", "Submit to start of generation", _LATENCY_BUCKETS)
         self.generation = hist("rollfleet_generation_seconds", "Generation time per job", _LATENCY_BUCKETS)
@@ -40,7 +41,10 @@ class WorkerMetrics:
         self.port: int | None = None
 
     def job(self, outcome: str) -> None:
-        self._jobs.labels(**self._labels, outcome=outcome).inc()
+        child = self._job_children.get(outcome)
+        if child is None:  # one labelled child per outcome, looked up once
+            child = self._job_children[outcome] = self._jobs.labels(**self._labels, outcome=outcome)
+        child.inc()
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve /metrics; port 0 picks a free one. Returns the port."""

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollfleet.schemas import Completion, RolloutPayload, version_spans
+from rollfleet.schemas import Completion, RolloutPayload, VersionSpan, version_spans
 from rollfleet.workers.engines.base import Engine, EngineHealth, Generation
 
 
@@ -41,6 +41,11 @@ class EchoEngine(Engine):
         outputs: list[Completion] = []
         stops = set(payload.sampling.stop_token_ids)
         for sample in range(payload.n):
+            if not self.per_token_s and self._running.is_set() and request_id not in self._aborted:
+                # Nothing can pause or abort it between steps (no step awaits): every token of
+                # this sample is made at once, at the live version.
+                outputs.append(self._sample_at_once(prompt, sample, payload))
+                continue
             tokens: list[int] = []
             versions: list[int] = []
             finish = "length"
@@ -73,6 +78,26 @@ class EchoEngine(Engine):
         version_start = min((w[0].version for w in ran), default=self.version)
         version_end = max((w[-1].version for w in ran), default=self.version)
         return Generation(outputs, version_start, version_end, prompt_tokens=len(prompt))
+
+    def _sample_at_once(self, prompt: list[int], sample: int, payload: RolloutPayload) -> Completion:
+        """One sample with no step boundary to honour: the same tokens, versions and finish as
+        the step loop below, computed in one go."""
+        base, vocab = sum(prompt) + sample, self.vocab
+        tokens = [(base + i) % vocab for i in range(payload.sampling.max_tokens)]
+        finish = "length"
+        stops = set(payload.sampling.stop_token_ids)
+        if stops:
+            hit = next((i for i, tok in enumerate(tokens) if tok in stops), None)
+            if hit is not None:
+                tokens, finish = tokens[: hit + 1], "stop"
+        text = bytes(t % 256 for t in tokens).decode("latin-1") if payload.prompt_text is not None else None
+        return Completion(
+            token_ids=tokens,
+            finish_reason=finish,  # type: ignore[arg-type]
+            logprobs=[0.0] * len(tokens) if payload.sampling.logprobs else None,
+            text=text,
+            weight_versions=[VersionSpan(version=self.version, start=0, end=len(tokens))] if tokens else [],
+        )
 
     async def pause(self) -> None:
         self._running.clear()
