@@ -10,11 +10,12 @@ from typing import Any
 import msgspec
 from nats.aio.msg import Msg
 
+from rollfleet.broker.topology import TopologyConfig
 from rollfleet.schemas import VersionConstraint
 from rollfleet.schemas.names import LISTENED_MIN_VERSIONS
 from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient
-from tests.helpers import payload
+from tests.helpers import CountingEcho, payload
 
 
 async def _bells(client: RolloutClient) -> list[Msg]:
@@ -42,7 +43,9 @@ async def test_jobs_in_the_window_ring_no_bell(nats_url: str, namespace: str) ->
         for h in handles:
             await h.result(10)
         await client.nc.flush()
-        assert rung == []  # each subject had requests waiting at the broker
+        # Each subject had requests waiting at the broker: no bell at submit. (Only the stall
+        # check may ring, if this machine is so slow that a job waited over a second.)
+        assert all(bell.data.endswith(b".stalled") for bell in rung), [b.data for b in rung]
 
 
 async def test_a_job_outside_every_window_rings_one_replica(nats_url: str, namespace: str) -> None:
@@ -125,3 +128,24 @@ async def _waiting(js: Any, stream: str, consumer: str) -> bool:
         return bool((await js.consumer_info(stream, consumer)).num_waiting)
     except Exception:
         return False
+
+
+async def test_replicas_past_max_waiting_stand_by_until_called_in(nats_url: str, namespace: str) -> None:
+    """At most max_waiting requests wait per subject (the broker's work per job stays bounded);
+    the other replicas stand by, and the client's stall check calls them in when jobs queue."""
+    topo = TopologyConfig(max_waiting=1)
+    engine_a, engine_b = CountingEcho(latency_s=0.4), CountingEcho(latency_s=0.4)
+    async with (
+        running_worker(nats_url, namespace, worker_id="a", capacity=1, engine=engine_a, topology=topo),
+        running_worker(nats_url, namespace, worker_id="b", capacity=1, engine=engine_b, topology=topo),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=topo) as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 2)
+        js, names = client.js, client.names
+        consumer = names.job_consumer("min", 0)
+        await wait_until(lambda: _waiting(js, names.jobs_stream, consumer), what="a request waiting on min-0")
+        assert (await js.consumer_info(names.jobs_stream, consumer)).num_waiting == 1
+        handles = [await client.submit(payload(), min_version=0) for _ in range(8)]
+        results = [await h.result(20) for h in handles]
+        assert {r.worker_id for r in results} == {"a", "b"}  # the one standing by was called in
+        assert len(engine_a.calls) + len(engine_b.calls) == 8

@@ -78,7 +78,7 @@ class PullConsumer:
         self.last_delivery = 0.0  # monotonic time of the last one
         self.expired = 0  # waiting requests that ran out (408) without filling
         self.missing = False  # the consumer did not exist when a request reached the server (503)
-        self.refused_at = -1e9  # monotonic time the server last refused a request (409: too many waiting)
+        self.refused_at = -1.0  # monotonic time the server last refused a request (409: max_waiting reached)
         self.on_end: Callable[[], None] | None = None  # a request ended, or all it asked for came
 
     async def start(self) -> PullConsumer:
@@ -165,7 +165,7 @@ class PullConsumer:
         elif status == "503" or _header(headers, _DESCRIPTION).startswith(("Exceeded", "Bad Request")):
             undelivered = request.batch  # refused on arrival: nothing was delivered for it
             self.missing = self.missing or status == "503"
-            if status != "503":
+            if "MaxWaiting" in _header(headers, _DESCRIPTION):
                 self.refused_at = time.monotonic()
         else:  # e.g. 409 Consumer Deleted: the rest is unknown; end everything cleanly
             self._spawn(self.cancel())

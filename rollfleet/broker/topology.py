@@ -36,10 +36,11 @@ class TopologyConfig(msgspec.Struct, kw_only=True, frozen=True):
     jobs_max_bytes: int = 1024**3  # reserved per namespace on the broker's file store
     # Per jobs consumer: how many jobs may be held unacked across the fleet (the sum of the
     # capacities of the replicas serving it, with headroom), and how many pull requests may
-    # wait: each replica keeps one waiting on each subject it listens to, plus short-lived
-    # top-ups (at most its capacity), so 16384 holds a thousand replicas of capacity 16.
+    # wait. The broker's work per delivered job grows with the requests waiting on its consumer,
+    # so this bounds it whatever the fleet size: past it, replicas stand by (a refused request
+    # is not renewed until a bell calls them in; clients ring when jobs wait unpulled).
     fleet_slots: int = 4096
-    max_waiting: int = 16384
+    max_waiting: int = 128
     consumer_inactive_s: float = 6 * 3600.0  # idle per-version consumers are cleaned up
     fleet_entry_ttl_s: float = 3600.0  # the registry forgets a replica entry untouched this long
     policy_history: int = 1

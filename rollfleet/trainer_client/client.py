@@ -66,6 +66,8 @@ _RESULTS_BATCH = 512
 _RESULTS_WAIT_S = 30.0  # the results request's expiry; a lost one is replaced on reconnect or leader change
 _BELL_INTERVAL_S = 0.05
 _STALL_AFTER_S = 1.0  # a job unanswered this long makes its subject worth a look (see _watch_stalls)
+_STALL_JOBS_PER_BELL = 4  # a woken replica pulls up to its free slots (4 by default)
+_STALL_BELLS_MAX = 64
 _PUBLISH_BUDGET_S = 30.0  # how long submit keeps trying to store a job while the broker recovers
 
 
@@ -318,8 +320,9 @@ class RolloutClient:
     async def _watch_stalls(self) -> None:
         """Once a second, while some job has waited over a second for its answer: for each of
         their subjects, ask the broker (one consumer look-up) whether jobs wait there with no
-        pull request waiting for them, and ring a replica if so. This covers lost bells and a
-        replica that keeps a subject's jobs queued behind a full set of slots. Nothing pending,
+        pull request waiting for them, and if so ring one replica per few of them. This covers
+        lost bells, replicas that keep a subject's jobs queued behind full slots, and replicas
+        standing by (the subject's ``max_waiting`` was reached when they asked). Nothing pending,
         nothing asked: an idle client makes no request."""
         while True:
             await asyncio.sleep(_STALL_AFTER_S)
@@ -334,13 +337,14 @@ class RolloutClient:
                 try:
                     info = await self.js.consumer_info(self.names.jobs_stream, consumer)
                 except nats.js.errors.NotFoundError:
-                    stuck = True  # no replica ever pulled this subject
+                    stuck = 1  # no replica ever pulled this subject
                 except (nats.errors.Error, nats.js.errors.Error) as exc:
                     log.debug("stall check failed", subject=consumer, error=str(exc))
                     continue
                 else:
-                    stuck = bool(info.num_pending) and not info.num_waiting
-                if stuck:
+                    stuck = 0 if info.num_waiting else (info.num_pending or 0)
+                # One replica per few queued jobs (each pulls up to its free slots), bounded.
+                for _ in range(min(-(-stuck // _STALL_JOBS_PER_BELL), _STALL_BELLS_MAX)):
                     self._ring(VersionConstraint(kind, version), stalled=True)  # type: ignore[arg-type]
 
     def _no_replica_message(self, constraint: VersionConstraint) -> str:
@@ -392,15 +396,15 @@ class RolloutClient:
 
     async def commit_version(self, record: VersionRecord) -> None:
         """Make a written version visible to the fleet (create ``v.<N>``, CAS ``latest``, announce)."""
+        await self._declare_version_consumers(record.version)  # before replicas hear of it
         await commit_version(self.js, self.names, record)
         self.fleet.note_committed(record.version)
-        await self._declare_version_consumers(record.version)
 
     async def adopt_version(self, store_dir: str | Path, version_dir: str | Path) -> VersionRecord:
         """Verify and commit a version directory written by another publisher, without re-encoding."""
         record = await adopt_version(self.js, self.names, Path(store_dir), Path(version_dir))
         self.fleet.note_committed(record.version)
-        await self._declare_version_consumers(record.version)
+        await self._declare_version_consumers(record.version)  # (adopt verifies, then commits)
         return record
 
     async def _declare_version_consumers(self, version: int) -> None:

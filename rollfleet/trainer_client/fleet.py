@@ -38,6 +38,7 @@ log = get_logger("rollfleet.fleet")
 
 _REPLICA_PREFIX = "replica."
 _SERVING = ("ready", "preparing", "degraded")  # states in which a replica pulls jobs
+_SETTLE_S = 0.005
 
 
 def _routing(status: ReplicaStatus) -> tuple[object, ...]:
@@ -187,7 +188,8 @@ class FleetView:
         deadline = time.monotonic() + timeout
 
         def satisfied() -> list[ReplicaStatus] | None:
-            live = [r for r in self.replicas() if r.state not in ("draining", "starting")]
+            now = time.time()
+            live = [r for r in self._replicas.values() if r.is_live(now) and r.state not in ("draining", "starting")]
             at = [r for r in live if r.active_version >= version]
             if replicas is not None:
                 need = replicas
@@ -205,6 +207,7 @@ class FleetView:
             # The time-out re-evaluates liveness (a replica going stale is no event); no read.
             with suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
+            await asyncio.sleep(_SETTLE_S)  # count once per burst (a fleet activating), not per entry
         return done
 
     # -- following --------------------------------------------------------------------------

@@ -164,7 +164,8 @@ class VersionSync:
         assert self._registration is not None
         previous = self._served.version
         log = self.log.bind(version=target, previous_version=previous)
-        await self._registration.write(state="preparing", preparing_version=target)
+        if self.store_dir is not None:  # (without a store there is nothing to prepare: activate at once)
+            await self._registration.write(state="preparing", preparing_version=target)
         t0 = time.perf_counter()
         try:
             result = await self._materialize(target)

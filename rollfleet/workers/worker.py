@@ -72,8 +72,6 @@ from rollfleet.workers.scheduler import SubjectScheduler
 from rollfleet.workers.serving import ServedVersion, Subject
 from rollfleet.workers.version_sync import VersionSync
 
-_REFUSED_BACKOFF_S = 1.0
-
 
 @dataclass
 class WorkerConfig:
@@ -88,6 +86,7 @@ class WorkerConfig:
     hot_s: float = 30.0  # a subject stays "hot" (gets waiting pulls) this long after its last job
     max_waiting_pulls: int = 6  # subjects with waiting requests at once (the version's window first)
     rebalance_s: float = 1.0  # slots idle this long on one subject may be taken back for backlog elsewhere
+    standby_s: float = 480.0  # a subject whose request was refused (max_waiting reached) waits this long
     progress_s: float = 30.0  # period of the info-level progress line
     drain_timeout_s: float = 120.0
     # Weights: follow published versions from a store (store_dir + local_dir), or serve a
@@ -123,6 +122,13 @@ class Worker:
         self._pullers: dict[Subject, PullConsumer] = {}
         self._hot: dict[Subject, float] = {}  # subject -> when work last came from it
         self._expired_seen: dict[Subject, int] = {}  # each puller's expiry count at the last look
+        self._expired_total = 0
+        self._standby: dict[Subject, float] = {}  # subject -> until when it is left to other replicas
+        self._refusals_seen: dict[Subject, float] = {}
+        self._listen: list[Subject] = []  # _listen_subjects' last answer, and what it depended on
+        self._listen_key: tuple[int, int] | None = None
+        self._listen_at = 0.0
+        self._tidied: list[Subject] | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
         self._inflight: dict[int, asyncio.Task[None]] = {}
         self._task_ids = itertools.count()
@@ -225,6 +231,7 @@ class Worker:
         """A version was activated and announced: stop pulling what it no longer allows, pull
         its subjects from here on."""
         self.metrics.active_version.set(self.version)
+        self._standby.clear()
         self._wake.set()
 
     def _spawn(self, coro: Any) -> None:
@@ -240,6 +247,7 @@ class Worker:
             self.sync.notice(None)
         if self.registration is not None:
             self._spawn(self.registration.refresh())
+        self._standby.clear()
         self._spawn(self._scan_once())
         self._wake.set()
 
@@ -308,6 +316,7 @@ class Worker:
         subject, stalled = parsed
         if not self.served.accepts(subject):
             return
+        self._standby.pop(subject, None)  # called in: wait there again
         puller = self._pullers.get(subject)
         if puller is not None and puller.busy:
             if stalled and puller.waiting:
@@ -374,23 +383,28 @@ class Worker:
     def _listen_subjects(self, now: float) -> list[Subject]:
         """Where work is likely to arrive, best first: this version's window (``exact-w`` and
         the newest ``min`` subjects, see ``listened_subjects``), then subjects that delivered
-        within ``hot_s``, most recent first."""
+        within ``hot_s``, most recent first. Recomputed only when the version, the set of hot
+        subjects or a second has passed (it runs after every finished job)."""
         cfg = self.config
+        key = (self.version, len(self._hot))
+        if self._listen_key == key and now - self._listen_at < 1.0:
+            return self._listen
         for subject in [s for s, t in self._hot.items() if now - t > cfg.hot_s or not self.served.accepts(s)]:
             del self._hot[subject]
         own = [s for s in listened_subjects(self.version) if self.served.accepts(s)]
         recent = sorted(self._hot, key=self._hot.__getitem__, reverse=True)
-        return list(dict.fromkeys([*own, *recent]))[: max(cfg.max_waiting_pulls, len(own))]
+        self._listen = list(dict.fromkeys([*own, *recent]))[: max(cfg.max_waiting_pulls, len(own))]
+        self._listen_key, self._listen_at = (self.version, len(self._hot)), now
+        return self._listen
 
     async def release_unaccepted(self) -> None:
         """End, now, the open requests of every subject ``served.accepts`` no longer allows (a
         job the broker sent before that is still handled: run if allowed, else handed back)."""
-        for subject, puller in list(self._pullers.items()):
-            if not self.served.accepts(subject):
-                await puller.cancel()
-                await puller.close()
-                del self._pullers[subject]
-                self._expired_seen.pop(subject, None)
+        for subject in [s for s in self._pullers if not self.served.accepts(s)]:
+            puller = self._pullers.pop(subject)
+            await puller.cancel()
+            await puller.close()
+            self._expired_seen.pop(subject, None)
 
     async def _pull_loop(self) -> None:
         while not self._stopping.is_set():
@@ -401,14 +415,31 @@ class Worker:
                 self.log.warning("pull failed", error=str(exc))
                 await asyncio.sleep(0.2)
                 continue
-            # Event-driven; the time-out only lets hot subjects cool down and overdue requests
-            # be noticed (no broker traffic), or retries a subject whose request was refused.
-            timeout = _REFUSED_BACKOFF_S if self._backing_off(time.monotonic()) else self.config.hot_s
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+            # Event-driven; the timer only lets hot subjects cool down and overdue requests be
+            # noticed, with no broker traffic. (A timer, not wait_for: this runs after every
+            # finished job.)
+            timeout = self.config.hot_s
+            timer = asyncio.get_running_loop().call_later(timeout, self._wake.set)
+            try:
+                await self._wake.wait()
+            finally:
+                timer.cancel()
 
-    def _backing_off(self, now: float) -> bool:
-        return any(now - p.refused_at < _REFUSED_BACKOFF_S for p in self._pullers.values())
+    def _standing_by(self, subject: Subject, puller: PullConsumer, now: float) -> bool:
+        """A subject whose last waiting request the broker refused (``max_waiting`` requests of
+        other replicas wait there already) is left to them until a bell for it, an activation,
+        a reconnect or ``standby_s``: the broker's work per job stays bounded by ``max_waiting``,
+        whatever the size of the fleet."""
+        if puller.refused_at > self._refusals_seen.get(subject, -1.0):
+            self._refusals_seen[subject] = puller.refused_at
+            self._standby[subject] = now + self.config.standby_s
+        until = self._standby.get(subject)
+        if until is None:
+            return False
+        if now < until:
+            return True
+        del self._standby[subject]
+        return False
 
     async def _fill(self, now: float) -> None:
         """Put every free slot to use: known backlog first (``no_wait`` pulls by priority and
@@ -416,18 +447,27 @@ class Worker:
         cfg = self.config
         await self.release_unaccepted()
         listen = self._listen_subjects(now)
-        await self._tidy(listen)
+        expired = sum(p.expired for p in self._pullers.values())
+        if expired != self._expired_total or listen is not self._tidied:
+            self._expired_total, self._tidied = expired, listen
+            await self._tidy(listen)
         free = self._free()
         if self.scheduler.has_candidates():
             if free <= 0:
                 free += await self._reclaim(now)
-            free = await self._pull_backlog(free, now)
+            free = await self._pull_backlog(free, now, listen)
             if self.scheduler.has_candidates():
                 return  # backlog left and no slot free: the next finished job pulls it
         if free <= 0:
             return
-        # (A subject whose last request was refused, too many waiting there, sits out a moment.)
-        pullers = [p for p in [await self._puller(s) for s in listen] if now - p.refused_at >= _REFUSED_BACKOFF_S]
+        # (A subject whose last request was refused, other replicas waiting there, is left to them.)
+        pullers = []
+        for subject in listen:
+            puller = self._pullers.get(subject)
+            if puller is None or puller.missing:
+                puller = await self._puller(subject)
+            if not self._standing_by(subject, puller, now):
+                pullers.append(puller)
         ask = dict.fromkeys(pullers, 0)
         for puller in pullers:  # a request waiting on each subject, own version's first
             if free > 0 and not puller.busy:
@@ -439,7 +479,7 @@ class Worker:
         for puller, batch in ask.items():
             await puller.request(batch, wait_s=cfg.wait_pull_s)
 
-    async def _pull_backlog(self, free: int, now: float) -> int:
+    async def _pull_backlog(self, free: int, now: float, listen: list[Subject]) -> int:
         """Pull known backlog, best subject first; returns the slots still free."""
         cfg = self.config
         for subject in self.scheduler.order(now):
@@ -448,8 +488,9 @@ class Worker:
             if not self.served.accepts(subject):
                 continue
             puller = await self._puller(subject)
-            if puller.waiting:
-                # Its waiting request takes what is queued first; a top-up next to it takes more.
+            if puller.waiting or (subject in listen and not puller.busy):
+                # A waiting request takes what is queued at once, and what comes next; deliveries
+                # say when the queue is empty again (num_pending 0).
                 await puller.request(free, wait_s=cfg.wait_pull_s)
                 self.scheduler.note_served(subject, now)
             elif not puller.busy:
@@ -494,6 +535,8 @@ class Worker:
             if info is not None and info[2] > 0:  # more queued behind it: backlog to pull now
                 if self.scheduler.note_pending(subject, now):
                     self._wake.set()
+            elif info is not None:
+                self.scheduler.note_empty(subject)
         task_id = next(self._task_ids)
         assert self.jobs is not None
         task = asyncio.create_task(self.jobs.handle(msg), name=f"job-{task_id}")
