@@ -232,7 +232,7 @@ class Worker:
         its subjects from here on."""
         self.metrics.active_version.set(self.version)
         self._standby.clear()
-        self._wake.set()
+        self.served_changed()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -396,6 +396,13 @@ class Worker:
         self._listen = list(dict.fromkeys([*own, *recent]))[: max(cfg.max_waiting_pulls, len(own))]
         self._listen_key, self._listen_at = (self.version, len(self._hot)), now
         return self._listen
+
+    def served_changed(self) -> None:
+        """Call after ``served`` changed what it accepts (a version moved, or ``exact-<old>``
+        closed during an activation): the pull loop's next pass, at once, cancels the open
+        requests of every subject it no longer accepts (``release_unaccepted``) and pulls the
+        newly accepted ones."""
+        self._wake.set()
 
     async def release_unaccepted(self) -> None:
         """End, now, the open requests of every subject ``served.accepts`` no longer allows (a
