@@ -433,7 +433,7 @@ async def run_async(
 def run(quick: bool) -> list[Row]:
     layouts = ("proc",) if quick else ("proc", "inproc")
     ablation_layouts = () if quick else ("proc",)
-    return asyncio.run(run_async(quick, layouts, 1 if quick else 3, ablation_layouts))
+    return asyncio.run(run_async(quick, layouts, 1 if quick else 5, ablation_layouts))
 
 
 if __name__ == "__main__":

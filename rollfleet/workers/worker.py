@@ -86,7 +86,7 @@ class WorkerConfig:
     hot_s: float = 30.0  # a subject stays "hot" (gets waiting pulls) this long after its last job
     max_waiting_pulls: int = 6  # subjects with waiting requests at once (the version's window first)
     rebalance_s: float = 1.0  # slots idle this long on one subject may be taken back for backlog elsewhere
-    standby_s: float = 480.0  # a subject whose request was refused (max_waiting reached) waits this long
+    standby_s: float = 240.0  # a subject whose request was refused (max_waiting reached) waits this long
     progress_s: float = 30.0  # period of the info-level progress line
     drain_timeout_s: float = 120.0
     # Weights: follow published versions from a store (store_dir + local_dir), or serve a
