@@ -29,7 +29,6 @@ at 16; convergence under 2 s at 1,000. Every target is judged on the unrounded v
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import math
@@ -47,7 +46,16 @@ from benchmarks.report import Row
 from rollfleet.broker import EmbeddedBroker, free_port
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.schemas import RolloutPayload, SamplingParams, VersionActivated, VersionRecord, decode
-from rollfleet.testing import CLUSTER_PORTS, BrokerCounters, ProcessGroup, cpu_seconds, start_cluster, wait_until
+from rollfleet.testing import (
+    CLUSTER_PORTS,
+    BrokerCounters,
+    ProcessGroup,
+    cpu_seconds,
+    kill_stream_leader,
+    start_cluster,
+    wait_failover,
+    wait_until,
+)
 from rollfleet.trainer_client import RolloutClient
 
 SIZES, QUICK_SIZES = (16, 128, 1000), (4, 8)
@@ -332,33 +340,11 @@ async def kill_leader(client: RolloutClient, cluster: Any, rate: float, seconds:
 
     async def chaos() -> None:
         await asyncio.sleep(seconds * 0.4)
-        info = await client.js.stream_info(names.jobs_stream)
-        leader = info.cluster.leader if info.cluster else None
-        node = next((n for n in cluster.nodes if f"rf-node-{n}" == leader), "a")
-        probe["killed"] = f"rf-node-{node}"
-        cluster.nodes[node].proc.kill()
-        t_kill = probe["t_kill"] = time.monotonic()
-        # Fail-over done: every Raft group on the request path has a leader on a live node, and
-        # the jobs stream takes a write.
-        groups = [
-            lambda: client.js.stream_info(names.jobs_stream),
-            lambda: client.js.stream_info(names.results_stream),
-            *[
-                (lambda c=c: client.js.consumer_info(names.jobs_stream, c))
-                for c in (names.job_consumer("min", v) for v in range(VERSIONS))
-            ],
-            lambda: client.js.consumer_info(names.results_stream, names.results_consumer("trainer")),
-        ]
-        while time.monotonic() - t_kill < 60:
-            try:
-                leaders = [(await asyncio.wait_for(g(), 1.0)).cluster for g in groups]
-                if all(c and c.leader and c.leader != probe["killed"] for c in leaders):
-                    await client.js.publish(names.job_subject("exact", 999_999), b"probe", timeout=1.0)
-                    break
-            except Exception:
-                pass
-            await asyncio.sleep(0.05)
-        probe["failover_s"] = time.monotonic() - t_kill
+        probe["killed"] = await kill_stream_leader(cluster, client.js, names.jobs_stream)
+        probe["t_kill"] = time.monotonic()
+        probe["failover_s"] = await wait_failover(
+            client.js, names, probe["killed"], min_versions=range(VERSIONS), client_id="trainer", timeout=60.0
+        )
 
     chaos_task = asyncio.create_task(chaos())
     t0 = time.monotonic()
@@ -371,8 +357,6 @@ async def kill_leader(client: RolloutClient, cluster: Any, rate: float, seconds:
     stall = max((b - a for a, b in itertools.pairwise([t_kill, *after])), default=math.inf)
     info = await client.js.stream_info(names.results_stream, subjects_filter=names.results_filter("trainer"))
     duplicated = sum(count - 1 for count in (info.state.subjects or {}).values() if count > 1)
-    with contextlib.suppress(Exception):  # the probe job is no rollout job
-        await client.js.purge_stream(names.jobs_stream, subject=names.job_subject("exact", 999_999))
     return {
         "killed": probe["killed"],
         "failover_s": probe["failover_s"],
@@ -391,56 +375,47 @@ async def kill_leader(client: RolloutClient, cluster: Any, rate: float, seconds:
 # -- rows ------------------------------------------------------------------------------------------
 
 
+def _judged(applies: bool, target: str, met: bool) -> dict[str, Any]:
+    """A row's target and verdict, where the target applies (the largest fleet)."""
+    return {"target": target, "met": met} if applies else {}
+
+
 def rows_for(runs: list[dict[str, Any]], cluster: dict[str, Any] | None, common: dict[str, Any]) -> list[Row]:
     rows: list[Row] = []
     smallest = runs[0]
     largest = max(r["size"] for r in runs)
     for run in runs:
         n, idle_, load, commits = run["size"], run["idle"], run["load"], run["commits"]
+        top = n == largest
         case = f"N={n} one broker"
-        extra = common | {"replicas": n, "startup_s": round(run["startup_s"], 2)}
+        extra = common | {"replicas": n, "startup_s": run["startup_s"]}
         per = idle_["msgs_per_s_per_replica"]
-        rows.append(
-            Row(
-                "scale/idle",
-                case,
-                "msgs/s/replica",
-                per,
-                target="<= 0.2 per replica",
-                met=per <= 0.2,
-                extra=extra | idle_,
-            )
-        )
-        rows.append(Row("scale/idle", case, "API req/s", idle_["api_per_s"], target="0", met=idle_["api_per_s"] == 0))
-        cpu = idle_["broker_cpu_pct"]
-        rows.append(
+        rows += [
+            Row("scale/idle", case, "msgs/s/replica", per, **_judged(True, "<= 0.2", per <= 0.2), extra=extra | idle_),
+            Row("scale/idle", case, "API req/s", idle_["api_per_s"], **_judged(True, "0", idle_["api_per_s"] == 0)),
             Row(
                 "scale/idle",
                 case,
                 "broker CPU %",
-                cpu,
-                target="< 5 % at 1,000" if n == largest else "",
-                met=cpu < 5.0 if n == largest else None,
-            )
-        )
-        rows.append(Row("scale/load", case, "jobs/s", load["jobs_s"], extra=extra | load))
-        rows.append(Row("scale/load", case, "p50 ms", load["p50_ms"], higher_is_better=False))
-        base = smallest["load"]["p99_ms"] if n != smallest["size"] else None
-        ratio = load["p99_ms"] / smallest["load"]["p99_ms"]
-        rows.append(
+                idle_["broker_cpu_pct"],
+                **_judged(top, f"< 5 % at N={largest}", idle_["broker_cpu_pct"] < 5.0),
+            ),
+            Row("scale/load", case, "jobs/s", load["jobs_s"], extra=extra | load),
+            Row("scale/load", case, "p50 ms", load["p50_ms"], higher_is_better=False),
             Row(
                 "scale/load",
                 case,
                 "p99 ms",
                 load["p99_ms"],
-                base,
+                smallest["load"]["p99_ms"] if n != smallest["size"] else None,
                 f"p99 at N={smallest['size']}",
                 higher_is_better=False,
-                target=f"<= 2x p99 at N={smallest['size']}" if n == largest else "",
-                met=ratio <= 2.0 if n == largest else None,
-            )
-        )
-        rows.append(Row("scale/load", case, "broker msgs/job", load["msgs_per_job"], higher_is_better=False))
+                **_judged(
+                    top, f"<= 2x p99 at N={smallest['size']}", load["p99_ms"] <= 2.0 * smallest["load"]["p99_ms"]
+                ),
+            ),
+            Row("scale/load", case, "broker msgs/job", load["msgs_per_job"], higher_is_better=False),
+        ]
         worst = max(c["registry_s"] for c in commits)
         rows.append(
             Row(
@@ -448,8 +423,8 @@ def rows_for(runs: list[dict[str, Any]], cluster: dict[str, Any] | None, common:
                 case,
                 "s (slowest)",
                 worst,
-                target="< 2 s at 1,000" if n == largest else "",
-                met=worst < 2.0 if n == largest else None,
+                higher_is_better=False,
+                **_judged(top, f"< 2 s at N={largest}", worst < 2.0),
                 extra={"commits": commits},
             )
         )
@@ -458,41 +433,30 @@ def rows_for(runs: list[dict[str, Any]], cluster: dict[str, Any] | None, common:
         single = next((r for r in runs if r["size"] == n), None)
         case = f"N={n} 3-node R3"
         load, fo = cluster["load"], cluster["failover"]
-        rows.append(
-            Row(
-                "scale/cluster",
-                case,
-                "jobs/s",
-                load["jobs_s"],
-                single["load"]["jobs_s"] if single else None,
-                f"one broker, N={n}",
-                extra=common | load,
-            )
-        )
-        rows.append(
+        versus = {"baseline_name": f"one broker, N={n}"}
+        rows += [
+            Row("scale/cluster", case, "jobs/s", load["jobs_s"], single and single["load"]["jobs_s"], **versus),
             Row(
                 "scale/cluster",
                 case,
                 "p99 ms",
                 load["p99_ms"],
-                single["load"]["p99_ms"] if single else None,
-                f"one broker, N={n}",
+                single and single["load"]["p99_ms"],
+                **versus,
                 higher_is_better=False,
-            )
-        )
-        rows.append(Row("scale/cluster", case, "broker msgs/job", load["msgs_per_job"], higher_is_better=False))
-        rows.append(
+                extra=common | load,
+            ),
+            Row("scale/cluster", case, "broker msgs/job", load["msgs_per_job"], higher_is_better=False),
             Row(
                 "scale/cluster",
                 case + " leader killed",
                 "stall s",
                 fo["stall_s"],
                 higher_is_better=False,
-                target="0 lost, 0 duplicated",
-                met=fo["lost"] == 0 and fo["duplicated"] == 0,
+                **_judged(True, "0 lost, 0 duplicated", fo["lost"] == 0 and fo["duplicated"] == 0),
                 extra=fo,
-            )
-        )
+            ),
+        ]
     return rows
 
 

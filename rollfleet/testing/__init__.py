@@ -5,7 +5,8 @@ Everything here drives real parts: a real nats-server (the embedded broker, or t
 bounded; processes are stopped by PID, politely first.
 
 - waiting: :func:`wait_until`
-- brokers: :func:`temp_broker`, :func:`start_cluster` / :class:`LocalCluster`, :func:`render_config`
+- brokers: :func:`temp_broker`, :func:`start_cluster` / :class:`LocalCluster`, :func:`render_config`;
+  a node loss: :func:`kill_stream_leader`, :func:`wait_failover`
 - workers: :func:`running_worker` (in this process), :func:`start_worker_process`,
   :class:`ProcessGroup` (named child processes with log files), :class:`LocalFleet`
 - stopping: :func:`terminate`, :func:`stop_all`
@@ -22,9 +23,11 @@ from rollfleet.testing.cluster import (
     LocalCluster,
     NatsProcess,
     cluster_port_map,
+    kill_stream_leader,
     make_dev_certs,
     render_config,
     start_cluster,
+    wait_failover,
 )
 from rollfleet.testing.monitor import BrokerCounters, Counters, cpu_seconds
 from rollfleet.testing.processes import (
@@ -55,6 +58,7 @@ __all__ = [
     "cluster_port_map",
     "cpu_seconds",
     "die_with_parent",
+    "kill_stream_leader",
     "make_dev_certs",
     "render_config",
     "rollfleet_command",
@@ -65,6 +69,7 @@ __all__ = [
     "stop_all",
     "temp_broker",
     "terminate",
+    "wait_failover",
     "wait_until",
     "worker_command",
 ]
