@@ -38,14 +38,15 @@ class EchoEngine(Engine):
             prompt = list((payload.prompt_text or "").encode())
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
+        if not self.per_token_s and self._running.is_set() and request_id not in self._aborted:
+            # Nothing can pause or abort it between steps (no step awaits): every token is made
+            # at once, at the live version; the same outputs as the step loop below.
+            base = sum(prompt)
+            samples = [self._sample_at_once(base + sample, payload) for sample in range(payload.n)]
+            return Generation(samples, self.version, self.version, prompt_tokens=len(prompt))
         outputs: list[Completion] = []
         stops = set(payload.sampling.stop_token_ids)
         for sample in range(payload.n):
-            if not self.per_token_s and self._running.is_set() and request_id not in self._aborted:
-                # Nothing can pause or abort it between steps (no step awaits): every token of
-                # this sample is made at once, at the live version.
-                outputs.append(self._sample_at_once(prompt, sample, payload))
-                continue
             tokens: list[int] = []
             versions: list[int] = []
             finish = "length"
@@ -79,10 +80,10 @@ class EchoEngine(Engine):
         version_end = max((w[-1].version for w in ran), default=self.version)
         return Generation(outputs, version_start, version_end, prompt_tokens=len(prompt))
 
-    def _sample_at_once(self, prompt: list[int], sample: int, payload: RolloutPayload) -> Completion:
-        """One sample with no step boundary to honour: the same tokens, versions and finish as
-        the step loop below, computed in one go."""
-        base, vocab = sum(prompt) + sample, self.vocab
+    def _sample_at_once(self, base: int, payload: RolloutPayload) -> Completion:
+        """One sample (``base``: the prompt's sum plus the sample's index) with no step boundary
+        to honour: the same tokens, versions and finish as the step loop, computed in one go."""
+        vocab = self.vocab
         tokens = [(base + i) % vocab for i in range(payload.sampling.max_tokens)]
         finish = "length"
         stops = set(payload.sampling.stop_token_ids)
