@@ -25,6 +25,7 @@ from rollfleet.schemas.errors import InvalidRequest, ServiceUnavailable
 log = get_logger("rollfleet.broker.publish")
 
 ATTEMPT_S = 1.5
+_SWEEP_S = 0.25  # an attempt gives up between ATTEMPT_S and ATTEMPT_S + this
 
 
 class _Ack(msgspec.Struct):
@@ -41,14 +42,16 @@ class _Retry(Exception):
 class _AckedPublisher:
     """JetStream publishes that wait for the store's acknowledgement, all over one reply
     subscription of the connection: what ``js.publish`` does, with a counter for reply tokens,
-    one timer per attempt instead of ``wait_for``, and the acknowledgement decoded by msgspec.
-    It sits on the request path of every job and every result."""
+    one sweep over the open attempts (four times a second, only while some are open) instead of
+    a timer each, and the acknowledgement decoded by msgspec. It sits on the request path of
+    every job and every result."""
 
     def __init__(self, nc: NATS) -> None:
         self._nc = nc
         self._prefix = nc.new_inbox()
         self._tokens = itertools.count()
-        self._waiting: dict[str, asyncio.Future[Msg]] = {}
+        self._waiting: dict[str, tuple[asyncio.Future[Msg], float]] = {}  # token -> (future, deadline)
+        self._sweeper: asyncio.Task[None] | None = None
         self._started: asyncio.Future[None] | None = None
 
     async def start(self) -> None:
@@ -64,26 +67,30 @@ class _AckedPublisher:
         await self._started
 
     async def _on_reply(self, msg: Msg) -> None:
-        future = self._waiting.pop(msg.subject[len(self._prefix) + 1 :], None)
-        if future is not None and not future.done():
-            future.set_result(msg)
+        waiting = self._waiting.pop(msg.subject[len(self._prefix) + 1 :], None)
+        if waiting is not None and not waiting[0].done():
+            waiting[0].set_result(msg)
 
-    def _expire(self, token: str) -> None:
-        future = self._waiting.pop(token, None)
-        if future is not None and not future.done():
-            future.set_exception(_Retry(f"no acknowledgement within {ATTEMPT_S}s"))
+    async def _sweep(self) -> None:
+        while self._waiting:
+            await asyncio.sleep(_SWEEP_S)
+            now = time.monotonic()
+            for token in [t for t, (_, deadline) in self._waiting.items() if deadline <= now]:
+                future, _ = self._waiting.pop(token)
+                if not future.done():
+                    future.set_exception(_Retry(f"no acknowledgement within {ATTEMPT_S}s"))
+        self._sweeper = None
 
     async def publish(self, subject: str, data: bytes, headers: dict[str, str], timeout: float) -> PubAck:
         token = str(next(self._tokens))
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Msg] = loop.create_future()
-        self._waiting[token] = future
-        timer = loop.call_later(timeout, self._expire, token)
+        future: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+        self._waiting[token] = (future, time.monotonic() + timeout)
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep())
         try:
             await self._nc.publish(subject, data, reply=f"{self._prefix}.{token}", headers=headers)
             reply = await future
         finally:
-            timer.cancel()
             self._waiting.pop(token, None)
         if reply.headers and reply.headers.get("Status") == "503":
             raise _Retry("no stream answered (no responders)")

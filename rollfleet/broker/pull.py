@@ -243,15 +243,14 @@ def delivery_info(reply: str | None) -> tuple[int, float, int] | None:
     not one. ``num_pending``: what the consumer still holds for later pull requests."""
     if not reply or not reply.startswith("$JS.ACK."):
         return None
-    parts = reply.split(".")
-    n = len(parts)
-    if n == 9:
-        i = 4
-    elif n in (11, 12):
-        i = 6
+    dots = reply.count(".")
+    if dots == 8:  # the short form: the last five tokens
+        tail = reply.rsplit(".", 5)
+    elif dots in (10, 11):  # with domain and account hash (and a random token last)
+        tail = reply.rsplit(".", 5 + dots - 10)
     else:
         return None
     try:
-        return int(parts[i]), int(parts[i + 3]) / 1e9, int(parts[i + 4])
+        return int(tail[1]), int(tail[4]) / 1e9, int(tail[5])
     except ValueError:
         return None

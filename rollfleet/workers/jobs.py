@@ -62,11 +62,12 @@ class JobRunner:
         self.jobs_done = 0
         self.outcomes: dict[str, int] = {}
 
-    async def handle(self, msg: Msg) -> None:
+    async def handle(self, msg: Msg, delivery: tuple[int, float, int] | None = None) -> None:
         headers = msg.headers or {}
         client_id = headers.get(HDR_CLIENT_ID)
         key = headers.get(HDR_MSG_ID)
-        delivery = delivery_info(msg.reply)  # read off the ack subject: no metadata objects per job
+        if delivery is None:  # (the worker passes what it already read off the ack subject)
+            delivery = delivery_info(msg.reply)
         attempt, stored_at = (delivery[0], delivery[1]) if delivery is not None else (1, time.time())
         log = self._log.bind(idempotency_key=key, attempt=attempt)
         try:

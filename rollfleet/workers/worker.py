@@ -28,7 +28,6 @@ the broker has no request of ours waiting where we think one is.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import time
 import uuid
@@ -130,8 +129,7 @@ class Worker:
         self._listen_at = 0.0
         self._tidied: list[Subject] | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
-        self._inflight: dict[int, asyncio.Task[None]] = {}
-        self._task_ids = itertools.count()
+        self._inflight: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
@@ -281,8 +279,8 @@ class Worker:
                 await puller.cancel()
         deadline = time.monotonic() + self.config.drain_timeout_s
         while self._inflight and time.monotonic() < deadline:
-            await asyncio.wait(list(self._inflight.values()), timeout=0.1)
-        for task in list(self._inflight.values()):  # past the drain time-out: redelivered elsewhere
+            await asyncio.wait(list(self._inflight), timeout=0.1)
+        for task in list(self._inflight):  # past the drain time-out: redelivered elsewhere
             task.cancel()
         if self._keepalive_task is not None:  # only now: draining jobs still need progress acks
             await stop_tasks([self._keepalive_task])
@@ -535,25 +533,23 @@ class Worker:
 
     def _dispatch(self, msg: Msg) -> None:
         subject = self.names.parse_job_subject(msg.subject)
+        info = delivery_info(msg.reply)
         if subject is not None:
             now = time.monotonic()
             self._hot[subject] = now
-            info = delivery_info(msg.reply)
             if info is not None and info[2] > 0:  # more queued behind it: backlog to pull now
                 if self.scheduler.note_pending(subject, now):
                     self._wake.set()
             elif info is not None:
                 self.scheduler.note_empty(subject)
-        task_id = next(self._task_ids)
         assert self.jobs is not None
-        task = asyncio.create_task(self.jobs.handle(msg), name=f"job-{task_id}")
-        self._inflight[task_id] = task
+        task = asyncio.create_task(self.jobs.handle(msg, info))
+        self._inflight.add(task)
+        task.add_done_callback(self._job_done)
 
-        def done(_: asyncio.Task[None]) -> None:
-            self._inflight.pop(task_id, None)
-            self._wake.set()
-
-        task.add_done_callback(done)
+    def _job_done(self, task: asyncio.Task[None]) -> None:
+        self._inflight.discard(task)
+        self._wake.set()
 
     async def _report_progress(self) -> None:
         """An info line per interval for operators (per-job lines are at debug level)."""
