@@ -104,6 +104,7 @@ class RolloutClient:
         self._bells: dict[tuple[str, int], float] = {}
         self._bell_inbox = ""
         self._results_puller: PullConsumer | None = None
+        self._results_low = asyncio.Event()  # the results requests need renewing
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -462,24 +463,36 @@ class RolloutClient:
             self._results_puller.reset()
 
     async def _receive_results(self) -> None:
-        """Keep a pull request open on this client's results consumer; each result is handled
-        the moment it is stored (no batch to fill, no poll interval)."""
+        """Keep pull requests open on this client's results consumer; each result is handled the
+        moment it is stored (no batch to fill, no poll interval). A second request is added when
+        the first is half used, so results never wait for a request to be renewed."""
         puller = await PullConsumer(self.nc, self.names.results_stream, self._results_consumer, self._on_result).start()
         self._results_puller = puller
+        puller.on_end = self._results_low.set
         try:
             while True:
+                self._results_low.clear()
                 try:
-                    if not puller.busy:
+                    if puller.outstanding <= _RESULTS_BATCH // 2 and (puller.waiting or not puller.busy):
                         await puller.request(_RESULTS_BATCH, wait_s=_RESULTS_WAIT_S)
-                    await puller.wait_idle(timeout=1.0)  # wakes to notice an overdue request
                 except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:  # reconnecting
                     log.debug("results pull failed", error=str(exc))
                     await asyncio.sleep(0.5)
+                    continue
+                # Woken when half used or a request ended; the timer notices an overdue request.
+                timer = asyncio.get_running_loop().call_later(1.0, self._results_low.set)
+                try:
+                    await self._results_low.wait()
+                finally:
+                    timer.cancel()
         finally:
             await puller.close()
 
     async def _on_result(self, msg: Msg) -> None:
         self._deliver(msg)
+        puller = self._results_puller
+        if puller is not None and puller.outstanding == _RESULTS_BATCH // 2:
+            self._results_low.set()
         with suppress(Exception):
             await msg.ack()
 
