@@ -331,7 +331,7 @@ def _median_of(trials: list[dict[str, float]]) -> dict[str, float]:
 async def run_async(
     quick: bool, layouts: tuple[str, ...], rounds: int, ablation_layouts: tuple[str, ...] = ()
 ) -> list[Row]:
-    n_tput, window, n_seq = (300, 64, 40) if quick else (4000, 256, 300)
+    n_tput, window, n_seq = (300, 64, 40) if quick else (4000, 256, 1000)
     job_bytes, result_bytes = message_sizes()
     rows: list[Row] = []
     with temp_broker("rf-bench-rp-") as broker, tempfile.TemporaryDirectory(prefix="rf-bench-rp-logs-") as logs:
