@@ -210,8 +210,13 @@ async def broker_restart(
             fig.faults = len(outages)
             for t_kill, t_up in outages:
                 after = [t for t in ledger.arrivals if t > t_up]
-                # Time to recover: broker back -> the next result delivered to the client.
-                fig.recover_s.append(round(min(after) - t_up, 3) if after else float("inf"))
+                # Time to recover: broker back -> the next result delivered to the client. An
+                # outage after the last result has no such time (nothing was left to deliver);
+                # the fresh job below shows the path works after it.
+                if after:
+                    fig.recover_s.append(round(min(after) - t_up, 3))
+                else:
+                    fig.notes["outages_after_the_last_result"] = fig.notes.get("outages_after_the_last_result", 0) + 1
                 fig.notes.setdefault("outage_s", []).append(round(t_up - t_kill, 3))
             fig.notes["submit_retries"] = submitted.retries
             fig.notes["submit_errors_during_outage"] = submitted.errors

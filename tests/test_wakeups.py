@@ -149,3 +149,35 @@ async def test_replicas_past_max_waiting_stand_by_until_called_in(nats_url: str,
         results = [await h.result(20) for h in handles]
         assert {r.worker_id for r in results} == {"a", "b"}  # the one standing by was called in
         assert len(engine_a.calls) + len(engine_b.calls) == 8
+
+
+async def test_slots_move_back_to_where_work_is_expected(nats_url: str, namespace: str) -> None:
+    """A replica's slots follow the work, then move back once that subject is quiet: after a job
+    on min-0 (outside a capacity-2 replica's listened subjects: rung by a bell), both replicas
+    wait on min-2 again and serve a burst there."""
+    a_engine, b_engine = CountingEcho(latency_s=0.1), CountingEcho(latency_s=0.1)
+    async with (
+        running_worker(nats_url, namespace, version=2, worker_id="a", capacity=2, engine=a_engine),
+        running_worker(nats_url, namespace, version=2, worker_id="b", capacity=2, engine=b_engine),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 2)
+        assert client.fleet.covered(VersionConstraint("min", 2))
+        assert not client.fleet.covered(VersionConstraint("min", 0))  # capacity 2: exact-2 and min-2 only
+        await (await client.submit(payload(), min_version=0)).result(15)
+        # The woken replica took its slots to min-0 (and left one waiting there); once min-0 has
+        # been quiet for a second they wait where they should again: one per replica on min-2.
+        js, names = client.js, client.names
+
+        async def waiting(kind: str, version: int) -> int:
+            return (await js.consumer_info(names.jobs_stream, names.job_consumer(kind, version))).num_waiting  # type: ignore[arg-type]
+
+        await wait_until(lambda: _equals(waiting("min", 2), 2), timeout=5, what="both replicas waiting on min-2 again")
+        assert await waiting("min", 0) == 0
+        second = [await client.submit(payload(), min_version=2) for _ in range(30)]
+        served = {(await h.result(15)).worker_id for h in second}
+        assert served == {"a", "b"}
+
+
+async def _equals(value: Any, expected: int) -> bool:
+    return bool(await value == expected)

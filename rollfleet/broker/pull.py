@@ -76,6 +76,7 @@ class PullConsumer:
         self._background: set[asyncio.Task[None]] = set()
         self.delivered = 0  # total messages handed to on_msg
         self.last_delivery = 0.0  # monotonic time of the last one
+        self.requested_at = 0.0  # monotonic time of the last request
         self.expired = 0  # waiting requests that ran out (408) without filling
         self.missing = False  # the consumer did not exist when a request reached the server (503)
         self.refused_at = -1.0  # monotonic time the server last refused a request (409: max_waiting reached)
@@ -116,7 +117,8 @@ class PullConsumer:
         else:
             body["expires"] = int(wait_s * 1e9)
         token = str(next(self._tokens))
-        self._open[token] = _Open(batch, time.monotonic() + (wait_s or 0.0) + GRACE_S, wait_s is not None)
+        self.requested_at = now = time.monotonic()
+        self._open[token] = _Open(batch, now + (wait_s or 0.0) + GRACE_S, wait_s is not None)
         self._left += batch
         self._idle.clear()
         await self._nc.publish(self._api, json.dumps(body).encode(), reply=f"{self._prefix}.{token}")

@@ -20,9 +20,10 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 HDR_MSG_ID = "Nats-Msg-Id"
 HDR_CLIENT_ID = "Rf-Client-Id"
 
-# A replica at version w keeps a pull request waiting (whenever it has a free slot) on exact-w
-# and on min-v for the LISTENED_MIN_VERSIONS newest v <= w, so a job on any of those reaches it
-# without a wake-up; clients ring a bell only for jobs outside every replica's window.
+# An idle replica at version w keeps a pull request waiting on each of the first `capacity`
+# subjects of its window: exact-w, then min-v for the LISTENED_MIN_VERSIONS newest v <= w (all
+# four with the default capacity). A job on one of those reaches it without a wake-up; clients
+# ring a bell only for jobs on a subject no live replica listens on.
 LISTENED_MIN_VERSIONS = 3
 
 

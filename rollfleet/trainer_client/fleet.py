@@ -32,7 +32,7 @@ from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, ReplicaStatus, VersionConstraint, VersionRecord, decode
 from rollfleet.schemas.errors import InvalidRequest, ServiceUnavailable
-from rollfleet.schemas.names import LISTENED_MIN_VERSIONS
+from rollfleet.schemas.names import listened_subjects
 
 log = get_logger("rollfleet.fleet")
 
@@ -52,7 +52,7 @@ class _Index:
     live: list[ReplicaStatus]
     valid_until: float
     pullers: list[ReplicaStatus]  # live replicas that pull jobs, by active version
-    own: set[int]  # active versions of those: each keeps a request waiting on exact-v
+    listened: set[tuple[str, int]]  # subjects some of those keep a request waiting on when idle
     compatible: dict[tuple[str, int], list[ReplicaStatus]] = field(default_factory=dict)
     turns: dict[tuple[str, int], itertools.count[int]] = field(default_factory=dict)
 
@@ -61,7 +61,10 @@ class _Index:
         live = sorted((r for r in replicas.values() if r.is_live(now)), key=lambda r: r.worker_id)
         until = min((r.heartbeat_at + r.stale_after_s() for r in live), default=math.inf)
         pullers = sorted((r for r in live if r.state in _SERVING), key=lambda r: (r.active_version, r.worker_id))
-        return cls(live, until, pullers, {r.active_version for r in pullers})
+        # A replica idle at version w keeps one request waiting on each of the first `capacity`
+        # subjects of its window (workers/worker.py, _placement).
+        listened = {s for r in pullers for s in listened_subjects(r.active_version)[: max(r.capacity, 1)]}
+        return cls(live, until, pullers, listened)
 
 
 def _first_at_or_above(pullers: list[ReplicaStatus], version: int) -> int:
@@ -119,14 +122,10 @@ class FleetView:
         return found
 
     def covered(self, constraint: VersionConstraint) -> bool:
-        """Whether a live replica listens on the constraint's subject (its version's window,
-        ``listened_subjects``): it keeps a pull request waiting there whenever it has a free
-        slot, so a job there needs no bell."""
-        pullers = self._current().pullers
-        if constraint.kind == "exact":
-            return constraint.version in self._current().own
-        i = _first_at_or_above(pullers, constraint.version)
-        return i < len(pullers) and pullers[i].active_version < constraint.version + LISTENED_MIN_VERSIONS
+        """Whether a live replica listens on the constraint's subject: an idle replica at
+        version w keeps a pull request waiting on each of the first ``capacity`` subjects of its
+        window (``listened_subjects``), so a job there needs no bell."""
+        return (constraint.kind, constraint.version) in self._current().listened
 
     def bell_target(self, constraint: VersionConstraint) -> ReplicaStatus | None:
         """The next live replica, round robin, whose active version can take the job now."""

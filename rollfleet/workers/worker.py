@@ -7,8 +7,10 @@ no new pulls, running jobs finish, the registry entry is removed.
 
 Pulling costs the broker nothing while nothing happens. The worker keeps pull requests
 waiting at the broker on the subjects work comes from: its version's window
-(``names.listened_subjects``: ``exact-w`` and the newest ``min`` subjects up to ``w``, which
-clients know too) and subjects it served in the last ``hot_s``, with long expiries
+(``names.listened_subjects``: ``exact-w`` and the newest ``min`` subjects up to ``w``; one slot
+on each of the first ``capacity`` of them, which clients compute too, the other slots where
+work came from last, moving back after ``rebalance_s`` of quiet) and subjects it served in the
+last ``hot_s``, with long expiries
 (``wait_pull_s``) and no server heartbeats, so a job stored there is delivered to it at once,
 with no wake-up at all. Every delivery says how many jobs its consumer still holds
 (``num_pending``): more behind it makes that subject known backlog, pulled at once
@@ -123,6 +125,7 @@ class Worker:
         self._expired_seen: dict[Subject, int] = {}  # each puller's expiry count at the last look
         self._expired_total = 0
         self._standby: dict[Subject, float] = {}  # subject -> until when it is left to other replicas
+        self._rebalance_at: float | None = None  # when parked slots may move (see _fill)
         self._refusals_seen: dict[Subject, float] = {}
         self._listen: list[Subject] = []  # _listen_subjects' last answer, and what it depended on
         self._listen_key: tuple[int, int] | None = None
@@ -424,6 +427,8 @@ class Worker:
             # noticed, with no broker traffic. (A timer, not wait_for: this runs after every
             # finished job.)
             timeout = self.config.hot_s
+            if self._rebalance_at is not None:
+                timeout = max(0.0, min(timeout, self._rebalance_at - time.monotonic()))
             timer = asyncio.get_running_loop().call_later(timeout, self._wake.set)
             try:
                 await self._wake.wait()
@@ -456,14 +461,17 @@ class Worker:
         if expired != self._expired_total or listen is not self._tidied:
             self._expired_total, self._tidied = expired, listen
             await self._tidy(listen)
+        self._rebalance_at = None
         free = self._free()
+        if self.scheduler.has_candidates():
+            self._forget_drained_backlog(now)
         if self.scheduler.has_candidates():
             if free <= 0:
                 free += await self._reclaim(now)
             free = await self._pull_backlog(free, now, listen)
             if self.scheduler.has_candidates():
                 return  # backlog left and no slot free: the next finished job pulls it
-        if free <= 0:
+        if free <= 0 and not any(p.waiting for p in self._pullers.values()):
             return
         # (A subject whose last request was refused, other replicas waiting there, is left to them.)
         pullers = []
@@ -473,16 +481,55 @@ class Worker:
                 puller = await self._puller(subject)
             if not self._standing_by(subject, puller, now):
                 pullers.append(puller)
-        ask = dict.fromkeys(pullers, 0)
-        for puller in pullers:  # a request waiting on each subject, own version's first
-            if free > 0 and not puller.busy:
-                ask[puller] = 1
-                free -= 1
-        takers = [p for p in pullers if ask[p] or p.waiting]
-        if free > 0 and takers:  # the rest where work came from last, in the same request if new
-            ask[max(takers, key=lambda p: p.last_delivery)] += free
-        for puller, batch in ask.items():
-            await puller.request(batch, wait_s=cfg.wait_pull_s)
+        if not pullers:
+            return
+        share = self._placement(pullers, cfg.capacity, now)
+        # Slots parked on a subject beyond its share come back once it has been quiet for
+        # rebalance_s (a cancel: protocol only), so they wait where work is expected. (Shares
+        # are of the whole capacity: a running job never moves another subject's slot.)
+        for puller in list(self._pullers.values()):
+            if puller.waiting and puller.outstanding > share.get(puller, 0):
+                if self._quiet(puller, now):
+                    await puller.cancel()
+        free = self._free()
+        for puller in pullers:
+            want = min(share[puller] - puller.outstanding, free)
+            if want > 0 and (puller.waiting or not puller.busy):
+                await puller.request(want, wait_s=cfg.wait_pull_s)
+                free -= want
+
+    def _quiet(self, puller: PullConsumer, now: float) -> bool:
+        """Nothing delivered for ``rebalance_s`` (nor asked for: a new request gets its chance);
+        if not yet, the pull loop wakes when it will be."""
+        quiet_at = max(puller.last_delivery, puller.requested_at) + self.config.rebalance_s
+        if now >= quiet_at:
+            return True
+        if self._rebalance_at is None or quiet_at < self._rebalance_at:
+            self._rebalance_at = quiet_at
+        return False
+
+    def _forget_drained_backlog(self, now: float) -> None:
+        """A subject known to have backlog whose waiting request got nothing for rebalance_s has
+        none left (others took it): stop treating it as backlog."""
+        for subject in self.scheduler.order(now):
+            puller = self._pullers.get(subject)
+            if puller is not None and puller.waiting and self._quiet(puller, now):
+                self.scheduler.note_empty(subject)
+
+    def _placement(self, pullers: list[PullConsumer], slots: int, now: float) -> dict[PullConsumer, int]:
+        """Where this worker's slots should wait: one on each subject in order (the version's
+        window first), the rest on the subject that delivered within ``rebalance_s``, else on
+        the newest ``min`` subject (where most work comes)."""
+        share = dict.fromkeys(pullers, 0)
+        for puller in pullers[: max(slots, 0)]:
+            share[puller] = 1
+        rest = slots - min(max(slots, 0), len(pullers))
+        if rest > 0:
+            recent = max(pullers, key=lambda p: p.last_delivery)
+            if now - recent.last_delivery > self.config.rebalance_s:
+                recent = next((p for p in pullers if p.consumer.startswith("min-")), pullers[0])
+            share[recent] += rest
+        return share
 
     async def _pull_backlog(self, free: int, now: float, listen: list[Subject]) -> int:
         """Pull known backlog, best subject first; returns the slots still free."""
