@@ -472,6 +472,9 @@ class RolloutClient:
         try:
             while True:
                 self._results_low.clear()
+                if puller.missing:  # no consumer leader answered (a fail-over): ask again shortly
+                    puller.missing = False
+                    await asyncio.sleep(0.25)
                 try:
                     if puller.outstanding <= _RESULTS_BATCH // 2 and (puller.waiting or not puller.busy):
                         await puller.request(_RESULTS_BATCH, wait_s=_RESULTS_WAIT_S)
