@@ -1,5 +1,6 @@
-"""Shared pieces of the fleet benchmarks (brokers and processes come from ``rollfleet.testing``):
-percentiles, CPU time, a streaming JetStream pull (the baseline's receive loop), and the baseline worker itself.
+"""Shared pieces of the fleet benchmarks (brokers, processes, CPU time and the broker's counters
+come from ``rollfleet.testing``): percentiles, machine load, a streaming JetStream pull (the
+baseline's receive loop), and the baseline worker itself.
 
 ``python -m benchmarks._fleet baseline-worker ...`` runs the baseline worker as its own process,
 so the baseline has the same process layout as rollfleet's ``rollfleet worker`` processes.
@@ -14,7 +15,6 @@ import json
 import os
 import signal
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -36,17 +36,6 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     rank = max(0, min(len(ordered) - 1, round(q / 100.0 * len(ordered) + 0.5) - 1))
     return ordered[rank]
-
-
-def cpu_seconds(pid: int | None = None) -> float:
-    """User + system CPU seconds of a process (all its threads) so far; this process by default."""
-    if pid is None:
-        return time.process_time()
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def machine_load() -> dict[str, float]:

@@ -22,6 +22,7 @@ class Row:
     higher_is_better: bool = True
     target: str = ""  # e.g. ">= 1.5x baseline"
     extra: dict[str, object] = field(default_factory=dict)
+    met: bool | None = None  # whether the target is met, judged by the bench on unrounded values
 
     @property
     def ratio(self) -> float | None:
@@ -29,11 +30,18 @@ class Row:
             return None
         return self.value / self.baseline  # type: ignore[operator]
 
+    @property
+    def verdict(self) -> str:
+        if not self.target or self.met is None:
+            return ""
+        return f"{'met' if self.met else 'MISSED'} ({self.target})"
+
     def line(self) -> str:
-        ratio = f"{self.ratio:.2f}x {self.baseline_name}" if self.ratio is not None else ""
-        base = f"{self.baseline:.4g}" if self.baseline is not None else "-"
+        # Ratios with four decimals: a 0.7958x must never read as a met ">= 0.8x".
+        ratio = f"{self.ratio:.4f}x {self.baseline_name}" if self.ratio is not None else ""
+        base = f"{self.baseline:.6g}" if self.baseline is not None else "-"
         head = f"{self.bench:<28} {self.case:<26} {self.metric:<12}"
-        return f"{head} {self.value:>12.4g} {base:>12} {ratio:<28} {self.target}"
+        return f"{head} {self.value:>12.6g} {base:>12} {ratio:<28} {self.verdict or self.target}"
 
 
 def header() -> str:
@@ -56,12 +64,16 @@ def write(name: str, rows: list[Row]) -> tuple[Path, Path]:
         "",
         f"{meta['when']} on {meta['machine']}",
         "",
+        "Values with six significant digits and ratios with four decimals; met/missed is judged on",
+        f"the unrounded values (in `{name}.json`).",
+        "",
         "| bench | case | metric | value | baseline | ratio | target |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ratio = f"{r.ratio:.2f}x {r.baseline_name}" if r.ratio is not None else ""
-        base = f"{r.baseline:.4g}" if r.baseline is not None else ""
-        lines.append(f"| {r.bench} | {r.case} | {r.metric} | {r.value:.4g} | {base} | {ratio} | {r.target} |")
+        ratio = f"{r.ratio:.4f}x {r.baseline_name}" if r.ratio is not None else ""
+        base = f"{r.baseline:.6g}" if r.baseline is not None else ""
+        target = r.verdict or r.target
+        lines.append(f"| {r.bench} | {r.case} | {r.metric} | {r.value:.6g} | {base} | {ratio} | {target} |")
     md.write_text("\n".join(lines) + "\n")
     return js, md

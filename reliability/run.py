@@ -221,8 +221,9 @@ A replica does not retry a version that failed on it; it waits for a newer one.
 **Losing one node of a 3-node cluster loses nothing** (R3 streams, consumers and buckets).
 Requests stall while the Raft groups on the request path elect new leaders (the fail-over:
 a few seconds with nats-server's default election timers), plus at most about 2 s for the
-pipeline to refill (a retried submit, a worker's 1 s poll, a client reconnect). Submissions
-during the fail-over raise `ServiceUnavailable` and are retried by the caller with the same
+pipeline to refill (a retried submit, pull requests renewed on a consumer leader change, a
+client reconnect); a job in flight to a worker through the lost node is redelivered after
+`ack_wait`. Submissions during the fail-over raise `ServiceUnavailable` and are retried by the caller with the same
 key. *Ends:* losing two of three nodes stops the request path (no quorum) until one returns.
 
 **Authentication and permissions.** With a config from `rollfleet permissions` (example:

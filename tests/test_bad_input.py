@@ -32,11 +32,12 @@ def _job_dict(**changes: object) -> dict:
     return msgspec.to_builtins(job) | changes
 
 
-async def store_raw(client: RolloutClient, names: Names, data: bytes, headers: dict[str, str]) -> None:
-    """Store bytes on min-0 as a (buggy or hostile) trainer would: the shared consumer, the job, the bell."""
+async def store_raw(client: RolloutClient, names: Names, data: bytes, headers: dict[str, str], worker_id: str) -> None:
+    """Store bytes on min-0 as a (buggy or hostile) trainer would: the shared consumer, the job,
+    the bell to the worker."""
     await ensure_job_consumer(client.js, names, "min", 0)
     await client.js.publish(names.job_subject("min", 0), data, headers=headers)
-    await client.nc.publish(names.bell_subject("min", 0), b"")
+    await client.nc.publish(names.bell_subject(worker_id), names.bell_payload("min", 0))
 
 
 CASES = {
@@ -58,7 +59,7 @@ async def test_bad_job_is_answered_terminated_and_the_next_job_served(nats_url: 
         await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
     ):
         headers = {HDR_MSG_ID: "bad-key", HDR_CLIENT_ID: "c"}
-        await store_raw(client, names, CASES[case], headers)
+        await store_raw(client, names, CASES[case], headers, worker.config.worker_id)
         with pytest.raises(InvalidRequest) as info:
             await client.result("bad-key", timeout=10)
         assert not info.value.retryable
@@ -79,7 +80,7 @@ async def test_bad_job_without_reply_address_is_terminated(nats_url: str, namesp
         running_worker(nats_url, namespace) as worker,
         await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
     ):
-        await store_raw(client, names, b"garbage with no headers", {})
+        await store_raw(client, names, b"garbage with no headers", {}, worker.config.worker_id)
         good = await client.submit(payload(), min_version=0)
         await good.result(10)
 

@@ -30,13 +30,26 @@ def _run(name: str) -> list[Row]:
 
 def test_request_path_quick() -> None:
     rows = _run("request_path")
-    _check(rows, {"request_path/throughput", "request_path/latency"})
+    _check(rows, {"request_path/throughput", "request_path/cpu", "request_path/latency"})
+    assert all(isinstance(r.met, bool) for r in rows if r.target)  # every target judged
     for r in rows:
         assert r.value > 0 and r.baseline is not None  # every figure has its same-run baseline
         if r.bench == "request_path/latency":
             assert r.value < 5_000, r  # ms with one job in flight: a hang would show here, not a slow box
     tput = next(r for r in rows if r.bench == "request_path/throughput")
     assert tput.extra["cpu_ms_per_job_client"] > 0  # type: ignore[operator]
+
+
+def test_scale_quick() -> None:
+    rows = _run("scale")
+    _check(rows, {"scale/idle", "scale/load", "scale/convergence", "scale/cluster"})
+    assert all(isinstance(r.met, bool) for r in rows if r.target)
+    idle_api = [r for r in rows if r.bench == "scale/idle" and r.metric == "API req/s"]
+    assert idle_api and all(r.value >= 0 for r in idle_api)
+    load = [r for r in rows if r.bench == "scale/load" and r.metric == "jobs/s"]
+    assert load and all(r.value > 0 and r.extra["lost"] == 0 for r in load)  # type: ignore[index]
+    failover = next(r for r in rows if r.metric == "stall s")
+    assert failover.extra["killed"].startswith("rf-node-")  # type: ignore[union-attr]
 
 
 def test_activation_quick() -> None:

@@ -132,14 +132,21 @@ async def test_exact_job_submitted_during_a_slow_pause_is_never_served_at_the_ne
 async def test_at_most_once_jobs_handed_back_unrun_are_served_not_interrupted(
     nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
 ) -> None:
-    """A replica that moved on still has a pull request waiting on exact-0: the jobs it receives
-    there it hands back unrun, and the replica at 0 serves every one of them."""
+    """A replica that moved on still has a pull request waiting on exact-0 (its cancel lost the
+    race with deliveries; simulated by a cancel that never reaches the broker): the jobs it
+    receives there it hands back unrun, and the replica at 0 serves every one of them."""
     async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", fail_fast=False) as client:
         await client.publish_policy(publisher, tensors_at(0))
         # Pull requests wait 10 s at the broker, so a's request on exact-0 outlives its activation.
         async with running_worker(nats_url, namespace, **follower(tmp_path, "a", wait_pull_s=10.0)) as a:
             await (await client.submit(long_job(3), exact_version=0)).result(10)  # exact-0 exists, and is hot
             await wait_until(lambda: (p := a._pullers.get(("exact", 0))) is not None and p.busy, 10)
+            stale = a._pullers[("exact", 0)]
+
+            async def lost() -> None:
+                return None
+
+            stale.cancel = stale.close = lost  # type: ignore[method-assign]
             await client.publish_policy(publisher, tensors_at(1))
             await wait_until(lambda: a.version == 1, 10)
             handles = [

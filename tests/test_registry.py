@@ -37,14 +37,21 @@ async def test_workers_register_and_heartbeat(nats_url: str, namespace: str) -> 
 
 
 async def test_dead_worker_goes_stale_and_client_fails_fast(nats_url: str, namespace: str) -> None:
+    """The promise: a replica that dies without deregistering stops counting as compatible
+    within 3 heartbeat intervals (at least 1 s) of its last registry refresh."""
     async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
-        async with running_worker(nats_url, namespace, version=1, worker_id="dies", heartbeat_s=0.3) as worker:
+        async with running_worker(nats_url, namespace, version=1, worker_id="dies", heartbeat_s=0.4) as worker:
             await wait_until(lambda: len(client.fleet.replicas()) == 1)
             # Simulate death: stop heartbeats without deregistering.
-            assert worker.registration is not None and worker.registration._task is not None
-            worker.registration._task.cancel()
-            worker.registration._kv = None  # its final delete is lost too
+            registration = worker.registration
+            assert registration is not None and registration._task is not None
+            registration._task.cancel()
+            registration._kv = None  # its final delete is lost too
+            await wait_until(lambda: client.fleet.replicas()[0].heartbeat_at == registration.status.heartbeat_at)
+            bound = registration.status.heartbeat_at + registration.status.stale_after_s()
+            assert registration.status.stale_after_s() == pytest.approx(1.2)
             await wait_until(lambda: not client.fleet.replicas(), timeout=5)
+            assert time.time() <= bound + 0.5  # gone within the bound (plus this loop's polling)
             assert client.fleet.replicas(live_only=False)[0].worker_id == "dies"  # still there, but stale
             t0 = time.monotonic()
             handle = await client.submit(payload(), min_version=1)

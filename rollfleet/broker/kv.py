@@ -25,21 +25,22 @@ async def read_latest(policy_kv: KeyValue) -> int | None:
     return int(entry.value or b"0")
 
 
-async def read_replicas(fleet_kv: KeyValue) -> dict[str, ReplicaStatus]:
-    """Every registry entry (live or stale), by worker id; undecodable entries are skipped."""
-    try:
-        keys = await fleet_kv.keys()
-    except nats.js.errors.NoKeysError:
-        return {}
+async def read_replicas(fleet_kv: KeyValue, timeout: float = 10.0) -> dict[str, ReplicaStatus]:
+    """Every registry entry (live or stale), by worker id; undecodable entries are skipped.
+
+    One snapshot: a watcher delivers the newest value of every key and stops (one consumer
+    created on the broker), instead of listing the keys and reading each one."""
+    watcher = await fleet_kv.watch(Names.REPLICA_KEYS, ignore_deletes=True)
     replicas: dict[str, ReplicaStatus] = {}
-    for key in keys:
-        if not key.startswith(Names.REPLICA_PREFIX):
-            continue  # the bucket also holds client leases
-        with suppress(nats.js.errors.KeyNotFoundError, InvalidRequest):
-            entry = await fleet_kv.get(key)
+    try:
+        while (entry := await watcher.updates(timeout=timeout)) is not None:
             if entry.value:
-                status = decode(entry.value, ReplicaStatus, what="replica status")
-                replicas[status.worker_id] = status
+                with suppress(InvalidRequest):
+                    status = decode(entry.value, ReplicaStatus, what="replica status")
+                    replicas[status.worker_id] = status
+    finally:
+        with suppress(Exception):
+            await watcher.stop()
     return replicas
 
 

@@ -24,6 +24,7 @@ def _streams(n: Names) -> dict[str, str]:
         "policy": f"KV_{n.policy_bucket}",
         "fleet": f"KV_{n.fleet_bucket}",
         "claims": f"KV_{n.claims_bucket}",
+        "sessions": f"KV_{n.sessions_bucket}",
     }
 
 
@@ -33,15 +34,17 @@ def trainer_permissions(n: Names) -> dict[str, dict[str, list[str]]]:
         f"{root}.jobs.>",
         f"{root}.bell.>",
         n.versions_published,
+        n.consumers_declared,
         f"{root}.client.>",
         f"$KV.{n.policy_bucket}.>",
         f"$KV.{n.fleet_bucket}.client.>",
+        f"$KV.{n.sessions_bucket}.>",
         "$JS.API.INFO",
         *(f"$JS.API.STREAM.*.{stream}" for stream in s.values()),
         f"$JS.API.STREAM.MSG.*.{s['jobs']}",
-        *(f"$JS.API.STREAM.MSG.GET.{s[k]}" for k in ("results", "policy", "fleet")),
+        *(f"$JS.API.STREAM.MSG.GET.{s[k]}" for k in ("results", "policy", "fleet", "sessions")),
         f"$JS.API.DIRECT.GET.{s['results']}",
-        *(f"$JS.API.DIRECT.GET.{s[k]}.>" for k in ("results", "policy", "fleet")),
+        *(f"$JS.API.DIRECT.GET.{s[k]}.>" for k in ("results", "policy", "fleet", "sessions")),
         *(f"$JS.API.CONSUMER.*.{s[k]}.>" for k in ("jobs", "results", "events", "policy", "fleet")),
         *(f"$JS.API.CONSUMER.CREATE.{s[k]}" for k in ("policy", "fleet")),  # KV watchers (ephemeral)
         *(f"$JS.API.CONSUMER.DURABLE.CREATE.{s[k]}.>" for k in ("jobs", "results")),
@@ -52,7 +55,14 @@ def trainer_permissions(n: Names) -> dict[str, dict[str, list[str]]]:
     ]
     return {
         "publish": {"allow": allow, "deny": ["rf.*.results.>", f"$KV.{n.fleet_bucket}.replica.>"]},
-        "subscribe": {"allow": [f"{n.inbox_prefix('trainer')}.>", f"{root}.versions.>", f"{root}.client.>"]},
+        "subscribe": {
+            "allow": [
+                f"{n.inbox_prefix('trainer')}.>",
+                f"{root}.versions.>",
+                f"{root}.client.>",
+                n.consumer_leader_advisory(s["results"]),  # a fail-over: re-request results at once
+            ]
+        },
     }
 
 
@@ -82,6 +92,7 @@ def worker_permissions(n: Names, worker_id: str) -> dict[str, dict[str, list[str
     deny = [
         "rf.*.jobs.>",
         "rf.*.versions.published",
+        "rf.*.consumers.declared",
         f"$KV.{n.policy_bucket}.>",
         "$JS.API.STREAM.CREATE.>",
         "$JS.API.STREAM.UPDATE.>",
@@ -92,7 +103,13 @@ def worker_permissions(n: Names, worker_id: str) -> dict[str, dict[str, list[str
         f"$JS.API.CONSUMER.DURABLE.CREATE.{s['jobs']}.>",
         "$JS.API.CONSUMER.DELETE.>",
     ]
-    subscribe = [f"{n.inbox_prefix('worker')}.>", f"{root}.bell.>", f"{root}.versions.>"]
+    subscribe = [
+        f"{n.inbox_prefix('worker')}.>",
+        n.bell_subject(worker_id),  # its own wake-ups only
+        n.consumers_declared,
+        f"{root}.versions.>",
+        n.consumer_leader_advisory(s["jobs"]),  # a fail-over: its waiting pull requests are gone
+    ]
     return {"publish": {"allow": allow, "deny": deny}, "subscribe": {"allow": subscribe}}
 
 

@@ -7,10 +7,15 @@ the worker), so a retry never stores a second copy.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+import weakref
+from typing import Any
 
+import msgspec
 import nats.errors
-import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
@@ -20,6 +25,94 @@ from rollfleet.schemas.errors import InvalidRequest, ServiceUnavailable
 log = get_logger("rollfleet.broker.publish")
 
 ATTEMPT_S = 1.5
+_SWEEP_S = 0.25  # an attempt gives up between ATTEMPT_S and ATTEMPT_S + this
+
+
+class _Ack(msgspec.Struct):
+    stream: str = ""
+    seq: int = 0
+    duplicate: bool = False
+    error: dict[str, Any] | None = None
+
+
+class _Retry(Exception):
+    """An attempt that may succeed later: no answer in time, no responders, a broker-side error."""
+
+
+class _AckedPublisher:
+    """JetStream publishes that wait for the store's acknowledgement, all over one reply
+    subscription of the connection: what ``js.publish`` does, with a counter for reply tokens,
+    one sweep over the open attempts (four times a second, only while some are open) instead of
+    a timer each, and the acknowledgement decoded by msgspec. It sits on the request path of
+    every job and every result."""
+
+    def __init__(self, nc: NATS) -> None:
+        self._nc = nc
+        self._prefix = nc.new_inbox()
+        self._tokens = itertools.count()
+        self._waiting: dict[str, tuple[asyncio.Future[Msg], float]] = {}  # token -> (future, deadline)
+        self._sweeper: asyncio.Task[None] | None = None
+        self._started: asyncio.Future[None] | None = None
+
+    async def start(self) -> None:
+        if self._started is None:
+            self._started = asyncio.get_running_loop().create_future()
+            try:
+                await self._nc.subscribe(self._prefix + ".*", cb=self._on_reply)
+            except BaseException as exc:
+                self._started.set_exception(exc)
+                self._started = None
+                raise
+            self._started.set_result(None)
+        await self._started
+
+    async def _on_reply(self, msg: Msg) -> None:
+        waiting = self._waiting.pop(msg.subject[len(self._prefix) + 1 :], None)
+        if waiting is not None and not waiting[0].done():
+            waiting[0].set_result(msg)
+
+    async def _sweep(self) -> None:
+        while self._waiting:
+            await asyncio.sleep(_SWEEP_S)
+            now = time.monotonic()
+            for token in [t for t, (_, deadline) in self._waiting.items() if deadline <= now]:
+                future, _ = self._waiting.pop(token)
+                if not future.done():
+                    future.set_exception(_Retry(f"no acknowledgement within {ATTEMPT_S}s"))
+        self._sweeper = None
+
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str], timeout: float) -> PubAck:
+        token = str(next(self._tokens))
+        future: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+        self._waiting[token] = (future, time.monotonic() + timeout)
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep())
+        try:
+            await self._nc.publish(subject, data, reply=f"{self._prefix}.{token}", headers=headers)
+            reply = await future
+        finally:
+            self._waiting.pop(token, None)
+        if reply.headers and reply.headers.get("Status") == "503":
+            raise _Retry("no stream answered (no responders)")
+        ack = msgspec.json.decode(reply.data, type=_Ack)
+        if ack.error is not None:
+            description = ack.error.get("description", ack.error)
+            if ack.error.get("code") == 400:
+                raise InvalidRequest(f"broker refused the message: {description}")
+            raise _Retry(f"broker error: {description}")
+        return PubAck(stream=ack.stream, seq=ack.seq, duplicate=ack.duplicate)
+
+
+_publishers: weakref.WeakKeyDictionary[NATS, _AckedPublisher] = weakref.WeakKeyDictionary()
+
+
+async def _publisher(js: JetStreamContext) -> _AckedPublisher:
+    nc: NATS = js._nc
+    publisher = _publishers.get(nc)
+    if publisher is None:
+        publisher = _publishers[nc] = _AckedPublisher(nc)
+    await publisher.start()
+    return publisher
 
 
 async def publish_retrying(
@@ -35,12 +128,13 @@ async def publish_retrying(
     attempt = 0
     while True:
         try:
-            return await js.publish(subject, data, headers=headers, timeout=ATTEMPT_S)
-        except nats.js.errors.BadRequestError as exc:
-            raise InvalidRequest(f"broker refused the message: {exc.description}") from exc
+            publisher = await _publisher(js)
+            return await publisher.publish(subject, data, headers, ATTEMPT_S)
+        except InvalidRequest:
+            raise
         except nats.errors.MaxPayloadError as exc:
             raise InvalidRequest(f"message of {len(data)} bytes is over the broker's max_payload") from exc
-        except (nats.errors.Error, nats.js.errors.Error) as exc:
+        except (_Retry, nats.errors.Error, OSError) as exc:  # or the connection's errors while it reconnects
             if time.time() >= until:
                 raise ServiceUnavailable(f"cannot store the message on {subject}: {exc}") from exc
             log.debug("publish failed; retrying", subject=subject, attempt=attempt, error=str(exc))

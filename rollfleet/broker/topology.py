@@ -34,12 +34,16 @@ class TopologyConfig(msgspec.Struct, kw_only=True, frozen=True):
     events_max_age_s: float = 24 * 3600.0
     max_msg_bytes: int = 4 * 1024 * 1024
     jobs_max_bytes: int = 1024**3  # reserved per namespace on the broker's file store
-    # Per jobs consumer: how many jobs may be held unacked across the fleet, and how many
-    # pull requests may wait. Sized for fleet_slots (sum of worker capacities) with headroom.
+    # Per jobs consumer: how many jobs may be held unacked across the fleet (the sum of the
+    # capacities of the replicas serving it, with headroom), and how many pull requests may
+    # wait. The broker's work per delivered job grows with the requests waiting on its consumer,
+    # so this bounds it whatever the fleet size: past it, replicas stand by (a refused request
+    # is not renewed until a bell calls them in; clients ring when jobs wait unpulled).
     fleet_slots: int = 4096
-    max_waiting: int = 4096
+    max_waiting: int = 128
     consumer_inactive_s: float = 6 * 3600.0  # idle per-version consumers are cleaned up
     fleet_entry_ttl_s: float = 3600.0  # the registry forgets a replica entry untouched this long
+    session_record_ttl_s: float = 24 * 3600.0  # session records untouched this long are removed
     policy_history: int = 1
 
     def job_consumer_config(self, names: Names, kind: ConstraintKind, version: int) -> ConsumerConfig:
@@ -53,6 +57,22 @@ class TopologyConfig(msgspec.Struct, kw_only=True, frozen=True):
             ack_wait=self.ack_wait_s,
             max_deliver=self.max_deliver,
             max_ack_pending=self.fleet_slots,
+            max_waiting=self.max_waiting,
+            inactive_threshold=self.consumer_inactive_s,
+            num_replicas=self.replicas if self.replicas > 1 else None,
+        )
+
+    def replica_consumer_config(self, names: Names, worker_id: str) -> ConsumerConfig:
+        """One replica's own jobs subject (sessions' sticky turns); removed when idle."""
+        name = names.replica_consumer(worker_id)
+        return ConsumerConfig(
+            name=name,
+            durable_name=name,
+            filter_subject=names.replica_job_subject(worker_id),
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=self.ack_wait_s,
+            max_deliver=self.max_deliver,
             max_waiting=self.max_waiting,
             inactive_threshold=self.consumer_inactive_s,
             num_replicas=self.replicas if self.replicas > 1 else None,
@@ -120,6 +140,7 @@ def _bucket_configs(names: Names, cfg: TopologyConfig) -> list[KeyValueConfig]:
             history=cfg.policy_history,
             storage=StorageType.FILE,
             replicas=cfg.replicas,
+            direct=True,  # reads of `latest` (catch-up, resync) are direct gets, not JetStream API requests
         ),
         KeyValueConfig(
             bucket=names.claims_bucket,
@@ -127,6 +148,13 @@ def _bucket_configs(names: Names, cfg: TopologyConfig) -> list[KeyValueConfig]:
             # A claim matters while its job can be redelivered: within the job's deadline and
             # its redeliveries, both bounded well inside the duplicate window.
             ttl=max(cfg.duplicate_window_s, cfg.ack_wait_s * cfg.max_deliver),
+            storage=StorageType.FILE,
+            replicas=cfg.replicas,
+        ),
+        KeyValueConfig(
+            bucket=names.sessions_bucket,
+            history=1,
+            ttl=cfg.session_record_ttl_s,  # a backstop: a session's own ttl is in its record
             storage=StorageType.FILE,
             replicas=cfg.replicas,
         ),
@@ -169,12 +197,32 @@ async def ensure_job_consumer(
     js: JetStreamContext, names: Names, kind: ConstraintKind, version: int, cfg: TopologyConfig = DEFAULT_TOPOLOGY
 ) -> str:
     """The shared durable pull consumer of one jobs subject (created on first use)."""
-    name = names.job_consumer(kind, version)
+    await declare_job_consumer(js, names, kind, version, cfg)
+    return names.job_consumer(kind, version)
+
+
+async def declare_job_consumer(
+    js: JetStreamContext, names: Names, kind: ConstraintKind, version: int, cfg: TopologyConfig = DEFAULT_TOPOLOGY
+) -> bool:
+    """Create the shared consumer of a jobs subject if missing; True if this call created it."""
     try:
-        await js.consumer_info(names.jobs_stream, name)
+        await js.consumer_info(names.jobs_stream, names.job_consumer(kind, version))
     except nats.js.errors.NotFoundError:
         await js.add_consumer(names.jobs_stream, cfg.job_consumer_config(names, kind, version))
-    return name
+        return True
+    return False
+
+
+async def declare_replica_consumer(
+    js: JetStreamContext, names: Names, worker_id: str, cfg: TopologyConfig = DEFAULT_TOPOLOGY
+) -> bool:
+    """Create one replica's own consumer if missing (the trainer does; the replica binds)."""
+    try:
+        await js.consumer_info(names.jobs_stream, names.replica_consumer(worker_id))
+    except nats.js.errors.NotFoundError:
+        await js.add_consumer(names.jobs_stream, cfg.replica_consumer_config(names, worker_id))
+        return True
+    return False
 
 
 async def bind_job_consumer(js: JetStreamContext, names: Names, kind: ConstraintKind, version: int) -> str | None:

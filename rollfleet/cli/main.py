@@ -19,6 +19,16 @@ from rollfleet.schemas.errors import InvalidRequest, RollfleetError
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -95,7 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-id", default=None)
     p.add_argument("--version", type=int, default=None, help="serve this fixed version (no policy following)")
     p.add_argument("--capacity", type=_positive_int, default=4, help="jobs run at once")
-    p.add_argument("--heartbeat", type=float, default=2.0, help="registry heartbeat seconds")
+    p.add_argument(
+        "--heartbeat",
+        type=float,
+        default=20.0,
+        help="registry refresh seconds; a replica silent for 3 of these stops counting as live",
+    )
     p.add_argument("--store", default=None, help="policy store to follow (published versions)")
     p.add_argument("--local-dir", default=None, help="host-local checkpoint directory (with --store)")
     p.add_argument("--model-dir", default=None, help="serve this fixed checkpoint (without --store)")
@@ -106,8 +121,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prepare-timeout", type=float, default=1800.0, help="with --store: seconds before a prepare counts as stuck"
     )
+    p.add_argument(
+        "--follow-versions", action="store_true", help="without --store (echo): activate each committed version"
+    )
     p.add_argument("--echo-latency", type=float, default=0.0, help="echo engine: seconds per job")
     p.add_argument("--echo-token-latency", type=float, default=0.0, help="echo engine: seconds per token")
+    p.add_argument(
+        "--echo-prefill-latency", type=float, default=0.0, help="echo engine: seconds per prompt token not cached"
+    )
+    p.add_argument(
+        "--session-cache-mb",
+        type=_non_negative_float,
+        default=2048.0,
+        help="echo, hf: memory for sessions' cached contexts (0: none)",
+    )
+    p.add_argument(
+        "--session-ttl",
+        type=_non_negative_float,
+        default=600.0,
+        help="echo, hf: drop a session's context idle this long",
+    )
     p.add_argument("--device", default="auto", help="hf engine: cpu, cuda, auto")
     p.add_argument("--dtype", default=None, help="hf engine: float32, bfloat16 (default: the checkpoint's)")
     p.add_argument("--max-batch", type=int, default=32, help="hf engine: sequences decoded together")
@@ -237,10 +270,12 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     from rollfleet.workers.worker import Worker, WorkerConfig, default_worker_id
 
     options: dict[str, Any] = {}
+    sessions = {"session_cache_bytes": int(args.session_cache_mb * 1024**2), "session_ttl_s": args.session_ttl}
     if args.engine == "echo":
         options = {"latency_s": args.echo_latency, "per_token_s": args.echo_token_latency}
+        options |= {"prefill_s_per_token": args.echo_prefill_latency, **sessions}
     elif args.engine == "hf":
-        options = {"device": args.device, "dtype": args.dtype, "max_batch": args.max_batch}
+        options = {"device": args.device, "dtype": args.dtype, "max_batch": args.max_batch, **sessions}
     elif args.engine == "sglang":
         options = {"url": args.sglang_url, "launch_args": list(args.sglang_arg)}
         if args.sglang_pull_dir:
@@ -262,7 +297,8 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         store_dir=Path(args.store) if args.store else None,
         local_dir=Path(args.local_dir) if args.local_dir else None,
         model_dir=Path(args.model_dir) if args.model_dir else None,
-        catch_up_wait_s=args.catch_up_wait,
+        follow_versions=args.follow_versions,
+        catch_up_wait_s=args.catch_up_wait if args.store else 0.0,
         pre_read_hook=args.pre_read_hook,
         prepare_timeout_s=args.prepare_timeout,
         metrics_port=args.metrics_port,

@@ -57,7 +57,7 @@ def render_table(snapshot: dict[str, Any]) -> str:
     if not snapshot.get("declared"):
         return f"namespace {snapshot['namespace']}: not declared on this broker"
     lines = [f"namespace {snapshot['namespace']}   latest published version: {snapshot['latest_version']}", ""]
-    cols = ("worker", "state", "active", "preparing", "in flight", "capacity", "heartbeat", "engine")
+    cols = ("worker", "state", "active", "preparing", "in flight", "capacity", "sessions", "heartbeat", "engine")
     rows = [
         (
             r["worker_id"],
@@ -66,6 +66,7 @@ def render_table(snapshot: dict[str, Any]) -> str:
             "-" if r["preparing_version"] is None else str(r["preparing_version"]),
             str(r["in_flight"]),
             str(r["capacity"]),
+            str(r.get("sessions", 0)),
             f"{r['heartbeat_age_s']}s ago",
             r["engine"],
         )

@@ -60,6 +60,20 @@ class IdempotencyConflict(RollfleetError):
     retryable = False
 
 
+class UnknownSession(RollfleetError):
+    """No open session has this id (never opened, closed, or expired after its ttl)."""
+
+    code = "unknown_session"
+    retryable = False
+
+
+class SessionConflict(RollfleetError):
+    """The session exists with other settings, or the turn is out of order."""
+
+    code = "session_conflict"
+    retryable = False
+
+
 class ClientIdInUse(RollfleetError):
     """Another live client holds this client_id; two would split its results between them."""
 

@@ -16,6 +16,7 @@ import msgspec
 SCHEMA_VERSION = 1
 
 RetryPolicy = Literal["replayable", "at_most_once"]
+VersionPolicy = Literal["pinned", "monotonic", "free"]  # how a session's turns choose versions
 ConstraintKind = Literal["min", "exact"]
 FinishReason = Literal["stop", "length", "abort"]
 ReplicaState = Literal["starting", "ready", "preparing", "activating", "degraded", "draining", "stopped"]
@@ -195,6 +196,7 @@ class ReplicaStatus(msgspec.Struct, kw_only=True):
     pid: int = 0
     metrics_url: str | None = None
     jobs_done: int = 0
+    sessions: int = 0  # sessions whose context this replica's engine holds (prefix cache)
 
     def stale_after_s(self) -> float:
         return max(3.0 * self.heartbeat_interval_s, 1.0)
@@ -213,6 +215,28 @@ class ReplicaStatus(msgspec.Struct, kw_only=True):
             return False  # it takes no more exact jobs for the version it is leaving
         # A starting replica serves nothing yet; only what it is preparing counts.
         return self.state != "starting" and constraint.allows(self.active_version)
+
+
+class SessionRecord(msgspec.Struct, kw_only=True):
+    """An open session, as stored in the sessions bucket under ``s.<session_id>``: its settings
+    (a reopened session must ask for the same ones) and its progress."""
+
+    session_id: str
+    client_id: str
+    version_policy: VersionPolicy
+    min_version: int | None = None
+    exact_version: int | None = None
+    max_staleness: int | None = None
+    retry_policy: RetryPolicy = "replayable"
+    ttl_s: float = 600.0
+    next_turn: int = 0  # turns 0 .. next_turn-1 were submitted (each answered once, by its key)
+    last_version: int | None = None  # pinned: the pin; monotonic: the newest version a turn ran at
+    replica: str | None = None  # the replica that served the last turn (where its context is)
+    opened_at: float = 0.0
+    touched_at: float = 0.0
+
+    def settings(self) -> tuple[object, ...]:
+        return (self.version_policy, self.min_version, self.exact_version, self.max_staleness, self.retry_policy)
 
 
 class VersionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):

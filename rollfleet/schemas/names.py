@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.schemas.messages import ConstraintKind
@@ -19,6 +20,18 @@ _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 HDR_MSG_ID = "Nats-Msg-Id"
 HDR_CLIENT_ID = "Rf-Client-Id"
 
+# An idle replica at version w keeps a pull request waiting on each of the first `capacity`
+# subjects of its window: exact-w, then min-v for the LISTENED_MIN_VERSIONS newest v <= w (all
+# four with the default capacity). A job on one of those reaches it without a wake-up; clients
+# ring a bell only for jobs on a subject no live replica listens on.
+LISTENED_MIN_VERSIONS = 3
+
+
+def listened_subjects(version: int) -> list[tuple[ConstraintKind, int]]:
+    """The subjects a replica at ``version`` always listens on, most constrained first."""
+    window: list[tuple[ConstraintKind, int]] = [("min", v) for v in range(version, version - LISTENED_MIN_VERSIONS, -1)]
+    return [("exact", version), *[s for s in window if s[1] >= 0]]
+
 
 def check_token(value: str, what: str) -> str:
     """A subject token: letters, digits, '-', '_' (no dots or wildcards)."""
@@ -30,6 +43,16 @@ def check_token(value: str, what: str) -> str:
 def key_token(idempotency_key: str) -> str:
     """A subject-safe, fixed-size token for an arbitrary idempotency key."""
     return hashlib.blake2b(idempotency_key.encode(), digest_size=16).hexdigest()
+
+
+@lru_cache(maxsize=4096)
+def _parse_constraint(prefix: str, subject: str) -> tuple[ConstraintKind, int] | None:
+    if not subject.startswith(prefix):
+        return None
+    parts = subject[len(prefix) :].split(".")
+    if len(parts) != 2 or parts[0] not in ("min", "exact") or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -65,27 +88,65 @@ class Names:
 
     def parse_job_subject(self, subject: str) -> tuple[ConstraintKind, int] | None:
         """``(kind, version)`` of a jobs subject; None for anything else."""
-        return self._parse_constraint(f"{self._root}.jobs.", subject)
+        return _parse_constraint(f"{self._root}.jobs.", subject)
 
-    def _parse_constraint(self, prefix: str, subject: str) -> tuple[ConstraintKind, int] | None:
-        if not subject.startswith(prefix):
+    def bell_subject(self, worker_id: str) -> str:
+        """One replica's wake-up: a core-NATS message that names a jobs subject with work on it.
+        A client rings one replica that can serve the subject, never the whole fleet."""
+        return f"{self._root}.bell.{check_token(worker_id, 'worker_id')}"
+
+    @staticmethod
+    def bell_payload(kind: ConstraintKind, version: int, *, stalled: bool = False) -> bytes:
+        """``stalled``: the client saw jobs there and no pull request waiting for them."""
+        return f"{kind}.{int(version)}{'.stalled' if stalled else ''}".encode()
+
+    @staticmethod
+    def parse_bell_payload(data: bytes) -> tuple[tuple[ConstraintKind, int], bool] | None:
+        """``((kind, version), stalled)`` of a bell; None for anything else."""
+        text = data.decode(errors="replace")
+        stalled = text.endswith(".stalled")
+        subject = _parse_constraint("", text.removesuffix(".stalled"))
+        return None if subject is None else (subject, stalled)
+
+    # -- sessions: a replica's own jobs subject, session records --------------------------------
+    def replica_job_subject(self, worker_id: str) -> str:
+        """Jobs for one replica only (a session's next turn where its context is cached); in the
+        jobs stream, outside every ``min``/``exact`` subject."""
+        return f"{self._root}.jobs.replica.{check_token(worker_id, 'worker_id')}"
+
+    @staticmethod
+    def replica_consumer(worker_id: str) -> str:
+        return f"replica-{check_token(worker_id, 'worker_id')}"
+
+    REPLICA_BELL = b"replica"  # a bell saying: a job waits on your own subject
+
+    @staticmethod
+    def end_session_payload(session_id: str) -> bytes:
+        """A bell saying: drop this session's cached context (the session ended)."""
+        return f"end.{check_token(session_id, 'session_id')}".encode()
+
+    @staticmethod
+    def parse_end_session(data: bytes) -> str | None:
+        text = data.decode(errors="replace")
+        if not text.startswith("end."):
             return None
-        parts = subject[len(prefix) :].split(".")
-        if len(parts) != 2 or parts[0] not in ("min", "exact") or not parts[1].isdigit():
-            return None
-        return parts[0], int(parts[1])  # type: ignore[return-value]
+        session_id = text[4:]
+        return session_id if _TOKEN.match(session_id) else None
 
     @property
-    def bell_wildcard(self) -> str:
-        return f"{self._root}.bell.>"
+    def sessions_bucket(self) -> str:
+        """Open sessions of this namespace (key ``s.<session_id>``): settings and progress."""
+        return f"RF_{self._up}_SESSIONS"
 
-    def bell_subject(self, kind: ConstraintKind, version: int) -> str:
-        """Core-NATS wake-up rung after a job is stored, so idle workers pull at once."""
-        return f"{self._root}.bell.{kind}.{int(version)}"
+    @staticmethod
+    def session_key(session_id: str) -> str:
+        return f"s.{check_token(session_id, 'session_id')}"
 
-    def parse_bell_subject(self, subject: str) -> tuple[ConstraintKind, int] | None:
-        """``(kind, version)`` of the jobs subject a bell rings for; None for anything else."""
-        return self._parse_constraint(f"{self._root}.bell.", subject)
+    @staticmethod
+    def consumer_leader_advisory(stream: str) -> str:
+        """The broker's announcement that a consumer of ``stream`` has a new leader: pull
+        requests held by the old one are gone (a cluster fail-over)."""
+        return f"$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.{stream}.*"
 
     # -- results -----------------------------------------------------------------------------
     @property
@@ -147,6 +208,7 @@ class Names:
         return f"client.{check_token(client_id, 'client_id')}"
 
     REPLICA_PREFIX = "replica."
+    REPLICA_KEYS = "replica.>"
 
     @staticmethod
     def replica_key(worker_id: str) -> str:
@@ -167,3 +229,8 @@ class Names:
     @property
     def versions_activated(self) -> str:
         return f"{self._root}.versions.activated"
+
+    @property
+    def consumers_declared(self) -> str:
+        """The trainer declared job consumers (workers only bind): look up missing ones again."""
+        return f"{self._root}.consumers.declared"

@@ -5,11 +5,14 @@ Everything here drives real parts: a real nats-server (the embedded broker, or t
 bounded; processes are stopped by PID, politely first.
 
 - waiting: :func:`wait_until`
-- brokers: :func:`temp_broker`, :func:`start_cluster` / :class:`LocalCluster`, :func:`render_config`
+- brokers: :func:`temp_broker`, :func:`start_cluster` / :class:`LocalCluster`, :func:`render_config`;
+  a node loss: :func:`kill_stream_leader`, :func:`wait_failover`
 - workers: :func:`running_worker` (in this process), :func:`start_worker_process`,
   :class:`ProcessGroup` (named child processes with log files), :class:`LocalFleet`
 - stopping: :func:`terminate`, :func:`stop_all`
 - weights: :func:`write_base_checkpoint`, :func:`tensors_at` (a model-free checkpoint and trainer)
+- measuring the broker: :func:`temp_broker` with ``monitor=True``, :func:`broker_counters`,
+  :class:`BrokerCounters` (messages in/out, JetStream API requests, CPU), :func:`cpu_seconds`
 """
 
 from rollfleet.cli.local_fleet import LocalFleet
@@ -21,10 +24,13 @@ from rollfleet.testing.cluster import (
     LocalCluster,
     NatsProcess,
     cluster_port_map,
+    kill_stream_leader,
     make_dev_certs,
     render_config,
     start_cluster,
+    wait_failover,
 )
+from rollfleet.testing.monitor import BrokerCounters, Counters, cpu_seconds
 from rollfleet.testing.processes import (
     ProcessGroup,
     check_alive,
@@ -36,21 +42,26 @@ from rollfleet.testing.processes import (
 )
 from rollfleet.testing.waiting import WaitTimeout, wait_until
 from rollfleet.testing.weights import expected_digest, local_digest, tensors_at, write_base_checkpoint
-from rollfleet.testing.workers import running_worker, temp_broker
+from rollfleet.testing.workers import broker_counters, running_worker, temp_broker
 
 __all__ = [
     "CLUSTER_PORTS",
     "LEAF_PORTS",
     "NODES",
+    "BrokerCounters",
+    "Counters",
     "LocalCluster",
     "LocalFleet",
     "NatsProcess",
     "ProcessGroup",
     "WaitTimeout",
+    "broker_counters",
     "check_alive",
     "cluster_port_map",
+    "cpu_seconds",
     "die_with_parent",
     "expected_digest",
+    "kill_stream_leader",
     "local_digest",
     "make_dev_certs",
     "render_config",
@@ -63,6 +74,7 @@ __all__ = [
     "temp_broker",
     "tensors_at",
     "terminate",
+    "wait_failover",
     "wait_until",
     "worker_command",
     "write_base_checkpoint",

@@ -7,16 +7,21 @@ store directory moved under a temporary directory; nothing else changes.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
-from collections.abc import Mapping
+import time
+from collections.abc import Iterable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rollfleet.broker import check_server_binary, free_port
 from rollfleet.broker.server import wait_for_port
 from rollfleet.runtime.processes import terminate
+from rollfleet.schemas import Names
 
 NODES = ("a", "b", "c")
 
@@ -149,6 +154,55 @@ def start_cluster(workdir: Path, cluster_dir: Path) -> LocalCluster:
         cluster.stop()
         raise
     return cluster
+
+
+async def kill_stream_leader(cluster: LocalCluster, js: Any, stream: str) -> str:
+    """SIGKILL the node whose server leads ``stream``; returns that server's name."""
+    info = await js.stream_info(stream)
+    leader = info.cluster.leader if info.cluster else None
+    node = next((n for n in cluster.nodes if f"rf-node-{n}" == leader), "a")
+    process = cluster.nodes[node].proc
+    assert process is not None
+    process.kill()
+    return f"rf-node-{node}"
+
+
+async def wait_failover(
+    js: Any,
+    names: Names,
+    killed: str,
+    *,
+    min_versions: Iterable[int],
+    client_id: str,
+    timeout: float = 30.0,
+    errors: list[tuple[float, str]] | None = None,
+) -> float:
+    """Seconds until the fail-over is done: every Raft group on the request path (the jobs and
+    results streams, the jobs consumers of ``min_versions``, the client's results consumer) has
+    a leader on a live node, and the jobs stream takes a write (a probe on ``exact-999999``,
+    purged at once). ``errors`` collects what the look-ups raised meanwhile."""
+    t0 = time.monotonic()
+    probe = names.job_subject("exact", 999_999)
+    groups = [
+        lambda: js.stream_info(names.jobs_stream),
+        lambda: js.stream_info(names.results_stream),
+        *[(lambda v=v: js.consumer_info(names.jobs_stream, names.job_consumer("min", v))) for v in min_versions],
+        lambda: js.consumer_info(names.results_stream, names.results_consumer(client_id)),
+    ]
+    while time.monotonic() - t0 < timeout:
+        try:
+            leaders = [(await asyncio.wait_for(g(), 1.0)).cluster for g in groups]
+            if all(c and c.leader and c.leader != killed for c in leaders):
+                await js.publish(probe, b"probe", timeout=1.0)
+                break
+        except Exception as exc:
+            if errors is not None:
+                errors.append((round(time.monotonic() - t0, 2), repr(exc)[:80]))
+        await asyncio.sleep(0.05)
+    seconds = time.monotonic() - t0
+    with suppress(Exception):  # the probe is no rollout job
+        await js.purge_stream(names.jobs_stream, subject=probe)
+    return seconds
 
 
 def make_dev_certs(script: Path, directory: Path) -> dict[str, str]:

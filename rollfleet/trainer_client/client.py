@@ -28,7 +28,8 @@ from rollfleet.broker.pull import PullConsumer
 from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
     TopologyConfig,
-    ensure_job_consumer,
+    declare_job_consumer,
+    declare_replica_consumer,
     ensure_results_consumer,
     ensure_topology,
 )
@@ -48,9 +49,11 @@ from rollfleet.schemas import (
     RolloutResult,
     StoredOutcome,
     VersionConstraint,
+    VersionPolicy,
     VersionRecord,
     check_token,
     decode_outcome,
+    encode,
     error_from_code,
     served_within,
 )
@@ -64,22 +67,28 @@ from rollfleet.schemas.errors import (
     RollfleetError,
     ServiceUnavailable,
 )
-from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
+from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, listened_subjects
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.lease import ClientLease
 from rollfleet.trainer_client.metrics import ClientMetrics
 from rollfleet.trainer_client.requests import build_job, constraint_from
+from rollfleet.trainer_client.sessions import Session, expire_idle
 from rollfleet.trainer_client.versions import adopt_version, commit_version
 
 log = get_logger("rollfleet.client")
 
 _DELIVERED_MEMORY = 100_000  # keys whose result was already handed out (drop late duplicates)
 _RESULTS_BATCH = 512
-_RESULTS_WAIT_S = 5.0
+_RESULTS_WAIT_S = 30.0  # the results request's expiry; a lost one is replaced on reconnect or leader change
 _BELL_INTERVAL_S = 0.05
 _CONSUMER_RECHECK_S = 600.0
 _ORPHAN_GRACE_S = 2.0  # an exact job no replica can serve is withdrawn after this long
+_STALL_AFTER_S = 1.0  # a job unanswered this long makes its subject worth a look (see _watch_stalls)
+_STALL_JOBS_PER_BELL = 4  # a woken replica pulls up to its free slots (4 by default)
+_STALL_BELLS_MAX = 64
+_STICKY_POLL_S = 0.2  # how often a sticky turn's watch looks at its replica
+_PROBE_S = 1.0  # a replica running a sticky turn is probed this often (no responders: gone)
 _PUBLISH_BUDGET_S = 30.0  # how long submit keeps trying to store a job while the broker recovers
 
 
@@ -115,11 +124,15 @@ class RolloutClient:
         self._results_task: asyncio.Task[None] | None = None
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
-        self._bells: dict[str, float] = {}
+        self._bells: dict[tuple[str, int], float] = {}
         # Called with every answer message received, before deduplication (for audits and tests).
         self.observe: Callable[[Outcome, int | None], None] | None = None
         self._consumers: dict[tuple[str, int], float] = {}  # subject -> until when it is known to exist
+        self._replica_consumers: dict[tuple[str, str], float] = {}
+        self._sessions: dict[str, Session] = {}  # open sessions of this client, by id
+        self._bell_inbox = ""
         self._results_puller: PullConsumer | None = None
+        self._results_low = asyncio.Event()  # the results requests need renewing
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -172,8 +185,15 @@ class RolloutClient:
         await self._lease.acquire()  # one live client per client_id, or ClientIdInUse
         self._results_consumer = await ensure_results_consumer(self.js, self.names, self.client_id, self.topology)
         await self.fleet.start()
+        # A bell rung at a replica that is gone comes back as "no responders" on this inbox.
+        self._bell_inbox = self.nc.new_inbox()
+        await self.nc.subscribe(self._bell_inbox + ".>", cb=self._on_bell_unanswered)
+        advisory = self.names.consumer_leader_advisory(self.names.results_stream)
+        await self.nc.subscribe(advisory, cb=self._on_results_leader)
         self._results_task = asyncio.create_task(self._receive_results(), name="results")
         self._expiry_task = asyncio.create_task(self._expire_handles(), name="deadlines")
+        self._stall_task = asyncio.create_task(self._watch_stalls(), name="stalls")
+        self._spawn(self._declare_windows())
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -186,7 +206,7 @@ class RolloutClient:
             return
         self._closed = True
         if self._results_task is not None:
-            await stop_tasks([self._results_task, self._expiry_task])
+            await stop_tasks([self._results_task, self._expiry_task, self._stall_task, *self._background])
         await self.fleet.close()
         await self._lease.release()
         for handle in self._handles.values():
@@ -224,6 +244,30 @@ class RolloutClient:
         Arguments of the wrong type or value are ``InvalidRequest``, raised here.
         """
         constraint = constraint_from(min_version, exact_version, max_staleness, self.latest_version)
+        return await self._submit(
+            payload,
+            constraint,
+            idempotency_key=idempotency_key,
+            deadline=deadline,
+            timeout=timeout,
+            retry_policy=retry_policy,
+            session_id=session_id,
+        )
+
+    async def _submit(
+        self,
+        payload: RolloutPayload,
+        constraint: VersionConstraint,
+        *,
+        idempotency_key: str | None,
+        deadline: float | None,
+        timeout: float | None,
+        retry_policy: RetryPolicy,
+        session_id: str | None,
+        replica: str | None = None,
+    ) -> RolloutHandle:
+        """``submit`` with the constraint resolved; ``replica``: store the job on that replica's own
+        subject (a session's sticky turn) instead of the constraint's shared one."""
         job, data = build_job(
             payload,
             client_id=self.client_id,
@@ -247,7 +291,7 @@ class RolloutClient:
         if unclaimed is not None:  # the answer came before we asked again (trainer restart)
             self._settle(handle, unclaimed)
             return handle
-        if self.fail_fast and not self.fleet.compatible(constraint):
+        if self.fail_fast and replica is None and not self.fleet.compatible(constraint):
             try:
                 await self.fleet.refresh()  # the view may lag a replica that just registered
             except Exception as exc:  # broker unreachable: a retryable error, never a raw one
@@ -262,34 +306,59 @@ class RolloutClient:
                 return handle
         self._handles[key] = handle
         headers = {HDR_MSG_ID: key, HDR_CLIENT_ID: self.client_id}
-        subject = self.names.job_subject(constraint.kind, constraint.version)
+        if replica is None:
+            subject = self.names.job_subject(constraint.kind, constraint.version)
+        else:
+            subject = self.names.replica_job_subject(replica)
+            handle.replica = replica
         try:
-            await self._ensure_consumer(constraint)
+            if replica is None:
+                fresh = await self._ensure_consumer(constraint)
+            else:
+                await self._ensure_replica_consumer(replica)
             until = min(job.deadline, time.time() + _PUBLISH_BUDGET_S)
             ack = await publish_retrying(self.js, subject, data, headers, until=until)
         except RollfleetError:
             self._handles.pop(key, None)
             raise
         handle.stream_seq = None if ack.duplicate else ack.seq
-        self._ring(constraint)
+        if replica is None:
+            self._ring(constraint, fresh=fresh)
+        else:
+            self._spawn(
+                self.nc.publish(self.names.bell_subject(replica), Names.REPLICA_BELL, reply=f"{self._bell_inbox}.r")
+            )
         if ack.duplicate and (stored := await self._stored_outcome(key)) is not None:
             self._handles.pop(key, None)
             self._settle(handle, stored)  # a duplicate submit whose result was delivered earlier
         log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
         return handle
 
-    async def _ensure_consumer(self, constraint: VersionConstraint) -> None:
-        """The subject's shared consumer exists before its first job is stored: the trainer
-        creates it (workers only bind; they may not change how jobs are delivered)."""
-        subject = (constraint.kind, constraint.version)
-        if time.monotonic() < self._consumers.get(subject, 0.0):
+    async def _ensure_replica_consumer(self, worker_id: str) -> None:
+        """A replica's own consumer, created by the trainer with the first turn sent there."""
+        key = ("replica", worker_id)
+        if time.monotonic() < self._replica_consumers.get(key, 0.0):
             return
         try:
-            await ensure_job_consumer(self.js, self.names, *subject, self.topology)
+            await declare_replica_consumer(self.js, self.names, worker_id, self.topology)
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            raise ServiceUnavailable(f"cannot create the consumer of replica {worker_id}: {exc}") from exc
+        self._replica_consumers[key] = time.monotonic() + _CONSUMER_RECHECK_S
+
+    async def _ensure_consumer(self, constraint: VersionConstraint) -> bool:
+        """The subject's shared consumer exists before its first job is stored: the trainer
+        creates it (workers only bind; they may not change how jobs are delivered). True when
+        this call created it: replicas may have found it missing before."""
+        subject = (constraint.kind, constraint.version)
+        if time.monotonic() < self._consumers.get(subject, 0.0):
+            return False
+        try:
+            created = await declare_job_consumer(self.js, self.names, *subject, self.topology)
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise ServiceUnavailable(f"cannot create the consumer of {constraint}: {exc}") from exc
         # Looked at again now and then: an idle consumer is removed after consumer_inactive_s.
         self._consumers[subject] = time.monotonic() + _CONSUMER_RECHECK_S
+        return created
 
     @staticmethod
     def _check_same_request(job: RolloutJob, fingerprint: str) -> None:
@@ -312,6 +381,8 @@ class RolloutClient:
                     self._spawn(self._withdraw(handle))
             if self.fail_fast:
                 await self._fail_orphaned(orphaned)
+            if self._sessions:
+                await expire_idle(list(self._sessions.values()))
 
     async def _fail_orphaned(self, orphaned: dict[str, float]) -> None:
         """An exact job still queued when every replica has moved past its version is never served:
@@ -339,7 +410,10 @@ class RolloutClient:
         if handle.stream_seq is None:
             return False
         constraint = handle.job.constraint
-        consumer = self.names.job_consumer(constraint.kind, constraint.version)
+        if handle.replica is not None:
+            consumer = self.names.replica_consumer(handle.replica)
+        else:
+            consumer = self.names.job_consumer(constraint.kind, constraint.version)
         try:
             info = await self.js.consumer_info(self.names.jobs_stream, consumer)
         except (nats.errors.Error, nats.js.errors.Error):  # no consumer yet: nobody ever pulled there
@@ -347,15 +421,158 @@ class RolloutClient:
         delivered = info.delivered.stream_seq if info.delivered is not None else 0
         return (delivered or 0) < handle.stream_seq
 
-    def _ring(self, constraint: VersionConstraint) -> None:
-        """Wake idle workers that have no request waiting on this subject. It carries nothing
-        and may be lost (workers also poll); one per subject per interval is enough, since a
-        woken worker pulls everything there."""
+    def _ring(self, constraint: VersionConstraint, *, stalled: bool = False, fresh: bool = False) -> None:
+        """Wake one replica for a job just stored on a subject outside every live replica's
+        window (``FleetView.covered``: no request is surely waiting there): a core message to that
+        replica alone, chosen round robin among those whose version can take it, at most one per
+        subject per interval. It may be lost; ``_watch_stalls`` rings again where jobs wait unpulled.
+        ``fresh``: the subject's consumer may have been missing when replicas looked (they do
+        not create it), so even a listened subject gets a bell."""
+        if not stalled and not fresh and self.fleet.covered(constraint):
+            return
+        key = (constraint.kind, constraint.version)
         now = time.monotonic()
-        subject = self.names.bell_subject(constraint.kind, constraint.version)
-        if now - self._bells.get(subject, 0.0) >= _BELL_INTERVAL_S:
-            self._bells[subject] = now
-            self._spawn(self.nc.publish(subject, b""))
+        if not stalled and now - self._bells.get(key, 0.0) < _BELL_INTERVAL_S:
+            return
+        target = self.fleet.bell_target(constraint)
+        if target is None:
+            return  # nobody serves it yet; a replica activating the version pulls it then
+        self._bells[key] = now
+        data = self.names.bell_payload(constraint.kind, constraint.version, stalled=stalled)
+        reply = f"{self._bell_inbox}.{constraint.kind}.{constraint.version}{'.stalled' if stalled else ''}"
+        self._spawn(self.nc.publish(self.names.bell_subject(target.worker_id), data, reply=reply))
+
+    async def _on_bell_unanswered(self, msg: Msg) -> None:
+        """No responders for a bell: that replica is gone. Drop it and ring the next one."""
+        headers = msg.headers or {}
+        if headers.get("Status") != "503":
+            return
+        self.fleet.mark_gone(headers.get("Nats-Subject", "").rpartition(".")[2])
+        parsed = self.names.parse_bell_payload(msg.subject[len(self._bell_inbox) + 1 :].encode())
+        if parsed is not None:
+            (kind, version), _ = parsed
+            self._ring(VersionConstraint(kind, version), stalled=True)
+
+    async def _watch_stalls(self) -> None:
+        """Once a second, while some job has waited over a second for its answer: for each of
+        their subjects, ask the broker (one consumer look-up) whether jobs wait there with no
+        pull request waiting for them, and if so ring one replica per few of them. This covers
+        lost bells, replicas that keep a subject's jobs queued behind full slots, and replicas
+        standing by (the subject's ``max_waiting`` was reached when they asked). Nothing pending,
+        nothing asked: an idle client makes no request."""
+        while True:
+            await asyncio.sleep(_STALL_AFTER_S)
+            cutoff = time.time() - _STALL_AFTER_S
+            waiting = {
+                (h.job.constraint.kind, h.job.constraint.version)
+                for h in list(self._handles.values())
+                if h.job.submitted_at < cutoff and not h.done()
+            }
+            for kind, version in waiting:
+                consumer = self.names.job_consumer(kind, version)  # type: ignore[arg-type]
+                try:
+                    info = await self.js.consumer_info(self.names.jobs_stream, consumer)
+                except nats.js.errors.NotFoundError:
+                    stuck = 1  # no replica ever pulled this subject
+                except (nats.errors.Error, nats.js.errors.Error) as exc:
+                    log.debug("stall check failed", subject=consumer, error=str(exc))
+                    continue
+                else:
+                    stuck = 0 if info.num_waiting else (info.num_pending or 0)
+                # One replica per few queued jobs (each pulls up to its free slots), bounded.
+                for _ in range(min(-(-stuck // _STALL_JOBS_PER_BELL), _STALL_BELLS_MAX)):
+                    self._ring(VersionConstraint(kind, version), stalled=True)  # type: ignore[arg-type]
+
+    # -- sessions' sticky turns ---------------------------------------------------------------
+    async def _await_sticky(self, handle: RolloutHandle, wait_s: float) -> tuple[RolloutResult, str | None]:
+        """The answer of a turn stored on a replica's own subject, and why it moved (None: served
+        there). It moves to the shared subject when the replica has not taken it within
+        ``wait_s`` (busy, or gone without a word), when the replica is gone (no responders to
+        a probe, or stale in the registry) or can no longer serve the turn's constraint. The
+        job keeps its id, so it is answered once wherever it runs."""
+        replica = handle.replica
+        assert replica is not None
+        started = time.monotonic()
+        taken = False
+        probe_at = started + _PROBE_S
+        while True:
+            with suppress(TimeoutError):
+                return await handle.result(timeout=_STICKY_POLL_S), None
+            if handle.replica is None:
+                break
+            now = time.monotonic()
+            status = self.fleet.replica(replica)
+            usable = status is not None and status.is_live() and status.can_serve(handle.job.constraint)
+            reason = None if usable else "replica_gone_or_incompatible"
+            if reason is None and not taken:
+                taken = not await self._never_delivered(handle)
+                if not taken and now - started >= wait_s:
+                    reason = "not_taken_in_time"
+            if reason is not None:
+                if await self._move_to_shared(handle):
+                    self.metrics.affinity_fallbacks.labels(client_id=self.client_id, reason=reason).inc()
+                    return await handle.result(), reason
+                taken = True  # the replica had taken it (and answered, or will)
+            if taken and now >= probe_at:  # no responders means its connection is gone
+                probe_at = now + _PROBE_S
+                self._spawn(self.nc.publish(self.names.bell_subject(replica), b"ping", reply=f"{self._bell_inbox}.p"))
+        return await handle.result(), "moved"
+
+    async def _move_to_shared(self, handle: RolloutHandle) -> bool:
+        """Withdraw a turn from its replica's own subject and store the same job on the shared
+        subject of its constraint; False if it could not be withdrawn (already answered)."""
+        if handle.replica is None or handle.done() or not await self._delete_job(handle):
+            return False
+        handle.replica = None
+        handle.moves += 1
+        job = handle.job
+        headers = {HDR_MSG_ID: f"{job.idempotency_key}#{handle.moves}", HDR_CLIENT_ID: self.client_id}
+        await self._ensure_consumer(job.constraint)
+        until = min(job.deadline, time.time() + _PUBLISH_BUDGET_S)
+        subject = self.names.job_subject(job.constraint.kind, job.constraint.version)
+        ack = await publish_retrying(self.js, subject, encode(job), headers, until=until)
+        handle.stream_seq = ack.seq
+        self._ring(job.constraint, fresh=True)
+        log.info("turn moved off its replica", idempotency_key=job.idempotency_key, moves=handle.moves)
+        return True
+
+    def session(
+        self,
+        session_id: str | None = None,
+        *,
+        min_version: int | None = None,
+        exact_version: int | None = None,
+        max_staleness: int | None = None,
+        version_policy: VersionPolicy = "monotonic",
+        ttl: float = 600.0,
+        retry_policy: RetryPolicy = "replayable",
+        affinity_wait_s: float = 2.0,
+    ) -> Session:
+        """A multi-turn session (``async with client.session(...) as s: await s.generate(...)``):
+        its turns stick to the replica that served the previous one, follow ``version_policy``
+        (``pinned``: every turn at the first turn's version; ``monotonic``: never an older
+        version than the previous turn; ``free``: each turn by the constraint alone), and are
+        answered once each (turn ``k``'s key is ``<session_id>/<k>``). Opening an existing id
+        resumes it, with the same settings or ``SessionConflict``. Without a constraint:
+        ``max_staleness=0`` at each turn."""
+        if min_version is None and exact_version is None and max_staleness is None:
+            max_staleness = 0
+        return Session(
+            self,
+            session_id=session_id,
+            min_version=min_version,
+            exact_version=exact_version,
+            max_staleness=max_staleness,
+            version_policy=version_policy,
+            ttl=ttl,
+            retry_policy=retry_policy,
+            affinity_wait_s=affinity_wait_s,
+        )
+
+    async def resume_session(self, session_id: str, *, affinity_wait_s: float = 2.0) -> Session:
+        """Reopen a session from its record (after a trainer restart); ``UnknownSession`` if it
+        was never opened, was closed, or expired."""
+        return await Session.resume(self, session_id, affinity_wait_s=affinity_wait_s)
 
     def _no_replica_message(self, constraint: VersionConstraint) -> str:
         live = {r.worker_id: f"{r.state}@{r.active_version}" for r in self.fleet.replicas()}
@@ -459,6 +676,7 @@ class RolloutClient:
 
     async def commit_version(self, record: VersionRecord) -> None:
         """Make a written version visible to the fleet (create ``v.<N>``, CAS ``latest``, announce)."""
+        await self._declare_version_consumers(record.version)  # before replicas hear of it
         await commit_version(self.js, self.names, record)
         self.fleet.note_committed(record.version)
 
@@ -466,7 +684,33 @@ class RolloutClient:
         """Verify and commit a version directory written by another publisher, without re-encoding."""
         record = await adopt_version(self.js, self.names, Path(store_dir), Path(version_dir))
         self.fleet.note_committed(record.version)
+        await self._declare_version_consumers(record.version)  # (adopt verifies, then commits)
         return record
+
+    async def _declare_version_consumers(self, version: int) -> None:
+        """A version's job consumers (its replicas' listened subjects), declared by the trainer
+        before replicas look for them: workers only bind. Replicas that found one missing are
+        told to look again (one core message)."""
+        created = False
+        for kind, v in listened_subjects(version):
+            try:
+                created |= await self._ensure_consumer(VersionConstraint(kind, v))
+            except RollfleetError as exc:  # a submit there creates it later
+                log.debug("declaring job consumer failed", version=v, error=exc.message)
+        if created:
+            with suppress(Exception):
+                await self.nc.publish(self.names.consumers_declared, b"")
+
+    async def _declare_windows(self) -> None:
+        """Keep the listened subjects of every version some live replica serves declared (a
+        replica at a fixed version, or one that started before any commit)."""
+        declared: set[int] = set()
+        while True:
+            changed = self.fleet.changed()
+            for version in sorted({r.active_version for r in self.fleet.replicas()} - declared):
+                await self._declare_version_consumers(version)
+                declared.add(version)
+            await changed.wait()
 
     async def wait_for_version(
         self, version: int, *, replicas: int | None = None, fraction: float | None = None, timeout: float = 120.0
@@ -508,6 +752,7 @@ class RolloutClient:
     def _on_reconnect(self) -> None:
         if self._results_puller is not None:
             self._results_puller.reset()  # re-request at once instead of waiting out the old one
+        self.fleet.note_reconnected()
         self._spawn(self._check_lease())
 
     async def _check_lease(self) -> None:
@@ -524,20 +769,37 @@ class RolloutClient:
             handle.set_error(ClientIdInUse(f"client_id {self.client_id!r} was taken over by another client"))
         self._handles.clear()
 
+    async def _on_results_leader(self, msg: Msg) -> None:
+        """The results consumer has a new leader (a cluster fail-over): our request is gone."""
+        if self._results_puller is not None and msg.subject.rpartition(".")[2] == self._results_consumer:
+            self._results_puller.reset()
+
     async def _receive_results(self) -> None:
-        """Keep a pull request open on this client's results consumer; each result is handled
-        the moment it is stored (no batch to fill, no poll interval)."""
+        """Keep pull requests open on this client's results consumer; each result is handled the
+        moment it is stored (no batch to fill, no poll interval). A second request is added when
+        the first is half used, so results never wait for a request to be renewed."""
         puller = await PullConsumer(self.nc, self.names.results_stream, self._results_consumer, self._on_result).start()
         self._results_puller = puller
+        puller.on_end = self._results_low.set
         try:
             while True:
+                self._results_low.clear()
+                if puller.missing:  # no consumer leader answered (a fail-over): ask again shortly
+                    puller.missing = False
+                    await asyncio.sleep(0.25)
                 try:
-                    if not puller.busy:
+                    if puller.outstanding <= _RESULTS_BATCH // 2 and (puller.waiting or not puller.busy):
                         await puller.request(_RESULTS_BATCH, wait_s=_RESULTS_WAIT_S)
-                    await puller.wait_idle(timeout=1.0)  # wakes to notice a request lost in a fail-over
                 except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:  # reconnecting
                     log.debug("results pull failed", error=str(exc))
                     await asyncio.sleep(0.5)
+                    continue
+                # Woken when half used or a request ended; the timer notices an overdue request.
+                timer = asyncio.get_running_loop().call_later(1.0, self._results_low.set)
+                try:
+                    await self._results_low.wait()
+                finally:
+                    timer.cancel()
         finally:
             await puller.close()
 
@@ -559,6 +821,9 @@ class RolloutClient:
             if self.observe is not None:
                 self.observe(outcome, _stream_seq(msg))
             self._deliver(outcome)
+        puller = self._results_puller
+        if puller is not None and puller.outstanding == _RESULTS_BATCH // 2:
+            self._results_low.set()
         with suppress(Exception):
             await msg.ack()
 

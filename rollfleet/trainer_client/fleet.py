@@ -1,18 +1,27 @@
 """FleetView: what the trainer knows about the fleet and the policy versions.
 
-Follows the fleet registry and the policy KV with watchers, and re-reads both
-periodically, because watcher updates can be missed across a reconnect.
+Follows the fleet registry and the policy KV with one watcher each, and re-reads both only
+at start and after a reconnect (when watcher updates may have been missed), never
+periodically: an idle fleet costs the trainer one registry refresh per replica per heartbeat
+interval, and nothing else.
+
+The request path asks it three questions per submitted job, each answered from an index
+rebuilt only when a replica's routing state changes or one may have gone stale:
+``compatible`` (fail fast), ``covered`` (is a request surely waiting for this subject, so no
+bell is needed) and ``bell_target`` (which one replica to wake, round robin).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import math
 import time
 from contextlib import suppress
+from dataclasses import dataclass, field
 from typing import Any
 
-import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
@@ -23,20 +32,56 @@ from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, ReplicaStatus, VersionConstraint, VersionRecord, decode
 from rollfleet.schemas.errors import InvalidRequest, ServiceUnavailable
+from rollfleet.schemas.names import listened_subjects
 
 log = get_logger("rollfleet.fleet")
 
+_SERVING = ("ready", "preparing", "activating", "degraded")  # states in which a replica pulls jobs
+_SETTLE_S = 0.005
+
+
+def _routing(status: ReplicaStatus) -> tuple[object, ...]:
+    return status.state, status.active_version, status.preparing_version
+
+
+@dataclass
+class _Index:
+    """The live fleet as the request path needs it; valid until a listed replica may go stale."""
+
+    live: list[ReplicaStatus]
+    valid_until: float
+    pullers: list[ReplicaStatus]  # live replicas that pull jobs, by active version
+    listened: set[tuple[str, int]]  # subjects some of those keep a request waiting on when idle
+    compatible: dict[tuple[str, int], list[ReplicaStatus]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, replicas: dict[str, ReplicaStatus], now: float) -> _Index:
+        live = sorted((r for r in replicas.values() if r.is_live(now)), key=lambda r: r.worker_id)
+        until = min((r.heartbeat_at + r.stale_after_s() for r in live), default=math.inf)
+        pullers = sorted((r for r in live if r.state in _SERVING), key=lambda r: (r.active_version, r.worker_id))
+        # A replica idle at version w keeps one request waiting on each of the first `capacity`
+        # subjects of its window (workers/worker.py, _placement).
+        listened = {s for r in pullers for s in listened_subjects(r.active_version)[: max(r.capacity, 1)]}
+        return cls(live, until, pullers, listened)
+
+
+def _first_at_or_above(pullers: list[ReplicaStatus], version: int) -> int:
+    """Index of the first replica (sorted by active version) at ``version`` or above."""
+    return bisect.bisect_left(pullers, version, key=lambda r: r.active_version)
+
 
 class FleetView:
-    def __init__(self, js: JetStreamContext, names: Names, refresh_s: float = 5.0) -> None:
+    def __init__(self, js: JetStreamContext, names: Names) -> None:
         self._js = js
         self._names = names
-        self._refresh_s = refresh_s
         self._replicas: dict[str, ReplicaStatus] = {}
         self._latest: int | None = None
         self._fleet_kv: KeyValue | None = None
         self._policy_kv: KeyValue | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
+        self._index: _Index | None = None
+        self._turns: dict[tuple[str, int], itertools.count[int]] = {}  # round robin of bells
         self._changed = asyncio.Event()  # replaced on every change; waiters hold the old one
 
     async def start(self) -> FleetView:
@@ -48,12 +93,11 @@ class FleetView:
             asyncio.create_task(
                 watch_keys(self._policy_kv, self._names.LATEST_KEY, self._on_entry, log), name="policy-watch"
             ),
-            asyncio.create_task(self._periodic(), name="fleet-refresh"),
         ]
         return self
 
     async def close(self) -> None:
-        await stop_tasks(self._tasks)
+        await stop_tasks([*self._tasks, *self._background])
 
     # -- reading ----------------------------------------------------------------------------
     @property
@@ -62,14 +106,50 @@ class FleetView:
         return self._latest
 
     def replicas(self, live_only: bool = True) -> list[ReplicaStatus]:
-        now = time.time()
-        return sorted(
-            (r for r in self._replicas.values() if not live_only or r.is_live(now)), key=lambda r: r.worker_id
-        )
+        if live_only:  # the newest entry of each (the index keeps the one it was built from)
+            current = self._replicas
+            return [current[r.worker_id] for r in self._current().live if r.worker_id in current]
+        return sorted(self._replicas.values(), key=lambda r: r.worker_id)
+
+    def replica(self, worker_id: str) -> ReplicaStatus | None:
+        """The newest registry entry of one replica (live or not); None if it has none."""
+        return self._replicas.get(worker_id)
 
     def compatible(self, constraint: VersionConstraint) -> list[ReplicaStatus]:
         """Live replicas at, or preparing, a version the constraint accepts."""
-        return [r for r in self.replicas() if r.can_serve(constraint)]
+        index = self._current()
+        key = (constraint.kind, constraint.version)
+        found = index.compatible.get(key)
+        if found is None:
+            found = index.compatible[key] = [r for r in index.live if r.can_serve(constraint)]
+        return found
+
+    def covered(self, constraint: VersionConstraint) -> bool:
+        """Whether a live replica listens on the constraint's subject: an idle replica at
+        version w keeps a pull request waiting on each of the first ``capacity`` subjects of its
+        window (``listened_subjects``), so a job there needs no bell."""
+        return (constraint.kind, constraint.version) in self._current().listened
+
+    def bell_target(self, constraint: VersionConstraint) -> ReplicaStatus | None:
+        """The next live replica, round robin, whose active version can take the job now."""
+        index = self._current()
+        pullers = index.pullers
+        if constraint.kind == "exact":  # an activating replica takes no more exact jobs for its version
+            fit = [r for r in pullers if r.active_version == constraint.version and r.state != "activating"]
+        else:  # sorted by version: those from the first at or above it
+            fit = pullers[_first_at_or_above(pullers, constraint.version) :]
+        if not fit:
+            return None
+        # (Kept across index rebuilds: a rebuild must not send every bell to the first replica.)
+        turn = self._turns.setdefault((constraint.kind, constraint.version), itertools.count())
+        return fit[next(turn) % len(fit)]
+
+    def mark_gone(self, worker_id: str) -> None:
+        """The broker says nobody listens on this replica's bell: it is gone (its next registry
+        update, if any, brings it back)."""
+        if self._replicas.pop(worker_id, None) is not None:
+            self._index = None
+            self._notify()
 
     async def version_record(self, version: int) -> VersionRecord | None:
         assert self._policy_kv is not None
@@ -80,13 +160,20 @@ class FleetView:
         return decode(entry.value or b"", VersionRecord, what="version record") if entry.value else None
 
     async def refresh(self) -> None:
-        """Re-read the registry and the latest version from the broker."""
+        """Re-read the registry and the latest version from the broker (one snapshot each)."""
         assert self._fleet_kv is not None and self._policy_kv is not None
         self._replicas = await read_replicas(self._fleet_kv)
+        self._index = None
         latest = await read_latest(self._policy_kv)
         if latest is not None:
             self._set_latest(latest)
         self._notify()
+
+    def note_reconnected(self) -> None:
+        """After a reconnect: updates may have been missed; re-read once."""
+        task = asyncio.ensure_future(self._refresh_quietly())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def wait_for_version(
         self,
@@ -97,13 +184,15 @@ class FleetView:
         timeout: float = 120.0,
     ) -> list[ReplicaStatus]:
         """Wait until ``replicas`` live replicas (or ``fraction`` of the live fleet; default: all,
-        at least one) serve ``version`` or newer. Raises ``ServiceUnavailable`` on time-out."""
+        at least one) serve ``version`` or newer. Raises ``ServiceUnavailable`` on time-out.
+        Driven by the watch; the view is re-read only after a reconnect."""
         if replicas is not None and fraction is not None:
             raise InvalidRequest("give replicas or fraction, not both")
         deadline = time.monotonic() + timeout
 
         def satisfied() -> list[ReplicaStatus] | None:
-            live = [r for r in self.replicas() if r.state not in ("draining", "starting")]
+            now = time.time()
+            live = [r for r in self._replicas.values() if r.is_live(now) and r.state not in ("draining", "starting")]
             at = [r for r in live if r.active_version >= version]
             if replicas is not None:
                 need = replicas
@@ -118,13 +207,19 @@ class FleetView:
             if remaining <= 0:
                 have = {r.worker_id: r.active_version for r in self.replicas()}
                 raise ServiceUnavailable(f"fleet did not reach version {version} in {timeout:.0f}s: {have}")
-            try:
+            # The time-out re-evaluates liveness (a replica going stale is no event); no read.
+            with suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
-            except TimeoutError:
-                await self._refresh_quietly()
+            await asyncio.sleep(_SETTLE_S)  # count once per burst (a fleet activating), not per entry
         return done
 
     # -- following --------------------------------------------------------------------------
+    def _current(self) -> _Index:
+        now = time.time()
+        if self._index is None or now > self._index.valid_until:
+            self._index = _Index.build(self._replicas, now)
+        return self._index
+
     def _set_latest(self, version: int) -> None:
         if self._latest is None or version > self._latest:
             self._latest = version
@@ -132,6 +227,10 @@ class FleetView:
     def note_committed(self, version: int) -> None:
         """Called by a publisher in this process right after it commits."""
         self._set_latest(version)
+
+    def changed(self) -> asyncio.Event:
+        """Set at the next change of the view (a registry entry or ``latest``)."""
+        return self._changed
 
     def _notify(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
@@ -147,12 +246,18 @@ class FleetView:
             return
         worker_id = key[len(Names.REPLICA_PREFIX) :]
         if deleted or not value:
-            self._replicas.pop(worker_id, None)
+            if self._replicas.pop(worker_id, None) is not None:
+                self._index = None
             return
         try:
-            self._replicas[worker_id] = decode(value, ReplicaStatus, what="replica status")
+            status = decode(value, ReplicaStatus, what="replica status")
         except InvalidRequest as exc:
             log.warning("ignoring undecodable registry entry", key=key, error=exc.message)
+            return
+        before = self._replicas.get(worker_id)
+        self._replicas[worker_id] = status
+        if before is None or _routing(before) != _routing(status) or not before.is_live():
+            self._index = None  # a heartbeat of a listed replica changes nothing the index holds
 
     def _on_entry(self, entry: Any) -> None:
         self._apply(entry.key, entry.value, entry.operation in ("DEL", "PURGE"))
@@ -163,8 +268,3 @@ class FleetView:
             await self.refresh()
         except Exception as exc:
             log.debug("fleet refresh failed", error=str(exc))
-
-    async def _periodic(self) -> None:
-        while True:
-            await asyncio.sleep(self._refresh_s)
-            await self._refresh_quietly()

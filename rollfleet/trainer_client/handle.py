@@ -21,6 +21,8 @@ class RolloutHandle:
     def __init__(self, job: RolloutJob, withdraw: Callable[[RolloutHandle], Awaitable[bool]]) -> None:
         self.job = job
         self.stream_seq: int | None = None  # where the job is stored; None for a duplicate submit
+        self.replica: str | None = None  # stored on this replica's own subject (a session's sticky turn)
+        self.moves = 0  # times moved from a replica's own subject to the shared one
         self._withdraw = withdraw
         self._future: asyncio.Future[RolloutResult] = asyncio.get_running_loop().create_future()
 

@@ -14,3 +14,25 @@ class ClientMetrics:
             ("client_id",),
             registry=self.registry,
         ).labels(client_id=client_id)
+        # Sessions: where their turns ran.
+        self.session_turns = Counter(
+            "rollfleet_client_session_turns_total", "Turns of sessions answered", ("client_id",), registry=self.registry
+        ).labels(client_id=client_id)
+        self.affinity_hits = Counter(
+            "rollfleet_client_affinity_hits_total",
+            "Turns served by the replica that served their session's previous turn",
+            ("client_id",),
+            registry=self.registry,
+        ).labels(client_id=client_id)
+        self.affinity_fallbacks = Counter(
+            "rollfleet_client_affinity_fallbacks_total",
+            "Sticky turns moved to the shared subjects (the replica busy, gone or incompatible)",
+            ("client_id", "reason"),
+            registry=self.registry,
+        )
+        self.prefix_tokens_reused = Counter(
+            "rollfleet_client_prefix_tokens_reused_total",
+            "Prompt tokens of session turns served from a replica's cached context",
+            ("client_id",),
+            registry=self.registry,
+        ).labels(client_id=client_id)

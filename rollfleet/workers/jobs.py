@@ -30,6 +30,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from rollfleet.broker.publish import publish_retrying
+from rollfleet.broker.pull import delivery_info
 from rollfleet.runtime import faults
 from rollfleet.schemas import (
     ChunkedOutcome,
@@ -93,6 +94,7 @@ class JobRunner:
         self._names = names
         self._engine = engine
         self._worker_id = worker_id
+        self._own_subject = names.replica_job_subject(worker_id)  # sessions' turns for this replica
         self._limits = limits
         self._ack_wait_s = ack_wait_s
         self._chunk_bytes = max(1024, max_message_bytes - _HEADROOM)
@@ -102,6 +104,7 @@ class JobRunner:
         self._claims = claims
         self._running: dict[int, RunningJob] = {}
         self._changed = asyncio.Event()  # set whenever a running job ends
+        self._holding = asyncio.Event()  # set while a job runs: keep_alive sleeps otherwise
         self._ids = itertools.count()
         self.jobs_done = 0
         self.outcomes: dict[str, int] = {}
@@ -110,21 +113,19 @@ class JobRunner:
     def running(self) -> list[RunningJob]:
         return list(self._running.values())
 
-    async def handle(self, msg: Msg) -> None:
+    async def handle(self, msg: Msg, delivery: tuple[int, float, int] | None = None) -> None:
         headers = msg.headers or {}
         client_id = headers.get(HDR_CLIENT_ID)
         key = headers.get(HDR_MSG_ID)
-        try:
-            attempt = msg.metadata.num_delivered
-            stored_at = msg.metadata.timestamp.timestamp()
-        except Exception:
-            attempt, stored_at = 1, time.time()
+        if delivery is None:  # (the worker passes what it already read off the ack subject)
+            delivery = delivery_info(msg.reply)
+        attempt, stored_at = (delivery[0], delivery[1]) if delivery is not None else (1, time.time())
         log = self._log.bind(idempotency_key=key, attempt=attempt)
         try:
             job = decode(msg.data, RolloutJob, max_bytes=self._limits.max_job_bytes, what="rollout job")
             check_job(job, self._limits)
             subject = self._names.parse_job_subject(msg.subject)
-            if subject != (job.constraint.kind, job.constraint.version):
+            if msg.subject != self._own_subject and subject != (job.constraint.kind, job.constraint.version):
                 raise InvalidRequest(f"job constraint {job.constraint} does not match its subject {msg.subject}")
             client_id, key = job.client_id, job.idempotency_key
             check_token(client_id, "client_id")
@@ -142,10 +143,13 @@ class JobRunner:
             return
         run_id = next(self._ids)
         run = self._running[run_id] = RunningJob(msg, job)
+        self._holding.set()
         try:
             await self._serve(run, attempt, stored_at, log)
         finally:
             del self._running[run_id]
+            if not self._running:
+                self._holding.clear()
             self._changed.set()
 
     async def _serve(self, run: RunningJob, attempt: int, stored_at: float, log: Any) -> None:
@@ -211,6 +215,11 @@ class JobRunner:
             cache_rebuilt=generation.cache_rebuilt,
             constraint=job.constraint,
         )
+        if job.session_id is not None:
+            self._metrics.session_turns.inc()
+            self._metrics.prefix_tokens_reused.inc(generation.cached_tokens)
+            if generation.cache_rebuilt:
+                self._metrics.session_rebuilds.inc()
         if not served_within(job.constraint, result):
             # Admission and the activation drain make this impossible; never store it if it happens.
             log.error(
@@ -297,9 +306,11 @@ class JobRunner:
 
     async def keep_alive(self) -> None:
         """In-progress acks for jobs held longer than a third of ack_wait, so a long job is not
-        redelivered meanwhile. One task for all jobs: short jobs cost nothing. Runs until cancelled."""
+        redelivered meanwhile. One task for all jobs: short jobs cost nothing, and an idle worker
+        does not wake at all. Runs until cancelled."""
         interval = max(self._ack_wait_s / 3.0, 0.2)
         while True:
+            await self._holding.wait()
             await asyncio.sleep(interval / 2)
             now = time.monotonic()
             for run in list(self._running.values()):

@@ -2,10 +2,56 @@
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _PAUSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+_FOLD_AT = 1024
+
+
+class _Deferred:
+    """Per-job observations queued here and folded into their metric when it is collected (a
+    scrape) or once many are queued, so the request path does not take prometheus_client's
+    locks per job. (A deque: the scrape thread folds while the event loop appends.)"""
+
+    __slots__ = ("_apply", "_queue")
+
+    def __init__(self, apply: Callable[[Any], None]) -> None:
+        self._apply = apply
+        self._queue: deque[Any] = deque()
+
+    def observe(self, value: Any) -> None:
+        self._queue.append(value)
+        if len(self._queue) >= _FOLD_AT:
+            self.fold()
+
+    def fold(self) -> None:
+        queue = self._queue
+        while queue:
+            try:
+                value = queue.popleft()
+            except IndexError:
+                return
+            self._apply(value)
+
+
+class _FoldFirst(Collector):
+    """Registered before the metrics: folds the deferred observations when a scrape begins."""
+
+    def __init__(self, deferred: list[_Deferred]) -> None:
+        self._deferred = deferred
+
+    def collect(self) -> Iterable[Any]:
+        for d in self._deferred:
+            d.fold()
+        return []
 
 
 class WorkerMetrics:
@@ -13,6 +59,8 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         labels = {"worker_id": worker_id, "engine": engine}
         r = self.registry
+        deferred: list[_Deferred] = []
+        r.register(_FoldFirst(deferred))
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, (*labels, *extra), registry=r)
@@ -24,9 +72,16 @@ class WorkerMetrics:
             return Histogram(name, doc, tuple(labels), buckets=buckets, registry=r).labels(**labels)
 
         self._labels = labels
+        self._job_children: dict[str, Counter] = {}
         self._jobs = counter("rollfleet_jobs_total", "Jobs finished, by outcome (ok or an error code)", ("outcome",))
-        self.queue_wait = hist("rollfleet_queue_wait_seconds", "Submit to start of generation", _LATENCY_BUCKETS)
-        self.generation = hist("rollfleet_generation_seconds", "Generation time per job", _LATENCY_BUCKETS)
+        self.queue_wait = _Deferred(
+            hist("rollfleet_queue_wait_seconds", "Submit to start of generation", _LATENCY_BUCKETS).observe
+        )
+        self.generation = _Deferred(
+            hist("rollfleet_generation_seconds", "Generation time per job", _LATENCY_BUCKETS).observe
+        )
+        self._outcomes = _Deferred(self._count_outcome)
+        deferred += [self.queue_wait, self.generation, self._outcomes]
         self.in_flight = gauge("rollfleet_jobs_in_flight", "Jobs running now")
         self.active_version = gauge("rollfleet_active_version", "Policy version being served")
         self.prepare = hist(
@@ -43,10 +98,26 @@ class WorkerMetrics:
         self.contract_violations = counter(
             "rollfleet_contract_violations_total", "Results outside their constraint (never stored)"
         ).labels(**labels)
+        # Sessions: what the engine's prefix cache saved, and what it holds.
+        self.prefix_tokens_reused = counter(
+            "rollfleet_prefix_tokens_reused_total", "Prompt tokens served from a session's cached context"
+        ).labels(**labels)
+        self.session_turns = counter("rollfleet_session_turns_total", "Turns of sessions served").labels(**labels)
+        self.session_rebuilds = counter(
+            "rollfleet_session_cache_rebuilds_total", "Session turns whose cache was stale (rebuilt on new weights)"
+        ).labels(**labels)
+        self.sessions = gauge("rollfleet_sessions", "Sessions whose context the engine holds")
+        self.session_cache_bytes = gauge("rollfleet_session_cache_bytes", "Bytes of session contexts held")
         self.port: int | None = None
 
     def job(self, outcome: str) -> None:
-        self._jobs.labels(**self._labels, outcome=outcome).inc()
+        self._outcomes.observe(outcome)
+
+    def _count_outcome(self, outcome: str) -> None:
+        child = self._job_children.get(outcome)
+        if child is None:  # one labelled child per outcome, looked up once
+            child = self._job_children[outcome] = self._jobs.labels(**self._labels, outcome=outcome)
+        child.inc()
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve /metrics; port 0 picks a free one. Returns the port."""

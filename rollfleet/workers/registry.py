@@ -1,17 +1,24 @@
 """The worker's entry in the fleet registry (KV ``RF_<NS>_FLEET``, key ``replica.<id>``).
 
-Rewritten on every heartbeat and on every state change, so readers can ignore entries
-whose heartbeat is older than three intervals (a dead worker goes stale on its own).
+Written, and acknowledged, on every state change (starting, preparing, ready, degraded,
+draining). Between changes it is refreshed once per ``heartbeat_interval_s`` (20 s by
+default, with a little jitter), fire-and-forget: one stored message and no reply, so an idle
+replica costs the broker one message in and one out per watching trainer per interval. Readers
+ignore an entry whose heartbeat is older than three intervals (``ReplicaStatus.is_live``), so
+a replica that died without deregistering stops counting within 3 x ``heartbeat_interval_s``.
+A clean stop deletes the entry at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import random
 import socket
 import time
 from collections.abc import Callable
 
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
@@ -19,6 +26,8 @@ from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, ReplicaStatus, encode
 
 log = get_logger("rollfleet.registry")
+
+_JITTER = 0.1  # each refresh waits the interval times 1 +- this, so a fleet started at once spreads out
 
 
 class Registration:
@@ -28,13 +37,16 @@ class Registration:
         names: Names,
         status: ReplicaStatus,
         refresh: Callable[[ReplicaStatus], None] | None = None,
+        nc: NATS | None = None,
     ) -> None:
         self._js = js
+        self._nc = nc  # for the unacknowledged refresh; without it a refresh is an acknowledged write
         self._names = names
         self.status = status
         self._refresh = refresh  # fills in live fields (in-flight count...) before each write
         self._kv: KeyValue | None = None
         self._task: asyncio.Task[None] | None = None
+        self._written = asyncio.Event()  # set by every write: the next refresh is one interval later
         self.status.host = self.status.host or socket.gethostname()
         self.status.pid = self.status.pid or os.getpid()
 
@@ -42,29 +54,61 @@ class Registration:
     def key(self) -> str:
         return self._names.replica_key(self.status.worker_id)
 
+    @property
+    def _subject(self) -> str:
+        return f"$KV.{self._names.fleet_bucket}.{self.key}"
+
     async def start(self) -> None:
         self._kv = await self._js.key_value(self._names.fleet_bucket)
         await self.write()
         self._task = asyncio.create_task(self._beat(), name="heartbeat")
 
-    async def write(self, **changes: object) -> None:
-        """Apply ``changes`` to the status and publish it now."""
+    def _prepare(self, changes: dict[str, object]) -> bytes:
         for name, value in changes.items():
             setattr(self.status, name, value)
         if self._refresh is not None:
             self._refresh(self.status)
         self.status.heartbeat_at = time.time()
+        self._written.set()
+        return encode(self.status)
+
+    async def write(self, **changes: object) -> None:
+        """Apply ``changes`` to the status and store it now (acknowledged)."""
+        data = self._prepare(changes)
         if self._kv is None:
             return
         try:
-            await self._kv.put(self.key, encode(self.status))
-        except Exception as exc:  # broker away: the next beat retries
+            await self._kv.put(self.key, data)
+        except Exception as exc:  # broker away: the next refresh retries
             log.warning("registry write failed", error=str(exc), worker_id=self.status.worker_id)
 
-    async def _beat(self) -> None:
-        while True:
-            await asyncio.sleep(self.status.heartbeat_interval_s)
+    async def refresh(self) -> None:
+        """Store the current status without waiting for an acknowledgement (the heartbeat)."""
+        if self._nc is None:
             await self.write()
+            return
+        data = self._prepare({})
+        if self._kv is None:
+            return
+        try:
+            await self._nc.publish(self._subject, data)
+        except Exception as exc:
+            log.debug("registry refresh failed", error=str(exc), worker_id=self.status.worker_id)
+
+    async def _beat(self) -> None:
+        interval = self.status.heartbeat_interval_s
+        first = True
+        while True:
+            self._written.clear()
+            # The first wait has a random phase, so replicas started together do not beat together.
+            wait = interval * (random.uniform(0.5, 1.0) if first else random.uniform(1 - _JITTER, 1 + _JITTER))
+            first = False
+            try:
+                await asyncio.wait_for(self._written.wait(), wait)
+                continue  # a write just happened: the next refresh is an interval after it
+            except TimeoutError:
+                pass
+            await self.refresh()
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -77,4 +121,4 @@ class Registration:
             try:
                 await self._kv.delete(self.key)
             except Exception as exc:
-                log.warning("registry delete failed", error=str(exc))
+                log.warning("registry delete failed", error=str(exc), worker_id=self.status.worker_id)

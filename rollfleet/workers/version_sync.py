@@ -6,6 +6,16 @@ the worker coalesces to the newest version, materializes it on the host-local ch
 engine, then pauses, swaps the changed tensors in, resumes, and only then advertises it
 (registry + ``versions.activated``) and starts pulling its job subjects.
 
+Noticing a commit costs an idle replica nothing: the worker hears each commit's
+``versions.published`` announcement on a core subscription and hands the version to
+``notice``. An announcement can be missed (the replica was disconnected, or the publisher died
+between the commit and the announcement), so ``latest`` is also read after every reconnect
+(``notice(None)``) and once per ``resync_s`` (120 s by default, jittered): a commit is followed
+within milliseconds normally, and at the latest ``resync_s`` later.
+
+Without a weight store (``store_dir`` None, e.g. the echo engine) an activation only moves the
+engine's version: no files are read.
+
 Preparing is bounded (``prepare_timeout_s``): a read that never returns (a wedged mount, a hook
 that hangs) marks the replica ``degraded`` instead of leaving it ``preparing`` forever, and the
 stuck thread is a daemon, so it never keeps the process from exiting on SIGTERM.
@@ -14,6 +24,7 @@ stuck thread is a daemon, so it never keeps the process from exiting on SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -26,7 +37,6 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from rollfleet.broker.kv import read_latest
-from rollfleet.broker.watch import watch_keys
 from rollfleet.policy_store import MaterializeResult, materialize
 from rollfleet.policy_store.digest import weights_digest
 from rollfleet.runtime import faults
@@ -47,14 +57,14 @@ class VersionSync:
         names: Names,
         engine: Engine,
         served: ServedVersion,
-        store_dir: Path,
+        store_dir: Path | None,
         local_dir: Path,
         *,
         worker_id: str,
         on_activated: Callable[[], None],
         drain_exact: Callable[[int, float], Awaitable[tuple[float, int]]] | None = None,
         exact_drain_s: float = 30.0,
-        resync_s: float = 5.0,
+        resync_s: float = 120.0,
         pre_read_hook: str | None = None,
         metrics: WorkerMetrics | None = None,
         verify_live: bool = False,
@@ -64,7 +74,7 @@ class VersionSync:
         self._names = names
         self._engine = engine
         self._served = served
-        self.store_dir = Path(store_dir)
+        self.store_dir = Path(store_dir) if store_dir is not None else None
         self.local_dir = Path(local_dir)
         self._worker_id = worker_id
         self._on_activated = on_activated  # wakes the worker's pull loop for the new subjects
@@ -79,6 +89,8 @@ class VersionSync:
         self._kv: KeyValue | None = None
         self._registration: Registration | None = None
         self._wake = asyncio.Event()
+        self._announced: int | None = None  # the newest version announced since the last read
+        self._reread = True  # read `latest` at the next wake (start, resync, reconnect)
         self._tasks: list[asyncio.Task[None]] = []
         self._failed_version: int | None = None
         self.activations: list[VersionActivated] = []  # what each activation cost, as announced
@@ -113,9 +125,6 @@ class VersionSync:
     def start(self, registration: Registration) -> None:
         self._registration = registration
         self._tasks = [
-            asyncio.create_task(
-                watch_keys(self._kv, self._names.LATEST_KEY, lambda _: self._wake.set(), self.log), name="policy-watch"
-            ),
             asyncio.create_task(self._resync(), name="policy-resync"),
             asyncio.create_task(self._follow(), name="policy-follow"),
         ]
@@ -124,22 +133,36 @@ class VersionSync:
         await stop_tasks(self._tasks)
 
     # -- noticing new versions --------------------------------------------------------------
+    def notice(self, version: int | None) -> None:
+        """A commit of ``version`` was announced; None: read ``latest`` (e.g. after a reconnect)."""
+        if version is None:
+            self._reread = True
+        elif self._announced is None or version > self._announced:
+            self._announced = version
+        self._wake.set()
+
     async def _resync(self) -> None:
-        """A periodic re-read of ``latest``: the guard against a missed watcher update."""
+        """A periodic re-read of ``latest``: the guard against a missed announcement."""
         while True:
-            await asyncio.sleep(self._resync_s)
-            self._wake.set()
+            await asyncio.sleep(self._resync_s * random.uniform(0.8, 1.2))
+            self.notice(None)
 
     async def _follow(self) -> None:
         assert self._kv is not None
         while True:
             await self._wake.wait()
             self._wake.clear()
-            try:
-                latest = await read_latest(self._kv)
-            except Exception as exc:
-                self.log.debug("reading latest failed", error=str(exc))
-                continue
+            latest, self._announced = self._announced, None
+            if self._reread:
+                self._reread = False
+                try:
+                    read = await read_latest(self._kv)
+                except Exception as exc:
+                    self.log.debug("reading latest failed", error=str(exc))
+                    self._reread = True  # the next resync or reconnect tries again
+                    read = None
+                if read is not None and (latest is None or read > latest):
+                    latest = read
             if latest is None or latest <= self._served.version:
                 continue
             if self._failed_version is not None and latest <= self._failed_version:
@@ -202,13 +225,16 @@ class VersionSync:
 
     async def _materialize(self, target: int) -> MaterializeResult:
         """materialize() on a daemon thread, bounded; a stuck one is abandoned and blocks retries."""
+        if self.store_dir is None:  # nothing to read: the version is all there is to activate
+            return MaterializeResult(version=target, previous_version=self._served.version, changed=[])
+        store_dir = self.store_dir
         if self.stuck:
             raise PrepareTimeout(f"an earlier prepare is still stuck; not preparing version {target}")
         done = threading.Event()
 
         def run() -> MaterializeResult:
             try:
-                return materialize(self.local_dir, self.store_dir, target, pre_read_hook=self._pre_read_hook)
+                return materialize(self.local_dir, store_dir, target, pre_read_hook=self._pre_read_hook)
             finally:
                 done.set()
 
@@ -231,7 +257,8 @@ class VersionSync:
         assert self._registration is not None
         previous = self._served.version
         log = self.log.bind(version=target, previous_version=previous)
-        await self._registration.write(state="preparing", preparing_version=target)
+        if self.store_dir is not None:  # (without a store there is nothing to prepare: activate at once)
+            await self._registration.write(state="preparing", preparing_version=target)
         t0 = time.perf_counter()
         result = await self._prepare(target, log)
         if result is None:

@@ -17,9 +17,9 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollfleet.schemas import Completion, RolloutPayload, version_spans
+from rollfleet.schemas import Completion, RolloutPayload, VersionSpan, version_spans
 from rollfleet.workers.engines.base import Engine, EngineHealth, Generation
-from rollfleet.workers.engines.sessions import DEFAULT_TTL_S, Branch, SessionCache, SessionCacheStats
+from rollfleet.workers.engines.sessions import DEFAULT_TTL_S, Branch, Lookup, SessionCache, SessionCacheStats
 
 _TOKEN_BYTES = 4
 
@@ -65,6 +65,16 @@ class EchoEngine(Engine):
         self.prefill_tokens += len(prompt) - cached
         if self.latency_s or self.prefill_s_per_token:
             await asyncio.sleep(self.latency_s + self.prefill_s_per_token * (len(prompt) - cached))
+        if not self.per_token_s and self._running.is_set() and request_id not in self._aborted:
+            # Nothing can pause or abort it between steps (no step awaits): every token is made
+            # at once, at the live version; the same outputs as the step loop below.
+            base = sum(prompt)
+            outputs = [self._sample_at_once(base + sample, payload) for sample in range(payload.n)]
+        else:
+            outputs = await self._step(request_id, prompt, payload)
+        return self._finish(outputs, prompt, session_id, lookup)
+
+    async def _step(self, request_id: str, prompt: list[int], payload: RolloutPayload) -> list[Completion]:
         outputs: list[Completion] = []
         stops = set(payload.sampling.stop_token_ids)
         for sample in range(payload.n):
@@ -96,6 +106,11 @@ class EchoEngine(Engine):
                 )
             )
         self._aborted.discard(request_id)
+        return outputs
+
+    def _finish(
+        self, outputs: list[Completion], prompt: list[int], session_id: str | None, lookup: Lookup | None
+    ) -> Generation:
         ran = [c.weight_versions for c in outputs if c.weight_versions]
         version_start = min((w[0].version for w in ran), default=self.version)
         version_end = max((w[-1].version for w in ran), default=self.version)
@@ -109,7 +124,7 @@ class EchoEngine(Engine):
             version_start,
             version_end,
             prompt_tokens=len(prompt),
-            cached_tokens=cached,
+            cached_tokens=lookup.cached if lookup else 0,
             cache_rebuilt=lookup is not None and lookup.stale,
         )
 
@@ -118,6 +133,26 @@ class EchoEngine(Engine):
 
     def session_cache_stats(self) -> SessionCacheStats:
         return self._sessions.stats()
+
+    def _sample_at_once(self, base: int, payload: RolloutPayload) -> Completion:
+        """One sample (``base``: the prompt's sum plus the sample's index) with no step boundary
+        to honour: the same tokens, versions and finish as the step loop, computed in one go."""
+        vocab = self.vocab
+        tokens = [(base + i) % vocab for i in range(payload.sampling.max_tokens)]
+        finish = "length"
+        stops = set(payload.sampling.stop_token_ids)
+        if stops:
+            hit = next((i for i, tok in enumerate(tokens) if tok in stops), None)
+            if hit is not None:
+                tokens, finish = tokens[: hit + 1], "stop"
+        text = bytes(t % 256 for t in tokens).decode("latin-1") if payload.prompt_text is not None else None
+        return Completion(
+            token_ids=tokens,
+            finish_reason=finish,  # type: ignore[arg-type]
+            logprobs=[0.0] * len(tokens) if payload.sampling.logprobs else None,
+            text=text,
+            weight_versions=[VersionSpan(version=self.version, start=0, end=len(tokens))] if tokens else [],
+        )
 
     async def pause(self) -> None:
         self._running.clear()

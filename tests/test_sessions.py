@@ -1,0 +1,326 @@
+"""Sessions against a real broker and real workers: turns stick to the replica holding their
+context, move (once, bounded) when it is busy or dies, follow the session's version policy
+across activations, are answered once each, and end on close or ttl."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollfleet.schemas import Outcome, RolloutPayload, RolloutResult, SamplingParams
+from rollfleet.schemas.errors import (
+    Interrupted,
+    InvalidRequest,
+    NoCompatibleReplica,
+    SessionConflict,
+    UnknownSession,
+)
+from rollfleet.testing import ProcessGroup, running_worker, wait_until, write_base_checkpoint
+from rollfleet.testing.weights import tensors_at
+from rollfleet.trainer_client import PolicyPublisher, RolloutClient
+from rollfleet.workers.engines.echo import EchoEngine
+from tests.helpers import CountingEcho
+
+
+def turn_payload(context: list[int], max_tokens: int = 6) -> RolloutPayload:
+    return RolloutPayload(prompt_token_ids=list(context), sampling=SamplingParams(max_tokens=max_tokens))
+
+
+async def converse(session: Any, turns: int, *, env_tokens: int = 20, max_tokens: int = 6) -> list[RolloutResult]:
+    """A multi-turn conversation: each turn's prompt is the whole context so far."""
+    context = list(range(1, 30))
+    results = []
+    for turn in range(turns):
+        result = await session.generate(turn_payload(context, max_tokens))
+        results.append(result)
+        context += result.outputs[0].token_ids + [100 + turn] * env_tokens
+    return results
+
+
+def answers_per_key(client: RolloutClient) -> dict[str, int]:
+    seen: dict[str, int] = {}
+
+    def observe(outcome: Outcome, _seq: int | None) -> None:
+        seen[outcome.idempotency_key] = seen.get(outcome.idempotency_key, 0) + 1
+
+    client.observe = observe
+    return seen
+
+
+async def test_turns_stick_to_the_replica_holding_their_context(nats_url: str, namespace: str) -> None:
+    async with (
+        running_worker(nats_url, namespace, worker_id="a", engine=EchoEngine()) as a,
+        running_worker(nats_url, namespace, worker_id="b", engine=EchoEngine()) as b,
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 2)
+        sessions = [await client.session(min_version=0).open() for _ in range(6)]
+        results = await asyncio.gather(*[converse(s, 6) for s in sessions])
+        for turns in results:
+            assert len({r.worker_id for r in turns}) == 1, [r.worker_id for r in turns]  # never moved
+            assert all(r.cached_tokens > 0 for r in turns[1:])  # every later turn reused its context
+            assert all(r.session_id == turns[0].session_id for r in turns)
+        assert client.metrics.affinity_hits._value.get() == 6 * 5
+        assert {turns[0].worker_id for turns in results} == {"a", "b"}  # first turns spread by pulls
+        # The registry says how many sessions each replica holds (rollfleet status shows it).
+        for worker in (a, b):
+            assert worker.registration is not None
+            await worker.registration.write()
+
+        def held() -> int:
+            return sum(r.sessions for w in ("a", "b") if (r := client.fleet.replica(w)) is not None)
+
+        await wait_until(lambda: held() == 6, timeout=5, what="6 sessions in the registry")
+        for s in sessions:
+            await s.close()  # each replica drops the contexts it held
+        await wait_until(lambda: a.engine.session_cache_stats().entries + b.engine.session_cache_stats().entries == 0)
+
+
+async def test_a_busy_sticky_replica_costs_one_bounded_wait_then_the_turn_moves(nats_url: str, namespace: str) -> None:
+    busy = CountingEcho(per_token_s=0.05)
+    async with (
+        running_worker(nats_url, namespace, worker_id="a", capacity=1, engine=busy),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        seen = answers_per_key(client)
+        await wait_until(lambda: len(client.fleet.replicas()) == 1)
+        async with client.session(min_version=0, affinity_wait_s=0.5) as s:
+            first = await s.generate(turn_payload([1, 2, 3]))
+            assert first.worker_id == "a"
+            hog = await client.submit(turn_payload([9], max_tokens=100), min_version=0)  # a's one slot, 5 s
+            await wait_until(lambda: len(busy.calls) == 2, timeout=5)
+            async with running_worker(nats_url, namespace, worker_id="b", engine=EchoEngine()):
+                await wait_until(lambda: len(client.fleet.replicas()) == 2)
+                t0 = time.monotonic()
+                second = await s.generate(turn_payload([1, 2, 3, *first.outputs[0].token_ids, 7]))
+                waited = time.monotonic() - t0
+                assert second.worker_id == "b" and waited < 3.0  # not behind a's 5 s job
+                assert s.replica == "b"  # the session moved with it
+                await hog.result(15)
+        fallbacks = client.metrics.affinity_fallbacks.labels(client_id="c", reason="not_taken_in_time")
+        assert fallbacks._value.get() == 1
+        await asyncio.sleep(0.3)
+        assert seen[f"{s.session_id}/1"] == 1  # answered once
+        assert len(busy.calls) == 2  # a never ran the moved turn
+
+
+@pytest.mark.parametrize("retry_policy", ["replayable", "at_most_once"])
+async def test_sticky_replica_sigkilled_mid_turn_the_turn_is_answered_once(
+    nats_url: str, namespace: str, tmp_path: Path, retry_policy: str
+) -> None:
+    """The sticky replica dies (SIGKILL) while generating a turn: the client notices (no
+    responders to its probe), moves the same job to the shared subject, and the survivor serves it
+    (replayable) or answers Interrupted without running it (at_most_once). One answer either way."""
+    group = ProcessGroup(tmp_path)
+    slow = ("--echo-token-latency", "0.05")
+    try:
+        group.worker(nats_url, namespace, "w1", *slow)
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+            seen = answers_per_key(client)
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=30)
+            async with client.session(min_version=0, retry_policy=retry_policy, affinity_wait_s=1.0) as s:  # type: ignore[arg-type]
+                first = await s.generate(turn_payload([1, 2, 3], max_tokens=2))
+                assert first.worker_id == "w1"
+                group.worker(nats_url, namespace, "w2", *slow)
+                await wait_until(lambda: len(client.fleet.replicas()) == 2, timeout=30)
+                turn = asyncio.ensure_future(s.generate(turn_payload([1, 2, 3, 4], max_tokens=60)))  # 3 s on w1
+                await asyncio.sleep(1.0)
+                assert not turn.done()
+                group.procs["w1"].send_signal(signal.SIGKILL)
+                t0 = time.monotonic()
+                if retry_policy == "replayable":
+                    second = await asyncio.wait_for(turn, 30)
+                    assert second.worker_id == "w2" and len(second.outputs[0].token_ids) == 60
+                    assert s.replica == "w2"
+                else:
+                    with pytest.raises(Interrupted):
+                        await asyncio.wait_for(turn, 30)
+                assert time.monotonic() - t0 < 10.0  # the probe noticed; not the 30 s ack wait
+                await asyncio.sleep(0.5)
+                assert seen[f"{s.session_id}/1"] == 1
+                third = await s.generate(turn_payload([5, 6], max_tokens=2))  # the session goes on
+                assert third.worker_id == "w2"
+    finally:
+        group.close()
+
+
+async def test_sticky_replica_killed_between_turns_costs_no_wait(nats_url: str, namespace: str, tmp_path: Path) -> None:
+    group = ProcessGroup(tmp_path)
+    try:
+        group.worker(nats_url, namespace, "w1")
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=30)
+            async with client.session(min_version=0, affinity_wait_s=5.0) as s:
+                assert (await s.generate(turn_payload([1]))).worker_id == "w1"
+                group.worker(nats_url, namespace, "w2")
+                await wait_until(lambda: len(client.fleet.replicas()) == 2, timeout=30)
+                group.kill("w1")
+                t0 = time.monotonic()
+                result = await s.generate(turn_payload([1, 2]))
+                # Its bell found no responders: moved at once, not after the 5 s affinity wait.
+                assert result.worker_id == "w2" and time.monotonic() - t0 < 4.0
+    finally:
+        group.close()
+
+
+@pytest.fixture
+def publisher(tmp_path: Path) -> PolicyPublisher:
+    return PolicyPublisher(tmp_path / "store", write_base_checkpoint(tmp_path / "base"), keep_last=None)
+
+
+def follower(tmp_path: Path, name: str, **config: Any) -> dict[str, Any]:
+    return {"store_dir": tmp_path / "store", "local_dir": tmp_path / f"local-{name}", "worker_id": name, **config}
+
+
+@pytest.mark.parametrize("policy", ["pinned", "monotonic", "free"])
+async def test_version_policies_hold_across_activations(
+    nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher, policy: str
+) -> None:
+    """Replica ``new`` follows the store (0, then 1, then 2); replica ``old`` stays at 0. Sessions
+    run turns while versions are published: pinned turns all run at the first turn's version,
+    monotonic turns never go back to an older version than the previous turn, and free turns
+    only satisfy the session's constraint. Every turn reports its per-token versions."""
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        await client.publish_policy(publisher, tensors_at(0))
+        async with (
+            running_worker(nats_url, namespace, engine=EchoEngine(per_token_s=0.01), **follower(tmp_path, "new")),
+            running_worker(nats_url, namespace, version=0, worker_id="old", engine=EchoEngine(per_token_s=0.01)),
+        ):
+            await client.wait_for_version(0, replicas=2, timeout=20)
+            sessions = [client.session(min_version=0, version_policy=policy) for _ in range(4)]  # type: ignore[arg-type]
+            for s in sessions:
+                await s.open()
+            turns: dict[str, list[RolloutResult]] = {s.session_id: [] for s in sessions}
+
+            async def run(s: Any) -> None:
+                context = [1, 2, 3]
+                for _ in range(6):
+                    r = await s.generate(turn_payload(context, max_tokens=10))
+                    turns[s.session_id].append(r)
+                    context += r.outputs[0].token_ids
+
+            runs = asyncio.gather(*[run(s) for s in sessions])
+            for version in (1, 2):
+                await asyncio.sleep(0.3)
+                await client.publish_policy(publisher, tensors_at(version))
+            await asyncio.wait_for(runs, 60)
+            for s in sessions:
+                await s.close()
+    for results in turns.values():
+        for r in results:  # the spans cover every token and agree with the reported range
+            spans = r.outputs[0].weight_versions
+            assert spans[0].start == 0 and spans[-1].end == len(r.outputs[0].token_ids)
+            assert (spans[0].version, spans[-1].version) == (r.version_start, r.version_end)
+        if policy == "pinned":
+            pin = results[0].version_start
+            assert all(r.version_start == r.version_end == pin for r in results), [
+                (r.version_start, r.version_end) for r in results
+            ]
+        elif policy == "monotonic":
+            for prev, nxt in itertools.pairwise(results):
+                assert nxt.version_start >= prev.version_end
+        assert all(r.version_start >= 0 for r in results)
+    if policy == "monotonic":  # the policy had something to hold: some session saw a newer version
+        assert any(r.version_end >= 1 for results in turns.values() for r in results)
+
+
+async def test_a_turn_asked_again_returns_its_stored_answer_also_after_a_restart(nats_url: str, namespace: str) -> None:
+    engine = CountingEcho()
+    async with running_worker(nats_url, namespace, worker_id="a", engine=engine):
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+            s = await client.session(min_version=0).open()
+            first = await s.generate(turn_payload([1, 2]))
+            again = await s.generate(turn_payload([1, 2]), turn=0)
+            assert again.job_id == first.job_id and len(engine.calls) == 1
+            sid = s.session_id
+        # A restarted trainer (same client id) resumes the session from its record.
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+            s = await client.resume_session(sid)
+            assert s.next_turn == 1 and s.replica == "a"
+            stored = await s.generate(turn_payload([1, 2]), turn=0, timeout=10)
+            assert stored.job_id == first.job_id and stored.outputs == first.outputs
+            assert len(engine.calls) == 1  # never generated twice
+            nxt = await s.generate(turn_payload([1, 2, 3]))
+            assert nxt.worker_id == "a" and len(engine.calls) == 2
+            await s.close()
+
+
+async def test_ttl_ends_the_session_and_cleans_up(nats_url: str, namespace: str) -> None:
+    engine = EchoEngine()
+    async with (
+        running_worker(nats_url, namespace, worker_id="a", engine=engine),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        s = await client.session(min_version=0, ttl=1.0).open()
+        await s.generate(turn_payload([1, 2, 3]))
+        assert engine.session_cache_stats().entries == 1
+        kv = await client.js.key_value(client.names.sessions_bucket)
+        key = client.names.session_key(s.session_id)
+        assert (await kv.get(key)).value
+
+        async def gone() -> bool:
+            try:
+                entry = await kv.get(key)
+            except Exception:
+                return True
+            return not entry.value
+
+        await wait_until(gone, timeout=5, what="the session record removed after its ttl")
+        await wait_until(lambda: engine.session_cache_stats().entries == 0, timeout=5, what="the replica's cache")
+        with pytest.raises(UnknownSession):
+            await s.generate(turn_payload([1, 2, 3, 4]))
+        with pytest.raises(UnknownSession):
+            await client.resume_session(s.session_id)
+
+
+async def test_closing_a_session_drops_its_context_on_the_replica(nats_url: str, namespace: str) -> None:
+    engine = EchoEngine()
+    async with (
+        running_worker(nats_url, namespace, worker_id="a", engine=engine),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        async with client.session(min_version=0) as s:
+            await converse(s, 2)
+            assert engine.session_cache_stats().entries == 1
+        await wait_until(lambda: engine.session_cache_stats().entries == 0, timeout=5)
+
+
+async def test_bad_session_input_gets_typed_errors(nats_url: str, namespace: str) -> None:
+    async with (
+        running_worker(nats_url, namespace, worker_id="a", engine=EchoEngine(per_token_s=0.02)),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        with pytest.raises(UnknownSession):
+            await client.resume_session("never-opened")
+        with pytest.raises(InvalidRequest):
+            client.session("a/b")  # not a token
+        with pytest.raises(InvalidRequest):
+            client.session(version_policy="sometimes")  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest):
+            client.session(ttl=0)
+        with pytest.raises(InvalidRequest):
+            client.session(min_version=0, exact_version=0)
+        async with client.session("s1", min_version=0, version_policy="monotonic") as s:
+            with pytest.raises(SessionConflict, match="out of order"):
+                await s.generate(turn_payload([1]), turn=3)
+            with pytest.raises(InvalidRequest):
+                await s.generate(turn_payload([1]), turn=-1)
+            with pytest.raises(SessionConflict, match="other settings"):
+                await client.session("s1", min_version=0, version_policy="pinned").open()
+            running = asyncio.ensure_future(s.generate(turn_payload([1], max_tokens=50)))
+            await asyncio.sleep(0.2)
+            with pytest.raises(SessionConflict, match="still running"):
+                await s.generate(turn_payload([1, 2]))
+            await running
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="other") as other:
+            async with client.session("s2", min_version=0):
+                with pytest.raises(SessionConflict, match="belongs to client"):
+                    await other.session("s2", min_version=0).open()
+        with pytest.raises(NoCompatibleReplica):
+            await (await client.session(min_version=5, version_policy="pinned").open()).generate(turn_payload([1]))
