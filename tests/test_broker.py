@@ -50,6 +50,7 @@ async def test_declaring_twice_changes_nothing_and_loses_nothing(broker: Embedde
             names.policy_bucket,
             names.fleet_bucket,
             names.claims_bucket,
+            names.sessions_bucket,
         }
         await js.publish(names.job_subject("min", 0), b"job", headers={"Nats-Msg-Id": "k"})
         kv = await js.key_value(names.policy_bucket)

@@ -466,7 +466,7 @@ class RolloutClient:
             waiting = {
                 (h.job.constraint.kind, h.job.constraint.version)
                 for h in list(self._handles.values())
-                if h.job.submitted_at < cutoff and not h.done()
+                if h.job.submitted_at < cutoff and not h.done() and h.replica is None  # (sticky: watched apart)
             }
             for kind, version in waiting:
                 consumer = self.names.job_consumer(kind, version)  # type: ignore[arg-type]
