@@ -11,7 +11,8 @@ the machine's drift hits both alike:
   replica holding its session's context (its own subject), which prefills only the new tokens;
 - without affinity (the baseline): the same turns submitted to the shared subjects, with the same
   ``session_id`` and the same monotonic constraint, so a turn reuses its context only when the
-  pull happens to land on the replica that holds it.
+  pull happens to land on the replica that holds it;
+- no reuse (for scale): the same turns without ``session_id``: every turn prefills everything.
 
 Reported per turn index: p50 and p99 turn latency (submit to result), prefill tokens per turn
 (prompt minus ``cached_tokens``); the affinity hit rate (turns after the first served by the
@@ -28,6 +29,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,10 @@ from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 BASELINE = "same turns without affinity"
 TARGET_SPEEDUP = 2.0
 TARGET_HITS = 0.9
+# A trainer steps once per batch of finished rollouts: a new version after every TURNS_PER_VERSION
+# finished turns (per session: every 2 turns), so every mode sees the same number of versions
+# at the same points of its progress. Each activation invalidates every cached context.
+TURNS_PER_SESSION_PER_VERSION = 2
 
 
 def _turn_payload(context: list[int], rng: random.Random, out: int) -> RolloutPayload:
@@ -55,8 +61,18 @@ def _turn_payload(context: list[int], rng: random.Random, out: int) -> RolloutPa
 
 
 async def _session(
-    client: RolloutClient, sid: int, *, affinity: bool, turns: int, first: int, env: int, out: int, tag: str
+    client: RolloutClient,
+    sid: int,
+    *,
+    mode: str,
+    turns: int,
+    first: int,
+    env: int,
+    out: int,
+    tag: str,
+    done: asyncio.Queue[None],
 ) -> list[dict[str, Any]]:
+    affinity = mode == "affinity"
     rng = random.Random(sid)  # the same lengths in both modes
     context = [rng.randrange(3, 1000) for _ in range(first)]
     rows: list[dict[str, Any]] = []
@@ -80,11 +96,12 @@ async def _session(
                     deadline=None,
                     timeout=600,
                     retry_policy="replayable",
-                    session_id=session_id,
+                    session_id=session_id if mode == "shared" else None,
                 )
                 result = await handle.result()
             dt = time.perf_counter() - t0
             rows.append(_row(sid, turn, len(context), result, dt, previous, last_version))
+            done.put_nowait(None)
             previous, last_version = result.worker_id, max(last_version, result.version_end)
             context += result.outputs[0].token_ids + [
                 rng.randrange(3, 1000) for _ in range(rng.randint(env // 2, env * 3 // 2))
@@ -108,24 +125,34 @@ def _row(
         "hit": previous is not None and r.worker_id == previous,
         "outside_policy": r.version_start < floor,
         "versions": (r.version_start, r.version_end),
+        "attempt": r.delivery_attempt,
+        "queue_wait_s": r.queue_wait_s,
+        "generation_s": r.generation_s,
     }
 
 
 async def _publisher_loop(
-    client: RolloutClient, publisher: PolicyPublisher, tensors: dict[str, torch.Tensor], every_s: float
-) -> int:
+    client: RolloutClient,
+    publisher: PolicyPublisher,
+    tensors: dict[str, torch.Tensor],
+    done: asyncio.Queue[None],
+    every: int,
+) -> None:
+    """Publish a version after every ``every`` finished turns (an RL step's cadence)."""
     gen = torch.Generator().manual_seed(0)
-    published = 0
     while True:
-        await asyncio.sleep(every_s)
+        for _ in range(every):
+            await done.get()
         rl_step(tensors, gen)
         await client.publish_policy(publisher, tensors)
-        published += 1
 
 
-async def _main(url: str, tmp: Path, quick: bool) -> dict[str, Any]:
-    sessions, turns, first, env, out = (4, 3, 64, 64, 8) if quick else (32, 8, 256, 256, 16)
-    rounds = [False, True] if quick else [False, True, True, False]
+async def _main(
+    url: str, tmp: Path, quick: bool, rounds: list[str] | None = None, shape: tuple[int, ...] | None = None
+) -> dict[str, Any]:
+    sessions, turns, first, env, out = shape or ((4, 3, 64, 64, 8) if quick else (32, 8, 256, 256, 16))
+    modes = ["shared", "affinity", "none"]
+    rounds = rounds or (modes if quick else [*modes, *reversed(modes)])
     max_len = first + turns * (env + out) * 3 // 2 + 64
     base = build_model_dir(tmp / "tiny", preset="tiny", seed=1, max_position_embeddings=max(2048, max_len))
     store = tmp / "store"
@@ -133,8 +160,8 @@ async def _main(url: str, tmp: Path, quick: bool) -> dict[str, Any]:
     tensors = load_tensors(base)
     namespace = "sr" + uuid.uuid4().hex[:8]
     procs = []
-    out_rows: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
-    published = {False: 0, True: 0}
+    out_rows: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    published = dict.fromkeys(modes, 0)
     async with await RolloutClient.connect(url, namespace=namespace, client_id="trainer") as client:
         try:
             await client.publish_policy(publisher, tensors)  # version 0
@@ -144,19 +171,23 @@ async def _main(url: str, tmp: Path, quick: bool) -> dict[str, Any]:
                 args += ["--capacity", "32", "--max-batch", "32", "--heartbeat", "2"]
                 procs.append(spawn(worker_command(url, namespace, w, *args), tmp / f"{w}.log", env=env_vars, cwd=REPO))
             await client.wait_for_version(0, replicas=2, timeout=300)
-            for i, affinity in enumerate(rounds):
+            for i, mode in enumerate(rounds):
                 before = client.latest_version or 0
-                pub = asyncio.ensure_future(_publisher_loop(client, publisher, tensors, 2.0 if quick else 6.0))
+                done: asyncio.Queue[None] = asyncio.Queue()
+                every = sessions * TURNS_PER_SESSION_PER_VERSION
+                pub = asyncio.ensure_future(_publisher_loop(client, publisher, tensors, done, every))
                 per = await asyncio.gather(
                     *(
-                        _session(client, s, affinity=affinity, turns=turns, first=first, env=env, out=out, tag=f"r{i}")
+                        _session(
+                            client, s, mode=mode, turns=turns, first=first, env=env, out=out, tag=f"r{i}", done=done
+                        )
                         for s in range(sessions)
                     )
                 )
                 pub.cancel()
-                published[affinity] += (client.latest_version or 0) - before
-                out_rows[affinity] += [r for rows in per for r in rows]
-                print(f"round {i} ({'affinity' if affinity else 'without'}): done", flush=True)
+                published[mode] += (client.latest_version or 0) - before
+                out_rows[mode] += [r for rows in per for r in rows]
+                print(f"round {i} ({mode}): done, {published[mode]} versions published so far", flush=True)
             fallbacks = {
                 reason: client.metrics.affinity_fallbacks.labels(client_id="trainer", reason=reason)._value.get()
                 for reason in ("not_taken_in_time", "replica_gone_or_incompatible")
@@ -177,9 +208,9 @@ def run(quick: bool = False) -> list[Row]:
         data = asyncio.run(_main(broker.url, Path(tmp), quick))
     rows_by = data["rows"]
     turns = data["shape"]["turns"]
-    later = [r for r in rows_by[True] if r["turn"] > 0]
+    later = [r for r in rows_by["affinity"] if r["turn"] > 0]
     hits = sum(r["hit"] for r in later) / len(later)
-    base_later = [r for r in rows_by[False] if r["turn"] > 0]
+    base_later = [r for r in rows_by["shared"] if r["turn"] > 0]
     base_hits = sum(r["hit"] for r in base_later) / len(base_later)
     outside = sum(r["outside_policy"] for rs in rows_by.values() for r in rs)
     out: list[Row] = []
@@ -205,8 +236,9 @@ def run(quick: bool = False) -> list[Row]:
         )
     )
     for turn in range(turns):
-        with_ = [r for r in rows_by[True] if r["turn"] == turn]
-        without = [r for r in rows_by[False] if r["turn"] == turn]
+        with_ = [r for r in rows_by["affinity"] if r["turn"] == turn]
+        without = [r for r in rows_by["shared"] if r["turn"] == turn]
+        none = [r for r in rows_by["none"] if r["turn"] == turn]
         p50, base = statistics.median(r["s"] for r in with_), statistics.median(r["s"] for r in without)
         speedup = base / p50
         last = turn == turns - 1
@@ -214,7 +246,8 @@ def run(quick: bool = False) -> list[Row]:
         case = f"turn {turn + 1} ({prompt:.0f} prompt tokens avg)"
         met = speedup >= TARGET_SPEEDUP if last else None
         print(
-            f"{case}: p50 {p50!r} s with affinity, {base!r} s without; speedup {speedup!r}"
+            f"{case}: p50 {p50!r} s with affinity, {base!r} s without, "
+            f"{statistics.median(r['s'] for r in none)!r} s with no reuse; speedup {speedup!r}"
             + (f" (target >= {TARGET_SPEEDUP}x: {'met' if met else 'missed'})" if last else "")
         )
         out.append(
@@ -232,6 +265,9 @@ def run(quick: bool = False) -> list[Row]:
                     "speedup": speedup,
                     "p99_s": percentile([r["s"] for r in with_], 99),
                     "baseline_p99_s": percentile([r["s"] for r in without], 99),
+                    "no_reuse_p50_s": statistics.median(r["s"] for r in none),
+                    "speedup_vs_no_reuse": statistics.median(r["s"] for r in none) / p50,
+                    "sessions_per_replica_first_turn": dict(Counter(r["worker"] for r in with_)),
                 },
             )
         )

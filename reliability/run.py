@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from reliability import contract, fuzz, policy, request_path, security
+from reliability import contract, fuzz, policy, request_path, security, sessions
 from reliability.common import REPO, Figures
 
 Scenario = Callable[[Path], Awaitable[Figures]]
@@ -62,6 +62,12 @@ def scenarios(quick: bool) -> list[tuple[str, Scenario]]:
         ("9b", lambda d: security.token_end_to_end(d)),
         ("9c", lambda d: security.tls_end_to_end(d)),
         ("10", lambda d: contract.exact_pins(d, jobs=80 if q else 400, versions=5 if q else 15)),
+        (
+            "11",
+            lambda d: sessions.sessions_under_kills(
+                d, sessions=8 if q else 40, turns=5 if q else 8, workers=3, kills=2 if q else 8
+            ),
+        ),
     ]
 
 
@@ -186,6 +192,18 @@ exact job that no replica will serve any more is withdrawn and answered `NoCompa
 within seconds. As defence in depth, a worker never stores, and a client never hands out, a
 result whose tokens fall outside its constraint (`ContractViolation`, counted). Scenario 10
 tries this with random schedules of publications and jobs.
+
+**A session's turns are answered once each, within the session's version policy.** A turn is
+a job keyed `<session_id>/<turn>`, sent to the replica holding the session's context while it
+is live and able; a turn that replica has not taken within `affinity_wait_s`, or that it holds
+when it dies (no responders to a probe), is withdrawn from its subject and stored, as the same
+job, on the shared subject: one answer wherever it runs (`replayable`: run again;
+`at_most_once`: `Interrupted` if it had started). `pinned` turns run exactly at the first
+turn's version, `monotonic` turns never below the previous turn's last version. Scenario 11
+SIGKILLs replicas mid-turn while versions are published. *Ends:* a replica that is alive but
+unreachable only for the client still gets its turns moved after the wait, and may finish the
+original too; the second result for the key is dropped by the results stream (one answer),
+but an `at_most_once` turn can then be answered `Interrupted` although its first run finished.
 
 **Acknowledged means durable.** `submit` returns once JetStream has stored the job (file
 storage); a submission that raised (`ServiceUnavailable`) or failed fast

@@ -82,6 +82,16 @@ def test_sessions_quick() -> None:
     assert "met" in [r for r in rows if r.bench == "sessions/turn-p50"][-1].extra
 
 
+def test_session_routing_quick() -> None:
+    rows = _run("session_routing")
+    _check(rows, {"session-routing/affinity", "session-routing/turn-p50", "session-routing/prefill"})
+    head = rows[0]
+    assert head.extra["outside_policy"] == 0  # no turn below its session's monotonic floor
+    assert 0.0 <= head.value <= 1.0 and head.met is not None
+    last_prefill = [r for r in rows if r.bench == "session-routing/prefill"][-1]
+    assert last_prefill.baseline is not None and last_prefill.value <= last_prefill.baseline
+
+
 def test_gpu_activation_script_runs_on_cpu() -> None:
     """The H200 script must not rot: its small CPU path runs end to end and checks the bytes."""
     import json

@@ -47,32 +47,22 @@ class TopologyConfig(msgspec.Struct, kw_only=True, frozen=True):
     policy_history: int = 1
 
     def job_consumer_config(self, names: Names, kind: ConstraintKind, version: int) -> ConsumerConfig:
-        name = names.job_consumer(kind, version)
+        return self._jobs_consumer(names.job_consumer(kind, version), names.job_subject(kind, version))
+
+    def replica_consumer_config(self, names: Names, worker_id: str) -> ConsumerConfig:
+        """One replica's own jobs subject (sessions' sticky turns); removed when idle."""
+        return self._jobs_consumer(names.replica_consumer(worker_id), names.replica_job_subject(worker_id))
+
+    def _jobs_consumer(self, name: str, subject: str) -> ConsumerConfig:
         return ConsumerConfig(
             name=name,
             durable_name=name,
-            filter_subject=names.job_subject(kind, version),
+            filter_subject=subject,
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
             ack_wait=self.ack_wait_s,
             max_deliver=self.max_deliver,
             max_ack_pending=self.fleet_slots,
-            max_waiting=self.max_waiting,
-            inactive_threshold=self.consumer_inactive_s,
-            num_replicas=self.replicas if self.replicas > 1 else None,
-        )
-
-    def replica_consumer_config(self, names: Names, worker_id: str) -> ConsumerConfig:
-        """One replica's own jobs subject (sessions' sticky turns); removed when idle."""
-        name = names.replica_consumer(worker_id)
-        return ConsumerConfig(
-            name=name,
-            durable_name=name,
-            filter_subject=names.replica_job_subject(worker_id),
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=self.ack_wait_s,
-            max_deliver=self.max_deliver,
             max_waiting=self.max_waiting,
             inactive_threshold=self.consumer_inactive_s,
             num_replicas=self.replicas if self.replicas > 1 else None,
@@ -205,22 +195,21 @@ async def declare_job_consumer(
     js: JetStreamContext, names: Names, kind: ConstraintKind, version: int, cfg: TopologyConfig = DEFAULT_TOPOLOGY
 ) -> bool:
     """Create the shared consumer of a jobs subject if missing; True if this call created it."""
-    try:
-        await js.consumer_info(names.jobs_stream, names.job_consumer(kind, version))
-    except nats.js.errors.NotFoundError:
-        await js.add_consumer(names.jobs_stream, cfg.job_consumer_config(names, kind, version))
-        return True
-    return False
+    return await _declare_consumer(js, names.jobs_stream, cfg.job_consumer_config(names, kind, version))
 
 
 async def declare_replica_consumer(
     js: JetStreamContext, names: Names, worker_id: str, cfg: TopologyConfig = DEFAULT_TOPOLOGY
 ) -> bool:
     """Create one replica's own consumer if missing (the trainer does; the replica binds)."""
+    return await _declare_consumer(js, names.jobs_stream, cfg.replica_consumer_config(names, worker_id))
+
+
+async def _declare_consumer(js: JetStreamContext, stream: str, config: ConsumerConfig) -> bool:
     try:
-        await js.consumer_info(names.jobs_stream, names.replica_consumer(worker_id))
+        await js.consumer_info(stream, config.durable_name or "")
     except nats.js.errors.NotFoundError:
-        await js.add_consumer(names.jobs_stream, cfg.replica_consumer_config(names, worker_id))
+        await js.add_consumer(stream, config)
         return True
     return False
 

@@ -21,8 +21,10 @@ bounds what a replica keeps if no one tells it).
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
+from collections import Counter
 from contextlib import suppress
 from typing import TYPE_CHECKING
 
@@ -33,6 +35,7 @@ from nats.js.kv import KeyValue
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
     Names,
+    ReplicaStatus,
     RetryPolicy,
     RolloutPayload,
     RolloutResult,
@@ -228,7 +231,7 @@ class Session:
         if self._running is not None:
             raise SessionConflict(f"turn {self._running} of {self.session_id!r} is still running")
         constraint = self._constraint()
-        sticky = self._sticky(constraint)
+        previous, sticky = self._record.replica, self._sticky(constraint)
         self._running = nxt
         try:
             handle = await self._client._submit(
@@ -253,7 +256,7 @@ class Session:
         finally:
             self._running = None
             await self._save()
-        self._answered(nxt, result, sticky)
+        self._answered(nxt, result, previous)
         return result
 
     def _constraint(self) -> VersionConstraint:
@@ -278,20 +281,27 @@ class Session:
         return max(serving)
 
     def _sticky(self, constraint: VersionConstraint) -> str | None:
-        """The replica to send the turn to: the previous turn's, while live and able."""
+        """The replica to send the turn to: the previous turn's, while live and able; for a
+        session's first turn (or when that replica cannot take it), the able replica holding
+        the fewest of this client's sessions, so sessions spread evenly and stay spread (a
+        first turn left to the pulls lands wherever slots were free at that instant)."""
+        fleet = self._client.fleet
         replica = self._record.replica
-        if replica is None:
-            return None
-        status = self._client.fleet.replica(replica)
-        if status is None or not status.is_live() or not status.can_serve(constraint):
-            return None
-        return replica if constraint.allows(status.active_version) else None
+        if replica is not None:
+            status = fleet.replica(replica)
+            if status is not None and _able(status, constraint):
+                return replica
+        able = [r.worker_id for r in fleet.compatible(constraint) if _able(r, constraint)]
+        if not able:
+            return None  # the shared subjects: whichever replica activates a compatible version
+        held = Counter(s.replica for s in self._client._sessions.values() if s is not self)
+        return min(able, key=lambda w: (held[w], random.random()))
 
-    def _answered(self, turn: int, result: RolloutResult, sticky: str | None) -> None:
+    def _answered(self, turn: int, result: RolloutResult, previous: str | None) -> None:
         metrics = self._client.metrics
         metrics.session_turns.inc()
         metrics.prefix_tokens_reused.inc(result.cached_tokens)
-        if sticky is not None and result.worker_id == sticky:
+        if previous is not None and result.worker_id == previous:
             metrics.affinity_hits.inc()
         self._answers[turn] = result
 
@@ -310,6 +320,10 @@ class Session:
             await self._kv.put(self._client.names.session_key(self.session_id), encode(self._record))
         except Exception as exc:
             log.warning("session record not stored", session_id=self.session_id, error=str(exc))
+
+
+def _able(status: ReplicaStatus, constraint: VersionConstraint) -> bool:
+    return status.is_live() and status.can_serve(constraint) and constraint.allows(status.active_version)
 
 
 async def _read(kv: KeyValue, names: Names, session_id: str) -> SessionRecord | None:
