@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rollfleet.broker import EmbeddedBroker
 from rollfleet.schemas import Names, RolloutPayload, SamplingParams, VersionActivated, decode_event
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,6 +108,12 @@ class Ledger:
         dup_keys = {k for k, seqs in self.deliveries.items() if len(seqs) > 1}
         extra_stored = sum(1 for c in stored.values() if c > 1)
         return len(dup_keys) + extra_stored
+
+
+def start_broker(workdir: Path) -> EmbeddedBroker:
+    """A scenario's own single-node broker: its store and log in ``workdir``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    return EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
 
 
 async def gather_outcomes(handles: dict[str, Any], timeout: float) -> tuple[dict[str, Any], dict[str, Exception]]:

@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reliability.common import REPO, Figures, Ledger, gather_outcomes, read_activations
-from rollfleet.broker import EmbeddedBroker
+from reliability.common import REPO, Figures, Ledger, gather_outcomes, read_activations, start_broker
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams, served_within
 from rollfleet.schemas.errors import RollfleetError
 from rollfleet.testing import ProcessGroup, tensors_at, write_base_checkpoint
@@ -32,7 +31,7 @@ async def exact_pins(workdir: Path, jobs: int = 80, versions: int = 5, seed: int
     workdir.mkdir(parents=True, exist_ok=True)
     base = write_base_checkpoint(workdir / "base")
     store = workdir / "store"
-    broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
+    broker = start_broker(workdir)
     procs = ProcessGroup(workdir, cwd=REPO)
     try:
         async with await RolloutClient.connect(broker.url, namespace="rel10", client_id="trainer") as client:

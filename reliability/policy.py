@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reliability.common import REPO, Figures, Ledger, job_payload, read_activations
-from rollfleet.broker import EmbeddedBroker
+from reliability.common import REPO, Figures, Ledger, job_payload, read_activations, start_broker
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.policy_store import list_versions, read_marker, verify_version_dir
 from rollfleet.policy_store.digest import weights_digest
@@ -62,7 +61,7 @@ async def publisher_kills(workdir: Path, points: tuple[str, ...] = PUBLISH_POINT
     workdir.mkdir(parents=True, exist_ok=True)
     base = write_base_checkpoint(workdir / "base")
     store = workdir / "store"
-    broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
+    broker = start_broker(workdir)
     procs = ProcessGroup(workdir, cwd=REPO)
     ns = "rel4"
     pub_args = ["--nats", broker.url, "--namespace", ns, "--store", str(store), "--base", str(base)]
@@ -171,7 +170,7 @@ async def replica_killed_mid_apply(workdir: Path, points: tuple[str, ...] = APPL
     workdir.mkdir(parents=True, exist_ok=True)
     base = build_model_dir(workdir / "base", preset="tiny", seed=0)
     store, local = workdir / "store", workdir / "local"
-    broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
+    broker = start_broker(workdir)
     procs = ProcessGroup(workdir, cwd=REPO)
     ns = "rel5"
     hf = ["--engine", "hf", "--device", "cpu", "--store", str(store), "--local-dir", str(local), "--verify-live"]
@@ -287,7 +286,7 @@ async def corrupt_deltas(workdir: Path, kinds: tuple[str, ...] = CORRUPTIONS, ke
     base = write_base_checkpoint(workdir / "base")
     store, local, quarantine = workdir / "store", workdir / "local", workdir / "quarantine"
     quarantine.mkdir(exist_ok=True)
-    broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
+    broker = start_broker(workdir)
     procs = ProcessGroup(workdir, cwd=REPO)
     ns = "rel6"
     publisher = PolicyPublisher(store, base, keyframe_every=0, keep_last=None)
@@ -393,7 +392,7 @@ async def trainer_restart(workdir: Path, jobs: int = 60, workers: int = 2) -> Fi
     workdir.mkdir(parents=True, exist_ok=True)
     base = write_base_checkpoint(workdir / "base")
     store, journal = workdir / "store", workdir / "journal.txt"
-    broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
+    broker = start_broker(workdir)
     procs = ProcessGroup(workdir, cwd=REPO)
     ns = "rel7"
     args = ["--nats", broker.url, "--namespace", ns, "--store", str(store), "--base", str(base)]

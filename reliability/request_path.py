@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reliability.common import BROKER_CONFIG, REPO, Figures, Ledger, gather_outcomes, job_payload, max_gap
-from rollfleet.broker import EmbeddedBroker
+from reliability.common import BROKER_CONFIG, REPO, Figures, Ledger, gather_outcomes, job_payload, max_gap, start_broker
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.runtime import faults
 from rollfleet.schemas.errors import NoCompatibleReplica
@@ -103,7 +102,7 @@ async def worker_kills(
     )
     t_start = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
-    broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
+    broker = start_broker(workdir)
     procs = ProcessGroup(workdir, cwd=REPO)
     ns = "rel1"
     common = ["--echo-latency", str(latency_s), "--ack-wait", str(ACK_WAIT_S), "--capacity", "4"]
@@ -179,7 +178,7 @@ async def broker_restart(
     fig = Figures("2", "Broker SIGKILLed and restarted mid-run", {"jobs": jobs, "restarts": restarts, "down_s": down_s})
     t_start = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
-    broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
+    broker = start_broker(workdir)
     procs = ProcessGroup(workdir, cwd=REPO)
     ns = "rel2"
     try:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reliability.common import BROKER_CONFIG, REPO, Figures, job_payload
+from reliability.common import BROKER_CONFIG, REPO, Figures, job_payload, start_broker
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.policy_store.store import read_record
 from rollfleet.schemas.errors import RollfleetError
@@ -69,7 +69,7 @@ async def hostile_versions(workdir: Path, kinds: tuple[str, ...] = HOSTILE) -> F
     outside.mkdir(exist_ok=True)
     shutil.copyfile(base / "model.safetensors", outside / "victim.safetensors")  # a file worth overwriting
     (outside / "notes.txt").write_text("must not change")
-    broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
+    broker = start_broker(workdir)
     procs = ProcessGroup(workdir, cwd=REPO)
     ns = "rel9"
     publisher = PolicyPublisher(store, base, keyframe_every=0, keep_last=None)

@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reliability.common import REPO, Figures, Ledger, read_activations
-from rollfleet.broker import EmbeddedBroker
+from reliability.common import REPO, Figures, Ledger, read_activations, start_broker
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams
 from rollfleet.schemas.errors import Interrupted, RollfleetError
 from rollfleet.testing import ProcessGroup, tensors_at, write_base_checkpoint
@@ -41,7 +40,7 @@ async def sessions_under_kills(
     workdir.mkdir(parents=True, exist_ok=True)
     base = write_base_checkpoint(workdir / "base")
     store = workdir / "store"
-    broker = EmbeddedBroker(store_dir=workdir / "nats", log_file=workdir / "nats.log").start()
+    broker = start_broker(workdir)
     procs = ProcessGroup(workdir, cwd=REPO)
 
     def start(i: int) -> None:
