@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollfleet.schemas import (
     Completion,
@@ -203,3 +205,32 @@ def test_version_spans_merge_runs_and_round_trip() -> None:
     # Engines that cannot tell send no spans, and the field costs nothing on the wire then.
     bare = Completion(token_ids=[1], finish_reason="stop")
     assert b"weight_versions" not in encode(bare)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    kind=st.sampled_from(["min", "exact"]),
+    floor=st.integers(0, 4),
+    start=st.integers(0, 4),
+    end=st.integers(0, 4),
+    spans=st.lists(st.lists(st.integers(0, 4), max_size=3), max_size=3),
+)
+def test_served_within_is_every_token_allowed(kind: str, floor: int, start: int, end: int, spans: list) -> None:
+    """The fast check agrees with its definition: every version a result reports is allowed."""
+    from rollfleet.schemas import Completion, RolloutResult, VersionConstraint, VersionSpan, served_within
+
+    outputs = [
+        Completion(
+            token_ids=[],
+            finish_reason="length",
+            weight_versions=[VersionSpan(version=v, start=i, end=i + 1) for i, v in enumerate(vs)],
+        )
+        for vs in spans
+    ]
+    result = RolloutResult(
+        job_id="j", idempotency_key="k", client_id="c", outputs=outputs, version_start=start, version_end=end,
+        worker_id="w", engine="echo", queue_wait_s=0.0, generation_s=0.0, delivery_attempt=1, finished_at=0.0,
+    )  # fmt: skip
+    constraint = VersionConstraint(kind, floor)  # type: ignore[arg-type]
+    every = {start, end, *(v for vs in spans for v in vs)}
+    assert served_within(constraint, result) == all(constraint.allows(v) for v in every)

@@ -143,9 +143,17 @@ def served_within(constraint: VersionConstraint, result: RolloutResult) -> bool:
     """Whether every token of ``result`` was generated at a version ``constraint`` allows: for an
     exact constraint, start, end and every per-token span at that version; for a minimum, the
     oldest of them at or above it."""
-    versions = {result.version_start, result.version_end}
-    versions.update(span.version for out in result.outputs for span in out.weight_versions)
-    return all(constraint.allows(v) for v in versions)
+    lo, hi = min(result.version_start, result.version_end), max(result.version_start, result.version_end)
+    for out in result.outputs:  # (on every result, twice: kept to plain loops)
+        for span in out.weight_versions:
+            v = span.version
+            if v < lo:
+                lo = v
+            elif v > hi:
+                hi = v
+    if constraint.kind == "exact":
+        return lo == hi == constraint.version
+    return lo >= constraint.version
 
 
 class RolloutFailure(msgspec.Struct, tag="failure", kw_only=True):

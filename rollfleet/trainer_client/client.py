@@ -809,7 +809,8 @@ class RolloutClient:
                 await msg.ack()
             return
         try:
-            outcome = await self._whole(decode_outcome(msg.data))
+            stored = decode_outcome(msg.data)
+            outcome = await self._whole(stored) if isinstance(stored, ChunkedOutcome) else stored
         except RollfleetError as exc:
             log.warning("undecodable result dropped", error=exc.message, subject=msg.subject)
         except (nats.errors.Error, nats.js.errors.Error) as exc:  # chunks unreadable now: redelivered later
