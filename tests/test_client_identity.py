@@ -33,9 +33,9 @@ async def test_a_second_live_client_with_the_same_id_is_refused(nats_url: str, n
 
 
 async def test_clients_starting_together_cannot_both_win(nats_url: str, namespace: str) -> None:
-    for _ in range(3):
+    for _ in range(10):
         attempts = await asyncio.gather(
-            *(RolloutClient.connect(nats_url, namespace=namespace, client_id="race") for _ in range(4)),
+            *(RolloutClient.connect(nats_url, namespace=namespace, client_id="race") for _ in range(6)),
             return_exceptions=True,
         )
         winners = [c for c in attempts if isinstance(c, RolloutClient)]
@@ -81,3 +81,5 @@ async def test_a_killed_trainer_is_replaced_at_once_and_its_results_are_kept(
                 assert result.outputs[0].token_ids
     finally:
         terminate(child, 5.0, signal.SIGKILL)
+        if child.stdout is not None:
+            child.stdout.close()

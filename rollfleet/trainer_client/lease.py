@@ -3,8 +3,8 @@
 A client answers on ``Names.client_alive_subject(client_id)`` while it lives. A new client
 first asks there: an answer means the id is in use (``ClientIdInUse``). No answer means the
 previous holder is gone; the new one writes its instance id to the key ``client.<id>`` of the
-fleet bucket (compare-and-set), starts answering, and reads the key back: of two clients
-starting at the same moment only the one the key names goes on. The broker drops a dead
+fleet bucket (compare-and-set against the revision it read before asking), having started to
+answer first: of clients starting at the same moment only one goes on. The broker drops a dead
 client's subscription with its connection, so a restarted trainer takes over at once,
 without waiting out a time-out.
 """
@@ -36,29 +36,32 @@ class ClientLease:
         self._sub: Subscription | None = None
 
     async def acquire(self) -> None:
-        """Take the client_id, or raise ``ClientIdInUse`` if another live client holds it."""
+        """Take the client_id, or raise ``ClientIdInUse`` if another live client holds it.
+
+        The order closes the race of clients starting together: read the key's revision, ask,
+        start answering, then compare-and-set against the revision read *before* asking. A
+        client that read the key before another's write loses the compare-and-set; one that
+        read it after finds the other answering (it answers before it writes)."""
         subject = self._names.client_alive_subject(self._client_id)
-        holder = await self._ask(subject)
-        if holder is not None:
-            raise ClientIdInUse(self._in_use(holder))
         kv = await self._js.key_value(self._names.fleet_bucket)
         key = self._names.client_key(self._client_id)
         try:
-            entry = await kv.get(key)
-            await kv.update(key, self.instance.encode(), last=entry.revision)
+            seen: int | None = (await kv.get(key)).revision
         except nats.js.errors.KeyNotFoundError:
-            try:
-                await kv.create(key, self.instance.encode())
-            except nats.js.errors.KeyWrongLastSequenceError:
-                raise ClientIdInUse(self._in_use("a client starting at the same moment")) from None
-        except nats.js.errors.KeyWrongLastSequenceError:
-            raise ClientIdInUse(self._in_use("a client starting at the same moment")) from None
+            seen = None
+        holder = await self._ask(subject)
+        if holder is not None:
+            raise ClientIdInUse(self._in_use(holder))
         self._sub = await self._nc.subscribe(subject, cb=self._answer)
         await self._nc.flush()
-        # A client that asked before we answered may have taken the key after us: the key decides.
-        if not await self.held():
+        try:
+            if seen is None:
+                await kv.create(key, self.instance.encode())
+            else:
+                await kv.update(key, self.instance.encode(), last=seen)
+        except nats.js.errors.KeyWrongLastSequenceError:
             await self.release()
-            raise ClientIdInUse(self._in_use("a client starting at the same moment"))
+            raise ClientIdInUse(self._in_use("a client starting at the same moment")) from None
 
     async def held(self) -> bool:
         """Whether the lease key still names this client (False after another took over)."""
