@@ -354,6 +354,7 @@ async def test_killed_worker_loses_nothing_and_scale_down_drains(stack: Stack) -
         handles = await compose_trainer.submit(client, 36, tag="kill", min_version=1)
         first = await handles[0]
         victim = next(name for name, host in hosts.items() if first.worker_id.startswith(host + "-"))
+        killed_at = time.time()
         kill = _run(["docker", "kill", victim], env=stack.env)
         assert kill.returncode == 0, kill.stderr
         out = await compose_trainer.collect(handles)
@@ -391,10 +392,14 @@ async def test_killed_worker_loses_nothing_and_scale_down_drains(stack: Stack) -
     drained = {r["worker_id"] for r in out["results"] if r["worker_id"].rsplit("-", 1)[0] in removed}
     assert drained, why
     assert not drained & set(entries), why
+    # The killed one's entry was never refreshed after the kill: it stops counting as live
+    # within 3 heartbeat intervals of its last refresh (60 s with the default 20 s).
     for worker_id, entry in entries.items():
         if not (entry.host in after.values() and entry.is_live(now)):
-            assert worker_id == first.worker_id and not entry.is_live(now), why
-    assert {e.host for e in entries.values() if e.is_live(now)} == set(after.values()), why
+            assert worker_id == first.worker_id and entry.heartbeat_at <= killed_at, why
+    dead = {w for w, e in entries.items() if w == first.worker_id and e.heartbeat_at <= killed_at}
+    live = {e.host for w, e in entries.items() if e.is_live(now) and w not in dead}
+    assert live == set(after.values()), why
     assert scale_down_s < 30, f"scale-down took {scale_down_s:.1f}s: workers were killed, not drained"
     stack.record(scale_down_s=round(scale_down_s, 2), jobs_by_worker_scale=dict(served_by(out["results"])))
 
