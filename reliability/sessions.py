@@ -159,6 +159,16 @@ def _judge(
     fig.notes["turns outside their session's version policy"] = len(outside)
     fig.notes["affinity: consecutive served turns on the same replica"] = f"{hits} / {later}"
     fig.notes["turns moved off their replica, by reason"] = {k: int(v) for k, v in fallbacks.items()}
+    fig.notes["failures by session policy"] = {
+        policy: sum(
+            1
+            for sid, v in turns_of.items()
+            if settings[sid][0] == policy
+            for _, r in v
+            if not isinstance(r, RolloutResult)
+        )
+        for policy in POLICIES
+    }
     fig.notes["failures by code"] = {
         code: sum(1 for v in turns_of.values() for _, r in v if getattr(r, "code", None) == code)
         for code in sorted(

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from rollfleet.cli.status import collect_status, render_table
 from rollfleet.schemas import Outcome, RolloutPayload, RolloutResult, SamplingParams
 from rollfleet.schemas.errors import (
     Interrupted,
@@ -77,6 +78,12 @@ async def test_turns_stick_to_the_replica_holding_their_context(nats_url: str, n
             return sum(r.sessions for w in ("a", "b") if (r := client.fleet.replica(w)) is not None)
 
         await wait_until(lambda: held() == 6, timeout=5, what="6 sessions in the registry")
+        # ... and `rollfleet status` shows them, a column per replica.
+        snapshot = await collect_status(nats_url, namespace)
+        assert sum(r["sessions"] for r in snapshot["replicas"]) == 6
+        table = render_table(snapshot).splitlines()
+        column = table[2].index("sessions")
+        assert sum(int(line[column:].split()[0]) for line in table[3:5]) == 6
         for s in sessions:
             await s.close()  # each replica drops the contexts it held
         await wait_until(lambda: a.engine.session_cache_stats().entries + b.engine.session_cache_stats().entries == 0)
@@ -185,7 +192,8 @@ async def test_version_policies_hold_across_activations(
     """Replica ``new`` follows the store (0, then 1, then 2); replica ``old`` stays at 0. Sessions
     run turns while versions are published: pinned turns all run at the first turn's version,
     monotonic turns never go back to an older version than the previous turn, and free turns
-    only satisfy the session's constraint. Every turn reports its per-token versions."""
+    (``max_staleness=1``) satisfy the constraint recomputed at each turn from the latest version,
+    not the first turn's. Every turn reports its per-token versions."""
     async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
         await client.publish_policy(publisher, tensors_at(0))
         async with (
@@ -193,15 +201,18 @@ async def test_version_policies_hold_across_activations(
             running_worker(nats_url, namespace, version=0, worker_id="old", engine=EchoEngine(per_token_s=0.01)),
         ):
             await client.wait_for_version(0, replicas=2, timeout=20)
-            sessions = [client.session(min_version=0, version_policy=policy) for _ in range(4)]  # type: ignore[arg-type]
+            constraint: dict[str, int] = {"max_staleness": 1} if policy == "free" else {"min_version": 0}
+            sessions = [client.session(version_policy=policy, **constraint) for _ in range(4)]  # type: ignore[arg-type]
             for s in sessions:
                 await s.open()
             turns: dict[str, list[RolloutResult]] = {s.session_id: [] for s in sessions}
+            floors: dict[str, list[int]] = {s.session_id: [] for s in sessions}  # free: latest - 1 at submit
 
             async def run(s: Any) -> None:
                 context = [1, 2, 3]
-                for _ in range(6):
-                    r = await s.generate(turn_payload(context, max_tokens=10))
+                for _ in range(8):  # 0.2 s a turn: the versions land while they run
+                    floors[s.session_id].append(max(0, (client.latest_version or 0) - 1))
+                    r = await s.generate(turn_payload(context, max_tokens=20))
                     turns[s.session_id].append(r)
                     context += r.outputs[0].token_ids
 
@@ -225,7 +236,10 @@ async def test_version_policies_hold_across_activations(
         elif policy == "monotonic":
             for prev, nxt in itertools.pairwise(results):
                 assert nxt.version_start >= prev.version_end
-        assert all(r.version_start >= 0 for r in results)
+    if policy == "free":  # each turn by its own constraint: never below latest - 1 at its submit
+        for sid, results in turns.items():
+            assert all(r.version_start >= floor for r, floor in zip(results, floors[sid], strict=True))
+        assert max(f for fl in floors.values() for f in fl) >= 1  # the floor did move
     if policy == "monotonic":  # the policy had something to hold: some session saw a newer version
         assert any(r.version_end >= 1 for results in turns.values() for r in results)
 

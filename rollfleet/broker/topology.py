@@ -217,9 +217,17 @@ async def _declare_consumer(js: JetStreamContext, stream: str, config: ConsumerC
 async def bind_job_consumer(js: JetStreamContext, names: Names, kind: ConstraintKind, version: int) -> str | None:
     """The shared consumer of a jobs subject if it exists, else None (workers bind; only the
     trainer, which stores the jobs, creates them)."""
-    name = names.job_consumer(kind, version)
+    return await _bind(js, names.jobs_stream, names.job_consumer(kind, version))
+
+
+async def bind_replica_consumer(js: JetStreamContext, names: Names, worker_id: str) -> str | None:
+    """A replica's own consumer if it exists (the trainer creates it with the first turn sent there)."""
+    return await _bind(js, names.jobs_stream, names.replica_consumer(worker_id))
+
+
+async def _bind(js: JetStreamContext, stream: str, name: str) -> str | None:
     try:
-        await js.consumer_info(names.jobs_stream, name)
+        await js.consumer_info(stream, name)
     except nats.js.errors.NotFoundError:
         return None
     return name

@@ -224,6 +224,11 @@ class ReplicaStatus(msgspec.Struct, kw_only=True):
         # A starting replica serves nothing yet; only what it is preparing counts.
         return self.state != "starting" and constraint.allows(self.active_version)
 
+    def takes_now(self, constraint: VersionConstraint, now: float | None = None) -> bool:
+        """Live, taking work, and pulling the constraint's jobs at its active version now (not
+        only once a version it prepares is active): where a job meant for it alone may go."""
+        return self.is_live(now) and self.can_serve(constraint) and constraint.allows(self.active_version)
+
 
 class SessionRecord(msgspec.Struct, kw_only=True):
     """An open session, as stored in the sessions bucket under ``s.<session_id>``: its settings

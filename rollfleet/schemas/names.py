@@ -119,6 +119,7 @@ class Names:
         return f"replica-{check_token(worker_id, 'worker_id')}"
 
     REPLICA_BELL = b"replica"  # a bell saying: a job waits on your own subject
+    PROBE_BELL = b"ping"  # a bell saying nothing: sent with a reply subject, no responders = gone
 
     @staticmethod
     def end_session_payload(session_id: str) -> bytes:

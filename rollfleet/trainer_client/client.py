@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ import xxhash
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from rollfleet.broker.connection import connect
 from rollfleet.broker.publish import publish_retrying
@@ -127,8 +128,8 @@ class RolloutClient:
         self._bells: dict[tuple[str, int], float] = {}
         # Called with every answer message received, before deduplication (for audits and tests).
         self.observe: Callable[[Outcome, int | None], None] | None = None
-        self._consumers: dict[tuple[str, int], float] = {}  # subject -> until when it is known to exist
-        self._replica_consumers: dict[tuple[str, str], float] = {}
+        self._consumers: dict[str, float] = {}  # consumer -> until when it is known to exist
+        self._sessions_bucket: KeyValue | None = None
         self._sessions: dict[str, Session] = {}  # open sessions of this client, by id
         self._bell_inbox = ""
         self._results_puller: PullConsumer | None = None
@@ -306,15 +307,13 @@ class RolloutClient:
                 return handle
         self._handles[key] = handle
         headers = {HDR_MSG_ID: key, HDR_CLIENT_ID: self.client_id}
-        if replica is None:
-            subject = self.names.job_subject(constraint.kind, constraint.version)
-        else:
-            subject = self.names.replica_job_subject(replica)
-            handle.replica = replica
+        handle.replica = replica
         try:
             if replica is None:
+                subject = self.names.job_subject(constraint.kind, constraint.version)
                 fresh = await self._ensure_consumer(constraint)
             else:
+                subject = self.names.replica_job_subject(replica)
                 await self._ensure_replica_consumer(replica)
             until = min(job.deadline, time.time() + _PUBLISH_BUDGET_S)
             ack = await publish_retrying(self.js, subject, data, headers, until=until)
@@ -324,41 +323,47 @@ class RolloutClient:
         handle.stream_seq = None if ack.duplicate else ack.seq
         if replica is None:
             self._ring(constraint, fresh=fresh)
-        else:
-            self._spawn(
-                self.nc.publish(self.names.bell_subject(replica), Names.REPLICA_BELL, reply=f"{self._bell_inbox}.r")
-            )
+        else:  # (no responders to it: the replica is gone, and the sticky watch moves the job)
+            bell = self.names.bell_subject(replica)
+            self._spawn(self.nc.publish(bell, Names.REPLICA_BELL, reply=f"{self._bell_inbox}.r"))
         if ack.duplicate and (stored := await self._stored_outcome(key)) is not None:
             self._handles.pop(key, None)
             self._settle(handle, stored)  # a duplicate submit whose result was delivered earlier
         log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
         return handle
 
-    async def _ensure_replica_consumer(self, worker_id: str) -> None:
-        """A replica's own consumer, created by the trainer with the first turn sent there."""
-        key = ("replica", worker_id)
-        if time.monotonic() < self._replica_consumers.get(key, 0.0):
-            return
-        try:
-            await declare_replica_consumer(self.js, self.names, worker_id, self.topology)
-        except (nats.errors.Error, nats.js.errors.Error) as exc:
-            raise ServiceUnavailable(f"cannot create the consumer of replica {worker_id}: {exc}") from exc
-        self._replica_consumers[key] = time.monotonic() + _CONSUMER_RECHECK_S
-
     async def _ensure_consumer(self, constraint: VersionConstraint) -> bool:
         """The subject's shared consumer exists before its first job is stored: the trainer
         creates it (workers only bind; they may not change how jobs are delivered). True when
         this call created it: replicas may have found it missing before."""
-        subject = (constraint.kind, constraint.version)
-        if time.monotonic() < self._consumers.get(subject, 0.0):
+        kind, version = constraint.kind, constraint.version
+        return await self._declared(
+            str(constraint), lambda: declare_job_consumer(self.js, self.names, kind, version, self.topology)
+        )
+
+    async def _ensure_replica_consumer(self, worker_id: str) -> bool:
+        """A replica's own consumer, created by the trainer with the first turn sent there."""
+        return await self._declared(
+            f"replica {worker_id}", lambda: declare_replica_consumer(self.js, self.names, worker_id, self.topology)
+        )
+
+    async def _declared(self, what: str, declare: Callable[[], Awaitable[bool]]) -> bool:
+        """Run ``declare`` unless it ran for ``what`` lately; whether it created the consumer.
+        Looked at again now and then: an idle consumer is removed after consumer_inactive_s."""
+        if time.monotonic() < self._consumers.get(what, 0.0):
             return False
         try:
-            created = await declare_job_consumer(self.js, self.names, *subject, self.topology)
+            created = await declare()
         except (nats.errors.Error, nats.js.errors.Error) as exc:
-            raise ServiceUnavailable(f"cannot create the consumer of {constraint}: {exc}") from exc
-        # Looked at again now and then: an idle consumer is removed after consumer_inactive_s.
-        self._consumers[subject] = time.monotonic() + _CONSUMER_RECHECK_S
+            raise ServiceUnavailable(f"cannot create the consumer of {what}: {exc}") from exc
+        self._consumers[what] = time.monotonic() + _CONSUMER_RECHECK_S
         return created
+
+    async def _sessions_kv(self) -> KeyValue:
+        """The sessions bucket, looked up once per client."""
+        if self._sessions_bucket is None:
+            self._sessions_bucket = await self.js.key_value(self.names.sessions_bucket)
+        return self._sessions_bucket
 
     @staticmethod
     def _check_same_request(job: RolloutJob, fingerprint: str) -> None:
@@ -484,12 +489,12 @@ class RolloutClient:
                     self._ring(VersionConstraint(kind, version), stalled=True)  # type: ignore[arg-type]
 
     # -- sessions' sticky turns ---------------------------------------------------------------
-    async def _await_sticky(self, handle: RolloutHandle, wait_s: float) -> tuple[RolloutResult, str | None]:
-        """The answer of a turn stored on a replica's own subject, and why it moved (None: served
-        there). It moves to the shared subject when the replica has not taken it within
-        ``wait_s`` (busy, or gone without a word), when the replica is gone (no responders to
-        a probe, or stale in the registry) or can no longer serve the turn's constraint. The
-        job keeps its id, so it is answered once wherever it runs."""
+    async def _await_sticky(self, handle: RolloutHandle, wait_s: float) -> RolloutResult:
+        """The answer of a turn stored on a replica's own subject. It moves to the shared subject
+        when the replica has not taken it within ``wait_s`` (busy, or gone without a word), when
+        the replica is gone (no responders to a probe, or stale in the registry) or cannot take
+        the turn's constraint any more. The job keeps its id, so it is answered once wherever
+        it runs."""
         replica = handle.replica
         assert replica is not None
         started = time.monotonic()
@@ -497,13 +502,14 @@ class RolloutClient:
         probe_at = started + _PROBE_S
         while True:
             with suppress(TimeoutError):
-                return await handle.result(timeout=_STICKY_POLL_S), None
-            if handle.replica is None:
-                break
+                return await handle.result(timeout=_STICKY_POLL_S)
             now = time.monotonic()
             status = self.fleet.replica(replica)
-            usable = status is not None and status.is_live() and status.can_serve(handle.job.constraint)
-            reason = None if usable else "replica_gone_or_incompatible"
+            reason = (
+                None
+                if status is not None and status.takes_now(handle.job.constraint)
+                else "replica_gone_or_incompatible"
+            )
             if reason is None and not taken:
                 taken = not await self._never_delivered(handle)
                 if not taken and now - started >= wait_s:
@@ -511,26 +517,37 @@ class RolloutClient:
             if reason is not None:
                 if await self._move_to_shared(handle):
                     self.metrics.affinity_fallbacks.labels(client_id=self.client_id, reason=reason).inc()
-                    return await handle.result(), reason
+                    return await handle.result()
                 taken = True  # the replica had taken it (and answered, or will)
             if taken and now >= probe_at:  # no responders means its connection is gone
                 probe_at = now + _PROBE_S
-                self._spawn(self.nc.publish(self.names.bell_subject(replica), b"ping", reply=f"{self._bell_inbox}.p"))
-        return await handle.result(), "moved"
+                probe = self.names.bell_subject(replica)
+                self._spawn(self.nc.publish(probe, Names.PROBE_BELL, reply=f"{self._bell_inbox}.p"))
 
     async def _move_to_shared(self, handle: RolloutHandle) -> bool:
         """Withdraw a turn from its replica's own subject and store the same job on the shared
-        subject of its constraint; False if it could not be withdrawn (already answered)."""
-        if handle.replica is None or handle.done() or not await self._delete_job(handle):
+        subject of its constraint; False if it could not be withdrawn (already answered). If it
+        cannot be stored again, the handle fails with that (retryable) error."""
+        if handle.replica is None or handle.done():
+            return False
+        job = handle.job
+        try:
+            await self._ensure_consumer(job.constraint)  # before the withdrawal: nothing to lose yet
+        except RollfleetError:
+            return False  # left where it is; the watch tries again
+        if not await self._delete_job(handle):
             return False
         handle.replica = None
         handle.moves += 1
-        job = handle.job
         headers = {HDR_MSG_ID: f"{job.idempotency_key}#{handle.moves}", HDR_CLIENT_ID: self.client_id}
-        await self._ensure_consumer(job.constraint)
         until = min(job.deadline, time.time() + _PUBLISH_BUDGET_S)
         subject = self.names.job_subject(job.constraint.kind, job.constraint.version)
-        ack = await publish_retrying(self.js, subject, encode(job), headers, until=until)
+        try:
+            ack = await publish_retrying(self.js, subject, encode(job), headers, until=until)
+        except RollfleetError as exc:
+            self._handles.pop(job.idempotency_key, None)
+            handle.set_error(exc)
+            return True
         handle.stream_seq = ack.seq
         self._ring(job.constraint, fresh=True)
         log.info("turn moved off its replica", idempotency_key=job.idempotency_key, moves=handle.moves)

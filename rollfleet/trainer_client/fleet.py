@@ -134,8 +134,8 @@ class FleetView:
         """The next live replica, round robin, whose active version can take the job now."""
         index = self._current()
         pullers = index.pullers
-        if constraint.kind == "exact":  # an activating replica takes no more exact jobs for its version
-            fit = [r for r in pullers if r.active_version == constraint.version and r.state != "activating"]
+        if constraint.kind == "exact":
+            fit = [r for r in pullers if r.takes_now(constraint)]  # (not one activating away from it)
         else:  # sorted by version: those from the first at or above it
             fit = pullers[_first_at_or_above(pullers, constraint.version) :]
         if not fit:

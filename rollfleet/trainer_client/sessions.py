@@ -35,7 +35,6 @@ from nats.js.kv import KeyValue
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
     Names,
-    ReplicaStatus,
     RetryPolicy,
     RolloutPayload,
     RolloutResult,
@@ -119,8 +118,7 @@ class Session:
     @classmethod
     async def resume(cls, client: RolloutClient, session_id: str, *, affinity_wait_s: float = 2.0) -> Session:
         check_token(session_id, "session_id")
-        kv = await client.js.key_value(client.names.sessions_bucket)
-        record = await _read(kv, client.names, session_id)
+        record = await _read(await client._sessions_kv(), client.names, session_id)
         if record is None:
             raise UnknownSession(f"no open session {session_id!r} (never opened, closed, or expired)")
         session = cls(
@@ -142,7 +140,7 @@ class Session:
             return self
         client, names = self._client, self._client.names
         try:
-            self._kv = await client.js.key_value(names.sessions_bucket)
+            self._kv = await client._sessions_kv()
             stored = await _read(self._kv, names, self.session_id)
             if stored is None:
                 await self._kv.create(names.session_key(self.session_id), encode(self._record))
@@ -218,7 +216,7 @@ class Session:
             await self.open()
         if self._closed:
             raise UnknownSession(f"session {self.session_id!r} is closed")
-        if time.time() - self._record.touched_at > self._record.ttl_s and self._running is None:
+        if self.idle_past_ttl(time.time()):
             await self.close()
             raise UnknownSession(f"session {self.session_id!r} expired (no turn for {self._record.ttl_s:g} s)")
         nxt = self._record.next_turn
@@ -247,7 +245,7 @@ class Session:
             self._record.next_turn = nxt + 1  # the key is used: this turn is answered once, whatever comes
             self._record.touched_at = time.time()
             if handle.replica is not None:
-                result, _moved = await self._client._await_sticky(handle, self.affinity_wait_s)
+                result = await self._client._await_sticky(handle, self.affinity_wait_s)
             else:
                 result = await handle.result()
             self._record.replica = result.worker_id  # where its context is cached now
@@ -289,9 +287,9 @@ class Session:
         replica = self._record.replica
         if replica is not None:
             status = fleet.replica(replica)
-            if status is not None and _able(status, constraint):
+            if status is not None and status.takes_now(constraint):
                 return replica
-        able = [r.worker_id for r in fleet.compatible(constraint) if _able(r, constraint)]
+        able = [r.worker_id for r in fleet.compatible(constraint) if r.takes_now(constraint)]
         if not able:
             return None  # the shared subjects: whichever replica activates a compatible version
         held = Counter(s.replica for s in self._client._sessions.values() if s is not self)
@@ -320,10 +318,6 @@ class Session:
             await self._kv.put(self._client.names.session_key(self.session_id), encode(self._record))
         except Exception as exc:
             log.warning("session record not stored", session_id=self.session_id, error=str(exc))
-
-
-def _able(status: ReplicaStatus, constraint: VersionConstraint) -> bool:
-    return status.is_live() and status.can_serve(constraint) and constraint.allows(status.active_version)
 
 
 async def _read(kv: KeyValue, names: Names, session_id: str) -> SessionRecord | None:

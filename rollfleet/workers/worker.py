@@ -50,6 +50,7 @@ from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
     TopologyConfig,
     bind_job_consumer,
+    bind_replica_consumer,
     ensure_topology,
     queue_depths,
 )
@@ -562,15 +563,15 @@ class Worker:
         if free <= 0:
             return
         assert self.js is not None and self.nc is not None
-        if self._own is None:
-            consumer = self.names.replica_consumer(self.config.worker_id)
-            try:
-                await self.js.consumer_info(self.names.jobs_stream, consumer)
-            except nats.js.errors.NotFoundError:
+        if self._own is None or self._own.missing:  # (gone after consumer_inactive_s idle: look again)
+            consumer = await bind_replica_consumer(self.js, self.names, self.config.worker_id)
+            if consumer is None:
                 self._own_pending = False  # (the trainer creates it with the first turn)
                 return
-            self._own = await PullConsumer(self.nc, self.names.jobs_stream, consumer, self._dispatch).start()
-            self._own.on_end = self._wake.set
+            if self._own is None:
+                self._own = await PullConsumer(self.nc, self.names.jobs_stream, consumer, self._dispatch).start()
+                self._own.on_end = self._wake.set
+            self._own.missing = False
         if self._own.busy:
             return
         got = await self._own.fetch_now(free)
