@@ -3,16 +3,25 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.installed
+# torch's CPU build, as in the Dockerfile: an ordinary index's torch for Linux is the CUDA build
+# (several GB of CUDA libraries). Wheels in a find-links directory of pip's own configuration
+# count too, so a machine that cannot reach this index installs the CPU wheel from there.
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+# vLLM (its CPU build) lives in its own cached environment: the vllm engine's tests start servers
+# from it, rollfleet talks HTTP to them (.ci/vllm-env; without network the tests skip and say why).
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP  = $(VLLM_VENV)/.installed
 
-.PHONY: setup demo test compose bench lint reliability clean
+.PHONY: setup demo test test-vllm vllm-env compose bench lint reliability clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# CPU build of torch first so the `hf` extra's range is already satisfied.
-	$(PY) -m pip install -q "torch==2.13.0"
+	# CPU build of torch first so the `hf` extra's range is already satisfied; torch alone from
+	# that index (its dependencies, plain Python packages, come with the next line).
+	$(PY) -m pip install -q --no-deps --index-url "$(TORCH_INDEX_URL)" "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[hf,sglang,demo,test]"
 	# SGLang's own HTTP contract types for the sglang adapter's contract tests; only its
 	# generated api_types (msgspec) and io_struct (read as data) are used, so no dependencies.
@@ -22,9 +31,18 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) examples/async_grpo.py
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -ra -m "not docker"
+	ROLLFLEET_VLLM_VENV=$(VLLM_VENV) $(PY) -m pytest -q -ra -m "not docker"
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): .ci/vllm-env
+	PYTHON=$(PYTHON) .ci/vllm-env $(VLLM_VENV)
+
+# Only the tests against a real vLLM server (a few minutes on 2 cores).
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	ROLLFLEET_VLLM_VENV=$(VLLM_VENV) $(PY) -m pytest -q -ra -m vllm
 
 # docker-compose.yml and the Dockerfile in real containers (a few minutes): needs a Docker
 # engine with Compose v2, or ../shared/tools/docker-offline.sh to prepare one (see .ci/compose).
@@ -41,4 +59,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV).log .pytest_cache build *.egg-info

@@ -92,6 +92,7 @@ async def _session(
                 handle = await client._submit(
                     payload,
                     VersionConstraint("min", last_version),
+                    written=f"min:{last_version}",
                     idempotency_key=f"{session_id}/{turn}",
                     deadline=None,
                     timeout=600,
@@ -190,7 +191,7 @@ async def _main(
                 print(f"round {i} ({mode}): done, {published[mode]} versions published so far", flush=True)
             fallbacks = {
                 reason: client.metrics.affinity_fallbacks.labels(client_id="trainer", reason=reason)._value.get()
-                for reason in ("not_taken_in_time", "replica_gone_or_incompatible")
+                for reason in ("not_taken_in_time", "replica_gone", "replica_leaving", "replica_incompatible")
             }
         finally:
             stop_all(procs, timeout=30)

@@ -34,7 +34,8 @@ class StepStats:
     samples: int
     staleness_mean: float
     staleness_max: int
-    dropped_stale: int
+    dropped_stale: int  # samples (completions), the unit of `samples`
+    dropped_groups: int  # the jobs (groups of `group` samples) they came in
     replicas: dict[str, int]
     prepare_s: float | None
     pause_s: float | None
@@ -58,6 +59,13 @@ class DemoConfig:
     store: Path | None = None
     quiet: bool = False
     history: list[StepStats] = field(default_factory=list)
+
+
+def stale_samples(result: Any, version: int, max_staleness: int) -> int:
+    """How many samples of ``result`` are dropped at trainer ``version``: all of its group when it
+    started more than ``max_staleness`` versions ago, else none (counted in samples, the unit
+    the summary's trained-on count uses, not in jobs)."""
+    return len(result.outputs) if version - result.version_start > max_staleness else 0
 
 
 def reward(tokens: list[int]) -> float:
@@ -167,16 +175,17 @@ async def run(cfg: DemoConfig) -> list[StepStats]:
             say(" ".join(f"{c:>{w}}" for c, w in zip(cols, (4, 7, 7, 9, 7, 8, 8), strict=True)) + "  replicas")
             for step in range(1, cfg.steps + 1):
                 t0 = time.perf_counter()
-                batch, staleness, dropped = [], [], 0
+                batch, staleness, dropped, dropped_groups = [], [], 0, 0
                 while len(batch) < cfg.prompts_per_step:
                     handle = pending.pop(0)
                     result = await handle
-                    lag = version - result.version_start
-                    if lag > cfg.max_staleness:  # too old by now: never train on it
-                        dropped += 1
+                    stale = stale_samples(result, version, cfg.max_staleness)
+                    if stale:  # too old by now: never train on it
+                        dropped += stale
+                        dropped_groups += 1
                     else:
                         batch.append((handle.job.payload.prompt_token_ids, result))
-                        staleness.append(lag)
+                        staleness.append(version - result.version_start)
                     pending.append(await submit_group())
                 samples, rewards = [], []
                 for prompt, result in batch:
@@ -200,6 +209,7 @@ async def run(cfg: DemoConfig) -> list[StepStats]:
                     staleness_mean=statistics.fmean(staleness),
                     staleness_max=max(staleness),
                     dropped_stale=dropped,
+                    dropped_groups=dropped_groups,
                     replicas=replicas,
                     prepare_s=statistics.fmean(prep) if prep else None,
                     pause_s=statistics.fmean(pause) if pause else None,
@@ -237,7 +247,8 @@ def _report(cfg: DemoConfig, out: Path, say: Any) -> None:
         "reward_start": start,
         "reward_end": end,
         "samples": sum(s.samples for s in h),
-        "dropped_stale": sum(s.dropped_stale for s in h),
+        "dropped_stale": sum(s.dropped_stale for s in h),  # samples
+        "dropped_groups": sum(s.dropped_groups for s in h),
         "max_staleness_seen": max(s.staleness_max for s in h),
         "max_staleness_allowed": cfg.max_staleness,
         "seconds": sum(s.seconds for s in h),
@@ -248,7 +259,8 @@ def _report(cfg: DemoConfig, out: Path, say: Any) -> None:
     say("summary")
     say(f"  steps                    {len(h)}")
     say(f"  reward (first/last {k})    {start:.3f} -> {end:.3f}")
-    say(f"  samples trained on       {summary['samples']}  (dropped as too stale: {summary['dropped_stale']})")
+    dropped = f"{summary['dropped_stale']} samples in {summary['dropped_groups']} groups"
+    say(f"  samples trained on       {summary['samples']}  (dropped as too stale: {dropped})")
     say(f"  staleness seen / allowed {summary['max_staleness_seen']} / {cfg.max_staleness}")
     say(f"  wall time in steps       {summary['seconds']:.1f}s")
     try:

@@ -19,7 +19,7 @@ from typing import Any
 
 from reliability.common import REPO, Figures, Ledger, read_activations, start_broker
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams
-from rollfleet.schemas.errors import Interrupted, RollfleetError
+from rollfleet.schemas.errors import Interrupted, NoCompatibleReplica, RollfleetError
 from rollfleet.testing import ProcessGroup, tensors_at, write_base_checkpoint
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
@@ -100,7 +100,7 @@ async def sessions_under_kills(
             fig.versions_activated = len(await read_activations(client.js, client.names))
             fallbacks = {
                 reason: client.metrics.affinity_fallbacks.labels(client_id="trainer", reason=reason)._value.get()
-                for reason in ("not_taken_in_time", "replica_gone_or_incompatible")
+                for reason in ("not_taken_in_time", "replica_gone", "replica_leaving", "replica_incompatible")
             }
     finally:
         procs.close()
@@ -126,7 +126,9 @@ def _judge(
         for _, r in answered:
             if isinstance(r, RolloutResult):
                 continue
-            if not (isinstance(r, RollfleetError) and r.retryable) or (
+            # A pinned session whose version every replica has left is told so, not retryable.
+            hopeless_pin = policy == "pinned" and isinstance(r, NoCompatibleReplica) and "pinned to" in r.message
+            if not (isinstance(r, RollfleetError) and (r.retryable or hopeless_pin)) or (
                 isinstance(r, Interrupted) and retry != "at_most_once"
             ):
                 untyped.append(f"{sid}: {r!r}")
@@ -152,7 +154,11 @@ def _judge(
     fig.failed = answered - fig.completed
     fig.lost = expected - answered
     fig.expect(not outside, f"{len(outside)} turns outside their session's version policy: {outside[:5]}")
-    fig.expect(not untyped, f"errors that are not typed and retryable, or Interrupted for replayable: {untyped[:5]}")
+    fig.expect(
+        not untyped,
+        f"errors that are not typed and retryable (but a pinned session the fleet left), or Interrupted for "
+        f"replayable: {untyped[:5]}",
+    )
     fig.expect(fig.lost == 0, f"{fig.lost} turns without an answer")
     fig.expect(fig.duplicated == 0, f"{fig.duplicated} turns answered twice")
     fig.expect(fig.completed >= expected // 2, f"only {fig.completed} of {expected} turns served")

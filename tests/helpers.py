@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from rollfleet.broker.topology import TopologyConfig
-from rollfleet.schemas import RolloutPayload, SamplingParams
+from rollfleet.schemas import DEFAULT_LIMITS, RolloutJob, RolloutPayload, SamplingParams, VersionConstraint
+from rollfleet.trainer_client.requests import build_job
 from rollfleet.workers.engines.echo import EchoEngine
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,3 +37,21 @@ class CountingEcho(EchoEngine):
             return await super().generate(request_id, payload, session_id)
         finally:
             self.running -= 1
+
+
+def built_job(
+    payload: RolloutPayload, constraint: VersionConstraint, written: str, key: str = "k", **fields: Any
+) -> tuple[RolloutJob, bytes]:
+    """A job as ``RolloutClient.submit`` builds it (client ``c``, 30 s), and its wire bytes."""
+    options: dict[str, Any] = {
+        "client_id": "c",
+        "deadline": None,
+        "timeout": 30,
+        "default_timeout_s": 30,
+        "retry_policy": "replayable",
+        "session_id": None,
+        "trainer_version": None,
+        "limits": DEFAULT_LIMITS,
+    }
+    options.update(fields)
+    return build_job(payload, constraint=constraint, written=written, idempotency_key=key, **options)

@@ -11,11 +11,20 @@ import msgspec
 import pytest
 
 from rollfleet.broker import ensure_job_consumer
-from rollfleet.schemas import Names, RolloutJob, RolloutPayload, SamplingParams, VersionConstraint, encode
+from rollfleet.schemas import (
+    Names,
+    Outcome,
+    RolloutFailure,
+    RolloutJob,
+    RolloutPayload,
+    SamplingParams,
+    VersionConstraint,
+    encode,
+)
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
 from rollfleet.testing import running_worker, wait_until
-from rollfleet.trainer_client import RolloutClient
+from rollfleet.trainer_client import RolloutClient, answers
 from tests.helpers import CountingEcho, payload
 
 
@@ -60,9 +69,18 @@ async def test_bad_job_is_answered_terminated_and_the_next_job_served(nats_url: 
     ):
         headers = {HDR_MSG_ID: "bad-key", HDR_CLIENT_ID: "c"}
         await store_raw(client, names, CASES[case], headers, worker.config.worker_id)
-        with pytest.raises(InvalidRequest) as info:
-            await client.result("bad-key", timeout=10)
-        assert not info.value.retryable
+
+        async def answered() -> Outcome | None:
+            async for _, outcome in answers.stored(client.js, names, "c", "bad-key"):
+                return outcome
+            return None
+
+        # Answered where the reply address says (this client never issued the job, so it hands
+        # the answer to no caller, but the job is not left to wedge or be redelivered).
+        failure = await wait_until(answered, timeout=10, what="the bad job answered")
+        assert isinstance(failure, RolloutFailure) and failure.code == "invalid_request" and not failure.retryable
+        with pytest.raises(TimeoutError):
+            await client.result("bad-key", timeout=0.5)
         good = await client.submit(payload(), min_version=0)
         assert (await good.result(10)).worker_id == worker.config.worker_id
         assert len(engine.calls) == 1  # the bad job never reached the engine

@@ -16,7 +16,7 @@ import pytest
 
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams, served_within
 from rollfleet.schemas.errors import Expired, NoCompatibleReplica, RollfleetError
-from rollfleet.testing import running_worker, tensors_at, wait_until, write_base_checkpoint
+from rollfleet.testing import ProcessGroup, running_worker, tensors_at, wait_until, write_base_checkpoint
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from rollfleet.workers.engines.echo import EchoEngine
 
@@ -228,3 +228,53 @@ async def test_an_exact_job_no_replica_will_serve_fails_fast_instead_of_waiting_
             stored = await client.js.stream_info(client.names.jobs_stream)
     assert took < 10, took  # not the 60 s deadline
     assert stored.state.messages == 0  # withdrawn: no worker will find it later
+
+
+async def test_an_exact_job_handed_back_at_the_drain_bound_is_withdrawn_within_seconds(
+    nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
+) -> None:
+    """The only replica at v0 hands back a running exact-0 job at its drain bound and activates v1:
+    nobody will ever serve the job, so it is withdrawn and answered NoCompatibleReplica within
+    seconds, not at its deadline."""
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        await client.publish_policy(publisher, tensors_at(0))
+        slow = EchoEngine(per_token_s=0.05)
+        async with running_worker(nats_url, namespace, engine=slow, **follower(tmp_path, "a", exact_drain_s=0.5)) as a:
+            handle = await client.submit(long_job(400), exact_version=0, timeout=120)
+            assert a.jobs is not None
+            await wait_until(lambda: len(a.jobs.running) == 1, 10)
+            await client.publish_policy(publisher, tensors_at(1))
+            await wait_until(lambda: a.version == 1, 20)
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(NoCompatibleReplica):
+                await handle.result(30)
+            assert asyncio.get_running_loop().time() - t0 < 8.0
+
+
+async def test_an_exact_job_whose_replica_is_killed_mid_drain_is_withdrawn_within_seconds(
+    nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
+) -> None:
+    """The replica draining an exact-0 job before activating v1 is SIGKILLed: its registry entry
+    still says it is at v0 (for three heartbeats), but it answers no probe; the job, which no
+    live replica can serve, is withdrawn and answered NoCompatibleReplica within seconds."""
+    group = ProcessGroup(tmp_path)
+    try:
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+            await client.publish_policy(publisher, tensors_at(0))
+            store, local = str(tmp_path / "store"), str(tmp_path / "local-a")
+            group.worker(
+                nats_url, namespace, "a", "--store", store, "--local-dir", local, "--echo-token-latency", "0.05",
+                "--heartbeat", "5",
+            )
+            await client.wait_for_version(0, replicas=1, timeout=30)
+            handle = await client.submit(long_job(600), exact_version=0, timeout=120)
+            await asyncio.sleep(1.0)
+            await client.publish_policy(publisher, tensors_at(1))
+            await wait_until(lambda: (r := client.fleet.replica("a")) is not None and r.state == "activating", 20)
+            group.kill("a")
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(NoCompatibleReplica):
+                await handle.result(60)
+            assert asyncio.get_running_loop().time() - t0 < 10.0
+    finally:
+        group.close()

@@ -85,7 +85,7 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
 
     trainer = await nats.connect(with_user(perm_broker.url, TRAINER), inbox_prefix=names.inbox_prefix("trainer"))
     worker = await nats.connect(
-        with_user(perm_broker.url, WORKER), error_cb=on_error, inbox_prefix=names.inbox_prefix("worker")
+        with_user(perm_broker.url, WORKER), error_cb=on_error, inbox_prefix=names.inbox_prefix("worker", "w1")
     )
     try:
         # The trainer declares the namespace, submits a job and commits version 0.
@@ -105,8 +105,8 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
         assert consumer is not None
         sub = await wjs.pull_subscribe_bind(consumer, stream=names.jobs_stream)
         [job] = await sub.fetch(1, timeout=5)
-        result_subject = names.result_subject("trainer-0", "k1")
-        await wjs.publish(result_subject, b"result", headers={"Nats-Msg-Id": "k1"})
+        result_subject = names.result_subject("trainer-0", "k1", "job1", "w1")  # under its own id
+        await wjs.publish(result_subject, b"result", headers={"Nats-Msg-Id": "h:job1"})
         await job.ack_sync()
         assert (await wjs.get_last_msg(names.results_stream, result_subject, direct=True)).data == b"result"
         fleet = await wjs.key_value(names.fleet_bucket)
@@ -138,13 +138,23 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
             await refused.add_consumer(
                 names.jobs_stream, TopologyConfig(max_deliver=1, ack_wait_s=0.5).job_consumer_config(names, "min", 0)
             )
-        # Another namespace's results: no forging.
+        # Another namespace's results: no forging; nor an answer under another replica's id.
         with pytest.raises(nats.errors.TimeoutError):
-            await refused.publish(Names("run2").result_subject("trainer-0", "k"), b"forged")
-        # Other roles' replies (job deliveries to other replicas, of any namespace): not readable.
+            await refused.publish(Names("run2").result_subject("trainer-0", "k", "job", "w1"), b"forged")
+        with pytest.raises(nats.errors.TimeoutError):
+            await refused.publish(names.result_subject("trainer-0", "k", "job", "w2"), b"forged as w2")
+        # Another replica's own subject (its sessions' turns): not pulled.
+        with pytest.raises(nats.errors.TimeoutError):
+            await worker.request(
+                f"$JS.API.CONSUMER.MSG.NEXT.{names.jobs_stream}.{names.replica_consumer('w2')}", b"1", timeout=1
+            )
+        # Replies of other roles and of other replicas (their job deliveries, with job ids and ack
+        # subjects), of any namespace: not readable.
         await worker.subscribe("_INBOX.>")
         await worker.subscribe(Names("run2").inbox_prefix("worker") + ".>")
         await worker.subscribe(names.inbox_prefix("trainer") + ".>")
+        await worker.subscribe(names.inbox_prefix("worker") + ".>")
+        await worker.subscribe(names.inbox_prefix("worker", "w2") + ".>")
         await worker.flush()
 
         async def all_reported() -> bool:
@@ -157,10 +167,18 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
                 f"$JS.API.STREAM.DELETE.{names.jobs_stream}",
                 f"$KV.{names.fleet_bucket}.{names.replica_key('w2')}",
                 f"$JS.API.CONSUMER.CREATE.{names.jobs_stream}.min-0.rf.run1.jobs.min.0",
-                Names("run2").result_subject("trainer-0", "k"),
+                Names("run2").result_subject("trainer-0", "k", "job", "w1"),
+                names.result_subject("trainer-0", "k", "job", "w2"),
+                f"$JS.API.CONSUMER.MSG.NEXT.{names.jobs_stream}.{names.replica_consumer('w2')}",
             ):
                 assert f'permissions violation for publish to "{subject.lower()}"' in text, (subject, violations)
-            for subject in ("_INBOX.>", "_INBOX.run2.worker.>", "_INBOX.run1.trainer.>"):
+            for subject in (
+                "_INBOX.>",
+                "_INBOX.run2.worker.>",
+                "_INBOX.run1.trainer.>",
+                "_INBOX.run1.worker.>",
+                "_INBOX.run1.worker.w2.>",
+            ):
                 assert f'permissions violation for subscription to "{subject.lower()}"' in text, (subject, violations)
             return True
 
@@ -185,7 +203,7 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
 
         forger = await nats.connect(with_user(perm_broker.url, TRAINER), error_cb=on_trainer_error)
         try:
-            await forger.publish(names.result_subject("trainer-0", "forged"), b"forged")
+            await forger.publish(names.result_subject("trainer-0", "forged", "job", "w1"), b"forged")
             await forger.flush()
             await wait_until(
                 lambda: _contains(trainer_violations, "permissions violation"),

@@ -123,8 +123,8 @@ async def test_cluster_round_trip_across_nodes(cluster: LocalCluster, ns: str) -
         sub = await wjs.pull_subscribe_bind(consumer, stream=names.jobs_stream)
         [job] = await sub.fetch(1, timeout=10)
         assert job.data == b"job-1"
-        subject = names.result_subject("trainer-0", "k1")
-        await wjs.publish(subject, b"result-1", headers={"Nats-Msg-Id": "k1"})
+        subject = names.result_subject("trainer-0", "k1", "job1", "w1")
+        await wjs.publish(subject, b"result-1", headers={"Nats-Msg-Id": "h:job1"})
         await job.ack_sync()
 
         msg = await rjs.get_last_msg(names.results_stream, subject)
@@ -173,7 +173,7 @@ async def test_leaf_node_region_reaches_hub_jetstream(cluster: LocalCluster, lea
             sub = await wjs.pull_subscribe_bind(consumer, stream=names.jobs_stream)
             [job] = await sub.fetch(1, timeout=10)
             assert job.data == b"far-job"
-            await wjs.publish(names.result_subject("trainer-0", "far"), b"far-result")
+            await wjs.publish(names.result_subject("trainer-0", "far", "job1", "far-worker"), b"far-result")
             await job.ack_sync()
             # KV traffic crosses too (registry entries), through the leaf's domain mapping.
             fleet = await wjs.key_value(names.fleet_bucket)
@@ -181,7 +181,8 @@ async def test_leaf_node_region_reaches_hub_jetstream(cluster: LocalCluster, lea
         finally:
             await worker.close()
 
-        got = await tjs.get_last_msg(names.results_stream, names.result_subject("trainer-0", "far"))
+        far = names.result_subject("trainer-0", "far", "job1", "far-worker")
+        got = await tjs.get_last_msg(names.results_stream, far)
         assert got.data == b"far-result"
         entry = await (await tjs.key_value(names.fleet_bucket)).get(names.replica_key("far-worker"))
         assert entry.value == b"{}"

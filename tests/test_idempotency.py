@@ -12,9 +12,17 @@ import pytest
 
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.runtime import faults
-from rollfleet.schemas.errors import IdempotencyConflict, Interrupted, NoCompatibleReplica
-from rollfleet.testing import running_worker, start_worker_process, terminate, wait_until
-from rollfleet.trainer_client import RolloutClient
+from rollfleet.schemas import claim_key
+from rollfleet.schemas.errors import Expired, IdempotencyConflict, Interrupted, InvalidRequest, NoCompatibleReplica
+from rollfleet.testing import (
+    running_worker,
+    start_worker_process,
+    tensors_at,
+    terminate,
+    wait_until,
+    write_base_checkpoint,
+)
+from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from tests.helpers import CountingEcho, payload
 
 TOPO = TopologyConfig(ack_wait_s=1.5)
@@ -188,3 +196,71 @@ async def test_a_key_reused_for_a_different_request_is_refused(nats_url: str, na
                 await (await client.submit(payload([9]), min_version=0, idempotency_key="k")).result(10)
             same = await (await client.submit(payload([1, 2, 3]), min_version=0, idempotency_key="k")).result(10)
             assert same.idempotency_key == "k"
+
+
+async def test_a_restarted_trainer_resubmitting_the_same_request_after_a_commit_gets_its_answer(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """A request is what its caller wrote: ``max_staleness=1`` asked before a crash and again after
+    a commit moved ``latest`` is the same request (no IdempotencyConflict), with the one answer."""
+    base = write_base_checkpoint(tmp_path / "base")
+    publisher = PolicyPublisher(tmp_path / "store", base, keep_last=None)
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="t", fail_fast=False) as first:
+        await first.publish_policy(publisher, tensors_at(0))
+        await first.publish_policy(publisher, tensors_at(1))
+        queued = await first.submit(payload([4, 2]), max_staleness=1, idempotency_key="step9/g0", timeout=60)
+        assert queued.job.constraint.version == 0
+        s = await first.session("talk", max_staleness=1, version_policy="free").open()
+        turn = asyncio.ensure_future(s.generate(payload([1, 2]), timeout=60))
+        await asyncio.sleep(0.3)
+        turn.cancel()
+    # (The trainer died. Meanwhile the policy moved on: latest - 1 is 2 now, not 0.)
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="x") as other:
+        await other.publish_policy(publisher, tensors_at(2))
+        await other.publish_policy(publisher, tensors_at(3))
+    async with (
+        running_worker(nats_url, namespace, version=3, worker_id="w"),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as back,
+    ):
+        await wait_until(lambda: len(back.fleet.replicas()) == 1)
+        again = await back.submit(payload([4, 2]), max_staleness=1, idempotency_key="step9/g0", timeout=60)
+        result = await again.result(20)  # the job stored before the crash (min 0), served at 3
+        assert result.job_id == queued.job_id and result.version_start == 3
+        resumed = await back.resume_session("talk")
+        assert (await resumed.generate(payload([1, 2]), timeout=20)).worker_id == "w"
+
+
+async def test_an_at_most_once_job_outliving_its_claims_lifetime_is_never_run_twice(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """The claims bucket keeps a claim for claims_ttl_s (3 s here). A time-out longer than that
+    is refused at submit; a job running longer keeps its claim fresh, so 5 s into a 10 s run it
+    is still claimed. Its worker is SIGKILLed then (its trainer is gone too, so nobody withdraws
+    it): redelivered, the job is answered by the other replica without being run again."""
+    topo = TopologyConfig(ack_wait_s=1.0, claims_ttl_s=3.0)
+    a = start_worker_process(
+        nats_url, namespace, "a", "--ack-wait", "1", "--echo-token-latency", "0.05", log_path=tmp_path / "a.log"
+    )
+    try:
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=topo) as client:
+            with pytest.raises(InvalidRequest, match="at most 3 s"):
+                await client.submit(payload(), min_version=0, retry_policy="at_most_once", timeout=10)
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=30)
+            handle = await client.submit(
+                payload(max_tokens=200), min_version=0, retry_policy="at_most_once", idempotency_key="once", timeout=3
+            )
+            job_id = handle.job_id
+        await asyncio.sleep(5.0)  # past the claims' lifetime, mid-run
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="obs", topology=topo) as obs:
+            claims = await obs.js.key_value(obs.names.claims_bucket)
+            held = await claims.get(claim_key(job_id))
+            assert (held.value or b"").startswith(b"a:"), held.value  # refreshed, not expired
+        a.send_signal(signal.SIGKILL)
+        b_engine = CountingEcho()
+        async with running_worker(nats_url, namespace, worker_id="b", engine=b_engine, topology=topo):
+            async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=topo) as back:
+                with pytest.raises((Interrupted, Expired)):
+                    await back.result("once", timeout=20)
+            assert b_engine.calls == []  # answered, never run a second time
+    finally:
+        terminate(a, 10.0, signal.SIGKILL)

@@ -13,6 +13,7 @@ from rollfleet.schemas import (
     ReplicaStatus,
     RolloutFailure,
     RolloutJob,
+    RolloutJobWire,
     RolloutPayload,
     RolloutResult,
     SamplingParams,
@@ -26,6 +27,7 @@ from rollfleet.schemas import (
     decode_outcome,
     encode,
     error_from_code,
+    key_token,
 )
 from rollfleet.schemas import errors as E
 
@@ -169,8 +171,21 @@ def test_names_are_built_from_the_namespace() -> None:
     assert n.parse_job_subject("rf.run1.jobs.exact.5") == ("exact", 5)
     assert n.parse_job_subject("rf.run1.jobs.max.5") is None
     assert n.policy_bucket == "RF_RUN1_POLICY" and n.fleet_bucket == "RF_RUN1_FLEET"
-    assert n.result_subject("trainer-0", "a.b/c d").startswith("rf.run1.results.trainer-0.")
-    assert "." not in n.result_subject("t", "a.b.c").split("results.t.")[1]
+    head = n.result_subject("trainer-0", "a.b/c d", "job1", "w1")
+    assert head.startswith("rf.run1.results.trainer-0.") and head.endswith(".job1.w1")
+    assert n.parse_result_subject(head) == ("trainer-0", key_token("a.b/c d"), "job1", "w1")
+    # Keys and odd job ids never add tokens: a head always has the same shape, chunks two more.
+    assert n.parse_result_subject(n.result_subject("t", "a.b.c", "x.y*", "w")) is not None
+    chunk = n.result_chunk_subject(head, "n0nce", 3)
+    assert n.is_result_chunk(chunk) and not n.is_result_chunk(head) and n.parse_result_subject(chunk) is None
+    assert n.results_of_key("trainer-0", "a.b/c d") == head.rsplit(".", 2)[0] + ".*.*"
+    with pytest.raises(E.InvalidRequest):
+        n.result_subject("t", "k", "job", "bad.worker")
+    # A worker's inbox is its own, below the role's.
+    assert n.inbox_prefix("worker", "w1") == "_INBOX.run1.worker.w1"
+    assert n.inbox_prefix("trainer") == "_INBOX.run1.trainer"
+    assert n.parse_replica_job_subject(n.replica_job_subject("w1")) == "w1"
+    assert n.parse_replica_job_subject(n.job_subject("min", 1)) is None
     for bad in ("Run1", "a.b", "", "x*"):
         with pytest.raises(E.InvalidRequest):
             Names(bad)
@@ -234,3 +249,16 @@ def test_served_within_is_every_token_allowed(kind: str, floor: int, start: int,
     constraint = VersionConstraint(kind, floor)  # type: ignore[arg-type]
     every = {start, end, *(v for vs in spans for v in vs)}
     assert served_within(constraint, result) == all(constraint.allows(v) for v in every)
+
+
+def test_a_job_built_with_its_payload_encoded_once_is_the_job_workers_decode() -> None:
+    """The client sends ``RolloutJobWire`` (payload pre-encoded): byte for byte what encoding the
+    ``RolloutJob`` would give, so a worker decodes exactly the job the client holds."""
+    from tests.helpers import built_job
+
+    payload = RolloutPayload(prompt_token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=9, seed=3), n=2)
+    job, data = built_job(payload, VersionConstraint("min", 4), "staleness:1", trainer_version=5)
+    assert data == encode(job)
+    assert decode(data, RolloutJob) == job
+    assert set(RolloutJob.__struct_fields__) == set(RolloutJobWire.__struct_fields__)
+    assert RolloutJob.__struct_fields__ == RolloutJobWire.__struct_fields__  # same order: same bytes

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from rollfleet.cli.status import collect_status, render_table
-from rollfleet.schemas import Outcome, RolloutPayload, RolloutResult, SamplingParams
+from rollfleet.schemas import Outcome, RolloutPayload, RolloutResult, SamplingParams, VersionConstraint
 from rollfleet.schemas.errors import (
+    Expired,
     Interrupted,
     InvalidRequest,
     NoCompatibleReplica,
@@ -113,7 +114,7 @@ async def test_a_busy_sticky_replica_costs_one_bounded_wait_then_the_turn_moves(
         fallbacks = client.metrics.affinity_fallbacks.labels(client_id="c", reason="not_taken_in_time")
         assert fallbacks._value.get() == 1
         await asyncio.sleep(0.3)
-        assert seen[f"{s.session_id}/1"] == 1  # answered once
+        assert seen[s.turn_key(1)] == 1  # answered once
         assert len(busy.calls) == 2  # a never ran the moved turn
 
 
@@ -150,7 +151,7 @@ async def test_sticky_replica_sigkilled_mid_turn_the_turn_is_answered_once(
                         await asyncio.wait_for(turn, 30)
                 assert time.monotonic() - t0 < 10.0  # the probe noticed; not the 30 s ack wait
                 await asyncio.sleep(0.5)
-                assert seen[f"{s.session_id}/1"] == 1
+                assert seen[s.turn_key(1)] == 1
                 third = await s.generate(turn_payload([5, 6], max_tokens=2))  # the session goes on
                 assert third.worker_id == "w2"
     finally:
@@ -338,3 +339,184 @@ async def test_bad_session_input_gets_typed_errors(nats_url: str, namespace: str
                     await other.session("s2", min_version=0).open()
         with pytest.raises(NoCompatibleReplica):
             await (await client.session(min_version=5, version_policy="pinned").open()).generate(turn_payload([1]))
+
+
+# -- the schedules an outside review combined (issue 19) -------------------------------------------
+
+
+async def test_a_resumed_turn_left_on_a_stopped_replica_moves_at_once(nats_url: str, namespace: str) -> None:
+    """Client A stores turn 1 on w1's own subject (w1 busy) and dies; w1 is stopped. Client B (the
+    same client id) resumes the session and asks for turn 1 again: the resubmission is a duplicate
+    of A's job, which still waits on w1's subject. B follows that job where it is, sees w1 gone
+    and moves it: w2 answers in seconds, once (not after the 600 s deadline)."""
+    busy = CountingEcho(per_token_s=0.05)
+    w1_ctx = running_worker(nats_url, namespace, worker_id="w1", capacity=1, engine=busy)
+    await w1_ctx.__aenter__()
+    try:
+        a = await RolloutClient.connect(nats_url, namespace=namespace, client_id="c")
+        s = await a.session(min_version=0, affinity_wait_s=30.0).open()
+        await wait_until(lambda: len(a.fleet.replicas()) == 1)
+        assert (await s.generate(turn_payload([1, 2]))).worker_id == "w1"
+        hog = await a.submit(turn_payload([9], max_tokens=40), min_version=0)  # w1's one slot, 2 s
+        await wait_until(lambda: len(busy.calls) == 2, timeout=5)
+        turn = asyncio.ensure_future(s.generate(turn_payload([1, 2, 3])))
+        await wait_until(lambda: any(h.replica == "w1" for h in a._handles.values() if h is not hog), timeout=5)
+        turn.cancel()
+        await a.nc.close()  # A dies: no close, no record saved for turn 1
+    finally:
+        await w1_ctx.__aexit__(None, None, None)  # w1 stops (finishing the hog), never taking turn 1
+    assert busy.calls[2:] == []
+    async with (
+        running_worker(nats_url, namespace, worker_id="w2", engine=CountingEcho()) as w2,
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as b,
+    ):
+        seen = answers_per_key(b)
+        await wait_until(lambda: [r.worker_id for r in b.fleet.replicas()] == ["w2"], timeout=10)
+        resumed = await b.resume_session(s.session_id)
+        assert resumed.next_turn == 1
+        t0 = time.monotonic()
+        result = await asyncio.wait_for(resumed.generate(turn_payload([1, 2, 3])), 20)
+        assert result.worker_id == "w2" and time.monotonic() - t0 < 10.0
+        assert len(w2.engine.calls) == 1  # type: ignore[attr-defined]
+        await asyncio.sleep(0.3)
+        assert seen[resumed.turn_key(1)] == 1
+
+
+@pytest.mark.parametrize("retry_policy", ["replayable", "at_most_once"])
+async def test_a_turn_on_a_gracefully_draining_replica_is_finished_there(
+    nats_url: str, namespace: str, retry_policy: str
+) -> None:
+    """SIGTERM (as `docker compose --scale` down sends) while w1 runs a turn: w1 drains, finishing
+    what it holds. The turn is not moved meanwhile: w1 answers it, w2 never runs it, and an
+    at_most_once turn is not answered Interrupted."""
+    e1, e2 = CountingEcho(per_token_s=0.05), CountingEcho()
+    w1_ctx = running_worker(nats_url, namespace, worker_id="w1", engine=e1)
+    w1 = await w1_ctx.__aenter__()
+    stopping = None
+    try:
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+            await wait_until(lambda: len(client.fleet.replicas()) == 1)
+            async with client.session(min_version=0, retry_policy=retry_policy, affinity_wait_s=0.5) as s:  # type: ignore[arg-type]
+                assert (await s.generate(turn_payload([1], max_tokens=2))).worker_id == "w1"
+                async with running_worker(nats_url, namespace, worker_id="w2", engine=e2):
+                    await wait_until(lambda: len(client.fleet.replicas()) == 2)
+                    turn = asyncio.ensure_future(s.generate(turn_payload([1, 2], max_tokens=60)))  # 3 s on w1
+                    await wait_until(lambda: len(e1.calls) == 2, timeout=5)
+                    stopping = asyncio.ensure_future(w1.stop())  # draining
+                    result = await asyncio.wait_for(turn, 20)
+                    assert result.worker_id == "w1" and len(result.outputs[0].token_ids) == 60
+                    assert e2.calls == []
+    finally:
+        if stopping is not None:
+            await stopping
+        await w1_ctx.__aexit__(None, None, None)
+
+
+async def test_a_turn_that_failed_before_it_was_stored_can_be_asked_again(nats_url: str, namespace: str) -> None:
+    """No replica at all: turn 0 fails with NoCompatibleReplica before anything is stored, so its
+    index is not spent; asked again once a replica is up, it runs."""
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        s = await client.session(min_version=0).open()
+        with pytest.raises(NoCompatibleReplica):
+            await s.generate(turn_payload([1]))
+        assert s.next_turn == 0
+        async with running_worker(nats_url, namespace, worker_id="a"):
+            await wait_until(lambda: len(client.fleet.replicas()) == 1)
+            result = await asyncio.wait_for(s.generate(turn_payload([1]), turn=0), 10)
+            assert result.worker_id == "a" and s.next_turn == 1
+
+
+async def test_a_turn_answered_with_an_error_raises_it_again_when_asked_again(nats_url: str, namespace: str) -> None:
+    """Turn 1 waits on its busy replica past its deadline: Expired. Asked again (this process, and
+    a restarted one resuming the session), it raises Expired again at once instead of waiting."""
+    busy = CountingEcho(per_token_s=0.05)
+    async with running_worker(nats_url, namespace, worker_id="a", capacity=1, engine=busy):
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+            await wait_until(lambda: len(client.fleet.replicas()) == 1)
+            s = await client.session(min_version=0, affinity_wait_s=60.0).open()
+            await s.generate(turn_payload([1], max_tokens=2))
+            hog = await client.submit(turn_payload([9], max_tokens=120), min_version=0)  # 6 s
+            await wait_until(lambda: len(busy.calls) == 2, timeout=5)
+            with pytest.raises(Expired):
+                await s.generate(turn_payload([1, 2]), timeout=1.0)
+            t0 = time.monotonic()
+            with pytest.raises(Expired):
+                await s.generate(turn_payload([1, 2]), turn=1)
+            assert time.monotonic() - t0 < 1.0 and s.next_turn == 2
+            sid = s.session_id
+            await hog.result(10)
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+            resumed = await client.resume_session(sid)
+            t0 = time.monotonic()
+            with pytest.raises(Expired):
+                await resumed.generate(turn_payload([1, 2]), turn=1)
+            assert time.monotonic() - t0 < 1.0
+
+
+async def test_a_pinned_session_the_fleet_left_says_so_and_a_held_replica_serves_it(
+    nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
+) -> None:
+    """A session pinned to v0; the only replica moves to v1. The next turn fails at once with an
+    error that names the pin, is not retryable (every replica is past it), and spends no turn.
+    A replica started with --hold-version 0 (the documented way) then serves the turn at v0."""
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        await client.publish_policy(publisher, tensors_at(0))
+        async with running_worker(nats_url, namespace, **follower(tmp_path, "new")):
+            await client.wait_for_version(0, replicas=1, timeout=20)
+            async with client.session(min_version=0, version_policy="pinned") as s:
+                assert (await s.generate(turn_payload([1]))).version_start == 0
+                await client.publish_policy(publisher, tensors_at(1))
+                await client.wait_for_version(1, replicas=1, timeout=20)
+                with pytest.raises(NoCompatibleReplica, match="pinned to version 0") as caught:
+                    await s.generate(turn_payload([1, 2]))
+                assert caught.value.retryable is False and "--hold-version 0" in caught.value.message
+                assert s.next_turn == 1
+                async with running_worker(nats_url, namespace, **follower(tmp_path, "held", hold_version=0)):
+                    await wait_until(lambda: client.fleet.compatible(VersionConstraint("exact", 0)), timeout=20)
+                    result = await s.generate(turn_payload([1, 2]))
+                    assert result.worker_id == "held" and result.version_start == result.version_end == 0
+                    # The held replica stays at 0 when more versions come.
+                    await client.publish_policy(publisher, tensors_at(2))
+                    await client.wait_for_version(2, replicas=1, timeout=20)
+                    assert (await s.generate(turn_payload([1, 2, 3]))).version_end == 0
+
+
+async def test_a_session_closed_through_another_handle_stays_closed(nats_url: str, namespace: str) -> None:
+    """Handle B (a resume of the same id) closes the session while handle A has a turn running:
+    A's turn is answered, but its save does not bring the record back, and A's next turn is
+    refused; the session cannot be resumed."""
+    async with (
+        running_worker(nats_url, namespace, worker_id="a", engine=EchoEngine(per_token_s=0.05)),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 1)
+        a = await client.session(min_version=0).open()
+        await a.generate(turn_payload([1], max_tokens=2))
+        b = await client.resume_session(a.session_id)
+        running = asyncio.ensure_future(a.generate(turn_payload([1, 2], max_tokens=40)))  # 2 s
+        await asyncio.sleep(0.5)
+        await b.close()
+        assert (await running).worker_id == "a"  # answered: it was running
+        with pytest.raises(UnknownSession):
+            await client.resume_session(a.session_id)
+        with pytest.raises(UnknownSession):
+            await a.generate(turn_payload([1, 2, 3]))
+
+
+async def test_a_session_id_opened_again_after_a_close_is_a_new_session(nats_url: str, namespace: str) -> None:
+    """Within the duplicate window, a session opened again under a closed one's id meets none of
+    its answers: the same first prompt is generated afresh, another one is no conflict."""
+    engine = CountingEcho()
+    async with (
+        running_worker(nats_url, namespace, worker_id="a", engine=engine),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 1)
+        async with client.session("again", min_version=0) as s:
+            first = await s.generate(turn_payload([1, 2]))
+        async with client.session("again", min_version=0) as s:
+            second = await s.generate(turn_payload([1, 2]))
+            assert second.job_id != first.job_id and len(engine.calls) == 2
+        async with client.session("again", min_version=0) as s:
+            third = await s.generate(turn_payload([7, 7, 7]))  # no IdempotencyConflict
+            assert third.outputs != first.outputs and len(engine.calls) == 3

@@ -193,3 +193,22 @@ async def test_slots_move_back_to_where_work_is_expected(nats_url: str, namespac
 
 async def _equals(value: Any, expected: int) -> bool:
     return bool(await value == expected)
+
+
+async def test_a_job_consumer_deleted_while_the_client_believes_it_exists_is_declared_again(
+    nats_url: str, namespace: str
+) -> None:
+    """The client created min-0's consumer and remembers it exists; the consumer is then deleted
+    (an operator, a clean-up). A job stored there meanwhile would wait for its deadline: the
+    client's stall watch finds the consumer missing, declares it again and rings a replica, so
+    the job is answered within seconds."""
+    async with (
+        running_worker(nats_url, namespace, version=0, worker_id="a"),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 1)
+        await (await client.submit(payload(), min_version=0, timeout=10)).result(10)
+        await client.js.delete_consumer(client.names.jobs_stream, client.names.job_consumer("min", 0))
+        t0 = asyncio.get_running_loop().time()
+        result = await (await client.submit(payload([4, 5]), min_version=0, timeout=60)).result(20)
+        assert result.worker_id == "a" and asyncio.get_running_loop().time() - t0 < 8.0

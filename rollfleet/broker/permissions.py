@@ -39,12 +39,13 @@ def trainer_permissions(n: Names) -> dict[str, dict[str, list[str]]]:
         f"$KV.{n.policy_bucket}.>",
         f"$KV.{n.fleet_bucket}.client.>",
         f"$KV.{n.sessions_bucket}.>",
+        f"$KV.{n.claims_bucket}.>",  # a sticky turn's holder gone: its claim is marked stopped
         "$JS.API.INFO",
         *(f"$JS.API.STREAM.*.{stream}" for stream in s.values()),
         f"$JS.API.STREAM.MSG.*.{s['jobs']}",
         *(f"$JS.API.STREAM.MSG.GET.{s[k]}" for k in ("results", "policy", "fleet", "sessions")),
         f"$JS.API.DIRECT.GET.{s['results']}",
-        *(f"$JS.API.DIRECT.GET.{s[k]}.>" for k in ("results", "policy", "fleet", "sessions")),
+        *(f"$JS.API.DIRECT.GET.{s[k]}.>" for k in ("results", "policy", "fleet", "sessions", "claims")),
         *(f"$JS.API.CONSUMER.*.{s[k]}.>" for k in ("jobs", "results", "events", "policy", "fleet")),
         *(f"$JS.API.CONSUMER.CREATE.{s[k]}" for k in ("policy", "fleet")),  # KV watchers (ephemeral)
         *(f"$JS.API.CONSUMER.DURABLE.CREATE.{s[k]}.>" for k in ("jobs", "results")),
@@ -66,15 +67,24 @@ def trainer_permissions(n: Names) -> dict[str, dict[str, list[str]]]:
     }
 
 
-def worker_permissions(n: Names, worker_id: str) -> dict[str, dict[str, list[str]]]:
+def worker_permissions(
+    n: Names, worker_id: str, others: Sequence[str] = ()
+) -> dict[str, dict[str, list[str]]]:
+    """``others``: the namespace's other worker ids, whose own subjects (their sessions' turns)
+    this worker may neither pull nor ack (a subject wildcard covers whole tokens only, so they
+    are named)."""
     s, root = _streams(n), f"rf.{n.namespace}"
+    jobs = s["jobs"]
     allow = [
         "$JS.API.INFO",
         *(f"$JS.API.STREAM.INFO.{stream}" for stream in s.values()),
-        f"$JS.API.CONSUMER.INFO.{s['jobs']}.>",
-        f"$JS.API.CONSUMER.MSG.NEXT.{s['jobs']}.>",
-        f"$JS.ACK.{s['jobs']}.>",
-        f"{root}.results.>",
+        f"$JS.API.CONSUMER.INFO.{jobs}.>",
+        f"$JS.API.CONSUMER.MSG.NEXT.{jobs}.*",
+        f"$JS.ACK.{jobs}.>",
+        # Answers only under its own id (results.<client>.<key>.<job>.<worker_id>, and their chunks
+        # below): the subject proves to the trainer which replica answered.
+        f"{root}.results.*.*.*.{worker_id}",
+        f"{root}.results.*.*.*.{worker_id}.>",
         f"$JS.API.DIRECT.GET.{s['results']}",
         f"$JS.API.DIRECT.GET.{s['results']}.>",
         f"$JS.API.STREAM.MSG.GET.{s['results']}",
@@ -99,12 +109,14 @@ def worker_permissions(n: Names, worker_id: str) -> dict[str, dict[str, list[str
         "$JS.API.STREAM.DELETE.>",
         "$JS.API.STREAM.PURGE.>",
         "$JS.API.STREAM.MSG.DELETE.>",
-        f"$JS.API.CONSUMER.CREATE.{s['jobs']}.>",
-        f"$JS.API.CONSUMER.DURABLE.CREATE.{s['jobs']}.>",
+        f"$JS.API.CONSUMER.CREATE.{jobs}.>",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{jobs}.>",
         "$JS.API.CONSUMER.DELETE.>",
+        *(f"$JS.API.CONSUMER.MSG.NEXT.{jobs}.{n.replica_consumer(o)}" for o in others if o != worker_id),
+        *(f"$JS.ACK.{jobs}.{n.replica_consumer(o)}.>" for o in others if o != worker_id),
     ]
     subscribe = [
-        f"{n.inbox_prefix('worker')}.>",
+        f"{n.inbox_prefix('worker', worker_id)}.>",  # its own replies and job deliveries, no one else's
         n.bell_subject(worker_id),  # its own wake-ups only
         n.consumers_declared,
         f"{root}.versions.>",
@@ -145,7 +157,7 @@ def render_users(namespaces: Mapping[str, Sequence[str]]) -> str:
         entries.append(f"      {{ user: {trainer}, password: ${password_variable(trainer)}, permissions: {perms} }}")
         for worker_id in workers:
             check_token(worker_id, "worker_id")
-            perms = _block(worker_permissions(names, worker_id), "        ")
+            perms = _block(worker_permissions(names, worker_id, workers), "        ")
             entries.append(
                 f"      {{ user: {worker_id}, password: ${password_variable(worker_id)}, permissions: {perms} }}"
             )
@@ -167,14 +179,18 @@ HEADER = """\
 #            creates the job consumers (run `rollfleet declare` as trainer before the first
 #            worker starts: a worker may not create streams or consumers), reads results and the
 #            fleet registry, holds the client_id lease. It may not publish results.
-#   worker   one user per worker id: pulls and acks jobs, publishes results, claims at_most_once
-#            jobs, writes its own registry entry (no other), reads versions, announces
-#            activations. It may NOT publish jobs or policy versions, create or change streams
-#            or the shared job consumers (max_deliver, ack_wait), or delete anything: a
-#            compromised or buggy rollout machine cannot inject work, point the fleet at weights
-#            of its choosing, or make others' jobs fail.
-#   Inboxes are per namespace and role (_INBOX.<ns>.<role>, used by rollfleet's clients), so a
-#   worker cannot read the replies (job deliveries) meant for other roles or namespaces.
+#   worker   one user per worker id: pulls and acks jobs (of the shared subjects and its own,
+#            never another replica's own subject), publishes answers only on results subjects
+#            that end in its own id, claims jobs, writes its own registry entry (no other), reads
+#            versions, announces activations. It may NOT publish jobs or policy versions, create
+#            or change streams or the shared job consumers (max_deliver, ack_wait), or delete
+#            anything: a compromised or buggy rollout machine cannot inject work, point the fleet
+#            at weights of its choosing, make others' jobs fail, or answer as another replica.
+#   Inboxes are per namespace, role and worker (_INBOX.<ns>.trainer, _INBOX.<ns>.worker.<id>,
+#   used by rollfleet's clients), so a worker receives only its own deliveries: it cannot read
+#   the jobs, job ids or ack subjects delivered to another replica. The trainer accepts an answer
+#   only from the subject of the replica that stored it, for a job id it issued (job ids travel
+#   only in deliveries), with the request's fingerprint.
 #
 # Passwords come from the environment (a missing variable stops the server with an error, so no
 # default password can slip into production); one variable per user, because a shared worker

@@ -44,6 +44,11 @@ class TopologyConfig(msgspec.Struct, kw_only=True, frozen=True):
     consumer_inactive_s: float = 6 * 3600.0  # idle per-version consumers are cleaned up
     fleet_entry_ttl_s: float = 3600.0  # the registry forgets a replica entry untouched this long
     session_record_ttl_s: float = 24 * 3600.0  # session records untouched this long are removed
+    # A claim is refreshed while its job runs and removed once the job is answered; this bounds
+    # how long one left by a dead holder is kept. An at_most_once job's time-out may not exceed
+    # it (the client refuses one that does), so a job redelivered after the claim is gone is
+    # past its deadline and answered Expired, never run a second time.
+    claims_ttl_s: float = 24 * 3600.0
     policy_history: int = 1
 
     def job_consumer_config(self, names: Names, kind: ConstraintKind, version: int) -> ConsumerConfig:
@@ -135,9 +140,7 @@ def _bucket_configs(names: Names, cfg: TopologyConfig) -> list[KeyValueConfig]:
         KeyValueConfig(
             bucket=names.claims_bucket,
             history=1,
-            # A claim matters while its job can be redelivered: within the job's deadline and
-            # its redeliveries, both bounded well inside the duplicate window.
-            ttl=max(cfg.duplicate_window_s, cfg.ack_wait_s * cfg.max_deliver),
+            ttl=cfg.claims_ttl_s,  # (see TopologyConfig.claims_ttl_s)
             storage=StorageType.FILE,
             replicas=cfg.replicas,
         ),

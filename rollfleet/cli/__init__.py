@@ -1,4 +1,4 @@
-"""The ``rollfleet`` command line: ``broker``, ``declare``, ``worker``, ``up``, ``status``."""
+"""The ``rollfleet`` command line: ``broker``, ``declare``, ``worker``, ``up``, ``permissions``, ``status``."""
 
 from rollfleet.cli.main import main
 

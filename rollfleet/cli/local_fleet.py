@@ -33,6 +33,7 @@ class LocalFleet:
     engine: str = "echo"
     port: int = 0  # broker port; 0 picks a free one
     store_dir: Path | None = None  # policy store the workers follow (hf engine)
+    follow_versions: bool = True  # without a store (echo): activate each committed version anyway
     metrics_base_port: int | None = 0  # worker i serves metrics on base+i; 0: free ports; None: off
     worker_args: list[str] = field(default_factory=list)
     broker: EmbeddedBroker | None = None
@@ -63,6 +64,8 @@ class LocalFleet:
             cmd += ["--engine", self.engine, "--worker-id", worker_id]
             if self.store_dir is not None:
                 cmd += ["--store", str(self.store_dir), "--local-dir", str(self.home / "replicas" / worker_id)]
+            elif self.follow_versions:
+                cmd += ["--follow-versions"]
             if self.metrics_base_port is not None:
                 port = self.metrics_base_port + i if self.metrics_base_port else free_port()
                 self.metrics_ports[worker_id] = port

@@ -1,4 +1,4 @@
-"""The ``rollfleet`` command: broker, declare, worker, status (and up, in its own module)."""
+"""The ``rollfleet`` command: broker, declare, worker, permissions, status (and up, in its own module)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,8 @@ def _topology(args: argparse.Namespace) -> Any:
         fields["ack_wait_s"] = args.ack_wait
     if getattr(args, "duplicate_window", None):
         fields["duplicate_window_s"] = args.duplicate_window
+    if getattr(args, "max_msg_bytes", None):
+        fields["max_msg_bytes"] = args.max_msg_bytes
     return TopologyConfig(**fields)
 
 
@@ -79,12 +81,35 @@ def _add_topology(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=None, help="stream replicas (3 on a 3-node cluster)")
     p.add_argument("--ack-wait", type=float, default=None, help="seconds before an unacked job is redelivered")
     p.add_argument("--duplicate-window", type=float, default=None, help="idempotency window in seconds")
+    p.add_argument(
+        "--max-msg-bytes", type=int, default=None, help="largest stored message; larger answers go in chunks"
+    )
+
+
+DESCRIPTION = """\
+rollfleet: an external rollout service for asynchronous RL. A trainer submits rollout jobs
+through a NATS JetStream broker; workers anywhere pull the jobs their policy version may serve
+and follow the versions the trainer publishes.
+
+Start here: `rollfleet up` runs a local broker and workers and prints how a trainer connects;
+`rollfleet status` shows the fleet. `rollfleet COMMAND --help` explains each command."""
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, except flags that have none (off, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollfleet", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="rollfleet", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--log-level", default=None, help="debug, info, warning (env ROLLFLEET_LOG_LEVEL)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
 
     p = sub.add_parser("broker", help="run the embedded nats-server and declare a namespace")
     p.add_argument("--store", default=".rollfleet/broker", help="JetStream store directory")
@@ -101,9 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run a rollout worker")
     _add_conn(p)
     _add_topology(p)
-    p.add_argument("--engine", default="echo", choices=["echo", "hf", "sglang"])
+    p.add_argument("--engine", default="echo", choices=["echo", "hf", "sglang", "vllm"])
     p.add_argument("--worker-id", default=None)
     p.add_argument("--version", type=int, default=None, help="serve this fixed version (no policy following)")
+    p.add_argument(
+        "--hold-version",
+        type=int,
+        default=None,
+        help="with --store: serve this version from the store and no other, for pinned sessions and exact "
+        "jobs that still need it (the rest of the fleet moves on)",
+    )
     p.add_argument("--capacity", type=_positive_int, default=4, help="jobs run at once")
     p.add_argument(
         "--heartbeat",
@@ -151,7 +183,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="sglang engine: activate through the server's /pull_weights from --store into this host-local directory",
     )
+    p.add_argument("--vllm-url", default=None, help="vllm engine: attach to this server (else launch one)")
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="vllm engine: launch the server with this Python, one that has vLLM (e.g. .venv-vllm/bin/python)",
+    )
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        help="vllm engine: extra server argument (--vllm-arg=--dtype=float32)",
+    )
+    p.add_argument("--vllm-log", default=None, help="vllm engine: append the launched server's output to this file")
     p.add_argument("--verify-live", action="store_true", help="announce a digest of the live weights")
+    p.add_argument(
+        "--health",
+        type=float,
+        default=2.0,
+        help="seconds between checks of the engine's health (a dead or hung engine: the replica takes no jobs)",
+    )
     p.add_argument(
         "--exact-drain",
         type=float,
@@ -160,17 +211,55 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
 
-    p = sub.add_parser("up", help="start the embedded broker and N workers; Ctrl-C stops them all")
-    p.add_argument("--workers", type=_positive_int, default=2)
-    p.add_argument("--engine", default="echo", choices=["echo", "hf"])
-    p.add_argument("--namespace", "-n", default="default")
-    p.add_argument("--home", default=".rollfleet", help="broker store, replica checkpoints, logs")
+    p = sub.add_parser(
+        "up",
+        help="start a local fleet (the embedded broker and N workers) and print how a trainer connects",
+        description="Start the embedded broker and N worker processes on this machine, wait until every "
+        "worker is ready, and print the broker URL, namespace, policy store and base a trainer uses. "
+        "Ctrl-C drains the workers and stops everything; the broker's store is kept for the next start.",
+        formatter_class=_DefaultsFormatter,
+    )
+    p.add_argument("--workers", type=_positive_int, default=2, metavar="N", help="worker processes to start")
+    p.add_argument(
+        "--engine",
+        default="echo",
+        choices=["echo", "hf"],
+        help="echo: no model, made-up tokens (try the request path without torch); hf: a Hugging Face "
+        "model (--tiny-model or --model-dir) whose weights follow the policy store",
+    )
+    p.add_argument("--namespace", "-n", default="default", metavar="NS", help="run namespace; a trainer uses the same")
+    p.add_argument(
+        "--home", default=".rollfleet", metavar="DIR", help="broker store, replica checkpoints, logs (and hf's store)"
+    )
     p.add_argument("--port", type=int, default=4222, help="broker port (0: a free one)")
-    p.add_argument("--metrics-base-port", type=int, default=9400, help="worker i serves metrics on base+i (0: free)")
-    p.add_argument("--model-dir", default=None, help="hf: the base checkpoint (version 0)")
-    p.add_argument("--tiny-model", action="store_true", help="hf: build a tiny Qwen3-style model as the base")
-    p.add_argument("--store", default=None, help="hf: policy store (default HOME/store)")
-    p.add_argument("--worker-arg", action="append", default=[], help="extra argument for every worker")
+    p.add_argument(
+        "--metrics-base-port",
+        type=int,
+        default=9400,
+        metavar="PORT",
+        help="worker i serves Prometheus metrics on base+i (0: free ports)",
+    )
+    p.add_argument("--model-dir", default=None, metavar="DIR", help="hf: the base checkpoint, committed as version 0")
+    p.add_argument(
+        "--tiny-model", action="store_true", help="hf: build a tiny Qwen3-style model in HOME/models/tiny as the base"
+    )
+    p.add_argument(
+        "--store", default=None, metavar="DIR", help="hf: the policy store the workers follow (default: HOME/store)"
+    )
+    p.add_argument(
+        "--follow-versions",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="echo: activate each version the trainer commits, as hf workers do (--no-follow-versions: "
+        "stay at version 0)",
+    )
+    p.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more `rollfleet worker` argument for every worker, e.g. --worker-arg=--capacity=8 (repeatable)",
+    )
 
     p = sub.add_parser(
         "permissions", help="print a nats-server auth config with a trainer and one user per worker, per namespace"
@@ -280,12 +369,19 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         options = {"url": args.sglang_url, "launch_args": list(args.sglang_arg)}
         if args.sglang_pull_dir:
             options |= {"pull_dir": args.sglang_pull_dir, "store_dir": args.store}
+    elif args.engine == "vllm":
+        options = {"url": args.vllm_url, "python": args.vllm_python, "launch_args": list(args.vllm_arg)}
+        options["log_file"] = args.vllm_log
     for flag, value in (("--local-dir", args.local_dir), ("--store", args.store)):
         if value:
             try:
                 Path(value).mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise InvalidRequest(f"{flag} {value}: cannot be created: {exc.strerror or exc}") from None
+    if not args.health > 0:
+        raise InvalidRequest(f"--health must be > 0 seconds, got {args.health}")
+    if args.hold_version is not None and (args.hold_version < 0 or not args.store):
+        raise InvalidRequest("--hold-version needs --store and a version >= 0")
     if args.exact_drain is not None and args.exact_drain < 0:
         raise InvalidRequest(f"--exact-drain must be >= 0 seconds, got {args.exact_drain}")
     engine = make_engine(args.engine, **options)
@@ -303,6 +399,8 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         prepare_timeout_s=args.prepare_timeout,
         metrics_port=args.metrics_port,
         verify_live=args.verify_live,
+        hold_version=args.hold_version,
+        health_s=args.health,
         capacity=args.capacity,
         heartbeat_s=args.heartbeat,
         exact_drain_s=30.0 if args.exact_drain is None else args.exact_drain,

@@ -77,6 +77,8 @@ def render_table(snapshot: dict[str, Any]) -> str:
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
     if not rows:
         lines.append("(no replicas registered)")
+    reasons = [(r["worker_id"], r["state"], r.get("degraded_reason")) for r in snapshot["replicas"]]
+    lines += [f"  {worker} is {state}: {reason}" for worker, state, reason in reasons if reason]
     lines += ["", "queue depth per jobs subject:"]
     queues = snapshot["queues"]
     lines += [f"  {name:<12} {count}" for name, count in queues.items()] or ["  (empty)"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 from pathlib import Path
 
@@ -30,9 +31,35 @@ async def seed_store(url: str, namespace: str, store: Path, model_dir: Path) -> 
         return client.latest_version or 0
 
 
+def trainer_hint(
+    url: str, namespace: str, engine: str, store: Path | None, base: Path | None, version: int | None, follow: bool
+) -> str:
+    """What a trainer needs to use this fleet, as lines to paste: the README's training-loop
+    snippet with the values this ``up`` chose (a wrong namespace or store is a silent wait)."""
+    q = json.dumps  # Python string literals in double quotes, as the README writes them
+    lines = [
+        "a trainer connects with:",
+        f"    RolloutClient.connect({q(url)}, namespace={q(namespace)}, client_id={q('trainer-0')})",
+    ]
+    if store is not None and base is not None:
+        lines += [
+            f"and publishes into the store the workers follow, from their base (latest committed version: {version}):",
+            f"    PolicyPublisher({q(str(store.resolve()))}, base_checkpoint_dir={q(str(base.resolve()))})",
+        ]
+    elif follow:
+        lines.append(
+            f"{engine} workers read no weights: they activate each version committed in namespace {namespace}"
+            " (client.publish_policy with a PolicyPublisher on a store and base of your own)"
+        )
+    else:
+        lines.append(f"{engine} workers stay at version 0 (--no-follow-versions): submit with min_version=0")
+    return "\n".join(lines)
+
+
 async def cmd_up(args: argparse.Namespace) -> int:
     home = Path(args.home)
-    store = None
+    store = model_dir = None
+    version: int | None = None
     if args.engine == "hf":
         if bool(args.model_dir) == bool(args.tiny_model):
             raise InvalidRequest("the hf engine needs exactly one of --model-dir or --tiny-model")
@@ -49,6 +76,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
         engine=args.engine,
         port=args.port,
         store_dir=store,
+        follow_versions=args.follow_versions,
         metrics_base_port=args.metrics_base_port,
         worker_args=list(args.worker_arg),
     )
@@ -58,7 +86,7 @@ async def cmd_up(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         url = fleet.start_broker()
-        if store is not None:
+        if store is not None and model_dir is not None:
             version = await seed_store(url, args.namespace, store, model_dir)
             print(f"policy version {version} committed from {model_dir}", flush=True)
         fleet.start_workers()
@@ -68,6 +96,8 @@ async def cmd_up(args: argparse.Namespace) -> int:
         if ready.done():
             ready.result()
             print(fleet.describe(), flush=True)
+            hint = trainer_hint(url, args.namespace, args.engine, store, model_dir, version, args.follow_versions)
+            print(hint, flush=True)
             print(f"fleet ready: {args.workers} {args.engine} workers. Ctrl-C stops everything.", flush=True)
             await stop.wait()
         else:

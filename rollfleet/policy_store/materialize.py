@@ -70,6 +70,9 @@ class MaterializeResult:
     total_bytes: int = 0
     density: float = 0.0  # changed_bytes / total_bytes (over every version applied), capped at 1
     seconds: float = 0.0
+    # "fmt:hex" of every tensor the local checkpoint now holds (as its marker records them): what
+    # a replica compares with what its engine holds to know which tensors to reload.
+    checksums: dict[str, str] = field(default_factory=dict)
 
 
 # -- marker and lock ---------------------------------------------------------------------------
@@ -289,6 +292,7 @@ def materialize(
         result.changed = sorted(changed, key=lambda n: order.get(n, 0))
         if result.total_bytes:
             result.density = min(1.0, result.changed_bytes / result.total_bytes)
+        result.checksums = dict(state.sums)
         result.seconds = time.perf_counter() - t0
         return result
 

@@ -30,7 +30,10 @@ POINTS = {
     "commit:before-announce": "latest moved, versions.published not yet sent",
     # the worker
     "worker:after-result-before-ack": "a job's result is stored, the job not yet acked",
+    "worker:mid-chunks": "a chunk of a large answer is stored, its head not yet",
     "worker:before-activation": "a version is prepared, the engine not yet paused",
+    "worker:mid-prepare": "a newer version is being prepared (nothing of it read yet), the old one served",
+    "worker:mid-activation": "exact jobs of the old version are drained, the engine not yet paused",
 }
 ACTIONS = ("kill", "pause")
 

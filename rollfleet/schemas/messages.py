@@ -19,7 +19,8 @@ RetryPolicy = Literal["replayable", "at_most_once"]
 VersionPolicy = Literal["pinned", "monotonic", "free"]  # how a session's turns choose versions
 ConstraintKind = Literal["min", "exact"]
 FinishReason = Literal["stop", "length", "abort"]
-ReplicaState = Literal["starting", "ready", "preparing", "activating", "degraded", "draining", "stopped"]
+# "down": its engine is dead or hung (it takes no jobs and says why in degraded_reason)
+ReplicaState = Literal["starting", "ready", "preparing", "activating", "degraded", "down", "draining", "stopped"]
 VersionKind = Literal["base", "delta", "full"]
 
 
@@ -77,12 +78,35 @@ class RolloutJob(msgspec.Struct, kw_only=True):
     fingerprint: str = ""
 
 
-def request_fingerprint(
-    constraint: VersionConstraint, payload: RolloutPayload, retry_policy: str, session_id: str | None
-) -> str:
-    """A short digest of everything that defines a request's answer (not its key or deadline)."""
-    raw = msgspec.msgpack.encode((constraint.kind, constraint.version, payload, retry_policy, session_id))
-    return hashlib.blake2b(raw, digest_size=12).hexdigest()
+class RolloutJobWire(msgspec.Struct, kw_only=True):
+    """``RolloutJob`` with its payload already encoded: the same bytes on the wire (same fields,
+    same order; a test keeps them equal), so a client encodes each payload once."""
+
+    job_id: str
+    idempotency_key: str
+    client_id: str
+    constraint: VersionConstraint
+    payload: msgspec.Raw
+    deadline: float
+    submitted_at: float
+    retry_policy: RetryPolicy = "replayable"
+    session_id: str | None = None
+    trainer_version: int | None = None
+    schema: int = SCHEMA_VERSION
+    fingerprint: str = ""
+
+
+def request_fingerprint(written: str, payload: bytes, retry_policy: str, session_id: str | None) -> str:
+    """A short digest of the request as its caller wrote it (not its key or deadline).
+
+    ``written`` is the constraint as given (``staleness:1``, ``min:3``, ``exact:3``; a session's
+    turn: its session's settings), never the version it resolved to: a trainer that restarts and
+    resubmits the same request after a commit moved ``latest`` asks for the same thing.
+    ``payload`` is the payload's encoded bytes (MessagePack, as sent)."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(f"{written}\x00{retry_policy}\x00{session_id or ''}\x00".encode())
+    h.update(payload)
+    return h.hexdigest()
 
 
 class VersionSpan(msgspec.Struct, kw_only=True, frozen=True):
@@ -171,8 +195,9 @@ class RolloutFailure(msgspec.Struct, tag="failure", kw_only=True):
 
 class ChunkedOutcome(msgspec.Struct, tag="chunked", kw_only=True):
     """Stands for an outcome too large for one message. Its encoded bytes were stored first, in
-    ``chunks`` messages on ``Names.result_chunk_subject(client_id, idempotency_key, i)``, and
-    this message is stored last, so whoever sees it can read them all."""
+    ``chunks`` messages on ``Names.result_chunk_subject(<this head's subject>, nonce, i)``, and
+    this message is stored last, so whoever sees it can read them all. The nonce is new for
+    every attempt to store an answer: a re-run never reads or overwrites a dead run's chunks."""
 
     idempotency_key: str
     client_id: str
@@ -180,6 +205,7 @@ class ChunkedOutcome(msgspec.Struct, tag="chunked", kw_only=True):
     chunks: int
     size: int
     digest: str  # xxh3-128 of the whole encoded outcome
+    nonce: str = ""
 
 
 Outcome = RolloutResult | RolloutFailure
@@ -215,7 +241,7 @@ class ReplicaStatus(msgspec.Struct, kw_only=True):
 
     def can_serve(self, constraint: VersionConstraint) -> bool:
         """At, or preparing, a version the constraint accepts, and taking work."""
-        if self.state in ("draining", "stopped"):
+        if self.state in ("draining", "stopped", "down"):
             return False
         if self.preparing_version is not None and constraint.allows(self.preparing_version):
             return True
@@ -228,6 +254,15 @@ class ReplicaStatus(msgspec.Struct, kw_only=True):
         """Live, taking work, and pulling the constraint's jobs at its active version now (not
         only once a version it prepares is active): where a job meant for it alone may go."""
         return self.is_live(now) and self.can_serve(constraint) and constraint.allows(self.active_version)
+
+
+class TurnFailure(msgspec.Struct, kw_only=True, frozen=True):
+    """A turn answered with an error that no worker stored (the client raised it: no replica
+    could take it, or its deadline passed): asked again, the turn raises the same error."""
+
+    code: str
+    message: str
+    retryable: bool
 
 
 class SessionRecord(msgspec.Struct, kw_only=True):
@@ -247,6 +282,10 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     replica: str | None = None  # the replica that served the last turn (where its context is)
     opened_at: float = 0.0
     touched_at: float = 0.0
+    # New at every open of the id: turn keys carry it, so a session opened again under the id of
+    # a closed one never meets the old session's answers (see ``turn_key``).
+    incarnation: str = ""
+    failures: dict[int, TurnFailure] = msgspec.field(default_factory=dict)  # the newest few
 
     def settings(self) -> tuple[object, ...]:
         return (self.version_policy, self.min_version, self.exact_version, self.max_staleness, self.retry_policy)

@@ -45,6 +45,22 @@ def key_token(idempotency_key: str) -> str:
     return hashlib.blake2b(idempotency_key.encode(), digest_size=16).hexdigest()
 
 
+UNKNOWN_JOB = "unknown"  # the job token of an answer to a job that could not be decoded
+
+
+def job_token(job_id: str | None) -> str:
+    """A job id as a subject token (a client's job ids are tokens already; anything else is hashed)."""
+    if job_id is None:
+        return UNKNOWN_JOB
+    return job_id if _TOKEN.match(job_id) and job_id != UNKNOWN_JOB else key_token(job_id)
+
+
+def claim_key(job_id: str) -> str:
+    """The claims-bucket key of a job: a digest, so listing the bucket reveals no job id (a job id
+    is what lets a replica answer a job; only the replicas it was delivered to know it)."""
+    return hashlib.blake2b(job_id.encode(), digest_size=16).hexdigest()
+
+
 @lru_cache(maxsize=4096)
 def _parse_constraint(prefix: str, subject: str) -> tuple[ConstraintKind, int] | None:
     if not subject.startswith(prefix):
@@ -114,6 +130,13 @@ class Names:
         jobs stream, outside every ``min``/``exact`` subject."""
         return f"{self._root}.jobs.replica.{check_token(worker_id, 'worker_id')}"
 
+    def parse_replica_job_subject(self, subject: str) -> str | None:
+        """The worker id of a replica's own jobs subject; None for any other subject."""
+        prefix = f"{self._root}.jobs.replica."
+        if not subject.startswith(prefix) or not _TOKEN.match(subject[len(prefix) :]):
+            return None
+        return subject[len(prefix) :]
+
     @staticmethod
     def replica_consumer(worker_id: str) -> str:
         return f"replica-{check_token(worker_id, 'worker_id')}"
@@ -150,6 +173,12 @@ class Names:
         return f"$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.{stream}.*"
 
     # -- results -----------------------------------------------------------------------------
+    # An answer's subject names the client, the key, the job and the replica that stored it:
+    # ``results.<client>.<key token>.<job token>.<worker_id>``. The broker lets each worker
+    # publish only on subjects ending in its own id (``broker.permissions``), so the subject
+    # authenticates who answered; the job id (random, learnt only with a delivery) says which
+    # job it answers. Chunks of an answer too large for one message hang below its head
+    # (``.<nonce>.<i>``): a nonce per store attempt, so a re-run never mixes with a dead run's chunks.
     @property
     def results_stream(self) -> str:
         return f"RF_{self._up}_RESULTS"
@@ -158,15 +187,40 @@ class Names:
     def results_wildcard(self) -> str:
         return f"{self._root}.results.>"
 
-    def result_subject(self, client_id: str, idempotency_key: str) -> str:
+    def _results_key(self, client_id: str, idempotency_key: str) -> str:
         return f"{self._root}.results.{check_token(client_id, 'client_id')}.{key_token(idempotency_key)}"
 
-    def result_chunk_subject(self, client_id: str, idempotency_key: str, index: int) -> str:
-        """Where chunk ``index`` of an outcome too large for one message is stored."""
-        return f"{self.result_subject(client_id, idempotency_key)}.{int(index)}"
+    def result_subject(self, client_id: str, idempotency_key: str, job_id: str | None, worker_id: str) -> str:
+        """Where ``worker_id`` stores its answer to job ``job_id`` (None: a job it could not decode)."""
+        worker = check_token(worker_id, "worker_id")
+        return f"{self._results_key(client_id, idempotency_key)}.{job_token(job_id)}.{worker}"
+
+    def results_of_key(self, client_id: str, idempotency_key: str) -> str:
+        """Every answer head stored for a key (a wildcard, read in stream order)."""
+        return f"{self._results_key(client_id, idempotency_key)}.*.*"
+
+    def results_of_job(self, client_id: str, idempotency_key: str, job_id: str) -> str:
+        """Every answer head stored for one job of a key."""
+        return f"{self._results_key(client_id, idempotency_key)}.{job_token(job_id)}.*"
+
+    @staticmethod
+    def result_chunk_subject(head_subject: str, nonce: str, index: int) -> str:
+        """Where chunk ``index`` of the answer whose head is stored on ``head_subject`` lies."""
+        return f"{head_subject}.{check_token(nonce, 'chunk nonce')}.{int(index)}"
+
+    def parse_result_subject(self, subject: str) -> tuple[str, str, str, str] | None:
+        """``(client_id, key token, job token, worker_id)`` of an answer head's subject; None for
+        anything else (a chunk, or a subject outside the results)."""
+        prefix = f"{self._root}.results."
+        if not subject.startswith(prefix):
+            return None
+        parts = subject[len(prefix) :].split(".")
+        if len(parts) != 4:
+            return None
+        return parts[0], parts[1], parts[2], parts[3]
 
     def is_result_chunk(self, subject: str) -> bool:
-        return subject.startswith(f"{self._root}.results.") and subject.count(".") == self._root.count(".") + 4
+        return subject.startswith(f"{self._root}.results.") and subject.count(".") == self._root.count(".") + 7
 
     def results_filter(self, client_id: str) -> str:
         return f"{self._root}.results.{check_token(client_id, 'client_id')}.>"
@@ -191,13 +245,16 @@ class Names:
 
     @property
     def claims_bucket(self) -> str:
-        """Which at_most_once jobs a worker started (key: the job id)."""
+        """Which jobs a worker started and still holds (key: ``claim_key(job_id)``, value: its id):
+        ``at_most_once`` jobs, and sessions' turns (so a moved turn is never run twice)."""
         return f"RF_{self._up}_CLAIMS"
 
-    def inbox_prefix(self, role: str) -> str:
-        """Reply subjects of one role in this namespace (``trainer`` or ``worker``): the broker
-        can then let each role read its own replies and no one else's."""
-        return f"_INBOX.{self.namespace}.{check_token(role, 'role')}"
+    def inbox_prefix(self, role: str, worker_id: str | None = None) -> str:
+        """Reply subjects of one role in this namespace (``trainer`` or ``worker``), and of one
+        worker below that: the broker then lets each worker read its own replies (its job
+        deliveries among them) and no one else's."""
+        prefix = f"_INBOX.{self.namespace}.{check_token(role, 'role')}"
+        return prefix if worker_id is None else f"{prefix}.{check_token(worker_id, 'worker_id')}"
 
     def client_alive_subject(self, client_id: str) -> str:
         """A live client answers here; a second client with the same id asks first."""

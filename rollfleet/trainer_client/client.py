@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
@@ -17,7 +18,6 @@ from typing import Any
 
 import nats.errors
 import nats.js.errors
-import xxhash
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -48,13 +48,13 @@ from rollfleet.schemas import (
     RolloutJob,
     RolloutPayload,
     RolloutResult,
-    StoredOutcome,
     VersionConstraint,
     VersionPolicy,
     VersionRecord,
     check_token,
+    claim_key,
+    decode,
     decode_outcome,
-    encode,
     error_from_code,
     served_within,
 )
@@ -63,18 +63,19 @@ from rollfleet.schemas.errors import (
     ContractViolation,
     Expired,
     IdempotencyConflict,
-    InvalidRequest,
     NoCompatibleReplica,
     RollfleetError,
     ServiceUnavailable,
 )
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, listened_subjects
+from rollfleet.trainer_client import answers
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
+from rollfleet.trainer_client.jobids import JobIds
 from rollfleet.trainer_client.lease import ClientLease
 from rollfleet.trainer_client.metrics import ClientMetrics
-from rollfleet.trainer_client.requests import build_job, constraint_from
-from rollfleet.trainer_client.sessions import Session, expire_idle
+from rollfleet.trainer_client.requests import build_job, constraint_from, written_constraint
+from rollfleet.trainer_client.sessions import OpenSession, Session, expire_idle
 from rollfleet.trainer_client.versions import adopt_version, commit_version
 
 log = get_logger("rollfleet.client")
@@ -85,12 +86,12 @@ _RESULTS_WAIT_S = 30.0  # the results request's expiry; a lost one is replaced o
 _BELL_INTERVAL_S = 0.05
 _CONSUMER_RECHECK_S = 600.0
 _ORPHAN_GRACE_S = 2.0  # an exact job no replica can serve is withdrawn after this long
+_PROBE_S = 1.0  # a replica that may hold an orphaned exact job is probed this often
 _STALL_AFTER_S = 1.0  # a job unanswered this long makes its subject worth a look (see _watch_stalls)
 _STALL_JOBS_PER_BELL = 4  # a woken replica pulls up to its free slots (4 by default)
 _STALL_BELLS_MAX = 64
-_STICKY_POLL_S = 0.2  # how often a sticky turn's watch looks at its replica
-_PROBE_S = 1.0  # a replica running a sticky turn is probed this often (no responders: gone)
 _PUBLISH_BUDGET_S = 30.0  # how long submit keeps trying to store a job while the broker recovers
+_CHUNKS_PATIENCE = 20  # deliveries of an answer head whose chunks cannot be read, before it is given up
 
 
 class RolloutClient:
@@ -126,11 +127,13 @@ class RolloutClient:
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
         self._bells: dict[tuple[str, int], float] = {}
+        self._probed: dict[str, float] = {}  # replica -> when an orphan check last probed it
         # Called with every answer message received, before deduplication (for audits and tests).
         self.observe: Callable[[Outcome, int | None], None] | None = None
         self._consumers: dict[str, float] = {}  # consumer -> until when it is known to exist
         self._sessions_bucket: KeyValue | None = None
-        self._sessions: dict[str, Session] = {}  # open sessions of this client, by id
+        self._claims_bucket: KeyValue | None = None
+        self.sessions: dict[str, OpenSession] = {}  # open sessions of this client, by id
         self._bell_inbox = ""
         self._results_puller: PullConsumer | None = None
         self._results_low = asyncio.Event()  # the results requests need renewing
@@ -184,6 +187,7 @@ class RolloutClient:
     async def _start(self) -> None:
         await ensure_topology(self.js, self.names, self.topology)
         await self._lease.acquire()  # one live client per client_id, or ClientIdInUse
+        self._ids = await JobIds.load(await self.sessions_kv(), self.client_id)
         self._results_consumer = await ensure_results_consumer(self.js, self.names, self.client_id, self.topology)
         await self.fleet.start()
         # A bell rung at a replica that is gone comes back as "no responders" on this inbox.
@@ -241,13 +245,16 @@ class RolloutClient:
         Exactly one of ``min_version``, ``exact_version`` or ``max_staleness`` (meaning
         ``min_version = latest - max_staleness``) says which policy versions may serve it.
         Resubmitting an ``idempotency_key`` within the duplicate window makes no second job and
-        yields the same answer; the same key for a different request is ``IdempotencyConflict``.
-        Arguments of the wrong type or value are ``InvalidRequest``, raised here.
+        yields the same answer; the same key for a different request is ``IdempotencyConflict``
+        (a request is what the caller wrote: ``max_staleness=1`` is the same request after a
+        commit moved ``latest``). Arguments of the wrong type or value are ``InvalidRequest``,
+        raised here.
         """
         constraint = constraint_from(min_version, exact_version, max_staleness, self.latest_version)
         return await self._submit(
             payload,
             constraint,
+            written=written_constraint(min_version, exact_version, max_staleness),
             idempotency_key=idempotency_key,
             deadline=deadline,
             timeout=timeout,
@@ -260,6 +267,7 @@ class RolloutClient:
         payload: RolloutPayload,
         constraint: VersionConstraint,
         *,
+        written: str,
         idempotency_key: str | None,
         deadline: float | None,
         timeout: float | None,
@@ -273,6 +281,7 @@ class RolloutClient:
             payload,
             client_id=self.client_id,
             constraint=constraint,
+            written=written,
             idempotency_key=idempotency_key,
             deadline=deadline,
             timeout=timeout,
@@ -281,17 +290,19 @@ class RolloutClient:
             session_id=session_id,
             trainer_version=self.latest_version,
             limits=self.limits,
+            max_timeout_s=self.topology.claims_ttl_s,
+            job_id=self._ids.issue(idempotency_key if isinstance(idempotency_key, str) else None),
         )
         key = job.idempotency_key
         existing = self._handles.get(key)
         if existing is not None:
             self._check_same_request(existing.job, job.fingerprint)
             return existing
-        handle = RolloutHandle(job, self._withdraw)
+        handle = RolloutHandle(job, data, self._withdraw)
         unclaimed = self._unclaimed.pop(key, None)
-        if unclaimed is not None:  # the answer came before we asked again (trainer restart)
-            self._settle(handle, unclaimed)
-            return handle
+        if unclaimed is not None and self._settle(handle, unclaimed):
+            handle.stored = True
+            return handle  # the answer came before we asked again (trainer restart)
         if self.fail_fast and replica is None and not self.fleet.compatible(constraint):
             try:
                 await self.fleet.refresh()  # the view may lag a replica that just registered
@@ -299,15 +310,12 @@ class RolloutClient:
                 raise ServiceUnavailable(f"cannot read the fleet registry: {exc}") from exc
             if not self.fleet.compatible(constraint):
                 # An answer already stored for this key wins: resubmitting is always safe.
-                stored = await self._stored_outcome(key) if idempotency_key is not None else None
-                if stored is not None:
-                    self._settle(handle, stored)
+                if idempotency_key is not None and await self._settle_stored(handle):
+                    handle.stored = True
                 else:
                     handle.set_error(NoCompatibleReplica(self._no_replica_message(constraint)))
                 return handle
         self._handles[key] = handle
-        headers = {HDR_MSG_ID: key, HDR_CLIENT_ID: self.client_id}
-        handle.replica = replica
         try:
             if replica is None:
                 subject = self.names.job_subject(constraint.kind, constraint.version)
@@ -315,22 +323,65 @@ class RolloutClient:
             else:
                 subject = self.names.replica_job_subject(replica)
                 await self._ensure_replica_consumer(replica)
-            until = min(job.deadline, time.time() + _PUBLISH_BUDGET_S)
-            ack = await publish_retrying(self.js, subject, data, headers, until=until)
+            ack = await self._store_job(handle, subject, key)
         except RollfleetError:
             self._handles.pop(key, None)
             raise
-        handle.stream_seq = None if ack.duplicate else ack.seq
-        if replica is None:
-            self._ring(constraint, fresh=fresh)
+        handle.stored = True
+        if not ack.duplicate:
+            handle.subject, handle.stream_seq, handle.replica = subject, ack.seq, replica
+        elif not await self._adopt(handle, ack.seq):
+            return handle  # settled: answered before, or the key answers another request
+        if handle.replica is None:
+            self._ring(handle.job.constraint, fresh=replica is None and fresh)
         else:  # (no responders to it: the replica is gone, and the sticky watch moves the job)
-            bell = self.names.bell_subject(replica)
+            bell = self.names.bell_subject(handle.replica)
             self._spawn(self.nc.publish(bell, Names.REPLICA_BELL, reply=f"{self._bell_inbox}.r"))
-        if ack.duplicate and (stored := await self._stored_outcome(key)) is not None:
-            self._handles.pop(key, None)
-            self._settle(handle, stored)  # a duplicate submit whose result was delivered earlier
         log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
         return handle
+
+    async def _store_job(self, handle: RolloutHandle, subject: str, msg_id: str) -> Any:
+        headers = {HDR_MSG_ID: msg_id, HDR_CLIENT_ID: self.client_id}
+        until = min(handle.job.deadline, time.time() + _PUBLISH_BUDGET_S)
+        return await publish_retrying(self.js, subject, handle.data, headers, until=until)
+
+    async def _adopt(self, handle: RolloutHandle, seq: int) -> bool:
+        """A resubmission within the duplicate window stored nothing: the key's job is the one
+        stored earlier (by this process or one before a restart). Follow that job where it is,
+        so it can still be withdrawn, moved or watched; if it is gone, take its stored answer,
+        or (withdrawn unanswered) store this request again. False once the handle is settled."""
+        key = handle.idempotency_key
+        found = await self._job_at(seq)
+        if found is None:  # gone: an answer stored first, or withdrawn (expired, moved)
+            if await self._settle_stored(handle):
+                return False
+            moved = f"{key}#1"  # where a moved turn of an earlier process went
+            subject = self.names.job_subject(handle.job.constraint.kind, handle.job.constraint.version)
+            await self._ensure_consumer(handle.job.constraint)
+            ack = await self._store_job(handle, subject, moved)
+            if ack.duplicate and (found := await self._job_at(ack.seq)) is None:
+                if await self._settle_stored(handle):
+                    return False
+                ack = await self._store_job(handle, subject, f"{key}#{uuid.uuid4().hex[:12]}")
+            if found is None:
+                handle.subject, handle.stream_seq, handle.replica = subject, ack.seq, None
+                handle.moves = 1
+                return True
+        job, data, subject = found
+        if job.fingerprint != handle.job.fingerprint:
+            self._handles.pop(key, None)
+            handle.set_error(self._conflict(key))
+            return False
+        handle.adopt(job, data, subject, seq, self.names.parse_replica_job_subject(subject))
+        return True
+
+    async def _job_at(self, seq: int) -> tuple[RolloutJob, bytes, str] | None:
+        """The job stored at ``seq`` of the jobs stream, if it is still there."""
+        try:
+            raw = await self.js.get_msg(self.names.jobs_stream, seq)
+            return decode(raw.data or b"", RolloutJob, what="stored job"), raw.data or b"", raw.subject or ""
+        except (nats.errors.Error, nats.js.errors.Error, RollfleetError):
+            return None
 
     async def _ensure_consumer(self, constraint: VersionConstraint) -> bool:
         """The subject's shared consumer exists before its first job is stored: the trainer
@@ -349,7 +400,8 @@ class RolloutClient:
 
     async def _declared(self, what: str, declare: Callable[[], Awaitable[bool]]) -> bool:
         """Run ``declare`` unless it ran for ``what`` lately; whether it created the consumer.
-        Looked at again now and then: an idle consumer is removed after consumer_inactive_s."""
+        Looked at again now and then (an idle consumer is removed after consumer_inactive_s), and
+        at once when one is found missing (``_redeclare``)."""
         if time.monotonic() < self._consumers.get(what, 0.0):
             return False
         try:
@@ -359,20 +411,39 @@ class RolloutClient:
         self._consumers[what] = time.monotonic() + _CONSUMER_RECHECK_S
         return created
 
-    async def _sessions_kv(self) -> KeyValue:
+    async def _redeclare(self, constraint: VersionConstraint) -> None:
+        """A subject's consumer vanished (deleted, or cleaned up while this client believed it
+        existed): create it again, tell replicas to look again, and ring one."""
+        self._consumers.pop(str(constraint), None)
+        try:
+            if await self._ensure_consumer(constraint):
+                log.warning("job consumer was missing; declared it again", subject=str(constraint))
+                await self.nc.publish(self.names.consumers_declared, b"")
+        except (RollfleetError, nats.errors.Error) as exc:
+            log.debug("declaring a missing job consumer failed", subject=str(constraint), error=str(exc))
+            return
+        self._ring(constraint, fresh=True)
+
+    async def sessions_kv(self) -> KeyValue:
         """The sessions bucket, looked up once per client."""
         if self._sessions_bucket is None:
             self._sessions_bucket = await self.js.key_value(self.names.sessions_bucket)
         return self._sessions_bucket
 
+    def _conflict(self, key: str) -> IdempotencyConflict:
+        return IdempotencyConflict(
+            f"idempotency key {key!r} is already used for a different request; give this request its own key"
+        )
+
     @staticmethod
     def _check_same_request(job: RolloutJob, fingerprint: str) -> None:
-        if job.fingerprint and fingerprint and job.fingerprint != fingerprint:
+        if job.fingerprint != fingerprint:
             raise IdempotencyConflict(
                 f"idempotency key {job.idempotency_key!r} is already used for a different request "
                 f"(constraint {job.constraint}); give this request its own key"
             )
 
+    # -- deadlines, orphans and stalls --------------------------------------------------------
     async def _expire_handles(self) -> None:
         """Fail pending handles whose deadline (plus grace) passed without a result, and (with
         fail_fast) exact jobs that no replica can serve any more: one sweep over what is in
@@ -386,45 +457,44 @@ class RolloutClient:
                     self._spawn(self._withdraw(handle))
             if self.fail_fast:
                 await self._fail_orphaned(orphaned)
-            if self._sessions:
-                await expire_idle(list(self._sessions.values()))
+            if self.sessions:
+                await expire_idle([s for s in self.sessions.values() if isinstance(s, Session)])
 
     async def _fail_orphaned(self, orphaned: dict[str, float]) -> None:
-        """An exact job still queued when every replica has moved past its version is never served:
-        once that has lasted a moment, withdraw it and say so (NoCompatibleReplica), rather than
-        let the caller wait for its deadline. A job a worker already holds is left to finish."""
+        """An exact job that no live replica can serve any more (every one has moved past its
+        version) is never served: once that has lasted a moment, withdraw it and say so
+        (``NoCompatibleReplica``) rather than let the caller wait for its deadline. While a live
+        replica is still at the version (an activation draining its exact jobs) it may be
+        running the job: that replica is probed, and the job left to it until it has moved on
+        or is gone; then the job, queued or handed back, is withdrawn (a replica that died
+        holding it cannot answer)."""
         now = time.monotonic()
-        pending = {h.idempotency_key: h for h in self._handles.values() if h.job.constraint.kind == "exact"}
+        pending = {
+            h.idempotency_key: h
+            for h in self._handles.values()
+            if h.job.constraint.kind == "exact" and h.replica is None and h.stream_seq is not None
+        }
         for key in [k for k in orphaned if k not in pending]:
             del orphaned[key]
         for key, handle in pending.items():
-            if self.fleet.compatible(handle.job.constraint):
+            constraint = handle.job.constraint
+            if self.fleet.compatible(constraint):
                 orphaned.pop(key, None)
                 continue
-            if now - orphaned.setdefault(key, now) < _ORPHAN_GRACE_S:
+            holders = [r.worker_id for r in self.fleet.replicas() if r.active_version == constraint.version]
+            for worker_id in holders:  # (no responders: marked gone, and no longer a holder)
+                if now - self._probed.get(worker_id, 0.0) >= _PROBE_S:
+                    self._probed[worker_id] = now
+                    self.probe(worker_id)
+            if holders or now - orphaned.setdefault(key, now) < _ORPHAN_GRACE_S:
                 continue
             orphaned[key] = now  # look again after another grace period if it cannot be withdrawn
-            if await self._never_delivered(handle) and await self._delete_job(handle):
-                self._handles.pop(key, None)
-                handle.set_error(NoCompatibleReplica(self._no_replica_message(handle.job.constraint)))
-
-    async def _never_delivered(self, handle: RolloutHandle) -> bool:
-        """Whether no worker ever took this job: its subject's consumer delivers in stream order,
-        so a job stored after the last delivered one was never delivered (a job a worker may be
-        running, or has handed back, is never withdrawn under it)."""
-        if handle.stream_seq is None:
-            return False
-        constraint = handle.job.constraint
-        if handle.replica is not None:
-            consumer = self.names.replica_consumer(handle.replica)
-        else:
-            consumer = self.names.job_consumer(constraint.kind, constraint.version)
-        try:
-            info = await self.js.consumer_info(self.names.jobs_stream, consumer)
-        except (nats.errors.Error, nats.js.errors.Error):  # no consumer yet: nobody ever pulled there
-            return True
-        delivered = info.delivered.stream_seq if info.delivered is not None else 0
-        return (delivered or 0) < handle.stream_seq
+            await self._delete_job(handle)
+            # Answered just before? (A worker stores its answer before it acks.)
+            if handle.done() or await self._settle_stored(handle):
+                continue
+            self._handles.pop(key, None)
+            handle.set_error(NoCompatibleReplica(self._no_replica_message(constraint)))
 
     def _ring(self, constraint: VersionConstraint, *, stalled: bool = False, fresh: bool = False) -> None:
         """Wake one replica for a job just stored on a subject outside every live replica's
@@ -463,71 +533,87 @@ class RolloutClient:
         their subjects, ask the broker (one consumer look-up) whether jobs wait there with no
         pull request waiting for them, and if so ring one replica per few of them. This covers
         lost bells, replicas that keep a subject's jobs queued behind full slots, and replicas
-        standing by (the subject's ``max_waiting`` was reached when they asked). Nothing pending,
-        nothing asked: an idle client makes no request."""
+        standing by (the subject's ``max_waiting`` was reached when they asked). A consumer found
+        missing is declared again (it was deleted, or cleaned up while cached as existing).
+        Nothing pending, nothing asked: an idle client makes no request."""
         while True:
             await asyncio.sleep(_STALL_AFTER_S)
             cutoff = time.time() - _STALL_AFTER_S
             waiting = {
-                (h.job.constraint.kind, h.job.constraint.version)
+                h.job.constraint
                 for h in list(self._handles.values())
                 if h.job.submitted_at < cutoff and not h.done() and h.replica is None  # (sticky: watched apart)
             }
-            for kind, version in waiting:
-                consumer = self.names.job_consumer(kind, version)  # type: ignore[arg-type]
+            for constraint in waiting:
+                consumer = self.names.job_consumer(constraint.kind, constraint.version)
                 try:
                     info = await self.js.consumer_info(self.names.jobs_stream, consumer)
                 except nats.js.errors.NotFoundError:
-                    stuck = 1  # no replica ever pulled this subject
+                    await self._redeclare(constraint)
+                    continue
                 except (nats.errors.Error, nats.js.errors.Error) as exc:
                     log.debug("stall check failed", subject=consumer, error=str(exc))
                     continue
-                else:
-                    stuck = 0 if info.num_waiting else (info.num_pending or 0)
+                stuck = 0 if info.num_waiting else (info.num_pending or 0)
                 # One replica per few queued jobs (each pulls up to its free slots), bounded.
                 for _ in range(min(-(-stuck // _STALL_JOBS_PER_BELL), _STALL_BELLS_MAX)):
-                    self._ring(VersionConstraint(kind, version), stalled=True)  # type: ignore[arg-type]
+                    self._ring(constraint, stalled=True)
 
-    # -- sessions' sticky turns ---------------------------------------------------------------
-    async def _await_sticky(self, handle: RolloutHandle, wait_s: float) -> RolloutResult:
-        """The answer of a turn stored on a replica's own subject. It moves to the shared subject
-        when the replica has not taken it within ``wait_s`` (busy, or gone without a word), when
-        the replica is gone (no responders to a probe, or stale in the registry) or cannot take
-        the turn's constraint any more. The job keeps its id, so it is answered once wherever
-        it runs."""
-        replica = handle.replica
-        assert replica is not None
-        started = time.monotonic()
-        taken = False
-        probe_at = started + _PROBE_S
-        while True:
-            with suppress(TimeoutError):
-                return await handle.result(timeout=_STICKY_POLL_S)
-            now = time.monotonic()
-            status = self.fleet.replica(replica)
-            reason = (
-                None
-                if status is not None and status.takes_now(handle.job.constraint)
-                else "replica_gone_or_incompatible"
-            )
-            if reason is None and not taken:
-                taken = not await self._never_delivered(handle)
-                if not taken and now - started >= wait_s:
-                    reason = "not_taken_in_time"
-            if reason is not None:
-                if await self._move_to_shared(handle):
-                    self.metrics.affinity_fallbacks.labels(client_id=self.client_id, reason=reason).inc()
-                    return await handle.result()
-                taken = True  # the replica had taken it (and answered, or will)
-            if taken and now >= probe_at:  # no responders means its connection is gone
-                probe_at = now + _PROBE_S
-                probe = self.names.bell_subject(replica)
-                self._spawn(self.nc.publish(probe, Names.PROBE_BELL, reply=f"{self._bell_inbox}.p"))
+    # -- where a job is, for sessions' sticky turns (sessions.host.TurnPlacement) ---------------
+    async def submit_turn(
+        self,
+        payload: RolloutPayload,
+        constraint: VersionConstraint,
+        *,
+        written: str,
+        key: str,
+        timeout: float | None,
+        retry_policy: RetryPolicy,
+        session_id: str,
+        replica: str | None,
+    ) -> RolloutHandle:
+        """A session's turn: a job under the turn's key, on ``replica``'s own subject if given."""
+        return await self._submit(
+            payload,
+            constraint,
+            written=written,
+            idempotency_key=key,
+            deadline=None,
+            timeout=timeout,
+            retry_policy=retry_policy,
+            session_id=session_id,
+            replica=replica,
+        )
 
-    async def _move_to_shared(self, handle: RolloutHandle) -> bool:
-        """Withdraw a turn from its replica's own subject and store the same job on the shared
-        subject of its constraint; False if it could not be withdrawn (already answered). If it
-        cannot be stored again, the handle fails with that (retryable) error."""
+    async def taken(self, handle: RolloutHandle) -> bool:
+        """Whether a worker was ever delivered the job where it is stored now: its subject's
+        consumer delivers in stream order, so a job stored after the last delivered one was never
+        delivered. A replica consumer found missing is declared again (then nothing was taken)."""
+        if handle.stream_seq is None:
+            return True  # nowhere we know of: leave it be
+        consumer = (
+            self.names.replica_consumer(handle.replica)
+            if handle.replica is not None
+            else self.names.job_consumer(handle.job.constraint.kind, handle.job.constraint.version)
+        )
+        try:
+            info = await self.js.consumer_info(self.names.jobs_stream, consumer)
+        except nats.js.errors.NotFoundError:
+            if handle.replica is not None:
+                self._consumers.pop(f"replica {handle.replica}", None)
+                with suppress(RollfleetError):
+                    await self._ensure_replica_consumer(handle.replica)
+            return False
+        except (nats.errors.Error, nats.js.errors.Error):
+            return False  # the broker is away: the next look decides
+        delivered = info.delivered.stream_seq if info.delivered is not None else 0
+        return (delivered or 0) >= handle.stream_seq
+
+    async def move_to_shared(self, handle: RolloutHandle) -> bool:
+        """Withdraw a turn from its replica's own subject and store the same job (the same bytes,
+        so the same job id: one answer wherever it runs) on the shared subject of its constraint;
+        False if it could not be withdrawn (already answered). If it cannot be stored again, the
+        handle fails with that (retryable) error."""
         if handle.replica is None or handle.done():
             return False
         job = handle.job
@@ -539,19 +625,38 @@ class RolloutClient:
             return False
         handle.replica = None
         handle.moves += 1
-        headers = {HDR_MSG_ID: f"{job.idempotency_key}#{handle.moves}", HDR_CLIENT_ID: self.client_id}
-        until = min(job.deadline, time.time() + _PUBLISH_BUDGET_S)
         subject = self.names.job_subject(job.constraint.kind, job.constraint.version)
         try:
-            ack = await publish_retrying(self.js, subject, encode(job), headers, until=until)
+            ack = await self._store_job(handle, subject, f"{job.idempotency_key}#{handle.moves}")
         except RollfleetError as exc:
             self._handles.pop(job.idempotency_key, None)
             handle.set_error(exc)
             return True
-        handle.stream_seq = ack.seq
+        handle.subject, handle.stream_seq = subject, ack.seq
         self._ring(job.constraint, fresh=True)
         log.info("turn moved off its replica", idempotency_key=job.idempotency_key, moves=handle.moves)
         return True
+
+    def probe(self, worker_id: str) -> None:
+        probe = self.names.bell_subject(worker_id)
+        self._spawn(self.nc.publish(probe, Names.PROBE_BELL, reply=f"{self._bell_inbox}.p"))
+
+    async def holder_stopped(self, handle: RolloutHandle) -> None:
+        """Mark the claim of a job whose holder is gone as stopped (refreshed at time 0), so the
+        replica that takes it over acts at once; the claim itself stays (an ``at_most_once`` job
+        is then answered ``Interrupted``, never run twice)."""
+        try:
+            if self._claims_bucket is None:
+                self._claims_bucket = await self.js.key_value(self.names.claims_bucket)
+            key = claim_key(handle.job_id)
+            entry = await self._claims_bucket.get(key)
+            holder = (entry.value or b"").decode(errors="replace").rpartition("@")[0]
+            await self._claims_bucket.update(key, f"{holder}@0".encode(), last=entry.revision)
+        except (nats.errors.Error, nats.js.errors.Error):
+            return  # no claim (it never started), or it changed: nothing to say
+
+    async def end_session(self, replica: str, session_id: str) -> None:
+        await self.nc.publish(self.names.bell_subject(replica), self.names.end_session_payload(session_id))
 
     def session(
         self,
@@ -569,9 +674,8 @@ class RolloutClient:
         its turns stick to the replica that served the previous one, follow ``version_policy``
         (``pinned``: every turn at the first turn's version; ``monotonic``: never an older
         version than the previous turn; ``free``: each turn by the constraint alone), and are
-        answered once each (turn ``k``'s key is ``<session_id>/<k>``). Opening an existing id
-        resumes it, with the same settings or ``SessionConflict``. Without a constraint:
-        ``max_staleness=0`` at each turn."""
+        answered once each. Opening an existing id resumes it, with the same settings or
+        ``SessionConflict``. Without a constraint: ``max_staleness=0`` at each turn."""
         if min_version is None and exact_version is None and max_staleness is None:
             max_staleness = 0
         return Session(
@@ -595,19 +699,25 @@ class RolloutClient:
         live = {r.worker_id: f"{r.state}@{r.active_version}" for r in self.fleet.replicas()}
         return f"no live replica is at, or preparing, a version allowed by {constraint}; fleet: {live or 'empty'}"
 
-    def _settle(self, handle: RolloutHandle, outcome: Outcome) -> None:
-        """Hand ``outcome`` to the caller, unless it answers another request or breaks its constraint."""
-        if outcome.fingerprint and handle.job.fingerprint and outcome.fingerprint != handle.job.fingerprint:
-            handle.set_error(
-                IdempotencyConflict(
-                    f"idempotency key {handle.idempotency_key!r} was answered for a different request; "
-                    "give this request its own key"
-                )
+    # -- answers ------------------------------------------------------------------------------
+    def _settle(self, handle: RolloutHandle, outcome: Outcome) -> bool:
+        """Hand ``outcome`` to the caller if it answers this request (``answers.judge``) and keeps
+        its constraint; False (the handle left waiting) if it answers nothing of ours."""
+        verdict = answers.judge(outcome, handle.job.fingerprint, self._accepts(handle))
+        if verdict == "foreign":
+            log.warning(
+                "answer that does not answer this request ignored",
+                idempotency_key=handle.idempotency_key,
+                job_id=outcome.job_id,
+                worker_id=outcome.worker_id,
             )
-            return
+            return False
+        if verdict == "conflict":
+            handle.set_error(self._conflict(handle.idempotency_key))
+            return True
         if isinstance(outcome, RolloutFailure):
             handle.set_error(error_from_code(outcome.code, outcome.message, outcome.retryable))
-            return
+            return True
         if not self._within_constraint(outcome, handle.job.constraint):
             handle.set_error(
                 ContractViolation(
@@ -615,9 +725,28 @@ class RolloutClient:
                     f"{outcome.version_end}, outside {handle.job.constraint}; it was not used"
                 )
             )
-            return
+            return True
         self._attach_staleness(outcome)
         handle.set_result(outcome)
+        return True
+
+    async def _settle_stored(self, handle: RolloutHandle) -> bool:
+        """Settle the handle with the answer stored for its request, if there is one (the oldest:
+        the one every re-ask returns)."""
+        found = await answers.first_answer(
+            self.js, self.names, self.client_id, handle.idempotency_key, handle.job.fingerprint, self._accepts(handle)
+        )
+        if found is None:
+            return False
+        self._handles.pop(handle.idempotency_key, None)
+        return self._settle(handle, found[1])
+
+    def _accepts(self, handle: RolloutHandle) -> answers.JobFilter:
+        """The job ids whose answers answer ``handle``: any this client id issued for its key
+        (``JobIds``): its own job, or the one stored under the key before (by this process or one
+        before a restart), whose answer may arrive before the resubmission has found that job."""
+        key = handle.idempotency_key
+        return lambda job_id: self._ids.issued(job_id, key)
 
     def _within_constraint(self, result: RolloutResult, constraint: VersionConstraint | None) -> bool:
         """Defence in depth: every result is checked against the constraint it was asked for."""
@@ -641,39 +770,13 @@ class RolloutClient:
             # Measured from the oldest policy that produced any of its tokens.
             result.staleness = max(0, latest - result.version_start)
 
-    async def _stored_outcome(self, key: str) -> Outcome | None:
-        """The outcome stored for ``key`` on the results stream, if any (e.g. one an earlier
-        process received and acked). None too when the broker is away: then the result, if
-        any, still arrives through the consumer."""
-        subject = self.names.result_subject(self.client_id, key)
-        try:
-            raw = await self.js.get_last_msg(self.names.results_stream, subject)
-            return await self._whole(decode_outcome(raw.data or b""))
-        except (nats.errors.Error, nats.js.errors.Error, InvalidRequest):
-            return None
-
-    async def _whole(self, outcome: StoredOutcome) -> Outcome:
-        """An outcome stored in chunks, read back and checked; any other outcome as it is."""
-        if not isinstance(outcome, ChunkedOutcome):
-            return outcome
-        parts = []
-        for i in range(outcome.chunks):
-            subject = self.names.result_chunk_subject(self.client_id, outcome.idempotency_key, i)
-            parts.append((await self.js.get_last_msg(self.names.results_stream, subject)).data or b"")
-        data = b"".join(parts)
-        if len(data) != outcome.size or xxhash.xxh3_128_hexdigest(data) != outcome.digest:
-            raise InvalidRequest(f"the chunks of {outcome.idempotency_key!r} do not add up to the stored answer")
-        whole = decode_outcome(data)
-        if isinstance(whole, ChunkedOutcome):
-            raise InvalidRequest("a chunked answer cannot contain another")
-        return whole
-
     async def _withdraw(self, handle: RolloutHandle) -> bool:
         self._handles.pop(handle.idempotency_key, None)
         return await self._delete_job(handle)
 
     async def _delete_job(self, handle: RolloutHandle) -> bool:
-        """Remove the stored job if no worker holds it; whether it was removed."""
+        """Remove the stored job (queued, or held by a worker that will find it gone when it
+        acks); whether it was removed."""
         if handle.stream_seq is None:
             return False
         try:
@@ -737,20 +840,23 @@ class RolloutClient:
 
     # -- results ----------------------------------------------------------------------------
     async def result(self, idempotency_key: str, timeout: float | None = None) -> RolloutResult:
-        """The result for a key, whether submitted by this process or before a restart."""
+        """The result for a key, whether submitted by this process or before a restart; waits up
+        to ``timeout`` (by default the client's ``default_timeout_s``), then ``TimeoutError``."""
         handle = self._handles.get(idempotency_key)
         if handle is not None:
             return await handle.result(timeout)
         if idempotency_key not in self._unclaimed:
             # Delivered to an earlier process that died before using it: read it back.
-            stored = await self._stored_outcome(idempotency_key)
-            if stored is not None:
-                self._unclaimed.setdefault(idempotency_key, stored)
-        deadline = None if timeout is None else time.monotonic() + timeout
+            mine = lambda job_id: self._ids.issued(job_id, idempotency_key)  # noqa: E731
+            found = await answers.first_answer(self.js, self.names, self.client_id, idempotency_key, None, mine)
+            if found is not None:
+                self._unclaimed.setdefault(idempotency_key, found[1])
+        wait = self.default_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + wait
         while idempotency_key not in self._unclaimed:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError(f"no result for {idempotency_key!r}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no result for {idempotency_key!r} within {wait:g} s")
             event = self._unclaimed_event
             with suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), remaining)
@@ -821,47 +927,77 @@ class RolloutClient:
             await puller.close()
 
     async def _on_result(self, msg: Msg) -> None:
-        if self.names.is_result_chunk(msg.subject):
+        subject = msg.subject
+        if self.names.is_result_chunk(subject):
             with suppress(Exception):  # read with its head, by subject
                 await msg.ack()
             return
         try:
             stored = decode_outcome(msg.data)
-            outcome = await self._whole(stored) if isinstance(stored, ChunkedOutcome) else stored
+            outcome = await answers.whole(self.js, self.names, subject, stored)
         except RollfleetError as exc:
-            log.warning("undecodable result dropped", error=exc.message, subject=msg.subject)
+            log.warning("undecodable result dropped", error=exc.message, subject=subject)
         except (nats.errors.Error, nats.js.errors.Error) as exc:  # chunks unreadable now: redelivered later
-            log.warning("result chunks not readable yet", error=str(exc), subject=msg.subject)
-            with suppress(Exception):
-                await msg.nak(delay=1.0)
-            return
+            if _deliveries(msg) < _CHUNKS_PATIENCE:
+                log.warning("result chunks not readable yet", error=str(exc), subject=subject)
+                with suppress(Exception):
+                    await msg.nak(delay=1.0)
+                return
+            log.error("result chunks never became readable; answer dropped", subject=subject)
+            self._chunks_lost(stored)
         else:
-            if self.observe is not None:
-                self.observe(outcome, _stream_seq(msg))
-            self._deliver(outcome)
+            if not answers.authentic(self.names, subject, outcome):
+                log.warning(
+                    "answer stored under another replica's or job's subject dropped",
+                    subject=subject,
+                    worker_id=outcome.worker_id,
+                    job_id=outcome.job_id,
+                )
+            else:
+                if self.observe is not None:
+                    self.observe(outcome, _stream_seq(msg))
+                self._deliver(outcome)
         puller = self._results_puller
         if puller is not None and puller.outstanding == _RESULTS_BATCH // 2:
             self._results_low.set()
         with suppress(Exception):
             await msg.ack()
 
+    def _chunks_lost(self, head: Any) -> None:
+        """An answer whose chunks stayed unreadable: its request fails (retryable) instead of
+        waiting for its deadline."""
+        if not isinstance(head, ChunkedOutcome):
+            return
+        handle = self._handles.get(head.idempotency_key)
+        if handle is not None and self._ids.issued(head.job_id, head.idempotency_key):
+            self._handles.pop(head.idempotency_key, None)
+            handle.set_error(ServiceUnavailable(f"the stored answer of {head.idempotency_key!r} cannot be read back"))
+
     def _deliver(self, outcome: Outcome) -> None:
         key = outcome.idempotency_key
         answer = (key, outcome.job_id)
         if answer in self._delivered:
             return  # one answer per job: a late duplicate is dropped
-        self._delivered[answer] = None
-        if len(self._delivered) > _DELIVERED_MEMORY:
-            self._delivered.popitem(last=False)
-        handle = self._handles.pop(key, None)
-        if handle is not None:
-            self._settle(handle, outcome)
+        if not self._ids.issued(outcome.job_id, key):
+            log.warning("answer to a job this client never issued dropped", idempotency_key=key, job_id=outcome.job_id)
             return
+        handle = self._handles.get(key)
+        if handle is not None:
+            if self._settle(handle, outcome):
+                self._handles.pop(key, None)
+                self._remember(answer)
+            return
+        self._remember(answer)
         self._unclaimed[key] = outcome
         if len(self._unclaimed) > _DELIVERED_MEMORY:  # nobody is asking: keep the newest only
             self._unclaimed.pop(next(iter(self._unclaimed)))
         event, self._unclaimed_event = self._unclaimed_event, asyncio.Event()
         event.set()
+
+    def _remember(self, answer: tuple[str, str | None]) -> None:
+        self._delivered[answer] = None
+        if len(self._delivered) > _DELIVERED_MEMORY:
+            self._delivered.popitem(last=False)
 
 
 def _stream_seq(msg: Msg) -> int | None:
@@ -869,3 +1005,10 @@ def _stream_seq(msg: Msg) -> int | None:
         return int(msg.metadata.sequence.stream)
     except Exception:  # not a JetStream message
         return None
+
+
+def _deliveries(msg: Msg) -> int:
+    try:
+        return int(msg.metadata.num_delivered)
+    except Exception:
+        return 1

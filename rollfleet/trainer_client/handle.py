@@ -3,6 +3,9 @@
 The client that created a handle settles it (``set_result`` / ``set_error``) when the job's
 answer arrives or its deadline passes; the caller only awaits or cancels it. Cancelling
 withdraws the job through the ``withdraw`` function the client gave the handle.
+
+A handle also says where its job is stored (``subject``, ``stream_seq``, ``replica``) and the
+bytes stored there (moved as they are, so the job keeps its id and its one answer).
 """
 
 from __future__ import annotations
@@ -18,9 +21,14 @@ class RolloutHandle:
     """``await handle`` returns a ``RolloutResult`` or raises the job's typed error (``Expired``,
     ``NoCompatibleReplica``, ``InvalidRequest``, ...)."""
 
-    def __init__(self, job: RolloutJob, withdraw: Callable[[RolloutHandle], Awaitable[bool]]) -> None:
+    def __init__(
+        self, job: RolloutJob, data: bytes, withdraw: Callable[[RolloutHandle], Awaitable[bool]]
+    ) -> None:
         self.job = job
-        self.stream_seq: int | None = None  # where the job is stored; None for a duplicate submit
+        self.data = data  # the job as stored (moved as is: the same job id wherever it runs)
+        self.stored = False  # its key is spent: a job was stored under it, or an answer was found
+        self.subject: str | None = None  # where it is stored
+        self.stream_seq: int | None = None  # its sequence in the jobs stream, when known
         self.replica: str | None = None  # stored on this replica's own subject (a session's sticky turn)
         self.moves = 0  # times moved from a replica's own subject to the shared one
         self._withdraw = withdraw
@@ -33,6 +41,11 @@ class RolloutHandle:
     @property
     def job_id(self) -> str:
         return self.job.job_id
+
+    def adopt(self, job: RolloutJob, data: bytes, subject: str, seq: int, replica: str | None) -> None:
+        """The job this handle asked for is already stored (a resubmission): follow that one."""
+        self.job, self.data = job, data
+        self.subject, self.stream_seq, self.replica = subject, seq, replica
 
     def done(self) -> bool:
         return self._future.done()

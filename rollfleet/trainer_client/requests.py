@@ -1,8 +1,10 @@
 """Turning ``submit``'s arguments into a job: every argument checked, nothing coerced.
 
 A wrong type, a float where a version belongs, a non-positive time-out or an impossible
-payload is a typed ``InvalidRequest`` here, before anything is queued; the job is validated
-exactly as a worker will decode it.
+payload is a typed ``InvalidRequest`` here, before anything is queued. The payload is the only
+part a caller builds, so it alone is validated the way a worker decodes it: encoded once,
+decoded once (every field's type checked), and the same bytes go into the job's wire form and
+its fingerprint.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from rollfleet.schemas import (
     Limits,
     RetryPolicy,
     RolloutJob,
+    RolloutJobWire,
     RolloutPayload,
     VersionConstraint,
-    check_job,
+    check_payload,
     check_token,
     decode,
     encode,
@@ -61,11 +64,22 @@ def constraint_from(
     return VersionConstraint("min", max(0, (latest or 0) - staleness))
 
 
+def written_constraint(min_version: object, exact_version: object, max_staleness: object) -> str:
+    """The constraint as its caller wrote it (``staleness:1``, not the version that resolved to):
+    what a request's fingerprint covers, so resubmitting it after a commit asks the same thing."""
+    if exact_version is not None:
+        return f"exact:{exact_version}"
+    if min_version is not None:
+        return f"min:{min_version}"
+    return f"staleness:{max_staleness}"
+
+
 def build_job(
     payload: object,
     *,
     client_id: str,
     constraint: VersionConstraint,
+    written: str,
     idempotency_key: object,
     deadline: object,
     timeout: object,
@@ -74,14 +88,20 @@ def build_job(
     session_id: object,
     trainer_version: int | None,
     limits: Limits,
+    max_timeout_s: float | None = None,
+    job_id: str | None = None,
 ) -> tuple[RolloutJob, bytes]:
-    """The job and its wire bytes, or ``InvalidRequest`` naming what is wrong."""
+    """The job and its wire bytes, or ``InvalidRequest`` naming what is wrong. ``written``: the
+    constraint as the caller wrote it (see ``written_constraint``); ``max_timeout_s``: the
+    longest an ``at_most_once`` job may wait (its claim must outlive it)."""
     if not isinstance(payload, RolloutPayload):
         raise InvalidRequest(f"payload must be a RolloutPayload, got {type(payload).__name__}")
     if retry_policy not in RETRY_POLICIES:
         raise InvalidRequest(f"retry_policy must be one of {RETRY_POLICIES}, got {retry_policy!r}")
     if idempotency_key is not None and not isinstance(idempotency_key, str):
         raise InvalidRequest(f"idempotency_key must be a string, got {type(idempotency_key).__name__}")
+    if idempotency_key is not None and not 1 <= len(idempotency_key) <= limits.max_key_chars:
+        raise InvalidRequest(f"idempotency_key must have 1..{limits.max_key_chars} characters")
     if session_id is not None:
         check_token(session_id, "session_id")  # type: ignore[arg-type]
     now = time.time()
@@ -96,31 +116,46 @@ def build_job(
         if wait <= 0:
             raise InvalidRequest(f"timeout must be > 0 seconds, got {wait}")
         when = now + wait
-    job_id = uuid.uuid4().hex
-    job = RolloutJob(
-        job_id=job_id,
-        idempotency_key=idempotency_key or job_id,
-        client_id=client_id,
-        constraint=constraint,
-        payload=payload,
-        deadline=when,
-        submitted_at=now,
-        retry_policy=retry_policy,  # type: ignore[arg-type]
-        session_id=session_id,  # type: ignore[arg-type]
-        trainer_version=trainer_version,
-    )
+    if retry_policy == "at_most_once" and max_timeout_s is not None and when - now > max_timeout_s:
+        raise InvalidRequest(
+            f"an at_most_once job may wait at most {max_timeout_s:g} s (how long its claim is kept); "
+            f"asked for {when - now:g} s"
+        )
+    if constraint.version < 0:
+        raise InvalidRequest(f"version constraint must be >= 0, got {constraint}")
     try:
-        data = encode(job)
+        raw = encode(payload)
     except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
         raise InvalidRequest(f"the request cannot be encoded: {exc}") from None
     # Decode what a worker will decode: every field's type is checked, nothing silently coerced.
-    job = decode(data, RolloutJob, what="rollout job")
-    check_job(job, limits)
-    job.fingerprint = request_fingerprint(job.constraint, job.payload, job.retry_policy, job.session_id)
-    data = encode(job)
+    payload = decode(raw, RolloutPayload, what="rollout payload")
+    check_payload(payload, limits)  # type: ignore[arg-type]
+    job_id = job_id or uuid.uuid4().hex
+    fingerprint = request_fingerprint(written, raw, retry_policy, session_id)  # type: ignore[arg-type]
+    fields = {
+        "job_id": job_id,
+        "idempotency_key": idempotency_key or job_id,
+        "client_id": client_id,
+        "constraint": constraint,
+        "deadline": when,
+        "submitted_at": now,
+        "retry_policy": retry_policy,
+        "session_id": session_id,
+        "trainer_version": trainer_version,
+        "fingerprint": fingerprint,
+    }
+    data = encode(RolloutJobWire(payload=msgspec.Raw(raw), **fields))  # type: ignore[arg-type]
     if len(data) > limits.max_job_bytes:
         raise InvalidRequest(f"job is {len(data)} bytes, over the limit of {limits.max_job_bytes}")
-    return job, data
+    return RolloutJob(payload=payload, **fields), data  # type: ignore[arg-type]
 
 
-__all__ = ["RETRY_POLICIES", "RetryPolicy", "build_job", "constraint_from", "seconds", "whole_number"]
+__all__ = [
+    "RETRY_POLICIES",
+    "RetryPolicy",
+    "build_job",
+    "constraint_from",
+    "seconds",
+    "whole_number",
+    "written_constraint",
+]

@@ -4,10 +4,22 @@ A job is acked only after its answer is stored on the client's results subject, 
 that dies mid-job loses nothing: the broker redelivers it. A redelivered job whose answer is
 already stored is acked without running again.
 
-``at_most_once`` jobs are claimed (``Names.claims_bucket``, key = job id) before they start;
-a redelivered one whose claim exists may have started on a holder that died, so it is answered
-``Interrupted`` instead of running twice. A job handed back unrun (a version change raced its
-pull, or an activation's drain ran out) carries no claim and is served normally elsewhere.
+``at_most_once`` jobs and sessions' turns are claimed (``Names.claims_bucket``, key
+``claim_key(job_id)``, value: the holder and when it last said it still runs the job) before
+they start, and the claim is refreshed while the job runs (so it never outlives a long job) and
+removed once the answer is stored and the job acked. A delivery that finds the job claimed:
+
+- by a holder that refreshed the claim within ``ack_wait`` (it still runs the job, e.g. a turn
+  the client moved off a busy replica): handed back with a delay, never run a second time;
+- by a holder that stopped (died, or restarted under the same id): ``at_most_once`` is answered
+  ``Interrupted`` (it may have started); a turn is run again (``replayable``), once.
+
+A job handed back unrun (a version change raced its pull, or an activation's drain ran out) has
+its claim removed and is served normally elsewhere.
+
+Answers are stored on a subject that names the job and this worker (``Names.result_subject``;
+the broker lets a worker publish only under its own id) with the message id ``h:<job>``, so a
+job has one stored answer however many replicas ran it.
 
 A job is admitted (registered as running) in the same step that checks its constraint against
 the served version, so an activation that drains exact jobs sees every job that passed the
@@ -18,7 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
+import uuid
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,8 +55,10 @@ from rollfleet.schemas import (
     RolloutJob,
     RolloutResult,
     check_job,
+    claim_key,
     decode,
     encode,
+    job_token,
     served_within,
 )
 from rollfleet.schemas.errors import (
@@ -64,12 +81,24 @@ _HEADROOM = 16 * 1024  # message size left for headers and protocol overhead
 _HAND_BACK_DELAY_S = 0.2
 
 
+# A job held by another replica is handed back with this delay (its holder refreshes the claim
+# every ack_wait / 3; a few such hand-backs span a claim going stale, well inside max_deliver).
+_HELD_ELSEWHERE_DELAY_S = 5.0
+
+
 @dataclass(eq=False)
 class RunningJob:
     msg: Msg
     job: RolloutJob
     since: float = field(default_factory=time.monotonic)  # for progress acks
     handed_back: bool = False  # an activation's drain gave up on it: discard whatever it produced
+    claimed_at: float | None = None  # when its claim was last written (claimable jobs)
+
+
+def claimable(job: RolloutJob) -> bool:
+    """Jobs that must never run twice at once: ``at_most_once`` ones, and sessions' turns (a turn
+    moved off its replica while that replica runs it must wait for its answer)."""
+    return job.retry_policy == "at_most_once" or job.session_id is not None
 
 
 class JobRunner:
@@ -89,6 +118,7 @@ class JobRunner:
         log: Any,
         served: ServedVersion,
         claims: KeyValue,
+        on_engine_down: Callable[[str], None] | None = None,
     ) -> None:
         self._js = js
         self._names = names
@@ -102,6 +132,12 @@ class JobRunner:
         self._log = log
         self._served = served
         self._claims = claims
+        self._on_engine_down = on_engine_down  # tells the worker to stop taking jobs
+        # A claim names its holder and this process (a worker restarted under the same id is a
+        # new holder: what the old one held is not being run any more).
+        self._holder = f"{worker_id}:{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._claim_refresh_s = max(ack_wait_s / 3.0, 0.2)
+        self._claim_stale_s = max(ack_wait_s, 3 * self._claim_refresh_s)
         self._running: dict[int, RunningJob] = {}
         self._changed = asyncio.Event()  # set whenever a running job ends
         self._holding = asyncio.Event()  # set while a job runs: keep_alive sleeps otherwise
@@ -114,6 +150,7 @@ class JobRunner:
         return list(self._running.values())
 
     async def handle(self, msg: Msg, delivery: tuple[int, float, int] | None = None) -> None:
+        faults.point("worker:job-delivered")
         headers = msg.headers or {}
         client_id = headers.get(HDR_CLIENT_ID)
         key = headers.get(HDR_MSG_ID)
@@ -121,6 +158,7 @@ class JobRunner:
             delivery = delivery_info(msg.reply)
         attempt, stored_at = (delivery[0], delivery[1]) if delivery is not None else (1, time.time())
         log = self._log.bind(idempotency_key=key, attempt=attempt)
+        job_id = None
         try:
             job = decode(msg.data, RolloutJob, max_bytes=self._limits.max_job_bytes, what="rollout job")
             check_job(job, self._limits)
@@ -129,9 +167,10 @@ class JobRunner:
                 raise InvalidRequest(f"job constraint {job.constraint} does not match its subject {msg.subject}")
             client_id, key = job.client_id, job.idempotency_key
             check_token(client_id, "client_id")
+            job_id = job.job_id
         except InvalidRequest as exc:
             log.warning("invalid job", error=exc.message)
-            await self.answer_failure(client_id, key, exc, attempt)
+            await self.answer_failure(client_id, key, exc, attempt, job_id=job_id)
             await msg.term()
             return
         log = log.bind(job_id=job.job_id, idempotency_key=job.idempotency_key, version=self._served.version)
@@ -160,16 +199,28 @@ class JobRunner:
             await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
             await msg.ack()
             return
-        if attempt > 1 and await self._result_exists(job.client_id, job.idempotency_key):
-            log.info("redelivered job already answered; acking")
+        guarded = claimable(job)
+        # A redelivery, or a job that may have been moved (the same job, a new message), may be
+        # answered already: never run it again.
+        if (attempt > 1 or guarded) and await self._answered(job):
+            log.info("job already answered; acking", attempt=attempt)
             await msg.ack()
             return
-        if job.retry_policy == "at_most_once" and not await self._claim(job):
-            log.info("at_most_once job redelivered after its holder started it")
-            err = Interrupted("the worker that started this at_most_once job stopped; it was not run again")
-            await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
-            await msg.ack()
-            return
+        if guarded:
+            verdict = await self._claim(run)
+            if verdict == "held":
+                log.info("job held by a live replica; handed back to wait for its answer")
+                self._count("held_elsewhere")
+                with suppress(Exception):
+                    await msg.nak(delay=_HELD_ELSEWHERE_DELAY_S)
+                return
+            if verdict == "stopped" and job.retry_policy == "at_most_once":
+                log.info("at_most_once job redelivered after its holder started it")
+                err = Interrupted("the worker that started this at_most_once job stopped; it was not run again")
+                await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
+                await msg.ack()
+                await self._release_claim(job)
+                return
         if run.handed_back:  # the drain gave up on it while we were claiming
             await self._hand_back(run, log)
             return
@@ -180,16 +231,18 @@ class JobRunner:
         started = time.time()
         try:
             generation = await self._engine.generate(job.job_id, job.payload, job.session_id)
-        except RollfleetError as exc:
-            log.warning("generation refused", error=exc.message, code=exc.code)
-            await self.answer_failure(job.client_id, job.idempotency_key, exc, attempt, job)
-            await msg.ack()
-            return
         except Exception as exc:
-            log.exception("engine failed")
-            err = EngineFailure(f"engine {self._engine.name} failed: {exc}")
+            if await self._engine_died(run, exc, attempt, log):
+                return
+            if isinstance(exc, RollfleetError):
+                log.warning("generation refused", error=exc.message, code=exc.code)
+                err: RollfleetError = exc
+            else:
+                log.exception("engine failed")
+                err = EngineFailure(f"engine {self._engine.name} failed: {exc}")
             await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
             await msg.ack()
+            await self._release_claim(job)
             return
         if run.handed_back:
             await self._hand_back(run, log)
@@ -232,16 +285,18 @@ class JobRunner:
             await self._hand_back(run, log)
             return
         try:
-            stored = await self._store(job.client_id, job.idempotency_key, result)
+            stored = await self._store(job.client_id, job.idempotency_key, job.job_id, result)
         except ResultUnstorable as exc:
             log.error("result cannot be stored", error=exc.message)
             await self.answer_failure(job.client_id, job.idempotency_key, exc, attempt, job)
             await msg.ack()
+            await self._release_claim(job)
             return
         if not stored:
-            return  # broker away: leave the job unacked so it is redelivered
+            return  # broker away: leave the job unacked (and claimed) so it is redelivered
         faults.point("worker:after-result-before-ack")
         await msg.ack()
+        await self._release_claim(job)
         self.jobs_done += 1
         self._count("ok")
         self._metrics.queue_wait.observe(result.queue_wait_s)
@@ -253,6 +308,31 @@ class JobRunner:
             generation_s=round(result.generation_s, 4),
             queue_wait_s=round(result.queue_wait_s, 4),
         )
+
+    async def _engine_died(self, run: RunningJob, exc: BaseException, attempt: int, log: Any) -> bool:
+        """A generation failed because the engine is down (its server died or hangs), not because of
+        the job: the replica stops taking jobs, and the job goes elsewhere instead of being
+        answered with this replica's failure: handed back (replayable), or answered
+        ``Interrupted`` (``at_most_once``: it had started). True when handled so."""
+        try:
+            health = await asyncio.wait_for(self._engine.health(), 10.0)
+            ok, detail = health.ok, health.detail
+        except Exception as probe:
+            ok, detail = False, f"health check failed: {probe}"
+        if ok:
+            return False
+        log.warning("engine down under a running job; not answering it here", error=str(exc), engine=detail)
+        if self._on_engine_down is not None:
+            self._on_engine_down(detail)
+        job = run.job
+        if job.retry_policy == "at_most_once":
+            err = Interrupted(f"the engine of the replica running this at_most_once job went down: {detail}")
+            await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
+            await run.msg.ack()
+            await self._release_claim(job)
+        else:
+            await self._hand_back(run, log)
+        return True
 
     # -- activations: draining exact jobs -------------------------------------------------------
 
@@ -288,19 +368,59 @@ class JobRunner:
         """Return a job unanswered, as if never run: its claim is released, the broker redelivers it."""
         log.info("handed back", constraint=str(run.job.constraint))
         self._count("handed_back")
-        if run.job.retry_policy == "at_most_once":
-            with suppress(Exception):
-                await self._claims.delete(run.job.job_id)
+        await self._release_claim(run.job)
         with suppress(Exception):
             await run.msg.nak(delay=_HAND_BACK_DELAY_S)
 
-    async def _claim(self, job: RolloutJob) -> bool:
-        """Record that this at_most_once job starts; False if a holder already started it."""
+    # -- claims ------------------------------------------------------------------------------------
+
+    async def _claim(self, run: RunningJob) -> str:
+        """Claim a job before it starts: ``"ok"`` (ours now), ``"held"`` (a replica that refreshed
+        its claim lately runs it: leave it alone) or ``"stopped"`` (its holder stopped running it;
+        for a replayable turn the claim is ours now)."""
+        key = claim_key(run.job.job_id)
         try:
-            await self._claims.create(job.job_id, self._worker_id.encode())
-            return True
+            await self._claims.create(key, self._claim_value())
+            run.claimed_at = time.monotonic()
+            return "ok"
         except nats.js.errors.KeyWrongLastSequenceError:
-            return False
+            pass
+        try:
+            entry = await self._claims.get(key)
+            holder, _, at = (entry.value or b"").decode(errors="replace").rpartition("@")
+            refreshed = float(at)
+        except (nats.js.errors.KeyNotFoundError, ValueError):
+            holder, refreshed, entry = "", 0.0, None
+        running_here = any(r.job.job_id == run.job.job_id for r in self._running.values() if r is not run)
+        if running_here or (holder != self._holder and time.time() - refreshed < self._claim_stale_s):
+            return "held"
+        if run.job.retry_policy == "replayable":
+            try:  # take it over from the stopped holder (one taker wins)
+                if entry is None:
+                    await self._claims.create(key, self._claim_value())
+                else:
+                    await self._claims.update(key, self._claim_value(), last=entry.revision)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return "held"
+            run.claimed_at = time.monotonic()
+        return "stopped"
+
+    def _claim_value(self) -> bytes:
+        return f"{self._holder}@{time.time():.3f}".encode()
+
+    async def _release_claim(self, job: RolloutJob) -> None:
+        """Answered and acked (or handed back unrun): the claim has done its work."""
+        if claimable(job):
+            with suppress(Exception):
+                await self._claims.delete(claim_key(job.job_id))
+
+    async def _refresh_claims(self, now: float) -> None:
+        """A long job's claim says, every ack_wait / 3, that its holder still runs it."""
+        for run in list(self._running.values()):
+            if run.claimed_at is not None and now - run.claimed_at >= self._claim_refresh_s:
+                run.claimed_at = now
+                with suppress(Exception):
+                    await self._claims.put(claim_key(run.job.job_id), self._claim_value())
 
     # -- answers ---------------------------------------------------------------------------------
 
@@ -317,25 +437,36 @@ class JobRunner:
                 if now - run.since >= interval:
                     with suppress(Exception):
                         await run.msg.in_progress()
+            await self._refresh_claims(now)
 
-    async def _result_exists(self, client_id: str, key: str) -> bool:
+    async def _answered(self, job: RolloutJob) -> bool:
+        """Whether an answer to this job is stored (by any replica)."""
+        subject = self._names.results_of_job(job.client_id, job.idempotency_key, job.job_id)
         try:
-            await self._js.get_last_msg(self._names.results_stream, self._names.result_subject(client_id, key))
+            await self._js.get_msg(self._names.results_stream, seq=1, subject=subject, next=True, direct=True)
             return True
         except nats.js.errors.NotFoundError:
             return False
 
-    async def _store(self, client_id: str, key: str, outcome: RolloutResult | RolloutFailure) -> bool:
+    async def _store(
+        self, client_id: str, key: str, job_id: str | None, outcome: RolloutResult | RolloutFailure
+    ) -> bool:
         """Store an answer; one too large for a message goes in chunks, then a ChunkedOutcome head.
         False if the broker stayed away; ResultUnstorable if it refuses the answer for good."""
         until = time.time() + _RESULT_PUBLISH_BUDGET_S
         data = encode(outcome)
+        head_subject = self._names.result_subject(client_id, key, job_id, self._worker_id)
+        # One answer per job: the head's message id names the job (an undecodable job: its key).
+        head_id = f"h:{job_token(job_id)}" if job_id is not None else f"h:{key}:{self._worker_id}"
         try:
             if len(data) > self._chunk_bytes:
+                nonce = uuid.uuid4().hex
                 parts = [data[i : i + self._chunk_bytes] for i in range(0, len(data), self._chunk_bytes)]
                 for i, part in enumerate(parts):
-                    subject = self._names.result_chunk_subject(client_id, key, i)
-                    await publish_retrying(self._js, subject, part, {HDR_MSG_ID: f"{key}:{i}"}, until=until)
+                    subject = self._names.result_chunk_subject(head_subject, nonce, i)
+                    await publish_retrying(self._js, subject, part, {HDR_MSG_ID: f"c:{nonce}:{i}"}, until=until)
+                    faults.point("worker:mid-chunk")
+                    faults.point("worker:mid-chunks")
                 head = ChunkedOutcome(
                     idempotency_key=key,
                     client_id=client_id,
@@ -343,10 +474,10 @@ class JobRunner:
                     chunks=len(parts),
                     size=len(data),
                     digest=xxhash.xxh3_128_hexdigest(data),
+                    nonce=nonce,
                 )
                 data = encode(head)
-            subject = self._names.result_subject(client_id, key)
-            await publish_retrying(self._js, subject, data, {HDR_MSG_ID: key}, until=until)
+            await publish_retrying(self._js, head_subject, data, {HDR_MSG_ID: head_id}, until=until)
         except InvalidRequest as exc:
             raise ResultUnstorable(f"the broker refuses an answer of {len(data)} bytes: {exc.message}") from exc
         except RollfleetError as exc:
@@ -361,9 +492,11 @@ class JobRunner:
         error: RollfleetError,
         attempt: int,
         job: RolloutJob | None = None,
+        job_id: str | None = None,
     ) -> None:
         """Store a typed failure as the job's answer (dropped, with a warning, if there is no
         reply address or key to store it under)."""
+        job_id = job.job_id if job is not None else job_id
         self._count(error.code)
         try:
             check_token(client_id or "", "client_id")
@@ -379,14 +512,14 @@ class JobRunner:
             code=error.code,
             message=error.message,
             retryable=error.retryable,
-            job_id=job.job_id if job else None,
+            job_id=job_id,
             worker_id=self._worker_id,
             delivery_attempt=attempt,
             finished_at=time.time(),
             fingerprint=job.fingerprint if job else "",
         )
         with suppress(ResultUnstorable):  # a failure is small; nothing more to say if it is refused
-            await self._store(client_id, key, failure)  # type: ignore[arg-type]
+            await self._store(client_id, key, job_id, failure)  # type: ignore[arg-type]
 
     def _count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1

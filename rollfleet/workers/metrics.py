@@ -84,6 +84,7 @@ class WorkerMetrics:
         deferred += [self.queue_wait, self.generation, self._outcomes]
         self.in_flight = gauge("rollfleet_jobs_in_flight", "Jobs running now")
         self.active_version = gauge("rollfleet_active_version", "Policy version being served")
+        self.engine_down = gauge("rollfleet_engine_down", "1 while the engine is dead or hung (no jobs are taken)")
         self.prepare = hist(
             "rollfleet_prepare_seconds", "Pull + apply + verify + stage per activation", _LATENCY_BUCKETS
         )

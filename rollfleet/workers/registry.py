@@ -7,6 +7,11 @@ replica costs the broker one message in and one out per watching trainer per int
 ignore an entry whose heartbeat is older than three intervals (``ReplicaStatus.is_live``), so
 a replica that died without deregistering stops counting within 3 x ``heartbeat_interval_s``.
 A clean stop deletes the entry at once.
+
+A replica that turns busy (no job running, then one) or idle again is refreshed promptly
+(``note_busy_changed``), at most once per ``BUSY_REFRESH_GAP_S``, so ``rollfleet status`` never
+shows a busy replica as idle for a whole interval. A replica that stays busy or stays idle
+writes nothing more: an idle fleet still costs only its heartbeats.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from rollfleet.schemas import Names, ReplicaStatus, encode
 log = get_logger("rollfleet.registry")
 
 _JITTER = 0.1  # each refresh waits the interval times 1 +- this, so a fleet started at once spreads out
+BUSY_REFRESH_GAP_S = 1.0  # busy/idle refreshes at most this often: a replica flapping costs 1 message/s
 
 
 class Registration:
@@ -47,6 +53,9 @@ class Registration:
         self._kv: KeyValue | None = None
         self._task: asyncio.Task[None] | None = None
         self._written = asyncio.Event()  # set by every write: the next refresh is one interval later
+        self._written_at = 0.0  # monotonic time of the last write
+        self._busy_refresh: asyncio.Task[None] | None = None  # a busy/idle refresh not yet written
+        self._stopped = False  # deregistered: a job ending later must not write the entry back
         self.status.host = self.status.host or socket.gethostname()
         self.status.pid = self.status.pid or os.getpid()
 
@@ -69,6 +78,7 @@ class Registration:
         if self._refresh is not None:
             self._refresh(self.status)
         self.status.heartbeat_at = time.time()
+        self._written_at = time.monotonic()
         self._written.set()
         return encode(self.status)
 
@@ -95,6 +105,19 @@ class Registration:
         except Exception as exc:
             log.debug("registry refresh failed", error=str(exc), worker_id=self.status.worker_id)
 
+    def note_busy_changed(self) -> None:
+        """The replica turned busy or idle: refresh now, or at the end of the rate-limit gap.
+        The write reads the live figures when it happens, so the last change always lands."""
+        if self._kv is None or self._stopped or self._busy_refresh is not None:
+            return  # not started, deregistered, or a refresh is already on its way
+        delay = max(0.0, self._written_at + BUSY_REFRESH_GAP_S - time.monotonic())
+        self._busy_refresh = asyncio.create_task(self._refresh_after(delay), name="busy-refresh")
+
+    async def _refresh_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self._busy_refresh = None  # a change from here on needs a write of its own
+        await self.refresh()
+
     async def _beat(self) -> None:
         interval = self.status.heartbeat_interval_s
         first = True
@@ -111,12 +134,14 @@ class Registration:
             await self.refresh()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        self._stopped = True
+        for task in (self._task, self._busy_refresh):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         if self._kv is not None:
             try:
                 await self._kv.delete(self.key)

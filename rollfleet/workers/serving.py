@@ -28,9 +28,12 @@ def compatible(version: int, subject: Subject) -> bool:
 class ServedVersion:
     version: int
     activating: int | None = None  # the version being activated, from the end of its prepare to its announcement
+    down: bool = False  # the engine is dead or hung: nothing is taken until it is back
 
     def accepts(self, subject: Subject) -> bool:
         """Whether to pull from ``subject`` now."""
+        if self.down:
+            return False
         if subject[0] == "exact" and self.activating is not None:
             return False
         return compatible(self.version, subject)

@@ -19,6 +19,18 @@ engine's version: no files are read.
 Preparing is bounded (``prepare_timeout_s``): a read that never returns (a wedged mount, a hook
 that hangs) marks the replica ``degraded`` instead of leaving it ``preparing`` forever, and the
 stuck thread is a daemon, so it never keeps the process from exiting on SIGTERM.
+
+What to reload is computed against what the engine holds, never against the local checkpoint's
+marker: a version materialized but never activated (its prepare, staging or activation failed,
+or a newer version failed on the way) has moved the checkpoint past the engine, and a later
+delta's tensors alone would leave the engine with a mix of versions. The engine's tensors are
+known by their checksums (those of the checkpoint it loaded, then of each version it
+activated); every tensor whose checksum differs from the checkpoint's is reloaded. With
+``verify_live`` the live weights are hashed after each activation and compared with the
+checkpoint: a mismatch reloads every tensor, and one that persists degrades the replica.
+
+``hold_version``: the replica serves that version and no other (pinned sessions and exact jobs
+of an old version keep a replica while they need one); announcements of newer ones are ignored.
 """
 
 from __future__ import annotations
@@ -37,8 +49,9 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from rollfleet.broker.kv import read_latest
-from rollfleet.policy_store import MaterializeResult, materialize
+from rollfleet.policy_store import CheckpointLayout, MaterializeResult, materialize
 from rollfleet.policy_store.digest import weights_digest
+from rollfleet.policy_store.materialize import checkpoint_checksums
 from rollfleet.runtime import faults
 from rollfleet.runtime.aio import in_daemon_thread, stop_tasks
 from rollfleet.runtime.logs import get_logger
@@ -69,6 +82,7 @@ class VersionSync:
         metrics: WorkerMetrics | None = None,
         verify_live: bool = False,
         prepare_timeout_s: float = 1800.0,
+        hold_version: int | None = None,
     ) -> None:
         self._js = js
         self._names = names
@@ -85,6 +99,10 @@ class VersionSync:
         self._metrics = metrics
         self._verify_live = verify_live
         self.prepare_timeout_s = prepare_timeout_s
+        self.hold_version = hold_version
+        # Checksums of the tensors the engine holds ("fmt:hex"): those of the checkpoint it started
+        # on, then of each version it activated. None: not known (reload what materialize says).
+        self.engine_sums: dict[str, str] | None = None
         self._stuck: threading.Event | None = None  # set when an abandoned prepare finally returns
         self._kv: KeyValue | None = None
         self._registration: Registration | None = None
@@ -109,10 +127,13 @@ class VersionSync:
             await asyncio.sleep(0.2)
             latest = await read_latest(self._kv)
         target = latest or 0
+        if self.hold_version is not None:
+            target = self.hold_version
         if registration is not None:  # clients see a replica preparing `target`, not an empty fleet
             await registration.write(preparing_version=target)
         t0 = time.perf_counter()
         result = await self._materialize(target)
+        self.engine_sums = dict(result.checksums)  # the engine starts on this checkpoint, whole
         self.log.info(
             "caught up",
             version=result.version,
@@ -163,7 +184,7 @@ class VersionSync:
                     read = None
                 if read is not None and (latest is None or read > latest):
                     latest = read
-            if latest is None or latest <= self._served.version:
+            if latest is None or latest <= self._served.version or self.hold_version is not None:
                 continue
             if self._failed_version is not None and latest <= self._failed_version:
                 continue  # that version failed here; wait for the next one
@@ -184,10 +205,12 @@ class VersionSync:
         assert self._registration is not None
         t0 = time.perf_counter()
         try:
+            faults.point("worker:mid-prepare")
             result = await self._materialize(target)
             if since is not None:
                 result = _combined(since, result)
-            # Staged relative to the live weights: every tensor changed since the served version.
+            result.changed = self._to_reload(result)
+            # Staged relative to the live weights: every tensor that differs from what the engine holds.
             left = max(0.0, self.prepare_timeout_s - (time.perf_counter() - t0))
             staging = self._engine.prepare_weights(self.local_dir, result.changed, result.version)
             try:
@@ -204,6 +227,14 @@ class VersionSync:
             await self._registration.write(state="degraded", preparing_version=None, degraded_reason=reason)
             return None
         return result
+
+    def _to_reload(self, result: MaterializeResult) -> list[str]:
+        """The tensors whose bytes in the checkpoint differ from those the engine holds (all that
+        the materialization touched, where what the engine holds is not known)."""
+        held = self.engine_sums
+        if held is None or not result.checksums:
+            return list(result.changed)
+        return [name for name, digest in result.checksums.items() if held.get(name) != digest]
 
     async def _drain_watching(self, previous: int, target: int) -> tuple[float, int]:
         """Drain exact jobs of ``previous``; meanwhile advertise a newer commit as the version being
@@ -270,6 +301,7 @@ class VersionSync:
         self._served.activating = result.version
         await self._registration.write(state="activating")  # clients: no more exact jobs for `previous` here
         drain_s, handed_back = 0.0, 0
+        faults.point("worker:mid-drain")
         if self._drain_exact is not None:
             drain_s, handed_back = await self._drain_watching(previous, result.version)
         # A long drain may have let newer versions be committed: go straight to the newest (once),
@@ -287,14 +319,17 @@ class VersionSync:
             log = log.bind(version=result.version)
         t1 = time.perf_counter()
         try:
+            faults.point("worker:mid-activation")
             await self._engine.pause()  # returns at the next step boundary; generation runs until then
             t2 = time.perf_counter()
+            faults.point("worker:mid-activation")
             try:
                 await self._engine.load_weights(self.local_dir, result.changed, result.version)
             finally:
                 await self._engine.resume()
         except (RollfleetError, OSError) as exc:
             self._served.activating = None
+            self.engine_sums = None  # a load that failed midway: what the engine holds is not known
             self._failed_version = target
             self.failures.append(reason := f"{getattr(exc, 'code', type(exc).__name__)}: {exc}")
             log.warning("activation failed; still serving the current version", error=str(exc))
@@ -304,6 +339,8 @@ class VersionSync:
             return None
         pause_s = time.perf_counter() - t2  # the stall: no step runs between pause and resume
         pause_wait_s = t2 - t1
+        if result.checksums:
+            self.engine_sums = dict(result.checksums)
         activation = VersionActivated(
             worker_id=self._worker_id,
             version=result.version,
@@ -329,6 +366,8 @@ class VersionSync:
         if self._verify_live:
             # After resume, off the pause: hashing every live tensor is not free.
             live = await asyncio.to_thread(self._engine.live_checksums)
+            if live is not None and not await self._live_matches(live, result, log):
+                return None
             activation.weights_digest = weights_digest(live) if live is not None else None
         # Announce, then serve: the registry entry and the announcement say the new version
         # before the worker takes a single job for it.
@@ -352,6 +391,49 @@ class VersionSync:
             versions_applied=result.applied,
         )
         return activation
+
+
+    async def _live_matches(self, live: dict[str, str], result: MaterializeResult, log: Any) -> bool:
+        """The live weights hash to the checkpoint's bytes; if not, every tensor is reloaded once,
+        and a mismatch that persists degrades the replica (it never serves mixed weights
+        silently). True when they match (``live`` is then updated in place)."""
+        want = _xxh3_sums(self.local_dir, result.checksums)
+        if want is None:
+            return True  # (no checkpoint to compare with: a model-free engine)
+        wrong = sorted(n for n in want if live.get(n) != want[n])
+        if not wrong:
+            return True
+        log.error("live weights differ from the checkpoint; reloading them all", tensors=wrong[:8], count=len(wrong))
+        assert self._registration is not None
+        await self._engine.pause()
+        try:
+            await self._engine.load_weights(self.local_dir, list(want), result.version)
+        finally:
+            await self._engine.resume()
+        live.clear()
+        live.update(await asyncio.to_thread(self._engine.live_checksums) or {})
+        still = sorted(n for n in want if live.get(n) != want[n])
+        if not still:
+            self.engine_sums = dict(result.checksums)
+            return True
+        self.engine_sums = None
+        reason = f"live weights differ from version {result.version} after a full reload: {still[:4]}"
+        await self._registration.write(state="degraded", degraded_reason=reason)
+        log.error("live weights still differ after a full reload; degraded", tensors=still[:8])
+        return False
+
+
+def _xxh3_sums(local_dir: Path, sums: dict[str, str]) -> dict[str, str] | None:
+    """Every tensor's xxh3-128 (what ``Engine.live_checksums`` reports) in the checkpoint: taken
+    from the marker's checksums where they are xxh3-128, hashed from the files otherwise."""
+    if not sums:
+        return None
+    out = {name: digest.partition(":")[2] for name, digest in sums.items() if digest.startswith("xxh3-128:")}
+    if len(out) < len(sums):
+        layout = CheckpointLayout.read(local_dir)
+        hashed = checkpoint_checksums(layout, "xxh3-128")
+        out = {name: hashed[name] for name in sums if name in hashed}
+    return out
 
 
 def _combined(first: MaterializeResult, then: MaterializeResult) -> MaterializeResult:

@@ -90,6 +90,7 @@ class WorkerConfig:
     rebalance_s: float = 1.0  # slots idle this long on one subject may be taken back for backlog elsewhere
     standby_s: float = 240.0  # a subject whose request was refused (max_waiting reached) waits this long
     progress_s: float = 30.0  # period of the info-level progress line
+    health_s: float = 2.0  # the engine's health is checked this often (locally: no broker traffic)
     drain_timeout_s: float = 120.0
     # Before an activation, exact jobs of the old version may run this long to finish; then they
     # are aborted and handed back unanswered (another replica at that version may serve them).
@@ -106,6 +107,7 @@ class WorkerConfig:
     pre_read_hook: str | None = None
     prepare_timeout_s: float = 1800.0  # a prepare past this marks the replica degraded
     verify_live: bool = False  # announce a digest of the live weights after each activation
+    hold_version: int | None = None  # serve this version of the store and no other (see VersionSync)
     metrics_port: int | None = None  # Prometheus endpoint; 0 picks a free port
     limits: Limits = DEFAULT_LIMITS
     topology: TopologyConfig = DEFAULT_TOPOLOGY
@@ -156,7 +158,7 @@ class Worker:
             cfg.nats_url,
             name=f"rollfleet-worker-{cfg.worker_id}",
             reconnect_hooks=[self._on_reconnect],
-            inbox_prefix=self.names.inbox_prefix("worker"),
+            inbox_prefix=self.names.inbox_prefix("worker", cfg.worker_id),  # its deliveries are its own
             **cfg.connect_options,
         )
         self.js = self.nc.jetstream()
@@ -172,6 +174,7 @@ class Worker:
             log=self.log,
             served=self.served,
             claims=await self.js.key_value(self.names.claims_bucket),
+            on_engine_down=self.engine_down,
             max_message_bytes=min(self.nc.max_payload, cfg.topology.max_msg_bytes),
         )
         now = time.time()
@@ -209,6 +212,7 @@ class Worker:
                 metrics=self.metrics,
                 verify_live=cfg.verify_live,
                 prepare_timeout_s=cfg.prepare_timeout_s,
+                hold_version=cfg.hold_version,
             )
             await self.nc.subscribe(self.names.versions_published, cb=self._on_published)
             caught_up = await self.sync.catch_up(cfg.catch_up_wait_s, self.registration)
@@ -226,6 +230,7 @@ class Worker:
         self._tasks = [
             asyncio.create_task(self._pull_loop(), name="pull-loop"),
             asyncio.create_task(self._report_progress(), name="progress"),
+            asyncio.create_task(self._watch_engine(), name="engine-health"),
         ]
         self._keepalive_task = asyncio.create_task(self.jobs.keep_alive(), name="keep-alive")
         self.log.info("worker ready", version=self.version, engine=self.engine.name, capacity=cfg.capacity)
@@ -249,6 +254,43 @@ class Worker:
         self.metrics.active_version.set(self.version)
         self._standby.clear()
         self.served_changed()
+
+    # -- the engine's health ------------------------------------------------------------------
+    def engine_down(self, detail: str) -> None:
+        """The engine is dead or hung: take no more jobs (the pull loop cancels every request),
+        say so in one line and in the registry (``down``, with the reason), until it is back."""
+        if self.served.down:
+            return
+        self.served.down = True
+        self.log.error("engine down; taking no jobs until it is back", engine=self.engine.name, reason=detail)
+        self.metrics.engine_down.set(1)
+        if self.registration is not None:
+            reason = f"engine {self.engine.name} down: {detail}"
+            self._spawn(self.registration.write(state="down", degraded_reason=reason))
+        self.served_changed()
+
+    async def _engine_up(self) -> None:
+        self.served.down = False
+        self.metrics.engine_down.set(0)
+        self.log.info("engine back; taking jobs again", engine=self.engine.name)
+        if self.registration is not None:
+            await self.registration.write(state="ready", degraded_reason=None)
+        self.served_changed()
+
+    async def _watch_engine(self) -> None:
+        """Check the engine's health every ``health_s`` (a local call: an HTTP engine asks its
+        server, the others look at themselves); a failed generation says so at once too."""
+        while True:
+            await asyncio.sleep(self.config.health_s)
+            try:
+                health = await asyncio.wait_for(self.engine.health(), max(5.0, 2 * self.config.health_s))
+                ok, detail = health.ok, health.detail
+            except Exception as exc:  # a hung check is a hung engine
+                ok, detail = False, f"health check failed: {exc!r}"
+            if not ok:
+                self.engine_down(detail)
+            elif self.served.down:
+                await self._engine_up()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -560,7 +602,7 @@ class Worker:
         free = self._free()
         if free <= 0:
             free += await self._reclaim(now)
-        if free <= 0:
+        if free <= 0 or self.served.down:
             return
         assert self.js is not None and self.nc is not None
         if self._own is None or self._own.missing:  # (gone after consumer_inactive_s idle: look again)
@@ -678,10 +720,14 @@ class Worker:
         task = asyncio.create_task(self.jobs.handle(msg, info))
         self._inflight.add(task)
         task.add_done_callback(self._job_done)
+        if len(self._inflight) == 1 and self.registration is not None:
+            self.registration.note_busy_changed()  # turned busy: `status` shows it within a second
 
     def _job_done(self, task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)
         self._wake.set()
+        if not self._inflight and self.registration is not None:
+            self.registration.note_busy_changed()  # idle again
 
     async def _report_progress(self) -> None:
         """An info line per interval for operators (per-job lines are at debug level)."""

@@ -6,7 +6,7 @@ from typing import Any
 
 from rollfleet.workers.engines.base import Engine, EngineHealth, Generation
 
-ENGINES = ("echo", "hf", "sglang")
+ENGINES = ("echo", "hf", "sglang", "vllm")
 
 
 def make_engine(name: str, **options: Any) -> Engine:
@@ -23,6 +23,10 @@ def make_engine(name: str, **options: Any) -> Engine:
         from rollfleet.workers.engines.sglang import SGLangEngine
 
         return SGLangEngine(**options)
+    if name == "vllm":
+        from rollfleet.workers.engines.vllm import VLLMEngine
+
+        return VLLMEngine(**options)
     raise ValueError(f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}")
 
 

@@ -17,6 +17,9 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
+from rollfleet.policy_store import CheckpointLayout, tensor_checksum
 from rollfleet.schemas import Completion, RolloutPayload, VersionSpan, version_spans
 from rollfleet.workers.engines.base import Engine, EngineHealth, Generation
 from rollfleet.workers.engines.sessions import DEFAULT_TTL_S, Branch, Lookup, SessionCache, SessionCacheStats
@@ -48,9 +51,12 @@ class EchoEngine(Engine):
         self._running.set()
         self._aborted: set[str] = set()
         self._closed = False
+        self._weights: dict[str, bytes] = {}  # every tensor's bytes, when started on a checkpoint
 
     async def start(self, checkpoint_dir: Path | None, version: int) -> None:
         self.version = version
+        if checkpoint_dir is not None:
+            self._weights = await asyncio.to_thread(_read_tensors, checkpoint_dir, None)
 
     async def generate(self, request_id: str, payload: RolloutPayload, session_id: str | None = None) -> Generation:
         await self._running.wait()
@@ -158,8 +164,15 @@ class EchoEngine(Engine):
         self._running.clear()
 
     async def load_weights(self, checkpoint_dir: Path | None, changed: Sequence[str], version: int) -> None:
+        if checkpoint_dir is not None and self._weights and changed:
+            self._weights.update(await asyncio.to_thread(_read_tensors, checkpoint_dir, set(changed)))
         self.version = version
         self._sessions.invalidate(version)
+
+    def live_checksums(self) -> dict[str, str] | None:
+        if not self._weights:
+            return None
+        return {name: tensor_checksum(np.frombuffer(b, np.uint8), "xxh3-128") for name, b in self._weights.items()}
 
     async def resume(self) -> None:
         self._running.set()
@@ -173,3 +186,14 @@ class EchoEngine(Engine):
     async def close(self) -> None:
         self._closed = True
         self._running.set()
+
+
+def _read_tensors(checkpoint_dir: Path, names: set[str] | None) -> dict[str, bytes]:
+    """The raw bytes of the checkpoint's tensors (``names`` only, when given)."""
+    out: dict[str, bytes] = {}
+    for name, loc in CheckpointLayout.read(checkpoint_dir).tensors.items():
+        if names is None or name in names:
+            with open(loc.file, "rb") as f:
+                f.seek(loc.offset)
+                out[name] = f.read(loc.nbytes)
+    return out

@@ -46,7 +46,7 @@ from rollfleet.schemas import Completion, RolloutPayload, SamplingParams, versio
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest, RollfleetError
 from rollfleet.schemas.limits import check_payload
 from rollfleet.workers.engines import _kvrows, _weights
-from rollfleet.workers.engines._sampling import make_generator, sample_token
+from rollfleet.workers.engines._sampling import fresh_seed, make_generator, sample_token
 from rollfleet.workers.engines.base import Engine, EngineHealth, Generation
 from rollfleet.workers.engines.sessions import (
     DEFAULT_MAX_BYTES,
@@ -128,7 +128,7 @@ class HFEngine(Engine):
         device: str = "auto",
         dtype: str | None = None,
         max_batch: int = 32,
-        seed: int = 0,
+        seed: int | None = None,
         *,
         stop_on_eos: bool = True,
         reprefill_after_activation: bool = True,
@@ -139,7 +139,12 @@ class HFEngine(Engine):
         session_ttl_s: float = DEFAULT_TTL_S,
     ) -> None:
         """``session_cache_bytes`` and ``session_ttl_s`` bound the KV kept for sessions between
-        turns (on the engine's device); ``session_cache_bytes=0`` keeps none."""
+        turns (on the engine's device); ``session_cache_bytes=0`` keeps none.
+
+        ``seed``: None (the default, and what workers use) draws each unseeded job's samples
+        from fresh entropy. An int makes this engine's unseeded jobs reproducible, for tests of
+        one engine only: replicas given the same one draw the same samples. A job's own
+        ``SamplingParams.seed`` is reproducible either way."""
         super().__init__()
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -297,7 +302,12 @@ class HFEngine(Engine):
         for i in range(payload.n):
             gen = None
             if params.temperature > 0:
-                base = params.seed if params.seed is not None else (self.seed << 32) + next(self._seed_counter)
+                if params.seed is not None:
+                    base = params.seed
+                elif self.seed is not None:
+                    base = (self.seed << 32) + next(self._seed_counter)
+                else:
+                    base = fresh_seed()
                 gen = make_generator(base * 1_000_003 + i, self.device)
             req.seqs.append(_Seq(req=req, index=i, tokens=list(prompt), gen=gen))
         self._requests[request_id] = req

@@ -1,5 +1,9 @@
 """The sglang engine: an HTTP adapter for an SGLang server the worker launches or attaches to.
 
+The server process, its liveness, the request gate during activations, abort bookkeeping and the
+per-version prefix-cache salt are ``http_server.HTTPServerEngine``'s, shared with the vllm adapter;
+this module is SGLang's API. (``health_interval_s`` polls ``/health``; off by default here.)
+
 Routes used (SGLang's native HTTP API):
 
 - ``POST /generate`` with ``input_ids`` (or ``text``), ``sampling_params``, ``return_logprob``
@@ -61,68 +65,33 @@ meaning unknown) and the adapter's own version stands in for it.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import os
-import signal
-import socket
 import sys
-import time
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from rollfleet.schemas import Completion, RolloutPayload, VersionSpan
+from rollfleet.schemas import Completion, RolloutPayload
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest
 from rollfleet.schemas.limits import check_payload
-from rollfleet.workers.engines.base import Engine, EngineHealth, Generation
+from rollfleet.workers.engines.base import Generation
+from rollfleet.workers.engines.http_server import (
+    HTTPServerEngine,
+    error_message,
+    generation_versions,
+    parse_spans,
+    parse_version,
+    response_json,
+)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-_SESSIONS_REMEMBERED = 65_536
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _parse_version(value: object) -> int | None:
-    """A rollfleet version from SGLang's weight_version string; None for anything else."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value if value >= 0 else None
-    if isinstance(value, str) and value.isascii() and value.isdigit():
-        return int(value)
-    return None
-
-
-def _parse_spans(raw: object, n_tokens: int) -> list[VersionSpan]:
-    """SGLang's ``weight_versions`` as rollfleet spans; [] when absent, non-integer or inconsistent
-    with the tokens (they must tile ``[0, n_tokens)`` in order)."""
-    if not isinstance(raw, list) or not raw:
-        return []
-    spans: list[VersionSpan] = []
-    for item in raw:
-        if not isinstance(item, Mapping):
-            return []
-        version = _parse_version(item.get("version"))
-        start, end = item.get("start"), item.get("end")
-        if version is None or not isinstance(start, int) or not isinstance(end, int):
-            return []
-        if start != (spans[-1].end if spans else 0) or end < start:
-            return []
-        if end > start or n_tokens == 0:
-            spans.append(VersionSpan(version=version, start=start, end=end))
-    if (spans[-1].end if spans else 0) != n_tokens:
-        return []
-    return spans
-
-
-class SGLangEngine(Engine):
+class SGLangEngine(HTTPServerEngine):
     name = "sglang"
+    server_name = "SGLang"
 
     def __init__(
         self,
@@ -143,6 +112,7 @@ class SGLangEngine(Engine):
         flush_cache: bool = True,
         load_format: str | None = None,
         health_path: str = "/health",
+        health_interval_s: float = 0.0,
         pull_dir: str | Path | None = None,
         store_dir: str | Path | None = None,
         version_cache_salt: bool = True,
@@ -150,41 +120,33 @@ class SGLangEngine(Engine):
         """``pull_dir`` (with ``store_dir``, the policy store): activate through SGLang's own
         ``/pull_weights`` into this host-local directory instead of reloading the worker's.
         ``version_cache_salt``: namespace the server's prefix cache by weight version."""
-        super().__init__()
+        super().__init__(
+            url,
+            host=host,
+            port=port,
+            launch_args=launch_args,
+            log_file=log_file,
+            env=env,
+            startup_timeout_s=startup_timeout_s,
+            request_timeout_s=request_timeout_s,
+            control_timeout_s=control_timeout_s,
+            health_path=health_path,
+            health_interval_s=health_interval_s,
+            version_cache_salt=version_cache_salt,
+        )
         if pull_dir is not None and store_dir is None:
             raise InvalidRequest("pulling weights (pull_dir) needs the store to pull from (store_dir)")
         self.pull_dir = Path(pull_dir) if pull_dir is not None else None
         self.store_dir = Path(store_dir) if store_dir is not None else None
         self._pulled: int | None = None  # the version /pull_weights last brought pull_dir to
-        self.url = url.rstrip("/") if url else None
-        self.launch_args = list(launch_args)
         self.model_path = model_path
-        self.host = host
-        self.port = port
         # The command that starts a server; the flags --model-path/--host/--port follow it.
         self.launch_cmd = list(launch_cmd) if launch_cmd else [sys.executable, "-m", "sglang.launch_server"]
         self.pass_weight_version = pass_weight_version
-        self.log_file = Path(log_file) if log_file else None
-        self.env = dict(env) if env else None
-        self.startup_timeout_s = startup_timeout_s
-        self.request_timeout_s = request_timeout_s
-        self.control_timeout_s = control_timeout_s
         self.pause_mode = pause_mode
         self.flush_cache = flush_cache
         self.load_format = load_format
-        self.health_path = health_path
-        self.process: asyncio.subprocess.Process | None = None
-        self._client: httpx.AsyncClient | None = None
-        self._running = asyncio.Event()
-        self._running.set()
-        self._inflight: dict[str, list[str]] = {}  # request id -> SGLang rids
-        self._aborted: set[str] = set()
-        self._closed = False
         self.last_flush_ok: bool | None = None
-        self.version_cache_salt = version_cache_salt
-        # The version each recent session's last turn ended on: a later version means the
-        # server's cache for it is salted away, so the next turn rebuilds it.
-        self._session_versions: OrderedDict[str, int] = OrderedDict()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -196,12 +158,7 @@ class SGLangEngine(Engine):
         else:
             model_path = self.model_path or (str(checkpoint_dir) if checkpoint_dir is not None else None)
             launch_version = version
-        if self.url is None:
-            if model_path is None:
-                raise InvalidRequest("launching SGLang needs a model path or a checkpoint dir")
-            await self._launch(model_path, launch_version)
-        self._client = httpx.AsyncClient(base_url=self.url or "", timeout=self.control_timeout_s)
-        await self._wait_healthy()
+        await self._connect(checkpoint_dir, launch_version, model_path)
         served = await self.served_version()
         attached = self.process is None
         if served != version and ((attached and checkpoint_dir is not None) or self.pull_dir is not None):
@@ -213,124 +170,41 @@ class SGLangEngine(Engine):
             finally:
                 await self.resume()
         self.version = version
+        self._start_watching()
 
-    async def _launch(self, model_path: str, version: int) -> None:
-        port = self.port or _free_port(self.host)
+    def _launch_command(self, model_path: str, version: int, port: int) -> list[str]:
         cmd = [*self.launch_cmd, "--model-path", model_path, "--host", self.host, "--port", str(port)]
         if self.pass_weight_version:
             cmd += ["--weight-version", str(version)]
-        cmd += self.launch_args
-        out: Any = asyncio.subprocess.DEVNULL
-        if self.log_file is not None:
-            self.log_file.parent.mkdir(parents=True, exist_ok=True)
-            out = self.log_file.open("ab")
-        env = {**os.environ, **self.env} if self.env else None
-        # Own session, so close() can stop the server's scheduler/detokenizer children too.
-        self.process = await asyncio.create_subprocess_exec(
-            *cmd, stdout=out, stderr=asyncio.subprocess.STDOUT, env=env, start_new_session=True
-        )
-        if out is not asyncio.subprocess.DEVNULL:
-            out.close()
-        self.url = f"http://{self.host}:{port}"
-
-    async def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
-        last = "no answer"
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.returncode is not None:
-                raise EngineFailure(f"SGLang server exited with code {self.process.returncode} while starting")
-            try:
-                r = await self._http.get(self.health_path, timeout=5.0)
-                if r.status_code == 200:
-                    return
-                last = f"HTTP {r.status_code}"
-            except httpx.HTTPError as exc:
-                last = type(exc).__name__
-            await asyncio.sleep(0.5)
-        raise EngineFailure(f"SGLang server at {self.url} not healthy after {self.startup_timeout_s:.0f}s ({last})")
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._running.set()
-        if self._client is not None:
-            for rid in list(self._inflight):
-                with contextlib.suppress(Exception):
-                    await self.abort(rid)
-            await self._client.aclose()
-        if self.process is not None and self.process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.process.wait(), 30)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                await self.process.wait()
-
-    async def health(self) -> EngineHealth:
-        if self._client is None or self._closed:
-            return EngineHealth(ok=False, detail="closed" if self._closed else "not started")
-        try:
-            r = await self._http.get(self.health_path, timeout=10.0)
-        except httpx.HTTPError as exc:
-            return EngineHealth(ok=False, detail=f"{self.health_path}: {type(exc).__name__}")
-        extra: dict[str, object] = {"version": self.version, "url": self.url, "paused": not self._running.is_set()}
-        if self.process is not None:
-            extra["pid"] = self.process.pid
-        ok = r.status_code == 200
-        return EngineHealth(ok=ok, detail="serving" if ok else f"{self.health_path}: HTTP {r.status_code}", extra=extra)
+        return cmd + self.launch_args
 
     # -- requests ----------------------------------------------------------------------------
 
     async def generate(self, request_id: str, payload: RolloutPayload, session_id: str | None = None) -> Generation:
         check_payload(payload)
-        await self._running.wait()  # no new work reaches the server during an activation
-        if self._closed:
-            raise EngineFailure("the sglang engine is closed")
+        await self._admit()
         rids = [request_id] if payload.n == 1 else [f"{request_id}-{i}" for i in range(payload.n)]
         body = self._generate_body(rids, payload, session_id)
         version_start = salted = self.version
-        self._inflight[request_id] = rids
-        try:
-            r = await self._http.post("/generate", json=body, timeout=self.request_timeout_s)
-        except httpx.HTTPError as exc:
-            if request_id in self._aborted:
-                return self._aborted_generation(payload.n, version_start)
-            raise EngineFailure(f"SGLang /generate failed: {type(exc).__name__}: {exc}") from exc
-        finally:
-            self._inflight.pop(request_id, None)
-        aborted = request_id in self._aborted
-        self._aborted.discard(request_id)
-        if r.status_code >= 400:
-            if aborted:
-                return self._aborted_generation(payload.n, version_start)
-            message = _error_message(r)
-            if 400 <= r.status_code < 500:
-                raise InvalidRequest(f"SGLang rejected the request: {message}")
-            raise EngineFailure(f"SGLang /generate: HTTP {r.status_code}: {message}")
+        r = await self._post_request(request_id, rids, "/generate", body)
+        aborted = self._take_aborted(request_id)
+        if r is None or (aborted and r.status_code >= 400):
+            return self._aborted_generation(payload.n, version_start)
+        self._check_status(r, "/generate")
         items = r.json()
         items = items if isinstance(items, list) else [items]
         if len(items) != payload.n:
             raise EngineFailure(f"SGLang answered {len(items)} outputs for n={payload.n}")
-        outputs, firsts, lasts, prompt_tokens = [], [], [], len(payload.prompt_token_ids or [])
+        outputs, served, prompt_tokens = [], [], len(payload.prompt_token_ids or [])
         cached: list[int] = []
         for item in items:
-            completion, served, prompt_len = self._parse_item(item, payload.sampling.logprobs, aborted)
+            completion, version, prompt_len = self._parse_item(item, payload.sampling.logprobs, aborted)
             outputs.append(completion)
             cached.append(_cached_tokens(item))
-            if completion.weight_versions:
-                firsts.append(completion.weight_versions[0].version)
-                lasts.append(completion.weight_versions[-1].version)
-            elif served is not None:
-                lasts.append(served)
+            if not completion.weight_versions and version is not None:
+                served.append(version)
             prompt_tokens = prompt_len or prompt_tokens
-        version_end = max(lasts) if lasts else self.version
-        if len(firsts) == len(outputs):  # every completion says where its tokens came from
-            version_start = min(firsts)
-        else:
-            version_start = min([version_start, version_end, *firsts])
+        version_start, version_end = generation_versions(outputs, version_start, served, self.version)
         return Generation(
             outputs,
             version_start,
@@ -340,21 +214,10 @@ class SGLangEngine(Engine):
             cache_rebuilt=self._session_turn(session_id, salted),
         )
 
-    def _session_turn(self, session_id: str | None, salted: int) -> bool:
-        """Remember the version the session's turn was salted with; True when its previous turn's
-        was older (an activation in between), so the server prefilled this turn anew."""
-        if session_id is None:
-            return False
-        before = self._session_versions.pop(session_id, None)
-        self._session_versions[session_id] = salted
-        while len(self._session_versions) > _SESSIONS_REMEMBERED:
-            self._session_versions.popitem(last=False)
-        return self.version_cache_salt and before is not None and before < salted
-
     async def end_session(self, session_id: str) -> None:
         """Forget the session; the server releases the KV it tagged with it (``/close_session``,
         best effort: older servers and servers without session radix caching may refuse)."""
-        self._session_versions.pop(session_id, None)
+        await super().end_session(session_id)
         if self._client is None or self._closed:
             return
         with contextlib.suppress(httpx.HTTPError):
@@ -391,8 +254,9 @@ class SGLangEngine(Engine):
             body["input_ids"] = ids if single else [ids] * len(rids)
         else:
             body["text"] = payload.prompt_text if single else [payload.prompt_text] * len(rids)
-        if self.version_cache_salt:
-            body["cache_salt"] = f"rollfleet-v{self.version}"
+        salt = self._cache_salt()
+        if salt is not None:
+            body["cache_salt"] = salt
         if session_id is not None:
             body["session_id"] = body["routing_key"] = session_id
         return body
@@ -419,27 +283,19 @@ class SGLangEngine(Engine):
             finish_reason=reason,  # type: ignore[arg-type]
             logprobs=logprobs,
             text=item.get("text") if isinstance(item.get("text"), str) else None,
-            weight_versions=_parse_spans(meta.get("weight_versions"), len(tokens)),
+            weight_versions=parse_spans(meta.get("weight_versions"), len(tokens)),
         )
-        return completion, _parse_version(meta.get("weight_version")), int(meta.get("prompt_tokens") or 0)
+        return completion, parse_version(meta.get("weight_version")), int(meta.get("prompt_tokens") or 0)
 
-    def _aborted_generation(self, n: int, version: int) -> Generation:
-        outputs = [Completion(token_ids=[], finish_reason="abort", logprobs=[]) for _ in range(n)]
-        return Generation(outputs, version, version)
-
-    async def abort(self, request_id: str) -> None:
-        rids = self._inflight.get(request_id)
-        if not rids:
-            return
-        self._aborted.add(request_id)
-        for rid in rids:
+    async def _send_abort(self, ids: list[str]) -> None:
+        for rid in ids:
             with contextlib.suppress(httpx.HTTPError):
                 await self._http.post("/abort_request", json={"rid": rid})
 
     # -- activation ----------------------------------------------------------------------------
 
     async def pause(self) -> None:
-        self._running.clear()
+        await super().pause()
         await self._control("/pause_generation", {"mode": self.pause_mode})
 
     async def prepare_weights(self, checkpoint_dir: Path | None, changed: Sequence[str], version: int) -> None:
@@ -452,11 +308,11 @@ class SGLangEngine(Engine):
             r = await self._http.post("/pull_weights", json=body, timeout=self.control_timeout_s)
         except httpx.HTTPError as exc:
             raise EngineFailure(f"SGLang /pull_weights failed: {type(exc).__name__}: {exc}") from exc
-        result = _json(r)
+        result = response_json(r)
         if r.status_code == 404:
             raise EngineFailure("this SGLang server has no /pull_weights; run without pull_dir")
         if r.status_code != 200 or not result.get("success", False):
-            reason = result.get("message") or _error_message(r)
+            reason = result.get("message") or error_message(r)
             raise EngineFailure(f"SGLang refused to pull version {version}: {reason}")
         self._pulled = version
 
@@ -478,12 +334,12 @@ class SGLangEngine(Engine):
         }
         if self.load_format:
             body["load_format"] = self.load_format
-        r = await self._http.post("/update_weights_from_disk", json=body, timeout=self.control_timeout_s)
-        result = _json(r)
+        r = await self._post_control("/update_weights_from_disk", body)
+        result = response_json(r)
         if r.status_code != 200 or not result.get("success", False):
-            raise EngineFailure(f"SGLang refused the weight update: {result.get('message') or _error_message(r)}")
+            raise EngineFailure(f"SGLang refused the weight update: {result.get('message') or error_message(r)}")
         if self.flush_cache:
-            flushed = await self._http.post("/flush_cache", timeout=self.control_timeout_s)
+            flushed = await self._post_control("/flush_cache")
             self.last_flush_ok = flushed.status_code == 200
         served = await self.served_version()
         if served is not None and served != version:
@@ -494,7 +350,7 @@ class SGLangEngine(Engine):
         try:
             await self._control("/continue_generation", {})
         finally:
-            self._running.set()
+            await super().resume()
 
     async def served_version(self) -> int | None:
         """The weight version the server reports (None when it reports none or a non-integer)."""
@@ -504,42 +360,10 @@ class SGLangEngine(Engine):
             except httpx.HTTPError:
                 continue
             if r.status_code == 200:
-                return _parse_version(_json(r).get("weight_version"))
+                return parse_version(response_json(r).get("weight_version"))
         return None
-
-    # -- plumbing ------------------------------------------------------------------------------
-
-    @property
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = httpx.AsyncClient(base_url=self.url or "", timeout=self.control_timeout_s)
-        return self._client
-
-    async def _control(self, path: str, body: dict[str, Any]) -> None:
-        try:
-            r = await self._http.post(path, json=body)
-        except httpx.HTTPError as exc:
-            raise EngineFailure(f"SGLang {path} failed: {type(exc).__name__}: {exc}") from exc
-        if r.status_code != 200:
-            raise EngineFailure(f"SGLang {path}: HTTP {r.status_code}: {_error_message(r)}")
 
 
 def _cached_tokens(item: Mapping[str, Any]) -> int:
     value = (item.get("meta_info") or {}).get("cached_tokens")
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
-
-
-def _json(r: httpx.Response) -> dict[str, Any]:
-    try:
-        value = r.json()
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _error_message(r: httpx.Response) -> str:
-    body = _json(r)
-    err = body.get("error")
-    if isinstance(err, Mapping):
-        return str(err.get("message", err))
-    return str(body.get("message") or r.text[:500])

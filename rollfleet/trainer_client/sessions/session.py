@@ -4,15 +4,23 @@ A session's turns are ordinary jobs with three additions:
 
 - **Affinity.** A turn goes to the replica that served the previous one (its context is cached
   there) while that replica is live and can serve the turn's constraint: the job is stored on the
-  replica's own subject and the replica is rung. If it has not taken the turn within
-  ``affinity_wait_s``, or is gone, the same job moves to the constraint's shared subject and the
-  session moves to whichever replica serves it (``RolloutClient._await_sticky``).
+  replica's own subject and the replica is rung. When and why it moves: ``sessions.sticky``.
 - **Version policy.** ``pinned``: every turn exactly at the version of the first (the newest a live
   replica serves when the session starts); ``monotonic``: each turn at a version at least that of
   the previous turn's last token; ``free``: each turn by the session's constraint alone.
-- **Turns answered once.** Turn ``k`` has the idempotency key ``<session_id>/<k>``: asking for a
-  turn again returns its stored answer, never a second generation. The record in the sessions
-  bucket (settings, next turn, last version, replica) lets a restarted trainer resume.
+- **Turns answered once.** Turn ``k`` has the idempotency key ``<session_id>/<incarnation>/<k>``
+  (``turn_key``): asking for a turn again returns its stored answer (or raises its error), never a
+  second generation. The incarnation is new at every open of an id, so a session opened again
+  under the id of a closed one never meets the old one's answers.
+
+The record in the sessions bucket (settings, incarnation, next turn, last version, replica, the
+newest failures) lets a restarted trainer resume. Every write of it is a compare-and-set on the
+revision this handle last saw: a session closed through another handle is never brought back by
+a late save, and a turn is not started on a closed session.
+
+A turn whose job was never stored (no live replica could take it: ``NoCompatibleReplica`` at
+submit) does not spend its index: the same turn can be asked again. A turn whose job was stored
+is answered once, with a result or an error, and asked again returns that.
 
 A session ends on ``close`` (its record is deleted and its replica drops the cached context) or
 after ``ttl`` seconds without a turn (the client's sweep does the same; the engine's own TTL
@@ -26,7 +34,6 @@ import time
 import uuid
 from collections import Counter
 from contextlib import suppress
-from typing import TYPE_CHECKING
 
 import nats.errors
 import nats.js.errors
@@ -34,18 +41,20 @@ from nats.js.kv import KeyValue
 
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
-    Names,
     RetryPolicy,
     RolloutPayload,
     RolloutResult,
     SessionRecord,
+    TurnFailure,
     VersionConstraint,
     VersionPolicy,
     check_token,
     decode,
     encode,
+    error_from_code,
 )
 from rollfleet.schemas.errors import (
+    Expired,
     InvalidRequest,
     NoCompatibleReplica,
     RollfleetError,
@@ -53,19 +62,19 @@ from rollfleet.schemas.errors import (
     SessionConflict,
     UnknownSession,
 )
-from rollfleet.trainer_client.requests import constraint_from
-
-if TYPE_CHECKING:
-    from rollfleet.trainer_client.client import RolloutClient
+from rollfleet.trainer_client.requests import constraint_from, written_constraint
+from rollfleet.trainer_client.sessions.host import SessionHost
+from rollfleet.trainer_client.sessions.sticky import await_sticky
 
 log = get_logger("rollfleet.sessions")
 
-_POLICIES = ("pinned", "monotonic", "free")
+POLICIES = ("pinned", "monotonic", "free")
+_FAILURES_KEPT = 16  # turn failures remembered in the record (asked again, they raise again)
 
 
-def turn_key(session_id: str, turn: int) -> str:
+def turn_key(session_id: str, incarnation: str, turn: int) -> str:
     """The idempotency key of a session's turn."""
-    return f"{session_id}/{turn}"
+    return f"{session_id}/{incarnation}/{turn}" if incarnation else f"{session_id}/{turn}"
 
 
 class Session:
@@ -73,7 +82,7 @@ class Session:
 
     def __init__(
         self,
-        client: RolloutClient,
+        host: SessionHost,
         *,
         session_id: str | None,
         min_version: int | None,
@@ -84,9 +93,9 @@ class Session:
         retry_policy: RetryPolicy,
         affinity_wait_s: float,
     ) -> None:
-        if version_policy not in _POLICIES:
-            raise InvalidRequest(f"version_policy must be one of {_POLICIES}, got {version_policy!r}")
-        if not isinstance(ttl, int | float) or not ttl > 0:
+        if version_policy not in POLICIES:
+            raise InvalidRequest(f"version_policy must be one of {POLICIES}, got {version_policy!r}")
+        if not isinstance(ttl, int | float) or isinstance(ttl, bool) or not ttl > 0:
             raise InvalidRequest(f"ttl must be a positive number of seconds, got {ttl!r}")
         if not isinstance(affinity_wait_s, int | float) or not affinity_wait_s >= 0:
             raise InvalidRequest(f"affinity_wait_s must be >= 0 seconds, got {affinity_wait_s!r}")
@@ -94,10 +103,10 @@ class Session:
         sid = session_id if session_id is not None else uuid.uuid4().hex
         check_token(sid, "session_id")
         now = time.time()
-        self._client = client
+        self._host = host
         self._record = SessionRecord(
             session_id=sid,
-            client_id=client.client_id,
+            client_id=host.client_id,
             version_policy=version_policy,
             min_version=min_version,
             exact_version=exact_version,
@@ -106,23 +115,27 @@ class Session:
             ttl_s=float(ttl),
             opened_at=now,
             touched_at=now,
+            incarnation=uuid.uuid4().hex[:12],
         )
         self.affinity_wait_s = float(affinity_wait_s)
         self._kv: KeyValue | None = None
+        self._revision: int | None = None  # of the record as this handle last wrote or read it
         self._opened = False
         self._closed = False
         self._running: int | None = None  # the turn being generated
         self._answers: dict[int, RolloutResult] = {}  # this process's answered turns
+        self._errors: dict[int, RollfleetError] = {}  # ... and turns answered with an error
 
     # -- opening and closing -------------------------------------------------------------------
     @classmethod
-    async def resume(cls, client: RolloutClient, session_id: str, *, affinity_wait_s: float = 2.0) -> Session:
+    async def resume(cls, host: SessionHost, session_id: str, *, affinity_wait_s: float = 2.0) -> Session:
         check_token(session_id, "session_id")
-        record = await _read(await client._sessions_kv(), client.names, session_id)
-        if record is None:
+        found = await _read(await host.sessions_kv(), host, session_id)
+        if found is None:
             raise UnknownSession(f"no open session {session_id!r} (never opened, closed, or expired)")
+        record, _ = found
         session = cls(
-            client,
+            host,
             session_id=session_id,
             min_version=record.min_version,
             exact_version=record.exact_version,
@@ -138,27 +151,29 @@ class Session:
         """Create the session's record, or resume the live one with the same id and settings."""
         if self._opened:
             return self
-        client, names = self._client, self._client.names
+        host = self._host
+        key = host.names.session_key(self.session_id)
         try:
-            self._kv = await client._sessions_kv()
-            stored = await _read(self._kv, names, self.session_id)
-            if stored is None:
-                await self._kv.create(names.session_key(self.session_id), encode(self._record))
+            self._kv = await host.sessions_kv()
+            found = await _read(self._kv, host, self.session_id)
+            if found is None:
+                self._revision = await self._kv.create(key, encode(self._record))
             else:
-                if stored.client_id != client.client_id:
+                stored, revision = found
+                if stored.client_id != host.client_id:
                     raise SessionConflict(f"session {self.session_id!r} belongs to client {stored.client_id!r}")
                 if stored.settings() != self._record.settings():
                     raise SessionConflict(
                         f"session {self.session_id!r} is open with other settings {stored.settings()}; "
                         f"asked for {self._record.settings()}"
                     )
-                self._record = stored
+                self._record, self._revision = stored, revision
         except nats.js.errors.KeyWrongLastSequenceError:
             raise SessionConflict(f"session {self.session_id!r} was opened concurrently elsewhere") from None
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise ServiceUnavailable(f"cannot open session {self.session_id!r}: {exc}") from exc
         self._opened = True
-        client._sessions[self.session_id] = self
+        host.sessions[self.session_id] = self
         return self
 
     async def close(self) -> None:
@@ -166,16 +181,18 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        self._client._sessions.pop(self.session_id, None)
-        names = self._client.names
+        host = self._host
+        if host.sessions.get(self.session_id) is self:
+            del host.sessions[self.session_id]
         if self._record.replica is not None:
             with suppress(Exception):
-                await self._client.nc.publish(
-                    names.bell_subject(self._record.replica), names.end_session_payload(self.session_id)
-                )
-        if self._kv is not None:
+                await host.end_session(self._record.replica, self.session_id)
+        if self._kv is not None and self._revision is not None:
+            # Only the incarnation this handle opened (a newer one under the same id is not ours).
             with suppress(Exception):
-                await self._kv.delete(names.session_key(self.session_id))
+                revision = await self._current_revision()
+                if revision is not None:
+                    await self._kv.delete(host.names.session_key(self.session_id), last=revision)
         log.debug("session closed", session_id=self.session_id, turns=self._record.next_turn)
 
     def idle_past_ttl(self, now: float) -> bool:
@@ -205,13 +222,16 @@ class Session:
     def record(self) -> SessionRecord:
         return self._record
 
+    def turn_key(self, turn: int) -> str:
+        return turn_key(self.session_id, self._record.incarnation, turn)
+
     # -- turns -------------------------------------------------------------------------------
     async def generate(
         self, payload: RolloutPayload, *, turn: int | None = None, timeout: float | None = None
     ) -> RolloutResult:
         """Run the next turn (its prompt: the whole context so far) and return its result, or
-        raise its typed error. ``turn``: an earlier turn's index returns that turn's stored
-        answer (a retry); a later one is ``SessionConflict``."""
+        raise its typed error. ``turn``: an earlier turn's index returns that turn's answer (a
+        retry: its result, or its error again); a later one is ``SessionConflict``."""
         if not self._opened:
             await self.open()
         if self._closed:
@@ -228,42 +248,57 @@ class Session:
             raise SessionConflict(f"turn {turn} is out of order: the next turn of {self.session_id!r} is {nxt}")
         if self._running is not None:
             raise SessionConflict(f"turn {self._running} of {self.session_id!r} is still running")
+        await self._check_still_open()
         constraint = self._constraint()
         previous, sticky = self._record.replica, self._sticky(constraint)
         self._running = nxt
+        spent = False
         try:
-            handle = await self._client._submit(
+            handle = await self._host.submit_turn(
                 payload,
                 constraint,
-                idempotency_key=turn_key(self.session_id, nxt),
-                deadline=None,
+                written=self._written(),
+                key=self.turn_key(nxt),
                 timeout=timeout,
                 retry_policy=self._record.retry_policy,
                 session_id=self.session_id,
                 replica=sticky,
             )
-            self._record.next_turn = nxt + 1  # the key is used: this turn is answered once, whatever comes
-            self._record.touched_at = time.time()
+            spent = handle.stored  # a job was stored under the key: this turn is answered once
+            if spent:
+                self._record.next_turn = nxt + 1
+                self._record.touched_at = time.time()
             if handle.replica is not None:
-                result = await self._client._await_sticky(handle, self.affinity_wait_s)
+                result = await await_sticky(self._host, handle, self.affinity_wait_s)
             else:
                 result = await handle.result()
             self._record.replica = result.worker_id  # where its context is cached now
             if self._record.version_policy == "monotonic":
                 self._record.last_version = max(self._record.last_version or 0, result.version_end)
+        except RollfleetError as exc:
+            if spent:
+                self._failed(nxt, exc)
+            raise
         finally:
             self._running = None
-            await self._save()
+            if spent:
+                await self._save()
         self._answered(nxt, result, previous)
         return result
 
+    def _written(self) -> str:
+        """The turn's request as its caller wrote it: the session's settings (for the fingerprint)."""
+        r = self._record
+        return f"session:{r.version_policy}:{written_constraint(r.min_version, r.exact_version, r.max_staleness)}"
+
     def _constraint(self) -> VersionConstraint:
         r = self._record
-        latest = self._client.latest_version
+        latest = self._host.latest_version
         base = constraint_from(r.min_version, r.exact_version, r.max_staleness, latest)
         if r.version_policy == "pinned":
             if r.last_version is None:
                 r.last_version = self._pin(base)
+            self._check_pin_served(r.last_version)
             return VersionConstraint("exact", r.last_version)
         if r.version_policy == "monotonic" and base.kind == "min" and r.last_version is not None:
             return VersionConstraint("min", max(base.version, r.last_version))
@@ -273,17 +308,44 @@ class Session:
         """A pinned session's version: the newest a live replica serves within the constraint."""
         if base.kind == "exact":
             return base.version
-        serving = [r.active_version for r in self._client.fleet.compatible(base) if base.allows(r.active_version)]
+        fleet = self._host.fleet
+        serving = [r.active_version for r in fleet.compatible(base) if base.allows(r.active_version)]
         if not serving:
             raise NoCompatibleReplica(f"no live replica serves a version allowed by {base} to pin the session to")
         return max(serving)
+
+    def _check_pin_served(self, pin: int) -> None:
+        """A pinned session whose version no live replica serves any more fails here, before its
+        turn is spent, with an error that says so. Replicas only move forward: once every live
+        replica is past the pin it is hopeless (not retryable) unless an operator starts one held
+        at that version (``rollfleet worker --hold-version``)."""
+        fleet = self._host.fleet
+        if fleet.compatible(VersionConstraint("exact", pin)):
+            return
+        live = fleet.replicas()
+        past = [r for r in live if r.active_version > pin and (r.preparing_version or r.active_version) > pin]
+        hopeless = bool(live) and len(past) == len(live)
+        seen = ", ".join(f"{r.worker_id}@{r.active_version}" for r in live) or "empty"
+        err = NoCompatibleReplica(
+            f"session {self.session_id!r} is pinned to version {pin} (version_policy='pinned'), and no live "
+            f"replica serves version {pin} (fleet: {seen}). "
+            + (
+                f"Every replica has moved past it: start one held at it (rollfleet worker --store STORE "
+                f"--hold-version {pin}) to finish this session, or open a new session."
+                if hopeless
+                else f"A replica at version {pin} may come back; retry, or start one held at it "
+                f"(rollfleet worker --store STORE --hold-version {pin})."
+            )
+        )
+        err.retryable = not hopeless
+        raise err
 
     def _sticky(self, constraint: VersionConstraint) -> str | None:
         """The replica to send the turn to: the previous turn's, while live and able; for a
         session's first turn (or when that replica cannot take it), the able replica holding
         the fewest of this client's sessions, so sessions spread evenly and stay spread (a
         first turn left to the pulls lands wherever slots were free at that instant)."""
-        fleet = self._client.fleet
+        fleet = self._host.fleet
         replica = self._record.replica
         if replica is not None:
             status = fleet.replica(replica)
@@ -292,38 +354,107 @@ class Session:
         able = [r.worker_id for r in fleet.compatible(constraint) if r.takes_now(constraint)]
         if not able:
             return None  # the shared subjects: whichever replica activates a compatible version
-        held = Counter(s.replica for s in self._client._sessions.values() if s is not self)
+        held = Counter(s.replica for s in self._host.sessions.values() if s is not self)
         return min(able, key=lambda w: (held[w], random.random()))
 
     def _answered(self, turn: int, result: RolloutResult, previous: str | None) -> None:
-        metrics = self._client.metrics
+        metrics = self._host.metrics
         metrics.session_turns.inc()
         metrics.prefix_tokens_reused.inc(result.cached_tokens)
         if previous is not None and result.worker_id == previous:
             metrics.affinity_hits.inc()
         self._answers[turn] = result
 
+    def _failed(self, turn: int, exc: RollfleetError) -> None:
+        """A stored turn answered with an error: asked again, it raises the same error (a worker's
+        failure is also stored as the turn's answer; the client's own, Expired or a withdrawal,
+        only here and in the record)."""
+        self._errors[turn] = exc
+        failures = self._record.failures
+        failures[turn] = TurnFailure(code=exc.code, message=exc.message, retryable=exc.retryable)
+        for old in sorted(failures)[:-_FAILURES_KEPT]:
+            del failures[old]
+
     async def _stored_answer(self, turn: int, timeout: float | None) -> RolloutResult:
         answer = self._answers.get(turn)
         if answer is not None:
             return answer
-        return await self._client.result(turn_key(self.session_id, turn), timeout=timeout)
+        if turn in self._errors:
+            raise self._errors[turn]
+        failure = self._record.failures.get(turn)
+        if failure is not None:
+            raise error_from_code(failure.code, failure.message, failure.retryable)
+        wait = self._host.default_timeout_s if timeout is None else timeout
+        try:
+            return await self._host.result(self.turn_key(turn), timeout=wait)
+        except TimeoutError:
+            raise Expired(
+                f"no answer to turn {turn} of session {self.session_id!r} arrived within {wait:g} s"
+            ) from None
 
-    async def _save(self) -> None:
-        """Store the record after a turn; a result is not lost if this fails (it is in the
-        results stream under the turn's key)."""
-        if self._kv is None or self._closed:
+    # -- the record ----------------------------------------------------------------------------
+    async def _current_revision(self) -> int | None:
+        """The revision of this incarnation's record, None if it is gone (closed or replaced)."""
+        assert self._kv is not None
+        found = await _read(self._kv, self._host, self.session_id)
+        if found is None or found[0].incarnation != self._record.incarnation:
+            return None
+        return found[1]
+
+    async def _check_still_open(self) -> None:
+        """Before a turn starts: the session was not closed through another handle meanwhile."""
+        if self._kv is None:
             return
         try:
-            await self._kv.put(self._client.names.session_key(self.session_id), encode(self._record))
+            revision = await self._current_revision()
+        except ServiceUnavailable:
+            return  # the broker is away: the turn's own submit says so
+        if revision is None:
+            self._closed = True
+            if self._host.sessions.get(self.session_id) is self:
+                del self._host.sessions[self.session_id]
+            raise UnknownSession(f"session {self.session_id!r} was closed (or expired) elsewhere")
+
+    async def _save(self) -> None:
+        """Store the record after a turn, only over the revision this handle last saw: a record
+        deleted by a close elsewhere stays deleted. A result is not lost if this fails (it is in
+        the results stream under the turn's key)."""
+        if self._kv is None or self._closed or self._revision is None:
+            return
+        key = self._host.names.session_key(self.session_id)
+        try:
+            self._revision = await self._kv.update(key, encode(self._record), last=self._revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            await self._save_over_newer(key)
+        except Exception as exc:
+            log.warning("session record not stored", session_id=self.session_id, error=str(exc))
+
+    async def _save_over_newer(self, key: str) -> None:
+        """The record changed since this handle saw it: closed elsewhere (then this handle is
+        closed too), or advanced by another handle of the same incarnation (then merged)."""
+        assert self._kv is not None
+        try:
+            found = await _read(self._kv, self._host, self.session_id)
+            if found is None or found[0].incarnation != self._record.incarnation:
+                log.info("session closed elsewhere; record not brought back", session_id=self.session_id)
+                self._closed = True
+                if self._host.sessions.get(self.session_id) is self:
+                    del self._host.sessions[self.session_id]
+                return
+            other, revision = found
+            if other.next_turn > self._record.next_turn:
+                self._record.next_turn = other.next_turn
+            self._record.failures = {**other.failures, **self._record.failures}
+            self._revision = await self._kv.update(key, encode(self._record), last=revision)
         except Exception as exc:
             log.warning("session record not stored", session_id=self.session_id, error=str(exc))
 
 
-async def _read(kv: KeyValue, names: Names, session_id: str) -> SessionRecord | None:
-    """A live session's record; None if there is none or it expired (then it is removed)."""
+async def _read(kv: KeyValue, host: SessionHost, session_id: str) -> tuple[SessionRecord, int] | None:
+    """A live session's record and its revision; None if there is none or it expired (then it is removed)."""
+    key = host.names.session_key(session_id)
     try:
-        entry = await kv.get(names.session_key(session_id))
+        entry = await kv.get(key)
     except nats.js.errors.KeyNotFoundError:
         return None
     except (nats.errors.Error, nats.js.errors.Error) as exc:
@@ -337,9 +468,9 @@ async def _read(kv: KeyValue, names: Names, session_id: str) -> SessionRecord | 
         return None
     if time.time() - record.touched_at > record.ttl_s:
         with suppress(Exception):
-            await kv.delete(names.session_key(session_id))
+            await kv.delete(key, last=entry.revision)
         return None
-    return record
+    return record, int(entry.revision or 0)
 
 
 async def expire_idle(sessions: list[Session]) -> None:

@@ -1,0 +1,72 @@
+"""Job ids a client can recognise as its own, also after a restart.
+
+A job id is a random nonce followed by a MAC of (client id, idempotency key, nonce) under a
+secret that only this client id's trainers can read (it lives in the sessions bucket, which
+no worker may read). Workers learn a job id only with a delivery of that job, so an answer
+naming a job id that checks out was produced by a replica the job was delivered to: a replica
+cannot forge an answer to a job it never saw, even for a request it could guess, and a
+restarted trainer that no longer knows which ids it issued can still tell.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+import nats.errors
+import nats.js.errors
+from nats.js.kv import KeyValue
+
+from rollfleet.schemas.errors import ServiceUnavailable
+
+_NONCE_HEX = 16
+_MAC_HEX = 16
+
+
+class JobIds:
+    def __init__(self, client_id: str, secret: bytes) -> None:
+        self._client = client_id.encode()
+        self._secret = secret
+
+    @classmethod
+    async def load(cls, kv: KeyValue, client_id: str) -> JobIds:
+        """This client id's secret, created by its first client (and touched by each one after, so
+        the bucket's age limit never removes it while the client id is in use)."""
+        key = f"c.{client_id}"
+        try:
+            try:
+                secret = (await kv.get(key)).value or b""
+            except nats.js.errors.KeyNotFoundError:
+                secret = b""
+            if len(secret) < 16:
+                try:
+                    secret = secrets.token_bytes(32)
+                    await kv.create(key, secret)
+                except nats.js.errors.KeyWrongLastSequenceError:  # created meanwhile: that one
+                    secret = (await kv.get(key)).value or b""
+            else:
+                await kv.put(key, secret)
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            raise ServiceUnavailable(f"cannot read the client's job id secret: {exc}") from exc
+        return cls(client_id, secret)
+
+    def issue(self, idempotency_key: str | None) -> str:
+        """A new job id for ``idempotency_key`` (None: the id becomes the key)."""
+        nonce = secrets.token_hex(_NONCE_HEX // 2)
+        return nonce + self._mac(idempotency_key, nonce)
+
+    def issued(self, job_id: str | None, idempotency_key: str) -> bool:
+        """Whether this client id issued ``job_id`` for ``idempotency_key``."""
+        if not job_id or len(job_id) != _NONCE_HEX + _MAC_HEX:
+            return False
+        nonce, mac = job_id[:_NONCE_HEX], job_id[_NONCE_HEX:]
+        if hmac.compare_digest(mac, self._mac(idempotency_key, nonce)):
+            return True
+        # A job submitted without a key has its id as its key: the MAC was made over no key.
+        return job_id == idempotency_key and hmac.compare_digest(mac, self._mac(None, nonce))
+
+    def _mac(self, idempotency_key: str | None, nonce: str) -> str:
+        msg = self._client + b"\x00" + (idempotency_key or "").encode() + b"\x00" + nonce.encode()
+        # Keyed BLAKE2b is a MAC by itself (one pass, no HMAC construction): cheap on every job.
+        return hashlib.blake2b(msg, key=self._secret[:64], digest_size=_MAC_HEX // 2).hexdigest()

@@ -1,0 +1,84 @@
+"""What a session needs from the client it runs on, as an explicit interface.
+
+``RolloutClient`` implements both protocols; the sessions room never imports the client, so the
+two stay one-way (client -> sessions).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from nats.js.kv import KeyValue
+
+from rollfleet.schemas import Names, RetryPolicy, RolloutPayload, RolloutResult, VersionConstraint
+from rollfleet.trainer_client.fleet import FleetView
+from rollfleet.trainer_client.handle import RolloutHandle
+from rollfleet.trainer_client.metrics import ClientMetrics
+
+
+class OpenSession(Protocol):
+    """What a client keeps of each open session (``Session`` is one)."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def replica(self) -> str | None: ...
+
+
+class TurnPlacement(Protocol):
+    """Where a sticky turn's job lies, and how it is moved (the client's job mechanics)."""
+
+    fleet: FleetView
+    metrics: ClientMetrics
+    client_id: str
+
+    async def taken(self, handle: RolloutHandle) -> bool:
+        """Whether a worker was ever delivered the handle's job where it is stored now."""
+        ...
+
+    async def move_to_shared(self, handle: RolloutHandle) -> bool:
+        """Withdraw the job from its replica's own subject and store it, as is, on the shared
+        subject of its constraint; False if it could not be withdrawn (it was answered)."""
+        ...
+
+    def probe(self, worker_id: str) -> None:
+        """Ask whether the replica's connection is alive (no responders: it is marked gone)."""
+        ...
+
+    async def holder_stopped(self, handle: RolloutHandle) -> None:
+        """The replica holding the handle's job is gone: say so on the job's claim, so the
+        replica that takes the moved job need not wait for the claim to go stale."""
+        ...
+
+
+class SessionHost(TurnPlacement, Protocol):
+    """Everything a ``Session`` uses of its client."""
+
+    names: Names
+    default_timeout_s: float
+    sessions: dict[str, OpenSession]  # this client's open sessions, by id
+
+    @property
+    def latest_version(self) -> int | None: ...
+
+    async def sessions_kv(self) -> KeyValue: ...
+
+    async def submit_turn(
+        self,
+        payload: RolloutPayload,
+        constraint: VersionConstraint,
+        *,
+        written: str,
+        key: str,
+        timeout: float | None,
+        retry_policy: RetryPolicy,
+        session_id: str,
+        replica: str | None,
+    ) -> RolloutHandle: ...
+
+    async def result(self, idempotency_key: str, timeout: float | None = None) -> RolloutResult: ...
+
+    async def end_session(self, replica: str, session_id: str) -> None:
+        """Tell the replica holding the session's context to drop it."""
+        ...

@@ -1,0 +1,70 @@
+"""The watch over a session's sticky turn: when the job stored on a replica's own subject moves.
+
+A turn waits on the subject of the replica holding the session's context. It moves to the
+shared subject of its constraint, as the same job (one answer wherever it runs), when:
+
+- the replica has not taken it within ``affinity_wait_s`` (busy, or gone without a word);
+- the replica is gone: stale in the registry, or no responders to a probe (sent every second
+  while it holds the turn); its claim on the turn is then marked stopped, so the replica that
+  takes the moved turn runs it (``replayable``) or answers ``Interrupted`` (``at_most_once``)
+  at once instead of waiting out the claim;
+- the replica is live and at a version that cannot serve the turn (it activated a newer one:
+  an exact turn it held was drained or handed back before that).
+
+A turn the replica has taken is never moved while the replica is draining or activating: a
+draining replica finishes what it holds, an activating one drains its exact jobs first (a
+hand-back then shows as the last case above). Moving a turn that is running would run it twice.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import suppress
+
+from rollfleet.schemas import RolloutResult
+from rollfleet.trainer_client.handle import RolloutHandle
+from rollfleet.trainer_client.sessions.host import TurnPlacement
+
+POLL_S = 0.2  # how often the watch looks at the replica
+PROBE_S = 1.0  # a replica holding a sticky turn is probed this often (no responders: gone)
+_LEAVING = ("draining", "activating")  # finishing what it holds before it stops or moves on
+
+
+async def await_sticky(host: TurnPlacement, handle: RolloutHandle, wait_s: float) -> RolloutResult:
+    """The answer of a turn stored on a replica's own subject, moving it when it must move."""
+    started = time.monotonic()
+    taken = False
+    probe_at = started + PROBE_S
+    while True:
+        with suppress(TimeoutError):
+            return await handle.result(timeout=POLL_S)
+        replica = handle.replica
+        if replica is None:  # moved already (or never sticky)
+            return await handle.result()
+        now = time.monotonic()
+        if not taken:
+            taken = await host.taken(handle)
+        reason = _reason(host, handle, replica, taken, now - started >= wait_s)
+        if reason is not None:
+            if reason == "replica_gone" and taken:
+                await host.holder_stopped(handle)
+            if await host.move_to_shared(handle):
+                host.metrics.affinity_fallbacks.labels(client_id=host.client_id, reason=reason).inc()
+                return await handle.result()
+            taken = True  # it could not be withdrawn: the replica took (and answered) it
+        if taken and now >= probe_at:  # no responders means its connection is gone
+            probe_at = now + PROBE_S
+            host.probe(replica)
+
+
+def _reason(host: TurnPlacement, handle: RolloutHandle, replica: str, taken: bool, waited: bool) -> str | None:
+    """Why the turn must move now, or None while it stays."""
+    status = host.fleet.replica(replica)
+    if status is None or not status.is_live():
+        return "replica_gone"
+    constraint = handle.job.constraint
+    if status.takes_now(constraint):
+        return "not_taken_in_time" if not taken and waited else None
+    if status.state in _LEAVING:
+        return None if taken else "replica_leaving"
+    return "replica_incompatible"  # live at a version that cannot serve it: it holds nothing of it

