@@ -12,7 +12,7 @@ TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP  = $(VLLM_VENV)/.installed
 
-.PHONY: setup demo test test-vllm vllm-env compose bench lint reliability clean
+.PHONY: setup demo test test-vllm vllm-env compose bench lint reliability adversary clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,12 @@ bench: $(STAMP)
 
 reliability: $(STAMP)
 	$(PY) -m reliability
+
+# The machine adversary alone: SEEDS random seeds of DURATION seconds, each replayable.
+SEEDS ?= 3
+DURATION ?= 60
+adversary: $(STAMP)
+	$(PY) -m reliability.adversary --campaign $(SEEDS) --duration $(DURATION)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from reliability import contract, fuzz, policy, request_path, security, sessions
+from reliability import adversary, contract, fuzz, policy, request_path, security, sessions
 from reliability.common import REPO, Figures
 
 Scenario = Callable[[Path], Awaitable[Figures]]
@@ -68,7 +68,21 @@ def scenarios(quick: bool) -> list[tuple[str, Scenario]]:
                 d, sessions=8 if q else 40, turns=5 if q else 8, workers=3, kills=2 if q else 8
             ),
         ),
+        (
+            "12",
+            lambda d: adversary.campaign(
+                d,
+                seeds=ADVERSARY_SEEDS[:2] if q else ADVERSARY_SEEDS,
+                duration=30.0 if q else 60.0,
+                hf_seeds=0 if q else 2,
+                named=[] if q else adversary.NAMED_RUNS,
+            ),
+        ),
     ]
+
+
+# The long campaign's seeds (fixed, so the page's figures can be reproduced run by run).
+ADVERSARY_SEEDS = [19, 1905, 7, 42, 101, 2024, 31337, 4242, 8080, 99, 123, 777]
 
 
 async def run_all(quick: bool, only: set[str] | None) -> list[Figures]:
@@ -83,7 +97,7 @@ async def run_all(quick: bool, only: set[str] | None) -> list[Figures]:
             print(f"--- scenario {sid}", flush=True)
             t0 = time.monotonic()
             try:
-                fig = await asyncio.wait_for(run(root / f"s{sid}"), 900)
+                fig = await asyncio.wait_for(run(root / f"s{sid}"), 3600 if sid == "12" else 900)
             except Exception as exc:  # a crashed scenario is a result too
                 fig = Figures(sid, f"scenario {sid} crashed", problems=[f"{type(exc).__name__}: {exc}"])
                 fig.notes["traceback"] = traceback.format_exc()[-2000:]
@@ -137,7 +151,7 @@ def render(figs: list[Figures], quick: bool, seconds: float) -> str:
         if f.problems:
             lines += ["", "**Broken promises:**", ""] + [f"- {p}" for p in f.problems]
         lines.append("")
-    lines.append(FOOTER.strip())
+    lines.append(FOOTER.strip().replace("{PREFIX_TABLE}", PREFIX_TABLE.strip()))
     return "\n".join(lines) + "\n"
 
 
@@ -276,7 +290,81 @@ FOOTER = """
 - **Fixed:** during a broker outage `RolloutClient.submit` could raise a raw
   `nats.errors.TimeoutError` (from the fail-fast `fleet.refresh()`), not `ServiceUnavailable`
   (seen in scenario 3's `submit_errors` of the run below); the refresh is now wrapped.
+
+## The machine adversary (scenario 12)
+
+Scenarios 1-11 try the schedules their authors thought of. Scenario 12 composes ordinary
+events at random moments instead, against real processes, and an independent oracle judges
+every run (`reliability/adversary.py`; CI runs two fixed seeds and one fresh seed of 30 s each
+in `tests/test_adversary.py`, `make reliability` the campaign whose figures are above).
+
+    python -m reliability.adversary --seed 1234 --duration 60            # one seed, replayed
+    python -m reliability.adversary --seed 1234 --duration 60 --hf 1     # plus an hf replica
+    python -m reliability.adversary --schedule drain-flaky-mount --seed 5 --duration 35 --hf 1 --workers 2
+    python -m reliability.adversary --seed 1234 --code ../other-checkout # another tree's rollfleet
+    python -m reliability.oracle WORKDIR                                  # judge a kept run again
+
+A failing run prints each violation, its seed and the one-line command that replays it (the
+seed fixes the schedule of events and the trainer's requests; the run is real time, so what
+they meet varies a little), and keeps its work directory: the journals, the wiretap's dump,
+every process's log.
+
+**The machine.** A nats-server run with the config `rollfleet permissions` generates (one user
+per worker id; a small `max_payload`, so ordinary answers are stored in chunks), echo `rollfleet
+worker` processes (optionally hf ones on a tiny model) following a policy store with
+`--verify-live`, short exact drains and a pre-read hook, and a trainer *process*
+(`reliability/load.py`) that submits exact, min and max_staleness jobs, replayable and
+at_most_once, small and chunked, under fresh keys and colliding ones (`k`, `k:1`, `k/0`,
+`sample`, `sample:0`, ...), resubmits the same request and reuses keys for other requests,
+and runs pinned, monotonic and free sessions (a failed turn is asked again with
+`generate(turn=k)`); every request and answer is journaled before and after.
+
+**The events** (`reliability/schedule.py`): publishes, bursts, a version committed while its
+directory is missing from the store, a committed directory that disappears for a while, a
+corrupt shard, slow reads; SIGKILL of a worker at random or of the one holding a session
+turn, an exact job, a chunked answer or an at_most_once job older than its claim; SIGTERM
+(a graceful drain) of one running a long turn; a worker restarted armed with
+`ROLLFLEET_FAULT=pause:<point>` and SIGKILLed there (a job delivered, mid-chunk, after a
+result before its ack, after materializing, before activating, mid-drain, mid-activation);
+a broker SIGKILLed and restarted; a job consumer deleted through the JetStream API; the
+trainer SIGKILLed (with the replica holding its turn) and restarted under the same
+client_id, resubmitting and resuming what it journaled; a second client with the trainer's
+id; and a rogue worker, a legitimate worker user of the namespace, that subscribes to every
+worker inbox for a while and stores forged answers (before the trainer asks, with an empty
+fingerprint; and copies of the job ids and fingerprints it read).
+
+**The oracle** (`reliability/oracle.py`) never reads the project's counters. Its eyes are
+a wiretap (`reliability/tap.py`: a privileged user that mirrors each worker inbox it learns
+from the broker's `/connz` and from the pull requests it hears, and drops the mirror when the
+worker does, since a subscription left on a worker's inbox keeps a cancelled pull request
+alive at the broker and jobs go into the void; answers as published, acks, claims, registry
+writes, activations), the adversary's own timeline (process lives, outages, commits), the
+journals, a fresh client's re-ask of every key at the end, and the trainer's weights, from
+which it computes each version's digest itself. It checks: every accepted result within its
+constraint or its session's policy; the digest the replica announced when it activated that
+version equal to the trainer's (a missing digest counts for engines that give one); the
+result's job delivered to the worker it names; no forged answer accepted, and no key
+decided by one; one answer per key across resubmits, a restarted trainer and the re-ask, and
+never `IdempotencyConflict` for the same request; every request and turn resolved by its
+deadline plus 5 s; no key answered `Expired` after a worker had published its answer; no job
+waiting 10 s unheld while replicas able to serve it were idle or served newer jobs; an exact
+job with no replica left at its version answered within 8 s; an at_most_once job started by
+one worker process only, and never answered `Interrupted` after its draining replica
+finished it; no job stored again and run elsewhere while its replica ran it; the rogue
+reading nothing; a second client refused `ClientIdInUse`; a failed turn asked again
+answering at once with its error; a pinned session the fleet has left refused with a
+non-retryable error that names its version. What it cannot see it counts as *not
+verifiable*, never as passed (a delivery the wiretap mirrored too late, a result served
+from a replica's start-up version, for which no activation was announced).
+
+### What it finds in the code before the fixes (commit f85f309)
+
+{PREFIX_TABLE}
 """
+
+
+# The machine adversary's findings in the code before the fixes (a table too wide for a Python line).
+PREFIX_TABLE = (Path(__file__).with_name("adversary_findings.md")).read_text()
 
 
 def main(argv: list[str] | None = None) -> int:

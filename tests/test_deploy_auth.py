@@ -112,7 +112,10 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
         fleet = await wjs.key_value(names.fleet_bucket)
         await fleet.put(names.replica_key("w1"), b"{}")  # its own registry entry
         claims = await wjs.key_value(names.claims_bucket)
-        await claims.create("job-1", b"w1")  # an at_most_once claim
+        await claims.create("job-1", b"w1")  # a claim
+        with pytest.raises(nats.js.errors.KeyWrongLastSequenceError):  # (nats-py reads the key back)
+            await claims.create("job-1", b"w1 again")
+        assert (await claims.get("job-1")).value == b"w1"
         worker_policy = await wjs.key_value(names.policy_bucket)
         assert (await worker_policy.get(names.LATEST_KEY)).value == b"0"
         await worker.publish(names.versions_activated, b"{}")
@@ -185,6 +188,7 @@ async def test_worker_is_refused_versions_and_jobs(perm_broker: EmbeddedBroker) 
         await wait_until(
             all_reported, 5, what="permission violations reported to the worker", interval=0.2, retry_errors=True
         )
+        assert not [v for v in violations if "claims" in v.lower()], violations  # claiming is the worker's own
 
         # Nothing the worker attempted was stored: the trainer's view is unchanged.
         assert (await policy.get(names.LATEST_KEY)).value == b"0"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.runtime import faults
 from rollfleet.schemas import claim_key
@@ -208,6 +209,10 @@ async def test_a_restarted_trainer_resubmitting_the_same_request_after_a_commit_
     async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="t", fail_fast=False) as first:
         await first.publish_policy(publisher, tensors_at(0))
         await first.publish_policy(publisher, tensors_at(1))
+        async with running_worker(nats_url, namespace, version=1, worker_id="old"):
+            answered = await (await first.submit(payload([8]), max_staleness=1, idempotency_key="step8/g0")).result(10)
+            assert answered.version_start == 1
+        await wait_until(lambda: not first.fleet.replicas(), timeout=10)
         queued = await first.submit(payload([4, 2]), max_staleness=1, idempotency_key="step9/g0", timeout=60)
         assert queued.job.constraint.version == 0
         s = await first.session("talk", max_staleness=1, version_policy="free").open()
@@ -226,6 +231,9 @@ async def test_a_restarted_trainer_resubmitting_the_same_request_after_a_commit_
         again = await back.submit(payload([4, 2]), max_staleness=1, idempotency_key="step9/g0", timeout=60)
         result = await again.result(20)  # the job stored before the crash (min 0), served at 3
         assert result.job_id == queued.job_id and result.version_start == 3
+        # One answered before the crash, at 1: the same answer, judged by what it was asked (min 0).
+        same = await (await back.submit(payload([8]), max_staleness=1, idempotency_key="step8/g0")).result(10)
+        assert same.job_id == answered.job_id and same.version_start == 1
         resumed = await back.resume_session("talk")
         assert (await resumed.generate(payload([1, 2]), timeout=20)).worker_id == "w"
 
@@ -264,3 +272,24 @@ async def test_an_at_most_once_job_outliving_its_claims_lifetime_is_never_run_tw
             assert b_engine.calls == []  # answered, never run a second time
     finally:
         terminate(a, 10.0, signal.SIGKILL)
+
+
+async def test_a_key_resubmitted_after_a_broker_restart_is_answered_once(tmp_path: Path) -> None:
+    """The broker rebuilds its duplicate detection from the jobs it stores when it restarts, and
+    an answered job is no longer stored: a restarted trainer resubmitting an answered key after
+    a broker restart still gets the one answer, and nothing runs a second time."""
+    broker = EmbeddedBroker(store_dir=tmp_path / "nats", log_file=tmp_path / "nats.log").start()
+    try:
+        engine = CountingEcho()
+        async with running_worker(broker.url, "restart", engine=engine, worker_id="w"):
+            async with await RolloutClient.connect(broker.url, namespace="restart", client_id="t") as first:
+                answered = await (await first.submit(payload([3]), min_version=0, idempotency_key="k")).result(10)
+            broker.kill()
+            broker.start()  # same port, same store
+            async with await RolloutClient.connect(broker.url, namespace="restart", client_id="t") as back:
+                again = await (await back.submit(payload([3]), min_version=0, idempotency_key="k")).result(10)
+                assert again.job_id == answered.job_id and again.outputs == answered.outputs
+                await asyncio.sleep(0.5)
+            assert len(engine.calls) == 1
+    finally:
+        broker.stop()

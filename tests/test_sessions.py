@@ -520,3 +520,44 @@ async def test_a_session_id_opened_again_after_a_close_is_a_new_session(nats_url
         async with client.session("again", min_version=0) as s:
             third = await s.generate(turn_payload([7, 7, 7]))  # no IdempotencyConflict
             assert third.outputs != first.outputs and len(engine.calls) == 3
+
+
+async def test_a_moved_turn_whose_new_holder_dies_is_stored_again_at_once(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """A turn moved to the shared subject (its replica busy) is taken there by w2, which is then
+    SIGKILLed: the watch sees, from the turn's claim, that the process holding it is gone, marks
+    the claim stopped and stores the job again; w1 serves it well before the broker would have
+    redelivered it (ack_wait, 30 s)."""
+    busy = CountingEcho(per_token_s=0.05)
+    group = ProcessGroup(tmp_path)
+    try:
+        async with (
+            running_worker(nats_url, namespace, worker_id="w1", capacity=1, engine=busy),
+            await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+        ):
+            seen = answers_per_key(client)
+            await wait_until(lambda: len(client.fleet.replicas()) == 1)
+            async with client.session(min_version=0, affinity_wait_s=0.5) as s:
+                assert (await s.generate(turn_payload([1], max_tokens=2))).worker_id == "w1"
+                hog = await client.submit(turn_payload([9], max_tokens=120), min_version=0)  # w1 slot, 6 s
+                await wait_until(lambda: len(busy.calls) == 2, timeout=5)
+                group.worker(nats_url, namespace, "w2", "--echo-token-latency", "0.05")
+                await wait_until(lambda: len(client.fleet.replicas()) == 2, timeout=30)
+                turn = asyncio.ensure_future(s.generate(turn_payload([1, 2], max_tokens=100)))  # 5 s on w2
+                await wait_until(
+                    lambda: client.metrics.affinity_fallbacks.labels(client_id="c", reason="not_taken_in_time")
+                    ._value.get()
+                    == 1,
+                    timeout=10,
+                )
+                await asyncio.sleep(1.0)  # running on w2
+                group.kill("w2")
+                t0 = time.monotonic()
+                result = await asyncio.wait_for(turn, 30)
+                assert result.worker_id == "w1" and time.monotonic() - t0 < 20.0
+                await hog.result(10)
+                await asyncio.sleep(0.3)
+                assert seen[s.turn_key(1)] == 1
+    finally:
+        group.close()

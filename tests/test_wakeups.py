@@ -5,6 +5,7 @@ no longer take stops being pulled at once."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -13,7 +14,7 @@ from nats.aio.msg import Msg
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.schemas import VersionConstraint
 from rollfleet.schemas.names import LISTENED_MIN_VERSIONS
-from rollfleet.testing import running_worker, wait_until
+from rollfleet.testing import ProcessGroup, running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import CountingEcho, payload
 
@@ -212,3 +213,28 @@ async def test_a_job_consumer_deleted_while_the_client_believes_it_exists_is_dec
         t0 = asyncio.get_running_loop().time()
         result = await (await client.submit(payload([4, 5]), min_version=0, timeout=60)).result(20)
         assert result.worker_id == "a" and asyncio.get_running_loop().time() - t0 < 8.0
+
+
+async def test_a_job_whose_holder_died_outside_every_window_is_pulled_again(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """A min-0 job is running on w-old (version 0) when it is SIGKILLed; the only replica left is at
+    version 5, whose window (exact-5, min-5..min-3) does not include min-0, so no request waits
+    there. The broker would redeliver the job after ack_wait to a replica pulling there: the
+    client's stall watch sees it unacked with nobody waiting and rings w-new, which serves it."""
+    topo = TopologyConfig(ack_wait_s=1.5)
+    group = ProcessGroup(tmp_path)
+    try:
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=topo) as client:
+            group.worker(nats_url, namespace, "w-old", "--echo-token-latency", "0.05", "--ack-wait", "1.5")
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=30)
+            handle = await client.submit(payload(max_tokens=100), min_version=0, timeout=60)
+            await asyncio.sleep(1.0)  # running on w-old
+            async with running_worker(nats_url, namespace, version=5, worker_id="w-new", topology=topo):
+                group.kill("w-old")
+                t0 = asyncio.get_running_loop().time()
+                result = await handle.result(30)
+                assert result.worker_id == "w-new" and result.delivery_attempt == 2
+                assert asyncio.get_running_loop().time() - t0 < 15.0
+    finally:
+        group.close()

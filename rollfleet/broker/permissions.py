@@ -43,7 +43,7 @@ def trainer_permissions(n: Names) -> dict[str, dict[str, list[str]]]:
         "$JS.API.INFO",
         *(f"$JS.API.STREAM.*.{stream}" for stream in s.values()),
         f"$JS.API.STREAM.MSG.*.{s['jobs']}",
-        *(f"$JS.API.STREAM.MSG.GET.{s[k]}" for k in ("results", "policy", "fleet", "sessions")),
+        *(f"$JS.API.STREAM.MSG.GET.{s[k]}" for k in ("results", "policy", "fleet", "sessions", "claims")),
         f"$JS.API.DIRECT.GET.{s['results']}",
         *(f"$JS.API.DIRECT.GET.{s[k]}.>" for k in ("results", "policy", "fleet", "sessions", "claims")),
         *(f"$JS.API.CONSUMER.*.{s[k]}.>" for k in ("jobs", "results", "events", "policy", "fleet")),
@@ -90,6 +90,7 @@ def worker_permissions(
         f"$JS.API.STREAM.MSG.GET.{s['results']}",
         f"$KV.{n.claims_bucket}.>",
         f"$JS.API.DIRECT.GET.{s['claims']}.>",
+        f"$JS.API.STREAM.MSG.GET.{s['claims']}",  # a claims bucket declared without direct gets
         f"$KV.{n.fleet_bucket}.{n.replica_key(worker_id)}",
         f"$JS.API.DIRECT.GET.{s['fleet']}.$KV.{n.fleet_bucket}.{n.replica_key(worker_id)}",
         f"$JS.API.DIRECT.GET.{s['policy']}.>",

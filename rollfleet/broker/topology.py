@@ -143,6 +143,7 @@ def _bucket_configs(names: Names, cfg: TopologyConfig) -> list[KeyValueConfig]:
             ttl=cfg.claims_ttl_s,  # (see TopologyConfig.claims_ttl_s)
             storage=StorageType.FILE,
             replicas=cfg.replicas,
+            direct=True,  # claims are read on every turn and at_most_once job: direct gets
         ),
         KeyValueConfig(
             bucket=names.sessions_bucket,

@@ -34,6 +34,9 @@ POINTS = {
     "worker:before-activation": "a version is prepared, the engine not yet paused",
     "worker:mid-prepare": "a newer version is being prepared (nothing of it read yet), the old one served",
     "worker:mid-activation": "exact jobs of the old version are drained, the engine not yet paused",
+    "worker:job-delivered": "a job was delivered, not yet decoded or admitted",
+    "worker:after-materialize": "a version is materialized (local marker moved), not yet staged on the engine",
+    "worker:mid-drain": "activating: exact jobs of the old version may still run, none handed back yet",
 }
 ACTIONS = ("kill", "pause")
 

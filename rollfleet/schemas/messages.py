@@ -331,6 +331,9 @@ class VersionActivated(msgspec.Struct, tag="activated", kw_only=True):
     # finish; past its bound it aborted and handed back `handed_back` of them, unanswered.
     drain_s: float = 0.0
     handed_back: int = 0
+    # The version a replica started on (with --verify-live, so its live weights are on record
+    # from its first job), not a change of version.
+    at_start: bool = False
 
 
 VersionEvent = VersionPublished | VersionActivated

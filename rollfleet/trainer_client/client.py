@@ -128,6 +128,9 @@ class RolloutClient:
         self._background: set[asyncio.Task[Any]] = set()
         self._bells: dict[tuple[str, int], float] = {}
         self._probed: dict[str, float] = {}  # replica -> when an orphan check last probed it
+        # Until then, a key given explicitly is looked up among the stored answers before its job
+        # is stored (see _answered_before).
+        self._recheck_until = time.monotonic() + topology.duplicate_window_s
         # Called with every answer message received, before deduplication (for audits and tests).
         self.observe: Callable[[Outcome, int | None], None] | None = None
         self._consumers: dict[str, float] = {}  # consumer -> until when it is known to exist
@@ -303,6 +306,8 @@ class RolloutClient:
         if unclaimed is not None and self._settle(handle, unclaimed):
             handle.stored = True
             return handle  # the answer came before we asked again (trainer restart)
+        if idempotency_key is not None and await self._answered_before(handle):
+            return handle
         if self.fail_fast and replica is None and not self.fleet.compatible(constraint):
             try:
                 await self.fleet.refresh()  # the view may lag a replica that just registered
@@ -339,6 +344,17 @@ class RolloutClient:
             self._spawn(self.nc.publish(bell, Names.REPLICA_BELL, reply=f"{self._bell_inbox}.r"))
         log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
         return handle
+
+    async def _answered_before(self, handle: RolloutHandle) -> bool:
+        """Within a duplicate window of this client's start or of a reconnect, an explicit key is
+        looked up among the stored answers before its job is stored: a broker that restarted
+        meanwhile rebuilt its duplicate detection from the jobs it still stores, and a job that
+        was answered and acked is no longer among them, so the key's resubmission would run a
+        second job. (Past that window, with no reconnect, the broker's own detection holds.)"""
+        if time.monotonic() >= self._recheck_until or not await self._settle_stored(handle):
+            return False
+        handle.stored = True
+        return True
 
     async def _store_job(self, handle: RolloutHandle, subject: str, msg_id: str) -> Any:
         headers = {HDR_MSG_ID: msg_id, HDR_CLIENT_ID: self.client_id}
@@ -532,8 +548,10 @@ class RolloutClient:
         """Once a second, while some job has waited over a second for its answer: for each of
         their subjects, ask the broker (one consumer look-up) whether jobs wait there with no
         pull request waiting for them, and if so ring one replica per few of them. This covers
-        lost bells, replicas that keep a subject's jobs queued behind full slots, and replicas
-        standing by (the subject's ``max_waiting`` was reached when they asked). A consumer found
+        lost bells, replicas that keep a subject's jobs queued behind full slots, replicas
+        standing by (the subject's ``max_waiting`` was reached when they asked), and jobs whose
+        holder died on a subject outside every live replica's window (they are redelivered only
+        to a replica that pulls there). A consumer found
         missing is declared again (it was deleted, or cleaned up while cached as existing).
         Nothing pending, nothing asked: an idle client makes no request."""
         while True:
@@ -554,7 +572,9 @@ class RolloutClient:
                 except (nats.errors.Error, nats.js.errors.Error) as exc:
                     log.debug("stall check failed", subject=consumer, error=str(exc))
                     continue
-                stuck = 0 if info.num_waiting else (info.num_pending or 0)
+                # Jobs delivered to a holder that died come back only to a replica that pulls there
+                # (after ack_wait): with no request waiting, one is rung for them too.
+                stuck = 0 if info.num_waiting else (info.num_pending or 0) + (1 if info.num_ack_pending else 0)
                 # One replica per few queued jobs (each pulls up to its free slots), bounded.
                 for _ in range(min(-(-stuck // _STALL_JOBS_PER_BELL), _STALL_BELLS_MAX)):
                     self._ring(constraint, stalled=True)
@@ -641,19 +661,66 @@ class RolloutClient:
         probe = self.names.bell_subject(worker_id)
         self._spawn(self.nc.publish(probe, Names.PROBE_BELL, reply=f"{self._bell_inbox}.p"))
 
-    async def holder_stopped(self, handle: RolloutHandle) -> None:
+    async def _claims(self) -> KeyValue:
+        if self._claims_bucket is None:
+            self._claims_bucket = await self.js.key_value(self.names.claims_bucket)
+        return self._claims_bucket
+
+    async def holder(self, handle: RolloutHandle) -> str | None:
+        try:
+            entry = await (await self._claims()).get(claim_key(handle.job_id))
+        except (nats.errors.Error, nats.js.errors.Error):
+            return None
+        holder, _, refreshed = (entry.value or b"").decode(errors="replace").rpartition("@")
+        return holder if holder and refreshed != "0" else None  # (a claim marked stopped holds nothing)
+
+    async def holder_stopped(self, handle: RolloutHandle, worker_id: str | None = None) -> bool:
         """Mark the claim of a job whose holder is gone as stopped (refreshed at time 0), so the
         replica that takes it over acts at once; the claim itself stays (an ``at_most_once`` job
-        is then answered ``Interrupted``, never run twice)."""
+        is then answered ``Interrupted``, never run twice). Marked only if the holder's connection
+        is gone now, and only over the claim as read before asking."""
         try:
-            if self._claims_bucket is None:
-                self._claims_bucket = await self.js.key_value(self.names.claims_bucket)
+            claims = await self._claims()
             key = claim_key(handle.job_id)
-            entry = await self._claims_bucket.get(key)
-            holder = (entry.value or b"").decode(errors="replace").rpartition("@")[0]
-            await self._claims_bucket.update(key, f"{holder}@0".encode(), last=entry.revision)
+            entry = await claims.get(key)
+            holder, _, refreshed = (entry.value or b"").decode(errors="replace").rpartition("@")
+            owner = holder.partition(":")[0]
+            if not holder or refreshed == "0" or (worker_id is not None and owner != worker_id):
+                return False
+            if await self._listening(owner):
+                return False  # a process of that replica is connected (perhaps a new one)
+            await claims.update(key, f"{holder}@0".encode(), last=entry.revision)
+            return True
         except (nats.errors.Error, nats.js.errors.Error):
-            return  # no claim (it never started), or it changed: nothing to say
+            return False  # no claim (it never started), or it changed: nothing to say
+
+    async def _listening(self, worker_id: str) -> bool:
+        """Whether some process listens on the replica's bell now (the broker answers "no
+        responders" at once when none does; a live one lets the probe time out)."""
+        try:
+            await self.nc.request(self.names.bell_subject(worker_id), Names.PROBE_BELL, timeout=0.25)
+        except nats.errors.NoRespondersError:
+            return False
+        except (nats.errors.TimeoutError, TimeoutError):
+            return True
+        return True
+
+    async def requeue(self, handle: RolloutHandle) -> bool:
+        if handle.replica is not None or handle.done() or handle.subject is None:
+            return False
+        if not await self._delete_job(handle):
+            return False
+        handle.moves += 1
+        try:
+            ack = await self._store_job(handle, handle.subject, f"{handle.idempotency_key}#{handle.moves}")
+        except RollfleetError as exc:
+            self._handles.pop(handle.idempotency_key, None)
+            handle.set_error(exc)
+            return True
+        handle.stream_seq = ack.seq
+        self._ring(handle.job.constraint, fresh=True)
+        log.info("turn stored again: its holder is gone", idempotency_key=handle.idempotency_key)
+        return True
 
     async def end_session(self, replica: str, session_id: str) -> None:
         await self.nc.publish(self.names.bell_subject(replica), self.names.end_session_payload(session_id))
@@ -700,10 +767,11 @@ class RolloutClient:
         return f"no live replica is at, or preparing, a version allowed by {constraint}; fleet: {live or 'empty'}"
 
     # -- answers ------------------------------------------------------------------------------
-    def _settle(self, handle: RolloutHandle, outcome: Outcome) -> bool:
+    def _settle(self, handle: RolloutHandle, outcome: Outcome, *, issued: bool = False) -> bool:
         """Hand ``outcome`` to the caller if it answers this request (``answers.judge``) and keeps
-        its constraint; False (the handle left waiting) if it answers nothing of ours."""
-        verdict = answers.judge(outcome, handle.job.fingerprint, self._accepts(handle))
+        its constraint; False (the handle left waiting) if it answers nothing of ours. ``issued``:
+        its job id is known to be one this client issued for the key (checked by the caller)."""
+        verdict = answers.judge(outcome, handle.job.fingerprint, _ANY_JOB if issued else self._accepts(handle))
         if verdict == "foreign":
             log.warning(
                 "answer that does not answer this request ignored",
@@ -718,11 +786,14 @@ class RolloutClient:
         if isinstance(outcome, RolloutFailure):
             handle.set_error(error_from_code(outcome.code, outcome.message, outcome.retryable))
             return True
-        if not self._within_constraint(outcome, handle.job.constraint):
+        # Judged against the constraint it was asked under: the job it answers may be one stored
+        # before (a resubmission of ``max_staleness=1`` resolves to another version later).
+        asked = handle.job.constraint if outcome.job_id == handle.job_id else outcome.constraint
+        if not self._within_constraint(outcome, asked or handle.job.constraint):
             handle.set_error(
                 ContractViolation(
                     f"result for {handle.idempotency_key!r} was served at versions {outcome.version_start}.."
-                    f"{outcome.version_end}, outside {handle.job.constraint}; it was not used"
+                    f"{outcome.version_end}, outside {asked or handle.job.constraint}; it was not used"
                 )
             )
             return True
@@ -873,6 +944,7 @@ class RolloutClient:
         return dict(self._unclaimed)
 
     def _on_reconnect(self) -> None:
+        self._recheck_until = time.monotonic() + self.topology.duplicate_window_s  # (see _answered_before)
         if self._results_puller is not None:
             self._results_puller.reset()  # re-request at once instead of waiting out the old one
         self.fleet.note_reconnected()
@@ -983,7 +1055,7 @@ class RolloutClient:
             return
         handle = self._handles.get(key)
         if handle is not None:
-            if self._settle(handle, outcome):
+            if self._settle(handle, outcome, issued=True):
                 self._handles.pop(key, None)
                 self._remember(answer)
             return
@@ -998,6 +1070,10 @@ class RolloutClient:
         self._delivered[answer] = None
         if len(self._delivered) > _DELIVERED_MEMORY:
             self._delivered.popitem(last=False)
+
+
+def _ANY_JOB(job_id: str | None) -> bool:
+    return True
 
 
 def _stream_seq(msg: Msg) -> int | None:

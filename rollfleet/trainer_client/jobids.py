@@ -61,10 +61,9 @@ class JobIds:
         if not job_id or len(job_id) != _NONCE_HEX + _MAC_HEX:
             return False
         nonce, mac = job_id[:_NONCE_HEX], job_id[_NONCE_HEX:]
-        if hmac.compare_digest(mac, self._mac(idempotency_key, nonce)):
-            return True
         # A job submitted without a key has its id as its key: the MAC was made over no key.
-        return job_id == idempotency_key and hmac.compare_digest(mac, self._mac(None, nonce))
+        key = None if job_id == idempotency_key else idempotency_key
+        return hmac.compare_digest(mac, self._mac(key, nonce))
 
     def _mac(self, idempotency_key: str | None, nonce: str) -> str:
         msg = self._client + b"\x00" + (idempotency_key or "").encode() + b"\x00" + nonce.encode()

@@ -9,8 +9,9 @@ already stored is acked without running again.
 they start, and the claim is refreshed while the job runs (so it never outlives a long job) and
 removed once the answer is stored and the job acked. A delivery that finds the job claimed:
 
-- by a holder that refreshed the claim within ``ack_wait`` (it still runs the job, e.g. a turn
-  the client moved off a busy replica): handed back with a delay, never run a second time;
+- by a holder that refreshed the claim within twice ``ack_wait`` (it still runs the job, e.g. a
+  turn the client moved off a busy replica, or a holder cut off from the broker for a moment):
+  handed back with a delay, never run a second time;
 - by a holder that stopped (died, or restarted under the same id): ``at_most_once`` is answered
   ``Interrupted`` (it may have started); a turn is run again (``replayable``), once.
 
@@ -81,9 +82,6 @@ _HEADROOM = 16 * 1024  # message size left for headers and protocol overhead
 _HAND_BACK_DELAY_S = 0.2
 
 
-# A job held by another replica is handed back with this delay (its holder refreshes the claim
-# every ack_wait / 3; a few such hand-backs span a claim going stale, well inside max_deliver).
-_HELD_ELSEWHERE_DELAY_S = 5.0
 
 
 @dataclass(eq=False)
@@ -136,8 +134,14 @@ class JobRunner:
         # A claim names its holder and this process (a worker restarted under the same id is a
         # new holder: what the old one held is not being run any more).
         self._holder = f"{worker_id}:{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # A claim is refreshed every ack_wait / 3 and counts as stopped when twice ack_wait old: a
+        # holder cut off from the broker for a while (a broker restart, a partition) while it runs
+        # the job is not taken for dead at the moment the broker redelivers the job (ack_wait).
         self._claim_refresh_s = max(ack_wait_s / 3.0, 0.2)
-        self._claim_stale_s = max(ack_wait_s, 3 * self._claim_refresh_s)
+        self._claim_stale_s = 2 * max(ack_wait_s, 3 * self._claim_refresh_s)
+        # A job held elsewhere is handed back with this delay: a few hand-backs span a claim going
+        # stale, well inside max_deliver.
+        self._held_delay_s = max(ack_wait_s / 2.0, 0.5)
         self._running: dict[int, RunningJob] = {}
         self._changed = asyncio.Event()  # set whenever a running job ends
         self._holding = asyncio.Event()  # set while a job runs: keep_alive sleeps otherwise
@@ -212,7 +216,7 @@ class JobRunner:
                 log.info("job held by a live replica; handed back to wait for its answer")
                 self._count("held_elsewhere")
                 with suppress(Exception):
-                    await msg.nak(delay=_HELD_ELSEWHERE_DELAY_S)
+                    await msg.nak(delay=self._held_delay_s)
                 return
             if verdict == "stopped" and job.retry_policy == "at_most_once":
                 log.info("at_most_once job redelivered after its holder started it")
@@ -465,7 +469,6 @@ class JobRunner:
                 for i, part in enumerate(parts):
                     subject = self._names.result_chunk_subject(head_subject, nonce, i)
                     await publish_retrying(self._js, subject, part, {HDR_MSG_ID: f"c:{nonce}:{i}"}, until=until)
-                    faults.point("worker:mid-chunk")
                     faults.point("worker:mid-chunks")
                 head = ChunkedOutcome(
                     idempotency_key=key,

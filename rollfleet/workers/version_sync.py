@@ -207,6 +207,7 @@ class VersionSync:
         try:
             faults.point("worker:mid-prepare")
             result = await self._materialize(target)
+            faults.point("worker:after-materialize")
             if since is not None:
                 result = _combined(since, result)
             result.changed = self._to_reload(result)
@@ -322,7 +323,6 @@ class VersionSync:
             faults.point("worker:mid-activation")
             await self._engine.pause()  # returns at the next step boundary; generation runs until then
             t2 = time.perf_counter()
-            faults.point("worker:mid-activation")
             try:
                 await self._engine.load_weights(self.local_dir, result.changed, result.version)
             finally:
@@ -421,6 +421,28 @@ class VersionSync:
         await self._registration.write(state="degraded", degraded_reason=reason)
         log.error("live weights still differ after a full reload; degraded", tensors=still[:8])
         return False
+
+
+async def announce_start(sync: VersionSync, version: int) -> None:
+    """With ``verify_live``: the version a replica starts serving, with a digest of its live weights,
+    announced like an activation (``at_start``), so every answer it gives is covered by one."""
+    live = await asyncio.to_thread(sync._engine.live_checksums)
+    if live is None:
+        return
+    announcement = VersionActivated(
+        worker_id=sync._worker_id,
+        version=version,
+        previous_version=version,
+        prepare_s=0.0,
+        pause_s=0.0,
+        wire_bytes=0,
+        density=0.0,
+        activated_at=time.time(),
+        weights_digest=weights_digest(live),
+        at_start=True,
+    )
+    with suppress(Exception):
+        await sync._js.publish(sync._names.versions_activated, encode(announcement))
 
 
 def _xxh3_sums(local_dir: Path, sums: dict[str, str]) -> dict[str, str] | None:

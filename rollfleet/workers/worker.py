@@ -72,7 +72,7 @@ from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.registry import Registration
 from rollfleet.workers.scheduler import SubjectScheduler
 from rollfleet.workers.serving import ServedVersion, Subject
-from rollfleet.workers.version_sync import VersionSync
+from rollfleet.workers.version_sync import VersionSync, announce_start
 
 
 @dataclass
@@ -218,6 +218,8 @@ class Worker:
             caught_up = await self.sync.catch_up(cfg.catch_up_wait_s, self.registration)
             self.served.version = caught_up.version
             await self.engine.start(self.sync.local_dir if cfg.store_dir is not None else None, self.served.version)
+            if cfg.verify_live:
+                await announce_start(self.sync, self.served.version)
         else:
             await self.engine.start(cfg.model_dir, self.served.version)
         await self.nc.subscribe(self.names.bell_subject(cfg.worker_id), cb=self._on_bell)

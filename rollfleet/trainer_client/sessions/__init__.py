@@ -8,7 +8,7 @@
 
 from rollfleet.trainer_client.sessions.host import OpenSession, SessionHost, TurnPlacement
 from rollfleet.trainer_client.sessions.session import POLICIES, Session, expire_idle, turn_key
-from rollfleet.trainer_client.sessions.sticky import await_sticky
+from rollfleet.trainer_client.sessions.sticky import await_turn
 
 __all__ = [
     "POLICIES",
@@ -16,7 +16,7 @@ __all__ = [
     "Session",
     "SessionHost",
     "TurnPlacement",
-    "await_sticky",
+    "await_turn",
     "expire_idle",
     "turn_key",
 ]

@@ -46,9 +46,22 @@ class TurnPlacement(Protocol):
         """Ask whether the replica's connection is alive (no responders: it is marked gone)."""
         ...
 
-    async def holder_stopped(self, handle: RolloutHandle) -> None:
-        """The replica holding the handle's job is gone: say so on the job's claim, so the
-        replica that takes the moved job need not wait for the claim to go stale."""
+    async def holder(self, handle: RolloutHandle) -> str | None:
+        """The process holding the handle's job, as its claim names it (``<worker_id>:<pid>-<n>``);
+        None when it is not claimed (or its claim is marked stopped)."""
+        ...
+
+    async def requeue(self, handle: RolloutHandle) -> bool:
+        """Store the job (the same bytes) again on the shared subject it lies on, withdrawing the
+        copy a dead holder was delivered; False if it could not be withdrawn (it was answered)."""
+        ...
+
+    async def holder_stopped(self, handle: RolloutHandle, worker_id: str | None = None) -> bool:
+        """If the process holding the handle's job (a process of ``worker_id``, when given) is gone
+        now (no responders on its bell), mark the job's claim stopped, so the replica that takes
+        the job over need not wait for the claim to go stale; whether it was marked. Only the
+        claim as read before asking is marked (compare-and-set): a claim a live replica took
+        meanwhile is left alone."""
         ...
 
 

@@ -64,7 +64,7 @@ from rollfleet.schemas.errors import (
 )
 from rollfleet.trainer_client.requests import constraint_from, written_constraint
 from rollfleet.trainer_client.sessions.host import SessionHost
-from rollfleet.trainer_client.sessions.sticky import await_sticky
+from rollfleet.trainer_client.sessions.sticky import await_turn
 
 log = get_logger("rollfleet.sessions")
 
@@ -268,16 +268,16 @@ class Session:
             if spent:
                 self._record.next_turn = nxt + 1
                 self._record.touched_at = time.time()
-            if handle.replica is not None:
-                result = await await_sticky(self._host, handle, self.affinity_wait_s)
-            else:
-                result = await handle.result()
+            result = await await_turn(self._host, handle, self.affinity_wait_s)
             self._record.replica = result.worker_id  # where its context is cached now
             if self._record.version_policy == "monotonic":
                 self._record.last_version = max(self._record.last_version or 0, result.version_end)
         except RollfleetError as exc:
+            explained = self._explained(exc)
             if spent:
-                self._failed(nxt, exc)
+                self._failed(nxt, explained)
+            if explained is not exc:
+                raise explained from exc
             raise
         finally:
             self._running = None
@@ -339,6 +339,19 @@ class Session:
         )
         err.retryable = not hopeless
         raise err
+
+    def _explained(self, exc: RollfleetError) -> RollfleetError:
+        """A pinned session's turn refused or withdrawn for want of a replica at its pin (the fleet
+        moved on between the check and the submit, or while the turn waited) says so, as the
+        check before the turn does; any other error as it is."""
+        pin = self._record.last_version
+        if self._record.version_policy != "pinned" or pin is None or not isinstance(exc, NoCompatibleReplica):
+            return exc
+        try:
+            self._check_pin_served(pin)
+        except NoCompatibleReplica as pinned:
+            return pinned
+        return exc
 
     def _sticky(self, constraint: VersionConstraint) -> str | None:
         """The replica to send the turn to: the previous turn's, while live and able; for a

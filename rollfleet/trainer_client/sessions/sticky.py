@@ -1,4 +1,5 @@
-"""The watch over a session's sticky turn: when the job stored on a replica's own subject moves.
+"""The watch over a session's turn: when the job stored on a replica's own subject moves, and
+when a turn whose holder died is stored again.
 
 A turn waits on the subject of the replica holding the session's context. It moves to the
 shared subject of its constraint, as the same job (one answer wherever it runs), when:
@@ -14,6 +15,11 @@ shared subject of its constraint, as the same job (one answer wherever it runs),
 A turn the replica has taken is never moved while the replica is draining or activating: a
 draining replica finishes what it holds, an activating one drains its exact jobs first (a
 hand-back then shows as the last case above). Moving a turn that is running would run it twice.
+
+A turn on a shared subject (moved there, or never sticky) is watched by its claim: the claim
+names the process holding it, and when that process is gone (no registry entry, a restarted
+replica under the same id, or no responders to a probe) the claim is marked stopped and the same
+job stored again at once, instead of waiting for the broker to redeliver it after ``ack_wait``.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ PROBE_S = 1.0  # a replica holding a sticky turn is probed this often (no respon
 _LEAVING = ("draining", "activating")  # finishing what it holds before it stops or moves on
 
 
-async def await_sticky(host: TurnPlacement, handle: RolloutHandle, wait_s: float) -> RolloutResult:
-    """The answer of a turn stored on a replica's own subject, moving it when it must move."""
+async def await_turn(host: TurnPlacement, handle: RolloutHandle, wait_s: float) -> RolloutResult:
+    """The answer of a turn, moving it off its replica when it must move (``handle.replica``) and
+    storing it again when the process holding it is gone."""
     started = time.monotonic()
     taken = False
     probe_at = started + PROBE_S
@@ -39,22 +46,39 @@ async def await_sticky(host: TurnPlacement, handle: RolloutHandle, wait_s: float
         with suppress(TimeoutError):
             return await handle.result(timeout=POLL_S)
         replica = handle.replica
-        if replica is None:  # moved already (or never sticky)
-            return await handle.result()
         now = time.monotonic()
+        if replica is None:  # on a shared subject: moved there, or never sticky
+            if now >= probe_at:
+                probe_at = now + PROBE_S
+                await _requeue_if_holder_gone(host, handle)
+            continue
         if not taken:
             taken = await host.taken(handle)
         reason = _reason(host, handle, replica, taken, now - started >= wait_s)
         if reason is not None:
             if reason == "replica_gone" and taken:
-                await host.holder_stopped(handle)
+                await host.holder_stopped(handle, replica)
             if await host.move_to_shared(handle):
                 host.metrics.affinity_fallbacks.labels(client_id=host.client_id, reason=reason).inc()
-                return await handle.result()
+                probe_at = now + PROBE_S
+                continue
             taken = True  # it could not be withdrawn: the replica took (and answered) it
         if taken and now >= probe_at:  # no responders means its connection is gone
             probe_at = now + PROBE_S
             host.probe(replica)
+
+
+async def _requeue_if_holder_gone(host: TurnPlacement, handle: RolloutHandle) -> None:
+    holder = await host.holder(handle)
+    if holder is None:
+        return  # not started anywhere (or answered): the pulls and the stall watch see to it
+    worker_id, _, process = holder.partition(":")
+    status = host.fleet.replica(worker_id)
+    if status is not None and status.is_live() and process.startswith(f"{status.pid}-"):
+        host.probe(worker_id)  # alive by the registry; no responders marks it gone for the next look
+        return
+    if await host.holder_stopped(handle) and await host.requeue(handle):
+        host.metrics.affinity_fallbacks.labels(client_id=host.client_id, reason="holder_gone").inc()
 
 
 def _reason(host: TurnPlacement, handle: RolloutHandle, replica: str, taken: bool, waited: bool) -> str | None:

@@ -1,0 +1,871 @@
+"""The machine adversary: seeded, randomized faults composed at random moments, against real
+processes, with an independent oracle judging every run (issue 19).
+
+    python -m reliability.adversary --seed 1234 --duration 60
+    python -m reliability.adversary --seed 1234 --duration 60 --hf 1         # plus an hf replica
+    python -m reliability.adversary --seed 1234 --code /path/to/checkout     # another rollfleet tree
+    python -m reliability.adversary --campaign 20 --duration 90              # many seeds
+
+One run: a nats-server with the generated auth config (a user per worker id, a rogue worker
+user among them, a privileged wiretap), ``rollfleet worker`` processes following a policy
+store with ``--verify-live``, a trainer process (``reliability.load``) submitting a seeded mix
+of jobs and sessions, the rogue (``reliability.rogue``) and the tap (``reliability.tap``).
+The seed fixes the schedule of events (``reliability.schedule``), printed first, one JSON line
+per event as it is injected. At the end the oracle (``reliability.oracle``) checks every
+answer; a run with violations prints them, its seed and the one-line command that replays it,
+and a JSON summary line last (``"violations": 0`` when it passed). Exit code 1 on violations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import secrets
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reliability.journal import Journal, describe_error, describe_result
+from reliability.machine import ECHO_POOL, HF_POOL, ROGUE, Machine, WorkerProc
+from reliability.schedule import Event, make_schedule
+
+REPO = Path(__file__).resolve().parents[1]
+NAMESPACE = "adv"
+TRAINER_ID = "trainer"
+FAULT_WAIT_S = 25.0
+EXACT_DRAINS = (0.3, 1.0, 3.0)
+
+
+@dataclass
+class Config:
+    seed: int
+    duration: float = 60.0
+    workers: int = 3
+    hf: int = 0
+    auth: bool = True
+    code: str | None = None  # another checkout's rollfleet (e.g. the code before a fix)
+    schedule: str | None = None  # a named schedule instead of the seed's random one
+    sessions: int = 3
+    ack_wait: float = 2.0
+    duplicate_window: float = 15.0
+    max_deliver: int = 10
+    workdir: Path | None = None
+    keep: bool = False
+    quiet: bool = False
+
+    def replay(self) -> str:
+        parts = [f"python -m reliability.adversary --seed {self.seed} --duration {self.duration:g}"]
+        if self.hf:
+            parts.append(f"--hf {self.hf}")
+        if self.workers != 3:
+            parts.append(f"--workers {self.workers}")
+        if not self.auth:
+            parts.append("--no-auth")
+        if self.schedule:
+            parts.append(f"--schedule {self.schedule}")
+        if self.code:
+            parts.append(f"--code {self.code}")
+        return " ".join(parts)
+
+
+@dataclass
+class Report:
+    config: Config
+    seconds: float = 0.0
+    events: int = 0
+    events_by_kind: dict[str, int] = field(default_factory=dict)
+    checks: dict[str, int] = field(default_factory=dict)
+    violations: list[Any] = field(default_factory=list)
+    unverified: dict[str, int] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
+    workdir: str = ""
+    crashed: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return not self.violations and self.crashed is None
+
+    def summary(self) -> dict[str, Any]:
+        by_check: dict[str, int] = {}
+        for v in self.violations:
+            by_check[v.check] = by_check.get(v.check, 0) + 1
+        return {
+            "seed": self.config.seed,
+            "duration": self.config.duration,
+            "hf": self.config.hf,
+            "schedule": self.config.schedule,
+            "rollfleet": self.notes.get("rollfleet"),
+            "seconds": self.seconds,
+            "events": self.events,
+            "events_by_kind": self.events_by_kind,
+            "checks": sum(self.checks.values()),
+            "checks_by_invariant": self.checks,
+            "violations": len(self.violations) + (1 if self.crashed else 0),
+            "violations_by_check": by_check,
+            "unverified": self.unverified,
+            "crashed": self.crashed,
+            "replay": self.config.replay(),
+            "notes": {k: v for k, v in self.notes.items() if k != "rollfleet"},
+        }
+
+
+class Adversary:
+    def __init__(self, cfg: Config, workdir: Path) -> None:
+        self.cfg = cfg
+        self.workdir = workdir
+        self.rng = random.Random(f"runtime:{cfg.seed}")
+        self.t0 = 0.0
+        self.events_journal = Journal(workdir / "events.jsonl")
+        # Children import rollfleet and reliability as this process does: from the shim of
+        # --code, or from this checkout.
+        paths = [os.environ.get("RF_ADV_SHIM") or str(REPO), os.environ.get("PYTHONPATH", "")]
+        self.child_env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+        self.machine = Machine(
+            workdir, namespace=NAMESPACE, seed=cfg.seed, auth=cfg.auth, child_env=self.child_env, cwd=_child_cwd()
+        )
+        self.admin: Any = None
+        self.publisher: Any = None
+        self.weights: Any = None
+        self.tap: Any = None
+        self.rogue: Any = None
+        self.names: Any = None
+        self.publish_lock = asyncio.Lock()
+        self.busy: set[str] = set()  # worker ids an event is working on
+        self.incarnation = 0
+        self._trainer_lock = asyncio.Lock()
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.injected: dict[str, int] = {}
+        self.topology: Any = None
+
+    # -- output ------------------------------------------------------------------------------
+    def say(self, what: str, /, **fields: Any) -> None:
+        record = {"t": round(time.time() - self.t0, 3), "event": what, **fields}
+        self.events_journal.write({**record, "wall": time.time()}, sync=False)
+        self.machine.timeline.events.append({**record, "wall": time.time()})
+        if not self.cfg.quiet:
+            print(json.dumps(record, default=str), flush=True)
+
+    # -- set-up ------------------------------------------------------------------------------
+    async def setup(self) -> None:
+        from reliability.rogue import Rogue
+        from reliability.tap import Tap
+        from reliability.trainer_weights import TrainerWeights
+        from rollfleet.broker.topology import TopologyConfig
+        from rollfleet.schemas import Names
+        from rollfleet.trainer_client import PolicyPublisher, RolloutClient
+
+        cfg, m = self.cfg, self.machine
+        self.names = Names(NAMESPACE)
+        base = self.workdir / "base"
+        if cfg.hf:
+            from rollfleet.models import build_model_dir
+
+            await asyncio.to_thread(build_model_dir, base, "tiny", 0)
+        else:
+            from rollfleet.testing.weights import write_base_checkpoint
+
+            write_base_checkpoint(base)
+        self.weights = TrainerWeights(base, cfg.seed)
+        m.start_broker()
+        self.say("broker", url=m.broker.url if m.broker else "", auth=cfg.auth, monitor=m.monitor_port)
+        self.topology = TopologyConfig(
+            ack_wait_s=cfg.ack_wait, duplicate_window_s=cfg.duplicate_window, max_deliver=cfg.max_deliver
+        )
+        self.admin = await RolloutClient.connect(
+            m.url("trainer"), namespace=NAMESPACE, client_id="adversary", topology=self.topology, fail_fast=False
+        )
+        self.publisher = PolicyPublisher(m.store, base, keyframe_every=6, keep_last=None)
+        await self.publish("setup")
+        tap_user = ("tap", m.passwords["tap"]) if cfg.auth else (None, None)
+        self.tap = await Tap(m.url(), self.names, m.monitor_port, user=tap_user[0], password=tap_user[1]).start()
+        rogue_user = (ROGUE, m.passwords[ROGUE]) if cfg.auth else (None, None)
+        self.rogue = await Rogue(
+            m.url(),
+            self.names,
+            worker_id=ROGUE,
+            victims=[*ECHO_POOL[: cfg.workers], *HF_POOL[: cfg.hf]],
+            client_id=TRAINER_ID,
+            journal=Journal(self.workdir / "rogue.jsonl"),
+            seed=cfg.seed,
+            user=rogue_user[0],
+            password=rogue_user[1],
+        ).start()
+        for wid in ECHO_POOL[: cfg.workers]:
+            self.start_worker(wid, "echo")
+        for wid in HF_POOL[: cfg.hf]:
+            self.start_worker(wid, "hf")
+        want = cfg.workers + cfg.hf
+        deadline = time.monotonic() + 90.0
+        while time.monotonic() < deadline:
+            ready = [r for r in self.admin.fleet.replicas() if r.state == "ready"]
+            if len(ready) >= want:
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise RuntimeError(f"workers did not become ready: {[w.how for w in m.timeline.workers]}")
+        self.say("fleet ready", workers=sorted(m.current))
+        # Answers stored before the trainer asks: keys a trainer is likely to use.
+        from reliability.load import family_keys, key_families
+
+        # Some seeds' rogue forges nothing at first and copies nothing: what it cannot do then
+        # shows the other defects in the clear.
+        self.rogue.copy_share = self.rng.choice((0.0, 0.2, 0.2))
+        if self.rng.random() < 0.6:
+            guesses = [k for base_key in key_families(cfg.seed)[:4] for k in family_keys(base_key)]
+            pre = self.rng.sample(guesses, 5)
+            self.rogue.latest = 0
+            await self.rogue.pre_forge(pre)
+            self.say("rogue pre-forged", keys=pre)
+        self.say("rogue", copy_share=self.rogue.copy_share)
+        await self.rogue.snoop(1.5)  # every run's rogue tries to read the others' deliveries once
+
+    def start_worker(self, wid: str, engine: str, armed: str | None = None) -> WorkerProc:
+        drain = self.rng.choice(EXACT_DRAINS)
+        extra = ["--exact-drain", str(drain), "--ack-wait", str(self.cfg.ack_wait),
+                 "--duplicate-window", str(self.cfg.duplicate_window), "--prepare-timeout", "8"]
+        wp = self.machine.start_worker(wid, engine, extra, armed=armed)
+        self.say("worker start", worker=wid, engine=engine, pid=wp.proc.pid, exact_drain=drain, armed=armed)
+        return wp
+
+    def start_trainer(self, duration: float) -> None:
+        cfg = self.cfg
+        args = ["--journal", str(self.workdir / "trainer.jsonl"), "--seed", str(cfg.seed), "--duration",
+                f"{max(0.0, duration):.1f}", "--sessions", str(cfg.sessions), "--client-id", TRAINER_ID,
+                "--ack-wait", str(cfg.ack_wait), "--duplicate-window", str(cfg.duplicate_window),
+                "--max-deliver", str(cfg.max_deliver)]
+        proc = self.machine.start_trainer(self.incarnation, args)
+        self.say("trainer start", incarnation=self.incarnation, pid=proc.pid, duration=round(duration, 1))
+
+    # -- versions ------------------------------------------------------------------------------
+    async def publish(self, why: str, *, hide_s: float = 0.0, corrupt_s: float = 0.0) -> int | None:
+        """Write the next version, optionally hide its directory or corrupt a shard before the
+        commit (a flaky mount; a bad write), commit it, and restore the store after a while."""
+        async with self.publish_lock:
+            v = 0 if self.publisher.latest_version is None else self.publisher.latest_version + 1
+            record = await asyncio.to_thread(self.publisher.publish, self.weights.at(v))
+            hidden = corrupted = None
+            if hide_s and v > 0:
+                hidden = self.machine.hide(v)
+            if corrupt_s and v > 0:
+                corrupted = self.machine.corrupt(v, self.rng)
+            t_start = time.time()
+            committed = await self.commit(record)
+            if committed:
+                self.machine.timeline.commits.append((v, t_start, time.time()))
+                self.rogue_latest(v)
+            self.say("publish", version=v, why=why, committed=committed, hidden=bool(hidden),
+                     corrupt=str(corrupted[0].name) if corrupted else None)
+        if hidden is not None:
+            t_hide = time.time()
+            await asyncio.sleep(hide_s)
+            self.machine.unhide(v)
+            self.machine.timeline.hidden.append((v, t_hide, time.time()))
+            self.say("store dir back", version=v, after_s=round(hide_s, 2))
+        if corrupted is not None:
+            t_c = time.time()
+            await asyncio.sleep(corrupt_s)
+            self.machine.restore(*corrupted)
+            self.machine.timeline.corrupt.append((v, t_c, time.time()))
+            self.say("shard restored", version=v, after_s=round(corrupt_s, 2))
+        return v
+
+    def rogue_latest(self, v: int) -> None:
+        if self.rogue is not None:
+            self.rogue.latest = v
+
+    async def commit(self, record: Any) -> bool:
+        deadline = time.monotonic() + 20.0
+        while True:
+            try:
+                await asyncio.wait_for(self.admin.commit_version(record), 10.0)
+                return True
+            except Exception as exc:  # the broker may be restarting: try again, bounded
+                if time.monotonic() > deadline:
+                    self.say("commit failed", version=record.version, error=repr(exc)[:200])
+                    return False
+                await asyncio.sleep(0.5)
+
+    # -- choosing victims ------------------------------------------------------------------------
+    def holders(self, mode: str) -> list[str]:
+        """Workers that hold (were delivered, have not acked or handed back) a job of ``mode``."""
+        now = time.time()
+        out: list[str] = []
+        claim_ttl = max(self.cfg.duplicate_window, self.cfg.ack_wait * self.cfg.max_deliver)
+        for d in self.tap.deliveries[-400:]:
+            if d.worker is None or any(k in ("+ACK", "-NAK", "+TERM") for _, k in self.tap.acks.get(d.ack, [])):
+                continue
+            if mode == "session" and d.session_id is None:
+                continue
+            if mode == "session-long" and (d.session_id is None or d.max_tokens < 300 or now - d.t > 0.6):
+                continue  # a long turn that started just now: it runs on for a second or more
+            if mode == "exact" and (d.constraint is None or d.constraint[0] != "exact"):
+                continue
+            if mode == "large" and d.max_tokens < 1400:
+                continue
+            if mode == "long" and not (d.retry == "at_most_once" and now - d.t > claim_ttl + 0.5):
+                continue
+            out.append(d.worker)
+        return out
+
+    async def victim(self, mode: str, engine: str | None = None) -> WorkerProc | None:
+        m = self.machine
+        candidates = [w for w in m.alive_workers(engine) if w.worker_id not in self.busy]
+        if mode != "random":
+            deadline = time.monotonic() + {"long": 12.0, "session-long": 8.0}.get(mode, 0.0)
+            while True:
+                held = set(self.holders(mode))
+                chosen = [w for w in candidates if w.worker_id in held and w.alive]
+                if chosen or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(0.1)
+            if chosen:
+                candidates = chosen
+        candidates = [w for w in candidates if w.alive]
+        return self.rng.choice(candidates) if candidates else None
+
+    def enough_left(self, excluding: str) -> bool:
+        return len([w for w in self.machine.alive_workers("echo") if w.worker_id != excluding]) >= 1
+
+    async def restart(self, wp: WorkerProc, after: float, same_id: bool) -> None:
+        await asyncio.sleep(after)
+        wid = wp.worker_id if same_id else (self.machine.free_id(wp.engine, self.rng) or wp.worker_id)
+        cur = self.machine.current.get(wid)
+        if cur is not None and cur.alive:
+            return
+        self.start_worker(wid, wp.engine)
+
+    # -- the events -------------------------------------------------------------------------------
+    async def run_event(self, ev: Event) -> None:
+        p = ev.params
+        self.injected[ev.kind] = self.injected.get(ev.kind, 0) + 1
+        m = self.machine
+        if ev.kind == "publish":
+            await self.publish("publish")
+        elif ev.kind == "burst":
+            for _ in range(p["count"]):
+                await self.publish("burst")
+        elif ev.kind == "publish_hidden":
+            await self.publish("hidden", hide_s=p["for_s"])
+        elif ev.kind == "corrupt":
+            await self.publish("corrupt", corrupt_s=p["for_s"])
+        elif ev.kind == "hide":
+            committed = [v for v, _, _ in m.timeline.commits if v > 0]
+            if committed:
+                v = committed[-1] if p["which"] == "latest" else self.rng.choice(committed[-3:])
+                if m.hide(v) is not None:
+                    self.say("store dir gone", version=v, for_s=p["for_s"])
+                    t = time.time()
+                    await asyncio.sleep(p["for_s"])
+                    m.unhide(v)
+                    m.timeline.hidden.append((v, t, time.time()))
+                    self.say("store dir back", version=v)
+        elif ev.kind == "slow_reads":
+            t = time.time()
+            m.set_slow(p["seconds"])
+            self.say("slow reads", seconds=p["seconds"], for_s=p["for_s"])
+            await asyncio.sleep(p["for_s"])
+            m.set_slow(None)
+            m.timeline.slow.append((p["seconds"], t, time.time()))
+            self.say("reads fast again")
+        elif ev.kind in ("kill", "term"):
+            wp = await self.victim(p["victim"], "hf" if p.get("hf") and self.cfg.hf else None)
+            if wp is None:
+                self.say(f"{ev.kind} skipped", reason="no victim")
+                return
+            self.busy.add(wp.worker_id)
+            try:
+                if ev.kind == "kill":
+                    m.kill_worker(wp)
+                    self.say("SIGKILL worker", worker=wp.worker_id, victim=p["victim"])
+                else:
+                    self.say("SIGTERM worker", worker=wp.worker_id, victim=p["victim"])
+                    await m.term_worker(wp)
+                    self.say("worker drained", worker=wp.worker_id, how=wp.how, code=wp.proc.returncode)
+                if p["restart"] or not self.enough_left(wp.worker_id):
+                    await self.restart(wp, p["after"], p["same_id"])
+            finally:
+                self.busy.discard(wp.worker_id)
+        elif ev.kind == "fault":
+            await self.fault(p)
+        elif ev.kind == "broker_restart":
+            self.say("broker SIGKILL", down_s=p["down_s"])
+            await m.restart_broker(p["down_s"])
+            self.say("broker back")
+        elif ev.kind == "delete_consumer":
+            await self.delete_consumer(p["which"])
+        elif ev.kind == "trainer_kill":
+            if self._trainer_lock.locked():  # (one trainer kill and restart at a time: never two trainers)
+                self.say("trainer kill skipped", why="another one under way")
+                return
+            async with self._trainer_lock:
+                if not m.trainer_alive() or self.incarnation >= 2:
+                    self.say("trainer kill skipped")
+                    return
+                holder = await self.victim("session-long") if p.get("with_holder") else None
+                if not m.trainer_alive():
+                    self.say("trainer kill skipped", why="the trainer ended meanwhile")
+                    return
+                m.kill_trainer()
+                self.say("SIGKILL trainer", incarnation=self.incarnation)
+                if holder is not None and self.enough_left(holder.worker_id):
+                    m.kill_worker(holder)  # the replica holding the dead trainer's turn goes too, for good
+                    self.say("SIGKILL worker", worker=holder.worker_id, victim="holder of the dead trainer's turn")
+                await asyncio.sleep(p["after"])
+                self.incarnation += 1
+                self.start_trainer(self.cfg.duration - (time.time() - self.t0))
+        elif ev.kind == "second_client":
+            await self.second_client()
+        elif ev.kind == "snoop":
+            self.say("rogue snooping", for_s=p["for_s"])
+            await self.rogue.snoop(p["for_s"])
+            self.say("rogue stopped snooping", read=self.rogue.snooped)
+        elif ev.kind == "forge":
+            from reliability.load import family_keys, key_families
+
+            keys = [k for b in key_families(self.cfg.seed) for k in family_keys(b)]
+            seen = [d.key for d in self.tap.deliveries if d.key and d.key.startswith("job-")]
+            if seen:
+                inc, _, n = seen[-1].rpartition("-")
+                keys += [f"{inc}-{int(n) + i}" for i in range(3, 7) if n.isdigit()]
+            chosen = self.rng.sample(keys, min(len(keys), p["count"]))
+            await self.rogue.pre_forge(chosen)
+            self.say("rogue forged", keys=chosen)
+
+    async def fault(self, p: dict[str, Any]) -> None:
+        """Restart a worker armed with ``pause:<point>``; once it stops there, SIGKILL it."""
+        from rollfleet.runtime import faults
+
+        m = self.machine
+        if p["point"] not in faults.POINTS:  # (a point this tree does not have)
+            self.say("fault skipped", point=p["point"], reason="no such fault point in this code")
+            return
+        wp = await self.victim("random", "echo")
+        if wp is None or not self.enough_left(wp.worker_id):
+            self.say("fault skipped", point=p["point"])
+            return
+        self.busy.add(wp.worker_id)
+        try:
+            m.kill_worker(wp)
+            armed = self.start_worker(wp.worker_id, "echo", armed=f"pause:{p['point']}")
+            self.say("armed", worker=wp.worker_id, point=p["point"])
+            if p["point"] in ("worker:mid-drain", "worker:mid-activation", "worker:before-activation",
+                              "worker:after-materialize", "worker:mid-prepare"):
+                await asyncio.sleep(4.0)  # registered and serving first, then a version to prepare
+                self.spawn(self.publish(f"to reach {p['point']}"))
+            reached = await m.wait_paused(armed, FAULT_WAIT_S)
+            if reached:
+                await asyncio.sleep(p["hold_s"])
+                m.kill_worker(armed, "killed at fault point")
+                self.say("SIGKILL at fault point", worker=wp.worker_id, point=p["point"])
+            else:
+                await m.term_worker(armed, 10.0)
+                self.say("fault point not reached", worker=wp.worker_id, point=p["point"])
+            await self.restart(armed, p["after"], True)
+        finally:
+            self.busy.discard(wp.worker_id)
+
+    async def delete_consumer(self, which: str) -> None:
+        js = self.tap.nc.jetstream(timeout=5)
+        stream = self.names.jobs_stream
+        try:
+            infos = await js.consumers_info(stream)
+        except Exception as exc:
+            self.say("consumer deletion skipped", error=repr(exc)[:120])
+            return
+        names = sorted(i.name for i in infos)
+        latest = self.publisher.latest_version or 0
+        if which == "latest-min" and f"min-{latest}" in names:
+            target = f"min-{latest}"
+        elif which == "latest-exact" and f"exact-{latest}" in names:
+            target = f"exact-{latest}"
+        elif which == "replica":
+            target = self.rng.choice([n for n in names if n.startswith("replica-")] or names or [""])
+        else:
+            target = self.rng.choice([n for n in names if not n.startswith("replica-")] or names or [""])
+        if not target:
+            return
+        try:
+            await js.delete_consumer(stream, target)
+            self.machine.timeline.consumers_deleted.append((time.time(), target))
+            self.say("consumer deleted", consumer=target, stream=stream)
+        except Exception as exc:
+            self.say("consumer deletion failed", consumer=target, error=repr(exc)[:120])
+
+    async def second_client(self) -> None:
+        """A second client with the trainer's client_id while the trainer runs: refused, or a finding."""
+        from rollfleet.trainer_client import RolloutClient
+
+        m = self.machine
+        if not m.trainer_alive():
+            self.say("second client skipped", reason="trainer not running")
+            return
+        record: dict[str, Any] = {"t": time.time(), "trainer_incarnation": self.incarnation}
+        try:
+            client = await asyncio.wait_for(
+                RolloutClient.connect(m.url("trainer"), namespace=NAMESPACE, client_id=TRAINER_ID,
+                                      topology=self.topology),
+                20.0,
+            )
+        except Exception as exc:
+            record.update(describe_error(exc))
+        else:
+            record.update(kind="connected")
+            await client.close()
+        record["trainer_alive"] = m.trainer_alive()
+        m.timeline.second_clients.append(record)
+        self.say("second client", outcome=record.get("cls", record.get("kind")))
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def guarded(self, ev: Event) -> None:
+        try:
+            await asyncio.wait_for(self.run_event(ev), 90.0)
+        except Exception as exc:
+            self.say("event failed", kind=ev.kind, error=repr(exc)[:300])
+
+    # -- the run -------------------------------------------------------------------------------
+    async def run(self) -> Report:
+        cfg = self.cfg
+        report = Report(config=cfg, workdir=str(self.workdir))
+        import rollfleet
+
+        report.notes["rollfleet"] = os.path.realpath(os.path.dirname(rollfleet.__file__))
+        schedule = make_schedule(cfg.seed, cfg.duration, hf=bool(cfg.hf), name=cfg.schedule)
+        t_start = time.monotonic()
+        self.t0 = time.time()
+        self.say("run", seed=cfg.seed, duration=cfg.duration, rollfleet=report.notes["rollfleet"],
+                 replay=cfg.replay(), workdir=str(self.workdir))
+        self.say("schedule", events=[[round(e.t, 2), e.kind, e.params] for e in schedule])
+        try:
+            await self.setup()
+            self.t0 = time.time()  # event times count from here, as the schedule does
+            self.start_trainer(cfg.duration)
+            for ev in schedule:
+                await asyncio.sleep(max(0.0, self.t0 + ev.t - time.time()))
+                self.machine.reap()
+                self.say("inject", kind=ev.kind, **ev.params)
+                self.spawn(self.guarded(ev))
+            await asyncio.sleep(max(0.0, self.t0 + cfg.duration - time.time()))
+            await self.settle()
+            finals = await self.reask_all()
+            report.notes.update(await self.collect_notes())
+            from reliability.oracle import Oracle, save_inputs
+
+            stored = await self.tap.stored_answers()
+            activations = await self.tap.stored_activations()
+            log_lines = (self.workdir / "nats.log").read_text(errors="replace").splitlines()
+            broker_log = "\n".join(line for line in log_lines if "Violation" in line)
+            with contextlib.suppress(Exception):
+                save_inputs(self.workdir / "oracle.json", cfg=cfg, timeline=self.machine.timeline, finals=finals,
+                            stored=stored, activations=activations, broker_log=broker_log)
+            oracle = Oracle(
+                cfg=cfg,
+                timeline=self.machine.timeline,
+                tap=self.tap,
+                trainer=Journal.read(self.workdir / "trainer.jsonl"),
+                rogue=Journal.read(self.workdir / "rogue.jsonl"),
+                finals=finals,
+                stored=stored,
+                activations=activations,
+                weights=self.weights,
+                names=self.names,
+                broker_log=broker_log,
+            )
+            report.violations = oracle.judge()
+            report.checks = dict(oracle.checks)
+            report.unverified = dict(oracle.unverified)
+            report.notes.update(oracle.notes)
+        except Exception as exc:
+            import traceback
+
+            report.crashed = f"{type(exc).__name__}: {exc}"
+            report.notes["traceback"] = traceback.format_exc()[-3000:]
+        finally:
+            await self.close()
+            report.seconds = time.monotonic() - t_start
+            report.events = sum(self.injected.values())
+            report.events_by_kind = dict(sorted(self.injected.items()))
+        return report
+
+    async def settle(self) -> None:
+        """No more events; let what is running finish, heal the store, keep a fleet, and wait for
+        the trainer to resolve (or journal as hung) everything it asked."""
+        m = self.machine
+        deadline = time.monotonic() + 60.0
+        while self.tasks and time.monotonic() < deadline:
+            await asyncio.wait(list(self.tasks), timeout=1.0)
+        for task in list(self.tasks):
+            task.cancel()
+        m.heal_store()
+        if m.broker is not None and not m.broker.alive():
+            m.broker.start()
+        m.reap()
+        while len(m.alive_workers("echo")) < 2:
+            wid = m.free_id("echo", self.rng)
+            if wid is None:
+                break
+            self.start_worker(wid, "echo")
+        m.note_trainer_exit()
+        done = any(r.get("ev") == "done" for r in Journal.read(self.workdir / "trainer.jsonl"))
+        if not m.trainer_alive() and not done:
+            self.incarnation += 1
+            self.start_trainer(0.0)  # the restarted trainer recovers what it journaled, then stops
+        self.say("settling", trainer_alive=m.trainer_alive())
+        deadline = time.monotonic() + 170.0
+        while time.monotonic() < deadline:
+            if not m.trainer_alive():
+                break
+            await asyncio.sleep(0.5)
+        if m.trainer_alive():
+            m.kill_trainer()
+            self.say("trainer did not finish; killed")
+        m.note_trainer_exit()
+        self.say("trainer finished", code=m.trainer.returncode if m.trainer else None)
+
+    async def reask_all(self) -> dict[str, dict[str, Any]]:
+        """A fresh client with the trainer's client_id asks ``result(key)`` for every key that was
+        answered with a result or a stored failure: the same answer must come back."""
+        from rollfleet.schemas.errors import RollfleetError
+        from rollfleet.trainer_client import RolloutClient
+
+        keys: set[str] = set()
+        for r in Journal.read(self.workdir / "trainer.jsonl"):
+            if r.get("ev") == "answer":
+                keys.add(r.get("idem_key") or r["key"])
+        out: dict[str, dict[str, Any]] = {}
+        client = await asyncio.wait_for(
+            RolloutClient.connect(self.machine.url("trainer"), namespace=NAMESPACE, client_id=TRAINER_ID,
+                                  topology=self.topology),
+            60.0,
+        )
+        sem = asyncio.Semaphore(16)
+
+        async def one(key: str) -> None:
+            async with sem:
+                t = time.time()
+                try:
+                    result = await client.result(key, timeout=4.0)
+                except RollfleetError as exc:
+                    out[key] = {**describe_error(exc), "t": t}
+                except TimeoutError:
+                    out[key] = {"kind": "timeout", "t": t}
+                except Exception as exc:
+                    out[key] = {**describe_error(exc), "untyped": True, "t": t}
+                else:
+                    out[key] = {**describe_result(result), "t": t}
+
+        try:
+            await asyncio.gather(*(one(k) for k in sorted(keys)))
+        finally:
+            await client.close()
+        self.say("re-asked", keys=len(out))
+        return out
+
+    async def collect_notes(self) -> dict[str, Any]:
+        await self.tap.resolve()
+        with contextlib.suppress(Exception):
+            self.tap.dump(self.workdir / "tap.json")
+        rogue = self.rogue
+        return {
+            "deliveries_seen": len(self.tap.deliveries),
+            "deliveries_unattributed": self.tap.unresolved,
+            "answers_published_seen": len(self.tap.published),
+            "tap_gaps_s": round(sum(b - a for a, b in self.tap.gaps if b != float("inf")), 3),
+            "connz_polls": self.tap.polls,
+            "versions_committed": len(self.machine.timeline.commits),
+            "worker_processes": len(self.machine.timeline.workers),
+            "trainer_incarnations": len(self.machine.timeline.trainers),
+            "rogue_snooped": rogue.snooped if rogue else 0,
+            "rogue_forged": rogue.forged if rogue else 0,
+            "rogue_refusals": len(rogue.refusals) if rogue else 0,
+        }
+
+    async def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        for part in (self.rogue, self.tap, self.admin):
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(part.close(), 10.0)
+        await asyncio.to_thread(self.machine.close)
+        self.events_journal.close()
+
+
+def _child_cwd() -> Path:
+    """Children run from a directory with no ``rollfleet`` in it, so PYTHONPATH decides which
+    rollfleet they import (``python -m`` puts the working directory first on sys.path)."""
+    here = Path(os.environ.get("RF_ADV_SHIM", "")) if os.environ.get("RF_ADV_SHIM") else None
+    return here if here is not None else Path(tempfile.gettempdir())
+
+
+def use_code(code: str | None) -> None:
+    """Make this process and its children import rollfleet from ``code`` (a checkout) and
+    reliability from here: re-executes itself once with a PYTHONPATH of symlinks."""
+    if os.environ.get("RF_ADV_SHIM"):
+        return
+    import hashlib
+
+    target = Path(code).resolve() / "rollfleet" if code else REPO / "rollfleet"
+    if not (target / "__init__.py").is_file():
+        raise SystemExit(f"--code {code}: no rollfleet package in it")
+    tag = hashlib.blake2b(f"{target}|{REPO}".encode(), digest_size=6).hexdigest()
+    shim = Path(tempfile.gettempdir()) / f"rf-adv-shim-{tag}"
+    shim.mkdir(exist_ok=True)
+    for name, dest in (("rollfleet", target), ("reliability", REPO / "reliability")):
+        link = shim / name
+        if not link.is_symlink() or os.readlink(link) != str(dest):
+            link.unlink(missing_ok=True)
+            link.symlink_to(dest)
+    env = {**os.environ, "PYTHONPATH": str(shim), "RF_ADV_SHIM": str(shim)}
+    os.chdir(shim)
+    os.execve(sys.executable, [sys.executable, "-m", "reliability.adversary", *sys.argv[1:]], env)
+
+
+async def run_one(cfg: Config) -> Report:
+    workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix=f"rf-adv-{cfg.seed}-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    adversary = Adversary(cfg, workdir)
+    report = await adversary.run()
+    if report.passed and not cfg.keep:
+        adversary.machine.cleanup()
+    return report
+
+
+# The named schedules a long campaign runs too: (schedule, seed, duration, hf workers, echo workers).
+NAMED_RUNS = [
+    ("drain-flaky-mount", 5, 35.0, 1, 2),
+    ("sessions-trainer", 7, 35.0, 0, 3),
+    ("chunks-consumers", 8, 35.0, 0, 3),
+    ("long-at-most-once", 9, 60.0, 0, 3),
+]
+
+
+async def campaign(
+    workdir: Path,
+    seeds: list[int],
+    duration: float,
+    hf_seeds: int = 0,
+    named: list[tuple[str, int, float, int, int]] | None = None,
+) -> Any:
+    """Many seeds (the last ``hf_seeds`` with an hf replica too) and the ``named`` schedules, as
+    one reliability scenario's figures (``python -m reliability``, scenario 12)."""
+    from reliability.common import Figures
+
+    named = named or []
+    fig = Figures(
+        "12",
+        "The machine adversary: random faults composed at random moments, an independent oracle",
+        {"seeds": len(seeds), "duration_s": duration, "hf_seeds": hf_seeds, "named_schedules": len(named)},
+    )
+    t0 = time.monotonic()
+    checks: dict[str, int] = {}
+    events: dict[str, int] = {}
+    unverified: dict[str, int] = {}
+    runs = []
+    plan = [(None, seed, duration, 1 if i >= len(seeds) - hf_seeds else 0, 3) for i, seed in enumerate(seeds)]
+    for schedule, seed, dur, hf, workers in [*plan, *named]:
+        cfg = Config(seed=seed, duration=dur, hf=hf, workers=workers, schedule=schedule,
+                     workdir=workdir / f"{schedule or 'seed'}-{seed}", quiet=True)
+        report = await run_one(cfg)
+        print_report(report)
+        s = report.summary()
+        runs.append({"seed": seed if schedule is None else f"{schedule} {seed}", "hf": hf, "seconds": report.seconds,
+                     "events": report.events, "checks": s["checks"], "violations": s["violations"]})
+        for k, v in report.checks.items():
+            checks[k] = checks.get(k, 0) + v
+        for k, v in report.events_by_kind.items():
+            events[k] = events.get(k, 0) + v
+        for k, v in report.unverified.items():
+            unverified[k] = unverified.get(k, 0) + v
+        fig.submitted += int(report.notes.get("calls", 0))
+        fig.completed += int(report.notes.get("results_accepted", 0))
+        fig.failed += sum((report.notes.get("errors_by_class") or {}).values())
+        fig.faults += report.events
+        fig.versions_published += int(report.notes.get("versions_committed", 0))
+        fig.versions_activated += int(report.notes.get("activations", 0))
+        for v in report.violations:
+            fig.problems.append(f"seed {seed}: {v.line()}  (replay: {cfg.replay()})")
+            hang = v.check == "resolution" and "unanswered" in v.message
+            fig.lost += v.check in ("lost", "stranded", "orphan") or hang
+            fig.duplicated += v.check in ("once", "twice", "moved")
+        if report.crashed:
+            fig.problems.append(f"seed {seed}: crashed: {report.crashed}  (replay: {cfg.replay()})")
+    fig.notes["runs"] = len(runs)
+    fig.notes["events injected"] = sum(events.values())
+    fig.notes["events by kind"] = events
+    fig.notes["invariant checks"] = sum(checks.values())
+    fig.notes["checks by invariant"] = checks
+    fig.notes["violations"] = len(fig.problems)
+    fig.notes["not verifiable (counted, not violations)"] = unverified
+    fig.notes["runs (seed, seconds, events, checks, violations)"] = [
+        (r["seed"], r["seconds"], r["events"], r["checks"], r["violations"]) for r in runs
+    ]
+    fig.seconds = time.monotonic() - t0
+    return fig
+
+
+def print_report(report: Report) -> None:
+    for v in report.violations:
+        print(f"VIOLATION {v.line()}", flush=True)
+    if report.crashed:
+        print(f"CRASHED {report.crashed}\n{report.notes.get('traceback', '')}", flush=True)
+    if not report.passed:
+        print(f"FAILED seed {report.config.seed}; replay: {report.config.replay()}  (workdir {report.workdir})")
+    print(json.dumps(report.summary(), default=str), flush=True)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m reliability.adversary", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seed", type=int, default=None, help="default: a fresh one, printed")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load and events")
+    p.add_argument("--workers", type=int, default=3, help="echo workers at the start")
+    p.add_argument("--hf", type=int, default=0, help="hf workers (tiny model) besides the echo ones")
+    p.add_argument("--no-auth", action="store_true", help="no auth config (and no rogue user)")
+    p.add_argument("--schedule", default=None, help="a named schedule instead of the seed's random one")
+    p.add_argument("--code", default=None, help="run this checkout's rollfleet (e.g. the code before a fix)")
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--keep", action="store_true", help="keep the work directory of a passing run")
+    p.add_argument("--campaign", type=int, default=0, help="run this many seeds (from --seed, or fresh)")
+    p.add_argument("--quiet", action="store_true", help="no event lines, only findings and the summary")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    os.environ.setdefault("ROLLFLEET_LOG_LEVEL", "error")  # the adversary's own clients: quiet
+    use_code(args.code)  # (returns only inside the re-executed process)
+    seed = args.seed if args.seed is not None else secrets.randbelow(10**6)
+    runs = max(1, args.campaign)
+    failed = 0
+    for i in range(runs):
+        cfg = Config(
+            seed=seed + i,
+            duration=args.duration,
+            workers=args.workers,
+            hf=args.hf,
+            auth=not args.no_auth and args.schedule != "no-auth",
+            code=args.code,
+            schedule=args.schedule,
+            workdir=Path(args.workdir) / str(seed + i) if args.workdir else None,
+            keep=args.keep,
+            quiet=args.quiet,
+        )
+        report = asyncio.run(run_one(cfg))
+        print_report(report)
+        failed += not report.passed
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

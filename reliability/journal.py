@@ -1,0 +1,89 @@
+"""The adversary's records: what the trainer asked and was answered, what the rogue forged,
+what the adversary did. Append-only JSON lines, fsynced per record, so a SIGKILLed writer
+loses at most the record it was writing; the oracle reads them after the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+FORGED_TOKEN = 31_337  # every completion the rogue forges is made of this token
+
+
+class Journal:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any], sync: bool = True) -> None:
+        self._f.write(json.dumps(record, separators=(",", ":"), default=str) + "\n")
+        self._f.flush()
+        if sync:
+            os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+    @staticmethod
+    def read(path: Path) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        try:
+            lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return out
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # the last line of a killed writer
+        return out
+
+
+def tokens_digest(outputs: Any) -> str:
+    """A digest of every completion's token ids, in order."""
+    h = xxhash.xxh3_64()
+    for c in outputs:
+        h.update(json.dumps(list(c.token_ids)).encode())
+        h.update(b"|")
+    return h.hexdigest()
+
+
+def describe_result(result: Any) -> dict[str, Any]:
+    """What the oracle needs of an accepted RolloutResult."""
+    spans = []
+    for c in result.outputs:
+        spans.append([[s.version, s.start, s.end] for s in c.weight_versions])
+    forged = any(c.token_ids and all(t == FORGED_TOKEN for t in c.token_ids) for c in result.outputs)
+    return {
+        "kind": "result",
+        "job_id": result.job_id,
+        "worker_id": result.worker_id,
+        "version_start": result.version_start,
+        "version_end": result.version_end,
+        "spans": spans,
+        "tokens": tokens_digest(result.outputs),
+        "ntokens": sum(len(c.token_ids) for c in result.outputs),
+        "finished_at": result.finished_at,
+        "generation_s": result.generation_s,
+        "attempt": result.delivery_attempt,
+        "fingerprint": result.fingerprint,
+        "session_id": result.session_id,
+        "idem_key": result.idempotency_key,
+        "forged_tokens": forged,
+    }
+
+
+def describe_error(exc: BaseException) -> dict[str, Any]:
+    return {
+        "kind": "error",
+        "cls": type(exc).__name__,
+        "code": getattr(exc, "code", None),
+        "retryable": getattr(exc, "retryable", None),
+        "message": str(getattr(exc, "message", exc))[:400],
+    }

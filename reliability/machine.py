@@ -1,0 +1,320 @@
+"""The real parts the adversary drives, and the record of what it did to them.
+
+A nats-server run with the auth config ``rollfleet permissions`` generates (one user per
+worker id, the rogue among them; plus a privileged ``tap`` user for the oracle's wiretap) and
+a small ``max_payload``, so that ordinary answers are stored in chunks; real ``rollfleet
+worker`` processes (echo, optionally hf) that follow a real policy store; the trainer process
+(``reliability.load``); and the store itself, whose version directories can vanish for a while
+or carry a corrupt shard. Every process start, stop, pause and death, every broker outage and
+every commit is written to ``timeline`` with wall-clock times: the oracle reads that, never
+the project's own counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rollfleet.broker import EmbeddedBroker, free_port
+from rollfleet.runtime.processes import terminate
+from rollfleet.testing.processes import CHILD_LOG_ENV, spawn
+
+MAX_PAYLOAD = "32KB"  # answers over ~16 KB are stored in chunks (the worker keeps 16 KB headroom)
+ECHO_POOL = tuple(f"w{i}" for i in range(1, 7))
+HF_POOL = ("h1", "h2")
+ROGUE = "rogue"
+
+
+@dataclass
+class WorkerProc:
+    worker_id: str
+    engine: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    start: float
+    armed: str | None = None  # pause:<point>
+    end: float | None = None
+    paused_at: float | None = None
+    how: str = ""  # how it ended: killed, terminated, exited
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@dataclass
+class Timeline:
+    """What the adversary did, with wall-clock times (for the oracle)."""
+
+    workers: list[WorkerProc] = field(default_factory=list)
+    broker_down: list[list[float]] = field(default_factory=list)
+    commits: list[tuple[int, float, float]] = field(default_factory=list)  # (version, started, committed)
+    hidden: list[tuple[int, float, float]] = field(default_factory=list)  # (version, from, to)
+    corrupt: list[tuple[int, float, float]] = field(default_factory=list)
+    slow: list[tuple[float, float, float]] = field(default_factory=list)  # (seconds per read, from, to)
+    consumers_deleted: list[tuple[float, str]] = field(default_factory=list)
+    trainers: list[dict[str, Any]] = field(default_factory=list)  # incarnation, pid, start, end, how
+    second_clients: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Machine:
+    def __init__(self, workdir: Path, *, namespace: str, seed: int, auth: bool, child_env: dict[str, str], cwd: Path):
+        self.workdir = Path(workdir)
+        self.namespace = namespace
+        self.seed = seed
+        self.auth = auth
+        self.child_env = child_env
+        self.cwd = cwd
+        self.timeline = Timeline()
+        self.store = self.workdir / "store"
+        self.hidden_dir = self.workdir / "hidden"
+        self.slow_file = self.workdir / "slow-read"
+        self.passwords: dict[str, str] = {}
+        self.broker: EmbeddedBroker | None = None
+        self.monitor_port = 0
+        self.current: dict[str, WorkerProc] = {}  # worker id -> its live (or last) process
+        self.trainer: subprocess.Popen[bytes] | None = None
+        self.worker_args: dict[str, list[str]] = {}
+
+    # -- the broker ----------------------------------------------------------------------------
+    def users(self) -> list[str]:
+        return ["trainer", *ECHO_POOL, *HF_POOL, ROGUE]
+
+    def url(self, user: str | None = None) -> str:
+        assert self.broker is not None
+        if not self.auth or user is None:
+            return self.broker.url
+        return self.broker.url.replace("nats://", f"nats://{user}:{self.passwords[user]}@")
+
+    def _config(self) -> Path:
+        path = self.workdir / "nats.conf"
+        if not self.auth:
+            path.write_text(f"max_payload: {MAX_PAYLOAD}\nmax_pending: 256MB\njetstream {{ max_file_store: 4GB }}\n")
+            return path
+        from rollfleet.broker.permissions import render_config
+
+        text = render_config({self.namespace: [*ECHO_POOL, *HF_POOL, ROGUE]})
+        text = text.replace("max_payload: 8MB", f"max_payload: {MAX_PAYLOAD}")
+        text = text.replace("max_file_store: 100GB", "max_file_store: 4GB")
+        marker = "    users: [\n"
+        assert marker in text, "the generated config's account has no users list"
+        tap = "      { user: tap, password: $ROLLFLEET_PASSWORD_TAP }  # the oracle's wiretap (adversary only)\n"
+        text = text.replace(marker, marker + tap, 1)
+        path.write_text(text)
+        from rollfleet.broker.permissions import password_variable
+
+        for user in [*self.users(), "tap", "sys"]:
+            self.passwords[user] = secrets.token_hex(12)
+            os.environ[password_variable(user)] = self.passwords[user]
+        return path
+
+    def start_broker(self) -> EmbeddedBroker:
+        self.monitor_port = free_port()
+        self.broker = EmbeddedBroker(
+            store_dir=self.workdir / "nats",
+            config=self._config(),
+            log_file=self.workdir / "nats.log",
+            extra_args=["-m", str(self.monitor_port)],
+        ).start()
+        return self.broker
+
+    async def restart_broker(self, down_s: float) -> None:
+        assert self.broker is not None
+        t0 = time.time()
+        self.broker.kill()  # SIGKILL: no flush, no goodbye
+        await asyncio.sleep(down_s)
+        self.broker.start()  # (from the main thread: the broker is tied to the thread that starts it)
+        self.timeline.broker_down.append([t0, time.time()])
+
+    # -- workers ---------------------------------------------------------------------------------
+    def _worker_cmd(self, worker_id: str, engine: str, extra: list[str]) -> list[str]:
+        local = self.workdir / "local" / worker_id
+        common = [
+            sys.executable, "-m", "rollfleet", "worker", "--nats", self.url(worker_id), "--namespace", self.namespace,
+            "--worker-id", worker_id, "--heartbeat", "0.5", "--store", str(self.store), "--local-dir", str(local),
+            "--verify-live", "--capacity", "3", "--catch-up-wait", "60",
+            "--pre-read-hook", "reliability.hooks:slow_read",
+        ]
+        if engine == "hf":
+            common += ["--engine", "hf", "--device", "cpu", "--max-batch", "8"]
+        else:
+            common += ["--engine", "echo", "--echo-token-latency", "0.003"]
+        return common + extra
+
+    def start_worker(self, worker_id: str, engine: str, extra: list[str], armed: str | None = None) -> WorkerProc:
+        old = self.current.get(worker_id)
+        assert old is None or not old.alive, f"{worker_id} is running"
+        self.worker_args[worker_id] = extra
+        log = self.workdir / "logs" / f"{worker_id}.{len(self.timeline.workers)}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**CHILD_LOG_ENV, **self.child_env, "RF_ADV_SLOW_READ": str(self.slow_file)}
+        if armed:
+            env["ROLLFLEET_FAULT"] = armed
+        proc = spawn(self._worker_cmd(worker_id, engine, extra), log, env=env, cwd=self.cwd)
+        wp = WorkerProc(worker_id, engine, proc, log, time.time(), armed=armed)
+        self.timeline.workers.append(wp)
+        self.current[worker_id] = wp
+        return wp
+
+    def alive_workers(self, engine: str | None = None) -> list[WorkerProc]:
+        return [
+            w
+            for w in self.current.values()
+            if w.alive and w.paused_at is None and (engine is None or w.engine == engine)
+        ]
+
+    def free_id(self, engine: str, rng: Any) -> str | None:
+        pool = HF_POOL if engine == "hf" else ECHO_POOL
+        free = [w for w in pool if w not in self.current or not self.current[w].alive]
+        return rng.choice(free) if free else None
+
+    def kill_worker(self, wp: WorkerProc, how: str = "killed") -> None:
+        if wp.alive:
+            terminate(wp.proc, 10.0, signal.SIGKILL)
+        self._ended(wp, how)
+
+    async def term_worker(self, wp: WorkerProc, timeout: float = 30.0) -> None:
+        """SIGTERM (a graceful drain, as ``docker compose --scale`` down does), SIGKILL after ``timeout``."""
+        if wp.alive:
+            wp.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if not wp.alive:
+                    break
+                await asyncio.sleep(0.1)
+            if wp.alive:
+                terminate(wp.proc, 5.0, signal.SIGKILL)
+                wp.how = "terminated, then killed"
+        self._ended(wp, wp.how or "terminated")
+
+    def _ended(self, wp: WorkerProc, how: str) -> None:
+        if wp.end is None:
+            wp.end = time.time()
+            wp.how = wp.how or how
+
+    def reap(self) -> None:
+        """Note processes that exited on their own (a crash is a finding the oracle can see)."""
+        for wp in self.timeline.workers:
+            if wp.end is None and not wp.alive:
+                self._ended(wp, f"exited {wp.proc.returncode}")
+
+    async def wait_paused(self, wp: WorkerProc, timeout: float) -> bool:
+        """Whether an armed worker reached its fault point (it prints ``PAUSED <point>``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and wp.alive:
+            try:
+                if b"PAUSED " in wp.log.read_bytes():
+                    wp.paused_at = time.time()
+                    return True
+            except OSError:
+                pass
+            await asyncio.sleep(0.1)
+        return False
+
+    def stop_workers(self) -> None:
+        live = [w for w in self.timeline.workers if w.alive]
+        for w in live:
+            w.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15.0
+        for w in live:
+            terminate(w.proc, max(0.1, deadline - time.monotonic()))
+            self._ended(w, "stopped at the end")
+
+    # -- the trainer -----------------------------------------------------------------------------
+    def start_trainer(self, incarnation: int, args: list[str]) -> subprocess.Popen[bytes]:
+        log = self.workdir / "logs" / f"trainer.{incarnation}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**self.child_env, "RF_ADV_TRAINER_URL": self.url("trainer"), "ROLLFLEET_LOG_LEVEL": "warning"}
+        cmd = [sys.executable, "-m", "reliability.load", "--nats", self.url(), "--namespace", self.namespace,
+               "--incarnation", str(incarnation), *args]
+        self.trainer = spawn(cmd, log, env=env, cwd=self.cwd)
+        self.timeline.trainers.append({"incarnation": incarnation, "pid": self.trainer.pid, "start": time.time()})
+        return self.trainer
+
+    def trainer_alive(self) -> bool:
+        return self.trainer is not None and self.trainer.poll() is None
+
+    def kill_trainer(self) -> None:
+        if self.trainer is not None and self.trainer.poll() is None:
+            terminate(self.trainer, 10.0, signal.SIGKILL)
+            self.timeline.trainers[-1].update(end=time.time(), how="killed")
+
+    def note_trainer_exit(self) -> None:
+        if self.trainer is not None and self.trainer.poll() is not None and "end" not in self.timeline.trainers[-1]:
+            self.timeline.trainers[-1].update(end=time.time(), how=f"exited {self.trainer.returncode}")
+
+    # -- the store ---------------------------------------------------------------------------------
+    def version_dir(self, version: int) -> Path:
+        return self.store / f"weight_v{version:06d}"
+
+    def hide(self, version: int) -> Path | None:
+        src = self.version_dir(version)
+        if not src.is_dir():
+            return None
+        self.hidden_dir.mkdir(exist_ok=True)
+        dst = self.hidden_dir / src.name
+        os.rename(src, dst)
+        return dst
+
+    def unhide(self, version: int) -> None:
+        src = self.hidden_dir / self.version_dir(version).name
+        if src.is_dir():
+            os.rename(src, self.version_dir(version))
+
+    def corrupt(self, version: int, rng: Any) -> tuple[Path, bytes] | None:
+        """Flip bytes in the middle of one shard of ``version`` (written as a new file, so a
+        hard-linked base is never touched); returns what to restore."""
+        d = self.version_dir(version)
+        shards = sorted(p for p in d.glob("*.safetensors") if p.stat().st_size > 64) if d.is_dir() else []
+        if not shards:
+            return None
+        shard = rng.choice(shards)
+        original = shard.read_bytes()
+        data = bytearray(original)
+        at = len(data) // 2 + rng.randrange(max(1, len(data) // 4))
+        for i in range(at, min(len(data), at + 16)):
+            data[i] ^= 0xA5
+        tmp = shard.with_name(shard.name + ".adv-tmp")
+        tmp.write_bytes(bytes(data))
+        os.replace(tmp, shard)
+        return shard, original
+
+    @staticmethod
+    def restore(shard: Path, original: bytes) -> None:
+        tmp = shard.with_name(shard.name + ".adv-tmp")
+        tmp.write_bytes(original)
+        os.replace(tmp, shard)
+
+    def set_slow(self, seconds: float | None) -> None:
+        if seconds:
+            self.slow_file.write_text(f"{seconds:.3f}")
+        else:
+            self.slow_file.unlink(missing_ok=True)
+
+    def heal_store(self) -> None:
+        if self.hidden_dir.is_dir():
+            for d in self.hidden_dir.iterdir():
+                if not (self.store / d.name).exists():
+                    os.rename(d, self.store / d.name)
+        self.set_slow(None)
+
+    def close(self) -> None:
+        self.stop_workers()
+        if self.trainer is not None and self.trainer.poll() is None:
+            terminate(self.trainer, 10.0)
+        self.note_trainer_exit()
+        if self.broker is not None:
+            self.broker.stop()
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.workdir, ignore_errors=True)

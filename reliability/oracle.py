@@ -1,0 +1,1110 @@
+"""The independent oracle: judges one adversary run from what it saw, not from what the
+project says about itself.
+
+Its sources: the trainer's journal (every request as written, every answer it was handed,
+every wait that outlived its deadline), the wiretap (job deliveries per worker, answers as
+published, acks, claims, registry writes, activation announcements), the adversary's own
+timeline (process lives and deaths, broker outages, commits, hidden or corrupt versions), the
+rogue's journal, a fresh client's re-ask of every key, and the trainer's weights, from which it
+computes every version's digest itself. The project's counters and metrics are never read.
+
+The invariants (``Oracle.checks`` counts each evaluation; each violation is one line):
+
+- ``version``: every accepted result's labelled versions (start, end, every per-token span)
+  lie within its constraint (exact / min / max_staleness against the commits the adversary
+  made) or its session's policy (pinned: every turn exactly at the first turn's version;
+  monotonic: never below the previous turn's last version).
+- ``digest``: for every accepted result, the replica's last activation of that version before
+  the result announced the digest of the trainer's weights at that version (``--verify-live``);
+  a missing digest is a violation only for engines that provide one.
+- ``delivered`` / ``forged``: the job of every accepted result was delivered to the worker the
+  result names (the wiretap saw it); no forged answer is ever accepted.
+- ``once``: a key's answers agree (same job id and tokens, or the same error) across resubmits,
+  a restarted trainer and a fresh client's re-ask; the same request is never refused as a
+  conflict; a key reused for another request never gets the first one's result.
+- ``resolution``: every request and turn resolves (result or typed error) by its deadline plus
+  ``RESOLVE_SLACK_S``; nothing hangs; nothing untyped.
+- ``lost``: no key is answered ``Expired`` (or left hanging) although a worker had published its
+  answer before the deadline.
+- ``stranded``: no request waits ``STARVE_S`` in a row, unanswered and held by nobody, while
+  the broker is up and a live replica can serve it.
+- ``orphan``: an exact job whose version no live replica serves is answered within
+  ``ORPHAN_S`` (the README: "withdrawn ... within seconds").
+- ``twice``: an ``at_most_once`` job is started (claimed) by at most one worker process, and
+  answered ``Interrupted`` only if no worker finished it while alive.
+- ``moved``: a job is never delivered to a second worker while the first still holds it alive
+  (acked within the ack-wait, not handed back).
+- ``rogue``: the rogue worker reads no other worker's delivery.
+- ``second-client``: a second client with a live client's id is refused ``ClientIdInUse``.
+- ``reask-turn``: asking a failed turn again (``generate(turn=k)``) returns its answer at once.
+- ``pinned-error``: a pinned session's turn refused for want of a replica at its pin, when
+  none serves it, says so (names the pinned version) and is not retryable.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+RESOLVE_SLACK_S = 5.0  # the client's deadline grace (2 s) and its sweep, with room to spare
+STARVE_S = 10.0
+ORPHAN_S = 8.0  # the client's orphan grace (2 s), a dead replica's staleness (1.5 s), an ack-wait
+STALENESS_LAG_S = 2.0  # how far behind the commits a client's view of `latest` may be
+SAMPLE_S = 0.25
+SERVING_STATES = ("ready", "degraded", "preparing", "activating")
+CLIENT_ERRORS = ("NoCompatibleReplica", "ServiceUnavailable", "IdempotencyConflict", "InvalidRequest")
+
+
+@dataclass
+class Violation:
+    check: str
+    key: str | None
+    message: str
+    defect: str | None = None  # which item of issue 19 it looks like
+
+    def line(self) -> str:
+        hint = f"  [issue 19 item {self.defect}?]" if self.defect else ""
+        return f"[{self.check}] {self.key or '-'}: {self.message}{hint}"
+
+
+@dataclass
+class Call:
+    """One submit or turn of the trainer, and what came of it."""
+
+    rid: str
+    inc: int
+    op: str
+    key: str
+    t0: float
+    req: dict[str, Any] | None = None
+    sid: str | None = None
+    turn: int | None = None
+    timeout: float | None = None
+    stored: dict[str, Any] | None = None
+    answer: dict[str, Any] | None = None
+    hang: dict[str, Any] | None = None
+
+    @property
+    def deadline(self) -> float | None:
+        if self.stored and self.stored.get("deadline"):
+            return float(self.stored["deadline"])
+        if self.timeout is not None:
+            return self.t0 + float(self.timeout)
+        if self.req is not None:
+            return self.t0 + float(self.req["timeout"])
+        return None
+
+    @property
+    def answered_at(self) -> float | None:
+        return float(self.answer["t"]) if self.answer else None
+
+    @property
+    def is_result(self) -> bool:
+        return bool(self.answer and self.answer.get("kind") == "result")
+
+    @property
+    def error(self) -> str | None:
+        return self.answer.get("cls") if self.answer and self.answer.get("kind") == "error" else None
+
+
+def _versions(desc: dict[str, Any]) -> list[int]:
+    vs = {int(desc["version_start"]), int(desc["version_end"])}
+    for spans in desc.get("spans") or []:
+        vs.update(int(s[0]) for s in spans)
+    return sorted(vs)
+
+
+class Oracle:
+    def __init__(
+        self,
+        *,
+        cfg: Any,
+        timeline: Any,
+        tap: Any,
+        trainer: list[dict[str, Any]],
+        rogue: list[dict[str, Any]],
+        finals: dict[str, dict[str, Any]],
+        stored: dict[str, list[dict[str, Any]]],
+        activations: list[Any],
+        weights: Any,
+        names: Any,
+        broker_log: str = "",
+    ) -> None:
+        self.cfg, self.tl, self.tap = cfg, timeline, tap
+        self.broker_log = broker_log
+        self.trainer, self.rogue, self.finals, self.stored = trainer, rogue, finals, stored
+        self.activations = activations
+        self.weights, self.names = weights, names
+        self.checks: dict[str, int] = defaultdict(int)
+        self.unverified: dict[str, int] = defaultdict(int)
+        self.notes: dict[str, Any] = {}
+        self.violations: list[Violation] = []
+        self.ack_wait = float(cfg.ack_wait)
+        self.window = float(cfg.duplicate_window)
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def check(self, name: str, ok: bool, key: str | None, message: str, defect: str | None = None) -> bool:
+        self.checks[name] += 1
+        if not ok:
+            self.violations.append(Violation(name, key, message, defect))
+        return ok
+
+    # -- the model ---------------------------------------------------------------------------------
+    def _build(self) -> None:
+        calls: dict[str, Call] = {}
+        self.sessions: dict[str, dict[str, Any]] = {}
+        self.reasks: list[dict[str, Any]] = []
+        self.ended_by_kill: set[int] = {int(t["incarnation"]) for t in self.tl.trainers if t.get("how") == "killed"}
+        for r in self.trainer:
+            ev = r.get("ev")
+            if ev == "submit":
+                calls[r["rid"]] = Call(r["rid"], int(r["inc"]), r["op"], r["key"], float(r["t"]), req=r["req"])
+            elif ev == "turn":
+                c = Call(r["rid"], int(r["inc"]), r["op"], r["key"], float(r["t"]), sid=r["sid"], turn=int(r["turn"]))
+                c.timeout = float(r["timeout"]) if r.get("timeout") is not None else None
+                calls[r["rid"]] = c
+            elif ev == "stored" and r.get("rid") in calls:
+                calls[r["rid"]].stored = r
+            elif ev == "answer" and r.get("rid") in calls:
+                calls[r["rid"]].answer = r
+            elif ev == "hang" and r.get("rid") in calls:
+                calls[r["rid"]].hang = r
+            elif ev == "session_open":
+                self.sessions.setdefault(r["sid"], dict(r))
+            elif ev == "reask":
+                self.reasks.append(r)
+        self.calls = list(calls.values())
+        # A pinned session's pin, as its client recorded it (set before its first turn is sent).
+        for c in sorted(self.calls, key=lambda c: c.t0):
+            opened = self.sessions.get(c.sid or "")
+            pin = ((c.answer or {}).get("session") or {}).get("last_version")
+            if opened is not None and opened.get("policy") == "pinned" and pin is not None:
+                opened.setdefault("pin", int(pin))
+        # The idempotency key each turn really had (the product may decorate "<sid>/<turn>").
+        self.idem: dict[str, str] = {}
+        for c in self.calls:
+            if c.answer and c.answer.get("idem_key"):
+                self.idem[c.key] = c.answer["idem_key"]
+        self.by_key: dict[str, list[Call]] = defaultdict(list)
+        for c in self.calls:
+            if c.op != "reask-turn" and (c.sid is None or (c.answer or {}).get("spent", True)):
+                self.by_key[c.key].append(c)
+        # The wiretap, indexed.
+        self.deliveries_by_job: dict[str, list[Any]] = defaultdict(list)
+        self.deliveries_by_key: dict[str, list[Any]] = defaultdict(list)
+        for d in self.tap.deliveries:
+            if d.job_id:
+                self.deliveries_by_job[d.job_id].append(d)
+            if d.key:
+                self.deliveries_by_key[d.key].append(d)
+        self.published_by_key: dict[str, list[Any]] = defaultdict(list)
+        for p in self.tap.published:
+            if p.key:
+                self.published_by_key[p.key].append(p)
+        # A session turn's key as the product makes it may carry more than "<sid>/<turn>" (an
+        # incarnation of the session): what the wiretap saw under it is filed under both.
+        aliases: dict[str, str] = {}
+        for d in self.tap.deliveries:
+            if d.session_id and d.key and d.key.startswith(f"{d.session_id}/"):
+                aliases[d.key] = f"{d.session_id}/{d.key.rsplit('/', 1)[1]}"
+        for p in self.tap.published:
+            sid = (p.desc or {}).get("session_id")
+            if sid and p.key and p.key.startswith(f"{sid}/"):
+                aliases[p.key] = f"{sid}/{p.key.rsplit('/', 1)[1]}"
+        for real, alias in aliases.items():
+            if alias != real:
+                self.deliveries_by_key[alias].extend(self.deliveries_by_key.get(real, []))
+                self.published_by_key[alias].extend(self.published_by_key.get(real, []))
+                self.idem.setdefault(alias, real)
+        self.commits = sorted((t_done, v) for v, _, t_done in self.tl.commits)
+        # Acks by stream sequence: a holder's progress acks show it holds a job even where the
+        # wiretap missed the delivery itself.
+        from reliability.tap import parse_ack
+
+        self.acks_by_seq: dict[int, list[tuple[float, str]]] = defaultdict(list)
+        for subject, acks in self.tap.acks.items():
+            parsed = parse_ack(subject)
+            if parsed is not None and parsed[0] == self.names.jobs_stream:
+                self.acks_by_seq[parsed[3]].extend(acks)
+        self._sample_fleet()
+
+    def latest_at(self, t: float) -> int:
+        i = bisect.bisect_right(self.commits, (t, float("inf")))
+        return max((v for _, v in self.commits[:i]), default=0)
+
+    def proc_at(self, worker: str, t: float) -> Any:
+        """The worker's process running (and not stopped at a fault point) at ``t``."""
+        for w in self.tl.workers:
+            if w.worker_id == worker and w.start <= t and (w.end is None or t < w.end):
+                if w.paused_at is not None and t >= w.paused_at:
+                    return None
+                return w
+        return None
+
+    def broker_down(self, t: float) -> bool:
+        return any(a <= t <= b for a, b in self.tl.broker_down)
+
+    def _sample_fleet(self) -> None:
+        """Which replica serves what, every SAMPLE_S: a live process (adversary's timeline) and
+        its newest registry entry written by that process (the wiretap)."""
+        entries: dict[str, list[tuple[float, Any]]] = defaultdict(list)
+        for t, worker, status in self.tap.fleet:
+            entries[worker].append((t, status))
+        starts = [w.start for w in self.tl.workers] or [0.0]
+        t0 = min(starts)
+        t1 = max(
+            [t0 + 1.0]
+            + [w.end for w in self.tl.workers if w.end is not None]
+            + [t for t, _, _ in self.tap.fleet[-1:]]
+            + [float(c.answer["t"]) for c in self.calls if c.answer]
+            + [float(c.hang["t"]) for c in self.calls if c.hang]
+        )
+        self.t_first, self.samples = t0, []
+        cursor = {w: 0 for w in entries}
+        t = t0
+        while t <= t1 + SAMPLE_S:
+            snap: list[tuple[str, str, int, int | None, bool]] = []
+            if not self.broker_down(t):
+                for worker, seq in entries.items():
+                    i = cursor[worker]
+                    while i + 1 < len(seq) and seq[i + 1][0] <= t:
+                        i += 1
+                    cursor[worker] = i
+                    et, status = seq[i]
+                    if et > t or status is None:
+                        continue
+                    proc = self.proc_at(worker, t)
+                    if proc is None or et < proc.start:
+                        continue
+                    free = int(status.in_flight) < int(status.capacity)
+                    snap.append((worker, status.state, int(status.active_version), status.preparing_version, free))
+            self.samples.append(snap)
+            t += SAMPLE_S
+
+    def snapshot(self, t: float) -> list[tuple[str, str, int, int | None, bool]]:
+        i = int((t - self.t_first) / SAMPLE_S)
+        return self.samples[i] if 0 <= i < len(self.samples) else []
+
+    @staticmethod
+    def takes(
+        entry: tuple[str, str, int, int | None, bool],
+        kind: str,
+        version: int,
+        idle: bool = False,
+        promised: bool = False,
+    ) -> bool:
+        """Whether a replica (a fleet sample) serves the constraint; ``idle``: with a free slot too;
+        ``promised``: a replica still starting, preparing that version, counts (the README's "at, or
+        preparing, a compatible version": such a job is kept for it)."""
+        _, state, active, preparing, free = entry
+        if promised and state == "starting" and kind == "exact" and preparing == version:
+            return True
+        if state not in SERVING_STATES or (idle and not free):
+            return False
+        if kind == "exact":
+            return (active == version and state != "activating") or preparing == version
+        return active >= version
+
+    # -- constraints ------------------------------------------------------------------------------
+    def constraint_of(self, c: Call) -> tuple[str, int] | None:
+        """The constraint a plain request must meet, from what was written and when (a
+        max_staleness request: against the adversary's own commits, allowing a short lag)."""
+        if c.req is None:
+            return None
+        kind, value = c.req["kind"], int(c.req["value"])
+        if kind == "staleness":
+            return "min", max(0, self.latest_at(c.t0 - STALENESS_LAG_S) - value)
+        return ("exact" if kind == "exact" else "min"), value
+
+    def resolved(self, c: Call) -> tuple[str, int] | None:
+        """The constraint the product stored the job with (the one it serves it by)."""
+        if c.stored and c.stored.get("constraint"):
+            kind, v = c.stored["constraint"]
+            return str(kind), int(v)
+        return None
+
+    # -- the checks ----------------------------------------------------------------------------------
+    def judge(self) -> list[Violation]:
+        self._build()
+        self._check_resolution()
+        self._check_versions_and_sessions()
+        self._check_accepted()
+        self._check_forged_errors()
+        self._check_once()
+        self._check_lost_and_stranded()
+        self._check_orphans()
+        self._check_twice_and_moved()
+        self._check_rogue()
+        self._check_second_clients()
+        self._check_reask_turns()
+        self._check_activation_digests()
+        self._check_permissions()
+        self.notes.update(
+            activations=len(self.activations),
+            calls=len(self.calls),
+            keys=len(self.by_key),
+            results_accepted=sum(1 for c in self.calls if c.is_result),
+            errors_by_class=self._errors_by_class(),
+        )
+        # One line per distinct finding: the same defect hit by many keys is summarized.
+        return self._dedupe()
+
+    def _errors_by_class(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for c in self.calls:
+            if c.error:
+                out[c.error] += 1
+            elif c.hang:
+                out["(hang)"] += 1
+        return dict(sorted(out.items()))
+
+    def _dedupe(self) -> list[Violation]:
+        seen: dict[tuple[str, str], int] = defaultdict(int)
+        out: list[Violation] = []
+        for v in self.violations:
+            sig = (v.check, re.sub(r"[0-9a-f]{8,}|\d+(\.\d+)?", "#", v.message)[:80])
+            seen[sig] += 1
+            if seen[sig] <= 3:
+                out.append(v)
+        for (check, sig), n in seen.items():
+            if n > 3:
+                out.append(Violation(check, None, f"... and {n - 3} more like: {sig}"))
+        return out
+
+    def _check_resolution(self) -> None:
+        for c in self.calls:
+            if c.op == "reask-turn":
+                continue  # judged by reask-turn
+            if c.answer is None and c.hang is None:
+                if c.inc in self.ended_by_kill:
+                    self.unverified["cut short by the trainer's SIGKILL"] += 1
+                    continue
+                self.check("resolution", False, c.key, f"{c.op} call {c.rid} was never resolved (no answer, no hang)")
+                continue
+            if c.hang is not None:
+                self.check("resolution", False, c.key,
+                           f"{c.op} {c.rid} still unanswered {c.hang['t'] - (c.deadline or c.t0):.1f} s after its "
+                           f"deadline (waited {c.hang['t'] - c.t0:.1f} s)",
+                           "4" if c.sid else None)
+                continue
+            assert c.answer is not None
+            if c.answer.get("untyped"):
+                self.check("resolution", False, c.key, f"an untyped {c.answer.get('cls')}: {c.answer.get('message')}")
+                continue
+            deadline = c.deadline
+            if deadline is None or c.answer.get("at") == "submit":
+                self.checks["resolution"] += 1
+                continue
+            late = float(c.answer["t"]) - deadline
+            self.check("resolution", late <= RESOLVE_SLACK_S, c.key,
+                       f"{c.op} {c.rid} resolved {late:.1f} s after its deadline ({c.answer.get('cls') or 'result'})")
+
+    def _accepted(self) -> list[tuple[Call | None, str, dict[str, Any]]]:
+        """Every result the trainer accepted: (call or None for a re-ask, key, description)."""
+        out: list[tuple[Call | None, str, dict[str, Any]]] = []
+        for c in self.calls:
+            if c.is_result:
+                out.append((c, c.key, c.answer or {}))
+        for r in self.reasks:
+            if r.get("kind") == "result":
+                out.append((None, r["key"], r))
+        for key, f in self.finals.items():
+            if f.get("kind") == "result":
+                out.append((None, key, f))
+        return out
+
+    def _check_versions_and_sessions(self) -> None:
+        # Plain requests.
+        for c in self.calls:
+            if not c.is_result or c.sid is not None or c.answer is None or c.answer.get("forged_tokens"):
+                continue
+            first = self._first_identical(c)
+            want = self.constraint_of(first)
+            if want is None:
+                continue
+            if c.req and c.req["kind"] == "staleness" and self._view_may_lag(first.t0):
+                self.unverified["max_staleness: the trainer's view may lag (restart, outage)"] += 1
+                continue
+            kind, v = want
+            vs = _versions(c.answer)
+            ok = all(x == v for x in vs) if kind == "exact" else min(vs) >= v
+            self.check("version", ok, c.key, f"labelled v{vs} for {c.req['kind'] if c.req else '?'}:"
+                       f"{c.req['value'] if c.req else '?'} (must be {kind} {v}); served by {c.answer['worker_id']}")
+            got = self.resolved(c)
+            if c.req and c.req["kind"] == "staleness" and got is not None:
+                self.check("version", got[1] >= v, c.key,
+                           f"max_staleness={c.req['value']} resolved to min {got[1]}, but v{v + int(c.req['value'])} "
+                           f"was committed {STALENESS_LAG_S:g} s before the submit")
+        # Sessions, turn by turn.
+        turns: dict[str, list[Call]] = defaultdict(list)
+        for c in self.calls:
+            if c.sid and c.op == "turn" and c.is_result and c.answer and not c.answer.get("forged_tokens"):
+                turns[c.sid].append(c)
+        for sid, answered in turns.items():
+            opened = self.sessions.get(sid, {})
+            policy = opened.get("policy")
+            base = opened.get("constraint") or {}
+            answered.sort(key=lambda c: (c.turn or 0, c.t0))
+            pin: int | None = opened.get("pin")
+            floor = -1
+            for c in answered:
+                assert c.answer is not None
+                vs = _versions(c.answer)
+                if "min_version" in base:
+                    self.check("version", min(vs) >= int(base["min_version"]), c.key,
+                               f"turn labelled v{vs}, session min_version {base['min_version']}")
+                if policy == "pinned":
+                    if pin is None:
+                        pin = vs[0]
+                    self.check("version", vs == [pin], c.key, f"pinned session at v{pin}, turn labelled v{vs}")
+                elif policy == "monotonic":
+                    self.check("version", min(vs) >= floor, c.key,
+                               f"monotonic session: turn labelled v{vs} after a turn that ended at v{floor}")
+                    floor = max(floor, int(c.answer["version_end"]), max(vs))
+                else:
+                    self.checks["version"] += 1
+            if pin is not None:
+                self.sessions.setdefault(sid, {}).setdefault("pin", pin)
+
+    def _view_may_lag(self, t: float) -> bool:
+        return self._disturbed(t - 5.0, t) or any(t - 5.0 <= tr["start"] <= t for tr in self.tl.trainers)
+
+    def _first_identical(self, c: Call) -> Call:
+        """The first call of the same key with the same request (its constraint is the job's)."""
+        for other in sorted(self.by_key.get(c.key, []), key=lambda x: x.t0):
+            if other.req == c.req and other.stored is not None:
+                return other
+        return c
+
+    def _echo_digests(self) -> bool:
+        try:
+            from rollfleet.workers.engines.base import Engine
+            from rollfleet.workers.engines.echo import EchoEngine
+        except Exception:
+            return False
+        return EchoEngine.live_checksums is not Engine.live_checksums
+
+    def _check_accepted(self) -> None:
+        """digest, delivered and forged, for every accepted result."""
+        expect_digest = {"hf": True, "echo": self._echo_digests()}
+        self.notes["digest_expected_from"] = sorted(e for e, yes in expect_digest.items() if yes)
+        acts: dict[str, list[Any]] = defaultdict(list)
+        for a in self.activations:
+            acts[a.worker_id].append(a)
+        for lst in acts.values():
+            lst.sort(key=lambda a: a.activated_at)
+        forged_ids = {r["job_id"] for r in self.rogue if r.get("ev") == "forge"}
+        done: set[tuple[str, str, str]] = set()
+        for _call, key, desc in self._accepted():
+            sig = (key, str(desc.get("job_id")), str(desc.get("worker_id")))
+            if sig in done:
+                continue
+            done.add(sig)
+            job_id, worker = desc.get("job_id"), desc.get("worker_id")
+            forged = bool(desc.get("forged_tokens")) or (job_id in forged_ids and str(job_id).startswith("forged"))
+            if not self.check("forged", not forged, key,
+                              f"a forged answer (job {job_id}, claiming worker {worker}) was accepted", "3"):
+                continue
+            # delivered: the delivery the result ran on (its attempt) went to the worker it names
+            seen = self.deliveries_by_job.get(str(job_id), [])
+            to = {d.worker for d in seen}
+            ran_on = [d for d in seen if d.attempt == desc.get("attempt")]
+            stored_copies = getattr(self.tap, "stored_jobs", {}).get(str(job_id), 1)
+            if worker in to:
+                self.checks["delivered"] += 1
+            elif stored_copies > len({d.stream_seq for d in seen}):
+                # The job was stored again (a turn moved off its replica, or re-stored when its
+                # holder died) and the copy's delivery went to an inbox the tap was not mirroring.
+                self.unverified["delivery of a re-stored copy not seen by the wiretap"] += 1
+            elif ran_on and all(d.worker is not None for d in ran_on):
+                self.check("delivered", False, key,
+                           f"accepted result of job {job_id} names {worker} (attempt {desc.get('attempt')}), but that "
+                           f"delivery went to {sorted({str(d.worker) for d in ran_on})}", "3")
+            else:
+                self.unverified["delivery not seen by the wiretap"] += 1
+            # digest
+            finished = float(desc.get("finished_at") or 0.0)
+            proc = self.proc_at(str(worker), finished) or self._proc_ended_near(str(worker), finished)
+            if proc is None:
+                self.unverified["digest: no process of that worker at that time"] += 1
+                continue
+            for v in _versions(desc):
+                mine = [
+                    a for a in acts.get(str(worker), []) if a.version == v and proc.start <= a.activated_at <= finished
+                ]
+                if not mine:
+                    self.unverified["digest: served since start-up (no activation announced)"] += 1
+                    continue
+                last = mine[-1]
+                if last.weights_digest is None:
+                    if expect_digest.get(proc.engine, False):
+                        self.check("digest", False, key, f"{worker} ({proc.engine}) announced v{v} with no digest",
+                                   "1")
+                    else:
+                        self.unverified[f"digest: the {proc.engine} engine announces none"] += 1
+                    continue
+                want = self.weights.digest(v)
+                self.check("digest", last.weights_digest == want, key,
+                           f"served by {worker} ({proc.engine}) labelled v{v}: its activation of v{v} announced live "
+                           f"weights {last.weights_digest[:12]}, the trainer's v{v} is {want[:12]} (mixed weights)",
+                           "1")
+
+    def _check_forged_errors(self) -> None:
+        """A key whose answer a forgery decided: the trainer was handed an error (the forged
+        answer refused as outside its constraint, or as another request's) for a key no worker
+        had answered, after the rogue stored a forged answer for it."""
+        forged_at: dict[str, float] = {}
+        for r in self.rogue:
+            if r.get("ev") == "forge" and r.get("outcome") == "stored":
+                forged_at.setdefault(r["key"], float(r["t"]))
+        for c in self.calls:
+            if c.error not in ("ContractViolation", "IdempotencyConflict") or c.key not in forged_at:
+                continue
+            if forged_at[c.key] > (c.answered_at or c.t0):
+                continue
+            honest = [p for p in self.published_by_key.get(c.key, [])
+                      if p.t <= (c.answered_at or c.t0) and not (p.desc or {}).get("forged_tokens")]
+            self.check("forged", bool(honest), c.key,
+                       f"the rogue's forged answer decided this key: the trainer was answered {c.error} "
+                       f"({(c.answer or {}).get('message', '')[:100]!r}) before any worker answered", "3")
+
+    def _proc_ended_near(self, worker: str, t: float) -> Any:
+        """A process that ended just before ``t`` (its result was stored as it died)."""
+        for w in self.tl.workers:
+            if w.worker_id == worker and w.start <= t and w.end is not None and t - 2.0 <= w.end:
+                return w
+        return None
+
+    def _stored_failure(self, key: str, code: str | None, before: float) -> bool:
+        return any(p.kind in ("failure", "chunked") and p.code == code and p.t <= before + 0.5
+                   for p in self.published_by_key.get(key, []))
+
+    def _check_once(self) -> None:
+        for key, calls in self.by_key.items():
+            calls = sorted(calls, key=lambda c: c.t0)
+            # The request that owns the key: the first one stored (a request refused at submit,
+            # e.g. no compatible replica, never used it).
+            first = next((c for c in calls if c.stored is not None and c.op != "conflict"), None) or next(
+                (c for c in calls if c.stored is not None), calls[0]
+            )
+            ref = next((c for c in calls if c.is_result and c.req == first.req), None)
+            ref_t = float(ref.stored["t"]) if ref and ref.stored else (ref.t0 if ref else first.t0)
+            for c in calls:
+                if c is ref or c.answer is None:
+                    continue
+                same = c.req == first.req
+                if c.op == "conflict" or not same:
+                    if c.is_result and ref is not None:
+                        self.check("once", c.answer.get("job_id") != ref.answer.get("job_id"), key,
+                                   "a key reused for another request was answered with the first request's result")
+                    else:
+                        self.checks["once"] += 1
+                    continue
+                if c.error == "IdempotencyConflict":
+                    if c.t0 > first.t0 + self.window - 1.0:
+                        self.unverified["asked again after the duplicate window"] += 1
+                        continue
+                    changed = self.latest_at(c.t0) != self.latest_at(first.t0)
+                    self.check("once", False, key,
+                               f"the same request, asked again ({c.op}, trainer #{c.inc}), was refused as a conflict"
+                               + (" after a commit moved latest" if changed else ""), "9")
+                    continue
+                if c.t0 > ref_t + self.window - 1.0:
+                    self.unverified["asked again after the duplicate window"] += 1
+                    continue
+                if ref is not None and c.is_result:
+                    a, b = ref.answer or {}, c.answer
+                    same_answer = (a.get("job_id"), a.get("tokens")) == (b.get("job_id"), b.get("tokens"))
+                    self.check("once", same_answer, key,
+                               f"two answers: job {a.get('job_id')} from {a.get('worker_id')} and job "
+                               f"{b.get('job_id')} from {b.get('worker_id')} ({c.op}, trainer #{c.inc})")
+                elif ref is not None and c.error and c.t0 >= (ref.answered_at or ref.t0):
+                    self.check("once", c.error in (*CLIENT_ERRORS, "Expired"), key,
+                               f"answered {(ref.answer or {}).get('job_id')} first; the same request asked again "
+                               f"({c.op}, trainer #{c.inc}): {c.error} ({(c.answer or {}).get('message', '')[:90]!r})",
+                               "9" if c.error == "ContractViolation" else None)
+                else:
+                    self.checks["once"] += 1
+            # The same answer on a re-ask: in the restarted trainer, and by a fresh client at the end.
+            asked = [c.t0 for c in calls]
+            late_resubmit = max(asked) - min(asked) > self.window - 1.0  # the key may hold a second job
+            again = [r for r in self.reasks if r["key"] == key]
+            final = self.finals.get(self.idem.get(key, key))
+            if final is not None:
+                again.append({**final, "final": True})
+            for r in again:
+                label = "a fresh client's result(key)" if r.get("final") else "the restarted trainer's result(key)"
+                if ref is not None and ref.answer is not None:
+                    if late_resubmit:
+                        self.unverified["re-ask after a second job for the key (window passed)"] += 1
+                        continue
+                    ok = r.get("kind") == "result" and (r.get("job_id"), r.get("tokens")) == (
+                        ref.answer.get("job_id"), ref.answer.get("tokens"))
+                    got = r.get("cls") or r.get("kind")
+                    self.check("once", ok, key, f"{label} returned {got} {r.get('job_id') or ''}, the trainer was "
+                               f"answered job {ref.answer.get('job_id')}")
+                elif first.error and self._stored_failure(
+                    key, (first.answer or {}).get("code"), first.answered_at or 0.0
+                ):
+                    got = r.get("cls") or r.get("kind")
+                    self.check("once", r.get("cls") == first.error, key,
+                               f"{label} returned {got}, the trainer was answered {first.error}")
+
+    def _check_lost_and_stranded(self) -> None:
+        deleted = self.tl.consumers_deleted
+        restarts = [t["start"] for t in self.tl.trainers[1:]]
+        killed_at = {int(t["incarnation"]): float(t["end"]) for t in self.tl.trainers if t.get("how") == "killed"}
+        for c in self.calls:
+            if c.op == "reask-turn" or (c.stored is None and c.sid is None):
+                continue
+            expired = c.error == "Expired" and not self._stored_failure(c.key, "expired", c.answered_at or 0)
+            cut = c.answer is None and c.hang is None and c.inc in killed_at
+            if not (expired or cut or c.hang is not None or c.error == "ContractViolation"):
+                continue
+            deadline = c.deadline or c.t0
+            if cut:  # the trainer died waiting: how long it had waited for nothing still counts
+                self._stranded(c, min(deadline, killed_at[c.inc]), deleted, restarts)
+                continue
+            if any(o.is_result and o.t0 < c.t0 for o in self.by_key.get(c.key, [])):
+                continue  # answered before: a re-ask that disagrees is the `once` check's
+            # lost: a worker published the answer in time
+            gave_up = min(deadline, (c.answered_at or deadline) + 0.5)
+            pub = [p for p in self.published_by_key.get(c.key, [])
+                   if p.t <= gave_up and p.t >= c.t0 - self.window
+                   and not ((p.desc or {}).get("forged_tokens")) and p.kind != "undecodable"]
+            forged_first = any(r.get("ev") == "forge" and r.get("key") == c.key and r.get("outcome") == "stored"
+                               for r in self.rogue)
+            if pub and c.op in ("resubmit", "resume") and c.error == "ContractViolation":
+                p = pub[0]
+                self.check("lost", False, c.key,
+                           f"the same request asked again ({c.op}, trainer #{c.inc}) was refused ContractViolation "
+                           f"although {p.worker} had answered it (job {p.job_id}): the stored answer was judged "
+                           f"against the constraint resolved anew ({(c.answer or {}).get('message', '')[:90]!r})", "9")
+                continue
+            if pub:
+                p = pub[0]
+                what = f"{p.kind}{' (chunks add up)' if p.assembled else ''}"
+                self.check("lost", False, c.key,
+                           f"answered {c.error or 'nothing (hang)'} although {p.worker} published its answer "
+                           f"({what}, job {p.job_id}) {deadline - p.t:.1f} s before the deadline",
+                           "3" if forged_first else "2")
+                continue
+            self.checks["lost"] += 1
+            self._stranded(c, min(c.answered_at or deadline, deadline), deleted, restarts)
+
+    def _stranded(self, c: Call, end: float, deleted: list[tuple[float, str]], restarts: list[float]) -> None:
+        """stranded: servable (broker up, a live replica with a free slot), held by nobody, unanswered."""
+        if c.sid is not None:
+            want = self._turn_constraint(c)
+        else:
+            want = self.resolved(c)
+        if want is None:
+            return
+        kind, v = want
+        seen = self.deliveries_by_key.get(c.key, [])
+        jobs = {d.job_id for d in seen}
+        seqs = {d.stream_seq for d in seen} | {(c.stored or {}).get("stream_seq")}
+        held = self._held_intervals(jobs, {s for s in seqs if s})
+        if sum(1 for j in jobs for _ in self.deliveries_by_job.get(str(j), [])) >= self.cfg.max_deliver:
+            self.unverified["stranded: delivered max_deliver times"] += 1
+            return
+        # Runs of time in which it waited, held by nobody, the broker up and a live replica able to
+        # serve it; such a run counts when the fleet meanwhile was idle (a free slot) for half of
+        # it, or served newer work (jobs submitted after it, delivered to replicas able to serve it).
+        key = self.idem.get(c.key, c.key)
+        newer = sorted(d.t for d in self.tap.deliveries
+                       if d.key != key and d.submitted_at > c.t0 + 0.5 and c.t0 <= d.t <= end and d.worker
+                       and any(e[0] == d.worker and self.takes(e, kind, v) for e in self.snapshot(d.t)))
+        best = best_at = 0.0
+        run_start: float | None = None
+        idle = 0.0
+        t = c.t0
+        while t <= end + SAMPLE_S:
+            snap = self.snapshot(t) if t <= end else []
+            able = [e for e in snap if self.takes(e, kind, v)]
+            ok = bool(able) and not any(a <= t <= b for a, b in held)
+            if ok:
+                if run_start is None:
+                    run_start, idle = t, 0.0
+                idle += SAMPLE_S if any(e[4] for e in able) else 0.0
+            elif run_start is not None:
+                length = t - run_start
+                served = sum(1 for x in newer if run_start <= x <= t)
+                if length >= STARVE_S and (idle >= STARVE_S / 2 or served >= 3) and length > best:
+                    best, best_at = length, t
+                run_start = None
+            t += SAMPLE_S
+        hint = None
+        mine = (f"{kind}-{v}", "replica-")
+        if any(c.t0 - 600 <= td <= best_at for td, name in deleted if name.startswith(mine)):
+            hint = "11"
+        elif c.sid is not None and any(c.t0 - 5 <= ts <= best_at for ts in restarts):
+            hint = "4"
+        cut = c.answer is None and c.hang is None
+        outcome = c.error or ("nothing before the trainer was killed" if cut else "nothing")
+        self.check("stranded", best < STARVE_S, c.key,
+                   f"waited {best:.1f} s in a row (until {best_at - c.t0:.1f} s after submit), held by no worker, "
+                   f"while live replicas able to serve {kind}:{v} sat idle or served newer jobs; answered {outcome}",
+                   hint)
+
+    def _turn_constraint(self, c: Call) -> tuple[str, int] | None:
+        """The strictest constraint the turn may have had (for liveness checks: the fewest
+        replicas counted as able to serve it): its session's policy and floor, a max_staleness
+        resolved against every commit made before it was sent."""
+        opened = self.sessions.get(c.sid or "", {})
+        if opened.get("policy") == "pinned":
+            return ("exact", int(opened["pin"])) if "pin" in opened else None
+        base = opened.get("constraint") or {}
+        if "min_version" in base:
+            floor = int(base["min_version"])
+        else:
+            floor = max(0, self.latest_at(c.t0) - int(base.get("max_staleness", 0)))
+        if opened.get("policy") == "monotonic":
+            before = [o for o in self.calls if o.sid == c.sid and o.t0 < c.t0 and o.answer]
+            states = [((o.answer or {}).get("session") or {}).get("last_version") for o in before]
+            states.append(((c.answer or {}).get("session") or {}).get("last_version"))
+            floor = max([floor, *(int(v) for v in states if v is not None)])
+        return "min", floor
+
+    def _held_intervals(self, job_ids: set[Any], seqs: set[int]) -> list[tuple[float, float]]:
+        out = []
+        for seq in seqs:  # progress acks of a holder (its delivery may have gone unseen)
+            for t, k in self.acks_by_seq.get(int(seq), []):
+                out.append((t - self.ack_wait, t + (self.ack_wait if k == "+WPI" else 0.0)))
+        for j in job_ids:
+            for d in self.deliveries_by_job.get(str(j), []):
+                end = float("inf")
+                for t, k in self.tap.acks.get(d.ack, []):
+                    if k in ("+ACK", "-NAK", "+TERM") and t >= d.t:
+                        end = t
+                        break
+                proc = self.proc_at(d.worker, d.t) if d.worker else None
+                if proc is not None:
+                    gone = proc.paused_at if proc.paused_at is not None else proc.end
+                    if gone is not None:
+                        end = min(end, gone + self.ack_wait + 1.0)
+                out.append((d.t, end))
+        return out
+
+    def _check_orphans(self) -> None:
+        for c in self.calls:
+            want = self.resolved(c) if c.sid is None else None
+            if c.sid is not None:
+                opened = self.sessions.get(c.sid, {})
+                if opened.get("policy") == "pinned" and "pin" in opened and c.op == "turn":
+                    want = ("exact", int(opened["pin"]))
+            if want is None or want[0] != "exact" or c.op == "reask-turn":
+                continue
+            if c.answer is None and c.hang is None:
+                continue  # cut short by the trainer's SIGKILL: no client was left to answer it
+            v = want[1]
+            deadline = c.deadline or c.t0
+            end = c.answered_at or (float(c.hang["t"]) if c.hang else deadline)
+            left: float | None = None
+            t = c.t0
+            while t <= min(end, deadline):
+                if any(self.takes(e, "exact", v, promised=True) for e in self.snapshot(t)) or self.broker_down(t):
+                    left = None
+                elif left is None:
+                    left = t
+                t += SAMPLE_S
+            self.checks["orphan"] += 1
+            if left is not None and end - left > ORPHAN_S and left + ORPHAN_S < deadline - 1.0:
+                self.check("orphan", False, c.key,
+                           f"exact v{v}: no live replica at v{v} from {left - c.t0:.1f} s after submit, but answered "
+                           f"{c.error or ('a result' if c.is_result else 'nothing')} only {end - left:.1f} s later "
+                           f"(deadline {deadline - left:.1f} s later)", "8")
+
+    def _check_twice_and_moved(self) -> None:
+        claim_key = None
+        try:
+            from rollfleet.schemas import names as _names
+
+            claim_key = getattr(_names, "claim_key", None)
+        except Exception:
+            pass
+        claims_by_key: dict[str, list[tuple[float, str, str, str | None]]] = defaultdict(list)
+        for t, k, value, op, status in self.tap.claims:
+            claims_by_key[k].append((t, value, op, status))
+        for job_id, ds in self.deliveries_by_job.items():
+            ds = sorted(ds, key=lambda d: d.t)
+            retry = ds[0].retry
+            key = ds[0].key
+            # twice: stored claims by two worker processes, no hand-back (delete) between them
+            if retry == "at_most_once":
+                keys = {job_id} | ({claim_key(job_id)} if claim_key else set())
+                owners: list[tuple[float, str]] = []
+                for k in keys:
+                    for t, value, op, status in sorted(claims_by_key.get(k, []), key=lambda c: c[0]):
+                        if op.upper() in ("DEL", "PURGE"):
+                            owners = []
+                            continue
+                        if status != "stored":
+                            if status is None:
+                                self.unverified["claim: the broker's answer unseen"] += 1
+                            continue
+                        worker = re.match(r"[A-Za-z0-9_-]+", value or "")  # (a claim may say more than the id)
+                        wid = worker.group(0) if worker else value
+                        proc = self.proc_at(wid, t) or self._proc_ended_near(wid, t)
+                        who = f"{wid} (process started {proc.start - self.t_first:.1f} s in)" if proc else wid
+                        if not owners or owners[-1][1] != who:
+                            owners.append((t, who))
+                self.check("twice", len(owners) <= 1, key,
+                           f"at_most_once job {job_id} started by {len(owners)} worker processes "
+                           f"({'; '.join(w for _, w in owners)})", "10")
+                ran = {(p.worker, round(float((p.desc or {}).get("finished_at", 0)), 2))
+                       for p in self.published_by_key.get(key or "", [])
+                       if p.job_id == job_id and p.desc and not p.desc.get("forged_tokens")}
+                self.check("twice", len(ran) <= 1, key, f"at_most_once job {job_id} generated {len(ran)} times "
+                           f"({sorted(w or '?' for w, _ in ran)})", "10")
+            # moved: a second worker got it while the first held it, alive and acking
+            for d1, d2 in itertools.pairwise(ds):
+                if d1.worker is None or d2.worker is None or d1.worker == d2.worker:
+                    continue
+                self.checks["moved"] += 1
+                holder = self.proc_at(d1.worker, d1.t)
+                if holder is None or self._disturbed(d1.t, d2.t, d1.consumer):
+                    continue
+                acks = self.tap.acks.get(d1.ack, [])
+                if d2.stream_seq != d1.stream_seq:
+                    # The job was stored again (a client moved it) while the first replica had it:
+                    # a double run if that replica finished it.
+                    finished = [p for p in self.published_by_key.get(key or "", [])
+                                if p.job_id == job_id and p.worker == d1.worker and p.t >= d1.t and p.desc
+                                and not p.desc.get("forged_tokens") and self.proc_at(d1.worker, p.t) is holder]
+                    handed_back = any(k in ("-NAK", "+TERM") and d1.t <= t <= d2.t + 0.5 for t, k in acks)
+                    # The copy's taker ran it too, unless it handed it back at once (it found the
+                    # job claimed by the first holder, alive) and never answered it.
+                    second = self.tap.acks.get(d2.ack, [])
+                    first_word = min(second, default=None)
+                    declined = first_word is not None and first_word[1] in ("-NAK", "+TERM")
+                    answered_by_second = any(
+                        p.job_id == job_id and p.worker == d2.worker for p in self.published_by_key.get(key or "", [])
+                    )
+                    if finished and not handed_back and (answered_by_second or not declined):
+                        state = "draining (SIGTERM)" if holder.how.startswith("terminated") else "alive"
+                        self.check("moved", False, key,
+                                   f"job {job_id} was stored again and run on {d2.worker} while {d1.worker}, "
+                                   f"{state}, ran it too (finished {finished[0].t - d1.t:.2f} s after it took it, "
+                                   f"{finished[0].t - d2.t:+.2f} s from the second delivery): generated twice", "5")
+                    continue
+                # The same message delivered again: the broker's redelivery (an ack-wait that ran out),
+                # not the product's doing; counted when its holder was still acking progress.
+                released = any(k in ("+ACK", "-NAK", "+TERM") and d1.t <= t <= d2.t + 0.5 for t, k in acks)
+                life = [t for t, k in acks if t < d2.t - 0.05] + [d1.t]
+                if not released and self.proc_at(d1.worker, d2.t) is holder and d2.t - max(life) < self.ack_wait - 0.3:
+                    self.unverified["redelivered by the broker while its holder acked progress"] += 1
+        # Interrupted although the holder finished it, alive (draining, not killed).
+        for c in self.calls:
+            if c.error != "Interrupted":
+                continue
+            finished = [p for p in self.published_by_key.get(c.key, [])
+                        if p.desc and not p.desc.get("forged_tokens") and self._drained(str(p.worker), p.t)]
+            self.check("twice", not finished, c.key,
+                       f"answered Interrupted although {finished[0].worker if finished else '?'} finished it while "
+                       "draining (SIGTERM), alive", "5")
+
+    def _drained(self, worker: str, t: float) -> bool:
+        """Whether ``worker``'s process at ``t`` was one that was later stopped gracefully."""
+        proc = self.proc_at(worker, t) or self._proc_ended_near(worker, t)
+        return proc is not None and proc.how.startswith("terminated")
+
+    def _disturbed(self, t0: float, t1: float, consumer: str | None = None) -> bool:
+        """A broker outage, or (``consumer``) that consumer's deletion, between t0 and t1: the
+        broker itself may then redeliver what a live worker holds."""
+        if any(a <= t1 and b >= t0 for a, b in self.tl.broker_down):
+            return True
+        return consumer is not None and any(t0 <= t <= t1 and n == consumer for t, n in self.tl.consumers_deleted)
+
+    def _check_rogue(self) -> None:
+        snooped = [r for r in self.rogue if r.get("ev") == "snooped"]
+        self.checks["rogue"] += max(1, len(self.tap.deliveries))
+        if snooped:
+            ex = snooped[0]
+            self.violations.append(Violation(
+                "rogue", ex.get("key"),
+                f"the rogue worker read {len(snooped)} job deliveries meant for other workers "
+                f"(job id, fingerprint and ack subject included; e.g. on {ex.get('inbox')})", "3"))
+        stored = [r for r in self.rogue if r.get("ev") == "forge" and r.get("outcome") == "stored"]
+        self.notes["rogue_forgeries_stored"] = len(stored)
+        self.notes["rogue_refusals"] = sum(1 for r in self.rogue if r.get("ev") == "refused")
+
+    def _check_second_clients(self) -> None:
+        for r in self.tl.second_clients:
+            self.check("second-client", r.get("cls") == "ClientIdInUse" or not r.get("trainer_alive", True), TRAINER,
+                       f"a second client with the trainer's id got {r.get('cls') or r.get('kind')} "
+                       f"({r.get('message', '')[:120]})")
+
+    def _check_reask_turns(self) -> None:
+        firsts: dict[tuple[str, int], Call] = {}
+        for c in sorted(self.calls, key=lambda c: c.t0):
+            if c.op == "turn" and c.sid is not None and c.turn is not None and (c.answer or {}).get("spent"):
+                firsts.setdefault((c.sid, c.turn), c)
+        for c in self.calls:
+            if c.op != "reask-turn" or c.sid is None or c.turn is None:
+                continue
+            if c.answer is None and c.hang is None:
+                self.unverified["cut short by the trainer's SIGKILL"] += 1
+                continue
+            first = firsts.get((c.sid, c.turn))
+            if c.hang is not None or (c.answer or {}).get("untyped"):
+                got = "still waiting" if c.hang else f"raised {c.answer.get('cls')}"
+                had = (first.error or "a result") if first else "?"
+                waited = (c.hang or c.answer or {}).get("t", c.t0) - c.t0
+                self.check("reask-turn", False, c.key,
+                           f"asking turn {c.turn} again (it had been answered {had}) {got} after {waited:.1f} s", "6")
+                continue
+            if first is None or first.answer is None:
+                self.checks["reask-turn"] += 1
+                continue
+            if first.error:
+                self.check("reask-turn", c.error == first.error, c.key,
+                           f"turn {c.turn} failed {first.error}, asked again: {c.error or 'a result'}", "6")
+            else:
+                self.check("reask-turn", (c.answer or {}).get("job_id") == first.answer.get("job_id"), c.key,
+                           f"turn {c.turn} asked again returned {c.error or (c.answer or {}).get('job_id')}")
+        # pinned sessions the fleet has left
+        for c in self.calls:
+            if c.sid is None or c.error != "NoCompatibleReplica" or c.op != "turn":
+                continue
+            opened = self.sessions.get(c.sid, {})
+            if opened.get("policy") != "pinned" or "pin" not in opened:
+                continue
+            pin, ta = int(opened["pin"]), float(c.answer["t"])  # type: ignore[index]
+            recent = [self.snapshot(ta - k * SAMPLE_S) for k in range(int(5.0 / SAMPLE_S))]
+            nobody = all(not any(self.takes(e, "exact", pin) for e in snap) for snap in recent)
+            moved_on = all(any(e[1] in SERVING_STATES for e in snap) for snap in recent)  # a fleet, elsewhere
+            if not nobody or not moved_on or self.latest_at(ta) <= pin:
+                self.checks["pinned-error"] += 1
+                continue
+            msg = str(c.answer.get("message", ""))
+            names_pin = re.search(rf"(?<![0-9]){pin}(?![0-9])", msg) is not None and "pin" in msg.lower()
+            self.check("pinned-error", names_pin and c.answer.get("retryable") is False, c.key,
+                       f"pinned to v{pin}, which no replica serves: refused retryable={c.answer.get('retryable')} with "
+                       f"{msg[:140]!r}", "7")
+
+    def _check_permissions(self) -> None:
+        """The broker refuses nothing a legitimate process does (the rogue's refusals are the point)."""
+        refused: dict[tuple[str, str], int] = defaultdict(int)
+        for line in self.broker_log.splitlines():
+            m = re.search(r'"ROLLFLEET/user:([^"]+)" - (\w+ Violation) - Subject "([^"]+)"', line)
+            if m is None:
+                continue
+            self.checks["permissions"] += 1
+            if m.group(1) != "rogue":
+                refused[(m.group(1), f"{m.group(2)} on {m.group(3)}")] += 1
+        self.checks["permissions"] += 1
+        for (user, what), n in sorted(refused.items()):
+            self.violations.append(Violation(
+                "permissions", user, f"the generated permissions refused {user}'s own operation {n} time(s): {what}"))
+
+    def _check_activation_digests(self) -> None:
+        bad: dict[tuple[str, int], tuple[str, str]] = {}
+        for a in self.activations:
+            if a.weights_digest is None:
+                continue
+            want = self.weights.digest(a.version)
+            self.checks["digest"] += 1
+            if a.weights_digest != want:
+                bad[(a.worker_id, a.version)] = (a.weights_digest, want)
+        for (worker, v), (got, want) in sorted(bad.items()):
+            self.violations.append(Violation(
+                "digest", None, f"{worker} activated v{v} with live weights {got[:12]}, the trainer's v{v} is "
+                f"{want[:12]}", "1"))
+
+
+TRAINER = "trainer"
+
+
+# -- judging a kept run again (``python -m reliability.oracle WORKDIR``) ---------------------------------
+
+
+def save_inputs(path: Any, *, cfg: Any, timeline: Any, finals: dict[str, Any], stored: dict[str, Any],
+                activations: list[Any], broker_log: str = "") -> None:
+    """What the oracle read besides the journals and the tap's dump, so a kept run can be judged again."""
+    import json
+
+    import msgspec
+
+    doc = {
+        "cfg": {"seed": cfg.seed, "ack_wait": cfg.ack_wait, "duplicate_window": cfg.duplicate_window,
+                "max_deliver": cfg.max_deliver, "duration": cfg.duration},
+        "timeline": {
+            "workers": [{"worker_id": w.worker_id, "engine": w.engine, "start": w.start, "end": w.end,
+                         "paused_at": w.paused_at, "how": w.how, "armed": w.armed} for w in timeline.workers],
+            "broker_down": timeline.broker_down,
+            "commits": timeline.commits,
+            "hidden": timeline.hidden,
+            "corrupt": timeline.corrupt,
+            "consumers_deleted": timeline.consumers_deleted,
+            "trainers": timeline.trainers,
+            "second_clients": timeline.second_clients,
+        },
+        "finals": finals,
+        "stored": stored,
+        "broker_log": broker_log,
+        "activations": [msgspec.to_builtins(a) for a in activations],
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, default=str)
+
+
+def judge_kept(workdir: Any) -> list[Violation]:
+    """Judge a kept run's work directory again, from its files alone."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import msgspec
+
+    from reliability.journal import Journal
+    from reliability.tap import Delivery, Published
+    from reliability.trainer_weights import TrainerWeights
+    from rollfleet.schemas import Names, ReplicaStatus, VersionActivated
+
+    wd = Path(workdir)
+    doc = json.loads((wd / "oracle.json").read_text())
+    tap_doc = json.loads((wd / "tap.json").read_text())
+    cfg = SimpleNamespace(**doc["cfg"])
+    tl = SimpleNamespace(**doc["timeline"])
+    tl.workers = [SimpleNamespace(**w) for w in tl.workers]
+    tl.commits = [tuple(c) for c in tl.commits]
+    tl.consumers_deleted = [tuple(c) for c in tl.consumers_deleted]
+    tap = SimpleNamespace(
+        deliveries=[Delivery(**d) for d in tap_doc["deliveries"]],
+        published=[Published(**p) for p in tap_doc["published"]],
+        acks={k: [tuple(a) for a in v] for k, v in tap_doc["acks"].items()},
+        claims=tap_doc["claims"],
+        stored_jobs=tap_doc.get("stored_jobs", {}),
+        fleet=[(t, w, msgspec.convert(s, ReplicaStatus) if s else None) for t, w, s in tap_doc["fleet"]],
+        gaps=tap_doc["gaps"],
+    )
+    oracle = Oracle(
+        cfg=cfg,
+        timeline=tl,
+        tap=tap,
+        trainer=Journal.read(wd / "trainer.jsonl"),
+        rogue=Journal.read(wd / "rogue.jsonl"),
+        finals=doc["finals"],
+        stored=doc["stored"],
+        activations=[msgspec.convert(a, VersionActivated) for a in doc["activations"]],
+        weights=TrainerWeights(wd / "base", cfg.seed),
+        names=Names("adv"),
+        broker_log=doc.get("broker_log", ""),
+    )
+    violations = oracle.judge()
+    for v in violations:
+        print(f"VIOLATION {v.line()}")
+    print(json.dumps({"checks": dict(oracle.checks), "unverified": dict(oracle.unverified),
+                      "violations": len(violations)}))
+    return violations
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(1 if judge_kept(sys.argv[1]) else 0)

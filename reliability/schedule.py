@@ -1,0 +1,197 @@
+"""The adversary's event vocabulary and the seeded schedules made of it.
+
+Every event is an ordinary thing that happens to a fleet; the adversary's only trick is when,
+and with what else, it happens:
+
+==================  ===========================================================================
+``publish``         the trainer publishes and commits the next version (a few tensors change)
+``burst``           2-4 versions back to back
+``publish_hidden``  the next version is committed while its directory is missing from the
+                    store (a flaky mount), and comes back 1-6 s later
+``hide``            a committed version's directory disappears for 1-6 s, then comes back
+``corrupt``         the next version is committed with a corrupt shard, repaired 2-8 s later
+``slow_reads``      every read of the store (the workers' pre-read hook) sleeps 0.5-3 s, for a while
+``kill``            SIGKILL a worker: at random, or one holding a session turn, an exact job, a
+                    large (chunked) answer, or an at_most_once job older than its claim; restarted
+                    under the same id or another one
+``term``            SIGTERM a worker (a graceful drain, as ``docker compose --scale`` down does)
+``fault``           restart a worker armed with ``ROLLFLEET_FAULT=pause:<point>``, SIGKILL it once
+                    it stops there (mid-chunk, mid-drain, mid-prepare, mid-activation, ...)
+``broker_restart``  SIGKILL the broker, restart it on its store 0.5-3 s later
+``delete_consumer`` delete a job consumer (``min-<v>``, ``exact-<v>``, ``replica-<id>``) through the
+                    JetStream API while jobs flow
+``trainer_kill``    SIGKILL the trainer process; it restarts under the same client_id and resumes
+``second_client``   a second client connects with the trainer's client_id while it runs
+``forge``           the rogue stores forged answers for keys the trainer is likely to use next
+``snoop``           the rogue subscribes to every worker inbox for 2-8 s (and copies what it reads)
+==================  ===========================================================================
+
+``make_schedule(seed, duration)`` is a pure function: the same seed gives the same events at
+the same offsets with the same parameters (the run itself is real time, so what they meet
+varies a little). Named schedules script a sequence of the same events.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+FAULT_POINTS = (
+    "worker:job-delivered",
+    "worker:mid-chunks",
+    "worker:after-result-before-ack",
+    "worker:after-materialize",
+    "worker:before-activation",
+    "worker:mid-drain",
+    "worker:mid-activation",
+)
+WEIGHTS = {
+    "publish": 4.0,
+    "burst": 1.0,
+    "publish_hidden": 1.5,
+    "hide": 1.0,
+    "corrupt": 1.0,
+    "slow_reads": 1.0,
+    "kill": 3.0,
+    "term": 2.0,
+    "fault": 2.0,
+    "broker_restart": 0.6,
+    "delete_consumer": 1.5,
+    "trainer_kill": 1.0,
+    "second_client": 0.6,
+    "forge": 0.8,
+    "snoop": 0.6,
+}
+MEAN_GAP_S = 2.2
+KILL_VICTIMS = ("random", "random", "random", "session", "exact", "large", "long")
+TERM_VICTIMS = ("random", "session", "session-long", "exact")
+
+
+@dataclass
+class Event:
+    t: float  # seconds after the trainer starts
+    kind: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def params_for(kind: str, rng: random.Random, hf: bool) -> dict[str, Any]:
+    u = rng.uniform
+    if kind == "burst":
+        return {"count": rng.randint(2, 4)}
+    if kind in ("publish_hidden", "hide"):
+        out = {"for_s": round(u(1.0, 6.0), 2)}
+        if kind == "hide":
+            out["which"] = rng.choice(("latest", "latest", "random"))
+        return out
+    if kind == "corrupt":
+        return {"for_s": round(u(2.0, 8.0), 2)}
+    if kind == "slow_reads":
+        return {"seconds": round(u(0.5, 3.0), 2), "for_s": round(u(4.0, 12.0), 2)}
+    if kind == "kill":
+        return {
+            "victim": rng.choice(KILL_VICTIMS),
+            "restart": rng.random() < 0.85,
+            "after": round(u(0.3, 4.0), 2),
+            "same_id": rng.random() < 0.75,
+            "hf": hf and rng.random() < 0.3,
+        }
+    if kind == "term":
+        return {
+            "victim": rng.choice(TERM_VICTIMS),
+            "restart": rng.random() < 0.9,
+            "after": round(u(0.2, 2.0), 2),
+            "same_id": rng.random() < 0.75,
+            "hf": hf and rng.random() < 0.3,
+        }
+    if kind == "fault":
+        return {"point": rng.choice(FAULT_POINTS), "hold_s": round(u(0.0, 1.0), 2), "after": round(u(0.3, 2.0), 2)}
+    if kind == "broker_restart":
+        return {"down_s": round(u(0.5, 3.0), 2)}
+    if kind == "delete_consumer":
+        return {"which": rng.choice(("latest-min", "latest-min", "latest-exact", "random", "replica"))}
+    if kind == "trainer_kill":
+        return {"after": round(u(0.3, 3.0), 2), "with_holder": rng.random() < 0.5}
+    if kind == "forge":
+        return {"count": rng.randint(2, 5)}
+    if kind == "snoop":
+        return {"for_s": round(u(2.0, 8.0), 2)}
+    return {}
+
+
+def random_schedule(seed: int, duration: float, hf: bool = False) -> list[Event]:
+    rng = random.Random(f"schedule:{seed}")
+    kinds, weights = zip(*WEIGHTS.items(), strict=True)
+    events: list[Event] = []
+    t = rng.uniform(1.5, 3.5)
+    trainer_kills = 0
+    while t < duration - 2.0:
+        kind = rng.choices(kinds, weights)[0]
+        if kind == "trainer_kill" and (trainer_kills >= 2 or t > duration - 8.0):
+            kind = "publish"
+        trainer_kills += kind == "trainer_kill"
+        events.append(Event(round(t, 2), kind, params_for(kind, rng, hf)))
+        t += rng.expovariate(1.0 / MEAN_GAP_S)
+    return events
+
+
+# -- named schedules: scripted sequences of the same events ------------------------------------------
+
+
+def _drain_and_flaky_mount(duration: float, rng: random.Random, hf: bool) -> list[Event]:
+    """Slow reads while a version is prepared, the next one committed meanwhile while its
+    directory is missing (a flaky mount), then a delta that changes other tensors; later a
+    corrupt shard in the same position, and a replica killed mid-drain."""
+    out = [Event(3.0, "publish"), Event(7.0, "slow_reads", {"seconds": 1.5, "for_s": 5.0}), Event(7.5, "publish")]
+    out += [Event(8.0, "publish_hidden", {"for_s": 6.0}), Event(16.0, "publish")]
+    out += [Event(20.0, "fault", {"point": "worker:mid-drain", "hold_s": 0.3, "after": 1.0})]
+    out += [Event(24.0, "slow_reads", {"seconds": 1.0, "for_s": 4.0}), Event(24.5, "publish")]
+    out += [Event(25.0, "corrupt", {"for_s": 5.0}), Event(31.0, "publish")]
+    return [e for e in out if e.t < duration - 2.0]
+
+
+def _sessions_and_trainer(duration: float, rng: random.Random, hf: bool) -> list[Event]:
+    """The trainer SIGKILLed while a replica runs one of its session turns, that replica SIGKILLed
+    for good, the trainer back under the same id resuming its sessions; replicas stopped
+    gracefully (SIGTERM) while they run a long turn; failed turns asked again."""
+    term = {"victim": "session-long", "restart": True, "after": 0.5, "same_id": True, "hf": False}
+    out = [Event(4.0, "publish"), Event(6.0, "trainer_kill", {"after": 1.0, "with_holder": True})]
+    out += [Event(12.0, "term", term), Event(16.0, "publish"), Event(17.0, "burst", {"count": 3})]
+    out += [Event(20.0, "term", term), Event(22.0, "trainer_kill", {"after": 0.5, "with_holder": True})]
+    return [e for e in out if e.t < duration - 2.0]
+
+
+def _chunks_and_consumers(duration: float, rng: random.Random, hf: bool) -> list[Event]:
+    """Large answers cut mid-chunk and re-run at another version; job consumers deleted while
+    jobs flow; the broker restarted; a rogue forging answers."""
+    out = [Event(3.0, "fault", {"point": "worker:mid-chunks", "hold_s": 0.2, "after": 0.5}), Event(5.0, "publish")]
+    out += [Event(9.0, "delete_consumer", {"which": "latest-min"}), Event(12.0, "forge", {"count": 5})]
+    out += [Event(12.5, "snoop", {"for_s": 4.0})]
+    out += [Event(14.0, "kill", {"victim": "large", "restart": True, "after": 1.0, "same_id": False, "hf": False})]
+    out += [Event(15.0, "publish"), Event(18.0, "delete_consumer", {"which": "latest-exact"})]
+    out += [Event(21.0, "broker_restart", {"down_s": 1.5}), Event(25.0, "second_client")]
+    return [e for e in out if e.t < duration - 2.0]
+
+
+def _long_at_most_once(duration: float, rng: random.Random, hf: bool) -> list[Event]:
+    """An at_most_once job that outlives its claim, its holder SIGKILLed after that."""
+    kill = {"victim": "long", "restart": True, "after": 0.5, "same_id": True, "hf": False}
+    out = [Event(5.0, "publish"), Event(18.0, "kill", kill), Event(32.0, "kill", kill), Event(40.0, "publish")]
+    return [e for e in out if e.t < duration - 2.0]
+
+
+SCHEDULES: dict[str, Callable[[float, random.Random, bool], list[Event]]] = {
+    "drain-flaky-mount": _drain_and_flaky_mount,
+    "sessions-trainer": _sessions_and_trainer,
+    "chunks-consumers": _chunks_and_consumers,
+    "long-at-most-once": _long_at_most_once,
+}
+
+
+def make_schedule(seed: int, duration: float, hf: bool = False, name: str | None = None) -> list[Event]:
+    if name and name in SCHEDULES:
+        return SCHEDULES[name](duration, random.Random(f"schedule:{seed}"), hf)
+    if name and name != "no-auth":
+        raise ValueError(f"unknown schedule {name!r}; named schedules: {', '.join(SCHEDULES)}")
+    return random_schedule(seed, duration, hf)
