@@ -43,7 +43,7 @@ async def activations(client: RolloutClient) -> list[VersionActivated]:
     try:
         while True:
             msgs = await sub.fetch(100, timeout=0.5)
-            out += [decode(m.data, VersionActivated) for m in msgs]
+            out += [a for m in msgs if not (a := decode(m.data, VersionActivated)).at_start]
     except TimeoutError:
         pass
     await sub.unsubscribe()

@@ -92,8 +92,12 @@ async def test_a_replica_whose_engine_dies_hands_back_its_job_and_takes_no_more(
             )
             assert "server exited" in (status.degraded_reason or "")
             assert not client.fleet.replica("a").can_serve(VersionConstraint("min", 0))  # type: ignore[union-attr]
-            table = render_table(await collect_status(nats_url, namespace))
-            assert "a is down: engine echo down: server exited" in table
+            async def shown() -> bool:  # (rollfleet status, as an operator runs it)
+                return "a is down: engine echo down: server exited" in render_table(
+                    await collect_status(nats_url, namespace)
+                )
+
+            await wait_until(shown, timeout=10, what="the reason in rollfleet status")
             # New jobs go to b only while a's engine is down.
             for i in range(6):
                 assert (await (await client.submit(long_job(2), min_version=0)).result(10)).worker_id == "b", i

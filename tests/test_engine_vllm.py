@@ -27,6 +27,7 @@ from rollfleet.schemas.errors import CorruptArtifact, EngineFailure, InvalidRequ
 from rollfleet.testing import running_worker, start_worker_process, stop_all, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from rollfleet.workers.engines import make_engine
+from rollfleet.workers.engines.base import Generation
 from rollfleet.workers.engines.hf import HFEngine
 from rollfleet.workers.engines.vllm import VLLMEngine
 from tests.vllm_helpers import (
@@ -122,17 +123,41 @@ def assert_greedy(hf: HFEngine, prompt: list[int], tokens: list[int]) -> None:
         assert float(row.max() - row[t]) < 1e-3, f"token {i} ({t}) is not the hf model's greedy choice"
 
 
-async def pause_mid_request(engine: VLLMEngine, server: Server, since: float) -> None:
-    """Pause once vLLM has generated tokens since its counter read ``since`` (the request sent in
-    between is mid-generation, frozen in vLLM's batch). Asked while paused, when vLLM answers at once:
-    while it generates on busy cores its /metrics can take seconds, a long request's whole life."""
+class FinishedFirst(Exception):
+    """The request ended before the pause landed (a fast host): nothing to freeze mid-way."""
+
+
+async def pause_mid_request(engine: VLLMEngine, server: Server, since: float, request_id: str) -> None:
+    """Pause once vLLM has generated tokens since its counter read ``since`` while ``request_id`` is
+    still under way (frozen in vLLM's batch). Asked while paused, when vLLM answers at once: while
+    it generates on busy cores its /metrics can take seconds, a long request's whole life."""
     for _ in range(100):
         await engine.pause()
+        if request_id not in engine._inflight:
+            await engine.resume()
+            raise FinishedFirst(request_id)
         if server.metric(GENERATED) > since:
             return
         await engine.resume()
         await asyncio.sleep(0.1)
     raise AssertionError("vLLM generated nothing for the request")
+
+
+async def paused_mid_request(
+    engine: VLLMEngine, server: Server, name: str, job: RolloutPayload
+) -> asyncio.Task[Generation]:
+    """A long request, sent and frozen mid-way by a pause (a new one, if one ends first); returns it."""
+    for attempt in range(4):
+        since = server.metric(GENERATED)
+        request_id = f"{name}-{attempt}"
+        task = asyncio.create_task(engine.generate(request_id, job))
+        await sent(engine, request_id)
+        try:
+            await pause_mid_request(engine, server, since, request_id)
+            return task
+        except FinishedFirst:
+            await task
+    raise AssertionError("every request ended before a pause could land in it")
 
 
 async def sent(engine: VLLMEngine, request_id: str) -> None:
@@ -227,11 +252,8 @@ async def test_activation_mid_request_two_spans_and_the_new_weights_are_the_trai
 ) -> None:
     before = comparable(await engine.weight_checksums())
     assert before == {k: v for k, v in expected_vllm_checksums(load_tensors(shared.base)).items() if k in before}
-    since = shared.server.metric(GENERATED)
-    long = asyncio.create_task(engine.generate("long", payload(max_tokens=LONGEST, temperature=0.0)))
-    await sent(engine, "long")
     await engine.prepare_weights(shared.v1, [], 1)
-    await pause_mid_request(engine, shared.server, since)
+    long = await paused_mid_request(engine, shared.server, "long", payload(max_tokens=LONGEST, temperature=0.0))
     t0 = time.perf_counter()
     try:
         await engine.load_weights(shared.v1, [], 1)
@@ -307,11 +329,8 @@ async def test_abort_stops_the_vllm_request_and_returns_what_it_produced(engine:
             assert len(out.logprobs or []) == len(out.token_ids)
         await wait_until(lambda: shared.server.metric("vllm:num_requests_running") == 0, timeout=10)
     # Frozen by a pause, too.
-    since = shared.server.metric(GENERATED)
-    task = asyncio.create_task(engine.generate("frozen", payload(max_tokens=LONGEST)))
-    await sent(engine, "frozen")
-    await pause_mid_request(engine, shared.server, since)
-    await engine.abort("frozen")
+    task = await paused_mid_request(engine, shared.server, "frozen", payload(max_tokens=LONGEST))
+    await engine.abort(next(r for r in engine._inflight if r.startswith("frozen")))
     await engine.resume()
     out = (await asyncio.wait_for(task, 30)).outputs[0]
     assert out.finish_reason == "abort" and len(out.token_ids) < LONGEST
@@ -428,29 +447,34 @@ async def test_workers_serve_through_vllm_and_keep_the_contract_across_an_activa
             capacity=6, exact_drain_s=60,
         ) as worker:  # fmt: skip
             await client.wait_for_version(0, replicas=1, timeout=60)
-            # Exact jobs end well before the min jobs, whose tokens then straddle the activation.
-            exact = [await client.submit(long_job(150), exact_version=0) for _ in range(2)]
-            mins = [await client.submit(long_job(LONGEST), min_version=0) for _ in range(3)]
-            # All taken (an exact job may be done already) while the min jobs run on vLLM.
-            await wait_until(
-                lambda: len(engine._inflight) + sum(h.done() for h in exact) == 5, timeout=60, what="5 jobs taken"
-            )  # (the activation waits for the exact jobs, generated alongside: the min jobs are under way)
-            new = perturb(tensors, seed=21)
-            await client.publish_policy(publisher, new)
-            done = await asyncio.gather(*(h.result(180) for h in exact + mins))
-            for handle, result in zip(exact + mins, done, strict=True):
-                assert served_within(handle.job.constraint, result) and result.engine == "vllm"
-                assert len(result.outputs[0].token_ids) == handle.job.payload.sampling.max_tokens
-            for result in done[:2]:  # exact: every token from version 0
-                assert [(w.version, w.start, w.end) for w in result.outputs[0].weight_versions] == [(0, 0, 150)]
-            spanning = [r for r in done[2:] if [w.version for w in r.outputs[0].weight_versions] == [0, 1]]
-            assert spanning, [r.outputs[0].weight_versions for r in done[2:]]
-            for r in spanning:
-                assert (r.version_start, r.version_end) == (0, 1)
-            await client.wait_for_version(1, replicas=1, timeout=60)
-            assert worker.sync is not None and worker.sync.activations[-1].version == 1
-            # Version 1 as served is the trainer's bytes.
-            check = await client.submit(payload(max_tokens=24, temperature=0.0), exact_version=1)
+            new, spanning, v = tensors, [], 0
+            for _ in range(3):  # a round again only if every min job ended before the activation (a fast host)
+                # Exact jobs end well before the min jobs, whose tokens then straddle the activation.
+                exact = [await client.submit(long_job(150), exact_version=v) for _ in range(2)]
+                mins = [await client.submit(long_job(LONGEST), min_version=v) for _ in range(3)]
+                # All taken (an exact job may be done already) while the min jobs run on vLLM.
+                await wait_until(
+                    lambda ex=exact: len(engine._inflight) + sum(h.done() for h in ex) == 5, timeout=60, what="taken"
+                )  # (the activation waits for the exact jobs, generated alongside: the min jobs are under way)
+                new = perturb(new, seed=21 + v)
+                await client.publish_policy(publisher, new)
+                done = await asyncio.gather(*(h.result(180) for h in exact + mins))
+                for handle, result in zip(exact + mins, done, strict=True):
+                    assert served_within(handle.job.constraint, result) and result.engine == "vllm"
+                    assert len(result.outputs[0].token_ids) == handle.job.payload.sampling.max_tokens
+                for result in done[:2]:  # exact: every token from its version
+                    assert [(w.version, w.start, w.end) for w in result.outputs[0].weight_versions] == [(v, 0, 150)]
+                spanning = [r for r in done[2:] if [w.version for w in r.outputs[0].weight_versions] == [v, v + 1]]
+                for r in spanning:
+                    assert (r.version_start, r.version_end) == (v, v + 1)
+                v += 1
+                await client.wait_for_version(v, replicas=1, timeout=60)
+                if spanning:
+                    break
+            assert spanning, "no min job spanned an activation in 3 rounds"
+            assert worker.sync is not None and worker.sync.activations[-1].version == v
+            # The version as served is the trainer's bytes.
+            check = await client.submit(payload(max_tokens=24, temperature=0.0), exact_version=v)
             fresh = (await check.result(60)).outputs[0]
             trainer_v1 = write_version(shared.base, tmp_path / "trainer-v1", new)
             live = comparable(await engine.weight_checksums())

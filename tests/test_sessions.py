@@ -211,7 +211,7 @@ async def test_version_policies_hold_across_activations(
 
             async def run(s: Any) -> None:
                 context = [1, 2, 3]
-                for _ in range(8):  # 0.2 s a turn: the versions land while they run
+                for _ in range(12):  # 0.2 s a turn: the versions land while they run (with room on a slow host)
                     floors[s.session_id].append(max(0, (client.latest_version or 0) - 1))
                     r = await s.generate(turn_payload(context, max_tokens=20))
                     turns[s.session_id].append(r)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import suppress
+from typing import Any
 
+import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
@@ -25,6 +27,9 @@ async def read_latest(policy_kv: KeyValue) -> int | None:
     return int(entry.value or b"0")
 
 
+_SNAPSHOT_QUIET_S = 0.05
+
+
 async def read_replicas(fleet_kv: KeyValue, timeout: float = 10.0) -> dict[str, ReplicaStatus]:
     """Every registry entry (live or stale), by worker id; undecodable entries are skipped.
 
@@ -32,12 +37,26 @@ async def read_replicas(fleet_kv: KeyValue, timeout: float = 10.0) -> dict[str, 
     created on the broker), instead of listing the keys and reading each one."""
     watcher = await fleet_kv.watch(Names.REPLICA_KEYS, ignore_deletes=True)
     replicas: dict[str, ReplicaStatus] = {}
+
+    def take(entry: Any) -> None:
+        if entry.value:
+            with suppress(InvalidRequest):
+                status = decode(entry.value, ReplicaStatus, what="replica status")
+                replicas[status.worker_id] = status
+
     try:
         while (entry := await watcher.updates(timeout=timeout)) is not None:
-            if entry.value:
-                with suppress(InvalidRequest):
-                    status = decode(entry.value, ReplicaStatus, what="replica status")
-                    replicas[status.worker_id] = status
+            take(entry)
+        # nats-py may say the initial values are over while some are still on their way (it sees
+        # the consumer's pending count already 0 before its callback has taken them): what
+        # arrives within a short quiet period belongs to the snapshot too.
+        while True:
+            try:
+                entry = await watcher.updates(timeout=_SNAPSHOT_QUIET_S)
+            except (nats.errors.TimeoutError, TimeoutError):
+                break
+            if entry is not None:
+                take(entry)
     finally:
         with suppress(Exception):
             await watcher.stop()

@@ -24,7 +24,6 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from rollfleet.broker.connection import connect
-from rollfleet.broker.publish import publish_retrying
 from rollfleet.broker.pull import PullConsumer
 from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
@@ -52,8 +51,6 @@ from rollfleet.schemas import (
     VersionPolicy,
     VersionRecord,
     check_token,
-    claim_key,
-    decode,
     decode_outcome,
     error_from_code,
     served_within,
@@ -67,13 +64,14 @@ from rollfleet.schemas.errors import (
     RollfleetError,
     ServiceUnavailable,
 )
-from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, listened_subjects
+from rollfleet.schemas.names import listened_subjects
 from rollfleet.trainer_client import answers
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.jobids import JobIds
 from rollfleet.trainer_client.lease import ClientLease
 from rollfleet.trainer_client.metrics import ClientMetrics
+from rollfleet.trainer_client.placement import JobPlacement
 from rollfleet.trainer_client.requests import build_job, constraint_from, written_constraint
 from rollfleet.trainer_client.sessions import OpenSession, Session, expire_idle
 from rollfleet.trainer_client.versions import adopt_version, commit_version
@@ -90,7 +88,6 @@ _PROBE_S = 1.0  # a replica that may hold an orphaned exact job is probed this o
 _STALL_AFTER_S = 1.0  # a job unanswered this long makes its subject worth a look (see _watch_stalls)
 _STALL_JOBS_PER_BELL = 4  # a woken replica pulls up to its free slots (4 by default)
 _STALL_BELLS_MAX = 64
-_PUBLISH_BUDGET_S = 30.0  # how long submit keeps trying to store a job while the broker recovers
 _CHUNKS_PATIENCE = 20  # deliveries of an answer head whose chunks cannot be read, before it is given up
 
 
@@ -135,7 +132,18 @@ class RolloutClient:
         self.observe: Callable[[Outcome, int | None], None] | None = None
         self._consumers: dict[str, float] = {}  # consumer -> until when it is known to exist
         self._sessions_bucket: KeyValue | None = None
-        self._claims_bucket: KeyValue | None = None
+        self.placement = JobPlacement(
+            self.client_id,
+            self.js,
+            nc,
+            names,
+            self.fleet,
+            self.metrics,
+            declare_shared=self._ensure_consumer,
+            declare_replica=self._redeclare_replica,
+            ring=lambda constraint: self._ring(constraint, fresh=True),
+            forget=lambda key: self._handles.pop(key, None) and None,
+        )
         self.sessions: dict[str, OpenSession] = {}  # open sessions of this client, by id
         self._bell_inbox = ""
         self._results_puller: PullConsumer | None = None
@@ -195,6 +203,7 @@ class RolloutClient:
         await self.fleet.start()
         # A bell rung at a replica that is gone comes back as "no responders" on this inbox.
         self._bell_inbox = self.nc.new_inbox()
+        self.placement.probe_reply = f"{self._bell_inbox}.p"
         await self.nc.subscribe(self._bell_inbox + ".>", cb=self._on_bell_unanswered)
         advisory = self.names.consumer_leader_advisory(self.names.results_stream)
         await self.nc.subscribe(advisory, cb=self._on_results_leader)
@@ -328,7 +337,7 @@ class RolloutClient:
             else:
                 subject = self.names.replica_job_subject(replica)
                 await self._ensure_replica_consumer(replica)
-            ack = await self._store_job(handle, subject, key)
+            ack = await self.placement.store(handle, subject, key)
         except RollfleetError:
             self._handles.pop(key, None)
             raise
@@ -356,29 +365,24 @@ class RolloutClient:
         handle.stored = True
         return True
 
-    async def _store_job(self, handle: RolloutHandle, subject: str, msg_id: str) -> Any:
-        headers = {HDR_MSG_ID: msg_id, HDR_CLIENT_ID: self.client_id}
-        until = min(handle.job.deadline, time.time() + _PUBLISH_BUDGET_S)
-        return await publish_retrying(self.js, subject, handle.data, headers, until=until)
-
     async def _adopt(self, handle: RolloutHandle, seq: int) -> bool:
         """A resubmission within the duplicate window stored nothing: the key's job is the one
         stored earlier (by this process or one before a restart). Follow that job where it is,
         so it can still be withdrawn, moved or watched; if it is gone, take its stored answer,
         or (withdrawn unanswered) store this request again. False once the handle is settled."""
         key = handle.idempotency_key
-        found = await self._job_at(seq)
+        found = await self.placement.job_at(seq)
         if found is None:  # gone: an answer stored first, or withdrawn (expired, moved)
             if await self._settle_stored(handle):
                 return False
             moved = f"{key}#1"  # where a moved turn of an earlier process went
             subject = self.names.job_subject(handle.job.constraint.kind, handle.job.constraint.version)
             await self._ensure_consumer(handle.job.constraint)
-            ack = await self._store_job(handle, subject, moved)
-            if ack.duplicate and (found := await self._job_at(ack.seq)) is None:
+            ack = await self.placement.store(handle, subject, moved)
+            if ack.duplicate and (found := await self.placement.job_at(ack.seq)) is None:
                 if await self._settle_stored(handle):
                     return False
-                ack = await self._store_job(handle, subject, f"{key}#{uuid.uuid4().hex[:12]}")
+                ack = await self.placement.store(handle, subject, f"{key}#{uuid.uuid4().hex[:12]}")
             if found is None:
                 handle.subject, handle.stream_seq, handle.replica = subject, ack.seq, None
                 handle.moves = 1
@@ -390,14 +394,6 @@ class RolloutClient:
             return False
         handle.adopt(job, data, subject, seq, self.names.parse_replica_job_subject(subject))
         return True
-
-    async def _job_at(self, seq: int) -> tuple[RolloutJob, bytes, str] | None:
-        """The job stored at ``seq`` of the jobs stream, if it is still there."""
-        try:
-            raw = await self.js.get_msg(self.names.jobs_stream, seq)
-            return decode(raw.data or b"", RolloutJob, what="stored job"), raw.data or b"", raw.subject or ""
-        except (nats.errors.Error, nats.js.errors.Error, RollfleetError):
-            return None
 
     async def _ensure_consumer(self, constraint: VersionConstraint) -> bool:
         """The subject's shared consumer exists before its first job is stored: the trainer
@@ -426,6 +422,11 @@ class RolloutClient:
             raise ServiceUnavailable(f"cannot create the consumer of {what}: {exc}") from exc
         self._consumers[what] = time.monotonic() + _CONSUMER_RECHECK_S
         return created
+
+    async def _redeclare_replica(self, worker_id: str) -> bool:
+        """A replica's own consumer found missing: declared again (the cached belief dropped)."""
+        self._consumers.pop(f"replica {worker_id}", None)
+        return await self._ensure_replica_consumer(worker_id)
 
     async def _redeclare(self, constraint: VersionConstraint) -> None:
         """A subject's consumer vanished (deleted, or cleaned up while this client believed it
@@ -501,11 +502,11 @@ class RolloutClient:
             for worker_id in holders:  # (no responders: marked gone, and no longer a holder)
                 if now - self._probed.get(worker_id, 0.0) >= _PROBE_S:
                     self._probed[worker_id] = now
-                    self.probe(worker_id)
+                    self.placement.probe(worker_id)
             if holders or now - orphaned.setdefault(key, now) < _ORPHAN_GRACE_S:
                 continue
             orphaned[key] = now  # look again after another grace period if it cannot be withdrawn
-            await self._delete_job(handle)
+            await self.placement.delete(handle)
             # Answered just before? (A worker stores its answer before it acks.)
             if handle.done() or await self._settle_stored(handle):
                 continue
@@ -579,7 +580,7 @@ class RolloutClient:
                 for _ in range(min(-(-stuck // _STALL_JOBS_PER_BELL), _STALL_BELLS_MAX)):
                     self._ring(constraint, stalled=True)
 
-    # -- where a job is, for sessions' sticky turns (sessions.host.TurnPlacement) ---------------
+    # -- sessions (sessions.host.SessionHost) -------------------------------------------------
     async def submit_turn(
         self,
         payload: RolloutPayload,
@@ -604,123 +605,6 @@ class RolloutClient:
             session_id=session_id,
             replica=replica,
         )
-
-    async def taken(self, handle: RolloutHandle) -> bool:
-        """Whether a worker was ever delivered the job where it is stored now: its subject's
-        consumer delivers in stream order, so a job stored after the last delivered one was never
-        delivered. A replica consumer found missing is declared again (then nothing was taken)."""
-        if handle.stream_seq is None:
-            return True  # nowhere we know of: leave it be
-        consumer = (
-            self.names.replica_consumer(handle.replica)
-            if handle.replica is not None
-            else self.names.job_consumer(handle.job.constraint.kind, handle.job.constraint.version)
-        )
-        try:
-            info = await self.js.consumer_info(self.names.jobs_stream, consumer)
-        except nats.js.errors.NotFoundError:
-            if handle.replica is not None:
-                self._consumers.pop(f"replica {handle.replica}", None)
-                with suppress(RollfleetError):
-                    await self._ensure_replica_consumer(handle.replica)
-            return False
-        except (nats.errors.Error, nats.js.errors.Error):
-            return False  # the broker is away: the next look decides
-        delivered = info.delivered.stream_seq if info.delivered is not None else 0
-        return (delivered or 0) >= handle.stream_seq
-
-    async def move_to_shared(self, handle: RolloutHandle) -> bool:
-        """Withdraw a turn from its replica's own subject and store the same job (the same bytes,
-        so the same job id: one answer wherever it runs) on the shared subject of its constraint;
-        False if it could not be withdrawn (already answered). If it cannot be stored again, the
-        handle fails with that (retryable) error."""
-        if handle.replica is None or handle.done():
-            return False
-        job = handle.job
-        try:
-            await self._ensure_consumer(job.constraint)  # before the withdrawal: nothing to lose yet
-        except RollfleetError:
-            return False  # left where it is; the watch tries again
-        if not await self._delete_job(handle):
-            return False
-        handle.replica = None
-        handle.moves += 1
-        subject = self.names.job_subject(job.constraint.kind, job.constraint.version)
-        try:
-            ack = await self._store_job(handle, subject, f"{job.idempotency_key}#{handle.moves}")
-        except RollfleetError as exc:
-            self._handles.pop(job.idempotency_key, None)
-            handle.set_error(exc)
-            return True
-        handle.subject, handle.stream_seq = subject, ack.seq
-        self._ring(job.constraint, fresh=True)
-        log.info("turn moved off its replica", idempotency_key=job.idempotency_key, moves=handle.moves)
-        return True
-
-    def probe(self, worker_id: str) -> None:
-        probe = self.names.bell_subject(worker_id)
-        self._spawn(self.nc.publish(probe, Names.PROBE_BELL, reply=f"{self._bell_inbox}.p"))
-
-    async def _claims(self) -> KeyValue:
-        if self._claims_bucket is None:
-            self._claims_bucket = await self.js.key_value(self.names.claims_bucket)
-        return self._claims_bucket
-
-    async def holder(self, handle: RolloutHandle) -> str | None:
-        try:
-            entry = await (await self._claims()).get(claim_key(handle.job_id))
-        except (nats.errors.Error, nats.js.errors.Error):
-            return None
-        holder, _, refreshed = (entry.value or b"").decode(errors="replace").rpartition("@")
-        return holder if holder and refreshed != "0" else None  # (a claim marked stopped holds nothing)
-
-    async def holder_stopped(self, handle: RolloutHandle, worker_id: str | None = None) -> bool:
-        """Mark the claim of a job whose holder is gone as stopped (refreshed at time 0), so the
-        replica that takes it over acts at once; the claim itself stays (an ``at_most_once`` job
-        is then answered ``Interrupted``, never run twice). Marked only if the holder's connection
-        is gone now, and only over the claim as read before asking."""
-        try:
-            claims = await self._claims()
-            key = claim_key(handle.job_id)
-            entry = await claims.get(key)
-            holder, _, refreshed = (entry.value or b"").decode(errors="replace").rpartition("@")
-            owner = holder.partition(":")[0]
-            if not holder or refreshed == "0" or (worker_id is not None and owner != worker_id):
-                return False
-            if await self._listening(owner):
-                return False  # a process of that replica is connected (perhaps a new one)
-            await claims.update(key, f"{holder}@0".encode(), last=entry.revision)
-            return True
-        except (nats.errors.Error, nats.js.errors.Error):
-            return False  # no claim (it never started), or it changed: nothing to say
-
-    async def _listening(self, worker_id: str) -> bool:
-        """Whether some process listens on the replica's bell now (the broker answers "no
-        responders" at once when none does; a live one lets the probe time out)."""
-        try:
-            await self.nc.request(self.names.bell_subject(worker_id), Names.PROBE_BELL, timeout=0.25)
-        except nats.errors.NoRespondersError:
-            return False
-        except (nats.errors.TimeoutError, TimeoutError):
-            return True
-        return True
-
-    async def requeue(self, handle: RolloutHandle) -> bool:
-        if handle.replica is not None or handle.done() or handle.subject is None:
-            return False
-        if not await self._delete_job(handle):
-            return False
-        handle.moves += 1
-        try:
-            ack = await self._store_job(handle, handle.subject, f"{handle.idempotency_key}#{handle.moves}")
-        except RollfleetError as exc:
-            self._handles.pop(handle.idempotency_key, None)
-            handle.set_error(exc)
-            return True
-        handle.stream_seq = ack.seq
-        self._ring(handle.job.constraint, fresh=True)
-        log.info("turn stored again: its holder is gone", idempotency_key=handle.idempotency_key)
-        return True
 
     async def end_session(self, replica: str, session_id: str) -> None:
         await self.nc.publish(self.names.bell_subject(replica), self.names.end_session_payload(session_id))
@@ -843,17 +727,7 @@ class RolloutClient:
 
     async def _withdraw(self, handle: RolloutHandle) -> bool:
         self._handles.pop(handle.idempotency_key, None)
-        return await self._delete_job(handle)
-
-    async def _delete_job(self, handle: RolloutHandle) -> bool:
-        """Remove the stored job (queued, or held by a worker that will find it gone when it
-        acks); whether it was removed."""
-        if handle.stream_seq is None:
-            return False
-        try:
-            return bool(await self.js.delete_msg(self.names.jobs_stream, handle.stream_seq))
-        except Exception:  # already taken (acked and removed) or broker away
-            return False
+        return await self.placement.delete(handle)
 
     # -- policy versions --------------------------------------------------------------------
     async def publish_policy(self, publisher: Any, named_tensors: Any) -> VersionRecord:

@@ -1,7 +1,7 @@
-"""What a session needs from the client it runs on, as an explicit interface.
+"""What a session needs from the client it runs on, as explicit interfaces.
 
-``RolloutClient`` implements both protocols; the sessions room never imports the client, so the
-two stay one-way (client -> sessions).
+``RolloutClient`` is a ``SessionHost`` and its ``JobPlacement`` a ``TurnPlacement``; the sessions
+room never imports the client, so the two stay one-way (client -> sessions).
 """
 
 from __future__ import annotations
@@ -65,10 +65,14 @@ class TurnPlacement(Protocol):
         ...
 
 
-class SessionHost(TurnPlacement, Protocol):
+class SessionHost(Protocol):
     """Everything a ``Session`` uses of its client."""
 
+    client_id: str
     names: Names
+    fleet: FleetView
+    metrics: ClientMetrics
+    placement: TurnPlacement  # where its turns lie, and how they move
     default_timeout_s: float
     sessions: dict[str, OpenSession]  # this client's open sessions, by id
 

@@ -268,7 +268,7 @@ class Session:
             if spent:
                 self._record.next_turn = nxt + 1
                 self._record.touched_at = time.time()
-            result = await await_turn(self._host, handle, self.affinity_wait_s)
+            result = await await_turn(self._host.placement, handle, self.affinity_wait_s)
             self._record.replica = result.worker_id  # where its context is cached now
             if self._record.version_policy == "monotonic":
                 self._record.last_version = max(self._record.last_version or 0, result.version_end)

@@ -1,0 +1,208 @@
+"""Where a job lies in the jobs stream, and how it is moved: the client's job mechanics.
+
+A handle knows its job's subject and stream sequence (``RolloutHandle``). ``JobPlacement``
+stores a job there, reads a stored one back, withdraws it, tells whether a worker was ever
+delivered it, moves it off a replica's own subject or stores it again, and reads and marks the
+job's claim (who holds it). Sessions decide *when* a turn moves (``sessions.sticky``); this
+says *how*. It implements ``sessions.host.TurnPlacement``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from rollfleet.broker.publish import publish_retrying
+from rollfleet.runtime.logs import get_logger
+from rollfleet.schemas import Names, RolloutJob, VersionConstraint, claim_key, decode
+from rollfleet.schemas.errors import RollfleetError
+from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
+from rollfleet.trainer_client.fleet import FleetView
+from rollfleet.trainer_client.handle import RolloutHandle
+from rollfleet.trainer_client.metrics import ClientMetrics
+
+log = get_logger("rollfleet.client")
+
+PUBLISH_BUDGET_S = 30.0  # how long storing a job keeps trying while the broker recovers
+_LISTENING_S = 0.25  # a live replica lets a probe go unanswered this long
+
+
+class JobPlacement:
+    def __init__(
+        self,
+        client_id: str,
+        js: JetStreamContext,
+        nc: NATS,
+        names: Names,
+        fleet: FleetView,
+        metrics: ClientMetrics,
+        *,
+        declare_shared: Callable[[VersionConstraint], Awaitable[bool]],
+        declare_replica: Callable[[str], Awaitable[bool]],
+        ring: Callable[[VersionConstraint], None],
+        forget: Callable[[str], None],
+    ) -> None:
+        self.client_id = client_id
+        self.fleet = fleet
+        self.metrics = metrics
+        self._js, self._nc, self._names = js, nc, names
+        self._declare_shared = declare_shared  # a shared subject's consumer exists (created if not)
+        self._declare_replica = declare_replica  # a replica's own consumer, declared again
+        self._ring = ring  # a replica rung for a job just stored on a shared subject
+        self._forget = forget  # the client stops waiting for a key (its handle failed here)
+        self._claims_bucket: KeyValue | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self.probe_reply = ""  # where "no responders" to a probe comes back (set by the client)
+
+    # -- storing, reading, withdrawing ----------------------------------------------------------
+    async def store(self, handle: RolloutHandle, subject: str, msg_id: str) -> Any:
+        """Store the handle's job bytes on ``subject`` under the message id ``msg_id``; the ack."""
+        headers = {HDR_MSG_ID: msg_id, HDR_CLIENT_ID: self.client_id}
+        until = min(handle.job.deadline, time.time() + PUBLISH_BUDGET_S)
+        return await publish_retrying(self._js, subject, handle.data, headers, until=until)
+
+    async def job_at(self, seq: int) -> tuple[RolloutJob, bytes, str] | None:
+        """The job stored at ``seq`` of the jobs stream, if it is still there."""
+        try:
+            raw = await self._js.get_msg(self._names.jobs_stream, seq)
+            return decode(raw.data or b"", RolloutJob, what="stored job"), raw.data or b"", raw.subject or ""
+        except (nats.errors.Error, nats.js.errors.Error, RollfleetError):
+            return None
+
+    async def delete(self, handle: RolloutHandle) -> bool:
+        """Remove the stored job (queued, or held by a worker that will find it gone when it
+        acks); whether it was removed."""
+        if handle.stream_seq is None:
+            return False
+        try:
+            return bool(await self._js.delete_msg(self._names.jobs_stream, handle.stream_seq))
+        except Exception:  # already taken (acked and removed) or broker away
+            return False
+
+    async def taken(self, handle: RolloutHandle) -> bool:
+        """Whether a worker was ever delivered the job where it is stored now: its subject's
+        consumer delivers in stream order, so a job stored after the last delivered one was never
+        delivered. A replica consumer found missing is declared again (then nothing was taken)."""
+        if handle.stream_seq is None:
+            return True  # nowhere we know of: leave it be
+        names = self._names
+        consumer = (
+            names.replica_consumer(handle.replica)
+            if handle.replica is not None
+            else names.job_consumer(handle.job.constraint.kind, handle.job.constraint.version)
+        )
+        try:
+            info = await self._js.consumer_info(names.jobs_stream, consumer)
+        except nats.js.errors.NotFoundError:
+            if handle.replica is not None:
+                with suppress(RollfleetError):
+                    await self._declare_replica(handle.replica)
+            return False
+        except (nats.errors.Error, nats.js.errors.Error):
+            return False  # the broker is away: the next look decides
+        delivered = info.delivered.stream_seq if info.delivered is not None else 0
+        return (delivered or 0) >= handle.stream_seq
+
+    # -- moving --------------------------------------------------------------------------------
+    async def move_to_shared(self, handle: RolloutHandle) -> bool:
+        """Withdraw a turn from its replica's own subject and store the same job (the same bytes,
+        so the same job id: one answer wherever it runs) on the shared subject of its constraint;
+        False if it could not be withdrawn (already answered). If it cannot be stored again, the
+        handle fails with that (retryable) error."""
+        if handle.replica is None or handle.done():
+            return False
+        constraint = handle.job.constraint
+        try:
+            await self._declare_shared(constraint)  # before the withdrawal: nothing to lose yet
+        except RollfleetError:
+            return False  # left where it is; the watch tries again
+        if not await self.delete(handle):
+            return False
+        handle.replica = None
+        return await self._store_again(handle, self._names.job_subject(constraint.kind, constraint.version))
+
+    async def requeue(self, handle: RolloutHandle) -> bool:
+        """Store the job (the same bytes) again on the shared subject it lies on, withdrawing the
+        copy a dead holder was delivered; False if it could not be withdrawn (it was answered)."""
+        if handle.replica is not None or handle.done() or handle.subject is None:
+            return False
+        if not await self.delete(handle):
+            return False
+        return await self._store_again(handle, handle.subject)
+
+    async def _store_again(self, handle: RolloutHandle, subject: str) -> bool:
+        handle.moves += 1
+        key = handle.idempotency_key
+        try:
+            ack = await self.store(handle, subject, f"{key}#{handle.moves}")
+        except RollfleetError as exc:
+            self._forget(key)
+            handle.set_error(exc)
+            return True
+        handle.subject, handle.stream_seq = subject, ack.seq
+        self._ring(handle.job.constraint)
+        log.info("job stored again", idempotency_key=key, moves=handle.moves, subject=subject)
+        return True
+
+    # -- who holds it --------------------------------------------------------------------------
+    def probe(self, worker_id: str) -> None:
+        """Ask whether the replica's connection is alive (no responders: it is marked gone)."""
+        task = asyncio.ensure_future(
+            self._nc.publish(self._names.bell_subject(worker_id), Names.PROBE_BELL, reply=self.probe_reply)
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _claims(self) -> KeyValue:
+        if self._claims_bucket is None:
+            self._claims_bucket = await self._js.key_value(self._names.claims_bucket)
+        return self._claims_bucket
+
+    async def holder(self, handle: RolloutHandle) -> str | None:
+        """The process holding the job, as its claim names it; None if unclaimed or marked stopped."""
+        try:
+            entry = await (await self._claims()).get(claim_key(handle.job_id))
+        except (nats.errors.Error, nats.js.errors.Error):
+            return None
+        holder, _, refreshed = (entry.value or b"").decode(errors="replace").rpartition("@")
+        return holder if holder and refreshed != "0" else None
+
+    async def holder_stopped(self, handle: RolloutHandle, worker_id: str | None = None) -> bool:
+        """Mark the claim of a job whose holder is gone as stopped (refreshed at time 0), so the
+        replica that takes it over acts at once; the claim itself stays (an ``at_most_once`` job
+        is then answered ``Interrupted``, never run twice). Marked only if the holder's connection
+        is gone now, and only over the claim as read before asking."""
+        try:
+            claims = await self._claims()
+            key = claim_key(handle.job_id)
+            entry = await claims.get(key)
+            holder, _, refreshed = (entry.value or b"").decode(errors="replace").rpartition("@")
+            owner = holder.partition(":")[0]
+            if not holder or refreshed == "0" or (worker_id is not None and owner != worker_id):
+                return False
+            if await self._listening(owner):
+                return False  # a process of that replica is connected (perhaps a new one)
+            await claims.update(key, f"{holder}@0".encode(), last=entry.revision)
+            return True
+        except (nats.errors.Error, nats.js.errors.Error):
+            return False  # no claim (it never started), or it changed: nothing to say
+
+    async def _listening(self, worker_id: str) -> bool:
+        """Whether some process listens on the replica's bell now (the broker answers "no
+        responders" at once when none does; a live one lets the probe time out)."""
+        try:
+            await self._nc.request(self._names.bell_subject(worker_id), Names.PROBE_BELL, timeout=_LISTENING_S)
+        except nats.errors.NoRespondersError:
+            return False
+        except (nats.errors.TimeoutError, TimeoutError):
+            return True
+        return True
