@@ -62,7 +62,9 @@ async def await_turn(host: TurnPlacement, handle: RolloutHandle, wait_s: float) 
                 host.metrics.affinity_fallbacks.labels(client_id=host.client_id, reason=reason).inc()
                 probe_at = now + PROBE_S
                 continue
-            taken = True  # it could not be withdrawn: the replica took (and answered) it
+            # Not withdrawn: answered meanwhile (the answer is on its way), or the broker did not
+            # answer; the next look decides again (taken or not) rather than assume either.
+            taken = await host.taken(handle)
         if taken and now >= probe_at:  # no responders means its connection is gone
             probe_at = now + PROBE_S
             host.probe(replica)
