@@ -164,7 +164,9 @@ class Oracle:
             if ev == "submit":
                 calls[r["rid"]] = Call(r["rid"], int(r["inc"]), r["op"], r["key"], float(r["t"]), req=r["req"])
             elif ev == "turn":
-                c = Call(r["rid"], int(r["inc"]), r["op"], r["key"], float(r["t"]), sid=r["sid"], turn=int(r["turn"]))
+                # (A turn's request is its payload; the session's constraint and policy are fixed.)
+                c = Call(r["rid"], int(r["inc"]), r["op"], r["key"], float(r["t"]), sid=r["sid"], turn=int(r["turn"]),
+                         req={"payload": r.get("payload")})
                 c.timeout = float(r["timeout"]) if r.get("timeout") is not None else None
                 calls[r["rid"]] = c
             elif ev == "stored" and r.get("rid") in calls:
@@ -520,6 +522,13 @@ class Oracle:
                 # The job was stored again (a turn moved off its replica, or re-stored when its
                 # holder died) and the copy's delivery went to an inbox the tap was not mirroring.
                 self.unverified["delivery of a re-stored copy not seen by the wiretap"] += 1
+            elif any(
+                d.t <= t <= float(desc.get("finished_at") or 0.0) and n == d.consumer
+                for d in ran_on for t, n in self.tl.consumers_deleted
+            ):
+                # Its consumer was deleted and declared again: the new one counts attempts from 1,
+                # so this attempt may be the new consumer's delivery, to an inbox the tap missed.
+                self.unverified["delivery of a re-declared consumer not seen by the wiretap"] += 1
             elif ran_on and all(d.worker is not None for d in ran_on):
                 self.check("delivered", False, key,
                            f"accepted result of job {job_id} names {worker} (attempt {desc.get('attempt')}), but that "
@@ -878,10 +887,11 @@ class Oracle:
                                 and not p.desc.get("forged_tokens") and self.proc_at(d1.worker, p.t) is holder]
                     handed_back = any(k in ("-NAK", "+TERM") and d1.t <= t <= d2.t + 0.5 for t, k in acks)
                     # The copy's taker ran it too, unless it handed it back at once (it found the
-                    # job claimed by the first holder, alive) and never answered it.
+                    # job claimed by the first holder, alive) or acked it as answered, and never answered it.
                     second = self.tap.acks.get(d2.ack, [])
                     first_word = min(second, default=None)
-                    declined = first_word is not None and first_word[1] in ("-NAK", "+TERM")
+                    # (an +ACK with no answer: it found the first holder's answer stored and ran nothing)
+                    declined = first_word is not None and first_word[1] in ("-NAK", "+TERM", "+ACK")
                     answered_by_second = any(
                         p.job_id == job_id and p.worker == d2.worker for p in self.published_by_key.get(key or "", [])
                     )

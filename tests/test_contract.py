@@ -251,6 +251,47 @@ async def test_an_exact_job_handed_back_at_the_drain_bound_is_withdrawn_within_s
             assert asyncio.get_running_loop().time() - t0 < 8.0
 
 
+@pytest.mark.parametrize("retry_policy", ["replayable", "at_most_once"])
+async def test_an_exact_job_no_draining_replica_took_is_withdrawn_within_seconds(
+    nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher, retry_policy: str
+) -> None:
+    """Two busy replicas at v0; an exact-0 job waits in the queue. Replica a is stopped (SIGTERM:
+    it drains, finishing its own long job at v0 for seconds more) and b moves to v1. A draining
+    replica takes nothing new, so nobody will ever serve the queued job: it is withdrawn and
+    answered NoCompatibleReplica within seconds, not after a's drain or at its deadline. a still
+    finishes what it held."""
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        await client.publish_policy(publisher, tensors_at(0))
+        a_ctx = running_worker(nats_url, namespace, engine=EchoEngine(per_token_s=0.05), capacity=1, worker_id="a")
+        a = await a_ctx.__aenter__()
+        stopping = None
+        try:
+            b_engine = EchoEngine(per_token_s=0.02)
+            async with running_worker(nats_url, namespace, engine=b_engine, capacity=1, **follower(tmp_path, "b")) as b:
+                await wait_until(lambda: len(client.fleet.replicas()) == 2)
+                held = [await client.submit(long_job(300), min_version=0) for _ in range(2)]  # a: 15 s, b: 6 s
+                assert a.jobs is not None and b.jobs is not None
+                await wait_until(lambda: len(a.jobs.running) == 1 and len(b.jobs.running) == 1, 10)
+                queued = await client.submit(long_job(3), exact_version=0, timeout=60, retry_policy=retry_policy)  # type: ignore[arg-type]
+                stopping = asyncio.ensure_future(a.stop())
+                await wait_until(lambda: (r := client.fleet.replica("a")) is not None and r.state == "draining", 10)
+                await client.publish_policy(publisher, tensors_at(1))
+                await wait_until(lambda: b.version == 1, 20)
+                t0 = asyncio.get_running_loop().time()
+                with pytest.raises(NoCompatibleReplica):
+                    await queued.result(60)
+                took = asyncio.get_running_loop().time() - t0
+                draining = client.fleet.replica("a")
+                assert draining is not None and draining.state == "draining"  # a still finishing its own job
+                results = [await h.result(30) for h in held]
+        finally:
+            if stopping is not None:
+                await stopping
+            await a_ctx.__aexit__(None, None, None)
+    assert took < 8.0, took  # not after a's drain (about 15 s) or the 60 s deadline
+    assert sorted(r.worker_id for r in results) == ["a", "b"]
+
+
 async def test_an_exact_job_whose_replica_is_killed_mid_drain_is_withdrawn_within_seconds(
     nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
 ) -> None:

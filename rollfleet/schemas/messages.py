@@ -77,6 +77,13 @@ class RolloutJob(msgspec.Struct, kw_only=True):
     # a different request is refused instead of answered with another request's result.
     fingerprint: str = ""
 
+    @property
+    def claimed(self) -> bool:
+        """Whether the worker running it writes a claim naming itself first: jobs that must never
+        run twice at once, ``at_most_once`` ones and sessions' turns (a turn moved off its replica
+        while that replica runs it must wait for its answer)."""
+        return self.retry_policy == "at_most_once" or self.session_id is not None
+
 
 class RolloutJobWire(msgspec.Struct, kw_only=True):
     """``RolloutJob`` with its payload already encoded: the same bytes on the wire (same fields,

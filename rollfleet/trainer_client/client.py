@@ -466,6 +466,7 @@ class RolloutClient:
         fail_fast) exact jobs that no replica can serve any more: one sweep over what is in
         flight, four times a second, instead of a timer per job."""
         orphaned: dict[str, float] = {}  # key -> since when no live replica can serve it
+        held: dict[str, tuple[float, bool]] = {}  # key -> (when looked, whether a holder may run it)
         while True:
             await asyncio.sleep(0.25)
             cutoff = time.time() - self.deadline_grace_s
@@ -473,11 +474,11 @@ class RolloutClient:
                 if handle.set_error(Expired(f"no result for {handle.idempotency_key!r} by its deadline")):
                     self._spawn(self._withdraw(handle))
             if self.fail_fast:
-                await self._fail_orphaned(orphaned)
+                await self._fail_orphaned(orphaned, held)
             if self.sessions:
                 await expire_idle([s for s in self.sessions.values() if isinstance(s, Session)])
 
-    async def _fail_orphaned(self, orphaned: dict[str, float]) -> None:
+    async def _fail_orphaned(self, orphaned: dict[str, float], held: dict[str, tuple[float, bool]]) -> None:
         """An exact job that no live replica can serve any more (every one has moved past its
         version) is never served: once that has lasted a moment, withdraw it and say so
         (``NoCompatibleReplica``) rather than let the caller wait for its deadline. While a live
@@ -493,12 +494,21 @@ class RolloutClient:
         }
         for key in [k for k in orphaned if k not in pending]:
             del orphaned[key]
+        for key in [k for k in held if k not in pending]:
+            del held[key]
         for key, handle in pending.items():
             constraint = handle.job.constraint
             if self.fleet.compatible(constraint):
                 orphaned.pop(key, None)
                 continue
             holders = [r.worker_id for r in self.fleet.replicas() if r.active_version == constraint.version]
+            if holders:  # (asked of the broker at most once a second per job)
+                checked_at, may_hold = held.get(key, (0.0, True))
+                if now - checked_at >= _PROBE_S:
+                    may_hold = await self._may_hold(handle, holders)
+                    held[key] = (now, may_hold)
+                if not may_hold:
+                    holders = []
             for worker_id in holders:  # (no responders: marked gone, and no longer a holder)
                 if now - self._probed.get(worker_id, 0.0) >= _PROBE_S:
                     self._probed[worker_id] = now
@@ -512,6 +522,18 @@ class RolloutClient:
                 continue
             self._handles.pop(key, None)
             handle.set_error(NoCompatibleReplica(self._no_replica_message(constraint)))
+
+    async def _may_hold(self, handle: RolloutHandle, holders: list[str]) -> bool:
+        """Whether one of these replicas, at the job's version but no longer taking its jobs
+        (draining, activating away), may be running it: only if it was ever delivered, and for a
+        claimed job only if its claim names one of them. A draining replica finishing its own
+        long jobs must not keep a job it never took (or one a dead replica took) waiting."""
+        if await self.placement.delivered(handle) is False:
+            return False
+        if handle.job.claimed:
+            holder = await self.placement.holder(handle)
+            return holder is not None and holder.partition(":")[0] in holders
+        return True
 
     def _ring(self, constraint: VersionConstraint, *, stalled: bool = False, fresh: bool = False) -> None:
         """Wake one replica for a job just stored on a subject outside every live replica's

@@ -89,9 +89,15 @@ class JobPlacement:
             return False
 
     async def taken(self, handle: RolloutHandle) -> bool:
+        """Whether a worker was ever delivered the job where it is stored now (False while the
+        broker does not answer: the next look decides)."""
+        return bool(await self.delivered(handle))
+
+    async def delivered(self, handle: RolloutHandle) -> bool | None:
         """Whether a worker was ever delivered the job where it is stored now: its subject's
         consumer delivers in stream order, so a job stored after the last delivered one was never
-        delivered. A replica consumer found missing is declared again (then nothing was taken)."""
+        delivered. None if the broker did not answer. A replica consumer found missing is
+        declared again (then nothing was taken)."""
         if handle.stream_seq is None:
             return True  # nowhere we know of: leave it be
         names = self._names
@@ -108,7 +114,7 @@ class JobPlacement:
                     await self._declare_replica(handle.replica)
             return False
         except (nats.errors.Error, nats.js.errors.Error):
-            return False  # the broker is away: the next look decides
+            return None  # the broker is away
         delivered = info.delivered.stream_seq if info.delivered is not None else 0
         return (delivered or 0) >= handle.stream_seq
 

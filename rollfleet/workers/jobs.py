@@ -90,13 +90,7 @@ class RunningJob:
     job: RolloutJob
     since: float = field(default_factory=time.monotonic)  # for progress acks
     handed_back: bool = False  # an activation's drain gave up on it: discard whatever it produced
-    claimed_at: float | None = None  # when its claim was last written (claimable jobs)
-
-
-def claimable(job: RolloutJob) -> bool:
-    """Jobs that must never run twice at once: ``at_most_once`` ones, and sessions' turns (a turn
-    moved off its replica while that replica runs it must wait for its answer)."""
-    return job.retry_policy == "at_most_once" or job.session_id is not None
+    claimed_at: float | None = None  # when its claim was last written (claimed jobs)
 
 
 class JobRunner:
@@ -203,7 +197,7 @@ class JobRunner:
             await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
             await msg.ack()
             return
-        guarded = claimable(job)
+        guarded = job.claimed
         # A redelivery, or a job that may have been moved (the same job, a new message), may be
         # answered already: never run it again.
         if (attempt > 1 or guarded) and await self._answered(job):
@@ -414,7 +408,7 @@ class JobRunner:
 
     async def _release_claim(self, job: RolloutJob) -> None:
         """Answered and acked (or handed back unrun): the claim has done its work."""
-        if claimable(job):
+        if job.claimed:
             with suppress(Exception):
                 await self._claims.delete(claim_key(job.job_id))
 
