@@ -56,7 +56,12 @@ def test_scheduler_prefers_constrained_work_and_ages_loose_work() -> None:
     s.note_served(("exact", 5), now=1.0)
     s.note_served(("min", 4), now=1.0)
     # min-1 has waited 2.5 s (> aging_s) while tighter work kept being served: it goes first
+    assert s.starving(now=2.5) and not s.starving(now=1.5)
     assert s.order(now=2.5)[0] == ("min", 1)
+    # ...and keeps its place after a pull while more waits there (what is behind is as old),
+    # instead of one job per aging_s behind the tighter work
+    s.note_served(("min", 1), now=2.6)
+    assert s.order(now=2.7)[0] == ("min", 1)
     s.note_empty(("min", 1))
     assert ("min", 1) not in s.order(now=3.0)
     served.version = 6  # version 6 was activated and announced

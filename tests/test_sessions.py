@@ -118,6 +118,42 @@ async def test_a_busy_sticky_replica_costs_one_bounded_wait_then_the_turn_moves(
         assert len(busy.calls) == 2  # a never ran the moved turn
 
 
+async def test_a_steady_stream_of_turns_does_not_starve_shared_work(nats_url: str, namespace: str) -> None:
+    """One replica with one slot; three sessions keep a turn waiting on its own subject at all
+    times (turns go first there). A shared job stored meanwhile is still served once it has
+    waited aging_s, not left to its deadline behind the turns."""
+    engine = CountingEcho(per_token_s=0.02)
+    async with (
+        running_worker(nats_url, namespace, worker_id="a", capacity=1, engine=engine, aging_s=1.0),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 1)
+        stop = asyncio.Event()
+        turns = 0
+
+        async def chat(i: int) -> None:
+            nonlocal turns
+            async with client.session(min_version=0, affinity_wait_s=60.0) as s:
+                while not stop.is_set():
+                    result = await s.generate(turn_payload([i, s.next_turn], max_tokens=10), timeout=30)  # 0.2 s
+                    assert result.worker_id == "a"
+                    turns += 1
+
+        chats = [asyncio.create_task(chat(i)) for i in range(3)]
+        try:
+            await wait_until(lambda: turns >= 6, timeout=15)
+            t0 = time.monotonic()
+            shared = await client.submit(turn_payload([42], max_tokens=2), min_version=0, timeout=12)
+            result = await shared.result(15)
+            waited = time.monotonic() - t0
+            turns_meanwhile = turns
+        finally:
+            stop.set()
+            await asyncio.gather(*chats)
+    assert result.worker_id == "a" and turns_meanwhile > 6  # the turns kept coming all along
+    assert waited < 6.0, waited  # about a second of stall watch plus aging_s, not the 12 s deadline
+
+
 @pytest.mark.parametrize("retry_policy", ["replayable", "at_most_once"])
 async def test_sticky_replica_sigkilled_mid_turn_the_turn_is_answered_once(
     nats_url: str, namespace: str, tmp_path: Path, retry_policy: str

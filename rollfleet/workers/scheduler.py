@@ -35,8 +35,17 @@ class SubjectScheduler:
         return True
 
     def note_served(self, subject: Subject, now: float) -> None:
-        # There may be more behind what we pulled; its age restarts now.
-        self._waiting_since[subject] = now
+        """Pulled from ``subject``; there may be more behind. Its age restarts now, unless it was
+        starving: then what waits behind is at least as old, and it keeps its place until it is
+        empty (one job per ``aging_s`` would starve it still, behind a steady stream of newer work)."""
+        since = self._waiting_since.get(subject)
+        if since is None or now - since < self.aging_s:
+            self._waiting_since[subject] = now
+
+    def starving(self, now: float) -> bool:
+        """Whether some subject has waited ``aging_s`` or longer."""
+        self._prune()
+        return any(now - since >= self.aging_s for since in self._waiting_since.values())
 
     def note_empty(self, subject: Subject) -> None:
         self._waiting_since.pop(subject, None)

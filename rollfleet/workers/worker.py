@@ -559,7 +559,11 @@ class Worker:
             self._expired_total, self._tidied = expired, listen
             await self._tidy(listen)
         self._rebalance_at = None
-        if self._own_pending:  # sessions' turns for this replica come first
+        # Sessions' turns for this replica come first, except before work that has waited
+        # aging_s or longer elsewhere: a steady stream of turns must not starve it (the turns
+        # then wait, and move to the shared subjects after their affinity wait).
+        starving = self.scheduler.starving(now)
+        if self._own_pending and not starving:
             await self._pull_own(now)
         free = self._free()
         if self.scheduler.has_candidates():
@@ -568,8 +572,10 @@ class Worker:
             if free <= 0:
                 free += await self._reclaim(now)
             free = await self._pull_backlog(free, now, listen)
-            if self.scheduler.has_candidates():
-                return  # backlog left and no slot free: the next finished job pulls it
+        if starving and self._own_pending:
+            await self._pull_own(now)
+        if self.scheduler.has_candidates():
+            return  # backlog left and no slot free: the next finished job pulls it
         if free <= 0 and not any(p.waiting for p in self._pullers.values()):
             return
         # (A subject whose last request was refused, other replicas waiting there, is left to them.)
