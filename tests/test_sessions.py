@@ -5,6 +5,7 @@ across activations, are answered once each, and end on close or ttl."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import signal
 import time
@@ -515,6 +516,40 @@ async def test_a_pinned_session_the_fleet_left_says_so_and_a_held_replica_serves
                     await client.publish_policy(publisher, tensors_at(2))
                     await client.wait_for_version(2, replicas=1, timeout=20)
                     assert (await s.generate(turn_payload([1, 2, 3]))).version_end == 0
+
+
+async def test_a_resumed_pinned_session_keeps_the_pin_of_the_turn_its_dead_client_stored(
+    nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
+) -> None:
+    """Client A stores turn 0 of a pinned session at v0 and dies before it saves the session (so
+    the pin is saved nowhere). v1 is committed; client B resumes the session and asks turn 0
+    again: it gets A's stored answer at v0, and the session stays pinned there: turn 1 is served
+    at v0 too (by a replica held at v0), not at B's own guess of a pin, v1."""
+    async with contextlib.AsyncExitStack() as workers:
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as a:
+            await a.publish_policy(publisher, tensors_at(0))
+            for name, held in (("held", {"hold_version": 0}), ("new", {})):
+                worker = running_worker(nats_url, namespace, **follower(tmp_path, name, **held))
+                await workers.enter_async_context(worker)
+            await a.wait_for_version(0, replicas=2, timeout=20)
+            s = await a.session(version_policy="pinned").open()
+            sid, first = s.session_id, turn_payload([1])
+            # What generate() does for turn 0, short of saving the session afterwards (A dies then).
+            handle = await a.submit_turn(
+                first, VersionConstraint("exact", 0), written=s._written(), key=s.turn_key(0), timeout=None,
+                retry_policy="replayable", session_id=sid, replica=None,
+            )  # fmt: skip
+            assert (await handle.result(10)).version_end == 0
+            a.sessions.pop(sid, None)  # (A's handle is gone with it; its close would delete the record)
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as b:
+            await b.publish_policy(publisher, tensors_at(1))
+            await wait_until(lambda: (r := b.fleet.replica("new")) is not None and r.active_version == 1, 20)
+            async with b.session(sid, version_policy="pinned") as resumed:
+                assert resumed.next_turn == 0  # A never saved it
+                again = await resumed.generate(first)
+                assert again.job_id == handle.job_id and again.version_end == 0  # A's answer
+                second = await resumed.generate(turn_payload([1, 2]))
+    assert (second.version_start, second.version_end, second.worker_id) == (0, 0, "held")
 
 
 async def test_a_session_closed_through_another_handle_stays_closed(nats_url: str, namespace: str) -> None:

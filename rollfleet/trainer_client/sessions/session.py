@@ -272,6 +272,11 @@ class Session:
             self._record.replica = result.worker_id  # where its context is cached now
             if self._record.version_policy == "monotonic":
                 self._record.last_version = max(self._record.last_version or 0, result.version_end)
+            elif self._record.version_policy == "pinned":
+                # The pin is the version its turns were served at: a resumed session's first turn
+                # may be the one a dead client stored, pinned to the newest version of its moment
+                # (its pin was never saved); this handle's own guess yields to it.
+                self._record.last_version = result.version_end
         except RollfleetError as exc:
             explained = self._explained(exc)
             if spent:
