@@ -251,6 +251,29 @@ async def test_an_exact_job_handed_back_at_the_drain_bound_is_withdrawn_within_s
             assert asyncio.get_running_loop().time() - t0 < 8.0
 
 
+async def test_an_exact_job_handed_back_while_its_replica_still_activates_is_withdrawn_within_seconds(
+    nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
+) -> None:
+    """The only replica at v0 hands back a running exact-0 job at its drain bound, then spends
+    10 s loading v1: it is 'activating' at v0 all along, holding nothing. Nobody will ever serve
+    the job: it is withdrawn within seconds, not once the load is done."""
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        await client.publish_policy(publisher, tensors_at(0))
+        slow = SlowLoadEcho(load_s=10.0, per_token_s=0.05)
+        async with running_worker(nats_url, namespace, engine=slow, **follower(tmp_path, "a", exact_drain_s=0.5)) as a:
+            handle = await client.submit(long_job(400), exact_version=0, timeout=120)
+            assert a.jobs is not None
+            await wait_until(lambda: len(a.jobs.running) == 1, 10)
+            await client.publish_policy(publisher, tensors_at(1))
+            t0 = asyncio.get_running_loop().time()
+            with pytest.raises(NoCompatibleReplica):
+                await handle.result(30)
+            took = asyncio.get_running_loop().time() - t0
+            status = client.fleet.replica("a")
+            assert status is not None and (status.state, status.active_version) == ("activating", 0)  # still loading
+    assert took < 8.0, took
+
+
 @pytest.mark.parametrize("retry_policy", ["replayable", "at_most_once"])
 async def test_an_exact_job_no_draining_replica_took_is_withdrawn_within_seconds(
     nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher, retry_policy: str

@@ -501,7 +501,11 @@ class RolloutClient:
             if self.fleet.compatible(constraint):
                 orphaned.pop(key, None)
                 continue
-            holders = [r.worker_id for r in self.fleet.replicas() if r.active_version == constraint.version]
+            # (One that holds no job at all, e.g. activating away after it handed this one back,
+            # holds nothing of it: it takes no more jobs of the version it is leaving.)
+            holders = [
+                r.worker_id for r in self.fleet.replicas() if r.active_version == constraint.version and r.in_flight
+            ]
             if holders:  # (asked of the broker at most once a second per job)
                 checked_at, may_hold = held.get(key, (0.0, True))
                 if now - checked_at >= _PROBE_S:
