@@ -597,8 +597,16 @@ class Oracle:
             calls = sorted(calls, key=lambda c: c.t0)
             # The request that owns the key: the first one stored (a request refused at submit,
             # e.g. no compatible replica, never used it).
-            first = next((c for c in calls if c.stored is not None and c.op != "conflict"), None) or next(
-                (c for c in calls if c.stored is not None), calls[0]
+            # (A request refused at submit, e.g. no compatible replica, was journalled with no
+            # stream sequence and no result: it never owned the key.)
+            def owned(c: Call) -> bool:
+                return c.stored is not None and (c.stored.get("stream_seq") is not None or c.is_result)
+
+            first = (
+                next((c for c in calls if owned(c) and c.op != "conflict"), None)
+                or next((c for c in calls if owned(c)), None)
+                or next((c for c in calls if c.stored is not None and c.op != "conflict"), None)
+                or next((c for c in calls if c.stored is not None), calls[0])
             )
             ref = next((c for c in calls if c.is_result and c.req == first.req), None)
             ref_t = float(ref.stored["t"]) if ref and ref.stored else (ref.t0 if ref else first.t0)
