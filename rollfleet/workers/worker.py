@@ -402,10 +402,11 @@ class Worker:
         self._no_consumer.pop(subject, None)  # a job was stored there: its consumer exists now
         puller = self._pullers.get(subject)
         if puller is not None and puller.busy:
-            if stalled and puller.waiting:
-                # The client saw jobs there and no request waiting at the broker: ours was lost.
-                self._spawn(self._renew(puller))
-            return  # a request is waiting there: the job is (being) delivered to it already
+            if not (stalled and puller.waiting):
+                return  # a request is waiting there: the job is (being) delivered to it already
+            # The client saw jobs there and no request waiting at the broker: ours was lost.
+            # Renewed, and the subject is known backlog from now on (not left to the next bell).
+            self._spawn(self._renew(puller))
         if self.scheduler.note_pending(subject, time.monotonic()):
             self._wake.set()
 
