@@ -242,7 +242,7 @@ async def test_an_at_most_once_job_outliving_its_claims_lifetime_is_never_run_tw
     nats_url: str, namespace: str, tmp_path: Path
 ) -> None:
     """The claims bucket keeps a claim for claims_ttl_s (3 s here). A time-out longer than that
-    is refused at submit; a job running longer keeps its claim fresh, so 5 s into a 10 s run it
+    is refused at submit; a job running longer keeps its claim fresh, so 5 s into a 50 s run it
     is still claimed. Its worker is SIGKILLed then (its trainer is gone too, so nobody withdraws
     it): redelivered, the job is answered by the other replica without being run again."""
     topo = TopologyConfig(ack_wait_s=1.0, claims_ttl_s=3.0)
@@ -254,8 +254,8 @@ async def test_an_at_most_once_job_outliving_its_claims_lifetime_is_never_run_tw
             with pytest.raises(InvalidRequest, match="at most 3 s"):
                 await client.submit(payload(), min_version=0, retry_policy="at_most_once", timeout=10)
             await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=30)
-            handle = await client.submit(
-                payload(max_tokens=200), min_version=0, retry_policy="at_most_once", idempotency_key="once", timeout=3
+            handle = await client.submit(  # a 50 s run: still running when it is killed, however slow the host
+                payload(max_tokens=1000), min_version=0, retry_policy="at_most_once", idempotency_key="once", timeout=3
             )
             job_id = handle.job_id
         await asyncio.sleep(5.0)  # past the claims' lifetime, mid-run

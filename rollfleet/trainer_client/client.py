@@ -532,12 +532,16 @@ class RolloutClient:
         (draining, activating away), may be running it: only if it was ever delivered, and for a
         claimed job only if its claim names one of them. A draining replica finishing its own
         long jobs must not keep a job it never took (or one a dead replica took) waiting."""
-        if await self.placement.delivered(handle) is False:
+        delivered = await self.placement.delivered(handle)
+        if delivered is False:
             return False
-        if handle.job.claimed:
-            holder = await self.placement.holder(handle)
-            return holder is not None and holder.partition(":")[0] in holders
-        return True
+        if delivered is None or not handle.job.claimed:
+            return True  # delivered, or unknown (broker away, its consumer deleted): leave it be
+        try:
+            holder = await self.placement.holder(handle, strict=True)
+        except (nats.errors.Error, nats.js.errors.Error):
+            return True
+        return holder is not None and holder.partition(":")[0] in holders
 
     def _ring(self, constraint: VersionConstraint, *, stalled: bool = False, fresh: bool = False) -> None:
         """Wake one replica for a job just stored on a subject outside every live replica's

@@ -109,9 +109,10 @@ class JobPlacement:
         try:
             info = await self._js.consumer_info(names.jobs_stream, consumer)
         except nats.js.errors.NotFoundError:
-            if handle.replica is not None:
-                with suppress(RollfleetError):
-                    await self._declare_replica(handle.replica)
+            if handle.replica is None:
+                return None  # a shared consumer deleted: what it delivered before is unknown
+            with suppress(RollfleetError):
+                await self._declare_replica(handle.replica)
             return False
         except (nats.errors.Error, nats.js.errors.Error):
             return None  # the broker is away
@@ -173,11 +174,16 @@ class JobPlacement:
             self._claims_bucket = await self._js.key_value(self._names.claims_bucket)
         return self._claims_bucket
 
-    async def holder(self, handle: RolloutHandle) -> str | None:
-        """The process holding the job, as its claim names it; None if unclaimed or marked stopped."""
+    async def holder(self, handle: RolloutHandle, *, strict: bool = False) -> str | None:
+        """The process holding the job, as its claim names it; None if unclaimed or marked
+        stopped (``strict``: a broker error is raised, not taken for "unclaimed")."""
         try:
             entry = await (await self._claims()).get(claim_key(handle.job_id))
+        except nats.js.errors.KeyNotFoundError:
+            return None
         except (nats.errors.Error, nats.js.errors.Error):
+            if strict:
+                raise
             return None
         holder, _, refreshed = (entry.value or b"").decode(errors="replace").rpartition("@")
         return holder if holder and refreshed != "0" else None
