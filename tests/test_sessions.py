@@ -70,7 +70,8 @@ async def test_turns_stick_to_the_replica_holding_their_context(nats_url: str, n
             assert all(r.cached_tokens > 0 for r in turns[1:])  # every later turn reused its context
             assert all(r.session_id == turns[0].session_id for r in turns)
         assert client.metrics.affinity_hits._value.get() == 6 * 5
-        assert {turns[0].worker_id for turns in results} == {"a", "b"}  # first turns spread by pulls
+        # (Where first turns land is the pulls' business: one replica's waiting request may take
+        # them all; each session then sticks to whichever replica served its first turn.)
         # The registry says how many sessions each replica holds (rollfleet status shows it).
         for worker in (a, b):
             assert worker.registration is not None
