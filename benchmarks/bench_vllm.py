@@ -35,7 +35,6 @@ from typing import Any
 
 import httpx
 import torch
-from safetensors.torch import load_file, save_file
 
 from benchmarks._fleet import machine_load
 from benchmarks.bench_activation import rl_step
@@ -43,7 +42,16 @@ from benchmarks.report import Row
 from rollfleet.models import build_model_dir
 from rollfleet.schemas import RolloutPayload, SamplingParams
 from rollfleet.testing import running_worker, temp_broker
-from rollfleet.testing.vllm import LAUNCH_ARGS, MODEL, PYTHON, SERVER_ENV_CPU, Server, unavailable
+from rollfleet.testing.vllm import (
+    LAUNCH_ARGS,
+    MODEL,
+    PYTHON,
+    SERVER_ENV_CPU,
+    Server,
+    load_tensors,
+    unavailable,
+    write_version,
+)
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from rollfleet.workers.engines.vllm import GENERATE, VLLMEngine
 
@@ -54,24 +62,6 @@ CONCURRENCY = 8
 
 def _model(path: Path, quick: bool, seed: int = 1) -> Path:
     return build_model_dir(path, seed=seed, **(MODEL if quick else {"preset": "0.1b"}))  # type: ignore[arg-type]
-
-
-def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
-def _write_checkpoint(base: Path, out: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    """A whole checkpoint of ``tensors`` with ``base``'s config: what a replica's host-local copy holds."""
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "generation_config.json"):
-        if (base / name).exists():
-            (out / name).write_bytes((base / name).read_bytes())
-    owned = {k: v.contiguous() for k, v in tensors.items()}
-    save_file(owned, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 # -- the adapter's overhead ----------------------------------------------------------------------
@@ -161,7 +151,7 @@ async def _activations(
     inflight_total = 0
     for v in range(1, count + 1):
         rl_step(tensors, gen)
-        checkpoint = _write_checkpoint(base, local / f"v{v}", tensors)  # (materialized while serving)
+        checkpoint = write_version(base, local / f"v{v}", tensors)  # (materialized while serving)
         await engine.prepare_weights(checkpoint, (), v)
         sampling = SamplingParams(max_tokens=256, temperature=1.0)
         running = [
@@ -196,7 +186,7 @@ def _restart(server: Server, checkpoint: Path, log: Path) -> tuple[Server, float
 async def _commit_to_serving(root: Path, base: Path, replicas: int, commits: int) -> Row:
     store = root / "store"
     publisher = PolicyPublisher(store, base)
-    tensors = _tensors(base)
+    tensors = load_tensors(base)
     gen = torch.Generator().manual_seed(11)
     engines = [
         VLLMEngine(python=str(PYTHON), launch_args=LAUNCH_ARGS, env=SERVER_ENV_CPU, log_file=root / f"vllm-{i}.log")
@@ -245,14 +235,14 @@ class _workers:
 async def _run(quick: bool, root: Path) -> list[Row]:
     base = _model(root / "base", quick)
     vocab = int(_config(base)["vocab_size"])
-    params = sum(t.numel() for t in _tensors(base).values())
+    params = sum(t.numel() for t in load_tensors(base).values())
     server = Server(base, root / "server.log")
     started_s = server.started_s
     engine = VLLMEngine(url=server.url)
     try:
         await engine.start(None, 0)
         rows = [await _throughput(engine, server.url, vocab, quick)]
-        pauses, kept = await _activations(engine, base, root / "local", _tensors(base), 2 if quick else 5, vocab)
+        pauses, kept = await _activations(engine, base, root / "local", load_tensors(base), 2 if quick else 5, vocab)
     finally:
         await engine.close()
     server, restart_s = _restart(server, root / "local" / f"v{len(pauses)}", root / "server.log")

@@ -5,10 +5,8 @@ environment, the model, the server): the trainer-side view of weights.
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from rollfleet.testing.vllm import (  # noqa: F401  (re-exported for the tests)
     BLOCK,
@@ -19,27 +17,11 @@ from rollfleet.testing.vllm import (  # noqa: F401  (re-exported for the tests)
     VENV,
     Server,
     build_model,
+    load_tensors,
     unavailable,
+    write_version,
 )
 from rollfleet.workers.engines.vllm import EMPTY_SHA256
-
-
-def load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    return tensors
-
-
-def write_version(base: Path, out: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    """A whole checkpoint of ``tensors`` with ``base``'s config (what a trainer's version holds)."""
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "generation_config.json"):
-        (out / name).write_bytes((base / name).read_bytes())
-    save_file(
-        {k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
-    )
-    return out
 
 
 def perturb(tensors: dict[str, torch.Tensor], seed: int, scale: float = 0.5) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -58,6 +59,30 @@ def build_model(path: Path, seed: int = 1, **overrides: object) -> Path:
     from rollfleet.models import build_model_dir  # (torch: the hf extra)
 
     return build_model_dir(path, seed=seed, **{**MODEL, **overrides})  # type: ignore[arg-type]
+
+
+def load_tensors(model_dir: Path) -> dict[str, Any]:
+    """Every tensor of a checkpoint directory (torch: the hf extra)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, Any] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def write_version(base: Path, out: Path, tensors: dict[str, Any]) -> Path:
+    """A whole checkpoint of ``tensors`` with ``base``'s config: what a trainer's version holds,
+    and what a replica's host-local copy of it holds."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        if (base / name).exists():
+            (out / name).write_bytes((base / name).read_bytes())
+    owned = {k: v.contiguous() for k, v in tensors.items()}
+    save_file(owned, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 class Server:
