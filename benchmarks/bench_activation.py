@@ -30,11 +30,10 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from benchmarks._fleet import machine_load
 from benchmarks.report import Row
-from rollfleet.models import build_model_dir, param_count
+from rollfleet.models import build_model_dir, load_model_tensors, param_count
 from rollfleet.policy_store import materialize
 from rollfleet.schemas import RolloutPayload, SamplingParams
 from rollfleet.trainer_client import PolicyPublisher
@@ -43,13 +42,6 @@ from rollfleet.workers.engines.hf import HFEngine
 DENSITY = 0.01
 BASELINE = "bare from_pretrained"
 BASELINE_OWNED = "from_pretrained+own copy"
-
-
-def load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    return tensors
 
 
 def rl_step(tensors: dict[str, torch.Tensor], gen: torch.Generator, density: float = DENSITY) -> None:
@@ -96,7 +88,7 @@ async def bench_preset(preset: str, versions: int, reloads: int, tmp: Path) -> l
     build_s = time.perf_counter() - t0
     store, local = tmp / "store", tmp / "local"
     publisher = PolicyPublisher(store, base, keyframe_every=0, keep_last=None)
-    tensors = load_tensors(base)
+    tensors = load_model_tensors(base)
     publisher.publish(tensors)  # version 0: the base checkpoint
     materialize(local, store, 0)  # the replica's starting point (not timed)
     gen = torch.Generator().manual_seed(0)

@@ -39,7 +39,7 @@ import torch
 from benchmarks._fleet import machine_load
 from benchmarks.bench_activation import rl_step
 from benchmarks.report import Row
-from rollfleet.models import build_model_dir
+from rollfleet.models import build_model_dir, load_model_tensors
 from rollfleet.schemas import RolloutPayload, SamplingParams
 from rollfleet.testing import running_worker, temp_broker
 from rollfleet.testing.vllm import (
@@ -48,7 +48,6 @@ from rollfleet.testing.vllm import (
     PYTHON,
     SERVER_ENV_CPU,
     Server,
-    load_tensors,
     unavailable,
     write_version,
 )
@@ -186,7 +185,7 @@ def _restart(server: Server, checkpoint: Path, log: Path) -> tuple[Server, float
 async def _commit_to_serving(root: Path, base: Path, replicas: int, commits: int) -> Row:
     store = root / "store"
     publisher = PolicyPublisher(store, base)
-    tensors = load_tensors(base)
+    tensors = load_model_tensors(base)
     gen = torch.Generator().manual_seed(11)
     engines = [
         VLLMEngine(python=str(PYTHON), launch_args=LAUNCH_ARGS, env=SERVER_ENV_CPU, log_file=root / f"vllm-{i}.log")
@@ -235,14 +234,15 @@ class _workers:
 async def _run(quick: bool, root: Path) -> list[Row]:
     base = _model(root / "base", quick)
     vocab = int(_config(base)["vocab_size"])
-    params = sum(t.numel() for t in load_tensors(base).values())
+    tensors = load_model_tensors(base)  # (changed in place by the activations' RL steps)
+    params = sum(t.numel() for t in tensors.values())
     server = Server(base, root / "server.log")
     started_s = server.started_s
     engine = VLLMEngine(url=server.url)
     try:
         await engine.start(None, 0)
         rows = [await _throughput(engine, server.url, vocab, quick)]
-        pauses, kept = await _activations(engine, base, root / "local", load_tensors(base), 2 if quick else 5, vocab)
+        pauses, kept = await _activations(engine, base, root / "local", tensors, 2 if quick else 5, vocab)
     finally:
         await engine.close()
     server, restart_s = _restart(server, root / "local" / f"v{len(pauses)}", root / "server.log")

@@ -9,9 +9,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from rollfleet.models import build_model_dir
+from rollfleet.models import build_model_dir, load_model_tensors
 from rollfleet.policy_store.digest import weights_digest
 from rollfleet.schemas import RolloutPayload, SamplingParams, VersionActivated, decode, served_within
 from rollfleet.schemas.errors import RollfleetError
@@ -19,13 +18,6 @@ from rollfleet.testing import start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 pytestmark = pytest.mark.slow
-
-
-def load_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    return tensors
 
 
 def rl_step(tensors: dict[str, torch.Tensor], gen: torch.Generator, density: float = 0.01) -> None:
@@ -68,7 +60,7 @@ async def test_fleet_follows_published_versions(nats_url: str, namespace: str, t
     base = build_model_dir(tmp_path / "base", preset="tiny", seed=0)
     store = tmp_path / "store"
     publisher = PolicyPublisher(store, base, keyframe_every=2)
-    tensors = load_tensors(base)
+    tensors = load_model_tensors(base)
     gen = torch.Generator().manual_seed(0)
     procs = []
     try:

@@ -8,6 +8,7 @@ import hashlib
 
 import torch
 
+from rollfleet.models import load_model_tensors as load_tensors  # noqa: F401  (for the tests)
 from rollfleet.testing.vllm import (  # noqa: F401  (re-exported for the tests)
     BLOCK,
     LAUNCH_ARGS,
@@ -17,7 +18,6 @@ from rollfleet.testing.vllm import (  # noqa: F401  (re-exported for the tests)
     VENV,
     Server,
     build_model,
-    load_tensors,
     unavailable,
     write_version,
 )

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 # Shapes only; every preset is a plain dict of config fields so callers can tweak them.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -187,3 +187,11 @@ def _write_generation_config(out: Path, config) -> None:
         pad_token_id=config.pad_token_id,
         do_sample=True,
     ).save_pretrained(out)
+
+
+def load_model_tensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a model directory's safetensors files, by name."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    return tensors

@@ -32,12 +32,13 @@ from rollfleet.schemas.messages import (
     served_within,
     version_spans,
 )
-from rollfleet.schemas.names import Names, check_token, claim_key, job_token, key_token
+from rollfleet.schemas.names import Claim, Names, check_token, claim_key, job_token, key_token
 
 __all__ = [
     "DEFAULT_LIMITS",
     "SCHEMA_VERSION",
     "ChunkedOutcome",
+    "Claim",
     "Completion",
     "ConstraintKind",
     "Limits",

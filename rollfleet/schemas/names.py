@@ -6,6 +6,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.schemas.messages import ConstraintKind
@@ -59,6 +60,38 @@ def claim_key(job_id: str) -> str:
     """The claims-bucket key of a job: a digest, so listing the bucket reveals no job id (a job id
     is what lets a replica answer a job; only the replicas it was delivered to know it)."""
     return hashlib.blake2b(job_id.encode(), digest_size=16).hexdigest()
+
+
+class Claim(NamedTuple):
+    """A claims-bucket value, ``<worker_id>:<pid>-<nonce>@<unix time last refreshed>``: the process
+    running a claimed job. Refreshed at 0 means stopped (its holder is gone; the claim stays)."""
+
+    holder: str
+    refreshed: float
+
+    @property
+    def worker_id(self) -> str:
+        return self.holder.partition(":")[0]
+
+    @property
+    def process(self) -> str:
+        return self.holder.partition(":")[2]
+
+    @property
+    def stopped(self) -> bool:
+        return not self.holder or self.refreshed == 0.0
+
+    def encode(self) -> bytes:
+        return f"{self.holder}@{self.refreshed:.3f}".encode() if self.refreshed else f"{self.holder}@0".encode()
+
+    @classmethod
+    def decode(cls, value: bytes | None) -> Claim:
+        """A value that does not parse reads as stopped (nobody holds it)."""
+        holder, _, at = (value or b"").decode(errors="replace").rpartition("@")
+        try:
+            return cls(holder, float(at))
+        except ValueError:
+            return cls("", 0.0)
 
 
 @lru_cache(maxsize=4096)

@@ -61,16 +61,6 @@ def build_model(path: Path, seed: int = 1, **overrides: object) -> Path:
     return build_model_dir(path, seed=seed, **{**MODEL, **overrides})  # type: ignore[arg-type]
 
 
-def load_tensors(model_dir: Path) -> dict[str, Any]:
-    """Every tensor of a checkpoint directory (torch: the hf extra)."""
-    from safetensors.torch import load_file
-
-    tensors: dict[str, Any] = {}
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    return tensors
-
-
 def write_version(base: Path, out: Path, tensors: dict[str, Any]) -> Path:
     """A whole checkpoint of ``tensors`` with ``base``'s config: what a trainer's version holds,
     and what a replica's host-local copy of it holds."""

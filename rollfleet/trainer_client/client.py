@@ -541,7 +541,7 @@ class RolloutClient:
             holder = await self.placement.holder(handle, strict=True)
         except (nats.errors.Error, nats.js.errors.Error):
             return True
-        return holder is not None and holder.partition(":")[0] in holders
+        return holder is not None and holder.worker_id in holders
 
     def _ring(self, constraint: VersionConstraint, *, stalled: bool = False, fresh: bool = False) -> None:
         """Wake one replica for a job just stored on a subject outside every live replica's

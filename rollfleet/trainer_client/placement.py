@@ -23,7 +23,7 @@ from nats.js.kv import KeyValue
 
 from rollfleet.broker.publish import publish_retrying
 from rollfleet.runtime.logs import get_logger
-from rollfleet.schemas import Names, RolloutJob, VersionConstraint, claim_key, decode
+from rollfleet.schemas import Claim, Names, RolloutJob, VersionConstraint, claim_key, decode
 from rollfleet.schemas.errors import RollfleetError
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
 from rollfleet.trainer_client.fleet import FleetView
@@ -174,9 +174,9 @@ class JobPlacement:
             self._claims_bucket = await self._js.key_value(self._names.claims_bucket)
         return self._claims_bucket
 
-    async def holder(self, handle: RolloutHandle, *, strict: bool = False) -> str | None:
-        """The process holding the job, as its claim names it; None if unclaimed or marked
-        stopped (``strict``: a broker error is raised, not taken for "unclaimed")."""
+    async def holder(self, handle: RolloutHandle, *, strict: bool = False) -> Claim | None:
+        """The job's claim, naming the process holding it; None if unclaimed or marked stopped
+        (``strict``: a broker error is raised, not taken for "unclaimed")."""
         try:
             entry = await (await self._claims()).get(claim_key(handle.job_id))
         except nats.js.errors.KeyNotFoundError:
@@ -185,8 +185,8 @@ class JobPlacement:
             if strict:
                 raise
             return None
-        holder, _, refreshed = (entry.value or b"").decode(errors="replace").rpartition("@")
-        return holder if holder and refreshed != "0" else None
+        claim = Claim.decode(entry.value)
+        return None if claim.stopped else claim
 
     async def holder_stopped(self, handle: RolloutHandle, worker_id: str | None = None) -> bool:
         """Mark the claim of a job whose holder is gone as stopped (refreshed at time 0), so the
@@ -197,13 +197,12 @@ class JobPlacement:
             claims = await self._claims()
             key = claim_key(handle.job_id)
             entry = await claims.get(key)
-            holder, _, refreshed = (entry.value or b"").decode(errors="replace").rpartition("@")
-            owner = holder.partition(":")[0]
-            if not holder or refreshed == "0" or (worker_id is not None and owner != worker_id):
+            claim = Claim.decode(entry.value)
+            if claim.stopped or (worker_id is not None and claim.worker_id != worker_id):
                 return False
-            if await self._listening(owner):
+            if await self._listening(claim.worker_id):
                 return False  # a process of that replica is connected (perhaps a new one)
-            await claims.update(key, f"{holder}@0".encode(), last=entry.revision)
+            await claims.update(key, claim._replace(refreshed=0.0).encode(), last=entry.revision)
             return True
         except (nats.errors.Error, nats.js.errors.Error):
             return False  # no claim (it never started), or it changed: nothing to say

@@ -70,7 +70,7 @@ from rollfleet.schemas.errors import (
     ResultUnstorable,
     RollfleetError,
 )
-from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, check_token
+from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, Claim, check_token
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.serving import ServedVersion
@@ -385,12 +385,11 @@ class JobRunner:
             pass
         try:
             entry = await self._claims.get(key)
-            holder, _, at = (entry.value or b"").decode(errors="replace").rpartition("@")
-            refreshed = float(at)
-        except (nats.js.errors.KeyNotFoundError, ValueError):
-            holder, refreshed, entry = "", 0.0, None
+            claim = Claim.decode(entry.value)
+        except nats.js.errors.KeyNotFoundError:
+            claim, entry = Claim("", 0.0), None
         running_here = any(r.job.job_id == run.job.job_id for r in self._running.values() if r is not run)
-        if running_here or (holder != self._holder and time.time() - refreshed < self._claim_stale_s):
+        if running_here or (claim.holder != self._holder and time.time() - claim.refreshed < self._claim_stale_s):
             return "held"
         if run.job.retry_policy == "replayable":
             try:  # take it over from the stopped holder (one taker wins)
@@ -404,7 +403,7 @@ class JobRunner:
         return "stopped"
 
     def _claim_value(self) -> bytes:
-        return f"{self._holder}@{time.time():.3f}".encode()
+        return Claim(self._holder, time.time()).encode()
 
     async def _release_claim(self, job: RolloutJob) -> None:
         """Answered and acked (or handed back unrun): the claim has done its work."""

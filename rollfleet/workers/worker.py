@@ -563,7 +563,7 @@ class Worker:
         # Sessions' turns for this replica come first, except before work that has waited
         # aging_s or longer elsewhere: a steady stream of turns must not starve it (the turns
         # then wait, and move to the shared subjects after their affinity wait).
-        starving = self.scheduler.starving(now)
+        starving = self._own_pending and self.scheduler.starving(now)
         if self._own_pending and not starving:
             await self._pull_own(now)
         free = self._free()

@@ -10,7 +10,7 @@ from typing import Protocol
 
 from nats.js.kv import KeyValue
 
-from rollfleet.schemas import Names, RetryPolicy, RolloutPayload, RolloutResult, VersionConstraint
+from rollfleet.schemas import Claim, Names, RetryPolicy, RolloutPayload, RolloutResult, VersionConstraint
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.metrics import ClientMetrics
@@ -46,9 +46,9 @@ class TurnPlacement(Protocol):
         """Ask whether the replica's connection is alive (no responders: it is marked gone)."""
         ...
 
-    async def holder(self, handle: RolloutHandle) -> str | None:
-        """The process holding the handle's job, as its claim names it (``<worker_id>:<pid>-<n>``);
-        None when it is not claimed (or its claim is marked stopped)."""
+    async def holder(self, handle: RolloutHandle) -> Claim | None:
+        """The handle's job's claim, naming the process holding it; None when it is not claimed
+        (or its claim is marked stopped)."""
         ...
 
     async def requeue(self, handle: RolloutHandle) -> bool:

@@ -71,13 +71,12 @@ async def await_turn(host: TurnPlacement, handle: RolloutHandle, wait_s: float) 
 
 
 async def _requeue_if_holder_gone(host: TurnPlacement, handle: RolloutHandle) -> None:
-    holder = await host.holder(handle)
-    if holder is None:
+    claim = await host.holder(handle)
+    if claim is None:
         return  # not started anywhere (or answered): the pulls and the stall watch see to it
-    worker_id, _, process = holder.partition(":")
-    status = host.fleet.replica(worker_id)
-    if status is not None and status.is_live() and process.startswith(f"{status.pid}-"):
-        host.probe(worker_id)  # alive by the registry; no responders marks it gone for the next look
+    status = host.fleet.replica(claim.worker_id)
+    if status is not None and status.is_live() and claim.process.startswith(f"{status.pid}-"):
+        host.probe(claim.worker_id)  # alive by the registry; no responders marks it gone for the next look
         return
     if await host.holder_stopped(handle) and await host.requeue(handle):
         host.metrics.affinity_fallbacks.labels(client_id=host.client_id, reason="holder_gone").inc()
