@@ -32,9 +32,10 @@ import nats.errors
 import torch
 
 from benchmarks._fleet import REPO, machine_load
-from benchmarks.bench_activation import load_tensors, rl_step
+from benchmarks.bench_activation import rl_step
 from benchmarks.report import Row
 from rollfleet.models import build_model_dir, param_count
+from rollfleet.models import load_model_tensors as load_tensors
 from rollfleet.policy_store import materialize
 from rollfleet.schemas import Names, ReplicaStatus, RolloutPayload, SamplingParams, VersionActivated, decode
 from rollfleet.testing import spawn, stop_all, temp_broker, worker_command

@@ -36,9 +36,10 @@ from typing import Any
 import torch
 
 from benchmarks._fleet import REPO, machine_load, percentile
-from benchmarks.bench_activation import load_tensors, rl_step
+from benchmarks.bench_activation import rl_step
 from benchmarks.report import Row
 from rollfleet.models import build_model_dir
+from rollfleet.models import load_model_tensors as load_tensors
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams, VersionConstraint
 from rollfleet.testing import spawn, stop_all, temp_broker, worker_command
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
