@@ -55,6 +55,7 @@ class Observer:
         self.activated: dict[tuple[str, int], tuple[VersionActivated, float]] = {}
         self.preparing: dict[tuple[str, int], float] = {}
         self._task: asyncio.Task[None] | None = None
+        self._closed = False
 
     async def start(self) -> None:
         async def on_activated(msg: Any) -> None:
@@ -67,7 +68,8 @@ class Observer:
         watcher = await kv.watch(">")
 
         async def watch() -> None:
-            while True:
+            # A flag, not only the cancel: wait_for inside the watcher can swallow a cancellation.
+            while not self._closed:
                 try:
                     entry = await watcher.updates(timeout=30.0)
                 except nats.errors.TimeoutError:
@@ -89,6 +91,7 @@ class Observer:
             await asyncio.sleep(0.002)
 
     def close(self) -> None:
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
 

@@ -139,3 +139,23 @@ class Chain:
         if publish:
             self.pub.publish(self.weights[-1])
         return self.weights[-1]
+
+
+def kill_at_pause(code: str, point: str) -> None:
+    """Run ``python -c code`` with the fault ``pause:<point>`` and SIGKILL it once it pauses there."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from rollfleet.runtime import faults
+
+    env = {**os.environ, **faults.env("pause", point)}
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        line = child.stdout.readline().strip()
+        assert line == f"PAUSED {point}", f"the child did not reach {point}: {line!r}"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(timeout=30)

@@ -105,3 +105,12 @@ def test_gpu_activation_script_runs_on_cpu() -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     line = json.loads(proc.stdout.strip().splitlines()[-1])
     assert line["checksums_ok"] is True and line["pause_ms"] > 0
+
+
+def test_object_store_quick() -> None:
+    rows = _run("object_store")
+    _check(rows, {"object_store/all-serving", "object_store/bytes-per-replica", "object_store/late-joiner"})
+    head = rows[0]
+    assert head.met is not None and head.extra["s3_each_s"]  # judged, from per-version samples
+    bytes_row = next(r for r in rows if r.bench == "object_store/bytes-per-replica")
+    assert bytes_row.value == bytes_row.baseline  # a replica reads the same bytes from either store

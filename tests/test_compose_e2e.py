@@ -57,6 +57,7 @@ WORKERS = 3
 # Echo jobs take a while (so kills and scale-downs hit running jobs); a holder that dies loses
 # its jobs to others after 5 s instead of 30 s.
 WORKER_ARGS = "--echo-latency 0.4 --ack-wait 5"
+PROFILES = ("--profile", "demo", "--profile", "objects")
 
 
 def _run(cmd: list[str], timeout: float = 60, **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -154,7 +155,11 @@ def stack() -> Iterator[Stack]:
         "ROLLFLEET_NATS_PORT": str(port),
         "ROLLFLEET_EXTRAS": "",  # explicitly empty: the slim image, not a default
         "ROLLFLEET_WORKER_ARGS": WORKER_ARGS,
+        "ROLLFLEET_OBJECTS_NAMESPACE": f"ob{run_id}",
+        "ROLLFLEET_S3_PORT": str(free_port()),
     }
+    for key in [k for k in env if k.startswith("AWS_")]:
+        del env[key]  # the objects profile's workers take the local object-store's settings
     network = os.environ.get("ROLLFLEET_BUILD_NETWORK") or os.environ.get("DOCKER_OFFLINE_BUILD_NETWORK")
     if network:
         env["ROLLFLEET_BUILD_NETWORK"] = network
@@ -163,7 +168,7 @@ def stack() -> Iterator[Stack]:
     try:
         yield s
     finally:
-        s("--profile", "demo", "down", "-v", "--remove-orphans", "--timeout", "10", check=False, timeout=180)
+        s(*PROFILES, "down", "-v", "--remove-orphans", "--timeout", "10", check=False, timeout=180)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -173,7 +178,7 @@ def stack() -> Iterator[Stack]:
 class HostTrainer:
     """A trainer on the host: a tiny checkpoint, a publisher writing into the workers' store."""
 
-    def __init__(self, store: Path, base: Path) -> None:
+    def __init__(self, store: Path | str, base: Path) -> None:
         if not base.exists():
             base.mkdir(parents=True)
             rng = np.random.default_rng(0)
@@ -404,6 +409,42 @@ async def test_killed_worker_loses_nothing_and_scale_down_drains(stack: Stack) -
     stack.record(scale_down_s=round(scale_down_s, 2), jobs_by_worker_scale=dict(served_by(out["results"])))
 
 
+# -- 4b. the objects profile: workers follow a bucket, no shared volume ------------------------------
+
+
+async def test_objects_profile_workers_follow_a_bucket(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    t0 = time.perf_counter()
+    stack("--profile", "objects", "build", "object-worker", timeout=900)
+    build_s = time.perf_counter() - t0
+    stack("--profile", "objects", "up", "-d", "--no-build", "--scale", "object-worker=2", "object-worker", timeout=300)
+    workers = stack.containers("object-worker")
+    assert len(workers) == 2
+    mounts = _run(["docker", "inspect", "--format", "{{len .Mounts}}", *workers], env=stack.env).stdout.split()
+    assert mounts == ["0", "0"], "object workers mount no weight store"
+    s3 = {"AWS_ACCESS_KEY_ID": "local", "AWS_SECRET_ACCESS_KEY": "local", "AWS_REGION": "us-east-1"}
+    s3 |= {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{stack.env['ROLLFLEET_S3_PORT']}", "AWS_ALLOW_HTTP": "true"}
+    for key, value in s3.items():
+        monkeypatch.setenv(key, value)  # the host trainer reaches the bucket through the published port
+    trainer = HostTrainer("s3://rollfleet-weights/objects", stack.weights.parent / "base")
+    namespace = stack.env["ROLLFLEET_OBJECTS_NAMESPACE"]
+    async with await RolloutClient.connect(stack.url, namespace=namespace, client_id="object-trainer") as client:
+        assert (await client.publish_policy(trainer.publisher, trainer.tensors)).version == 0
+        ready = await client.wait_for_version(0, replicas=2, timeout=120)
+        t0 = time.perf_counter()
+        assert (await client.publish_policy(trainer.publisher, trainer.step())).version == 1
+        ready = await client.wait_for_version(1, replicas=2, timeout=120)
+        activation_s = time.perf_counter() - t0
+        handles = await compose_trainer.submit(client, 16, tag="objects-v1", exact_version=1)
+        out = await compose_trainer.collect(handles)
+    assert not out["errors"], out["errors"]
+    assert all(r["version_start"] == r["version_end"] == 1 for r in out["results"]), out["results"]
+    assert set(served_by(out["results"])) <= {r.worker_id for r in ready}
+    logs = stack("--profile", "objects", "logs", "--no-color", "--no-log-prefix", "object-worker")
+    caught = [json.loads(line) for line in logs.splitlines() if line.startswith("{") and '"caught up"' in line]
+    assert len(caught) == 2 and all(e["fetched_bytes"] > 0 for e in caught), caught  # downloaded, not mounted
+    stack.record(build_objects_s=round(build_s, 2), objects_activation_all_workers_s=round(activation_s, 3))
+
+
 # -- 5. the demo profile ----------------------------------------------------------------------------
 
 
@@ -451,7 +492,7 @@ def test_down_stops_everything_and_down_v_removes_the_volumes(stack: Stack) -> N
     stack("up", "-d", "--no-build")  # running again after the demo's abort stopped it
     assert stack.containers("nats") and stack.containers("worker")
     t0 = time.perf_counter()
-    stack("--profile", "demo", "down", timeout=180)  # at once: the worker may not be set up yet
+    stack(*PROFILES, "down", timeout=180)  # at once: the worker may not be set up yet
     down_s = time.perf_counter() - t0
     stack.record(down_s=round(down_s, 2))
     assert down_s < 30, f"down took {down_s:.1f}s: a container ignored SIGTERM until its grace period ended"
@@ -460,7 +501,7 @@ def test_down_stops_everything_and_down_v_removes_the_volumes(stack: Stack) -> N
     assert net.stdout.strip() == ""
     kept = volumes()
     assert {f"{stack.project}_nats-store", f"{stack.project}_demo-weights"} <= kept, kept
-    stack("--profile", "demo", "down", "-v", timeout=180)
+    stack(*PROFILES, "down", "-v", timeout=180)
     assert volumes() == set()
     # The host store the workers followed is the trainer's: compose leaves it alone.
     assert stat.S_ISDIR(os.stat(stack.weights / "weight_v000001").st_mode)

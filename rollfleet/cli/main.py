@@ -143,7 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=20.0,
         help="registry refresh seconds; a replica silent for 3 of these stops counting as live",
     )
-    p.add_argument("--store", default=None, help="policy store to follow (published versions)")
+    p.add_argument(
+        "--store",
+        default=None,
+        help="policy store to follow: a directory, or s3://bucket/prefix (gs://, az://); credentials come from "
+        "the environment (AWS_ACCESS_KEY_ID, ...), never from the command line",
+    )
+    p.add_argument(
+        "--store-endpoint",
+        default=None,
+        metavar="URL",
+        help="with an s3:// store: an S3-compatible endpoint (MinIO, Ceph, R2); also AWS_ENDPOINT_URL",
+    )
     p.add_argument("--local-dir", default=None, help="host-local checkpoint directory (with --store)")
     p.add_argument("--model-dir", default=None, help="serve this fixed checkpoint (without --store)")
     p.add_argument(
@@ -355,6 +366,7 @@ async def cmd_declare(args: argparse.Namespace, quiet: bool = False) -> int:
 
 
 async def cmd_worker(args: argparse.Namespace) -> int:
+    from rollfleet.policy_store.bucket import check_store, is_store_url
     from rollfleet.workers.engines import make_engine
     from rollfleet.workers.worker import Worker, WorkerConfig, default_worker_id
 
@@ -368,11 +380,14 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     elif args.engine == "sglang":
         options = {"url": args.sglang_url, "launch_args": list(args.sglang_arg)}
         if args.sglang_pull_dir:
+            if args.store and is_store_url(args.store):
+                raise InvalidRequest("--sglang-pull-dir reads the store as a directory; with an object store, omit it")
             options |= {"pull_dir": args.sglang_pull_dir, "store_dir": args.store}
     elif args.engine == "vllm":
         options = {"url": args.vllm_url, "python": args.vllm_python, "launch_args": list(args.vllm_arg)}
         options["log_file"] = args.vllm_log
-    for flag, value in (("--local-dir", args.local_dir), ("--store", args.store)):
+    store = check_store(args.store) if args.store else None  # a URL rollfleet cannot serve: one line
+    for flag, value in (("--local-dir", args.local_dir), ("--store", store if isinstance(store, Path) else None)):
         if value:
             try:
                 Path(value).mkdir(parents=True, exist_ok=True)
@@ -390,7 +405,8 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         namespace=args.namespace,
         worker_id=args.worker_id or default_worker_id(),
         version=args.version or 0,
-        store_dir=Path(args.store) if args.store else None,
+        store_dir=store,
+        store_endpoint=args.store_endpoint,
         local_dir=Path(args.local_dir) if args.local_dir else None,
         model_dir=Path(args.model_dir) if args.model_dir else None,
         follow_versions=args.follow_versions,

@@ -57,6 +57,8 @@ def trainer_hint(
 
 
 async def cmd_up(args: argparse.Namespace) -> int:
+    from rollfleet.policy_store.bucket import is_store_url
+
     home = Path(args.home)
     store = model_dir = None
     version: int | None = None
@@ -68,6 +70,8 @@ async def cmd_up(args: argparse.Namespace) -> int:
             from rollfleet.models import build_model_dir
 
             build_model_dir(model_dir, preset="tiny")
+        if args.store and is_store_url(args.store):  # a local fleet's store lives on this machine
+            raise InvalidRequest(f"rollfleet up keeps its policy store on this machine: --store {args.store} is a URL")
         store = Path(args.store) if args.store else home / "store"
     fleet = LocalFleet(
         home=home,

@@ -27,7 +27,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +73,9 @@ class MaterializeResult:
     # "fmt:hex" of every tensor the local checkpoint now holds (as its marker records them): what
     # a replica compares with what its engine holds to know which tensors to reload.
     checksums: dict[str, str] = field(default_factory=dict)
+    # From an object store: bytes downloaded by this call, and bytes an interrupted earlier one kept.
+    fetched_bytes: int = 0
+    resumed_bytes: int = 0
 
 
 # -- marker and lock ---------------------------------------------------------------------------
@@ -193,21 +196,31 @@ def host_lock(local_dir: Path) -> Iterator[None]:
 def plan(
     store: Path, marker: int | None, target: int, present: list[int] | None = None
 ) -> tuple[int | None, list[int]]:
+    """(version to seed from or None, versions to apply after it) to reach ``target`` from ``store``."""
+    have = list_versions(store) if present is None else present
+    return plan_chain(have, marker, target, lambda v: not read_index(version_path(store, v)).metadata.is_delta, store)
+
+
+def plan_chain(
+    present: Iterable[int], marker: int | None, target: int, is_full: Callable[[int], bool], where: object
+) -> tuple[int | None, list[int]]:
     """(version to seed from or None, versions to apply after it) to reach ``target``.
 
     Continue from the marker when every version after it is present; otherwise seed from the
-    newest full version at or below the target from which the chain is complete.
+    newest full version at or below the target from which the chain is complete. ``is_full``
+    reads a version's index (a PolicyError: unreadable, never a seed); the same plan serves a
+    store directory and an object store.
     """
-    have = set(list_versions(store) if present is None else present)
+    have = set(present)
     if target not in have:
-        raise VersionNotFound(f"version {target} is not in {store}")
+        raise VersionNotFound(f"version {target} is not in {where}")
     if marker is not None and marker <= target and all(v in have for v in range(marker + 1, target + 1)):
         # A full version on the way makes every delta before it moot (and routes around a
         # corrupt one): continue from the newest full version instead.
         start = marker + 1
         for v in range(target, marker, -1):
             try:
-                if not read_index(version_path(store, v)).metadata.is_delta:
+                if is_full(v):
                     start = v
                     break
             except PolicyError:
@@ -217,11 +230,11 @@ def plan(
         if not all(x in have for x in range(v + 1, target + 1)):
             break  # an older seed would need the same missing versions
         try:
-            if not read_index(version_path(store, v)).metadata.is_delta:
+            if is_full(v):
                 return v, list(range(v + 1, target + 1))
         except PolicyError:
             continue
-    raise VersionNotFound(f"no full version at or below {target} with a complete chain in {store}")
+    raise VersionNotFound(f"no full version at or below {target} with a complete chain in {where}")
 
 
 # -- materialize -------------------------------------------------------------------------------

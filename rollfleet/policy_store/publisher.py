@@ -16,6 +16,7 @@ materializing the newest version, and publishes the next one.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from rollfleet.policy_store import codecs
+from rollfleet.policy_store.bucket import Bucket
 from rollfleet.policy_store.formats import (
     COMPRESSION_FORMATS,
     DEFAULT_CHECKSUM,
@@ -45,6 +47,7 @@ from rollfleet.policy_store.layout import (
     tensor_spec,
 )
 from rollfleet.policy_store.materialize import DEFAULT_WORKERS, checkpoint_checksums, materialize
+from rollfleet.policy_store.remote import apply_bucket_retention, fetch_chain, open_store, store_label
 from rollfleet.policy_store.retention import apply_retention
 from rollfleet.policy_store.store import list_versions, version_dir_name
 from rollfleet.policy_store.writer import DEFAULT_SHARD_BYTES, clean_temporaries, link_full, write_delta, write_full
@@ -60,6 +63,11 @@ class PolicyPublisher:
     "rf-sparse-xor" (ours; smaller, rejected by foreign readers). keyframe_every=K writes a full
     version every K versions (0: never). keep_last=R bounds what retention keeps (None: keep all).
     post_write_hook runs as ``hook(version_dir, record)`` after each commit.
+
+    ``store_dir`` may be an object store URL (``s3://bucket/prefix``, ``gs://``, ``az://``):
+    versions are then staged in ``staging_dir`` (default: a temporary directory) and uploaded
+    before ``publish`` returns; ``store_options`` go to the object store (e.g. ``endpoint``).
+    Credentials come from the environment only.
     """
 
     def __init__(
@@ -76,6 +84,8 @@ class PolicyPublisher:
         post_write_hook: str | Hook | None = None,
         publisher: str = "",
         max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+        staging_dir: Path | str | None = None,
+        store_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.encoding = check_encoding(encoding)
         self.checksum_format = check_checksum_format(checksum)
@@ -87,14 +97,29 @@ class PolicyPublisher:
         self.post_write_hook = resolve_hook(post_write_hook)
         self.publisher = publisher or f"{os.uname().nodename}:{os.getpid()}"
         self.max_shard_bytes = max_shard_bytes
-        self.store_dir = Path(store_dir)
+        store = open_store(store_dir, **dict(store_options or {}))
+        # An object store is written through a local staging store: each version directory is
+        # written there as on disk, then uploaded (index last) before publish() returns.
+        self.bucket: Bucket | None = store if isinstance(store, Bucket) else None
+        self._own_staging = self.bucket is not None and staging_dir is None
+        if self.bucket is None:
+            self.store_dir = Path(store)  # type: ignore[arg-type]
+        elif staging_dir is None:
+            self.store_dir = Path(tempfile.mkdtemp(prefix="rollfleet-publish-"))
+        else:
+            self.store_dir = Path(staging_dir)
+        self.store = store_label(store)  # where replicas follow it from (a directory or a URL)
         self.base_dir = Path(base_checkpoint_dir)
         self.store_dir.mkdir(parents=True, exist_ok=True)
         clean_temporaries(self.store_dir)
         self._base = CheckpointLayout.read(self.base_dir)
         self.specs: dict[str, TensorSpec] = self._base.specs
         self.total_bytes = self._base.total_bytes
-        existing = list_versions(self.store_dir)
+        existing = self._listed()
+        if self.bucket is not None:  # staged versions the bucket lacks were never published
+            for v in list_versions(self.store_dir):
+                if not existing or v > existing[-1]:
+                    shutil.rmtree(self.store_dir / version_dir_name(v), ignore_errors=True)
         self.latest_version: int | None = existing[-1] if existing else None
         self._state: dict[str, np.ndarray] | None = None  # bytes of latest_version, per tensor
         self._checksums: dict[str, str] = {}
@@ -132,8 +157,11 @@ class PolicyPublisher:
                 return self._publish(items)
             except BaseException:
                 self._state = None  # the comparison state may be half-updated: rebuild it from the store
-                self.latest_version = (list_versions(self.store_dir) or [None])[-1]
+                self.latest_version = (self._listed() or [None])[-1]
                 raise
+
+    def _listed(self) -> list[int]:
+        return self.bucket.versions() if self.bucket is not None else list_versions(self.store_dir)
 
     def record_base(self) -> VersionRecord:
         """Record the base checkpoint as version 0 without passing its tensors (what the first
@@ -182,6 +210,8 @@ class PolicyPublisher:
     def _resume(self) -> None:
         """Rebuild the comparison state from the newest committed version."""
         assert self.latest_version is not None
+        if self.bucket is not None:
+            fetch_chain(self.bucket, self.store_dir, None, self.latest_version)
         with tempfile.TemporaryDirectory(dir=self.store_dir, prefix=".tmp-resume-") as tmp:
             materialize(tmp, self.store_dir, self.latest_version, workers=self.workers)
             layout = CheckpointLayout.read(Path(tmp))
@@ -242,11 +272,19 @@ class PolicyPublisher:
         return self._after_commit(path, record)
 
     def _after_commit(self, path: Path, record: VersionRecord) -> VersionRecord:
+        if self.bucket is not None:
+            try:
+                self.bucket.upload(path)
+            except BaseException:
+                shutil.rmtree(path, ignore_errors=True)  # staged only: the version was not published
+                raise
         self.latest_version = record.version
         if self.post_write_hook is not None:
             self.post_write_hook(path, record)
         if self.keep_last is not None:
             apply_retention(self.store_dir, self.keep_last)
+            if self.bucket is not None:
+                apply_bucket_retention(self.bucket, self.keep_last)
         return record
 
     def _record(
@@ -269,8 +307,10 @@ class PolicyPublisher:
         )
 
     def close(self) -> None:
-        """Drop the CPU copy of the weights."""
+        """Drop the CPU copy of the weights (and the staging store this publisher made for a bucket)."""
         self._state = None
+        if self._own_staging:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
 
 
 def publish_checkpoint(

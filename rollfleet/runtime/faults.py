@@ -25,6 +25,9 @@ POINTS = {
     "apply:mid-version": "some tensors of a delta are applied in place, marker removed",
     "apply:before-marker": "the whole delta is applied and verified, marker not yet written",
     "seed:mid-copy": "part of a full version is copied into the staging directory",
+    # object stores (policy_store.bucket)
+    "bucket:mid-download": "a chunk of a version's download is written and journaled, others not yet",
+    "bucket:mid-upload": "a file of a version is uploaded, its index not yet",
     # the commit (trainer_client.versions)
     "commit:before-cas": "v.<N> is created in the policy KV, latest not yet moved",
     "commit:before-announce": "latest moved, versions.published not yet sent",

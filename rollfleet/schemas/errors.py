@@ -206,6 +206,25 @@ class PrepareTimeout(PolicyError):
     retryable = True
 
 
+class UnsupportedStore(PolicyError):
+    """A policy store address rollfleet cannot serve (an unknown URL scheme, or a missing extra)."""
+
+    code = "unsupported_store"
+
+
+class StoreUnavailable(PolicyError):
+    """The object store did not answer (network, throttling, a server error): try again later."""
+
+    code = "store_unavailable"
+    retryable = True
+
+
+class StoreAccessDenied(PolicyError):
+    """The object store refused the credentials (missing, wrong or without permission)."""
+
+    code = "store_access_denied"
+
+
 _BY_CODE: dict[str, type[RollfleetError]] = {}
 
 

@@ -49,9 +49,11 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from rollfleet.broker.kv import read_latest
-from rollfleet.policy_store import CheckpointLayout, MaterializeResult, materialize
+from rollfleet.policy_store import CheckpointLayout, MaterializeResult
+from rollfleet.policy_store.bucket import Bucket
 from rollfleet.policy_store.digest import weights_digest
 from rollfleet.policy_store.materialize import checkpoint_checksums
+from rollfleet.policy_store.remote import materialize_from, open_store, store_label
 from rollfleet.runtime import faults
 from rollfleet.runtime.aio import in_daemon_thread, stop_tasks
 from rollfleet.runtime.logs import get_logger
@@ -70,7 +72,7 @@ class VersionSync:
         names: Names,
         engine: Engine,
         served: ServedVersion,
-        store_dir: Path | None,
+        store_dir: Path | str | None,
         local_dir: Path,
         *,
         worker_id: str,
@@ -83,12 +85,19 @@ class VersionSync:
         verify_live: bool = False,
         prepare_timeout_s: float = 1800.0,
         hold_version: int | None = None,
+        store_endpoint: str | None = None,
     ) -> None:
         self._js = js
         self._names = names
         self._engine = engine
         self._served = served
-        self.store_dir = Path(store_dir) if store_dir is not None else None
+        # A directory, or a bucket whose versions are downloaded into local_dir's cache first.
+        self.store: Path | Bucket | None = (
+            None
+            if store_dir is None
+            else open_store(store_dir, **({"endpoint": store_endpoint} if store_endpoint else {}))
+        )
+        self.store_dir = store_label(self.store)
         self.local_dir = Path(local_dir)
         self._worker_id = worker_id
         self._on_activated = on_activated  # wakes the worker's pull loop for the new subjects
@@ -139,6 +148,7 @@ class VersionSync:
             version=result.version,
             reseeded=result.reseeded,
             applied=result.applied,
+            fetched_bytes=result.fetched_bytes,  # from an object store (0 for a directory)
             seconds=round(time.perf_counter() - t0, 3),
         )
         return result
@@ -259,14 +269,15 @@ class VersionSync:
         """materialize() on a daemon thread, bounded; a stuck one is abandoned and blocks retries."""
         if self.store_dir is None:  # nothing to read: the version is all there is to activate
             return MaterializeResult(version=target, previous_version=self._served.version, changed=[])
-        store_dir = self.store_dir
+        store = self.store
+        assert store is not None
         if self.stuck:
             raise PrepareTimeout(f"an earlier prepare is still stuck; not preparing version {target}")
         done = threading.Event()
 
         def run() -> MaterializeResult:
             try:
-                return materialize(self.local_dir, store_dir, target, pre_read_hook=self._pre_read_hook)
+                return materialize_from(store, self.local_dir, target, pre_read_hook=self._pre_read_hook)
             finally:
                 done.set()
 
@@ -391,7 +402,6 @@ class VersionSync:
             versions_applied=result.applied,
         )
         return activation
-
 
     async def _live_matches(self, live: dict[str, str], result: MaterializeResult, log: Any) -> bool:
         """The live weights hash to the checkpoint's bytes; if not, every tensor is reloaded once,

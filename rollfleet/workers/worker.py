@@ -98,7 +98,8 @@ class WorkerConfig:
     # Weights: follow published versions from a store (store_dir + local_dir), or serve a
     # fixed checkpoint (model_dir) at ``version``. Neither: a model-free engine such as echo,
     # which follows committed versions only with ``follow_versions``.
-    store_dir: Path | None = None
+    store_dir: Path | str | None = None  # a directory or an object store URL (s3://, gs://, az://)
+    store_endpoint: str | None = None  # an S3-compatible endpoint for an s3:// store
     local_dir: Path | None = None
     model_dir: Path | None = None
     follow_versions: bool = False
@@ -213,6 +214,7 @@ class Worker:
                 verify_live=cfg.verify_live,
                 prepare_timeout_s=cfg.prepare_timeout_s,
                 hold_version=cfg.hold_version,
+                store_endpoint=cfg.store_endpoint,
             )
             await self.nc.subscribe(self.names.versions_published, cb=self._on_published)
             caught_up = await self.sync.catch_up(cfg.catch_up_wait_s, self.registration)
