@@ -171,7 +171,10 @@ async def test_leaf_node_region_reaches_hub_jetstream(cluster: LocalCluster, lea
             wjs = worker.jetstream(timeout=10)
             consumer = await ensure_job_consumer(wjs, names, "exact", 0, R3)
             sub = await wjs.pull_subscribe_bind(consumer, stream=names.jobs_stream)
-            [job] = await sub.fetch(1, timeout=10)
+            # A new R3 consumer answers 503 until its leader is elected: the first fetch may need a retry.
+            [job] = await wait_until(
+                lambda: sub.fetch(1, timeout=10), 30, what="the first fetch", interval=0.2, retry_errors=True
+            )
             assert job.data == b"far-job"
             await wjs.publish(names.result_subject("trainer-0", "far", "job1", "far-worker"), b"far-result")
             await job.ack_sync()

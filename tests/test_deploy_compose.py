@@ -154,10 +154,13 @@ def test_extras_and_build_network_come_from_the_environment() -> None:
     """`${X:-d}` would turn an empty ROLLFLEET_EXTRAS (the slim image) into the default."""
     raw = yaml.safe_load(COMPOSE_FILE.read_text())
     builds = {name: s["build"] for name, s in raw["services"].items() if "build" in s}
-    assert set(builds) == {"worker", "demo-trainer"}  # demo-worker runs the demo-trainer's image
+    # demo-worker runs the demo-trainer's image, object-store the object-worker's.
+    assert set(builds) == {"worker", "demo-trainer", "object-worker"}
     assert builds["worker"]["args"]["ROLLFLEET_EXTRAS"] == "${ROLLFLEET_EXTRAS-}"
     assert set(builds["demo-trainer"]["args"]["ROLLFLEET_EXTRAS"].split(",")) == {"hf", "demo"}
     assert raw["services"]["demo-worker"]["image"] == raw["services"]["demo-trainer"]["image"]
+    assert set(builds["object-worker"]["args"]["ROLLFLEET_EXTRAS"].split(",")) == {"objects", "s3server"}
+    assert raw["services"]["object-store"]["image"] == raw["services"]["object-worker"]["image"]
     for name, build in builds.items():
         # The normal build network by default; `host` where the default bridge has no route out.
         assert build["network"] == "${ROLLFLEET_BUILD_NETWORK:-default}", name
@@ -242,7 +245,7 @@ def test_compose_commands_exist(compose: dict[str, Any]) -> None:
         for flag in (arg for arg in command if arg.startswith("--")):
             assert re.search(rf"(^|\s){re.escape(flag)}\b", out.stdout), f"{name}: {argv[1:]} has no {flag}"
         checked += 1
-    assert checked == 3  # worker, demo-worker, demo-trainer
+    assert checked == 5  # worker, demo-worker, demo-trainer, object-store, object-worker
 
 
 def dockerignored(path: str, patterns: list[str]) -> bool:

@@ -325,7 +325,8 @@ async def test_abort_stops_the_vllm_request_and_returns_what_it_produced(engine:
         await engine.abort(f"doomed-{n}")
         gen = await asyncio.wait_for(task, 30)
         for out in gen.outputs:
-            assert out.finish_reason == "abort" and len(out.token_ids) < LONGEST
+            # (On a loaded host the abort may land on the very last token: "abort", not "length".)
+            assert out.finish_reason == "abort" and len(out.token_ids) <= LONGEST
             assert len(out.logprobs or []) == len(out.token_ids)
         await wait_until(lambda: shared.server.metric("vllm:num_requests_running") == 0, timeout=10)
     # Frozen by a pause, too.

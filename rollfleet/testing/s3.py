@@ -117,16 +117,24 @@ class S3Server:
             self.proc = None
 
 
-def main() -> None:
-    """``python -m rollfleet.testing.s3 [PORT]``: a local S3 API with the bucket, any key accepted,
-    until stopped; ``/tmp/rollfleet-s3-ready`` exists once the bucket does (a health check)."""
+def main(argv: list[str] | None = None) -> None:
+    """``python -m rollfleet.testing.s3 [PORT]``: a local S3 API holding the bucket, any key
+    accepted, until stopped; ``/tmp/rollfleet-s3-ready`` exists once the bucket does."""
+    import argparse
     import signal
     import tempfile
 
-    port = int(sys.argv[1]) if len(sys.argv) > 1 else 5000
-    server = S3Server(Path(tempfile.mkdtemp(prefix="rollfleet-s3-")), port=port).start(auth=False, host="0.0.0.0")
+    parser = argparse.ArgumentParser(
+        prog="python -m rollfleet.testing.s3",
+        description=f"A local S3 API (moto) with the bucket {BUCKET!r}; any key is accepted. For trying "
+        "the compose `objects` profile, not for production.",
+    )
+    parser.add_argument("port", nargs="?", type=int, default=5000)
+    args = parser.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="rollfleet-s3-"))
+    server = S3Server(workdir, port=args.port).start(auth=False, host="0.0.0.0")
     Path("/tmp/rollfleet-s3-ready").touch()
-    print(f"S3 API on :{port}, bucket {BUCKET}", flush=True)
+    print(f"S3 API on :{args.port}, bucket {BUCKET}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (server.stop(), sys.exit(0)))
     assert server.proc is not None
     sys.exit(server.proc.wait())
