@@ -1,6 +1,6 @@
 """A real S3 API server for tests and benchmarks: ``moto_server`` in its own process.
 
-``S3Server`` starts it on a free loopback port with IAM checks on (``INITIAL_NO_AUTH_ACTION_COUNT``:
+``S3Server`` starts it (``python -m moto.server``) on a free loopback port with IAM checks on (``INITIAL_NO_AUTH_ACTION_COUNT``:
 the first few calls set up a user, its policy, its access key and the bucket; every later call
 must be signed with that key), so wrong credentials are refused as by a real cloud. ``env`` is
 what a trainer or worker process needs in its environment to reach the bucket: credentials and
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -27,11 +26,11 @@ _SETUP_CALLS = 5  # create_user, put_user_policy, create_access_key, create_buck
 
 def unavailable() -> str | None:
     """Why no S3 server can run here (None: it can)."""
-    if shutil.which("moto_server", path=str(Path(sys.executable).parent)) is None:
-        return "moto_server is not installed (pip install 'moto[server]')"
-    try:
-        import boto3  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("moto") is None or importlib.util.find_spec("flask") is None:
+        return "moto's server is not installed (pip install 'moto[server]')"
+    if importlib.util.find_spec("boto3") is None:
         return "boto3 is not installed"
     return None
 
@@ -53,13 +52,12 @@ class S3Server:
         """Start the server with ``bucket``; ``auth=False`` accepts any key (the compose profile's)."""
         self.port = self.port or free_port()
         self.workdir.mkdir(parents=True, exist_ok=True)
-        exe = Path(sys.executable).parent / "moto_server"
         env = {**os.environ}
         if auth:
             env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(_SETUP_CALLS)
         with open(self.workdir / "moto.log", "ab") as out:
             self.proc = subprocess.Popen(
-                [str(exe), "-H", host, "-p", str(self.port)],
+                [sys.executable, "-m", "moto.server", "-H", host, "-p", str(self.port)],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
