@@ -439,10 +439,11 @@ async def test_objects_profile_workers_follow_a_bucket(stack: Stack, monkeypatch
     assert not out["errors"], out["errors"]
     assert all(r["version_start"] == r["version_end"] == 1 for r in out["results"]), out["results"]
     assert set(served_by(out["results"])) <= {r.worker_id for r in ready}
-    logs = [_run(["docker", "logs", c], env=stack.env) for c in workers]  # the worker logs to stderr
-    lines = [line for out in logs for line in (out.stdout + out.stderr).splitlines()]
-    caught = [json.loads(line) for line in lines if line.startswith("{") and '"caught up"' in line]
-    assert len(caught) == 2 and all(e["fetched_bytes"] > 0 for e in caught), caught  # downloaded, not mounted
+    for c in workers:  # each container materialized version 1 from the bucket into its own checkpoint
+        marker = _run(["docker", "exec", c, "cat", "/home/rollfleet/replica/rollfleet-version.json"], env=stack.env)
+        assert marker.returncode == 0 and json.loads(marker.stdout)["version"] == 1, (c, marker.stdout, marker.stderr)
+        cache = _run(["docker", "exec", c, "ls", "-A", "/home/rollfleet/replica/.rollfleet-store"], env=stack.env)
+        assert cache.returncode == 0 and cache.stdout.split() == [".rollfleet.lock"], (c, cache.stdout)
     stack.record(build_objects_s=round(build_s, 2), objects_activation_all_workers_s=round(activation_s, 3))
 
 
