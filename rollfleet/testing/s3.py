@@ -1,6 +1,7 @@
-"""A real S3 API server for tests and benchmarks: ``moto_server`` in its own process.
+"""A real S3 API server for tests and benchmarks: moto's server (``python -m moto.server``) in its
+own process.
 
-``S3Server`` starts it (``python -m moto.server``) on a free loopback port with IAM checks on (``INITIAL_NO_AUTH_ACTION_COUNT``:
+``S3Server`` starts it on a free loopback port with IAM checks on (``INITIAL_NO_AUTH_ACTION_COUNT``:
 the first few calls set up a user, its policy, its access key and the bucket; every later call
 must be signed with that key), so wrong credentials are refused as by a real cloud. ``env`` is
 what a trainer or worker process needs in its environment to reach the bucket: credentials and
