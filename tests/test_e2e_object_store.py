@@ -15,7 +15,7 @@ import torch
 from rollfleet.models import build_model_dir, load_model_tensors
 from rollfleet.policy_store.digest import weights_digest
 from rollfleet.schemas import RolloutPayload, SamplingParams, VersionActivated, decode
-from rollfleet.testing import s3, start_worker_process, terminate
+from rollfleet.testing import s3, start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(s3.unavailable() is not None, reason=str(s3.unavailable()))]
@@ -117,6 +117,41 @@ async def test_workers_follow_a_bucket_exact_jobs_hold_and_a_late_joiner_catches
             assert seen[("late", 10)] == sums[10]
             for step in (1, 2):
                 assert seen[("w0", step)] == sums[step]
+
+            # A corrupt object in the bucket: both replicas refuse the version (degraded, with the
+            # reason) and keep serving 12; once the object is repaired, the next version goes
+            # through, re-reading the repaired one rather than a cached bad copy.
+            for _ in (11, 12):  # (12 is a keyframe: the bad version below must be a delta needed later)
+                rl_step(tensors, gen)
+                await client.publish_policy(publisher, tensors)
+            await client.wait_for_version(12, replicas=2, timeout=120)
+            rl_step(tensors, gen)
+            record = await asyncio.to_thread(publisher.publish, tensors)
+            s3c = server.client()
+            [key] = [o["Key"] for o in s3c.list_objects_v2(Bucket=s3.BUCKET, Prefix="run/weight_v000013/")["Contents"]
+                     if o["Key"].endswith(".safetensors")]  # fmt: skip
+            good = s3c.get_object(Bucket=s3.BUCKET, Key=key)["Body"].read()
+            bad = bytearray(good)
+            bad[-3] ^= 0xFF
+            s3c.put_object(Bucket=s3.BUCKET, Key=key, Body=bytes(bad))
+            await client.commit_version(record)
+
+            def both_degraded() -> bool:
+                entries = [r for r in client.fleet.replicas() if r.worker_id in ("w0", "late")]
+                return len(entries) == 2 and all(r.state == "degraded" for r in entries)
+
+            await wait_until(both_degraded, timeout=60)
+            for r in client.fleet.replicas():
+                assert r.active_version == 12 and "13" in (r.degraded_reason or ""), r
+            held = [await client.submit(JOB, exact_version=12, timeout=60) for _ in range(2)]
+            for handle in held:
+                assert (await handle.result(120)).outputs[0].weight_versions[0].version == 12
+            s3c.put_object(Bucket=s3.BUCKET, Key=key, Body=good)
+            rl_step(tensors, gen)
+            await client.publish_policy(publisher, tensors)
+            await client.wait_for_version(14, replicas=2, timeout=120)
+            seen = await digests(client)
+            assert seen[("w0", 14)] == seen[("late", 14)] == weights_digest(publisher.checksums)
         # The late joiner seeded from the newest keyframe (8) and applied 9 and 10; nothing cached stays.
         lines = (tmp_path / "late.log").read_text().splitlines()
         late_log = [json.loads(line) for line in lines if line.startswith("{")]
@@ -125,7 +160,11 @@ async def test_workers_follow_a_bucket_exact_jobs_hold_and_a_late_joiner_catches
         assert sorted(p.name for p in (tmp_path / "late" / ".rollfleet-store").iterdir()) == [".rollfleet.lock"]
         kept = sorted(int(o["Key"].split("/")[1][8:]) for o in server.client().list_objects_v2(
             Bucket=s3.BUCKET, Prefix="run/")["Contents"] if o["Key"].endswith("index.json"))  # fmt: skip
-        assert kept == [0, 8, 9, 10]  # retention on the bucket: the base, the newest keyframe, what follows
+        assert kept == [0, 12, 13, 14]  # retention: the base, the newest keyframe, what follows
+        for name in ("w0", "late"):  # the repaired 13 was read again, not a cached bad copy
+            events = [json.loads(x) for x in (tmp_path / f"{name}.log").read_text().splitlines() if x.startswith("{")]
+            [act] = [e for e in events if e.get("event") == "activated" and e.get("version") == 14]
+            assert act["versions_applied"] == [13, 14], act
     finally:
         for p in procs:
             terminate(p, 20.0, signal.SIGTERM)
