@@ -198,14 +198,16 @@ class Bucket:
 
     # -- listing ----------------------------------------------------------------------------
 
-    def objects(self) -> dict[int, dict[str, int]]:
-        """Every version directory's top-level files and sizes (published or not)."""
+    def objects(self, version: int | None = None) -> dict[int, dict[str, int]]:
+        """Every version directory's top-level files and sizes (published or not); with
+        ``version``, that directory's alone (one short listing instead of the whole prefix)."""
         import obstore
 
         out: dict[int, dict[str, int]] = {}
+        prefix = None if version is None else f"{version_dir_name(version)}/"
 
         def walk(store: Any) -> None:
-            for chunk in obstore.list(store, chunk_size=1000):
+            for chunk in obstore.list(store, prefix=prefix, chunk_size=1000):
                 for meta in chunk:
                     top, _, name = meta["path"].partition("/")
                     v = dir_version(top)
@@ -269,7 +271,7 @@ class Bucket:
         stats = DownloadStats()
         if final.is_dir():
             return final, stats
-        listed = (self.objects() if listing is None else listing).get(version, {})
+        listed = (self.objects(version) if listing is None else listing).get(version, {})
         if INDEX_FILE not in listed:
             raise VersionNotFound(f"{self.url}/{name} is not published")
         index = self.index(version)
@@ -352,7 +354,7 @@ class Bucket:
         version = dir_version(version_dir.name)
         if version is None:
             raise UnsupportedStore(f"{version_dir} is not a version directory")
-        present = self.objects().get(version, {})
+        present = self.objects(version).get(version, {})
         if INDEX_FILE in present:
             raise VersionConflict(f"{self.url}/{version_dir.name} is already published")
         if present:
@@ -381,7 +383,7 @@ class Bucket:
 
     def delete(self, version: int) -> bool:
         """Unpublish a version (its index first, so readers stop listing it), then its other objects."""
-        files = self.objects().get(version, {})
+        files = self.objects(version).get(version, {})
         if not files:
             return False
         name = version_dir_name(version)
