@@ -318,3 +318,18 @@ def test_a_store_that_cannot_be_opened_says_what_is_missing_and_no_secret(monkey
         Bucket("az://container/prefix")  # no account: refused when opened, before any request
     assert "Account must be specified" in str(info.value) and "\n" not in str(info.value)
     assert _redact("sent c2VjcmV0LWtleS12YWx1ZQ== to the server") == "sent *** to the server"
+
+
+def test_an_endpoint_given_as_a_setting_instead_of_the_environment(
+    tmp_path: Path, s3_server: s3.S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MinIO, Ceph, R2: the endpoint as ``store_options`` / ``Bucket(endpoint=)`` (what
+    ``--store-endpoint`` passes), with only the credentials in the environment."""
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.delenv("AWS_ALLOW_HTTP")
+    tensors = make_checkpoint(tmp_path / "base")
+    url = s3_server.url(tmp_path.name)
+    pub = PolicyPublisher(url, tmp_path / "base", store_options={"endpoint": s3_server.endpoint})
+    pub.publish(tensors)
+    materialize_from(Bucket(url, endpoint=s3_server.endpoint), tmp_path / "local", 0)
+    assert read_local(tmp_path / "local") == raw(tensors)
