@@ -12,7 +12,7 @@ import pytest
 
 from rollfleet.models import build_model_dir
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams
-from rollfleet.testing import start_worker_process, stop_all
+from rollfleet.testing import start_worker_process, stop_all, wait_until
 from rollfleet.trainer_client import RolloutClient
 from rollfleet.workers.engines.sglang import SGLangEngine
 from tests.sglang_standin import SGLangStandin
@@ -62,6 +62,9 @@ async def test_unseeded_jobs_differ_across_replicas_and_restarts(nats_url: str, 
                         break
             finally:
                 stop_all(procs)
+            # The restart must not be judged by the stopped replicas' entries (their deregistration
+            # can reach this client's view after the new processes were started).
+            await wait_until(lambda: not client.fleet.replicas(), timeout=60, what="the stopped replicas gone")
     distinct = len({tokens for _, tokens in completions})
     print(f"distinct unseeded completions: {distinct} of {len(completions)}")
     assert distinct == len(completions), sorted(completions)

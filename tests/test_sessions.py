@@ -10,6 +10,7 @@ import itertools
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -224,6 +225,9 @@ def follower(tmp_path: Path, name: str, **config: Any) -> dict[str, Any]:
     return {"store_dir": tmp_path / "store", "local_dir": tmp_path / f"local-{name}", "worker_id": name, **config}
 
 
+_NONE = SimpleNamespace(active_version=-1)
+
+
 @pytest.mark.parametrize("policy", ["pinned", "monotonic", "free"])
 async def test_version_policies_hold_across_activations(
     nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher, policy: str
@@ -237,7 +241,10 @@ async def test_version_policies_hold_across_activations(
         await client.publish_policy(publisher, tensors_at(0))
         async with (
             running_worker(nats_url, namespace, engine=EchoEngine(per_token_s=0.01), **follower(tmp_path, "new")),
-            running_worker(nats_url, namespace, version=0, worker_id="old", engine=EchoEngine(per_token_s=0.01)),
+            # One slot on `old`: it cannot take every session's first turn, so some sessions live on `new`.
+            running_worker(
+                nats_url, namespace, version=0, worker_id="old", engine=EchoEngine(per_token_s=0.01), capacity=1
+            ),
         ):
             await client.wait_for_version(0, replicas=2, timeout=20)
             constraint: dict[str, int] = {"max_staleness": 1} if policy == "free" else {"min_version": 0}
@@ -249,7 +256,10 @@ async def test_version_policies_hold_across_activations(
 
             async def run(s: Any) -> None:
                 context = [1, 2, 3]
-                for _ in range(12):  # 0.2 s a turn: the versions land while they run (with room on a slow host)
+                # 0.2 s a turn: the versions land while they run. At least 12 turns, and on until
+                # `new` serves version 2 (a loaded host activates slowly), at most 60.
+                done = turns[s.session_id]
+                while len(done) < 12 or (len(done) < 60 and (client.fleet.replica("new") or _NONE).active_version < 2):
                     floors[s.session_id].append(max(0, (client.latest_version or 0) - 1))
                     r = await s.generate(turn_payload(context, max_tokens=20))
                     turns[s.session_id].append(r)
@@ -618,9 +628,10 @@ async def test_a_moved_turn_whose_new_holder_dies_is_stored_again_at_once(
                 await wait_until(lambda: len(client.fleet.replicas()) == 2, timeout=30)
                 turn = asyncio.ensure_future(s.generate(turn_payload([1, 2], max_tokens=100)))  # 5 s on w2
                 await wait_until(
-                    lambda: client.metrics.affinity_fallbacks.labels(client_id="c", reason="not_taken_in_time")
-                    ._value.get()
-                    == 1,
+                    lambda: (
+                        client.metrics.affinity_fallbacks.labels(client_id="c", reason="not_taken_in_time")._value.get()
+                        == 1
+                    ),
                     timeout=10,
                 )
                 await asyncio.sleep(1.0)  # running on w2
