@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rollfleet.broker import free_port
 from rollfleet.broker.server import wait_for_port
-from rollfleet.runtime.processes import terminate
+from rollfleet.runtime.processes import die_with_parent, terminate
 
 BUCKET = "rollfleet-weights"
 _SETUP_CALLS = 5  # create_user, put_user_policy, create_access_key, create_bucket, (one spare)
@@ -63,6 +63,7 @@ class S3Server:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
+                preexec_fn=die_with_parent,  # a test process that dies leaves no server behind
             )
         wait_for_port("127.0.0.1", self.port, 30.0, self.proc)
         if auth:
