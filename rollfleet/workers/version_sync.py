@@ -97,7 +97,6 @@ class VersionSync:
             if store_dir is None
             else open_store(store_dir, **({"endpoint": store_endpoint} if store_endpoint else {}))
         )
-        self.store_dir = store_label(self.store)
         self.local_dir = Path(local_dir)
         self._worker_id = worker_id
         self._on_activated = on_activated  # wakes the worker's pull loop for the new subjects
@@ -131,7 +130,7 @@ class VersionSync:
         deadline = time.monotonic() + wait_s
         latest = await read_latest(self._kv)
         if latest is None and wait_s > 0:
-            self.log.info("waiting for a first committed version", store=str(self.store_dir), wait_s=wait_s)
+            self.log.info("waiting for a first committed version", store=store_label(self.store), wait_s=wait_s)
         while latest is None and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
             latest = await read_latest(self._kv)
@@ -267,10 +266,9 @@ class VersionSync:
 
     async def _materialize(self, target: int) -> MaterializeResult:
         """materialize() on a daemon thread, bounded; a stuck one is abandoned and blocks retries."""
-        if self.store_dir is None:  # nothing to read: the version is all there is to activate
+        if self.store is None:  # nothing to read: the version is all there is to activate
             return MaterializeResult(version=target, previous_version=self._served.version, changed=[])
         store = self.store
-        assert store is not None
         if self.stuck:
             raise PrepareTimeout(f"an earlier prepare is still stuck; not preparing version {target}")
         done = threading.Event()
@@ -300,7 +298,7 @@ class VersionSync:
         assert self._registration is not None
         previous = self._served.version
         log = self.log.bind(version=target, previous_version=previous)
-        if self.store_dir is not None:  # (without a store there is nothing to prepare: activate at once)
+        if self.store is not None:  # (without a store there is nothing to prepare: activate at once)
             await self._registration.write(state="preparing", preparing_version=target)
         t0 = time.perf_counter()
         result = await self._prepare(target, log)
