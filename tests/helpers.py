@@ -29,12 +29,14 @@ class CountingEcho(EchoEngine):
         self.running = 0
         self.peak = 0
 
-    async def generate(self, request_id: str, payload: RolloutPayload, session_id: str | None = None) -> Any:
+    async def generate(
+        self, request_id: str, payload: RolloutPayload, session_id: str | None = None, sink: Any = None
+    ) -> Any:
         self.calls.append(request_id)
         self.running += 1
         self.peak = max(self.peak, self.running)
         try:
-            return await super().generate(request_id, payload, session_id)
+            return await super().generate(request_id, payload, session_id, sink)
         finally:
             self.running -= 1
 
@@ -55,3 +57,20 @@ def built_job(
     }
     options.update(fields)
     return build_job(payload, constraint=constraint, written=written, idempotency_key=key, **options)
+
+
+async def progress_records(js: Any, names: Any, client_id: str, job_id: str) -> list[Any]:
+    """Every progress record stored for a job, decoded, in stream order (``schemas.progress``)."""
+    import nats.js.errors
+
+    from rollfleet.schemas import decode
+    from rollfleet.schemas.progress import ProgressRecord
+
+    subject, out, seq = names.progress_subject(client_id, job_id), [], 1
+    while True:
+        try:
+            msg = await js.get_msg(names.progress_stream, seq=seq, subject=subject, next=True, direct=True)
+        except nats.js.errors.NotFoundError:
+            return out
+        out.append(decode(msg.data, ProgressRecord))
+        seq = int(msg.seq) + 1

@@ -253,6 +253,13 @@ async def test_permissions_rollfleet_round_trip(perm_broker: EmbeddedBroker, tmp
                 round_trip, 25, what="a round trip with the permissions config", interval=0.5, retry_errors=True
             )
             assert result.version_start == 0 and result.outputs
+            # A resumable job: the worker checkpoints on its progress subject (and rolls it up),
+            # the trainer streams it through an ordered consumer, both within their permissions.
+            long = RolloutPayload(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=40))
+            handle = await client.submit(long, min_version=0, retry_policy="resume")
+            chunks = [c async for c in client.stream(handle)]
+            streamed = [t for c in chunks for t in c.token_ids]
+            assert streamed == (await handle.result(10)).outputs[0].token_ids and len(streamed) == 40
     except BaseException:
         print((tmp_path / "worker.log").read_text(errors="replace")[-4000:])
         raise

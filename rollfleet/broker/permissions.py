@@ -25,6 +25,7 @@ def _streams(n: Names) -> dict[str, str]:
         "fleet": f"KV_{n.fleet_bucket}",
         "claims": f"KV_{n.claims_bucket}",
         "sessions": f"KV_{n.sessions_bucket}",
+        "progress": n.progress_stream,
     }
 
 
@@ -46,8 +47,9 @@ def trainer_permissions(n: Names) -> dict[str, dict[str, list[str]]]:
         *(f"$JS.API.STREAM.MSG.GET.{s[k]}" for k in ("results", "policy", "fleet", "sessions", "claims")),
         f"$JS.API.DIRECT.GET.{s['results']}",
         *(f"$JS.API.DIRECT.GET.{s[k]}.>" for k in ("results", "policy", "fleet", "sessions", "claims")),
-        *(f"$JS.API.CONSUMER.*.{s[k]}.>" for k in ("jobs", "results", "events", "policy", "fleet")),
-        *(f"$JS.API.CONSUMER.CREATE.{s[k]}" for k in ("policy", "fleet")),  # KV watchers (ephemeral)
+        *(f"$JS.API.CONSUMER.*.{s[k]}.>" for k in ("jobs", "results", "events", "policy", "fleet", "progress")),
+        # KV watchers and streams of a job's tokens (ephemeral consumers)
+        *(f"$JS.API.CONSUMER.CREATE.{s[k]}" for k in ("policy", "fleet", "progress")),
         *(f"$JS.API.CONSUMER.DURABLE.CREATE.{s[k]}.>" for k in ("jobs", "results")),
         f"$JS.API.CONSUMER.MSG.NEXT.{s['results']}.>",
         f"$JS.ACK.{s['results']}.>",
@@ -89,6 +91,12 @@ def worker_permissions(
         f"$JS.API.DIRECT.GET.{s['results']}.>",
         f"$JS.API.STREAM.MSG.GET.{s['results']}",
         f"$KV.{n.claims_bucket}.>",
+        # Checkpoints of resumable jobs (each write names the subject's last sequence it saw, so a
+        # run that lost its job stores nothing) and reading them back to resume one.
+        f"{root}.progress.>",
+        f"$JS.API.DIRECT.GET.{s['progress']}",
+        f"$JS.API.DIRECT.GET.{s['progress']}.>",
+        f"$JS.API.STREAM.MSG.GET.{s['progress']}",
         f"$JS.API.DIRECT.GET.{s['claims']}.>",
         f"$JS.API.STREAM.MSG.GET.{s['claims']}",  # a claims bucket declared without direct gets
         f"$KV.{n.fleet_bucket}.{n.replica_key(worker_id)}",

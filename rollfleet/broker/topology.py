@@ -49,6 +49,9 @@ class TopologyConfig(msgspec.Struct, kw_only=True, frozen=True):
     # it (the client refuses one that does), so a job redelivered after the claim is gone is
     # past its deadline and answered Expired, never run a second time.
     claims_ttl_s: float = 24 * 3600.0
+    # A resumable job's progress records; a finished job's are rolled up into one small done
+    # record at once, so this bounds only what jobs that never finish leave behind.
+    progress_max_age_s: float = 24 * 3600.0
     policy_history: int = 1
 
     def job_consumer_config(self, names: Names, kind: ConstraintKind, version: int) -> ConsumerConfig:
@@ -124,6 +127,18 @@ def _stream_configs(names: Names, cfg: TopologyConfig) -> list[StreamConfig]:
             num_replicas=cfg.replicas,
             max_age=cfg.events_max_age_s,
             max_msgs=100_000,
+        ),
+        StreamConfig(
+            name=names.progress_stream,
+            subjects=[names.progress_wildcard],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            num_replicas=cfg.replicas,
+            max_age=cfg.progress_max_age_s,
+            max_msg_size=cfg.max_msg_bytes,
+            duplicate_window=120.0,  # a checkpoint's retried publish is stored once (Nats-Msg-Id)
+            allow_rollup_hdrs=True,  # a finished job's records roll up into one done record
+            allow_direct=True,  # a resuming worker reads the records with direct gets
         ),
     ]
 

@@ -170,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--echo-latency", type=float, default=0.0, help="echo engine: seconds per job")
     p.add_argument("--echo-token-latency", type=float, default=0.0, help="echo engine: seconds per token")
     p.add_argument(
+        "--echo-whole-requests",
+        action="store_true",
+        help="echo engine: report no tokens while generating, as an HTTP engine (resumable jobs run in segments)",
+    )
+    p.add_argument(
         "--echo-prefill-latency", type=float, default=0.0, help="echo engine: seconds per prompt token not cached"
     )
     p.add_argument(
@@ -208,6 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--vllm-log", default=None, help="vllm engine: append the launched server's output to this file")
     p.add_argument("--verify-live", action="store_true", help="announce a digest of the live weights")
+    p.add_argument(
+        "--checkpoint-tokens",
+        type=_positive_int,
+        default=64,
+        help="resumable jobs: checkpoint the generation every N tokens (or --checkpoint-s, whichever first)",
+    )
+    p.add_argument(
+        "--checkpoint-s", type=float, default=2.0, help="resumable jobs: checkpoint at least this often (seconds)"
+    )
     p.add_argument(
         "--health",
         type=float,
@@ -373,7 +387,11 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
     sessions = {"session_cache_bytes": int(args.session_cache_mb * 1024**2), "session_ttl_s": args.session_ttl}
     if args.engine == "echo":
-        options = {"latency_s": args.echo_latency, "per_token_s": args.echo_token_latency}
+        options = {
+            "latency_s": args.echo_latency,
+            "per_token_s": args.echo_token_latency,
+            "streams_tokens": not args.echo_whole_requests,
+        }
         options |= {"prefill_s_per_token": args.echo_prefill_latency, **sessions}
     elif args.engine == "hf":
         options = {"device": args.device, "dtype": args.dtype, "max_batch": args.max_batch, **sessions}
@@ -397,6 +415,8 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         raise InvalidRequest(f"--health must be > 0 seconds, got {args.health}")
     if args.hold_version is not None and (args.hold_version < 0 or not args.store):
         raise InvalidRequest("--hold-version needs --store and a version >= 0")
+    if not args.checkpoint_s > 0:
+        raise InvalidRequest(f"--checkpoint-s must be > 0 seconds, got {args.checkpoint_s}")
     if args.exact_drain is not None and args.exact_drain < 0:
         raise InvalidRequest(f"--exact-drain must be >= 0 seconds, got {args.exact_drain}")
     engine = make_engine(args.engine, **options)
@@ -415,6 +435,8 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         prepare_timeout_s=args.prepare_timeout,
         metrics_port=args.metrics_port,
         verify_live=args.verify_live,
+        checkpoint_tokens=args.checkpoint_tokens,
+        checkpoint_s=args.checkpoint_s,
         hold_version=args.hold_version,
         health_s=args.health,
         capacity=args.capacity,

@@ -57,7 +57,18 @@ def render_table(snapshot: dict[str, Any]) -> str:
     if not snapshot.get("declared"):
         return f"namespace {snapshot['namespace']}: not declared on this broker"
     lines = [f"namespace {snapshot['namespace']}   latest published version: {snapshot['latest_version']}", ""]
-    cols = ("worker", "state", "active", "preparing", "in flight", "capacity", "sessions", "heartbeat", "engine")
+    cols = (
+        "worker",
+        "state",
+        "active",
+        "preparing",
+        "in flight",
+        "capacity",
+        "sessions",
+        "resumed (kept/regenerated tokens)",
+        "heartbeat",
+        "engine",
+    )
     rows = [
         (
             r["worker_id"],
@@ -67,6 +78,7 @@ def render_table(snapshot: dict[str, Any]) -> str:
             str(r["in_flight"]),
             str(r["capacity"]),
             str(r.get("sessions", 0)),
+            f"{r.get('resumed', 0)} ({r.get('tokens_kept', 0)}/{r.get('tokens_regenerated', 0)})",
             f"{r['heartbeat_age_s']}s ago",
             r["engine"],
         )

@@ -46,11 +46,26 @@ class Interrupted(RollfleetError):
     retryable = True
 
 
+class Superseded(RollfleetError):
+    """Another run of this job took it over (its worker was taken for dead): this run's
+    checkpoints and answer are not stored."""
+
+    code = "superseded"
+    retryable = False
+
+
 class InvalidRequest(RollfleetError):
     """The request is malformed or asks for something impossible."""
 
     code = "invalid_request"
     retryable = False
+
+
+class CorruptCheckpoint(InvalidRequest):
+    """A resumable job's stored progress cannot be continued (undecodable, or not a prefix of
+    this job's output); the job is generated again from its first token."""
+
+    code = "corrupt_checkpoint"
 
 
 class IdempotencyConflict(RollfleetError):

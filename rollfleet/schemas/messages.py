@@ -15,7 +15,9 @@ import msgspec
 
 SCHEMA_VERSION = 1
 
-RetryPolicy = Literal["replayable", "at_most_once"]
+# "resume": replayable, and its worker checkpoints the generation so far on the broker; a run that
+# takes the job over after its worker died continues from there instead of from the first token.
+RetryPolicy = Literal["replayable", "at_most_once", "resume"]
 VersionPolicy = Literal["pinned", "monotonic", "free"]  # how a session's turns choose versions
 ConstraintKind = Literal["min", "exact"]
 FinishReason = Literal["stop", "length", "abort"]
@@ -80,9 +82,9 @@ class RolloutJob(msgspec.Struct, kw_only=True):
     @property
     def claimed(self) -> bool:
         """Whether the worker running it writes a claim naming itself first: jobs that must never
-        run twice at once, ``at_most_once`` ones and sessions' turns (a turn moved off its replica
-        while that replica runs it must wait for its answer)."""
-        return self.retry_policy == "at_most_once" or self.session_id is not None
+        run twice at once, ``at_most_once`` and ``resume`` ones and sessions' turns (a turn moved
+        off its replica while that replica runs it must wait for its answer)."""
+        return self.retry_policy != "replayable" or self.session_id is not None
 
 
 class RolloutJobWire(msgspec.Struct, kw_only=True):
@@ -116,13 +118,16 @@ def request_fingerprint(written: str, payload: bytes, retry_policy: str, session
     return h.hexdigest()
 
 
-class VersionSpan(msgspec.Struct, kw_only=True, frozen=True):
+class VersionSpan(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
     """Output tokens ``[start, end)`` of a completion were generated at policy ``version``
-    (the shape of SGLang's ``meta_info.weight_versions``, with integer versions)."""
+    (the shape of SGLang's ``meta_info.weight_versions``, with integer versions). ``replica``
+    names the worker that generated them in a resumable job's result (a resumed generation has
+    spans from more than one replica); None elsewhere (the result's ``worker_id`` made them)."""
 
     version: int
     start: int
     end: int
+    replica: str | None = None
 
 
 def version_spans(token_versions: Iterable[int]) -> list[VersionSpan]:
@@ -168,6 +173,10 @@ class RolloutResult(msgspec.Struct, tag="result", kw_only=True):
     # whether that cache was from older weights and rebuilt on the new ones.
     cached_tokens: int = 0
     cache_rebuilt: bool = False
+    # Resumable jobs: output tokens (all samples) kept from earlier runs' checkpoints instead of
+    # generated again, and how many runs before this one it continued from.
+    kept_tokens: int = 0
+    resumes: int = 0
 
 
 def served_within(constraint: VersionConstraint, result: RolloutResult) -> bool:
@@ -238,6 +247,11 @@ class ReplicaStatus(msgspec.Struct, kw_only=True):
     metrics_url: str | None = None
     jobs_done: int = 0
     sessions: int = 0  # sessions whose context this replica's engine holds (prefix cache)
+    # Resumable jobs this replica continued from another run's checkpoint, the output tokens it
+    # kept from those checkpoints, and tokens it had to generate again (a checkpoint unusable).
+    resumed: int = 0
+    tokens_kept: int = 0
+    tokens_regenerated: int = 0
 
     def stale_after_s(self) -> float:
         return max(3.0 * self.heartbeat_interval_s, 1.0)

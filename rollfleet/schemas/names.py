@@ -261,6 +261,21 @@ class Names:
     def results_consumer(self, client_id: str) -> str:
         return f"client-{check_token(client_id, 'client_id')}"
 
+    # -- progress of resumable jobs ------------------------------------------------------------
+    # ``progress.<client>.<claim key of the job>``: one subject per job, the job id itself hidden
+    # as in the claims bucket (only the replicas it was delivered to and its client know it).
+    @property
+    def progress_stream(self) -> str:
+        return f"RF_{self._up}_PROGRESS"
+
+    @property
+    def progress_wildcard(self) -> str:
+        return f"{self._root}.progress.>"
+
+    def progress_subject(self, client_id: str, job_id: str) -> str:
+        """Where the runs of a ``resume`` job store its generation so far (``schemas.progress``)."""
+        return f"{self._root}.progress.{check_token(client_id, 'client_id')}.{claim_key(job_id)}"
+
     # -- policy versions and fleet -----------------------------------------------------------
     @property
     def policy_bucket(self) -> str:

@@ -11,7 +11,7 @@ import asyncio
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,7 @@ from rollfleet.schemas.errors import (
     ServiceUnavailable,
 )
 from rollfleet.schemas.names import listened_subjects
+from rollfleet.schemas.progress import TokenChunk
 from rollfleet.trainer_client import answers
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
@@ -74,6 +75,7 @@ from rollfleet.trainer_client.metrics import ClientMetrics
 from rollfleet.trainer_client.placement import JobPlacement
 from rollfleet.trainer_client.requests import build_job, constraint_from, written_constraint
 from rollfleet.trainer_client.sessions import OpenSession, Session, expire_idle
+from rollfleet.trainer_client.streaming import stream_tokens
 from rollfleet.trainer_client.versions import adopt_version, commit_version
 
 log = get_logger("rollfleet.client")
@@ -814,6 +816,13 @@ class RolloutClient:
         return await self.fleet.wait_for_version(version, replicas=replicas, fraction=fraction, timeout=timeout)
 
     # -- results ----------------------------------------------------------------------------
+    def stream(self, handle: RolloutHandle) -> AsyncIterator[TokenChunk]:
+        """A job's tokens as its worker checkpoints them (``resume`` jobs; other jobs: at the end),
+        then the rest from its answer: ``async for chunk in client.stream(handle)``. The chunks put
+        together are the result's tokens, in order, each once, across resumes; the job's error,
+        if it fails, is raised. ``await handle`` still returns the same result."""
+        return stream_tokens(self.js, self.names, handle)
+
     async def result(self, idempotency_key: str, timeout: float | None = None) -> RolloutResult:
         """The result for a key, whether submitted by this process or before a restart; waits up
         to ``timeout`` (by default the client's ``default_timeout_s``), then ``TimeoutError``."""

@@ -13,6 +13,7 @@ import math
 import numbers
 import time
 import uuid
+from typing import get_args
 
 import msgspec
 
@@ -32,7 +33,7 @@ from rollfleet.schemas import (
 from rollfleet.schemas.errors import InvalidRequest
 
 _MAX_VERSION = 2**63 - 1
-RETRY_POLICIES = ("replayable", "at_most_once")
+RETRY_POLICIES: tuple[str, ...] = get_args(RetryPolicy)
 
 
 def whole_number(name: str, value: object, low: int = 0) -> int:

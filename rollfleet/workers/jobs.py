@@ -39,6 +39,8 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+import nats.errors
 import nats.js.errors
 import xxhash
 from nats.aio.msg import Msg
@@ -50,6 +52,7 @@ from rollfleet.broker.pull import delivery_info
 from rollfleet.runtime import faults
 from rollfleet.schemas import (
     ChunkedOutcome,
+    Completion,
     Limits,
     Names,
     RolloutFailure,
@@ -69,10 +72,13 @@ from rollfleet.schemas.errors import (
     InvalidRequest,
     ResultUnstorable,
     RollfleetError,
+    ServiceUnavailable,
+    Superseded,
 )
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, Claim, check_token
-from rollfleet.workers.engines import Engine
+from rollfleet.workers.engines import Engine, Generation
 from rollfleet.workers.metrics import WorkerMetrics
+from rollfleet.workers.progress import ProgressLog
 from rollfleet.workers.serving import ServedVersion
 
 _RESULT_PUBLISH_BUDGET_S = 20.0  # then the job stays unacked and is redelivered
@@ -80,6 +86,15 @@ _HEADROOM = 16 * 1024  # message size left for headers and protocol overhead
 # A job handed back waits this long before redelivery, so a pull request this worker still has
 # open on its subject does not take it straight back again and again.
 _HAND_BACK_DELAY_S = 0.2
+_HAND_BACK_CHECKPOINT_S = 2.0  # a job handed back stores its tokens so far, briefly
+
+
+def _token_versions(out: Completion, default: int) -> list[int]:
+    """The version of each token of a completion, from its spans (``default`` where it has none)."""
+    versions = [default] * len(out.token_ids)
+    for span in out.weight_versions:
+        versions[span.start : span.end] = [span.version] * (span.end - span.start)
+    return versions
 
 
 
@@ -91,6 +106,15 @@ class RunningJob:
     since: float = field(default_factory=time.monotonic)  # for progress acks
     handed_back: bool = False  # an activation's drain gave up on it: discard whatever it produced
     claimed_at: float | None = None  # when its claim was last written (claimed jobs)
+    claim_revision: int | None = None  # of our last write of the claim (resumable jobs refresh by it)
+    took_over: bool = False  # its claim was taken over from a holder that stopped
+    progress: ProgressLog | None = None  # resumable jobs: its checkpoints
+    # The engine requests it runs (a resumed job runs one per unfinished sample): what is aborted.
+    request_ids: list[str] = field(default_factory=list)
+
+    async def abort(self, engine: Engine) -> None:
+        for rid in self.request_ids or [self.job.job_id]:
+            await engine.abort(rid)
 
 
 class JobRunner:
@@ -111,6 +135,8 @@ class JobRunner:
         served: ServedVersion,
         claims: KeyValue,
         on_engine_down: Callable[[str], None] | None = None,
+        checkpoint_tokens: int = 64,
+        checkpoint_s: float = 2.0,
     ) -> None:
         self._js = js
         self._names = names
@@ -125,6 +151,11 @@ class JobRunner:
         self._served = served
         self._claims = claims
         self._on_engine_down = on_engine_down  # tells the worker to stop taking jobs
+        self.checkpoint_tokens = checkpoint_tokens  # a resumable job's checkpoint: every N tokens
+        self.checkpoint_s = checkpoint_s  # ... or T seconds, whichever comes first
+        self.resumed = 0  # resumable jobs continued from another run's tokens
+        self.tokens_kept = 0
+        self.tokens_regenerated = 0
         # A claim names its holder and this process (a worker restarted under the same id is a
         # new holder: what the old one held is not being run any more).
         self._holder = f"{worker_id}:{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -228,7 +259,12 @@ class JobRunner:
         msg, job = run.msg, run.job
         started = time.time()
         try:
-            generation = await self._engine.generate(job.job_id, job.payload, job.session_id)
+            if job.retry_policy == "resume":
+                generation = await self._generate_resumable(run, log)
+                if generation is None:
+                    return  # another run has the job now: nothing of this one is stored
+            else:
+                generation = await self._engine.generate(job.job_id, job.payload, job.session_id)
         except Exception as exc:
             if await self._engine_died(run, exc, attempt, log):
                 return
@@ -265,6 +301,8 @@ class JobRunner:
             cached_tokens=generation.cached_tokens,
             cache_rebuilt=generation.cache_rebuilt,
             constraint=job.constraint,
+            kept_tokens=run.progress.kept_tokens if run.progress is not None else 0,
+            resumes=run.progress.resumes if run.progress is not None else 0,
         )
         if job.session_id is not None:
             self._metrics.session_turns.inc()
@@ -282,6 +320,16 @@ class JobRunner:
             self._metrics.contract_violations.inc()
             await self._hand_back(run, log)
             return
+        if run.progress is not None:
+            # The last checkpoint comes before the answer: a run that lost the job cannot store one.
+            try:
+                await run.progress.checkpoint()
+            except Superseded:
+                log.warning("job taken over by another run; its answer is not stored")
+                return
+            except RollfleetError as exc:
+                log.warning("last checkpoint not stored; leaving the job to be redelivered", error=exc.message)
+                return
         try:
             stored = await self._store(job.client_id, job.idempotency_key, job.job_id, result)
         except ResultUnstorable as exc:
@@ -294,6 +342,8 @@ class JobRunner:
             return  # broker away: leave the job unacked (and claimed) so it is redelivered
         faults.point("worker:after-result-before-ack")
         await msg.ack()
+        if run.progress is not None:
+            await run.progress.done()
         await self._release_claim(job)
         self.jobs_done += 1
         self._count("ok")
@@ -306,6 +356,117 @@ class JobRunner:
             generation_s=round(result.generation_s, 4),
             queue_wait_s=round(result.queue_wait_s, 4),
         )
+
+    async def _generate_resumable(self, run: RunningJob, log: Any) -> Generation | None:
+        """Generate a ``resume`` job from where its earlier runs stopped, checkpointing as it goes
+        (``workers.progress``). None when another run took the job over meanwhile."""
+        job, engine = run.job, self._engine
+        plog = ProgressLog(
+            self._js,
+            self._names,
+            job,
+            worker_id=self._worker_id,
+            run=self._holder,
+            every_tokens=self.checkpoint_tokens,
+            every_s=self.checkpoint_s,
+            metrics=self._metrics,
+            log=log,
+            max_record_bytes=self._limits.max_job_bytes + self._chunk_bytes,
+            on_superseded=lambda: asyncio.ensure_future(run.abort(engine)),
+        )
+        prompt = engine.prompt_ids(job.payload)
+        try:
+            await plog.open(took_over=run.took_over, can_continue=prompt is not None)
+        except Superseded:
+            log.warning("job taken over by another run before this one started")
+            return None
+        except (nats.errors.Error, TimeoutError, ServiceUnavailable) as exc:  # the broker, not the job
+            log.warning("cannot read the job's progress; handing it back", error=str(exc))
+            await self._hand_back(run, log)
+            return None
+        run.progress = plog
+        if plog.reason is not None:
+            log.warning("stored progress not usable; generating from the first token", reason=plog.reason)
+            self.tokens_regenerated += plog.regenerated_tokens
+            self._metrics.tokens_regenerated.inc(plog.regenerated_tokens)
+        if plog.kept_tokens or plog.resumes:
+            kept = [len(s.token_ids) for s in plog.samples]
+            log.info("resuming", kept_tokens=plog.kept_tokens, runs_before=plog.resumes, kept=kept)
+            self.resumed += 1
+            self.tokens_kept += plog.kept_tokens
+            self._metrics.resumed_jobs.inc()
+            self._metrics.tokens_kept.inc(plog.kept_tokens)
+        writer = asyncio.create_task(plog.keep_writing())
+        try:
+            fresh = not any(s.token_ids or s.finish for s in plog.samples)
+            if fresh and engine.streams_tokens:
+                run.request_ids = [job.job_id]
+                generation = await engine.generate(job.job_id, job.payload, job.session_id, sink=plog)
+                prompt_tokens = generation.prompt_tokens
+            else:
+                prompt_tokens = await self._continue(run, plog, prompt)
+        finally:
+            plog.stop()
+            await writer
+        if plog.superseded:
+            log.warning("job taken over by another run; discarding this run's generation")
+            return None
+        v_start, v_end = plog.version_bounds(self._served.version)
+        want_text = job.payload.prompt_text is not None
+        return Generation(
+            plog.completions(engine.detokenize if want_text else None), v_start, v_end, prompt_tokens=prompt_tokens
+        )
+
+    async def _continue(self, run: RunningJob, plog: ProgressLog, prompt: list[int] | None) -> int:
+        """Generate every unfinished sample on from its kept tokens, each as its own request
+        (the prompt and its tokens so far prefilled). An engine that does not stream its tokens
+        runs them in segments of ``checkpoint_tokens``, a checkpoint after each."""
+        job, engine = run.job, self._engine
+        payload = job.payload
+        streams = engine.streams_tokens
+        segment = plog.every_tokens if not streams else None
+        run.request_ids = [f"{job.job_id}.{i}" for i in range(len(plog.samples))]
+
+        async def one(i: int) -> None:
+            sample = plog.samples[i]
+            while sample.finish is None and not plog.superseded and not run.handed_back:
+                left = plog.max_tokens - len(sample.token_ids)
+                if left <= 0:
+                    plog.finished(i, "length")
+                    break
+                take = left if segment is None else min(segment, left)
+                if prompt is not None:
+                    part = msgspec.structs.replace(
+                        payload,
+                        prompt_token_ids=prompt + sample.token_ids,
+                        prompt_text=None,
+                        n=1,
+                        sampling=msgspec.structs.replace(payload.sampling, max_tokens=take),
+                    )
+                elif not sample.token_ids:  # a text prompt the engine cannot tokenize: one request
+                    part = msgspec.structs.replace(payload, n=1)
+                    take = left
+                else:
+                    raise InvalidRequest("cannot continue a text prompt on an engine that cannot tokenize it")
+                sink = plog.for_sample(i) if streams else None
+                gen = await engine.generate(run.request_ids[i], part, job.session_id, sink=sink)
+                out = gen.outputs[0]
+                if not streams:
+                    versions = _token_versions(out, gen.version_end)
+                    lps = out.logprobs or [0.0] * len(out.token_ids)
+                    for tok, lp, v in zip(out.token_ids, lps, versions, strict=False):
+                        plog.token(i, tok, lp, v)
+                finish = out.finish_reason
+                if finish == "abort":
+                    break
+                if finish == "length" and len(out.token_ids) >= take and len(sample.token_ids) < plog.max_tokens:
+                    if not streams:
+                        await plog.checkpoint()  # a segment done: its tokens are kept
+                    continue  # the segment's end, not the sample's
+                plog.finished(i, finish)
+
+        await asyncio.gather(*(one(i) for i in range(len(plog.samples))))
+        return len(prompt) if prompt is not None else 0
 
     async def _engine_died(self, run: RunningJob, exc: BaseException, attempt: int, log: Any) -> bool:
         """A generation failed because the engine is down (its server died or hangs), not because of
@@ -355,7 +516,7 @@ class JobRunner:
         late = pinned()
         for run in late:
             run.handed_back = True
-            await self._engine.abort(run.job.job_id)
+            await run.abort(self._engine)
         while any(r.handed_back for r in self._running.values()):  # until they have unwound (nak)
             self._changed.clear()
             with suppress(TimeoutError):
@@ -366,6 +527,9 @@ class JobRunner:
         """Return a job unanswered, as if never run: its claim is released, the broker redelivers it."""
         log.info("handed back", constraint=str(run.job.constraint))
         self._count("handed_back")
+        if run.progress is not None:  # what it made so far is kept for the next run
+            with suppress(RollfleetError):
+                await run.progress.checkpoint(_HAND_BACK_CHECKPOINT_S)
         await self._release_claim(run.job)
         with suppress(Exception):
             await run.msg.nak(delay=_HAND_BACK_DELAY_S)
@@ -378,7 +542,7 @@ class JobRunner:
         for a replayable turn the claim is ours now)."""
         key = claim_key(run.job.job_id)
         try:
-            await self._claims.create(key, self._claim_value())
+            run.claim_revision = await self._claims.create(key, self._claim_value())
             run.claimed_at = time.monotonic()
             return "ok"
         except nats.js.errors.KeyWrongLastSequenceError:
@@ -391,15 +555,16 @@ class JobRunner:
         running_here = any(r.job.job_id == run.job.job_id for r in self._running.values() if r is not run)
         if running_here or (claim.holder != self._holder and time.time() - claim.refreshed < self._claim_stale_s):
             return "held"
-        if run.job.retry_policy == "replayable":
+        if run.job.retry_policy != "at_most_once":
             try:  # take it over from the stopped holder (one taker wins)
                 if entry is None:
-                    await self._claims.create(key, self._claim_value())
+                    run.claim_revision = await self._claims.create(key, self._claim_value())
                 else:
-                    await self._claims.update(key, self._claim_value(), last=entry.revision)
+                    run.claim_revision = await self._claims.update(key, self._claim_value(), last=entry.revision)
             except nats.js.errors.KeyWrongLastSequenceError:
                 return "held"
             run.claimed_at = time.monotonic()
+            run.took_over = True
         return "stopped"
 
     def _claim_value(self) -> bytes:
@@ -416,8 +581,25 @@ class JobRunner:
         for run in list(self._running.values()):
             if run.claimed_at is not None and now - run.claimed_at >= self._claim_refresh_s:
                 run.claimed_at = now
+                if run.progress is not None and run.claim_revision is not None:
+                    await self._refresh_by_revision(run)
+                    continue
                 with suppress(Exception):
                     await self._claims.put(claim_key(run.job.job_id), self._claim_value())
+
+    async def _refresh_by_revision(self, run: RunningJob) -> None:
+        """A resumable job's claim is refreshed only if it is still the one this run wrote: one
+        taken over meanwhile (this process was stopped too long) means another run continues
+        the job, and this one stores nothing more."""
+        try:
+            run.claim_revision = await self._claims.update(
+                claim_key(run.job.job_id), self._claim_value(), last=run.claim_revision
+            )
+        except nats.js.errors.KeyWrongLastSequenceError:
+            if run.progress is not None:
+                run.progress.supersede("its claim was taken over")
+        except Exception:
+            pass
 
     # -- answers ---------------------------------------------------------------------------------
 

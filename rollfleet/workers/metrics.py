@@ -107,6 +107,29 @@ class WorkerMetrics:
         self.session_rebuilds = counter(
             "rollfleet_session_cache_rebuilds_total", "Session turns whose cache was stale (rebuilt on new weights)"
         ).labels(**labels)
+        # Resumable jobs: checkpoints written and what resumes kept or had to generate again.
+        self.resumed_jobs = counter(
+            "rollfleet_resumed_jobs_total", "Resumable jobs continued from another run's checkpoint"
+        ).labels(**labels)
+        self.tokens_kept = counter(
+            "rollfleet_resume_tokens_kept_total", "Output tokens kept from checkpoints instead of generated again"
+        ).labels(**labels)
+        self.tokens_regenerated = counter(
+            "rollfleet_resume_tokens_regenerated_total", "Checkpointed tokens generated again (checkpoint unusable)"
+        ).labels(**labels)
+        self.tokens_generated = counter(
+            "rollfleet_resumable_tokens_generated_total", "Output tokens this worker generated for resumable jobs"
+        ).labels(**labels)
+        self.tokens_checkpointed = counter(
+            "rollfleet_tokens_checkpointed_total", "Output tokens of resumable jobs stored in checkpoints"
+        ).labels(**labels)
+        self.checkpoints = counter("rollfleet_checkpoints_total", "Checkpoint records stored").labels(**labels)
+        self.checkpoint_bytes = counter(
+            "rollfleet_checkpoint_bytes_total", "Bytes of checkpoint records stored"
+        ).labels(**labels)
+        self.superseded = counter(
+            "rollfleet_superseded_runs_total", "Runs that found their job taken over elsewhere (nothing stored)"
+        ).labels(**labels)
         self.sessions = gauge("rollfleet_sessions", "Sessions whose context the engine holds")
         self.session_cache_bytes = gauge("rollfleet_session_cache_bytes", "Bytes of session contexts held")
         self.port: int | None = None

@@ -108,6 +108,9 @@ class WorkerConfig:
     pre_read_hook: str | None = None
     prepare_timeout_s: float = 1800.0  # a prepare past this marks the replica degraded
     verify_live: bool = False  # announce a digest of the live weights after each activation
+    # A resumable job's generation is checkpointed every this many tokens or seconds, whichever first.
+    checkpoint_tokens: int = 64
+    checkpoint_s: float = 2.0
     hold_version: int | None = None  # serve this version of the store and no other (see VersionSync)
     metrics_port: int | None = None  # Prometheus endpoint; 0 picks a free port
     limits: Limits = DEFAULT_LIMITS
@@ -177,6 +180,8 @@ class Worker:
             claims=await self.js.key_value(self.names.claims_bucket),
             on_engine_down=self.engine_down,
             max_message_bytes=min(self.nc.max_payload, cfg.topology.max_msg_bytes),
+            checkpoint_tokens=cfg.checkpoint_tokens,
+            checkpoint_s=cfg.checkpoint_s,
         )
         now = time.time()
         status = ReplicaStatus(
@@ -379,6 +384,10 @@ class Worker:
         self.metrics.active_version.set(self.version)
         status.in_flight = len(self._inflight)
         status.jobs_done = self.jobs_done
+        if self.jobs is not None:
+            status.resumed = self.jobs.resumed
+            status.tokens_kept = self.jobs.tokens_kept
+            status.tokens_regenerated = self.jobs.tokens_regenerated
         stats = self.engine.session_cache_stats()
         status.sessions = stats.entries if stats is not None else 0
         self.metrics.sessions.set(status.sessions)

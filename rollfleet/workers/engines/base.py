@@ -30,6 +30,17 @@ class Generation:
     cache_rebuilt: bool = False
 
 
+class TokenSink:
+    """Where an engine that ``streams_tokens`` reports each token of a running request as it
+    makes it (on the worker's event loop): a resumable job's checkpoints are written from it."""
+
+    def token(self, index: int, token: int, logprob: float | None, version: int) -> None:
+        """Sample ``index`` of the request made ``token`` at ``version``."""
+
+    def finished(self, index: int, reason: str) -> None:
+        """Sample ``index`` ended (``stop``, ``length`` or ``abort``)."""
+
+
 @dataclass
 class EngineHealth:
     ok: bool
@@ -45,6 +56,10 @@ class Engine(abc.ABC):
     """
 
     name: str = "engine"
+    # Whether ``generate`` reports tokens to a ``sink`` as it makes them. A resumable job on an
+    # engine that does not is run in segments of ``checkpoint_tokens`` (a request each), which
+    # an engine with a prefix cache prefills cheaply (``workers.progress``).
+    streams_tokens: bool = False
 
     def __init__(self) -> None:
         self.version = 0  # the version whose weights are live
@@ -54,10 +69,23 @@ class Engine(abc.ABC):
         """Load ``checkpoint_dir`` (None for engines without weights) as ``version``."""
 
     @abc.abstractmethod
-    async def generate(self, request_id: str, payload: RolloutPayload, session_id: str | None = None) -> Generation:
+    async def generate(
+        self, request_id: str, payload: RolloutPayload, session_id: str | None = None, sink: TokenSink | None = None
+    ) -> Generation:
         """Generate for one request; must report the version at start and at end. ``session_id``
         names the multi-turn session the request belongs to: an engine may keep state for it (a
-        prefix cache) until ``end_session``; engines without session state ignore it."""
+        prefix cache) until ``end_session``; engines without session state ignore it. An engine
+        that ``streams_tokens`` reports every token to ``sink``; others ignore it."""
+
+    def prompt_ids(self, payload: RolloutPayload) -> list[int] | None:
+        """The prompt's token ids as this engine reads it (a resumed generation prefills them
+        with the tokens kept so far); None where the engine cannot tell (a text prompt and no
+        tokenizer here)."""
+        return list(payload.prompt_token_ids) if payload.prompt_token_ids is not None else None
+
+    def detokenize(self, token_ids: list[int]) -> str | None:
+        """Text of output tokens (a resumed generation's whole output), where the engine can."""
+        return None
 
     async def end_session(self, session_id: str) -> None:
         """Drop whatever the engine keeps for ``session_id`` (closed or expired)."""

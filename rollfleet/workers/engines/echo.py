@@ -21,7 +21,7 @@ import numpy as np
 
 from rollfleet.policy_store import CheckpointLayout, tensor_checksum
 from rollfleet.schemas import Completion, RolloutPayload, VersionSpan, version_spans
-from rollfleet.workers.engines.base import Engine, EngineHealth, Generation
+from rollfleet.workers.engines.base import Engine, EngineHealth, Generation, TokenSink
 from rollfleet.workers.engines.sessions import DEFAULT_TTL_S, Branch, Lookup, SessionCache, SessionCacheStats
 
 _TOKEN_BYTES = 4
@@ -39,8 +39,11 @@ class EchoEngine(Engine):
         prefill_s_per_token: float = 0.0,
         session_cache_bytes: int = 64 * 1024**2,
         session_ttl_s: float = DEFAULT_TTL_S,
+        streams_tokens: bool = True,
     ) -> None:
         super().__init__()
+        # False: behaves as an HTTP engine that answers whole requests (resumable jobs run in segments)
+        self.streams_tokens = streams_tokens
         self.latency_s = latency_s
         self.per_token_s = per_token_s
         self.vocab = vocab
@@ -58,12 +61,13 @@ class EchoEngine(Engine):
         if checkpoint_dir is not None:
             self._weights = await asyncio.to_thread(_read_tensors, checkpoint_dir, None)
 
-    async def generate(self, request_id: str, payload: RolloutPayload, session_id: str | None = None) -> Generation:
+    async def generate(
+        self, request_id: str, payload: RolloutPayload, session_id: str | None = None, sink: TokenSink | None = None
+    ) -> Generation:
         await self._running.wait()
-        if payload.prompt_token_ids is not None:
-            prompt = list(payload.prompt_token_ids)
-        else:
-            prompt = list((payload.prompt_text or "").encode())
+        prompt = self.prompt_ids(payload)
+        if not self.streams_tokens:
+            sink = None
         lookup = None
         if session_id is not None and self._sessions.max_bytes > 0:
             lookup = self._sessions.take(session_id, prompt, self.version)
@@ -76,11 +80,25 @@ class EchoEngine(Engine):
             # at once, at the live version; the same outputs as the step loop below.
             base = sum(prompt)
             outputs = [self._sample_at_once(base + sample, payload) for sample in range(payload.n)]
+            for i, out in enumerate(outputs if sink is not None else ()):
+                for tok in out.token_ids:
+                    sink.token(i, tok, 0.0, self.version)
+                sink.finished(i, out.finish_reason)
         else:
-            outputs = await self._step(request_id, prompt, payload)
+            outputs = await self._step(request_id, prompt, payload, sink)
         return self._finish(outputs, prompt, session_id, lookup)
 
-    async def _step(self, request_id: str, prompt: list[int], payload: RolloutPayload) -> list[Completion]:
+    def prompt_ids(self, payload: RolloutPayload) -> list[int]:
+        if payload.prompt_token_ids is not None:
+            return list(payload.prompt_token_ids)
+        return list((payload.prompt_text or "").encode())
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return bytes(t % 256 for t in token_ids).decode("latin-1")
+
+    async def _step(
+        self, request_id: str, prompt: list[int], payload: RolloutPayload, sink: TokenSink | None
+    ) -> list[Completion]:
         outputs: list[Completion] = []
         stops = set(payload.sampling.stop_token_ids)
         for sample in range(payload.n):
@@ -98,10 +116,14 @@ class EchoEngine(Engine):
                 tok = (sum(prompt) + sample + i) % self.vocab
                 tokens.append(tok)
                 versions.append(self.version)
+                if sink is not None:
+                    sink.token(sample, tok, 0.0, self.version)
                 if tok in stops:
                     finish = "stop"
                     break
-            text = bytes(t % 256 for t in tokens).decode("latin-1") if payload.prompt_text is not None else None
+            if sink is not None:
+                sink.finished(sample, finish)
+            text = self.detokenize(tokens) if payload.prompt_text is not None else None
             outputs.append(
                 Completion(
                     token_ids=tokens,
@@ -151,7 +173,7 @@ class EchoEngine(Engine):
             hit = next((i for i, tok in enumerate(tokens) if tok in stops), None)
             if hit is not None:
                 tokens, finish = tokens[: hit + 1], "stop"
-        text = bytes(t % 256 for t in tokens).decode("latin-1") if payload.prompt_text is not None else None
+        text = self.detokenize(tokens) if payload.prompt_text is not None else None
         return Completion(
             token_ids=tokens,
             finish_reason=finish,  # type: ignore[arg-type]

@@ -47,7 +47,7 @@ from rollfleet.schemas.errors import EngineFailure, InvalidRequest, RollfleetErr
 from rollfleet.schemas.limits import check_payload
 from rollfleet.workers.engines import _kvrows, _weights
 from rollfleet.workers.engines._sampling import fresh_seed, make_generator, sample_token
-from rollfleet.workers.engines.base import Engine, EngineHealth, Generation
+from rollfleet.workers.engines.base import Engine, EngineHealth, Generation, TokenSink
 from rollfleet.workers.engines.sessions import (
     DEFAULT_MAX_BYTES,
     DEFAULT_TTL_S,
@@ -87,6 +87,7 @@ class _Request:
     seqs: list[_Seq] = field(default_factory=list)
     session: str | None = None  # cleared by end_session: nothing is kept for it any more
     lookup: Lookup | None = None  # what the session cache gave this turn (taken once)
+    sink: TokenSink | None = None  # told each token as it is made (resumable jobs' checkpoints)
 
 
 @dataclass
@@ -122,6 +123,7 @@ def _out_cache(out: Any) -> Any:
 
 class HFEngine(Engine):
     name = "hf"
+    streams_tokens = True
 
     def __init__(
         self,
@@ -275,7 +277,9 @@ class HFEngine(Engine):
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, payload: RolloutPayload, session_id: str | None = None) -> Generation:
+    async def generate(
+        self, request_id: str, payload: RolloutPayload, session_id: str | None = None, sink: TokenSink | None = None
+    ) -> Generation:
         if self.model is None or self._closed or self._failure is not None:
             raise EngineFailure(self._failure or "the hf engine is not running")
         if request_id in self._requests:
@@ -298,6 +302,7 @@ class HFEngine(Engine):
             want_text=payload.prompt_text is not None,
             future=asyncio.get_running_loop().create_future(),
             session=session_id if self._rows and self._sessions.max_bytes > 0 else None,
+            sink=sink,
         )
         for i in range(payload.n):
             gen = None
@@ -318,6 +323,15 @@ class HFEngine(Engine):
         except asyncio.CancelledError:
             self._finish_request(req, "abort")  # the caller went away: free its batch rows
             raise
+
+    def prompt_ids(self, payload: RolloutPayload) -> list[int] | None:
+        try:
+            return self._prompt_ids(payload)
+        except InvalidRequest:
+            return None
+
+    def detokenize(self, token_ids: list[int]) -> str | None:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else None
 
     def _prompt_ids(self, payload: RolloutPayload) -> list[int]:
         check_payload(payload)
@@ -348,6 +362,8 @@ class HFEngine(Engine):
         for seq in req.seqs:
             if seq.finish is None:
                 seq.finish = reason
+                if req.sink is not None:
+                    req.sink.finished(seq.index, reason)
         self._complete_if_done(req)
 
     def _complete_if_done(self, req: _Request) -> None:
@@ -458,13 +474,17 @@ class HFEngine(Engine):
         seq.tokens.append(token)
         seq.out.append(token)
         seq.logprobs.append(logprob)
-        params = seq.req.params
-        if token in seq.req.stops:
+        req = seq.req
+        if token in req.stops:
             seq.finish = "stop"
-        elif len(seq.out) >= params.max_tokens or len(seq.tokens) >= self._max_len:
+        elif len(seq.out) >= req.params.max_tokens or len(seq.tokens) >= self._max_len:
             seq.finish = "length"
+        if req.sink is not None:
+            req.sink.token(seq.index, token, logprob, version)
+            if seq.finish is not None:
+                req.sink.finished(seq.index, seq.finish)
         if seq.finish is not None:
-            self._complete_if_done(seq.req)
+            self._complete_if_done(req)
 
     def _fail_request(self, req: _Request, err: RollfleetError) -> None:
         for seq in req.seqs:

@@ -76,7 +76,7 @@ import httpx
 from rollfleet.schemas import Completion, RolloutPayload
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest
 from rollfleet.schemas.limits import check_payload
-from rollfleet.workers.engines.base import Generation
+from rollfleet.workers.engines.base import Generation, TokenSink
 from rollfleet.workers.engines.http_server import (
     HTTPServerEngine,
     error_message,
@@ -180,7 +180,9 @@ class SGLangEngine(HTTPServerEngine):
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, payload: RolloutPayload, session_id: str | None = None) -> Generation:
+    async def generate(
+        self, request_id: str, payload: RolloutPayload, session_id: str | None = None, sink: TokenSink | None = None
+    ) -> Generation:
         check_payload(payload)
         await self._admit()
         rids = [request_id] if payload.n == 1 else [f"{request_id}-{i}" for i in range(payload.n)]

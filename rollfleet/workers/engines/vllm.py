@@ -72,7 +72,7 @@ from rollfleet.policy_store.layout import CheckpointLayout, TensorSpec, check_la
 from rollfleet.schemas import Completion, RolloutPayload
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest
 from rollfleet.schemas.limits import check_payload
-from rollfleet.workers.engines.base import Generation
+from rollfleet.workers.engines.base import Generation, TokenSink
 from rollfleet.workers.engines.http_server import (
     HTTPServerEngine,
     error_message,
@@ -212,7 +212,9 @@ class VLLMEngine(HTTPServerEngine):
 
     # -- requests ----------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, payload: RolloutPayload, session_id: str | None = None) -> Generation:
+    async def generate(
+        self, request_id: str, payload: RolloutPayload, session_id: str | None = None, sink: TokenSink | None = None
+    ) -> Generation:
         check_payload(payload)
         self._check_tokens(payload)
         await self._admit()

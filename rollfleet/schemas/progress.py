@@ -1,0 +1,216 @@
+"""A resumable job's progress on the broker: what its runs generated so far, as records.
+
+A worker running a ``resume`` job stores its generation in records on the job's own progress
+subject (``Names.progress_subject``), in order: ``TokensRecord``\\ s carry only the tokens made
+since the previous one (so a job's checkpoints cost about one result's bytes in all), a run that
+takes the job over writes a ``ResumeRecord`` saying how much of each sample it keeps, and the run
+that stored the answer rolls the subject up into one ``DoneRecord``. Every write names the
+subject's last sequence its writer has seen (``Nats-Expected-Last-Subject-Sequence``): a run that
+lost the job to another (which wrote its ``ResumeRecord`` since) can store nothing more.
+
+``Replay`` is the one reading of those records, shared by the worker that resumes a job and the
+trainer that streams it: it checks that each record continues the job's output exactly where
+the previous one ended, and raises ``CorruptCheckpoint`` (the job is then generated again from its
+first token) for anything else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from rollfleet.schemas.errors import CorruptCheckpoint
+from rollfleet.schemas.messages import Completion, FinishReason, VersionSpan
+
+
+class SampleDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Tokens ``[start, start + len(token_ids))`` of sample ``index``; ``spans`` cover exactly
+    those offsets, naming version and replica; ``finish`` once the sample ended with them."""
+
+    index: int
+    start: int
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    spans: list[VersionSpan] = msgspec.field(default_factory=list)
+    finish: FinishReason | None = None
+
+
+class TokensRecord(msgspec.Struct, tag="tokens", kw_only=True):
+    job_id: str
+    run: str  # the run (claim holder) that generated them
+    samples: list[SampleDelta]
+
+
+class ResumeRecord(msgspec.Struct, tag="resume", kw_only=True, omit_defaults=True):
+    """Run ``run`` on ``worker_id`` took the job over, keeping ``kept[i]`` tokens of sample i;
+    ``reason`` when it could keep nothing of what was stored (a corrupt checkpoint)."""
+
+    job_id: str
+    run: str
+    worker_id: str
+    kept: list[int]
+    reason: str | None = None
+
+
+class DoneRecord(msgspec.Struct, tag="done", kw_only=True):
+    """The job's answer is stored; what came before was rolled up into this record."""
+
+    job_id: str
+    run: str
+
+
+ProgressRecord = TokensRecord | ResumeRecord | DoneRecord
+
+
+class TokenChunk(msgspec.Struct, kw_only=True, frozen=True):
+    """What a stream of a job's tokens yields: tokens ``[start, start + len(token_ids))`` of
+    sample ``index``. ``rewound``: the tokens from ``start`` on that were yielded before are void
+    (a run could not keep them and generates them again); never the case across an ordinary
+    resume, which keeps every checkpointed token."""
+
+    index: int
+    start: int
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    spans: list[VersionSpan] = msgspec.field(default_factory=list)
+    finish: FinishReason | None = None
+    rewound: bool = False
+
+
+@dataclass
+class SampleSoFar:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[VersionSpan] = field(default_factory=list)
+    finish: FinishReason | None = None
+
+    def completion(self, want_logprobs: bool) -> Completion:
+        return Completion(
+            token_ids=list(self.token_ids),
+            finish_reason=self.finish or "abort",
+            logprobs=list(self.logprobs) if want_logprobs else None,
+            weight_versions=list(self.spans),
+        )
+
+
+def append_spans(spans: list[VersionSpan], more: list[VersionSpan]) -> None:
+    """Append ``more`` to ``spans``, merging a span that continues the last one (same version and
+    replica, adjacent)."""
+    for span in more:
+        last = spans[-1] if spans else None
+        if last is not None and last.end == span.start and (last.version, last.replica) == (span.version, span.replica):
+            spans[-1] = VersionSpan(version=last.version, start=last.start, end=span.end, replica=last.replica)
+        else:
+            spans.append(span)
+
+
+class Replay:
+    """The generation so far of one job (``job_id``, ``n`` samples of at most ``max_tokens``),
+    from its progress records in stream order."""
+
+    def __init__(self, job_id: str, n: int, max_tokens: int, logprobs: bool) -> None:
+        self.job_id = job_id
+        self.max_tokens = max_tokens
+        self.want_logprobs = logprobs
+        self.samples = [SampleSoFar() for _ in range(n)]
+        self.runs: list[str] = []  # the runs that wrote, in order
+        self.done = False
+        self.records = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish is not None for s in self.samples)
+
+    @property
+    def kept(self) -> list[int]:
+        return [len(s.token_ids) for s in self.samples]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+    def apply(self, record: ProgressRecord) -> list[TokenChunk]:
+        """Take one record in; the chunks it adds (or rewinds). ``CorruptCheckpoint`` if it does not
+        continue this job's output where it stands."""
+        self.records += 1
+        if record.job_id != self.job_id:
+            raise CorruptCheckpoint(f"a progress record of another job ({record.job_id!r}) on this job's subject")
+        if self.done:
+            raise CorruptCheckpoint("a progress record after the job's done record")
+        if record.run and (not self.runs or self.runs[-1] != record.run):
+            self.runs.append(record.run)
+        if isinstance(record, DoneRecord):
+            self.done = True
+            return []
+        if isinstance(record, ResumeRecord):
+            return self._resume(record)
+        return [self._add(delta) for delta in record.samples]
+
+    def _resume(self, record: ResumeRecord) -> list[TokenChunk]:
+        if len(record.kept) != len(self.samples):
+            raise CorruptCheckpoint(f"a resume record for {len(record.kept)} samples; the job has {len(self.samples)}")
+        chunks = []
+        for i, (sample, keep) in enumerate(zip(self.samples, record.kept, strict=True)):
+            if not 0 <= keep <= len(sample.token_ids):
+                raise CorruptCheckpoint(
+                    f"a resume record keeps {keep} tokens of sample {i}, which has {len(sample.token_ids)}"
+                )
+            if keep < len(sample.token_ids):
+                del sample.token_ids[keep:], sample.logprobs[keep:]
+                sample.spans = _cut_spans(sample.spans, keep)
+                sample.finish = None
+                chunks.append(TokenChunk(index=i, start=keep, token_ids=[], rewound=True))
+        return chunks
+
+    def _add(self, d: SampleDelta) -> TokenChunk:
+        if not 0 <= d.index < len(self.samples):
+            raise CorruptCheckpoint(f"sample {d.index} of a job with {len(self.samples)} samples")
+        sample = self.samples[d.index]
+        if sample.finish is not None:
+            raise CorruptCheckpoint(f"tokens after sample {d.index} finished ({sample.finish})")
+        if d.start != len(sample.token_ids):
+            raise CorruptCheckpoint(
+                f"sample {d.index}: tokens from offset {d.start}, but {len(sample.token_ids)} are stored"
+                " (a gap or an overlap)"
+            )
+        end = d.start + len(d.token_ids)
+        if end > self.max_tokens:
+            raise CorruptCheckpoint(f"sample {d.index}: {end} tokens, over the job's max_tokens of {self.max_tokens}")
+        if any(t < 0 for t in d.token_ids):
+            raise CorruptCheckpoint(f"sample {d.index}: a negative token id")
+        if self.want_logprobs and (d.logprobs is None or len(d.logprobs) != len(d.token_ids)):
+            raise CorruptCheckpoint(f"sample {d.index}: log-probs do not match its {len(d.token_ids)} tokens")
+        at = d.start
+        for span in d.spans:
+            if span.start != at or span.end <= span.start or span.version < 0:
+                raise CorruptCheckpoint(f"sample {d.index}: version spans do not cover offsets {d.start}..{end}")
+            at = span.end
+        if at != end:
+            raise CorruptCheckpoint(f"sample {d.index}: version spans do not cover offsets {d.start}..{end}")
+        sample.token_ids.extend(d.token_ids)
+        if self.want_logprobs:
+            sample.logprobs.extend(d.logprobs or ())
+        append_spans(sample.spans, d.spans)
+        sample.finish = d.finish
+        return TokenChunk(
+            index=d.index,
+            start=d.start,
+            token_ids=list(d.token_ids),
+            logprobs=list(d.logprobs) if self.want_logprobs and d.logprobs is not None else None,
+            spans=list(d.spans),
+            finish=d.finish,
+        )
+
+
+def _cut_spans(spans: list[VersionSpan], keep: int) -> list[VersionSpan]:
+    out = []
+    for span in spans:
+        if span.start >= keep:
+            break
+        out.append(
+            span
+            if span.end <= keep
+            else VersionSpan(version=span.version, start=span.start, end=keep, replica=span.replica)
+        )
+    return out

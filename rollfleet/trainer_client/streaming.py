@@ -1,0 +1,106 @@
+"""Streaming a job's tokens to the trainer as its worker checkpoints them.
+
+``stream_tokens`` follows the job's progress subject (``schemas.progress``) with an ordered
+consumer from its first record, reads it with the same ``Replay`` the resuming worker uses, and
+ends with the job's answer: whatever the checkpoints had not yet carried comes from the result,
+so the chunks put together are the result's tokens, in order, with no gap and no token twice,
+across any number of resumes. A job that is not ``resume`` has no checkpoints: its stream is
+the result, in one chunk per sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import suppress
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from rollfleet.runtime.logs import get_logger
+from rollfleet.schemas import Names, RolloutResult, decode
+from rollfleet.schemas.errors import InvalidRequest
+from rollfleet.schemas.progress import DoneRecord, ProgressRecord, Replay, TokenChunk
+from rollfleet.trainer_client.handle import RolloutHandle
+
+log = get_logger("rollfleet.trainer_client.streaming")
+
+
+async def stream_tokens(js: JetStreamContext, names: Names, handle: RolloutHandle) -> AsyncIterator[TokenChunk]:
+    """The job's tokens as they are checkpointed, then the rest from its answer; raises the job's
+    error if it fails."""
+    job = handle.job
+    params = job.payload.sampling
+    replay = Replay(job.job_id, job.payload.n, params.max_tokens, params.logprobs)
+    records: asyncio.Queue[Msg] = asyncio.Queue()
+    sub: Any = None
+    if job.retry_policy == "resume":
+
+        async def on_record(msg: Msg) -> None:
+            records.put_nowait(msg)
+
+        sub = await js.subscribe(
+            names.progress_subject(job.client_id, job.job_id),
+            stream=names.progress_stream,
+            cb=on_record,
+            ordered_consumer=True,
+        )
+    answered = asyncio.ensure_future(asyncio.shield(handle.result()))
+    try:
+        while sub is not None and not replay.done:
+            take = asyncio.ensure_future(records.get())
+            await asyncio.wait({take, answered}, return_when=asyncio.FIRST_COMPLETED)
+            if not take.done():
+                take.cancel()
+                break  # answered: the result says the rest
+            for chunk in _read(replay, take.result()):
+                yield chunk
+        result = await answered
+        for chunk in _rest(replay, result):
+            yield chunk
+    finally:
+        answered.cancel()
+        if sub is not None:
+            with suppress(Exception):
+                await sub.unsubscribe()
+
+
+def _read(replay: Replay, msg: Msg) -> list[TokenChunk]:
+    try:
+        record = decode(msg.data or b"", ProgressRecord, what="progress record")
+        if isinstance(record, DoneRecord) and replay.records == 0:
+            replay.done = True  # joined after the records were rolled up: the result has it all
+            return []
+        return [c for c in replay.apply(record) if c.token_ids or c.rewound or c.finish]
+    except InvalidRequest as exc:  # a worker falls back from it too (and says so in a resume record)
+        log.warning("progress record skipped", error=exc.message)
+        return []
+
+
+def _rest(replay: Replay, result: RolloutResult) -> list[TokenChunk]:
+    """What the result holds past what was streamed (a rewind first, where they differ)."""
+    chunks = []
+    for i, out in enumerate(result.outputs):
+        have = replay.samples[i].token_ids if i < len(replay.samples) else []
+        same = 0
+        while same < min(len(have), len(out.token_ids)) and have[same] == out.token_ids[same]:
+            same += 1
+        streamed_finish = replay.samples[i].finish if i < len(replay.samples) else None
+        if same == len(have) == len(out.token_ids) and streamed_finish == out.finish_reason:
+            continue  # all of it, finish included, came with the checkpoints
+        if same < len(have):
+            chunks.append(TokenChunk(index=i, start=same, token_ids=[], rewound=True))
+        spans = [s for s in out.weight_versions if s.end > same]
+        chunks.append(
+            TokenChunk(
+                index=i,
+                start=same,
+                token_ids=out.token_ids[same:],
+                logprobs=out.logprobs[same:] if out.logprobs is not None else None,
+                spans=[msgspec.structs.replace(s, start=same) if s.start < same else s for s in spans],
+                finish=out.finish_reason,
+            )
+        )
+    return chunks

@@ -1,0 +1,327 @@
+"""One run of a resumable job: its checkpoints on the broker, and taking a job over.
+
+A ``resume`` job's worker stores the generation so far on the job's progress subject
+(``schemas.progress`` has the records and their one reading, ``Replay``) every
+``every_tokens`` tokens or ``every_s`` seconds, whichever comes first: only the tokens made since
+the last record, in a background task, so generation never waits for the broker. A run that
+takes a job over (its previous holder died) reads the records, writes a ``ResumeRecord`` and
+continues from there. Each write names the subject's last sequence its run has seen, so once
+another run has written its ``ResumeRecord``, this run can store nothing more (``Superseded``):
+neither a checkpoint nor, since the last checkpoint comes before the answer, an answer.
+
+What a resumed run keeps is checked against the job before it is trusted: a record that does
+not continue the output where it stands, tokens over ``max_tokens`` or at a version outside the
+job's constraint make the run start again from the first token (``reason`` logged and stored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+import nats.js.errors
+from nats.js import JetStreamContext
+
+from rollfleet.broker.publish import publish_retrying
+from rollfleet.schemas import Completion, Names, RolloutJob, VersionSpan, decode, encode
+from rollfleet.schemas.errors import CorruptCheckpoint, InvalidRequest, RollfleetError, Superseded
+from rollfleet.schemas.progress import (
+    DoneRecord,
+    ProgressRecord,
+    Replay,
+    ResumeRecord,
+    SampleDelta,
+    SampleSoFar,
+    TokensRecord,
+    append_spans,
+)
+from rollfleet.workers.engines.base import TokenSink
+from rollfleet.workers.metrics import WorkerMetrics
+
+_EXPECT = "Nats-Expected-Last-Subject-Sequence"
+_FINAL_BUDGET_S = 20.0  # the last checkpoint before an answer: then the job is left to redeliver
+_CHECKPOINT_BUDGET_S = 5.0  # a periodic one: the next one carries its tokens too
+_RECORD_TOKENS = 16_384  # per record (about 230 kB with log-probs), far below a message's limit
+
+
+class ProgressLog(TokenSink):
+    """The progress of one job as one run sees it: ``samples`` holds every token so far (kept
+    from earlier runs, then this run's), ``stored[i]`` how many of sample i are on the broker."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        names: Names,
+        job: RolloutJob,
+        *,
+        worker_id: str,
+        run: str,
+        every_tokens: int,
+        every_s: float,
+        metrics: WorkerMetrics,
+        log: Any,
+        max_record_bytes: int,
+        on_superseded: Callable[[], None] | None = None,
+    ) -> None:
+        self._js = js
+        self._names = names
+        self.job = job
+        self.subject = names.progress_subject(job.client_id, job.job_id)
+        self._worker_id = worker_id
+        self._run = run
+        self.every_tokens = max(1, every_tokens)
+        self.every_s = every_s
+        self._metrics = metrics
+        self._log = log
+        self._max_bytes = max_record_bytes
+        self._on_superseded = on_superseded
+        n, params = job.payload.n, job.payload.sampling
+        self._want_logprobs = params.logprobs
+        self.max_tokens = params.max_tokens
+        self.samples = [SampleSoFar() for _ in range(n)]
+        self.stored = [0] * n
+        self._finish_stored = [False] * n
+        self.last_seq = 0  # the subject's last sequence this run has seen (0: none)
+        self.kept_tokens = 0  # tokens taken over from earlier runs
+        self.regenerated_tokens = 0  # tokens stored by earlier runs that could not be kept
+        self.resumes = 0  # earlier runs this one continues from
+        self.reason: str | None = None  # why nothing stored could be kept
+        self.superseded = False
+        self._pending = 0
+        self._due = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._writes = 0
+        self._stopped = False
+        self._nonce = uuid.uuid4().hex
+
+    # -- taking the job over -------------------------------------------------------------------
+
+    @property
+    def all_finished(self) -> bool:
+        return all(s.finish is not None for s in self.samples)
+
+    async def open(self, *, took_over: bool, can_continue: bool) -> None:
+        """Read what earlier runs stored and take the job over: after this, no earlier run can
+        store anything. ``can_continue``: the engine can prefill the kept tokens (else a run keeps
+        nothing). A first run of a job with nothing stored writes nothing here."""
+        for _ in range(8):
+            replay, reason, read = await self._read(from_seq=1)
+            if reason is None and not can_continue and replay.tokens:
+                reason = "the engine cannot continue from stored tokens (a text prompt it cannot tokenize)"
+            if read == 0 and not took_over:
+                return
+            kept = [0] * len(self.samples) if reason else replay.kept
+            record = ResumeRecord(
+                job_id=self.job.job_id, run=self._run, worker_id=self._worker_id, kept=kept, reason=reason
+            )
+            try:
+                await self._publish(record, _FINAL_BUDGET_S)
+            except Superseded:
+                continue  # another run wrote meanwhile: read again
+            if reason is None:
+                self.samples = replay.samples
+                self.kept_tokens = replay.tokens
+                self.resumes = len(replay.runs)
+            else:
+                self.reason = reason
+                self.regenerated_tokens = replay.tokens
+            self.stored = [len(s.token_ids) for s in self.samples]
+            self._finish_stored = [s.finish is not None for s in self.samples]
+            return
+        raise Superseded("other runs of this job kept writing its progress; leaving it to them")
+
+    async def _read(self, from_seq: int) -> tuple[Replay, str | None, int]:
+        """Every record on the subject, replayed; the reason, if they cannot be continued; how
+        many records there were."""
+        params = self.job.payload.sampling
+        replay = Replay(self.job.job_id, self.job.payload.n, params.max_tokens, params.logprobs)
+        reason = None
+        seq, read = from_seq, 0
+        while True:
+            try:
+                msg = await self._js.get_msg(
+                    self._names.progress_stream, seq=seq, subject=self.subject, next=True, direct=True
+                )
+            except nats.js.errors.NotFoundError:
+                break
+            seq = int(msg.seq) + 1
+            self.last_seq = int(msg.seq)
+            read += 1
+            if reason is not None:
+                continue  # read on to the last sequence; nothing after a bad record is kept
+            try:
+                record = decode(msg.data or b"", ProgressRecord, max_bytes=self._max_bytes, what="progress record")
+                replay.apply(record)
+                if isinstance(record, TokensRecord):
+                    self._check_versions(record)
+            except InvalidRequest as exc:  # (CorruptCheckpoint is one)
+                reason = exc.message
+        if reason is None and replay.done:
+            reason = "a done record: the job was answered already"
+        return replay, reason, read
+
+    def _check_versions(self, record: TokensRecord) -> None:
+        for delta in record.samples:
+            for span in delta.spans:
+                if not self.job.constraint.allows(span.version):
+                    raise CorruptCheckpoint(
+                        f"stored tokens at version {span.version}, outside the job's constraint {self.job.constraint}"
+                    )
+
+    # -- this run's tokens (TokenSink) ------------------------------------------------------------
+
+    def token(self, index: int, token: int, logprob: float | None, version: int) -> None:
+        sample = self.samples[index]
+        at = len(sample.token_ids)
+        sample.token_ids.append(int(token))
+        sample.logprobs.append(float(logprob) if logprob is not None else 0.0)
+        append_spans(sample.spans, [VersionSpan(version=int(version), start=at, end=at + 1, replica=self._worker_id)])
+        self._metrics.tokens_generated.inc()
+        self._pending += 1
+        if self._pending >= self.every_tokens:
+            self._due.set()
+
+    def finished(self, index: int, reason: str) -> None:
+        if reason != "abort":  # an aborted run did not finish the sample: a next run continues it
+            self.samples[index].finish = reason  # type: ignore[assignment]
+            self._due.set()
+
+    def for_sample(self, index: int) -> TokenSink:
+        """A sink for a request that generates sample ``index`` alone (its sample 0)."""
+        return _OneSample(self, index)
+
+    # -- storing -----------------------------------------------------------------------------------
+
+    async def keep_writing(self) -> None:
+        """Checkpoint every ``every_tokens`` tokens or ``every_s`` seconds, until ``stop`` or
+        superseded. (Stopped by a flag, not by cancelling: a cancellation that lands as the
+        event is set is lost inside ``wait_for`` on Python 3.11.)"""
+        while not self.superseded and not self._stopped:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._due.wait(), self.every_s)
+            self._due.clear()
+            if self._stopped:
+                return
+            try:
+                await self.checkpoint(_CHECKPOINT_BUDGET_S)
+            except Superseded:
+                return
+            except RollfleetError as exc:  # the broker away: the next checkpoint carries these tokens
+                self._log.warning("checkpoint not stored", error=exc.message)
+
+    def stop(self) -> None:
+        """End ``keep_writing`` (the caller stores the last checkpoint itself)."""
+        self._stopped = True
+        self._due.set()
+
+    async def checkpoint(self, budget_s: float = _FINAL_BUDGET_S) -> bool:
+        """Store what is new since the last record (nothing new: nothing stored), in records of at
+        most ``_RECORD_TOKENS`` tokens. ``Superseded`` if another run took the job over."""
+        async with self._lock:
+            wrote = False
+            while True:
+                if self.superseded:
+                    raise Superseded("another run took this job over")
+                deltas, upto, room = [], [], _RECORD_TOKENS
+                for i, s in enumerate(self.samples):
+                    start, have = self.stored[i], len(s.token_ids)
+                    end = min(have, start + room)
+                    finish = s.finish if end == have else None
+                    if end == start and (finish is None or self._finish_stored[i]):
+                        continue
+                    room -= end - start
+                    deltas.append(
+                        SampleDelta(
+                            index=i,
+                            start=start,
+                            token_ids=s.token_ids[start:end],
+                            logprobs=s.logprobs[start:end] if self._want_logprobs else None,
+                            spans=_spans_between(s.spans, start, end),
+                            finish=finish,
+                        )
+                    )
+                    upto.append((i, end, finish is not None))
+                if not deltas:
+                    return wrote
+                self._pending = 0
+                await self._publish(TokensRecord(job_id=self.job.job_id, run=self._run, samples=deltas), budget_s)
+                for i, end, done in upto:
+                    self._metrics.tokens_checkpointed.inc(end - self.stored[i])
+                    self.stored[i] = end
+                    self._finish_stored[i] = done
+                wrote = True
+
+    async def done(self) -> None:
+        """The answer is stored: roll the job's records up into one small done record."""
+        with suppress(RollfleetError):
+            await self._publish(DoneRecord(job_id=self.job.job_id, run=self._run), 5.0, rollup=True)
+
+    async def _publish(self, record: ProgressRecord, budget_s: float, *, rollup: bool = False) -> None:
+        data = encode(record)
+        self._writes += 1
+        # (the id is this log's own: a run's worker writes for many jobs, and ids are stream-wide)
+        headers = {_EXPECT: str(self.last_seq), "Nats-Msg-Id": f"p:{self._nonce}:{self._writes}"}
+        if rollup:
+            headers["Nats-Rollup"] = "sub"
+        try:
+            ack = await publish_retrying(self._js, self.subject, data, headers, until=time.time() + budget_s)
+        except InvalidRequest as exc:
+            if "wrong last sequence" in exc.message:
+                self._supersede()
+                raise Superseded("another run took this job over (its progress moved on)") from None
+            raise
+        self.last_seq = int(ack.seq)
+        self._metrics.checkpoints.inc()
+        self._metrics.checkpoint_bytes.inc(len(data))
+
+    def _supersede(self) -> None:
+        if not self.superseded:
+            self.superseded = True
+            self._metrics.superseded.inc()
+            if self._on_superseded is not None:
+                self._on_superseded()
+
+    def supersede(self, why: str) -> None:
+        """The run lost its job (its claim was taken over): store nothing more."""
+        self._log.warning("job taken over by another run; storing nothing more", reason=why)
+        self._supersede()
+
+    # -- the answer -----------------------------------------------------------------------------------
+
+    def completions(self, detokenize: Callable[[list[int]], str | None] | None) -> list[Completion]:
+        outs = []
+        for s in self.samples:
+            c = s.completion(self._want_logprobs)
+            if detokenize is not None:
+                c.text = detokenize(c.token_ids)
+            outs.append(c)
+        return outs
+
+    def version_bounds(self, default: int) -> tuple[int, int]:
+        versions = [span.version for s in self.samples for span in s.spans]
+        return (min(versions, default=default), max(versions, default=default))
+
+
+class _OneSample(TokenSink):
+    def __init__(self, log: ProgressLog, index: int) -> None:
+        self._log, self._index = log, index
+
+    def token(self, index: int, token: int, logprob: float | None, version: int) -> None:
+        self._log.token(self._index, token, logprob, version)
+
+    def finished(self, index: int, reason: str) -> None:
+        self._log.finished(self._index, reason)
+
+
+def _spans_between(spans: list[VersionSpan], start: int, end: int) -> list[VersionSpan]:
+    """The parts of ``spans`` inside offsets ``[start, end)``."""
+    out = []
+    for span in spans:
+        lo, hi = max(span.start, start), min(span.end, end)
+        if lo < hi:
+            out.append(VersionSpan(version=span.version, start=lo, end=hi, replica=span.replica))
+    return out
