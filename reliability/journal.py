@@ -56,9 +56,10 @@ def tokens_digest(outputs: Any) -> str:
 
 def describe_result(result: Any) -> dict[str, Any]:
     """What the oracle needs of an accepted RolloutResult."""
-    spans = []
+    spans, replicas = [], []
     for c in result.outputs:
         spans.append([[s.version, s.start, s.end] for s in c.weight_versions])
+        replicas.append([s.replica for s in c.weight_versions])
     forged = any(c.token_ids and all(t == FORGED_TOKEN for t in c.token_ids) for c in result.outputs)
     return {
         "kind": "result",
@@ -76,6 +77,11 @@ def describe_result(result: Any) -> dict[str, Any]:
         "session_id": result.session_id,
         "idem_key": result.idempotency_key,
         "forged_tokens": forged,
+        # resumable jobs: which replica made each span, each completion's length, tokens kept
+        "replicas": replicas,
+        "lengths": [len(c.token_ids) for c in result.outputs],
+        "finishes": [c.finish_reason for c in result.outputs],
+        "kept": getattr(result, "kept_tokens", 0),
     }
 
 

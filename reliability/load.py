@@ -2,7 +2,7 @@
 
 ``python -m reliability.load --nats URL --namespace NS --journal PATH --seed S --duration D
 --incarnation N`` submits, for ``D`` seconds, a seeded mix of rollout jobs (exact, min and
-max_staleness constraints; replayable and at_most_once; small and large, chunked, answers;
+max_staleness constraints; replayable, at_most_once and resume; small and large, chunked, answers;
 fresh keys, colliding keys such as ``k``, ``k:1``, ``k/0``, ``sample``, ``sample:0``;
 resubmits of the same request and reuses of a key for another request) and multi-turn
 sessions (pinned, monotonic, free; a failed turn is asked again with ``generate(turn=k)``).
@@ -108,7 +108,8 @@ class Load:
             kind, value = "min", rng.randint(max(0, latest - 3), latest)
         else:
             kind, value = "staleness", rng.randint(0, 2)
-        retry = "at_most_once" if rng.random() < 0.3 else "replayable"
+        roll = rng.random()
+        retry = "at_most_once" if roll < 0.3 else "resume" if roll < 0.5 else "replayable"
         prompt = [rng.randrange(1, 500) for _ in range(rng.randint(2, 12))]
         timeout = rng.uniform(8.0, 20.0)
         if large:

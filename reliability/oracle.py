@@ -34,6 +34,11 @@ The invariants (``Oracle.checks`` counts each evaluation; each violation is one 
   answered ``Interrupted`` only if no worker finished it while alive.
 - ``moved``: a job is never delivered to a second worker while the first still holds it alive
   (acked within the ack-wait, not handed back).
+- ``resumed``: a ``resume`` job's accepted result is whole: each completion's spans tile its tokens
+  from 0 without gap or overlap, it has ``max_tokens`` tokens unless it stopped, every replica
+  its spans name was delivered the job (a replica never delivered it cannot have made tokens of
+  it), the last span is the answering replica's, and the tokens it says it kept were made by
+  other runs.
 - ``rogue``: the rogue worker reads no other worker's delivery.
 - ``second-client``: a second client with a live client's id is refused ``ClientIdInUse``.
 - ``reask-turn``: asking a failed turn again (``generate(turn=k)``) returns its answer at once.
@@ -340,6 +345,7 @@ class Oracle:
         self._check_lost_and_stranded()
         self._check_orphans()
         self._check_twice_and_moved()
+        self._check_resumed()
         self._check_rogue()
         self._check_second_clients()
         self._check_reask_turns()
@@ -835,6 +841,42 @@ class Oracle:
                            f"exact v{v}: no live replica at v{v} from {left - c.t0:.1f} s after submit, but answered "
                            f"{c.error or ('a result' if c.is_result else 'nothing')} only {end - left:.1f} s later "
                            f"(deadline {deadline - left:.1f} s later)", "8")
+
+    def _check_resumed(self) -> None:
+        done: set[tuple[str, str]] = set()
+        for call, key, desc in self._accepted():
+            req = call.req if call is not None else None  # (re-asks return what a call was handed)
+            if not req or req.get("retry") != "resume" or (key, str(desc.get("job_id"))) in done:
+                continue
+            done.add((key, str(desc.get("job_id"))))
+            worker, job_id = str(desc.get("worker_id")), str(desc.get("job_id"))
+            max_tokens = int(req["payload"]["max_tokens"])
+            delivered = {d.worker for d in self.deliveries_by_job.get(job_id, [])}
+            others = 0
+            for i, spans in enumerate(desc.get("spans") or []):
+                names = (desc.get("replicas") or [[]] * (i + 1))[i]
+                length = (desc.get("lengths") or [0] * (i + 1))[i]
+                finish = (desc.get("finishes") or [None] * (i + 1))[i]
+                at = 0
+                for (_v, start, end) in spans:
+                    self.check("resumed", start == at and end > start, key,
+                               f"job {job_id} sample {i}: spans {spans} do not tile its tokens")
+                    at = end
+                self.check("resumed", at == length, key, f"job {job_id} sample {i}: spans end at {at}, {length} tokens")
+                self.check("resumed", length == max_tokens or finish == "stop", key,
+                           f"job {job_id} sample {i}: {length} of {max_tokens} tokens, finish {finish}")
+                if names:
+                    self.check("resumed", names[-1] == worker, key,
+                               f"job {job_id} sample {i}: last span by {names[-1]}, answered by {worker}")
+                for name, (_v, start, end) in zip(names, spans, strict=False):
+                    if name != worker:
+                        others += end - start
+                    if name and None not in delivered and delivered:
+                        self.check("resumed", name in delivered, key,
+                                   f"job {job_id}: tokens by {name}, which was never delivered the job")
+            # kept tokens were made by earlier runs (the answering worker may have run it before too)
+            kept = int(desc.get("kept") or 0)
+            self.check("resumed", kept >= others, key, f"job {job_id}: kept {kept} tokens, {others} made elsewhere")
 
     def _check_twice_and_moved(self) -> None:
         claim_key = None

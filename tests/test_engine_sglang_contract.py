@@ -543,3 +543,53 @@ async def test_without_pull_weights_route_the_error_says_so(
     finally:
         _ROUTES[("POST", "/pull_weights")] = route
         await eng.close()
+
+
+# -- resumable jobs ---------------------------------------------------------------------------------
+
+
+async def test_a_resumable_job_runs_in_segments_and_continues_another_runs_tokens(
+    standin: SGLangStandin, nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """SGLang answers whole requests, so a resumable job runs in segments of ``checkpoint_tokens``:
+    each a /generate whose input_ids are the prompt plus every token so far (SGLang's radix cache
+    holds that prefix: the stand-in reports it cached), each checkpointed. A job another run had
+    checkpointed 8 tokens of (that run died) starts from them. Every body fits SGLang's types."""
+    import signal
+
+    from rollfleet.schemas import encode
+    from rollfleet.schemas.progress import SampleDelta, TokensRecord
+    from rollfleet.testing import running_worker, start_worker_process, terminate, wait_until
+    from rollfleet.trainer_client import RolloutClient
+
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        # A frozen replica lets the job be stored without running; the dead run's record goes in.
+        frozen = start_worker_process(nats_url, namespace, "frozen", log_path=tmp_path / "frozen.log")
+        try:
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=20)
+            frozen.send_signal(signal.SIGSTOP)
+            handle = await client.submit(payload(max_tokens=40), min_version=0, retry_policy="resume", timeout=60)
+        finally:
+            terminate(frozen, 10.0, signal.SIGKILL)
+        dead = SampleDelta(
+            index=0,
+            start=0,
+            token_ids=[900 + i for i in range(8)],
+            logprobs=[-0.25] * 8,
+            spans=[VersionSpan(version=0, start=0, end=8, replica="dead")],
+        )
+        record = TokensRecord(job_id=handle.job_id, run="dead:1", samples=[dead])
+        await client.js.publish(client.names.progress_subject("c", handle.job_id), encode(record))
+        engine = SGLangEngine(url=standin.url)
+        async with running_worker(nats_url, namespace, engine=engine, worker_id="sgl", checkpoint_tokens=8):
+            result = await handle.result(30)
+    out = result.outputs[0]
+    bodies = standin.state.bodies("/generate")
+    assert len(bodies) == 4  # 32 tokens left, 8 per segment
+    made = list(dead.token_ids)
+    for body in bodies:
+        assert body["input_ids"] == PROMPT + made and body["sampling_params"]["max_new_tokens"] == 8
+        made += [(sum(body["input_ids"]) + i) % standin.state.vocab for i in range(8)]
+    assert out.token_ids == made and len(out.token_ids) == 40 and out.finish_reason == "length"
+    assert out.logprobs[:8] == [-0.25] * 8 and result.kept_tokens == 8 and result.engine == "sglang"
+    assert [(s.replica, s.start, s.end) for s in out.weight_versions] == [("dead", 0, 8), ("sgl", 8, 40)]

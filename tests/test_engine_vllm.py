@@ -13,6 +13,7 @@ import contextlib
 import math
 import os
 import signal
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -543,6 +544,62 @@ async def test_the_worker_command_serves_through_an_attached_vllm_server(
     assert (result.engine, result.worker_id) == ("vllm", "cli-vllm")
     assert [(w.version, w.start, w.end) for w in result.outputs[0].weight_versions] == [(0, 0, 8)]
     assert len(result.outputs[0].logprobs or []) == 8
+
+
+async def test_a_resumable_job_continues_through_vllm_after_its_worker_dies(
+    shared: Shared, nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """vLLM answers whole requests, so a resumable job runs in segments of --checkpoint-tokens, each
+    a request with the prompt plus the tokens so far: SIGKILL the worker mid-job, and a second
+    worker on the same vLLM server continues from the checkpointed segments, keeping them (tokens
+    and vLLM's log-probs) byte for byte, up to max_tokens."""
+    from rollfleet.broker.topology import TopologyConfig
+    from rollfleet.schemas.progress import TokensRecord
+    from tests.helpers import progress_records
+
+    store = tmp_path / "store"
+    args = ("--engine", "vllm", "--vllm-url", shared.server.url, "--store", str(store), "--ack-wait", "1.0")
+    args += ("--checkpoint-tokens", "16")
+
+    def worker(wid: str) -> subprocess.Popen[bytes]:
+        return start_worker_process(
+            nats_url, namespace, wid, *args, "--local-dir", str(tmp_path / wid), log_path=tmp_path / f"{wid}.log"
+        )
+
+    async def segments(job_id: str) -> list:
+        records = await progress_records(client.js, client.names, "c", job_id)
+        return [d for r in records if isinstance(r, TokensRecord) for d in r.samples]
+
+    procs = []
+    async with await RolloutClient.connect(
+        nats_url, namespace=namespace, client_id="c", topology=TopologyConfig(ack_wait_s=1.0)
+    ) as client:
+        await client.publish_policy(PolicyPublisher(store, shared.base), load_tensors(shared.base))
+        try:
+            procs.append(worker("vllm-a"))
+            await client.wait_for_version(0, replicas=1, timeout=120)
+            handle = await client.submit(
+                long_job(600), min_version=0, retry_policy="resume", idempotency_key="k", timeout=300
+            )
+
+            async def four_segments() -> bool:
+                return len(await segments(handle.job_id)) >= 4
+
+            await wait_until(four_segments, timeout=120, what="four segments checkpointed")
+            procs[0].send_signal(signal.SIGKILL)
+            procs[0].wait(10)
+            deltas = await segments(handle.job_id)
+            assert all(len(d.token_ids) == 16 for d in deltas)  # whole segments
+            stored = [t for d in deltas for t in d.token_ids]
+            stored_lps = [lp for d in deltas for lp in d.logprobs or []]
+            procs.append(worker("vllm-b"))
+            result = await handle.result(240)
+        finally:
+            stop_all(procs)
+    out = result.outputs[0]
+    assert result.engine == "vllm" and result.worker_id == "vllm-b" and len(out.token_ids) == 600
+    assert out.token_ids[: len(stored)] == stored and out.logprobs[: len(stored)] == stored_lps
+    assert result.kept_tokens == len(stored) and [s.replica for s in out.weight_versions] == ["vllm-a", "vllm-b"]
 
 
 async def test_a_vllm_server_killed_mid_job_hands_the_job_back_to_be_served_elsewhere_once(

@@ -157,15 +157,16 @@ async def test_a_steady_stream_of_turns_does_not_starve_shared_work(nats_url: st
     assert waited < 6.0, waited  # about a second of stall watch plus aging_s, not the 12 s deadline
 
 
-@pytest.mark.parametrize("retry_policy", ["replayable", "at_most_once"])
+@pytest.mark.parametrize("retry_policy", ["replayable", "at_most_once", "resume"])
 async def test_sticky_replica_sigkilled_mid_turn_the_turn_is_answered_once(
     nats_url: str, namespace: str, tmp_path: Path, retry_policy: str
 ) -> None:
     """The sticky replica dies (SIGKILL) while generating a turn: the client notices (no
     responders to its probe), moves the same job to the shared subject, and the survivor serves it
-    (replayable) or answers Interrupted without running it (at_most_once). One answer either way."""
+    (replayable), continues it from the dead replica's checkpoints (resume) or answers Interrupted
+    without running it (at_most_once). One answer either way."""
     group = ProcessGroup(tmp_path)
-    slow = ("--echo-token-latency", "0.05")
+    slow = ("--echo-token-latency", "0.05", "--checkpoint-tokens", "8")
     try:
         group.worker(nats_url, namespace, "w1", *slow)
         async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
@@ -181,10 +182,14 @@ async def test_sticky_replica_sigkilled_mid_turn_the_turn_is_answered_once(
                 assert not turn.done()
                 group.procs["w1"].send_signal(signal.SIGKILL)
                 t0 = time.monotonic()
-                if retry_policy == "replayable":
+                if retry_policy != "at_most_once":
                     second = await asyncio.wait_for(turn, 30)
                     assert second.worker_id == "w2" and len(second.outputs[0].token_ids) == 60
                     assert s.replica == "w2"
+                    spans = second.outputs[0].weight_versions
+                    if retry_policy == "resume":  # the tokens w1 checkpointed (8 per record) are kept
+                        assert [x.replica for x in spans] == ["w1", "w2"] and second.kept_tokens >= 8
+                        assert spans[0].end == second.kept_tokens and second.kept_tokens % 8 == 0
                 else:
                     with pytest.raises(Interrupted):
                         await asyncio.wait_for(turn, 30)
