@@ -114,3 +114,26 @@ def test_object_store_quick() -> None:
     assert head.met is not None and head.extra["s3_each_s"]  # judged, from per-version samples
     bytes_row = next(r for r in rows if r.bench == "object_store/bytes-per-replica")
     assert bytes_row.value == bytes_row.baseline  # a replica reads the same bytes from either store
+
+
+def test_resume_quick() -> None:
+    rows = _run("resume")
+    _check(
+        rows,
+        {
+            "resume/no-kill",
+            "resume/no-kill-mixed",
+            "resume/checkpoint-bytes",
+            "resume/kept-fraction",
+            "resume/generated-per-useful",
+            "resume/kills-wall",
+        },
+    )
+    no_kill = next(r for r in rows if r.bench == "resume/no-kill")
+    assert isinstance(no_kill.met, bool) and no_kill.value > 0 and no_kill.baseline is not None
+    assert next(r for r in rows if r.bench == "resume/checkpoint-bytes").value > 0  # resume jobs checkpointed
+    wall = next(r for r in rows if r.bench == "resume/kills-wall")
+    assert len(wall.extra["kills_resume"]) == len(wall.extra["kills_replayable"]) == 1  # type: ignore[arg-type]
+    kept = next(r for r in rows if r.bench == "resume/kept-fraction")
+    assert 0 <= kept.extra["kept"] <= kept.extra["generated_before_kills"] + 64  # type: ignore[operator]
+    assert next(r for r in rows if r.bench == "resume/generated-per-useful").value > 0.9  # every job's tokens counted

@@ -164,6 +164,10 @@ class JobRunner:
         # the job is not taken for dead at the moment the broker redelivers the job (ack_wait).
         self._claim_refresh_s = max(ack_wait_s / 3.0, 0.2)
         self._claim_stale_s = 2 * max(ack_wait_s, 3 * self._claim_refresh_s)
+        # A resumable job's holder is taken for gone sooner (three refreshes missed, not six): a
+        # takeover of a holder that was only slow costs the tokens since its last checkpoint, never
+        # a second answer (its writes are fenced off), and a replica's death costs less waiting.
+        self._resume_stale_s = 3 * self._claim_refresh_s
         # A job held elsewhere is handed back with this delay: a few hand-backs span a claim going
         # stale, well inside max_deliver.
         self._held_delay_s = max(ack_wait_s / 2.0, 0.5)
@@ -237,6 +241,13 @@ class JobRunner:
             return
         if guarded:
             verdict = await self._claim(run)
+            if verdict == "held" and job.retry_policy == "resume":
+                verdict = await self._await_claim(run)
+                if verdict != "held" and await self._answered(job):  # its holder finished meanwhile
+                    log.info("job answered while its claim was awaited; acking")
+                    await msg.ack()
+                    await self._release_claim(job)
+                    return
             if verdict == "held":
                 log.info("job held by a live replica; handed back to wait for its answer")
                 self._count("held_elsewhere")
@@ -553,7 +564,8 @@ class JobRunner:
         except nats.js.errors.KeyNotFoundError:
             claim, entry = Claim("", 0.0), None
         running_here = any(r.job.job_id == run.job.job_id for r in self._running.values() if r is not run)
-        if running_here or (claim.holder != self._holder and time.time() - claim.refreshed < self._claim_stale_s):
+        stale_s = self._resume_stale_s if run.job.retry_policy == "resume" else self._claim_stale_s
+        if running_here or (claim.holder != self._holder and time.time() - claim.refreshed < stale_s):
             return "held"
         if run.job.retry_policy != "at_most_once":
             try:  # take it over from the stopped holder (one taker wins)
@@ -566,6 +578,22 @@ class JobRunner:
             run.claimed_at = time.monotonic()
             run.took_over = True
         return "stopped"
+
+    async def _await_claim(self, run: RunningJob) -> str:
+        """A resumable job redelivered while its claim still looks fresh: keep the delivery (in
+        progress) and look again each refresh period, up to twice the time after which a holder
+        counts as gone, instead of handing it back (each hand-back spends one of the job's
+        ``max_deliver`` deliveries, and a dead holder's job would wait for the next one)."""
+        until = time.monotonic() + 2 * self._resume_stale_s
+        verdict = "held"
+        while verdict == "held" and time.monotonic() < until and not run.handed_back:
+            if any(r.job.job_id == run.job.job_id for r in self._running.values() if r is not run):
+                break  # this replica runs it: its answer comes from there
+            with suppress(Exception):
+                await run.msg.in_progress()
+            await asyncio.sleep(self._claim_refresh_s)
+            verdict = await self._claim(run)
+        return verdict
 
     def _claim_value(self) -> bytes:
         return Claim(self._holder, time.time()).encode()
