@@ -47,6 +47,7 @@ async def test_declaring_twice_changes_nothing_and_loses_nothing(broker: Embedde
             names.jobs_stream,
             names.results_stream,
             names.events_stream,
+            names.progress_stream,
             names.policy_bucket,
             names.fleet_bucket,
             names.claims_bucket,

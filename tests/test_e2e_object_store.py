@@ -94,8 +94,12 @@ async def test_workers_follow_a_bucket_exact_jobs_hold_and_a_late_joiner_catches
             # entirely at its version, across the activation that follows.
             pinned = []
             for step in (1, 2):
-                pinned += [await client.submit(JOB, exact_version=step - 1, timeout=90) for _ in range(2)]
-                await asyncio.sleep(0.3)
+                batch = [await client.submit(JOB, exact_version=step - 1, timeout=90) for _ in range(2)]
+                pinned += batch
+                # Taken (running, or answered) before the commit: not left to the orphan rule.
+                await wait_until(
+                    lambda b=batch: all(h.done() for h in b) or client.fleet.replicas()[0].in_flight >= 1, timeout=30
+                )
                 rl_step(tensors, gen)
                 assert (await client.publish_policy(publisher, tensors)).version == step
                 sums[step] = weights_digest(publisher.checksums)

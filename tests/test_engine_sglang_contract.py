@@ -557,14 +557,18 @@ async def test_a_resumable_job_runs_in_segments_and_continues_another_runs_token
     checkpointed 8 tokens of (that run died) starts from them. Every body fits SGLang's types."""
     import signal
 
+    from rollfleet.broker.topology import TopologyConfig
     from rollfleet.schemas import encode
     from rollfleet.schemas.progress import SampleDelta, TokensRecord
     from rollfleet.testing import running_worker, start_worker_process, terminate, wait_until
     from rollfleet.trainer_client import RolloutClient
 
-    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+    topology = TopologyConfig(ack_wait_s=1.0)  # the frozen replica may have pulled the job: redelivered soon
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=topology) as client:
         # A frozen replica lets the job be stored without running; the dead run's record goes in.
-        frozen = start_worker_process(nats_url, namespace, "frozen", log_path=tmp_path / "frozen.log")
+        frozen = start_worker_process(
+            nats_url, namespace, "frozen", "--ack-wait", "1.0", log_path=tmp_path / "frozen.log"
+        )
         try:
             await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=20)
             frozen.send_signal(signal.SIGSTOP)
@@ -581,7 +585,9 @@ async def test_a_resumable_job_runs_in_segments_and_continues_another_runs_token
         record = TokensRecord(job_id=handle.job_id, run="dead:1", samples=[dead])
         await client.js.publish(client.names.progress_subject("c", handle.job_id), encode(record))
         engine = SGLangEngine(url=standin.url)
-        async with running_worker(nats_url, namespace, engine=engine, worker_id="sgl", checkpoint_tokens=8):
+        async with running_worker(
+            nats_url, namespace, engine=engine, worker_id="sgl", checkpoint_tokens=8, topology=topology
+        ):
             result = await handle.result(30)
     out = result.outputs[0]
     bodies = standin.state.bodies("/generate")

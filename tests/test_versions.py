@@ -168,7 +168,7 @@ async def test_a_prepare_stuck_in_a_read_degrades_and_sigterm_still_stops_the_wo
             "--pre-read-hook",
             "policy_helpers:stuck_read_hook",
             "--prepare-timeout",
-            "2",
+            "8",  # version 0's own catch-up has taken about 2 s on a busy machine
             log_path=tmp_path / "worker.log",
             env=env,
         )
