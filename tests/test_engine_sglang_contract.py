@@ -559,7 +559,7 @@ async def test_a_resumable_job_runs_in_segments_and_continues_another_runs_token
 
     from rollfleet.broker.topology import TopologyConfig
     from rollfleet.schemas import encode
-    from rollfleet.schemas.progress import SampleDelta, TokensRecord
+    from rollfleet.schemas.progress import MAC_HEADER, SampleDelta, TokensRecord, record_mac
     from rollfleet.testing import running_worker, start_worker_process, terminate, wait_until
     from rollfleet.trainer_client import RolloutClient
 
@@ -582,8 +582,9 @@ async def test_a_resumable_job_runs_in_segments_and_continues_another_runs_token
             logprobs=[-0.25] * 8,
             spans=[VersionSpan(version=0, start=0, end=8, replica="dead")],
         )
-        record = TokensRecord(job_id=handle.job_id, run="dead:1", samples=[dead])
-        await client.js.publish(client.names.progress_subject("c", handle.job_id), encode(record))
+        data = encode(TokensRecord(run="dead:1", samples=[dead]))
+        subject = client.names.progress_subject("c", handle.job_id)
+        await client.js.publish(subject, data, headers={MAC_HEADER: record_mac(handle.job_id, data)})
         engine = SGLangEngine(url=standin.url)
         async with running_worker(
             nats_url, namespace, engine=engine, worker_id="sgl", checkpoint_tokens=8, topology=topology

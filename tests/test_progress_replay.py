@@ -8,7 +8,17 @@ import pytest
 
 from rollfleet.schemas import VersionSpan, decode, encode
 from rollfleet.schemas.errors import CorruptCheckpoint, InvalidRequest
-from rollfleet.schemas.progress import DoneRecord, ProgressRecord, Replay, ResumeRecord, SampleDelta, TokensRecord
+from rollfleet.schemas.progress import (
+    MAC_HEADER,
+    DoneRecord,
+    ProgressRecord,
+    Replay,
+    ResumeRecord,
+    SampleDelta,
+    TokensRecord,
+    record_mac,
+    sealed,
+)
 
 
 def delta(start: int, n: int, *, index: int = 0, version: int = 0, replica: str = "a", **kw) -> SampleDelta:
@@ -22,12 +32,12 @@ def delta(start: int, n: int, *, index: int = 0, version: int = 0, replica: str 
     )
 
 
-def tokens(*deltas: SampleDelta, job: str = "j", run: str = "r1") -> TokensRecord:
-    return TokensRecord(job_id=job, run=run, samples=list(deltas))
+def tokens(*deltas: SampleDelta, run: str = "r1") -> TokensRecord:
+    return TokensRecord(run=run, samples=list(deltas))
 
 
 def fresh(n: int = 2, max_tokens: int = 50) -> Replay:
-    return Replay("j", n, max_tokens, logprobs=True)
+    return Replay(n, max_tokens, logprobs=True)
 
 
 def test_records_round_trip_and_rebuild_the_output_with_spans_per_replica() -> None:
@@ -35,7 +45,7 @@ def test_records_round_trip_and_rebuild_the_output_with_spans_per_replica() -> N
     for record in [
         tokens(delta(0, 10), delta(0, 4, index=1)),
         tokens(delta(10, 5)),
-        ResumeRecord(job_id="j", run="r2", worker_id="b", kept=[15, 4]),
+        ResumeRecord(run="r2", worker_id="b", kept=[15, 4]),
         tokens(delta(15, 5, replica="b", version=1), delta(4, 2, index=1, replica="b", finish="stop"), run="r2"),
     ]:
         replay.apply(decode(encode(record), ProgressRecord))
@@ -51,7 +61,7 @@ def test_records_round_trip_and_rebuild_the_output_with_spans_per_replica() -> N
 def test_a_resume_keeping_less_rewinds_and_tokens_then_continue_from_there() -> None:
     replay = fresh(1)
     replay.apply(tokens(delta(0, 10)))
-    chunks = replay.apply(ResumeRecord(job_id="j", run="r2", worker_id="b", kept=[0], reason="corrupt"))
+    chunks = replay.apply(ResumeRecord(run="r2", worker_id="b", kept=[0], reason="corrupt"))
     assert [(c.start, c.rewound) for c in chunks] == [(0, True)] and replay.kept == [0]
     replay.apply(tokens(delta(0, 3, replica="b"), run="r2"))
     assert replay.samples[0].spans == [VersionSpan(version=0, start=0, end=3, replica="b")]
@@ -62,16 +72,15 @@ def test_a_resume_keeping_less_rewinds_and_tokens_then_continue_from_there() -> 
     [
         ([tokens(delta(0, 5)), tokens(delta(7, 5))], "gap or an overlap"),
         ([tokens(delta(0, 5)), tokens(delta(3, 5))], "gap or an overlap"),
-        ([tokens(delta(0, 5), job="other")], "another job"),
         ([tokens(delta(0, 5, index=2))], "sample 2 of a job with 2"),
         ([tokens(delta(0, 51))], "over the job's max_tokens"),
         ([tokens(SampleDelta(index=0, start=0, token_ids=[1, 2], logprobs=[0.0]))], "log-probs"),
         ([tokens(SampleDelta(index=0, start=0, token_ids=[1, 2], logprobs=[0.0, 0.0]))], "version spans"),
         ([tokens(SampleDelta(index=0, start=0, token_ids=[-1], logprobs=[0.0]))], "negative token"),
         ([tokens(delta(0, 5, finish="stop")), tokens(delta(5, 1))], "after sample 0 finished"),
-        ([tokens(delta(0, 5)), ResumeRecord(job_id="j", run="r", worker_id="b", kept=[6, 0])], "keeps 6 tokens"),
-        ([ResumeRecord(job_id="j", run="r", worker_id="b", kept=[0])], "for 1 samples"),
-        ([DoneRecord(job_id="j", run="r"), tokens(delta(0, 1))], "after the job's done record"),
+        ([tokens(delta(0, 5)), ResumeRecord(run="r", worker_id="b", kept=[6, 0])], "keeps 6 tokens"),
+        ([ResumeRecord(run="r", worker_id="b", kept=[0])], "for 1 samples"),
+        ([DoneRecord(run="r"), tokens(delta(0, 1))], "after the job's done record"),
     ],
 )
 def test_records_that_do_not_continue_the_output_are_refused(records: list, says: str) -> None:
@@ -83,6 +92,19 @@ def test_records_that_do_not_continue_the_output_are_refused(records: list, says
 
 
 def test_undecodable_and_mistyped_records_are_typed_errors() -> None:
-    for data in (b"\xc1", encode({"type": "tokens", "job_id": 5, "run": "r", "samples": []}), encode({"type": "nope"})):
+    for data in (b"\xc1", encode({"type": "tokens", "run": 5, "samples": []}), encode({"type": "nope"})):
         with pytest.raises(InvalidRequest):
             decode(data, ProgressRecord, what="progress record")
+
+
+def test_a_record_is_the_jobs_only_with_its_mac_over_its_exact_bytes() -> None:
+    """The MAC is keyed by the job id (which only the job's replicas and client know): another
+    job's key, a flipped byte, a missing or made-up header all fail; the right one passes."""
+    data = encode(tokens(delta(0, 3)))
+    mac = record_mac("job-1", data)
+    assert sealed("job-1", data, {MAC_HEADER: mac})
+    assert not sealed("job-2", data, {MAC_HEADER: mac})
+    assert not sealed("job-1", data[:-1] + bytes([data[-1] ^ 1]), {MAC_HEADER: mac})
+    assert not sealed("job-1", data, {}) and not sealed("job-1", data, None)
+    assert not sealed("job-1", data, {MAC_HEADER: "0" * len(mac)})
+    assert b"job-1" not in data  # a record names no job: reading one reveals no job id

@@ -283,11 +283,12 @@ async def test_an_engine_without_token_reports_runs_in_checkpointed_segments(
             terminate(b, 10.0, signal.SIGKILL)
 
 
-def _bad_records(job_id: str) -> dict[str, bytes]:
+def _bad_records(job_id: str) -> dict[str, list[tuple[bytes, str | None]]]:
+    """Records to store on a job's subject, with the MAC each carries (None: none)."""
     from rollfleet.schemas import VersionSpan, encode
-    from rollfleet.schemas.progress import SampleDelta
+    from rollfleet.schemas.progress import SampleDelta, record_mac
 
-    def tokens(start: int, n: int, version: int = 2) -> bytes:
+    def tokens(start: int, n: int, version: int = 2, job: str = job_id) -> tuple[bytes, str]:
         delta = SampleDelta(
             index=0,
             start=start,
@@ -295,24 +296,30 @@ def _bad_records(job_id: str) -> dict[str, bytes]:
             logprobs=[-1.0] * n,
             spans=[VersionSpan(version=version, start=start, end=start + n, replica="ghost")],
         )
-        return encode(TokensRecord(job_id=job_id, run="ghost:1", samples=[delta]))
+        data = encode(TokensRecord(run="ghost:1", samples=[delta]))
+        return data, record_mac(job, data)
 
     return {
-        "undecodable": b"\xc1 not msgpack",
-        "gap": tokens(0, 10) + b"|" + tokens(15, 10),
-        "version": tokens(0, 10, version=1),  # the job asks for min 2
-        "other-job": encode(TokensRecord(job_id="someone-else", run="x", samples=[])),
+        # sealed with the job's MAC, but not a continuation: the run starts over
+        "gap": [tokens(0, 10), tokens(15, 10)],
+        "version": [tokens(0, 10, version=1)],  # the job asks for min 2
+        "undecodable-sealed": [(b"\xc1 not msgpack", record_mac(job_id, b"\xc1 not msgpack"))],
+        # not the job's at all (no MAC, another job's MAC, garbage): ignored, nothing to fall back from
+        "no-mac": [(tokens(0, 10)[0], None)],
+        "other-job": [tokens(0, 10, job="someone-else")],
+        "garbage": [(b"\xc1 not msgpack", None)],
     }
 
 
-@pytest.mark.parametrize("bad", ["undecodable", "gap", "version", "other-job"])
-async def test_a_corrupt_checkpoint_falls_back_to_a_full_run(
-    nats_url: str, namespace: str, tmp_path: Path, bad: str
-) -> None:
-    """Progress records that cannot be continued (not MessagePack, a gap, tokens at a version the job
-    does not allow, another job's): the worker says why in its log and in a resume record,
-    generates from the first token, and the answer keeps none of the stored tokens; the replica
-    counts what it had to generate again."""
+@pytest.mark.parametrize("bad", ["gap", "version", "undecodable-sealed", "no-mac", "other-job", "garbage"])
+async def test_bad_records_never_reach_the_answer(nats_url: str, namespace: str, tmp_path: Path, bad: str) -> None:
+    """Records on a job's subject that cannot be continued (sealed with the job's MAC, but a gap,
+    tokens at a version the job does not allow, not MessagePack) make the worker generate from the
+    first token, saying why in its log and counting what it regenerated; records that are not the
+    job's (no MAC, another job's, garbage) are ignored and logged. Either way the answer keeps none
+    of their tokens."""
+    from rollfleet.schemas.progress import MAC_HEADER
+
     async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=TOPO) as client:
         # A frozen replica lets the job be submitted (the fleet is not empty) without running it
         # before the bad records are in; it is killed, and a fresh replica takes the job.
@@ -327,14 +334,18 @@ async def test_a_corrupt_checkpoint_falls_back_to_a_full_run(
             a.send_signal(signal.SIGKILL)
             a.wait(10)
             subject = client.names.progress_subject("c", handle.job_id)
-            for part in _bad_records(handle.job_id)[bad].split(b"|"):
-                await client.js.publish(subject, part, stream=client.names.progress_stream)
+            for data, mac in _bad_records(handle.job_id)[bad]:
+                headers = {MAC_HEADER: mac} if mac else None
+                await client.js.publish(subject, data, stream=client.names.progress_stream, headers=headers)
             w = _start(nats_url, namespace, "w", tmp_path, "--version", "2")
             result = await handle.result(30)
             out = result.outputs[0]
             assert len(out.token_ids) == 50 and result.kept_tokens == 0 and result.resumes == 0
-            assert {s.replica for s in out.weight_versions} == {"w"}
-            assert "stored progress not usable" in (tmp_path / "w.log").read_text()
+            assert {s.replica for s in out.weight_versions} == {"w"} and 7 not in out.token_ids
+            log = (tmp_path / "w.log").read_text()
+            sealed_bad = bad in ("gap", "version", "undecodable-sealed")
+            assert ("stored progress not usable" in log) == sealed_bad
+            assert ("progress record ignored" in log) == (not sealed_bad)
             expected = 10 if bad in ("gap", "version") else 0  # tokens read before the bad record
             await wait_until(
                 lambda: any(r.worker_id == "w" and r.tokens_regenerated == expected for r in client.fleet.replicas()),
@@ -344,6 +355,54 @@ async def test_a_corrupt_checkpoint_falls_back_to_a_full_run(
             terminate(a, 10.0, signal.SIGKILL)
             if w is not None:
                 terminate(w, 10.0, signal.SIGKILL)
+
+
+async def test_a_forged_record_mid_job_neither_enters_the_answer_nor_stops_the_run(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """Someone who can write to the progress stream (a rogue worker) appends a well-formed record
+    that continues the job's output, without the job's MAC, between two of the run's checkpoints:
+    the run's next write is refused for the subject's sequence, it finds nothing of the job's in
+    between, and goes on; the answer is the run's alone, and a stream of the job never shows it."""
+    from rollfleet.schemas import VersionSpan, encode
+    from rollfleet.schemas.progress import SampleDelta
+
+    a = _start(nats_url, namespace, "a", tmp_path, "--echo-token-latency", "0.01")
+    try:
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=TOPO) as client:
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=20)
+            handle = await client.submit(
+                payload(max_tokens=300), min_version=0, retry_policy="resume", idempotency_key="k", timeout=60
+            )
+            chunks = []
+
+            async def consume() -> None:
+                async for chunk in client.stream(handle):
+                    chunks.append(chunk)
+
+            streaming = asyncio.create_task(consume())
+            await _wait_stored(client, handle.job_id, 40)
+            have, _ = _stored_prefix(await progress_records(client.js, client.names, "c", handle.job_id))
+            n = 5
+            forged = SampleDelta(
+                index=0,
+                start=len(have),
+                token_ids=[31_999] * n,
+                logprobs=[0.0] * n,
+                spans=[VersionSpan(version=0, start=len(have), end=len(have) + n, replica="a")],
+            )
+            subject = client.names.progress_subject("c", handle.job_id)
+            await client.js.publish(subject, encode(TokensRecord(run="rogue", samples=[forged])))
+            result = await handle.result(30)
+            await asyncio.wait_for(streaming, 10)
+            out = result.outputs[0]
+            assert 31_999 not in out.token_ids and len(out.token_ids) == 300 and result.resumes == 0
+            assert out.token_ids == [(6 + i) % 32_000 for i in range(300)]  # the echo engine's, uninterrupted
+            assert [t for c in chunks for t in c.token_ids] == out.token_ids
+            assert "progress record ignored" in (tmp_path / "a.log").read_text()
+            assert await _answers(client, "k") == 1
+    finally:
+        terminate(a, 10.0, signal.SIGKILL)
 
 
 @pytest.mark.slow

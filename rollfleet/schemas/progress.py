@@ -8,14 +8,20 @@ that stored the answer rolls the subject up into one ``DoneRecord``. Every write
 subject's last sequence its writer has seen (``Nats-Expected-Last-Subject-Sequence``): a run that
 lost the job to another (which wrote its ``ResumeRecord`` since) can store nothing more.
 
-``Replay`` is the one reading of those records, shared by the worker that resumes a job and the
-trainer that streams it: it checks that each record continues the job's output exactly where
-the previous one ended, and raises ``CorruptCheckpoint`` (the job is then generated again from its
-first token) for anything else.
+Each record travels with a MAC keyed by the job id (``MAC_HEADER``, ``record_mac``): only a
+replica the job was delivered to (and its client) knows the id, so a record anyone else wrote,
+or one damaged on the way, is not the job's and is ignored (``sealed``); the records hold no job
+id either, so reading them reveals none. ``Replay`` is the one reading of the job's records,
+shared by the worker that resumes a job and the trainer that streams it: it checks that each
+record continues the job's output exactly where the previous one ended, and raises
+``CorruptCheckpoint`` (the job is then generated again from its first token) for anything else.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -36,8 +42,22 @@ class SampleDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     finish: FinishReason | None = None
 
 
+MAC_HEADER = "Rollfleet-Mac"
+
+
+def record_mac(job_id: str, data: bytes) -> str:
+    """The MAC of a progress record's bytes, keyed by its job's id."""
+    key = hashlib.blake2b(job_id.encode(), digest_size=32).digest()
+    return hashlib.blake2b(data, key=key, digest_size=16).hexdigest()
+
+
+def sealed(job_id: str, data: bytes, headers: Mapping[str, str] | None) -> bool:
+    """Whether a stored record was written by a holder of ``job_id`` (its MAC matches)."""
+    mac = (headers or {}).get(MAC_HEADER, "")
+    return bool(mac) and hmac.compare_digest(mac, record_mac(job_id, data))
+
+
 class TokensRecord(msgspec.Struct, tag="tokens", kw_only=True):
-    job_id: str
     run: str  # the run (claim holder) that generated them
     samples: list[SampleDelta]
 
@@ -46,7 +66,6 @@ class ResumeRecord(msgspec.Struct, tag="resume", kw_only=True, omit_defaults=Tru
     """Run ``run`` on ``worker_id`` took the job over, keeping ``kept[i]`` tokens of sample i;
     ``reason`` when it could keep nothing of what was stored (a corrupt checkpoint)."""
 
-    job_id: str
     run: str
     worker_id: str
     kept: list[int]
@@ -56,7 +75,6 @@ class ResumeRecord(msgspec.Struct, tag="resume", kw_only=True, omit_defaults=Tru
 class DoneRecord(msgspec.Struct, tag="done", kw_only=True):
     """The job's answer is stored; what came before was rolled up into this record."""
 
-    job_id: str
     run: str
 
 
@@ -106,11 +124,10 @@ def append_spans(spans: list[VersionSpan], more: list[VersionSpan]) -> None:
 
 
 class Replay:
-    """The generation so far of one job (``job_id``, ``n`` samples of at most ``max_tokens``),
-    from its progress records in stream order."""
+    """The generation so far of one job (``n`` samples of at most ``max_tokens``), from its
+    progress records in stream order (those ``sealed`` for it)."""
 
-    def __init__(self, job_id: str, n: int, max_tokens: int, logprobs: bool) -> None:
-        self.job_id = job_id
+    def __init__(self, n: int, max_tokens: int, logprobs: bool) -> None:
         self.max_tokens = max_tokens
         self.want_logprobs = logprobs
         self.samples = [SampleSoFar() for _ in range(n)]
@@ -134,8 +151,6 @@ class Replay:
         """Take one record in; the chunks it adds (or rewinds). ``CorruptCheckpoint`` if it does not
         continue this job's output where it stands."""
         self.records += 1
-        if record.job_id != self.job_id:
-            raise CorruptCheckpoint(f"a progress record of another job ({record.job_id!r}) on this job's subject")
         if self.done:
             raise CorruptCheckpoint("a progress record after the job's done record")
         if record.run and (not self.runs or self.runs[-1] != record.run):

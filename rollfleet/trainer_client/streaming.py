@@ -5,7 +5,8 @@ consumer from its first record, reads it with the same ``Replay`` the resuming w
 ends with the job's answer: whatever the checkpoints had not yet carried comes from the result,
 so the chunks put together are the result's tokens, in order, with no gap and no token twice,
 across any number of resumes. A job that is not ``resume`` has no checkpoints: its stream is
-the result, in one chunk per sample.
+the result, in one chunk per sample. Records without the job's MAC are not the job's and are
+skipped, as the worker skips them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from nats.js import JetStreamContext
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, RolloutResult, decode
 from rollfleet.schemas.errors import InvalidRequest
-from rollfleet.schemas.progress import DoneRecord, ProgressRecord, Replay, TokenChunk
+from rollfleet.schemas.progress import DoneRecord, ProgressRecord, Replay, TokenChunk, sealed
 from rollfleet.trainer_client.handle import RolloutHandle
 
 log = get_logger("rollfleet.trainer_client.streaming")
@@ -33,7 +34,7 @@ async def stream_tokens(js: JetStreamContext, names: Names, handle: RolloutHandl
     error if it fails."""
     job = handle.job
     params = job.payload.sampling
-    replay = Replay(job.job_id, job.payload.n, params.max_tokens, params.logprobs)
+    replay = Replay(job.payload.n, params.max_tokens, params.logprobs)
     records: asyncio.Queue[Msg] = asyncio.Queue()
     sub: Any = None
     if job.retry_policy == "resume":
@@ -55,7 +56,7 @@ async def stream_tokens(js: JetStreamContext, names: Names, handle: RolloutHandl
             if not take.done():
                 take.cancel()
                 break  # answered: the result says the rest
-            for chunk in _read(replay, take.result()):
+            for chunk in _read(replay, take.result(), job.job_id):
                 yield chunk
         result = await answered
         for chunk in _rest(replay, result):
@@ -67,7 +68,10 @@ async def stream_tokens(js: JetStreamContext, names: Names, handle: RolloutHandl
                 await sub.unsubscribe()
 
 
-def _read(replay: Replay, msg: Msg) -> list[TokenChunk]:
+def _read(replay: Replay, msg: Msg, job_id: str) -> list[TokenChunk]:
+    if not sealed(job_id, msg.data or b"", msg.headers):
+        log.warning("progress record ignored: no valid MAC for this job")
+        return []
     try:
         record = decode(msg.data or b"", ProgressRecord, what="progress record")
         if isinstance(record, DoneRecord) and replay.records == 0:

@@ -9,9 +9,13 @@ continues from there. Each write names the subject's last sequence its run has s
 another run has written its ``ResumeRecord``, this run can store nothing more (``Superseded``):
 neither a checkpoint nor, since the last checkpoint comes before the answer, an answer.
 
-What a resumed run keeps is checked against the job before it is trusted: a record that does
-not continue the output where it stands, tokens over ``max_tokens`` or at a version outside the
-job's constraint make the run start again from the first token (``reason`` logged and stored).
+What a resumed run keeps is checked against the job before it is trusted. A record without the
+job's MAC (``schemas.progress.sealed``: written by someone the job was never delivered to, or
+damaged) is not the job's: it is ignored, and it cannot fence this run off either (a write
+refused for the subject's sequence looks at what came in between, and goes on if nothing there
+is the job's). A sealed record that does not continue the output where it stands, tokens over
+``max_tokens`` or at a version outside the job's constraint make the run start again from the
+first token (``reason`` logged and stored).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
 from typing import Any
 
@@ -30,6 +34,7 @@ from rollfleet.broker.publish import publish_retrying
 from rollfleet.schemas import Completion, Names, RolloutJob, VersionSpan, decode, encode
 from rollfleet.schemas.errors import CorruptCheckpoint, InvalidRequest, RollfleetError, Superseded
 from rollfleet.schemas.progress import (
+    MAC_HEADER,
     DoneRecord,
     ProgressRecord,
     Replay,
@@ -38,6 +43,8 @@ from rollfleet.schemas.progress import (
     SampleSoFar,
     TokensRecord,
     append_spans,
+    record_mac,
+    sealed,
 )
 from rollfleet.workers.engines.base import TokenSink
 from rollfleet.workers.metrics import WorkerMetrics
@@ -45,7 +52,13 @@ from rollfleet.workers.metrics import WorkerMetrics
 _EXPECT = "Nats-Expected-Last-Subject-Sequence"
 _FINAL_BUDGET_S = 20.0  # the last checkpoint before an answer: then the job is left to redeliver
 _CHECKPOINT_BUDGET_S = 5.0  # a periodic one: the next one carries its tokens too
+_NOISE_RETRIES = 8  # writes refused only for records that are not the job's, before giving up
 _RECORD_TOKENS = 16_384  # per record (about 230 kB with log-probs), far below a message's limit
+
+
+class _Rebuild(Exception):
+    """A write refused because this run's own earlier write (its acknowledgement lost) was stored
+    after all: the cursors have moved; build the record again."""
 
 
 class ProgressLog(TokenSink):
@@ -89,6 +102,7 @@ class ProgressLog(TokenSink):
         self.kept_tokens = 0  # tokens taken over from earlier runs
         self.regenerated_tokens = 0  # tokens stored by earlier runs that could not be kept
         self.resumes = 0  # earlier runs this one continues from
+        self.ignored = 0  # records on the subject that are not this job's (no valid MAC)
         self.reason: str | None = None  # why nothing stored could be kept
         self.superseded = False
         self._pending = 0
@@ -115,12 +129,11 @@ class ProgressLog(TokenSink):
             if read == 0 and not took_over:
                 return
             kept = [0] * len(self.samples) if reason else replay.kept
-            record = ResumeRecord(
-                job_id=self.job.job_id, run=self._run, worker_id=self._worker_id, kept=kept, reason=reason
-            )
+            record = ResumeRecord(run=self._run, worker_id=self._worker_id, kept=kept, reason=reason)
             try:
                 await self._publish(record, _FINAL_BUDGET_S)
-            except Superseded:
+            except (Superseded, _Rebuild):
+                self.superseded = False  # (not by this: it is only a reason to read again)
                 continue  # another run wrote meanwhile: read again
             if reason is None:
                 self.samples = replay.samples
@@ -134,31 +147,51 @@ class ProgressLog(TokenSink):
             return
         raise Superseded("other runs of this job kept writing its progress; leaving it to them")
 
-    async def _read(self, from_seq: int) -> tuple[Replay, str | None, int]:
-        """Every record on the subject, replayed; the reason, if they cannot be continued; how
-        many records there were."""
-        params = self.job.payload.sampling
-        replay = Replay(self.job.job_id, self.job.payload.n, params.max_tokens, params.logprobs)
-        reason = None
-        seq, read = from_seq, 0
+    async def _records(self, from_seq: int) -> AsyncIterator[ProgressRecord]:
+        """The job's records on the subject from ``from_seq`` on, in order; ``last_seq`` follows
+        every message read. Records that are not the job's (no valid MAC) or not records at all
+        are skipped, counted and logged."""
+        seq = from_seq
         while True:
             try:
                 msg = await self._js.get_msg(
                     self._names.progress_stream, seq=seq, subject=self.subject, next=True, direct=True
                 )
             except nats.js.errors.NotFoundError:
-                break
+                return
             seq = int(msg.seq) + 1
             self.last_seq = int(msg.seq)
+            data = msg.data or b""
+            why = None
+            if not sealed(self.job.job_id, data, msg.headers):
+                why = "no valid MAC for this job (written by someone it was not delivered to, or damaged)"
+            else:
+                try:
+                    record = decode(data, ProgressRecord, max_bytes=self._max_bytes, what="progress record")
+                except InvalidRequest as exc:
+                    why = exc.message
+            if why is not None:
+                self.ignored += 1
+                self._log.warning("progress record ignored", seq=self.last_seq, reason=why)
+                continue
+            yield record
+
+    async def _read(self, from_seq: int) -> tuple[Replay, str | None, int]:
+        """The job's records on the subject, replayed; the reason, if they cannot be continued;
+        how many there were."""
+        params = self.job.payload.sampling
+        replay = Replay(self.job.payload.n, params.max_tokens, params.logprobs)
+        reason = None
+        read = 0
+        async for record in self._records(from_seq):
             read += 1
             if reason is not None:
                 continue  # read on to the last sequence; nothing after a bad record is kept
             try:
-                record = decode(msg.data or b"", ProgressRecord, max_bytes=self._max_bytes, what="progress record")
                 replay.apply(record)
                 if isinstance(record, TokensRecord):
                     self._check_versions(record)
-            except InvalidRequest as exc:  # (CorruptCheckpoint is one)
+            except CorruptCheckpoint as exc:
                 reason = exc.message
         if reason is None and replay.done:
             reason = "a done record: the job was answered already"
@@ -248,7 +281,10 @@ class ProgressLog(TokenSink):
                 if not deltas:
                     return wrote
                 self._pending = 0
-                await self._publish(TokensRecord(job_id=self.job.job_id, run=self._run, samples=deltas), budget_s)
+                try:
+                    await self._publish(TokensRecord(run=self._run, samples=deltas), budget_s)
+                except _Rebuild:
+                    continue
                 for i, end, done in upto:
                     self._metrics.tokens_checkpointed.inc(end - self.stored[i])
                     self.stored[i] = end
@@ -257,26 +293,49 @@ class ProgressLog(TokenSink):
 
     async def done(self) -> None:
         """The answer is stored: roll the job's records up into one small done record."""
-        with suppress(RollfleetError):
-            await self._publish(DoneRecord(job_id=self.job.job_id, run=self._run), 5.0, rollup=True)
+        with suppress(RollfleetError, _Rebuild):
+            await self._publish(DoneRecord(run=self._run), 5.0, rollup=True)
 
     async def _publish(self, record: ProgressRecord, budget_s: float, *, rollup: bool = False) -> None:
         data = encode(record)
         self._writes += 1
         # (the id is this log's own: a run's worker writes for many jobs, and ids are stream-wide)
-        headers = {_EXPECT: str(self.last_seq), "Nats-Msg-Id": f"p:{self._nonce}:{self._writes}"}
+        headers = {"Nats-Msg-Id": f"p:{self._nonce}:{self._writes}", MAC_HEADER: record_mac(self.job.job_id, data)}
         if rollup:
             headers["Nats-Rollup"] = "sub"
-        try:
-            ack = await publish_retrying(self._js, self.subject, data, headers, until=time.time() + budget_s)
-        except InvalidRequest as exc:
-            if "wrong last sequence" in exc.message:
-                self._supersede()
-                raise Superseded("another run took this job over (its progress moved on)") from None
-            raise
-        self.last_seq = int(ack.seq)
-        self._metrics.checkpoints.inc()
-        self._metrics.checkpoint_bytes.inc(len(data))
+        for _ in range(_NOISE_RETRIES):
+            headers[_EXPECT] = str(self.last_seq)
+            try:
+                ack = await publish_retrying(self._js, self.subject, data, headers, until=time.time() + budget_s)
+            except InvalidRequest as exc:
+                if "wrong last sequence" not in exc.message:
+                    raise
+                verdict = await self._since_last()
+                if verdict == "other run":
+                    self._supersede()
+                    raise Superseded("another run took this job over (its progress moved on)") from None
+                if verdict == "own":
+                    raise _Rebuild() from None
+                continue  # only records that are not the job's came in between: past them
+            self.last_seq = int(ack.seq)
+            self._metrics.checkpoints.inc()
+            self._metrics.checkpoint_bytes.inc(len(data))
+            return
+        raise Superseded("the job's progress subject keeps moving under records that are not the job's")
+
+    async def _since_last(self) -> str:
+        """What was stored after ``last_seq`` (which moves past it all): ``"other run"`` (a record of
+        this job by another run), ``"own"`` (only this run's: a write whose acknowledgement was
+        lost; the cursors now count what it stored) or ``"noise"`` (nothing of this job)."""
+        verdict = "noise"
+        async for record in self._records(self.last_seq + 1):
+            if record.run != self._run:
+                return "other run"
+            verdict = "own"
+            for d in record.samples if isinstance(record, TokensRecord) else ():
+                self.stored[d.index] = max(self.stored[d.index], d.start + len(d.token_ids))
+                self._finish_stored[d.index] = self._finish_stored[d.index] or d.finish is not None
+        return verdict
 
     def _supersede(self) -> None:
         if not self.superseded:
