@@ -292,7 +292,7 @@ def _bad_records(job_id: str) -> dict[str, list[tuple[bytes, str | None]]]:
         delta = SampleDelta(
             index=0,
             start=start,
-            token_ids=[7] * n,
+            token_ids=[31_999] * n,
             logprobs=[-1.0] * n,
             spans=[VersionSpan(version=version, start=start, end=start + n, replica="ghost")],
         )
@@ -341,7 +341,7 @@ async def test_bad_records_never_reach_the_answer(nats_url: str, namespace: str,
             result = await handle.result(30)
             out = result.outputs[0]
             assert len(out.token_ids) == 50 and result.kept_tokens == 0 and result.resumes == 0
-            assert {s.replica for s in out.weight_versions} == {"w"} and 7 not in out.token_ids
+            assert {s.replica for s in out.weight_versions} == {"w"} and 31_999 not in out.token_ids
             log = (tmp_path / "w.log").read_text()
             sealed_bad = bad in ("gap", "version", "undecodable-sealed")
             assert ("stored progress not usable" in log) == sealed_bad

@@ -147,10 +147,10 @@ class ProgressLog(TokenSink):
             return
         raise Superseded("other runs of this job kept writing its progress; leaving it to them")
 
-    async def _records(self, from_seq: int) -> AsyncIterator[ProgressRecord]:
-        """The job's records on the subject from ``from_seq`` on, in order; ``last_seq`` follows
-        every message read. Records that are not the job's (no valid MAC) or not records at all
-        are skipped, counted and logged."""
+    async def _records(self, from_seq: int) -> AsyncIterator[ProgressRecord | CorruptCheckpoint]:
+        """The job's records on the subject from ``from_seq`` on, in order (a ``CorruptCheckpoint``
+        for one of the job's that does not decode); ``last_seq`` follows every message read.
+        Messages that are not the job's (no valid MAC) are skipped, counted and logged."""
         seq = from_seq
         while True:
             try:
@@ -162,19 +162,15 @@ class ProgressLog(TokenSink):
             seq = int(msg.seq) + 1
             self.last_seq = int(msg.seq)
             data = msg.data or b""
-            why = None
             if not sealed(self.job.job_id, data, msg.headers):
-                why = "no valid MAC for this job (written by someone it was not delivered to, or damaged)"
-            else:
-                try:
-                    record = decode(data, ProgressRecord, max_bytes=self._max_bytes, what="progress record")
-                except InvalidRequest as exc:
-                    why = exc.message
-            if why is not None:
                 self.ignored += 1
+                why = "no valid MAC for this job (written by someone it was not delivered to, or damaged)"
                 self._log.warning("progress record ignored", seq=self.last_seq, reason=why)
                 continue
-            yield record
+            try:
+                yield decode(data, ProgressRecord, max_bytes=self._max_bytes, what="progress record")
+            except InvalidRequest as exc:  # the job's own, yet not a record: a corrupt checkpoint
+                yield CorruptCheckpoint(exc.message)
 
     async def _read(self, from_seq: int) -> tuple[Replay, str | None, int]:
         """The job's records on the subject, replayed; the reason, if they cannot be continued;
@@ -188,6 +184,8 @@ class ProgressLog(TokenSink):
             if reason is not None:
                 continue  # read on to the last sequence; nothing after a bad record is kept
             try:
+                if isinstance(record, CorruptCheckpoint):
+                    raise record
                 replay.apply(record)
                 if isinstance(record, TokensRecord):
                     self._check_versions(record)
@@ -329,7 +327,7 @@ class ProgressLog(TokenSink):
         lost; the cursors now count what it stored) or ``"noise"`` (nothing of this job)."""
         verdict = "noise"
         async for record in self._records(self.last_seq + 1):
-            if record.run != self._run:
+            if isinstance(record, CorruptCheckpoint) or record.run != self._run:
                 return "other run"
             verdict = "own"
             for d in record.samples if isinstance(record, TokensRecord) else ():
