@@ -39,6 +39,8 @@ The invariants (``Oracle.checks`` counts each evaluation; each violation is one 
   its spans name was delivered the job (a replica never delivered it cannot have made tokens of
   it), the last span is the answering replica's (unless it kept every token: another run had
   stored them all), and the tokens it says it kept were made by other runs.
+- ``streamed``: half the ``resume`` jobs are streamed too; the chunks, put together as a trainer
+  would (rewinds applied), are the accepted answer's tokens, with no chunk out of place.
 - ``rogue``: the rogue worker reads no other worker's delivery.
 - ``second-client``: a second client with a live client's id is refused ``ClientIdInUse``.
 - ``reask-turn``: asking a failed turn again (``generate(turn=k)``) returns its answer at once.
@@ -877,6 +879,11 @@ class Oracle:
                     if name and None not in delivered and delivered:
                         self.check("resumed", name in delivered, key,
                                    f"job {job_id}: tokens by {name}, which was never delivered the job")
+            # streamed (half of them): the chunks, put together, are the answer, each token once
+            if "streamed" in desc or "stream_error" in desc:
+                self.check("streamed", desc.get("streamed") == desc.get("tokens") and not desc.get("stream_gaps"),
+                           key, f"job {job_id}: its stream ({desc.get('stream_error') or desc.get('stream_gaps')} "
+                           "gaps) does not add up to its answer")
             # kept tokens were made by earlier runs (the answering worker may have run it before too)
             kept = int(desc.get("kept") or 0)
             self.check("resumed", kept >= others, key, f"job {job_id}: kept {kept} tokens, {others} made elsewhere")

@@ -21,9 +21,10 @@ from rollfleet.broker.topology import TopologyConfig
 from rollfleet.cli.status import collect_status, render_table
 from rollfleet.schemas import RolloutResult
 from rollfleet.schemas.errors import NoCompatibleReplica
-from rollfleet.schemas.progress import DoneRecord, ResumeRecord, TokensRecord
+from rollfleet.schemas.progress import DoneRecord, ResumeRecord, TokenChunk, TokensRecord
 from rollfleet.testing import start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import RolloutClient
+from rollfleet.trainer_client.handle import RolloutHandle
 from tests.helpers import payload, progress_records
 
 TOPO = TopologyConfig(ack_wait_s=1.0)
@@ -70,6 +71,25 @@ async def _wait_stored(client: RolloutClient, job_id: str, at_least: int, timeou
         return len(_stored_prefix(await progress_records(client.js, client.names, "c", job_id))[0]) >= at_least
 
     await wait_until(enough, timeout=timeout)
+
+
+async def _collect(client: RolloutClient, handle: RolloutHandle, chunks: list[TokenChunk]) -> None:
+    """Stream the job into ``chunks`` as they come."""
+    async for chunk in client.stream(handle):
+        chunks.append(chunk)
+
+
+def _joined(chunks: list[TokenChunk], n: int) -> list[list[int]]:
+    """Each sample's tokens as a consumer of the stream puts them together (rewinds applied);
+    fails on a chunk that does not start where the sample stands."""
+    samples: list[list[int]] = [[] for _ in range(n)]
+    for c in chunks:
+        if c.rewound:
+            del samples[c.index][c.start :]
+            continue
+        assert c.start == len(samples[c.index]), [(x.index, x.start, len(x.token_ids)) for x in chunks]
+        samples[c.index] += c.token_ids
+    return samples
 
 
 async def _answers(client: RolloutClient, key: str) -> int:
@@ -146,13 +166,8 @@ async def test_streamed_tokens_match_the_answer_across_a_resume(nats_url: str, n
             handle = await client.submit(
                 payload(max_tokens=300), min_version=0, retry_policy="resume", idempotency_key="k", timeout=120
             )
-            chunks = []
-
-            async def consume() -> None:
-                async for chunk in client.stream(handle):
-                    chunks.append(chunk)
-
-            streaming = asyncio.create_task(consume())
+            chunks: list[TokenChunk] = []
+            streaming = asyncio.create_task(_collect(client, handle, chunks))
             await wait_until(lambda: sum(len(c.token_ids) for c in chunks) >= 60, timeout=20)
             a.send_signal(signal.SIGKILL)
             a.wait(10)
@@ -331,6 +346,8 @@ async def test_bad_records_never_reach_the_answer(nats_url: str, namespace: str,
             handle = await client.submit(
                 payload(max_tokens=50), min_version=2, retry_policy="resume", idempotency_key="k", timeout=60
             )
+            chunks: list[TokenChunk] = []
+            streaming = asyncio.create_task(_collect(client, handle, chunks))  # sees the bad records too
             a.send_signal(signal.SIGKILL)
             a.wait(10)
             subject = client.names.progress_subject("c", handle.job_id)
@@ -342,6 +359,10 @@ async def test_bad_records_never_reach_the_answer(nats_url: str, namespace: str,
             out = result.outputs[0]
             assert len(out.token_ids) == 50 and result.kept_tokens == 0 and result.resumes == 0
             assert {s.replica for s in out.weight_versions} == {"w"} and 31_999 not in out.token_ids
+            # The stream: what a bad but sealed record had shown is rewound; the result is what it adds up to.
+            await asyncio.wait_for(streaming, 10)
+            assert _joined(chunks, 1) == [out.token_ids]
+            assert any(c.rewound for c in chunks) == (bad in ("gap", "version"))
             log = (tmp_path / "w.log").read_text()
             sealed_bad = bad in ("gap", "version", "undecodable-sealed")
             assert ("stored progress not usable" in log) == sealed_bad
@@ -374,13 +395,8 @@ async def test_a_forged_record_mid_job_neither_enters_the_answer_nor_stops_the_r
             handle = await client.submit(
                 payload(max_tokens=300), min_version=0, retry_policy="resume", idempotency_key="k", timeout=60
             )
-            chunks = []
-
-            async def consume() -> None:
-                async for chunk in client.stream(handle):
-                    chunks.append(chunk)
-
-            streaming = asyncio.create_task(consume())
+            chunks: list[TokenChunk] = []
+            streaming = asyncio.create_task(_collect(client, handle, chunks))
             await _wait_stored(client, handle.job_id, 40)
             have, _ = _stored_prefix(await progress_records(client.js, client.names, "c", handle.job_id))
             n = 5
@@ -504,3 +520,26 @@ async def test_random_kills_across_many_jobs_never_lose_a_checkpointed_token(
     finally:
         for p in [*procs.values(), *dead]:
             terminate(p, 10.0, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("retry_policy", ["replayable", "at_most_once"])
+async def test_a_job_that_is_not_resumable_streams_its_whole_result_at_the_end(
+    nats_url: str, namespace: str, tmp_path: Path, retry_policy: str
+) -> None:
+    """No checkpoints for other retry policies: the stream is the result, one chunk per sample
+    (two samples here), and nothing is stored on the job's progress subject."""
+    a = _start(nats_url, namespace, "a", tmp_path, "--echo-token-latency", "0.002")
+    try:
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=TOPO) as client:
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=20)
+            job = msgspec.structs.replace(payload(max_tokens=100), n=2)
+            handle = await client.submit(job, min_version=0, retry_policy=retry_policy, idempotency_key="k")
+            chunks: list[TokenChunk] = []
+            await asyncio.wait_for(_collect(client, handle, chunks), 30)
+            result = await handle.result(5)
+            assert [(c.index, c.start, c.finish) for c in chunks] == [(0, 0, "length"), (1, 0, "length")]
+            assert _joined(chunks, 2) == [out.token_ids for out in result.outputs]
+            assert [c.logprobs for c in chunks] == [out.logprobs for out in result.outputs]
+            assert await progress_records(client.js, client.names, "c", handle.job_id) == []
+    finally:
+        terminate(a, 10.0, signal.SIGKILL)

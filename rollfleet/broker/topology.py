@@ -6,6 +6,8 @@ missing; what exists is left as it is, so a second declaration changes and loses
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
@@ -96,44 +98,41 @@ DEFAULT_TOPOLOGY = TopologyConfig()
 
 
 def _stream_configs(names: Names, cfg: TopologyConfig) -> list[StreamConfig]:
+    def stream(name: str, subject: str, **settings: Any) -> StreamConfig:
+        return StreamConfig(
+            name=name, subjects=[subject], storage=StorageType.FILE, num_replicas=cfg.replicas, **settings
+        )
+
     return [
-        StreamConfig(
-            name=names.jobs_stream,
-            subjects=[names.jobs_wildcard],
+        stream(
+            names.jobs_stream,
+            names.jobs_wildcard,
             retention=RetentionPolicy.WORK_QUEUE,
-            storage=StorageType.FILE,
-            num_replicas=cfg.replicas,
             duplicate_window=cfg.duplicate_window_s,
             max_msg_size=cfg.max_msg_bytes,
             max_bytes=cfg.jobs_max_bytes,
             allow_direct=True,
         ),
-        StreamConfig(
-            name=names.results_stream,
-            subjects=[names.results_wildcard],
+        stream(
+            names.results_stream,
+            names.results_wildcard,
             retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            num_replicas=cfg.replicas,
             duplicate_window=cfg.duplicate_window_s,
             max_age=cfg.results_max_age_s,
             max_msg_size=cfg.max_msg_bytes,
             allow_direct=True,
         ),
-        StreamConfig(
-            name=names.events_stream,
-            subjects=[names.events_wildcard],
+        stream(
+            names.events_stream,
+            names.events_wildcard,
             retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            num_replicas=cfg.replicas,
             max_age=cfg.events_max_age_s,
             max_msgs=100_000,
         ),
-        StreamConfig(
-            name=names.progress_stream,
-            subjects=[names.progress_wildcard],
+        stream(
+            names.progress_stream,
+            names.progress_wildcard,
             retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            num_replicas=cfg.replicas,
             max_age=cfg.progress_max_age_s,
             max_msg_size=cfg.max_msg_bytes,
             duplicate_window=120.0,  # a checkpoint's retried publish is stored once (Nats-Msg-Id)

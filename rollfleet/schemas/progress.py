@@ -81,18 +81,12 @@ class DoneRecord(msgspec.Struct, tag="done", kw_only=True):
 ProgressRecord = TokensRecord | ResumeRecord | DoneRecord
 
 
-class TokenChunk(msgspec.Struct, kw_only=True, frozen=True):
-    """What a stream of a job's tokens yields: tokens ``[start, start + len(token_ids))`` of
-    sample ``index``. ``rewound``: the tokens from ``start`` on that were yielded before are void
-    (a run could not keep them and generates them again); never the case across an ordinary
-    resume, which keeps every checkpointed token."""
+class TokenChunk(SampleDelta, kw_only=True, frozen=True):
+    """What a stream of a job's tokens yields: a ``SampleDelta`` as the trainer sees it.
+    ``rewound``: the tokens from ``start`` on that were yielded before are void (a run could not
+    keep them and generates them again); never the case across an ordinary resume, which keeps
+    every checkpointed token."""
 
-    index: int
-    start: int
-    token_ids: list[int]
-    logprobs: list[float] | None = None
-    spans: list[VersionSpan] = msgspec.field(default_factory=list)
-    finish: FinishReason | None = None
     rewound: bool = False
 
 
@@ -133,7 +127,6 @@ class Replay:
         self.samples = [SampleSoFar() for _ in range(n)]
         self.runs: list[str] = []  # the runs that wrote, in order
         self.done = False
-        self.records = 0
 
     @property
     def finished(self) -> bool:
@@ -150,7 +143,6 @@ class Replay:
     def apply(self, record: ProgressRecord) -> list[TokenChunk]:
         """Take one record in; the chunks it adds (or rewinds). ``CorruptCheckpoint`` if it does not
         continue this job's output where it stands."""
-        self.records += 1
         if self.done:
             raise CorruptCheckpoint("a progress record after the job's done record")
         if record.run and (not self.runs or self.runs[-1] != record.run):
@@ -173,7 +165,7 @@ class Replay:
                 )
             if keep < len(sample.token_ids):
                 del sample.token_ids[keep:], sample.logprobs[keep:]
-                sample.spans = _cut_spans(sample.spans, keep)
+                sample.spans = spans_between(sample.spans, 0, keep)
                 sample.finish = None
                 chunks.append(TokenChunk(index=i, start=keep, token_ids=[], rewound=True))
         return chunks
@@ -218,14 +210,11 @@ class Replay:
         )
 
 
-def _cut_spans(spans: list[VersionSpan], keep: int) -> list[VersionSpan]:
+def spans_between(spans: list[VersionSpan], start: int, end: int) -> list[VersionSpan]:
+    """The parts of ``spans`` inside output offsets ``[start, end)``."""
     out = []
     for span in spans:
-        if span.start >= keep:
-            break
-        out.append(
-            span
-            if span.end <= keep
-            else VersionSpan(version=span.version, start=span.start, end=keep, replica=span.replica)
-        )
+        lo, hi = max(span.start, start), min(span.end, end)
+        if lo < hi:
+            out.append(span if (lo, hi) == (span.start, span.end) else msgspec.structs.replace(span, start=lo, end=hi))
     return out

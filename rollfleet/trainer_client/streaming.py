@@ -16,14 +16,13 @@ from collections.abc import AsyncIterator
 from contextlib import suppress
 from typing import Any
 
-import msgspec
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, RolloutResult, decode
 from rollfleet.schemas.errors import InvalidRequest
-from rollfleet.schemas.progress import DoneRecord, ProgressRecord, Replay, TokenChunk, sealed
+from rollfleet.schemas.progress import ProgressRecord, Replay, TokenChunk, sealed, spans_between
 from rollfleet.trainer_client.handle import RolloutHandle
 
 log = get_logger("rollfleet.trainer_client.streaming")
@@ -74,9 +73,6 @@ def _read(replay: Replay, msg: Msg, job_id: str) -> list[TokenChunk]:
         return []
     try:
         record = decode(msg.data or b"", ProgressRecord, what="progress record")
-        if isinstance(record, DoneRecord) and replay.records == 0:
-            replay.done = True  # joined after the records were rolled up: the result has it all
-            return []
         return [c for c in replay.apply(record) if c.token_ids or c.rewound or c.finish]
     except InvalidRequest as exc:  # a worker falls back from it too (and says so in a resume record)
         log.warning("progress record skipped", error=exc.message)
@@ -86,24 +82,22 @@ def _read(replay: Replay, msg: Msg, job_id: str) -> list[TokenChunk]:
 def _rest(replay: Replay, result: RolloutResult) -> list[TokenChunk]:
     """What the result holds past what was streamed (a rewind first, where they differ)."""
     chunks = []
-    for i, out in enumerate(result.outputs):
-        have = replay.samples[i].token_ids if i < len(replay.samples) else []
+    for i, (streamed, out) in enumerate(zip(replay.samples, result.outputs, strict=True)):
+        have = streamed.token_ids
         same = 0
         while same < min(len(have), len(out.token_ids)) and have[same] == out.token_ids[same]:
             same += 1
-        streamed_finish = replay.samples[i].finish if i < len(replay.samples) else None
-        if same == len(have) == len(out.token_ids) and streamed_finish == out.finish_reason:
+        if same == len(have) == len(out.token_ids) and streamed.finish == out.finish_reason:
             continue  # all of it, finish included, came with the checkpoints
         if same < len(have):
             chunks.append(TokenChunk(index=i, start=same, token_ids=[], rewound=True))
-        spans = [s for s in out.weight_versions if s.end > same]
         chunks.append(
             TokenChunk(
                 index=i,
                 start=same,
                 token_ids=out.token_ids[same:],
                 logprobs=out.logprobs[same:] if out.logprobs is not None else None,
-                spans=[msgspec.structs.replace(s, start=same) if s.start < same else s for s in spans],
+                spans=spans_between(out.weight_versions, same, len(out.token_ids)),
                 finish=out.finish_reason,
             )
         )

@@ -382,7 +382,7 @@ class JobRunner:
             every_s=self.checkpoint_s,
             metrics=self._metrics,
             log=log,
-            max_record_bytes=self._limits.max_job_bytes + self._chunk_bytes,
+            max_record_bytes=self._chunk_bytes + _HEADROOM,  # a record is one message
             on_superseded=lambda: asyncio.ensure_future(run.abort(engine)),
         )
         prompt = engine.prompt_ids(job.payload)
@@ -563,7 +563,7 @@ class JobRunner:
             claim = Claim.decode(entry.value)
         except nats.js.errors.KeyNotFoundError:
             claim, entry = Claim("", 0.0), None
-        running_here = any(r.job.job_id == run.job.job_id for r in self._running.values() if r is not run)
+        running_here = self._runs_here(run)
         stale_s = self._resume_stale_s if run.job.retry_policy == "resume" else self._claim_stale_s
         if running_here or (claim.holder != self._holder and time.time() - claim.refreshed < stale_s):
             return "held"
@@ -587,13 +587,17 @@ class JobRunner:
         until = time.monotonic() + 2 * self._resume_stale_s
         verdict = "held"
         while verdict == "held" and time.monotonic() < until and not run.handed_back:
-            if any(r.job.job_id == run.job.job_id for r in self._running.values() if r is not run):
+            if self._runs_here(run):
                 break  # this replica runs it: its answer comes from there
             with suppress(Exception):
                 await run.msg.in_progress()
             await asyncio.sleep(self._claim_refresh_s)
             verdict = await self._claim(run)
         return verdict
+
+    def _runs_here(self, run: RunningJob) -> bool:
+        """Whether another delivery of the same job runs on this replica now."""
+        return any(r.job.job_id == run.job.job_id for r in self._running.values() if r is not run)
 
     def _claim_value(self) -> bytes:
         return Claim(self._holder, time.time()).encode()
@@ -609,7 +613,7 @@ class JobRunner:
         for run in list(self._running.values()):
             if run.claimed_at is not None and now - run.claimed_at >= self._claim_refresh_s:
                 run.claimed_at = now
-                if run.progress is not None and run.claim_revision is not None:
+                if run.job.retry_policy == "resume" and run.claim_revision is not None:
                     await self._refresh_by_revision(run)
                     continue
                 with suppress(Exception):
@@ -624,10 +628,10 @@ class JobRunner:
                 claim_key(run.job.job_id), self._claim_value(), last=run.claim_revision
             )
         except nats.js.errors.KeyWrongLastSequenceError:
-            if run.progress is not None:
+            if run.progress is not None:  # (before it has one, its first write is fenced off anyway)
                 run.progress.supersede("its claim was taken over")
-        except Exception:
-            pass
+        except Exception:  # the broker away: the next refresh tries again
+            return
 
     # -- answers ---------------------------------------------------------------------------------
 

@@ -65,6 +65,9 @@ class WorkerMetrics:
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, (*labels, *extra), registry=r)
 
+        def count(name: str, doc: str) -> Any:  # a counter of this worker (its labels bound)
+            return counter(name, doc).labels(**labels)
+
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, tuple(labels), registry=r).labels(**labels)
 
@@ -89,47 +92,45 @@ class WorkerMetrics:
             "rollfleet_prepare_seconds", "Pull + apply + verify + stage per activation", _LATENCY_BUCKETS
         )
         self.pause = hist("rollfleet_pause_seconds", "Engine pause per activation", _PAUSE_BUCKETS)
-        self.wire_bytes = counter("rollfleet_wire_bytes_total", "Bytes of version files read").labels(**labels)
+        self.wire_bytes = count("rollfleet_wire_bytes_total", "Bytes of version files read")
         self.density = gauge("rollfleet_update_density", "Changed fraction of the model in the last activation")
-        self.activations = counter("rollfleet_activations_total", "Versions activated").labels(**labels)
-        self.prepare_failures = counter("rollfleet_prepare_failures_total", "Failed prepares").labels(**labels)
+        self.activations = count("rollfleet_activations_total", "Versions activated")
+        self.prepare_failures = count("rollfleet_prepare_failures_total", "Failed prepares")
         self.drain = hist(
             "rollfleet_exact_drain_seconds", "Wait for exact jobs of the old version before a pause", _LATENCY_BUCKETS
         )
-        self.contract_violations = counter(
+        self.contract_violations = count(
             "rollfleet_contract_violations_total", "Results outside their constraint (never stored)"
-        ).labels(**labels)
+        )
         # Sessions: what the engine's prefix cache saved, and what it holds.
-        self.prefix_tokens_reused = counter(
+        self.prefix_tokens_reused = count(
             "rollfleet_prefix_tokens_reused_total", "Prompt tokens served from a session's cached context"
-        ).labels(**labels)
-        self.session_turns = counter("rollfleet_session_turns_total", "Turns of sessions served").labels(**labels)
-        self.session_rebuilds = counter(
+        )
+        self.session_turns = count("rollfleet_session_turns_total", "Turns of sessions served")
+        self.session_rebuilds = count(
             "rollfleet_session_cache_rebuilds_total", "Session turns whose cache was stale (rebuilt on new weights)"
-        ).labels(**labels)
+        )
         # Resumable jobs: checkpoints written and what resumes kept or had to generate again.
-        self.resumed_jobs = counter(
+        self.resumed_jobs = count(
             "rollfleet_resumed_jobs_total", "Resumable jobs continued from another run's checkpoint"
-        ).labels(**labels)
-        self.tokens_kept = counter(
+        )
+        self.tokens_kept = count(
             "rollfleet_resume_tokens_kept_total", "Output tokens kept from checkpoints instead of generated again"
-        ).labels(**labels)
-        self.tokens_regenerated = counter(
+        )
+        self.tokens_regenerated = count(
             "rollfleet_resume_tokens_regenerated_total", "Checkpointed tokens generated again (checkpoint unusable)"
-        ).labels(**labels)
-        self.tokens_generated = counter(
+        )
+        self.tokens_generated = count(
             "rollfleet_resumable_tokens_generated_total", "Output tokens this worker generated for resumable jobs"
-        ).labels(**labels)
-        self.tokens_checkpointed = counter(
+        )
+        self.tokens_checkpointed = count(
             "rollfleet_tokens_checkpointed_total", "Output tokens of resumable jobs stored in checkpoints"
-        ).labels(**labels)
-        self.checkpoints = counter("rollfleet_checkpoints_total", "Checkpoint records stored").labels(**labels)
-        self.checkpoint_bytes = counter(
-            "rollfleet_checkpoint_bytes_total", "Bytes of checkpoint records stored"
-        ).labels(**labels)
-        self.superseded = counter(
+        )
+        self.checkpoints = count("rollfleet_checkpoints_total", "Checkpoint records stored")
+        self.checkpoint_bytes = count("rollfleet_checkpoint_bytes_total", "Bytes of checkpoint records stored")
+        self.superseded = count(
             "rollfleet_superseded_runs_total", "Runs that found their job taken over elsewhere (nothing stored)"
-        ).labels(**labels)
+        )
         self.sessions = gauge("rollfleet_sessions", "Sessions whose context the engine holds")
         self.session_cache_bytes = gauge("rollfleet_session_cache_bytes", "Bytes of session contexts held")
         self.port: int | None = None

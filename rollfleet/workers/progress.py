@@ -45,6 +45,7 @@ from rollfleet.schemas.progress import (
     append_spans,
     record_mac,
     sealed,
+    spans_between,
 )
 from rollfleet.workers.engines.base import TokenSink
 from rollfleet.workers.metrics import WorkerMetrics
@@ -102,7 +103,6 @@ class ProgressLog(TokenSink):
         self.kept_tokens = 0  # tokens taken over from earlier runs
         self.regenerated_tokens = 0  # tokens stored by earlier runs that could not be kept
         self.resumes = 0  # earlier runs this one continues from
-        self.ignored = 0  # records on the subject that are not this job's (no valid MAC)
         self.reason: str | None = None  # why nothing stored could be kept
         self.superseded = False
         self._pending = 0
@@ -113,10 +113,6 @@ class ProgressLog(TokenSink):
         self._nonce = uuid.uuid4().hex
 
     # -- taking the job over -------------------------------------------------------------------
-
-    @property
-    def all_finished(self) -> bool:
-        return all(s.finish is not None for s in self.samples)
 
     async def open(self, *, took_over: bool, can_continue: bool) -> None:
         """Read what earlier runs stored and take the job over: after this, no earlier run can
@@ -163,7 +159,6 @@ class ProgressLog(TokenSink):
             self.last_seq = int(msg.seq)
             data = msg.data or b""
             if not sealed(self.job.job_id, data, msg.headers):
-                self.ignored += 1
                 why = "no valid MAC for this job (written by someone it was not delivered to, or damaged)"
                 self._log.warning("progress record ignored", seq=self.last_seq, reason=why)
                 continue
@@ -271,7 +266,7 @@ class ProgressLog(TokenSink):
                             start=start,
                             token_ids=s.token_ids[start:end],
                             logprobs=s.logprobs[start:end] if self._want_logprobs else None,
-                            spans=_spans_between(s.spans, start, end),
+                            spans=spans_between(s.spans, start, end),
                             finish=finish,
                         )
                     )
@@ -373,12 +368,3 @@ class _OneSample(TokenSink):
     def finished(self, index: int, reason: str) -> None:
         self._log.finished(self._index, reason)
 
-
-def _spans_between(spans: list[VersionSpan], start: int, end: int) -> list[VersionSpan]:
-    """The parts of ``spans`` inside offsets ``[start, end)``."""
-    out = []
-    for span in spans:
-        lo, hi = max(span.start, start), min(span.end, end)
-        if lo < hi:
-            out.append(VersionSpan(version=span.version, start=lo, end=hi, replica=span.replica))
-    return out
