@@ -33,7 +33,7 @@ demo: $(STAMP)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
-	ROLLFLEET_VLLM_VENV=$(VLLM_VENV) $(PY) -m pytest -q -ra -m "not docker"
+	ROLLFLEET_VLLM_VENV=$(VLLM_VENV) $(PY) -m pytest -q -ra --durations=30 -m "not docker and not heavy"
 
 vllm-env: $(VLLM_STAMP)
 
@@ -52,10 +52,13 @@ compose: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks
 
+# The full reliability suite; its adversary campaign (scenario 12) adds FRESH fresh seeds to its
+# fixed ones, printed so that each run can be replayed.
+FRESH ?= 2
 reliability: $(STAMP)
-	$(PY) -m reliability
+	RF_ADV_FRESH_SEEDS=$(FRESH) $(PY) -m reliability
 
-# The machine adversary alone: SEEDS random seeds of DURATION seconds, each replayable.
+# The machine adversary alone: SEEDS fresh random seeds of DURATION seconds, printed first, each replayable.
 SEEDS ?= 3
 DURATION ?= 60
 adversary: $(STAMP)

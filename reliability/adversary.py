@@ -11,9 +11,11 @@ user among them, a privileged wiretap), ``rollfleet worker`` processes following
 store with ``--verify-live``, a trainer process (``reliability.load``) submitting a seeded mix
 of jobs and sessions, the rogue (``reliability.rogue``) and the tap (``reliability.tap``).
 The seed fixes the schedule of events (``reliability.schedule``), printed first, one JSON line
-per event as it is injected. At the end the oracle (``reliability.oracle``) checks every
-answer; a run with violations prints them, its seed and the one-line command that replays it,
-and a JSON summary line last (``"violations": 0`` when it passed). Exit code 1 on violations.
+per event as it is injected. The harness keeps the fleet at its size (``keep_fleet``: a worker
+that is killed and not restarted by its event, or that exits on its own, is started again).
+At the end the oracle (``reliability.oracle``) checks every answer; a run with violations
+prints them, its seed and the one-line command that replays it, and a JSON summary line last
+(``"violations": 0`` when it passed). Exit code 1 on violations.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ from typing import Any
 
 from reliability.journal import Journal, describe_error, describe_result
 from reliability.machine import ECHO_POOL, HF_POOL, ROGUE, Machine, WorkerProc
+from reliability.oracle import AVAILABLE_S
 from reliability.schedule import Event, make_schedule
 
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "adv"
 TRAINER_ID = "trainer"
 FAULT_WAIT_S = 25.0
+KEEP_AFTER_S = 2.0  # how long a slot of the fleet may stay empty before the harness fills it again
 EXACT_DRAINS = (0.3, 1.0, 3.0)
 
 
@@ -56,6 +60,7 @@ class Config:
     ack_wait: float = 2.0
     duplicate_window: float = 15.0
     max_deliver: int = 10
+    available_s: float = AVAILABLE_S  # the oracle's bound on a stop of service (tests shorten it)
     workdir: Path | None = None
     keep: bool = False
     quiet: bool = False
@@ -79,8 +84,9 @@ class Config:
 class Report:
     config: Config
     seconds: float = 0.0
-    events: int = 0
+    events: int = 0  # events that did something (a skipped one, e.g. no victim, is not counted)
     events_by_kind: dict[str, int] = field(default_factory=dict)
+    events_skipped: dict[str, int] = field(default_factory=dict)
     checks: dict[str, int] = field(default_factory=dict)
     violations: list[Any] = field(default_factory=list)
     unverified: dict[str, int] = field(default_factory=dict)
@@ -89,8 +95,19 @@ class Report:
     crashed: str | None = None
 
     @property
+    def vacuous(self) -> str | None:
+        """Why the run proves nothing (no event injected, no fact judged), if it does not."""
+        if self.crashed is not None:
+            return None
+        if self.events <= 0:
+            return "the run injected no events"
+        if sum(self.checks.values()) <= 0:
+            return "the oracle judged no fact"
+        return None
+
+    @property
     def passed(self) -> bool:
-        return not self.violations and self.crashed is None
+        return not self.violations and self.crashed is None and self.vacuous is None
 
     def summary(self) -> dict[str, Any]:
         by_check: dict[str, int] = {}
@@ -105,9 +122,11 @@ class Report:
             "seconds": self.seconds,
             "events": self.events,
             "events_by_kind": self.events_by_kind,
+            "events_skipped": self.events_skipped,
             "checks": sum(self.checks.values()),
             "checks_by_invariant": self.checks,
-            "violations": len(self.violations) + (1 if self.crashed else 0),
+            "violations": len(self.violations) + (1 if self.crashed else 0) + (1 if self.vacuous else 0),
+            "vacuous": self.vacuous,
             "violations_by_check": by_check,
             "unverified": self.unverified,
             "crashed": self.crashed,
@@ -142,6 +161,10 @@ class Adversary:
         self._trainer_lock = asyncio.Lock()
         self.tasks: set[asyncio.Task[Any]] = set()
         self.injected: dict[str, int] = {}
+        self.skipped: dict[str, int] = {}
+        self.retired: set[str] = set()  # worker ids killed for good (their slot is refilled under another id)
+        self.keeper: asyncio.Task[None] | None = None
+        self.kept: list[dict[str, Any]] = []  # workers the fleet keeper started
         self.topology: Any = None
 
     # -- output ------------------------------------------------------------------------------
@@ -341,10 +364,46 @@ class Adversary:
             return
         self.start_worker(wid, wp.engine)
 
+    async def keep_fleet(self) -> None:
+        """Keep the fleet at its size, as a container restart policy does: a slot whose process
+        ended (killed and not restarted by its event, or exited on its own) is filled again after
+        ``KEEP_AFTER_S``, under the same id if it exited on its own (a crash-looping worker keeps
+        being restarted: the oracle's ``available`` sees a fleet that does not serve), else under
+        a free id (a retired one stays dead)."""
+        m = self.machine
+        short_since: dict[str, float] = {}
+        while True:
+            await asyncio.sleep(0.5)
+            m.reap()
+            for engine, size, pool in (("echo", self.cfg.workers, ECHO_POOL), ("hf", self.cfg.hf, HF_POOL)):
+                present = {w.worker_id for w in m.current.values() if w.engine == engine and w.alive}
+                present |= {b for b in self.busy if b in pool}
+                if len(present) >= size:
+                    short_since.pop(engine, None)
+                    continue
+                since = short_since.setdefault(engine, time.monotonic())
+                if time.monotonic() - since < KEEP_AFTER_S:
+                    continue
+                ended = [w for w in m.current.values() if w.engine == engine and not w.alive
+                         and w.worker_id not in present and w.worker_id not in self.retired]
+                crashed = [w.worker_id for w in ended if w.how.startswith("exited")]
+                free = [w for w in pool if w not in present and w not in self.retired and w not in crashed
+                        and not (w in m.current and m.current[w].alive)]
+                for _ in range(size - len(present)):
+                    wid = crashed.pop(0) if crashed else (free.pop(self.rng.randrange(len(free))) if free else None)
+                    if wid is None:
+                        break
+                    before = m.current.get(wid)
+                    self.kept.append({"t": round(time.time() - self.t0, 2), "worker": wid,
+                                      "previous": before.how if before else None})
+                    self.start_worker(wid, engine)
+                    self.say("fleet kept at size", worker=wid, previous=before.how if before else None)
+                short_since.pop(engine, None)
+
     # -- the events -------------------------------------------------------------------------------
-    async def run_event(self, ev: Event) -> None:
+    async def run_event(self, ev: Event) -> bool:
+        """Inject one event; False if it was skipped (nothing to do it to)."""
         p = ev.params
-        self.injected[ev.kind] = self.injected.get(ev.kind, 0) + 1
         m = self.machine
         if ev.kind == "publish":
             await self.publish("publish")
@@ -357,15 +416,17 @@ class Adversary:
             await self.publish("corrupt", corrupt_s=p["for_s"])
         elif ev.kind == "hide":
             committed = [v for v, _, _ in m.timeline.commits if v > 0]
-            if committed:
-                v = committed[-1] if p["which"] == "latest" else self.rng.choice(committed[-3:])
-                if m.hide(v) is not None:
-                    self.say("store dir gone", version=v, for_s=p["for_s"])
-                    t = time.time()
-                    await asyncio.sleep(p["for_s"])
-                    m.unhide(v)
-                    m.timeline.hidden.append((v, t, time.time()))
-                    self.say("store dir back", version=v)
+            if not committed:
+                return False
+            v = committed[-1] if p["which"] == "latest" else self.rng.choice(committed[-3:])
+            if m.hide(v) is None:
+                return False
+            self.say("store dir gone", version=v, for_s=p["for_s"])
+            t = time.time()
+            await asyncio.sleep(p["for_s"])
+            m.unhide(v)
+            m.timeline.hidden.append((v, t, time.time()))
+            self.say("store dir back", version=v)
         elif ev.kind == "slow_reads":
             t = time.time()
             m.set_slow(p["seconds"])
@@ -378,7 +439,7 @@ class Adversary:
             wp = await self.victim(p["victim"], "hf" if p.get("hf") and self.cfg.hf else None)
             if wp is None:
                 self.say(f"{ev.kind} skipped", reason="no victim")
-                return
+                return False
             self.busy.add(wp.worker_id)
             try:
                 if ev.kind == "kill":
@@ -393,35 +454,56 @@ class Adversary:
             finally:
                 self.busy.discard(wp.worker_id)
         elif ev.kind == "fault":
-            await self.fault(p)
+            return await self.fault(p)
+        elif ev.kind == "pause_worker":
+            wp = await self.victim(p["victim"])
+            if wp is None:
+                self.say("pause skipped", reason="no victim")
+                return False
+            self.busy.add(wp.worker_id)  # (no other event, nor the fleet keeper, touches it meanwhile)
+            try:
+                self.say("SIGSTOP worker", worker=wp.worker_id, victim=p["victim"], for_s=p["for_s"])
+                await m.pause_worker(wp, p["for_s"])
+                self.say("SIGCONT worker", worker=wp.worker_id)
+            finally:
+                self.busy.discard(wp.worker_id)
+        elif ev.kind == "pause_broker":
+            if m.broker is None or not m.broker.alive():
+                return False
+            self.say("broker SIGSTOP", for_s=p["for_s"])
+            await m.pause_broker(p["for_s"])
+            self.say("broker SIGCONT")
         elif ev.kind == "broker_restart":
             self.say("broker SIGKILL", down_s=p["down_s"])
             await m.restart_broker(p["down_s"])
             self.say("broker back")
         elif ev.kind == "delete_consumer":
-            await self.delete_consumer(p["which"])
+            return await self.delete_consumer(p["which"])
         elif ev.kind == "trainer_kill":
             if self._trainer_lock.locked():  # (one trainer kill and restart at a time: never two trainers)
                 self.say("trainer kill skipped", why="another one under way")
-                return
+                return False
             async with self._trainer_lock:
                 if not m.trainer_alive() or self.incarnation >= 2:
                     self.say("trainer kill skipped")
-                    return
+                    return False
                 holder = await self.victim("session-long") if p.get("with_holder") else None
                 if not m.trainer_alive():
                     self.say("trainer kill skipped", why="the trainer ended meanwhile")
-                    return
+                    return False
                 m.kill_trainer()
                 self.say("SIGKILL trainer", incarnation=self.incarnation)
                 if holder is not None and self.enough_left(holder.worker_id):
-                    m.kill_worker(holder)  # the replica holding the dead trainer's turn goes too, for good
+                    # The replica holding the dead trainer's turn goes too, for good: its id is
+                    # retired (the fleet keeper refills the slot under another id).
+                    self.retired.add(holder.worker_id)
+                    m.kill_worker(holder)
                     self.say("SIGKILL worker", worker=holder.worker_id, victim="holder of the dead trainer's turn")
                 await asyncio.sleep(p["after"])
                 self.incarnation += 1
                 self.start_trainer(self.cfg.duration - (time.time() - self.t0))
         elif ev.kind == "second_client":
-            await self.second_client()
+            return await self.second_client()
         elif ev.kind == "snoop":
             self.say("rogue snooping", for_s=p["for_s"])
             await self.rogue.snoop(p["for_s"])
@@ -437,19 +519,20 @@ class Adversary:
             chosen = self.rng.sample(keys, min(len(keys), p["count"]))
             await self.rogue.pre_forge(chosen)
             self.say("rogue forged", keys=chosen)
+        return True
 
-    async def fault(self, p: dict[str, Any]) -> None:
+    async def fault(self, p: dict[str, Any]) -> bool:
         """Restart a worker armed with ``pause:<point>``; once it stops there, SIGKILL it."""
         from rollfleet.runtime import faults
 
         m = self.machine
         if p["point"] not in faults.POINTS:  # (a point this tree does not have)
             self.say("fault skipped", point=p["point"], reason="no such fault point in this code")
-            return
+            return False
         wp = await self.victim("random", "echo")
         if wp is None or not self.enough_left(wp.worker_id):
             self.say("fault skipped", point=p["point"])
-            return
+            return False
         self.busy.add(wp.worker_id)
         try:
             m.kill_worker(wp)
@@ -470,15 +553,16 @@ class Adversary:
             await self.restart(armed, p["after"], True)
         finally:
             self.busy.discard(wp.worker_id)
+        return True
 
-    async def delete_consumer(self, which: str) -> None:
+    async def delete_consumer(self, which: str) -> bool:
         js = self.tap.nc.jetstream(timeout=5)
         stream = self.names.jobs_stream
         try:
             infos = await js.consumers_info(stream)
         except Exception as exc:
             self.say("consumer deletion skipped", error=repr(exc)[:120])
-            return
+            return False
         names = sorted(i.name for i in infos)
         latest = self.publisher.latest_version or 0
         if which == "latest-min" and f"min-{latest}" in names:
@@ -490,22 +574,24 @@ class Adversary:
         else:
             target = self.rng.choice([n for n in names if not n.startswith("replica-")] or names or [""])
         if not target:
-            return
+            return False
         try:
             await js.delete_consumer(stream, target)
             self.machine.timeline.consumers_deleted.append((time.time(), target))
             self.say("consumer deleted", consumer=target, stream=stream)
         except Exception as exc:
             self.say("consumer deletion failed", consumer=target, error=repr(exc)[:120])
+            return False
+        return True
 
-    async def second_client(self) -> None:
+    async def second_client(self) -> bool:
         """A second client with the trainer's client_id while the trainer runs: refused, or a finding."""
         from rollfleet.trainer_client import RolloutClient
 
         m = self.machine
         if not m.trainer_alive():
             self.say("second client skipped", reason="trainer not running")
-            return
+            return False
         record: dict[str, Any] = {"t": time.time(), "trainer_incarnation": self.incarnation}
         try:
             client = await asyncio.wait_for(
@@ -521,6 +607,7 @@ class Adversary:
         record["trainer_alive"] = m.trainer_alive()
         m.timeline.second_clients.append(record)
         self.say("second client", outcome=record.get("cls", record.get("kind")))
+        return True
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -529,9 +616,13 @@ class Adversary:
 
     async def guarded(self, ev: Event) -> None:
         try:
-            await asyncio.wait_for(self.run_event(ev), 90.0)
+            done = await asyncio.wait_for(self.run_event(ev), 90.0)
         except Exception as exc:
             self.say("event failed", kind=ev.kind, error=repr(exc)[:300])
+            done = False
+        # Counted once it did something: a skipped or failed event injected nothing.
+        tally = self.injected if done else self.skipped
+        tally[ev.kind] = tally.get(ev.kind, 0) + 1
 
     # -- the run -------------------------------------------------------------------------------
     async def run(self) -> Report:
@@ -549,6 +640,7 @@ class Adversary:
         try:
             await self.setup()
             self.t0 = time.time()  # event times count from here, as the schedule does
+            self.keeper = asyncio.ensure_future(self.keep_fleet())
             self.start_trainer(cfg.duration)
             for ev in schedule:
                 await asyncio.sleep(max(0.0, self.t0 + ev.t - time.time()))
@@ -595,6 +687,7 @@ class Adversary:
             report.seconds = time.monotonic() - t_start
             report.events = sum(self.injected.values())
             report.events_by_kind = dict(sorted(self.injected.items()))
+            report.events_skipped = dict(sorted(self.skipped.items()))
         return report
 
     async def settle(self) -> None:
@@ -684,6 +777,10 @@ class Adversary:
             "connz_polls": self.tap.polls,
             "versions_committed": len(self.machine.timeline.commits),
             "worker_processes": len(self.machine.timeline.workers),
+            "workers_exited_on_their_own": [
+                f"{w.worker_id}: {w.how}" for w in self.machine.timeline.workers if w.how.startswith("exited")
+            ],
+            "fleet_kept_at_size": self.kept,
             "trainer_incarnations": len(self.machine.timeline.trainers),
             "rogue_snooped": rogue.snooped if rogue else 0,
             "rogue_forged": rogue.forged if rogue else 0,
@@ -691,7 +788,7 @@ class Adversary:
         }
 
     async def close(self) -> None:
-        for task in list(self.tasks):
+        for task in [*self.tasks, *([self.keeper] if self.keeper else [])]:
             task.cancel()
         for part in (self.rogue, self.tap, self.admin):
             if part is not None:
@@ -747,6 +844,7 @@ NAMED_RUNS = [
     ("sessions-trainer", 7, 35.0, 0, 3),
     ("chunks-consumers", 8, 35.0, 0, 3),
     ("long-at-most-once", 9, 60.0, 0, 3),
+    ("pauses", 11, 40.0, 0, 3),
 ]
 
 
@@ -762,10 +860,15 @@ async def campaign(
     from reliability.common import Figures
 
     named = named or []
+    # `make reliability` adds fresh seeds (RF_ADV_FRESH_SEEDS=<n>) to the fixed ones, printed
+    # here and in every run's line, so each can be replayed.
+    fresh = [secrets.randbelow(10**6) for _ in range(int(os.environ.get("RF_ADV_FRESH_SEEDS") or 0))]
+    if fresh:
+        print(f"adversary fresh seeds: {', '.join(map(str, fresh))}", flush=True)
     fig = Figures(
         "12",
         "The machine adversary: random faults composed at random moments, an independent oracle",
-        {"seeds": len(seeds), "duration_s": duration, "hf_seeds": hf_seeds, "named_schedules": len(named)},
+        {"seeds": len(seeds) + len(fresh), "duration_s": duration, "hf_seeds": hf_seeds, "named_schedules": len(named)},
     )
     t0 = time.monotonic()
     checks: dict[str, int] = {}
@@ -773,6 +876,7 @@ async def campaign(
     unverified: dict[str, int] = {}
     runs = []
     plan = [(None, seed, duration, 1 if i >= len(seeds) - hf_seeds else 0, 3) for i, seed in enumerate(seeds)]
+    plan += [(None, seed, duration, 0, 3) for seed in fresh]
     for schedule, seed, dur, hf, workers in [*plan, *named]:
         cfg = Config(seed=seed, duration=dur, hf=hf, workers=workers, schedule=schedule,
                      workdir=workdir / f"{schedule or 'seed'}-{seed}", quiet=True)
@@ -800,6 +904,8 @@ async def campaign(
             fig.duplicated += v.check in ("once", "twice", "moved")
         if report.crashed:
             fig.problems.append(f"seed {seed}: crashed: {report.crashed}  (replay: {cfg.replay()})")
+        if report.vacuous:
+            fig.problems.append(f"seed {seed}: {report.vacuous}  (replay: {cfg.replay()})")
     fig.notes["runs"] = len(runs)
     fig.notes["events injected"] = sum(events.values())
     fig.notes["events by kind"] = events
@@ -819,6 +925,8 @@ def print_report(report: Report) -> None:
         print(f"VIOLATION {v.line()}", flush=True)
     if report.crashed:
         print(f"CRASHED {report.crashed}\n{report.notes.get('traceback', '')}", flush=True)
+    if report.vacuous:
+        print(f"VACUOUS {report.vacuous}", flush=True)
     if not report.passed:
         print(f"FAILED seed {report.config.seed}; replay: {report.config.replay()}  (workdir {report.workdir})")
     print(json.dumps(report.summary(), default=str), flush=True)
@@ -847,6 +955,8 @@ def main(argv: list[str] | None = None) -> int:
     use_code(args.code)  # (returns only inside the re-executed process)
     seed = args.seed if args.seed is not None else secrets.randbelow(10**6)
     runs = max(1, args.campaign)
+    drawn = "given" if args.seed is not None else "fresh"
+    print(f"adversary seeds ({drawn}): {', '.join(str(seed + i) for i in range(runs))}", flush=True)
     failed = 0
     for i in range(runs):
         cfg = Config(

@@ -34,6 +34,13 @@ HF_POOL = ("h1", "h2")
 ROGUE = "rogue"
 
 
+def keyed_echo() -> bool:
+    """Whether the rollfleet under test has the keyed echo engine (``--code`` may run an older tree)."""
+    import importlib.util
+
+    return importlib.util.find_spec("rollfleet.workers.engines.keyed") is not None
+
+
 @dataclass
 class WorkerProc:
     worker_id: str
@@ -43,8 +50,9 @@ class WorkerProc:
     start: float
     armed: str | None = None  # pause:<point>
     end: float | None = None
-    paused_at: float | None = None
+    paused_at: float | None = None  # stopped at a fault point (then SIGKILLed: it never goes on)
     how: str = ""  # how it ended: killed, terminated, exited
+    stops: list[list[float]] = field(default_factory=list)  # [SIGSTOP, SIGCONT]: frozen, alive all along
 
     @property
     def alive(self) -> bool:
@@ -57,6 +65,7 @@ class Timeline:
 
     workers: list[WorkerProc] = field(default_factory=list)
     broker_down: list[list[float]] = field(default_factory=list)
+    broker_paused: list[list[float]] = field(default_factory=list)  # [SIGSTOP, SIGCONT]: frozen, its store kept
     commits: list[tuple[int, float, float]] = field(default_factory=list)  # (version, started, committed)
     hidden: list[tuple[int, float, float]] = field(default_factory=list)  # (version, from, to)
     corrupt: list[tuple[int, float, float]] = field(default_factory=list)
@@ -136,6 +145,18 @@ class Machine:
         self.broker.start()  # (from the main thread: the broker is tied to the thread that starts it)
         self.timeline.broker_down.append([t0, time.time()])
 
+    async def pause_broker(self, seconds: float) -> None:
+        """SIGSTOP the broker for ``seconds``, then SIGCONT (a frozen host, a long GC pause)."""
+        assert self.broker is not None and self.broker.proc is not None
+        proc, t0 = self.broker.proc, time.time()
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            if proc.poll() is None:  # (a broker restart meanwhile replaced it)
+                proc.send_signal(signal.SIGCONT)
+            self.timeline.broker_paused.append([t0, time.time()])
+
     # -- workers ---------------------------------------------------------------------------------
     def _worker_cmd(self, worker_id: str, engine: str, extra: list[str]) -> list[str]:
         local = self.workdir / "local" / worker_id
@@ -149,6 +170,8 @@ class Machine:
             common += ["--engine", "hf", "--device", "cpu", "--max-batch", "8"]
         else:
             common += ["--engine", "echo", "--echo-token-latency", "0.003"]
+            if keyed_echo():  # its tokens prove which weights served them (the oracle's ``served``)
+                common.append("--echo-keyed")
         return common + extra
 
     def start_worker(self, worker_id: str, engine: str, extra: list[str], armed: str | None = None) -> WorkerProc:
@@ -183,9 +206,25 @@ class Machine:
             terminate(wp.proc, 10.0, signal.SIGKILL)
         self._ended(wp, how)
 
+    async def pause_worker(self, wp: WorkerProc, seconds: float) -> None:
+        """SIGSTOP a worker for ``seconds``, then SIGCONT: frozen, not dead (it holds what it held)."""
+        if not wp.alive:
+            return
+        t0 = time.time()
+        wp.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            if wp.alive:
+                wp.proc.send_signal(signal.SIGCONT)
+            wp.stops.append([t0, time.time()])
+
     async def term_worker(self, wp: WorkerProc, timeout: float = 30.0) -> None:
         """SIGTERM (a graceful drain, as ``docker compose --scale`` down does), SIGKILL after ``timeout``."""
         if wp.alive:
+            # Named before the signal: the fleet keeper's reap() may see it exit before we do, and
+            # must not take a drain for a worker that exited on its own.
+            wp.how = wp.how or "terminated"
             wp.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:

@@ -17,6 +17,11 @@ The invariants (``Oracle.checks`` counts each evaluation; each violation is one 
 - ``digest``: for every accepted result, the replica's last activation of that version before
   the result announced the digest of the trainer's weights at that version (``--verify-live``);
   a missing digest is a violation only for engines that provide one.
+- ``served``: every token of every accepted result that a keyed echo engine made (``--echo-keyed``)
+  is the token the trainer's own weights at its span's labelled version make, recomputed from
+  the prompt, the tokens before it and the seed (``reliability.truth``): a label that does not
+  name the weights that really served is caught by what was served, not by what was announced.
+  One check per accepted answer; tokens of hf engines are not recomputed.
 - ``delivered`` / ``forged``: the job of every accepted result was delivered to the worker the
   result names (the wiretap saw it); no forged answer is ever accepted.
 - ``once``: a key's answers agree (same job id and tokens, or the same error) across resubmits,
@@ -31,7 +36,8 @@ The invariants (``Oracle.checks`` counts each evaluation; each violation is one 
 - ``orphan``: an exact job whose version no live replica serves is answered within
   ``ORPHAN_S`` (the README: "withdrawn ... within seconds").
 - ``twice``: an ``at_most_once`` job is started (claimed) by at most one worker process, and
-  answered ``Interrupted`` only if no worker finished it while alive.
+  answered ``Interrupted`` only if no worker finished it while alive (draining; or frozen by a
+  SIGSTOP of it or of the broker: a paused holder is alive, and goes on where it stopped).
 - ``moved``: a job is never delivered to a second worker while the first still holds it alive
   (acked within the ack-wait, not handed back).
 - ``resumed``: a ``resume`` job's accepted result is whole: each completion's spans tile its tokens
@@ -46,6 +52,18 @@ The invariants (``Oracle.checks`` counts each evaluation; each violation is one 
 - ``reask-turn``: asking a failed turn again (``generate(turn=k)``) returns its answer at once.
 - ``pinned-error``: a pinned session's turn refused for want of a replica at its pin, when
   none serves it, says so (names the pinned version) and is not retryable.
+- ``available``: the trainer asked something and some of it was served; nothing was served for
+  no longer than ``AVAILABLE_S`` while the trainer was asking (a call waiting, or refused), and
+  no live process served for no longer than that while the run went on (broker outages, and
+  ``BROKER_GRACE_S`` after each, excepted). The harness keeps the fleet at its size, so a stop
+  longer than the bound is the product's doing.
+- ``answered``: an error only a worker makes (``EngineFailure``, ``Interrupted``, ...) reached the
+  trainer only where a worker published that failure for the key; ``Interrupted`` only for an
+  ``at_most_once`` job or a session's turn.
+
+Each invariant counts one check per fact it judges (a result, a job, a call, a run), never per
+delivery or log line; what the wiretap cannot have seen is counted as unverified, the same way
+by every invariant.
 """
 
 from __future__ import annotations
@@ -64,6 +82,11 @@ STALENESS_LAG_S = 2.0  # how far behind the commits a client's view of `latest` 
 SAMPLE_S = 0.25
 SERVING_STATES = ("ready", "degraded", "preparing", "activating")
 CLIENT_ERRORS = ("NoCompatibleReplica", "ServiceUnavailable", "IdempotencyConflict", "InvalidRequest")
+# Errors that only a worker's published failure can carry to the trainer.
+WORKER_ERRORS = ("EngineFailure", "Interrupted", "ResultUnstorable", "Superseded")
+RESTORED = "delivery of a re"  # (the unverified reasons of a job stored again or a consumer declared again)
+AVAILABLE_S = 15.0  # the longest stop of service a run may have (a dead fleet's 48 s of 60 fails)
+BROKER_GRACE_S = 5.0  # after a broker outage: clients and workers reconnect, workers register again
 
 
 @dataclass
@@ -125,6 +148,41 @@ def _versions(desc: dict[str, Any]) -> list[int]:
     return sorted(vs)
 
 
+def unserved_stretches(
+    wanted: list[tuple[float, float]],
+    served: list[float],
+    excluded: list[tuple[float, float]] | None = None,
+) -> list[tuple[float, float, float]]:
+    """Stretches in which something was wanted and nothing was served: ``(start, end, seconds)``.
+
+    ``wanted``: intervals in which somebody asked (a call waiting; a refusal is a point);
+    ``served``: the moments something was served. Between two consecutive moments of service,
+    the stretch runs from the first moment something was wanted to the last (or to the next
+    service); time inside ``excluded`` (outages the run injected on purpose) is not counted."""
+    times = sorted(served)
+    edges = [float("-inf"), *times, float("inf")]
+    out: list[tuple[float, float, float]] = []
+    for lo, hi in itertools.pairwise(edges):
+        inside = [(max(a, lo), min(b, hi)) for a, b in wanted if b >= lo and a <= hi]
+        inside = [(a, b) for a, b in inside if a <= b]
+        if not inside:
+            continue
+        start, end = min(a for a, _ in inside), max(b for _, b in inside)
+        off = sum(max(0.0, min(end, b) - max(start, a)) for a, b in _merged(list(excluded or [])))
+        out.append((start, end, max(0.0, end - start - off)))
+    return out
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
 class Oracle:
     def __init__(
         self,
@@ -152,6 +210,10 @@ class Oracle:
         self.violations: list[Violation] = []
         self.ack_wait = float(cfg.ack_wait)
         self.window = float(cfg.duplicate_window)
+        # The broker is out while it is down (SIGKILLed, restarting) or frozen (SIGSTOP): a frozen
+        # broker keeps its store, but nothing passes through it meanwhile.
+        self.broker_out = [*timeline.broker_down, *getattr(timeline, "broker_paused", [])]
+        self.available_s = float(getattr(cfg, "available_s", AVAILABLE_S))
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def check(self, name: str, ok: bool, key: str | None, message: str, defect: str | None = None) -> bool:
@@ -255,7 +317,7 @@ class Oracle:
         return None
 
     def broker_down(self, t: float) -> bool:
-        return any(a <= t <= b for a, b in self.tl.broker_down)
+        return any(a <= t <= b for a, b in self.broker_out)
 
     def _sample_fleet(self) -> None:
         """Which replica serves what, every SAMPLE_S: a live process (adversary's timeline) and
@@ -342,6 +404,7 @@ class Oracle:
         self._check_resolution()
         self._check_versions_and_sessions()
         self._check_accepted()
+        self._check_served()
         self._check_forged_errors()
         self._check_once()
         self._check_lost_and_stranded()
@@ -353,6 +416,8 @@ class Oracle:
         self._check_reask_turns()
         self._check_activation_digests()
         self._check_permissions()
+        self._check_answered()
+        self._check_available()
         self.notes.update(
             activations=len(self.activations),
             calls=len(self.calls),
@@ -523,26 +588,18 @@ class Oracle:
             seen = self.deliveries_by_job.get(str(job_id), [])
             to = {d.worker for d in seen}
             ran_on = [d for d in seen if d.attempt == desc.get("attempt")]
-            stored_copies = getattr(self.tap, "stored_jobs", {}).get(str(job_id), 1)
+            t_run = float(desc.get("finished_at") or 0.0)
+            unseen = self._unseen_delivery(str(job_id), min((d.t for d in seen), default=t_run), t_run)
             if worker in to:
                 self.checks["delivered"] += 1
-            elif stored_copies > len({d.stream_seq for d in seen}):
-                # The job was stored again (a turn moved off its replica, or re-stored when its
-                # holder died) and the copy's delivery went to an inbox the tap was not mirroring.
-                self.unverified["delivery of a re-stored copy not seen by the wiretap"] += 1
-            elif any(
-                d.t <= t <= float(desc.get("finished_at") or 0.0) and n == d.consumer
-                for d in ran_on for t, n in self.tl.consumers_deleted
-            ):
-                # Its consumer was deleted and declared again: the new one counts attempts from 1,
-                # so this attempt may be the new consumer's delivery, to an inbox the tap missed.
-                self.unverified["delivery of a re-declared consumer not seen by the wiretap"] += 1
-            elif ran_on and all(d.worker is not None for d in ran_on):
+            elif ran_on and all(d.worker is not None for d in ran_on) and not (unseen or "").startswith(RESTORED):
+                # The wiretap saw the very delivery the result ran on go to another worker (and
+                # that job was stored once, its consumer never re-declared).
                 self.check("delivered", False, key,
                            f"accepted result of job {job_id} names {worker} (attempt {desc.get('attempt')}), but that "
                            f"delivery went to {sorted({str(d.worker) for d in ran_on})}", "3")
             else:
-                self.unverified["delivery not seen by the wiretap"] += 1
+                self.unverified[unseen or "delivery not seen by the wiretap"] += 1
             # digest
             finished = float(desc.get("finished_at") or 0.0)
             proc = self.proc_at(str(worker), finished) or self._proc_ended_near(str(worker), finished)
@@ -569,6 +626,51 @@ class Oracle:
                            f"served by {worker} ({proc.engine}) labelled v{v}: its activation of v{v} announced live "
                            f"weights {last.weights_digest[:12]}, the trainer's v{v} is {want[:12]} (mixed weights)",
                            "1")
+
+    def _check_served(self) -> None:
+        """served: each accepted answer's tokens are what its labelled versions' weights make."""
+        try:
+            from reliability.truth import Truth
+        except ImportError:  # a rollfleet without keyed echo (``--code``): its workers ran unkeyed
+            self.unverified["served: this rollfleet has no keyed echo engine"] += 1
+            return
+        truth = Truth(self.weights)
+        engine_of = {w.worker_id: w.engine for w in self.tl.workers}
+        # A result's prompt: the request stored as its job (a reused key's other request is not it).
+        payload_of_job = {str(c.stored["job_id"]): c.req["payload"] for c in self.calls if c.stored and c.req}
+        payloads_of_key: dict[str, list[Any]] = defaultdict(list)  # (a turn's re-ask is by its product key)
+        for c in self.calls:
+            for k in {c.key, self.idem.get(c.key, c.key)}:
+                if c.req and c.req.get("payload") and c.req["payload"] not in payloads_of_key[k]:
+                    payloads_of_key[k].append(c.req["payload"])
+        versions = sorted({v for _, v in self.commits})
+        done: set[tuple[str, str, str]] = set()
+        for call, key, desc in self._accepted():
+            # One check per answer, however often it was handed over (a copy that differs is judged too).
+            sig = (str(desc.get("job_id")), str(desc.get("worker_id")), repr(desc.get("token_ids")))
+            if sig in done or desc.get("forged_tokens"):  # (a forged answer is judged by ``forged``)
+                continue
+            done.add(sig)
+            if "token_ids" not in desc:
+                self.unverified["served: the journal has no token ids (a run before keyed echo)"] += 1
+                continue
+            payload = payload_of_job.get(str(desc.get("job_id")))
+            if payload is None and call is not None and call.req:
+                payload = call.req.get("payload")
+            if payload is None and len(payloads_of_key.get(key, [])) == 1:
+                payload = payloads_of_key[key][0]
+            if payload is None or payload.get("prompt") is None:
+                self.unverified["served: the answer's prompt is not known"] += 1
+                continue
+            verdict = truth.judge(desc, payload["prompt"], seed=payload.get("seed"), versions=versions,
+                                  keyed_replica=lambda w: engine_of.get(w) == "echo")
+            if not verdict.checked and not verdict.mismatches:
+                self.unverified["served: no token of it made by a keyed engine"] += 1
+                continue
+            bad = verdict.mismatches
+            more = f" (and {len(bad) - 1} more spans)" if len(bad) > 1 else ""
+            self.check("served", not bad, key, f"served by {desc.get('worker_id')} (job {desc.get('job_id')}): "
+                       f"{bad[0].describe() if bad else ''}{more}", "1")
 
     def _check_forged_errors(self) -> None:
         """A key whose answer a forgery decided: the trainer was handed an error (the forged
@@ -839,10 +941,10 @@ class Oracle:
                 t += SAMPLE_S
             self.checks["orphan"] += 1
             if left is not None and end - left > ORPHAN_S and left + ORPHAN_S < deadline - 1.0:
-                self.check("orphan", False, c.key,
+                self.violations.append(Violation("orphan", c.key,
                            f"exact v{v}: no live replica at v{v} from {left - c.t0:.1f} s after submit, but answered "
                            f"{c.error or ('a result' if c.is_result else 'nothing')} only {end - left:.1f} s later "
-                           f"(deadline {deadline - left:.1f} s later)", "8")
+                           f"(deadline {deadline - left:.1f} s later)", "8"))
 
     def _check_resumed(self) -> None:
         done: set[tuple[str, str]] = set()
@@ -853,7 +955,11 @@ class Oracle:
             done.add((key, str(desc.get("job_id"))))
             worker, job_id = str(desc.get("worker_id")), str(desc.get("job_id"))
             max_tokens = int(req["payload"]["max_tokens"])
-            delivered = {d.worker for d in self.deliveries_by_job.get(job_id, [])}
+            seen = self.deliveries_by_job.get(job_id, [])
+            delivered = {d.worker for d in seen}
+            t0 = call.t0 if call is not None else min((d.t for d in seen), default=0.0)
+            unseen = self._unseen_delivery(job_id, t0, float(desc.get("finished_at") or t0), desc.get("attempt"))
+            problems: list[str] = []  # one judged fact per result: the first thing wrong with it
             others = 0
             for i, spans in enumerate(desc.get("spans") or []):
                 names = (desc.get("replicas") or [[]] * (i + 1))[i]
@@ -861,32 +967,57 @@ class Oracle:
                 finish = (desc.get("finishes") or [None] * (i + 1))[i]
                 at = 0
                 for (_v, start, end) in spans:
-                    self.check("resumed", start == at and end > start, key,
-                               f"job {job_id} sample {i}: spans {spans} do not tile its tokens")
+                    if not (start == at and end > start):
+                        problems.append(f"job {job_id} sample {i}: spans {spans} do not tile its tokens")
                     at = end
-                self.check("resumed", at == length, key, f"job {job_id} sample {i}: spans end at {at}, {length} tokens")
-                self.check("resumed", length == max_tokens or finish == "stop", key,
-                           f"job {job_id} sample {i}: {length} of {max_tokens} tokens, finish {finish}")
-                if names and names[-1] != worker:
-                    # Another run had stored every token (its last checkpoint), then died or was
-                    # taken over before answering: the answering replica only answered.
-                    self.check("resumed", int(desc.get("kept") or 0) >= sum(desc.get("lengths") or []), key,
-                               f"job {job_id} sample {i}: last span by {names[-1]}, answered by {worker}, "
-                               f"which kept only {desc.get('kept')} tokens")
+                if at != length:
+                    problems.append(f"job {job_id} sample {i}: spans end at {at}, {length} tokens")
+                if not (length == max_tokens or finish == "stop"):
+                    problems.append(f"job {job_id} sample {i}: {length} of {max_tokens} tokens, finish {finish}")
+                # Another run had stored every token (its last checkpoint), then died or was taken
+                # over before answering: the answering replica only answered.
+                if names and names[-1] != worker and int(desc.get("kept") or 0) < sum(desc.get("lengths") or []):
+                    problems.append(f"job {job_id} sample {i}: last span by {names[-1]}, answered by {worker}, "
+                                    f"which kept only {desc.get('kept')} tokens")
                 for name, (_v, start, end) in zip(names, spans, strict=False):
                     if name != worker:
                         others += end - start
-                    if name and None not in delivered and delivered:
-                        self.check("resumed", name in delivered, key,
-                                   f"job {job_id}: tokens by {name}, which was never delivered the job")
+                    if name and name not in delivered:
+                        # The same rule as `delivered`: a delivery the wiretap may have missed is
+                        # unverified, never a violation.
+                        if unseen is not None:
+                            self.unverified[unseen] += 1
+                        else:
+                            problems.append(f"job {job_id}: tokens by {name}, which was never delivered the job")
+            # kept tokens were made by earlier runs (the answering worker may have run it before too)
+            kept = int(desc.get("kept") or 0)
+            if kept < others:
+                problems.append(f"job {job_id}: kept {kept} tokens, {others} made elsewhere")
+            self.check("resumed", not problems, key, problems[0] if problems else "")
             # streamed (half of them): the chunks, put together, are the answer, each token once
             if "streamed" in desc or "stream_error" in desc:
                 self.check("streamed", desc.get("streamed") == desc.get("tokens") and not desc.get("stream_gaps"),
                            key, f"job {job_id}: its stream ({desc.get('stream_error') or desc.get('stream_gaps')} "
                            "gaps) does not add up to its answer")
-            # kept tokens were made by earlier runs (the answering worker may have run it before too)
-            kept = int(desc.get("kept") or 0)
-            self.check("resumed", kept >= others, key, f"job {job_id}: kept {kept} tokens, {others} made elsewhere")
+
+    def _unseen_delivery(self, job_id: str, t0: float, t1: float, attempt: Any = None) -> str | None:
+        """Why the wiretap may have missed a delivery of ``job_id`` between t0 and t1 (None: it saw
+        them all). ``delivered`` and ``resumed`` both count such a case as unverified."""
+        seen = self.deliveries_by_job.get(job_id, [])
+        if getattr(self.tap, "stored_jobs", {}).get(job_id, 1) > len({d.stream_seq for d in seen}):
+            return f"{RESTORED}-stored copy not seen by the wiretap"
+        consumers = {d.consumer for d in seen}
+        if any(t0 <= t <= t1 and n in consumers for t, n in self.tl.consumers_deleted):
+            return f"{RESTORED}-declared consumer not seen by the wiretap"
+        if any(a <= t1 and b >= t0 for a, b in self.tap.gaps):
+            return "delivery not seen by the wiretap (disconnected)"
+        if not seen or any(d.worker is None for d in seen):
+            return "delivery not seen by the wiretap"
+        attempts = {int(d.attempt) for d in seen if d.attempt is not None}
+        last = max([*attempts, int(attempt or 0)])
+        if set(range(1, last + 1)) - attempts:
+            return "delivery not seen by the wiretap"
+        return None
 
     def _check_twice_and_moved(self) -> None:
         claim_key = None
@@ -934,10 +1065,10 @@ class Oracle:
             for d1, d2 in itertools.pairwise(ds):
                 if d1.worker is None or d2.worker is None or d1.worker == d2.worker:
                     continue
-                self.checks["moved"] += 1
                 holder = self.proc_at(d1.worker, d1.t)
                 if holder is None or self._disturbed(d1.t, d2.t, d1.consumer):
                     continue
+                self.checks["moved"] += 1  # (counted once judged, not before the skip above)
                 acks = self.tap.acks.get(d1.ack, [])
                 if d2.stream_seq != d1.stream_seq:
                     # The job was stored again (a client moved it) while the first replica had it:
@@ -957,10 +1088,10 @@ class Oracle:
                     )
                     if finished and not handed_back and (answered_by_second or not declined):
                         state = "draining (SIGTERM)" if holder.how.startswith("terminated") else "alive"
-                        self.check("moved", False, key,
+                        self.violations.append(Violation("moved", key,
                                    f"job {job_id} was stored again and run on {d2.worker} while {d1.worker}, "
                                    f"{state}, ran it too (finished {finished[0].t - d1.t:.2f} s after it took it, "
-                                   f"{finished[0].t - d2.t:+.2f} s from the second delivery): generated twice", "5")
+                                   f"{finished[0].t - d2.t:+.2f} s from the second delivery): generated twice", "5"))
                     continue
                 # The same message delivered again: the broker's redelivery (an ack-wait that ran out),
                 # not the product's doing; counted when its holder was still acking progress.
@@ -972,11 +1103,26 @@ class Oracle:
         for c in self.calls:
             if c.error != "Interrupted":
                 continue
+            # The answers of this job, made while it was waiting (a later job under the same key,
+            # after the duplicate window, is another job: matching by key alone was a false positive).
+            job, ta = (c.stored or {}).get("job_id"), c.answered_at or c.t0
             finished = [p for p in self.published_by_key.get(c.key, [])
-                        if p.desc and not p.desc.get("forged_tokens") and self._drained(str(p.worker), p.t)]
+                        if p.desc and not p.desc.get("forged_tokens") and (job is None or p.job_id == job)
+                        and c.t0 <= p.t <= ta + self.window
+                        and (self._drained(str(p.worker), p.t) or self._frozen(str(p.worker), c.t0, p.t))]
+            how = "while draining (SIGTERM)"
+            if finished and not self._drained(str(finished[0].worker), finished[0].t):
+                how = "after a pause (SIGSTOP of it or of the broker)"
             self.check("twice", not finished, c.key,
-                       f"answered Interrupted although {finished[0].worker if finished else '?'} finished it while "
-                       "draining (SIGTERM), alive", "5")
+                       f"answered Interrupted although {finished[0].worker if finished else '?'} finished it {how}, "
+                       "alive", "5")
+
+    def _frozen(self, worker: str, t0: float, t1: float) -> bool:
+        """Whether ``worker``'s process alive at ``t1``, or the broker, was frozen (SIGSTOP) between
+        t0 and t1: a frozen holder is alive, and goes on where it stopped."""
+        proc = self.proc_at(worker, t1)
+        stops = list(getattr(proc, "stops", None) or []) + list(getattr(self.tl, "broker_paused", []))
+        return proc is not None and any(a <= t1 and b >= t0 for a, b in stops)
 
     def _drained(self, worker: str, t: float) -> bool:
         """Whether ``worker``'s process at ``t`` was one that was later stopped gracefully."""
@@ -986,13 +1132,13 @@ class Oracle:
     def _disturbed(self, t0: float, t1: float, consumer: str | None = None) -> bool:
         """A broker outage, or (``consumer``) that consumer's deletion, between t0 and t1: the
         broker itself may then redeliver what a live worker holds."""
-        if any(a <= t1 and b >= t0 for a, b in self.tl.broker_down):
+        if any(a <= t1 and b >= t0 for a, b in self.broker_out):
             return True
         return consumer is not None and any(t0 <= t <= t1 and n == consumer for t, n in self.tl.consumers_deleted)
 
     def _check_rogue(self) -> None:
         snooped = [r for r in self.rogue if r.get("ev") == "snooped"]
-        self.checks["rogue"] += max(1, len(self.tap.deliveries))
+        self.checks["rogue"] += 1  # one fact: the rogue read nobody's delivery (not one per delivery)
         if snooped:
             ex = snooped[0]
             self.violations.append(Violation(
@@ -1057,6 +1203,65 @@ class Oracle:
                        f"pinned to v{pin}, which no replica serves: refused retryable={c.answer.get('retryable')} with "
                        f"{msg[:140]!r}", "7")
 
+    def _check_answered(self) -> None:
+        """answered: a worker's error reached the trainer only as a worker published it."""
+        for c in self.calls:
+            if c.error not in WORKER_ERRORS or c.answer is None:
+                continue
+            code, ta = c.answer.get("code"), float(c.answer["t"])
+            # Any job under the key since it was first asked: a resubmit is answered with the stored
+            # answer of the key's first job, whatever job id its own submit recorded.
+            since = min([o.t0 for o in self.by_key.get(c.key, [])] + [c.t0]) - 1.0
+            key = self.idem.get(c.key, c.key)
+            mine = self.published_by_key.get(c.key, []) + self.published_by_key.get(key, [])
+            if c.sid is not None:  # a turn's failure is published under the product's own key, "<sid>/.../<turn>"
+                mine += [p for p in self.tap.published if p.key and p.key.startswith(f"{c.sid}/")
+                         and p.key.rsplit("/", 1)[1] == str(c.turn)]
+            pubs = [p for p in mine if p.code == code and since <= p.t <= ta + 0.5]
+            retry = (c.req or {}).get("retry")
+            if c.error == "Interrupted" and c.sid is None and retry not in (None, "at_most_once"):
+                self.check("answered", False, c.key, f"a {retry} job answered Interrupted (only at_most_once jobs and "
+                           "turns are)")
+            elif pubs:
+                self.checks["answered"] += 1
+            elif any(a <= ta and b >= c.t0 for a, b in self.tap.gaps):
+                self.unverified["answered: the wiretap was disconnected while the job ran"] += 1
+            else:
+                self.check("answered", False, c.key, f"answered {c.error} ({c.answer.get('message', '')[:80]!r}), "
+                           f"but no worker published a {code} failure for it")
+
+    def _check_available(self) -> None:
+        """available: some of what the trainer asked was served, and service never stopped long."""
+        calls = [c for c in self.calls if c.op != "reask-turn"]
+        served = [c for c in calls if c.is_result]
+        if not self.check("available", bool(calls), None, "the trainer made no calls: nothing was judged"):
+            return
+        self.check("available", bool(served), None, f"none of the trainer's {len(calls)} calls was served "
+                   f"(answers: {self._errors_by_class()})")
+        excluded = [(a, b + BROKER_GRACE_S) for a, b in self.broker_out]
+        killed_at = {int(t["incarnation"]): float(t["end"]) for t in self.tl.trainers if t.get("how") == "killed"}
+        wanted = []
+        for c in calls:
+            end = c.answered_at or (float(c.hang["t"]) if c.hang else killed_at.get(c.inc, c.deadline or c.t0))
+            wanted.append((c.t0, max(c.t0, end)))
+        moments = [float(c.answer["t"]) for c in served if c.answer]
+        moments += [p.t for p in self.tap.published if (p.desc or {}).get("kind") == "result"
+                    and not (p.desc or {}).get("forged_tokens")]
+        worst = max(unserved_stretches(wanted, moments, excluded), key=lambda s: s[2], default=(0.0, 0.0, 0.0))
+        self.notes["longest_unserved_s"] = round(worst[2], 2)
+        self.check("available", worst[2] <= self.available_s, None,
+                   f"nothing was served for {worst[2]:.1f} s while the trainer asked ({worst[0] - self.t_first:.1f} s "
+                   f"to {worst[1] - self.t_first:.1f} s into the run; broker outages not counted)")
+        # The fleet itself: a live process in a serving state, at every moment of the run.
+        up = [self.t_first + i * SAMPLE_S for i, snap in enumerate(self.samples)
+              if any(e[1] in SERVING_STATES for e in snap)]
+        run = [(min(c.t0 for c in calls), max(b for _, b in wanted))]
+        down = max(unserved_stretches(run, up, excluded), key=lambda s: s[2], default=(0.0, 0.0, 0.0))
+        self.notes["longest_fleet_down_s"] = round(down[2], 2)
+        self.check("available", down[2] <= self.available_s, None,
+                   f"no live replica served for {down[2]:.1f} s ({down[0] - self.t_first:.1f} s to "
+                   f"{down[1] - self.t_first:.1f} s into the run; broker outages not counted)")
+
     def _check_permissions(self) -> None:
         """The broker refuses nothing a legitimate process does (the rogue's refusals are the point)."""
         refused: dict[tuple[str, str], int] = defaultdict(int)
@@ -1064,10 +1269,9 @@ class Oracle:
             m = re.search(r'"ROLLFLEET/user:([^"]+)" - (\w+ Violation) - Subject "([^"]+)"', line)
             if m is None:
                 continue
-            self.checks["permissions"] += 1
             if m.group(1) != "rogue":
                 refused[(m.group(1), f"{m.group(2)} on {m.group(3)}")] += 1
-        self.checks["permissions"] += 1
+        self.checks["permissions"] += 1  # one fact: no legitimate operation refused (not one per log line)
         for (user, what), n in sorted(refused.items()):
             self.violations.append(Violation(
                 "permissions", user, f"the generated permissions refused {user}'s own operation {n} time(s): {what}"))
@@ -1102,11 +1306,14 @@ def save_inputs(path: Any, *, cfg: Any, timeline: Any, finals: dict[str, Any], s
 
     doc = {
         "cfg": {"seed": cfg.seed, "ack_wait": cfg.ack_wait, "duplicate_window": cfg.duplicate_window,
-                "max_deliver": cfg.max_deliver, "duration": cfg.duration},
+                "max_deliver": cfg.max_deliver, "duration": cfg.duration,
+                "available_s": getattr(cfg, "available_s", AVAILABLE_S)},
         "timeline": {
             "workers": [{"worker_id": w.worker_id, "engine": w.engine, "start": w.start, "end": w.end,
-                         "paused_at": w.paused_at, "how": w.how, "armed": w.armed} for w in timeline.workers],
+                         "paused_at": w.paused_at, "how": w.how, "armed": w.armed, "stops": w.stops}
+                        for w in timeline.workers],
             "broker_down": timeline.broker_down,
+            "broker_paused": timeline.broker_paused,
             "commits": timeline.commits,
             "hidden": timeline.hidden,
             "corrupt": timeline.corrupt,
@@ -1126,6 +1333,19 @@ def save_inputs(path: Any, *, cfg: Any, timeline: Any, finals: dict[str, Any], s
 def judge_kept(workdir: Any) -> list[Violation]:
     """Judge a kept run's work directory again, from its files alone."""
     import json
+
+    oracle = load_kept(workdir)
+    violations = oracle.judge()
+    for v in violations:
+        print(f"VIOLATION {v.line()}")
+    print(json.dumps({"checks": dict(oracle.checks), "unverified": dict(oracle.unverified),
+                      "violations": len(violations)}))
+    return violations
+
+
+def load_kept(workdir: Any) -> Oracle:
+    """An oracle over a kept run's work directory (``save_inputs``, the journals, the tap's dump)."""
+    import json
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -1141,7 +1361,8 @@ def judge_kept(workdir: Any) -> list[Violation]:
     tap_doc = json.loads((wd / "tap.json").read_text())
     cfg = SimpleNamespace(**doc["cfg"])
     tl = SimpleNamespace(**doc["timeline"])
-    tl.workers = [SimpleNamespace(**w) for w in tl.workers]
+    tl.workers = [SimpleNamespace(**{"stops": [], **w}) for w in tl.workers]
+    tl.broker_paused = getattr(tl, "broker_paused", [])
     tl.commits = [tuple(c) for c in tl.commits]
     tl.consumers_deleted = [tuple(c) for c in tl.consumers_deleted]
     tap = SimpleNamespace(
@@ -1153,7 +1374,7 @@ def judge_kept(workdir: Any) -> list[Violation]:
         fleet=[(t, w, msgspec.convert(s, ReplicaStatus) if s else None) for t, w, s in tap_doc["fleet"]],
         gaps=tap_doc["gaps"],
     )
-    oracle = Oracle(
+    return Oracle(
         cfg=cfg,
         timeline=tl,
         tap=tap,
@@ -1166,12 +1387,6 @@ def judge_kept(workdir: Any) -> list[Violation]:
         names=Names("adv"),
         broker_log=doc.get("broker_log", ""),
     )
-    violations = oracle.judge()
-    for v in violations:
-        print(f"VIOLATION {v.line()}")
-    print(json.dumps({"checks": dict(oracle.checks), "unverified": dict(oracle.unverified),
-                      "violations": len(violations)}))
-    return violations
 
 
 if __name__ == "__main__":

@@ -248,7 +248,10 @@ local bytes restored (scenarios 6, 9a). A replica killed mid-apply has no marker
 reseeds on restart (scenario 5). *Ends:* a corrupt delta can only be routed around by a
 full version (keyframe): the deltas after it are based on it. Publish with `keyframe_every`
 small enough to bound that outage, or publish a keyframe when replicas report `degraded`.
-A replica does not retry a version that failed on it; it waits for a newer one.
+A replica does not retry a version that failed on it; it waits for a newer one. A replica
+(re)started while the latest commit is bad serves the newest version below it that verifies,
+`degraded`, instead of exiting (a bad commit would otherwise empty the fleet as replicas
+restart); it exits only when no version can be served (`tests/test_start_on_a_bad_latest.py`).
 
 **Losing one node of a 3-node cluster loses nothing** (R3 streams, consumers and buckets).
 Requests stall while the Raft groups on the request path elect new leaders (the fail-over:
@@ -295,8 +298,9 @@ FOOTER = """
 
 Scenarios 1-11 try the schedules their authors thought of. Scenario 12 composes ordinary
 events at random moments instead, against real processes, and an independent oracle judges
-every run (`reliability/adversary.py`; CI runs two fixed seeds and one fresh seed of 30 s each
-in `tests/test_adversary.py`, `make reliability` the campaign whose figures are above).
+every run (`reliability/adversary.py`; CI runs two fixed seeds of 30 s each in
+`tests/test_adversary.py`, so a CI failure replays exactly; `make adversary` and `make reliability`,
+the campaign whose figures are above, draw fresh seeds too and print them first).
 
     python -m reliability.adversary --seed 1234 --duration 60            # one seed, replayed
     python -m reliability.adversary --seed 1234 --duration 60 --hf 1     # plus an hf replica
@@ -310,8 +314,8 @@ they meet varies a little), and keeps its work directory: the journals, the wire
 every process's log.
 
 **The machine.** A nats-server run with the config `rollfleet permissions` generates (one user
-per worker id; a small `max_payload`, so ordinary answers are stored in chunks), echo `rollfleet
-worker` processes (optionally hf ones on a tiny model) following a policy store with
+per worker id; a small `max_payload`, so ordinary answers are stored in chunks), keyed echo
+`rollfleet worker` processes (optionally hf ones on a tiny model) following a policy store with
 `--verify-live`, short exact drains and a pre-read hook, and a trainer *process*
 (`reliability/load.py`) that submits exact, min and max_staleness jobs, replayable and
 at_most_once, small and chunked, under fresh keys and colliding ones (`k`, `k:1`, `k/0`,
@@ -326,7 +330,10 @@ turn, an exact job, a chunked answer or an at_most_once job older than its claim
 (a graceful drain) of one running a long turn; a worker restarted armed with
 `ROLLFLEET_FAULT=pause:<point>` and SIGKILLed there (a job delivered, mid-chunk, after a
 result before its ack, after materializing, before activating, mid-drain, mid-activation);
-a broker SIGKILLed and restarted; a job consumer deleted through the JetStream API; the
+a broker SIGKILLed and restarted; a worker (at random, or one holding a turn, an exact job, a
+chunked answer or an at_most_once job) or the broker frozen (SIGSTOP) for seconds, then
+resumed (SIGCONT; the oracle counts a frozen process as alive, and a frozen broker as out); a
+job consumer deleted through the JetStream API; the
 trainer SIGKILLed (with the replica holding its turn) and restarted under the same
 client_id, resubmitting and resuming what it journaled; a second client with the trainer's
 id; and a rogue worker, a legitimate worker user of the namespace, that subscribes to every
@@ -342,7 +349,12 @@ writes, activations), the adversary's own timeline (process lives, outages, comm
 journals, a fresh client's re-ask of every key at the end, and the trainer's weights, from
 which it computes each version's digest itself. It checks: every accepted result within its
 constraint or its session's policy; the digest the replica announced when it activated that
-version equal to the trainer's (a missing digest counts for engines that give one); the
+version equal to the trainer's (a missing digest counts for engines that give one); every
+token the echo workers made equal to what the trainer's own weights at its span's labelled
+version make (`served`: the workers run `--echo-keyed`, whose tokens are a function of the
+tensor bytes they loaded, the context and the seed; the oracle keys the trainer's tensors with
+its own code, `reliability/truth.py`, and recomputes each token, so a label that does not name
+the weights that served is caught by the tokens, not by what the replica announced); the
 result's job delivered to the worker it names; no forged answer accepted, and no key
 decided by one; one answer per key across resubmits, a restarted trainer and the re-ask, and
 never `IdempotencyConflict` for the same request; every request and turn resolved by its
@@ -350,12 +362,32 @@ deadline plus 5 s; no key answered `Expired` after a worker had published its an
 waiting 10 s unheld while replicas able to serve it were idle or served newer jobs; an exact
 job with no replica left at its version answered within 8 s; an at_most_once job started by
 one worker process only, and never answered `Interrupted` after its draining replica
-finished it; no job stored again and run elsewhere while its replica ran it; the rogue
+finished that same job, or finished it after it or the broker was frozen (another job under
+the key later does not count); an error only a worker makes (`EngineFailure`, `Interrupted`,
+...) handed to the trainer only where a worker published it, and `Interrupted` only for
+at_most_once jobs and turns (`answered`); no job stored again and run elsewhere while its
+replica ran it; the rogue
 reading nothing; a second client refused `ClientIdInUse`; a failed turn asked again
 answering at once with its error; a pinned session the fleet has left refused with a
-non-retryable error that names its version. What it cannot see it counts as *not
+non-retryable error that names its version; and *availability* (`available`): the trainer
+made calls and some were served, nothing was served for no longer than 15 s while the trainer
+was asking (a call waiting or refused), and no live replica was missing for longer than that
+(the broker down or frozen, and 5 s after, excepted). The harness keeps the fleet at its size (a worker
+killed and not restarted by its event, or one that exits on its own, is started again within
+2 s), so a longer stop is the product's: a fleet dead for 48 s of 60 fails, and so does a run
+whose every call was refused `NoCompatibleReplica`. A run that injected no event or judged
+no fact fails too (`Report.passed`); skipped events are not counted, and each invariant counts
+one check per fact it judges (a result, a job, a call), not per delivery or log line. What it
+cannot see it counts as *not
 verifiable*, never as passed (a delivery the wiretap mirrored too late, a result served
-from a replica's start-up version, for which no activation was announced).
+from a replica's start-up version, for which no activation was announced), the same way in
+every invariant. The oracle itself is tested against known-bad histories
+(`tests/test_oracle_mutations.py`): a short real run is recorded, then judged again as mutated
+copies (everything refused, no calls, answers relabelled `EngineFailure` or `Interrupted`, a
+label one version off, a second answer for a key, a fleet dead most of the run, tokens swapped
+between answers, an `Interrupted` answer although the frozen holder finished the job), each of
+which must be flagged by its invariant, while the unmutated run and
+two histories it once misjudged pass.
 
 ### What it finds in the code before the fixes (commit f85f309)
 

@@ -24,11 +24,16 @@ and with what else, it happens:
 ``second_client``   a second client connects with the trainer's client_id while it runs
 ``forge``           the rogue stores forged answers for keys the trainer is likely to use next
 ``snoop``           the rogue subscribes to every worker inbox for 2-8 s (and copies what it reads)
+``pause_worker``    SIGSTOP a worker (at random, or one holding a session turn, an exact job, a
+                    large answer or an at_most_once job) for 1.5-6 s, then SIGCONT: frozen, alive
+``pause_broker``    SIGSTOP the broker for 1.5-5 s, then SIGCONT (its store and connections kept)
 ==================  ===========================================================================
 
 ``make_schedule(seed, duration)`` is a pure function: the same seed gives the same events at
 the same offsets with the same parameters (the run itself is real time, so what they meet
-varies a little). Named schedules script a sequence of the same events.
+varies a little). Pauses are drawn from a stream of their own (``pauses:<seed>``), so adding
+them left every other event of a seed's schedule where it was. Named schedules script a
+sequence of the same events.
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ WEIGHTS = {
 }
 MEAN_GAP_S = 2.2
 KILL_VICTIMS = ("random", "random", "random", "session", "exact", "large", "long")
+PAUSE_VICTIMS = ("random", "session", "session-long", "exact", "large", "long")
+PAUSE_MEAN_GAP_S = 12.0
 TERM_VICTIMS = ("random", "session", "session-long", "exact")
 
 
@@ -117,6 +124,10 @@ def params_for(kind: str, rng: random.Random, hf: bool) -> dict[str, Any]:
         return {"count": rng.randint(2, 5)}
     if kind == "snoop":
         return {"for_s": round(u(2.0, 8.0), 2)}
+    if kind == "pause_worker":
+        return {"victim": rng.choice(PAUSE_VICTIMS), "for_s": round(u(1.5, 6.0), 2)}
+    if kind == "pause_broker":
+        return {"for_s": round(u(1.5, 5.0), 2)}
     return {}
 
 
@@ -133,7 +144,19 @@ def random_schedule(seed: int, duration: float, hf: bool = False) -> list[Event]
         trainer_kills += kind == "trainer_kill"
         events.append(Event(round(t, 2), kind, params_for(kind, rng, hf)))
         t += rng.expovariate(1.0 / MEAN_GAP_S)
-    return events
+    return sorted(events + pauses(seed, duration), key=lambda e: e.t)
+
+
+def pauses(seed: int, duration: float) -> list[Event]:
+    """Worker and broker pauses, from their own stream (the seed's other events stay as they were)."""
+    rng = random.Random(f"pauses:{seed}")
+    out: list[Event] = []
+    t = rng.uniform(4.0, 10.0)
+    while t < duration - 4.0:
+        kind = rng.choice(("pause_worker", "pause_worker", "pause_broker"))
+        out.append(Event(round(t, 2), kind, params_for(kind, rng, False)))
+        t += rng.expovariate(1.0 / PAUSE_MEAN_GAP_S)
+    return out
 
 
 # -- named schedules: scripted sequences of the same events ------------------------------------------
@@ -181,11 +204,22 @@ def _long_at_most_once(duration: float, rng: random.Random, hf: bool) -> list[Ev
     return [e for e in out if e.t < duration - 2.0]
 
 
+def _pauses(duration: float, rng: random.Random, hf: bool) -> list[Event]:
+    """Workers frozen (SIGSTOP) for seconds while they hold a session turn, an exact job or a long
+    turn; the broker frozen while jobs run (issue 30, items 8 and 9)."""
+    out = [Event(4.0, "publish"), Event(6.0, "pause_worker", {"victim": "session", "for_s": 5.0})]
+    out += [Event(14.0, "pause_broker", {"for_s": 4.0}), Event(19.0, "publish")]
+    out += [Event(20.0, "pause_worker", {"victim": "session-long", "for_s": 5.0})]
+    out += [Event(27.0, "pause_worker", {"victim": "exact", "for_s": 4.0}), Event(29.0, "pause_broker", {"for_s": 3.0})]
+    return [e for e in out if e.t < duration - 2.0]
+
+
 SCHEDULES: dict[str, Callable[[float, random.Random, bool], list[Event]]] = {
     "drain-flaky-mount": _drain_and_flaky_mount,
     "sessions-trainer": _sessions_and_trainer,
     "chunks-consumers": _chunks_and_consumers,
     "long-at-most-once": _long_at_most_once,
+    "pauses": _pauses,
 }
 
 

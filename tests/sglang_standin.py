@@ -11,7 +11,8 @@ control bodies are checked against io_struct's request classes (``PauseGeneratio
 requests and their order.
 
 Generation is fake but shaped like the real thing: output token ``i`` of a sample is
-``(sum(input_ids) + i) % vocab``, one token per ``token_delay_s``. A request in flight during
+``(sum(input_ids) + i) % vocab``, plus ``sampling_seed * 7919`` where the sample has a seed (its
+random stream), one token per ``token_delay_s``. A request in flight during
 an in-place pause waits and then continues, and reports the weight version live when it
 finished. A prefix cache keyed like SGLang's radix cache (token ids within a ``cache_salt``
 namespace) answers ``meta_info.cached_tokens``: the longest prefix of a finished request's
@@ -52,6 +53,8 @@ class StandinState:
     healthy: bool = True
     fail_next_update: str | None = None  # message of a refused update, once
     fail_next_pull: str | None = None  # message of a refused /pull_weights, once
+    fail_next_pause: str | None = None  # message of a failed /pause_generation (HTTP 500), once
+    fail_next_continue: str | None = None  # message of a failed /continue_generation (HTTP 500), once
     contract_errors: list[str] = field(default_factory=list)  # bodies that broke SGLang's contract
     calls: list[Call] = field(default_factory=list)
     paused: str | None = None  # the pause mode, None when running
@@ -167,6 +170,7 @@ def _one(state: StandinState, prompt: list[int], rid: str, params: dict[str, Any
         held = state.radix.get(salt, [])
         cached = min(max((_prefix(seq, prompt) for seq in held), default=0), len(prompt) - 1)
     max_new = int(params.get("max_new_tokens", 128))
+    seeded = int(params.get("sampling_seed") or 0) * 7919  # a seeded sample's own stream
     stops = set(params.get("stop_token_ids") or [])
     out: list[int] = []
     versions: list[str] = []  # the weight version live when each output token was produced
@@ -183,7 +187,7 @@ def _one(state: StandinState, prompt: list[int], rid: str, params: dict[str, Any
                     break
                 version = state.weight_version
             time.sleep(state.token_delay_s)
-            tok = (sum(prompt) + i) % state.vocab
+            tok = (sum(prompt) + i + seeded) % state.vocab
             out.append(tok)
             versions.append(version)
             with state.cond:
@@ -238,6 +242,9 @@ def _pause(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
     if mode not in ("abort", "retract", "in_place"):
         return 400, {"error": {"message": f"unknown mode {mode}"}}
     with state.cond:
+        if state.fail_next_pause is not None:
+            message, state.fail_next_pause = state.fail_next_pause, None
+            return 500, {"error": {"message": message}}
         state.paused = mode
         if mode == "abort":
             state.aborted.update(state.running)
@@ -247,6 +254,9 @@ def _pause(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
 
 def _continue(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
     with state.cond:
+        if state.fail_next_continue is not None:
+            message, state.fail_next_continue = state.fail_next_continue, None
+            return 500, {"error": {"message": message}}
         state.paused = None
         state.cond.notify_all()
     return 200, {"message": "Generation continued successfully.", "status": "ok"}

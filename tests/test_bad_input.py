@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 
 from rollfleet.broker import ensure_job_consumer
 from rollfleet.schemas import (
+    SCHEMA_VERSION,
     Names,
     Outcome,
     RolloutFailure,
@@ -21,10 +23,10 @@ from rollfleet.schemas import (
     VersionConstraint,
     encode,
 )
-from rollfleet.schemas.errors import InvalidRequest
+from rollfleet.schemas.errors import InvalidRequest, UnsupportedSchema
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
 from rollfleet.testing import running_worker, wait_until
-from rollfleet.trainer_client import RolloutClient, answers
+from rollfleet.trainer_client import RolloutClient, answers, requests
 from tests.helpers import CountingEcho, payload
 
 
@@ -55,6 +57,11 @@ CASES = {
     "oversized": encode(_job_dict(payload={"prompt_token_ids": list(range(200_000))})),
     "impossible-sampling": encode(
         _job_dict(payload={"prompt_token_ids": [1, 2], "sampling": {"max_tokens": 4, "top_p": 7.5}})
+    ),
+    # An extra nested far past the recursion limit (a one-element array in one in ...): decoding
+    # it raised RecursionError in the worker's job task.
+    "deep-extra": encode(_job_dict(payload={"prompt_token_ids": [1, 2], "extra": {"a": "MARK"}})).replace(
+        b"\xa4MARK", b"\x91" * 100_000 + b"\x90"
     ),
 }
 
@@ -111,6 +118,31 @@ async def test_bad_job_without_reply_address_is_terminated(nats_url: str, namesp
         assert results.state.messages == 1  # only the good job's result
 
 
+async def test_a_job_of_a_newer_schema_is_answered_to_its_caller_at_once(
+    nats_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer one schema ahead (a rolling upgrade): a retry policy this worker cannot decode,
+    or a job it could decode but of a schema it does not know, is answered at once with a typed,
+    non-retryable UnsupportedSchema that reaches the caller (not a wait until the deadline), and
+    never run."""
+    monkeypatch.setattr(requests, "RETRY_POLICIES", (*requests.RETRY_POLICIES, "teleport"))
+    monkeypatch.setattr(requests, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
+    engine = CountingEcho()
+    async with (
+        running_worker(nats_url, namespace, engine=engine),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        start = time.monotonic()
+        unknown = await client.submit(payload(), min_version=0, retry_policy="teleport", timeout=60)  # type: ignore[arg-type]
+        with pytest.raises(UnsupportedSchema, match=f"schema {SCHEMA_VERSION + 1}.*cannot decode retry_policy") as e:
+            await unknown.result(5)
+        assert not e.value.retryable
+        newer = await client.submit(payload(), min_version=0, timeout=60)
+        with pytest.raises(UnsupportedSchema, match=f"schema {SCHEMA_VERSION + 1}, newer than this worker's"):
+            await newer.result(5)
+        assert time.monotonic() - start < 8 and engine.calls == []
+
+
 async def test_client_rejects_bad_requests_before_queueing(nats_url: str, namespace: str) -> None:
     async with (
         running_worker(nats_url, namespace),
@@ -155,6 +187,11 @@ async def test_client_rejects_bad_requests_before_queueing(nats_url: str, namesp
         for wrong in wrong_types:
             with pytest.raises(InvalidRequest):
                 await client.submit(wrong, min_version=0)
+        deep: object = 1
+        for _ in range(5_000):  # past the encoder's recursion: it raised RecursionError
+            deep = [deep]
+        with pytest.raises(InvalidRequest, match="nests deeper"):
+            await client.submit(RolloutPayload(prompt_token_ids=[1], extra={"a": deep}), min_version=0)
         info = await client.js.stream_info(client.names.jobs_stream)
         assert info.state.messages == 0
         # An explicit time-out is the time-out (0.5 s here, not the 600 s default).
@@ -170,6 +207,7 @@ def test_cli_refuses_bad_worker_settings_in_one_line(tmp_path: Path) -> None:
         (["--capacity", "two"], "expected a whole number"),
         (["--local-dir", str(blocked / "sub")], "--local-dir"),
         (["--exact-drain", "-1"], "--exact-drain must be >= 0"),
+        (["--echo-keyed"], "--echo-keyed keys its tokens by the weights it loads"),  # and no weights to load
     ]
     for args, message in cases:
         out = subprocess.run(

@@ -86,7 +86,8 @@ async def test_workers_follow_a_bucket_exact_jobs_hold_and_a_late_joiner_catches
             )  # fmt: skip
             assert await asyncio.to_thread(bad.wait, 60) == 2
             said = (tmp_path / "bad.log").read_text()
-            assert "rollfleet: error: s3://rollfleet-weights/run" in said and "SignatureDoesNotMatch" in said
+            assert "rollfleet: error: " in said and "s3://rollfleet-weights/run" in said
+            assert "SignatureDoesNotMatch" in said
             assert secret not in said and "Traceback" not in said, said
             worker("w0")
             await client.wait_for_version(0, replicas=1, timeout=90)
@@ -94,12 +95,11 @@ async def test_workers_follow_a_bucket_exact_jobs_hold_and_a_late_joiner_catches
             # entirely at its version, across the activation that follows.
             pinned = []
             for step in (1, 2):
-                batch = [await client.submit(JOB, exact_version=step - 1, timeout=90) for _ in range(2)]
-                pinned += batch
-                # Taken (running, or answered) before the commit: not left to the orphan rule.
-                await wait_until(
-                    lambda b=batch: all(h.done() for h in b) or client.fleet.replicas()[0].in_flight >= 1, timeout=30
-                )
+                # One job: the registry's in_flight says it was taken (running, or answered) before
+                # the commit, so it is not left to the orphan rule (with two, only one might be).
+                handle = await client.submit(JOB, exact_version=step - 1, timeout=90)
+                pinned.append(handle)
+                await wait_until(lambda h=handle: h.done() or client.fleet.replicas()[0].in_flight >= 1, timeout=30)
                 rl_step(tensors, gen)
                 assert (await client.publish_policy(publisher, tensors)).version == step
                 sums[step] = weights_digest(publisher.checksums)

@@ -19,6 +19,7 @@ from rollfleet.models import build_model_dir
 from rollfleet.schemas import RolloutPayload, SamplingParams
 from rollfleet.schemas.errors import InvalidRequest, LayoutMismatch
 from rollfleet.workers.engines import make_engine
+from rollfleet.workers.engines.base import sample_seed
 from rollfleet.workers.engines.hf import HFEngine
 
 PROMPT = [5, 17, 42, 99, 3]
@@ -137,6 +138,17 @@ async def test_n_samples_are_independent_and_seeded(engine: HFEngine) -> None:
     seqs = [o.token_ids for o in a.outputs]
     assert len(seqs) == 3 and len({tuple(s) for s in seqs}) == 3
     assert seqs == [o.token_ids for o in b.outputs]
+
+
+async def test_a_seeded_sample_draws_the_same_stream_alone_or_in_a_request_of_n(engine: HFEngine) -> None:
+    """Issue 30, item 4: a resumed or segmented job sends sample i alone, seeded
+    ``sample_seed(seed, i)``; it must draw sample i's stream, not sample 0's."""
+    together = await engine.generate("n", payload(max_tokens=12, n=4, temperature=1.0, seed=7))
+    seqs = [o.token_ids for o in together.outputs]
+    assert len({tuple(s) for s in seqs}) == 4
+    for i in range(4):
+        alone = await engine.generate(f"s{i}", payload(max_tokens=12, temperature=1.0, seed=sample_seed(7, i)))
+        assert alone.outputs[0].token_ids == seqs[i], i
 
 
 async def test_concurrent_requests_are_decoded_in_the_same_steps(engine: HFEngine) -> None:

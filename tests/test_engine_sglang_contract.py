@@ -21,6 +21,7 @@ from sglang_standin import SGLangStandin
 from rollfleet.schemas import RolloutPayload, SamplingParams, VersionSpan
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest
 from rollfleet.workers.engines import make_engine
+from rollfleet.workers.engines.http_server import gate_decision, restart_suspected
 from rollfleet.workers.engines.sglang import SGLangEngine
 
 pytestmark = pytest.mark.contract
@@ -191,6 +192,69 @@ async def test_refused_update_keeps_the_served_version(
     assert (await engine.generate("ok", payload(max_tokens=1))).version_end == 0
 
 
+def test_the_gate_waits_during_an_activation_and_refuses_a_server_left_paused_outside_one() -> None:
+    assert gate_decision(activating=False, server_paused=False) == ("send", None)
+    assert gate_decision(activating=True, server_paused=True) == ("wait", None)
+    verdict, problem = gate_decision(activating=False, server_paused=True)
+    assert verdict == "refuse" and problem is not None and "paused" in problem
+
+
+async def test_a_refused_pause_reopens_the_gate_and_the_server_keeps_serving(
+    engine: SGLangEngine, standin: SGLangStandin
+) -> None:
+    """Item 6 of issue 30: a /pause_generation answered with an error once must not leave the gate
+    closed (version sync calls no resume after a pause that raised)."""
+    standin.state.fail_next_pause = "scheduler busy"
+    with pytest.raises(EngineFailure, match="scheduler busy"):
+        await engine.pause()
+    gen = await asyncio.wait_for(engine.generate("after", payload(max_tokens=3)), 5)
+    assert len(gen.outputs[0].token_ids) == 3
+    assert (await engine.health()).ok and standin.state.paused is None
+    # The next activation goes through as usual.
+    await engine.pause()
+    await engine.resume()
+    assert (await asyncio.wait_for(engine.generate("next", payload(max_tokens=1)), 5)).outputs[0].token_ids
+
+
+async def test_a_failed_continue_is_not_healthy_until_the_server_continues(
+    engine: SGLangEngine, standin: SGLangStandin
+) -> None:
+    """A server still paused after the activation would hold every request forever. The activation
+    itself stands (its weights are live: resume does not raise, so it is announced), but health
+    says the server is paused, a request is refused at once (the job goes elsewhere), and each
+    health look or request asks the server to continue again."""
+    await engine.pause()
+    await engine.load_weights(Path("/ckpt/v1"), [], 1)
+    standin.state.fail_next_continue = "tokenizer manager gone"
+    await engine.resume()
+    assert standin.state.paused == "in_place" and engine.version == 1
+    standin.state.fail_next_continue = "still gone"
+    with pytest.raises(EngineFailure, match="paused"):
+        await asyncio.wait_for(engine.generate("held", payload(max_tokens=1)), 5)
+    standin.state.fail_next_continue = "gone for good?"
+    health = await engine.health()
+    assert not health.ok and "paused" in health.detail
+    assert (await engine.health()).ok and standin.state.paused is None  # asked again: it continued
+    gen = await asyncio.wait_for(engine.generate("ok", payload(max_tokens=2)), 5)
+    assert gen.version_end == 1 and gen.outputs[0].token_ids
+
+
+async def test_a_request_held_at_the_gate_can_be_aborted_there(engine: SGLangEngine, standin: SGLangStandin) -> None:
+    """An activation's drain aborts the exact jobs it gave up on; one still waiting at the gate
+    must return (aborted, never sent), or the drain waits for it forever."""
+    await engine.pause()
+    try:
+        task = asyncio.create_task(engine.generate("held", payload(max_tokens=3)))
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        await engine.abort("held")
+        gen = await asyncio.wait_for(task, 5)
+        assert [o.finish_reason for o in gen.outputs] == ["abort"] and gen.outputs[0].token_ids == []
+        assert "/generate" not in standin.state.paths()
+    finally:
+        await engine.resume()
+
+
 async def test_update_reporting_another_version_fails(engine: SGLangEngine, standin: SGLangStandin) -> None:
     original = standin.state.weight_version
 
@@ -272,6 +336,79 @@ async def test_launches_a_server_and_stops_it_on_close(tmp_path: Path) -> None:
     finally:
         await eng.close()
     assert eng.process.returncode is not None
+
+
+def test_a_server_reporting_another_label_than_the_one_set_is_suspected_restarted() -> None:
+    assert not restart_suspected(3, "3") and not restart_suspected(3, 3)
+    assert restart_suspected(3, "default") and restart_suspected(3, None) and restart_suspected(3, "2")
+
+
+async def test_an_attached_server_restarted_on_its_launch_checkpoint_is_reloaded_before_serving(
+    tmp_path: Path,
+) -> None:
+    """Issue 30, item 2: the attached server is SIGKILLed and restarted on its launch checkpoint
+    (label ``default``). The adapter must not take it back as the version it activated: tokens it
+    labels ``default`` are refused (never relabelled with the adapter's version), the engine is
+    down while it reloads the live version's directory, and it serves that version again after."""
+    import signal
+    import subprocess
+
+    import httpx
+
+    from rollfleet.testing import wait_until
+    from rollfleet.workers.engines.http_server import free_port
+
+    script = Path(__file__).with_name("sglang_standin.py")
+    port = free_port("127.0.0.1")
+    launch = [sys.executable, str(script), "--model-path", str(tmp_path / "launch"), "--port", str(port)]
+
+    async def model_info() -> dict:
+        async with httpx.AsyncClient() as http:
+            return (await http.get(f"http://127.0.0.1:{port}/model_info")).json()  # type: ignore[no-any-return]
+
+    async def answers() -> bool:
+        try:
+            return bool(await model_info())
+        except httpx.HTTPError:
+            return False
+
+    server = subprocess.Popen(launch)
+    eng = SGLangEngine(url=f"http://127.0.0.1:{port}", startup_timeout_s=30)
+    try:
+        await eng.start(tmp_path / "v0", 0)
+        await eng.pause()
+        await eng.load_weights(tmp_path / "v1", [], 1)
+        await eng.resume()
+        assert (await model_info())["weight_version"] == "1" and (await eng.health()).ok
+        server.send_signal(signal.SIGKILL)
+        server.wait(10)
+        server = subprocess.Popen(launch)  # back on its launch checkpoint, as vLLM or SGLang would be
+        await wait_until(answers, timeout=20)
+        assert (await model_info())["weight_version"] == "default"
+        with pytest.raises(EngineFailure, match="default"):
+            await eng.generate("after-restart", payload(max_tokens=2))
+        health = await eng.health()
+        assert not health.ok or (await model_info())["weight_version"] == "1"
+
+        async def healthy() -> bool:
+            return (await eng.health()).ok
+
+        await wait_until(healthy, timeout=20)
+        info = await model_info()
+        assert info["weight_version"] == "1" and info["model_path"] == str(tmp_path / "v1")
+        gen = await eng.generate("reloaded", payload(max_tokens=2))
+        assert gen.version_end == 1 and [s.version for s in gen.outputs[0].weight_versions] == [1]
+        # Again, and this time a health look (the worker's, every health_s) is the first to see it.
+        server.send_signal(signal.SIGKILL)
+        server.wait(10)
+        server = subprocess.Popen(launch)
+        await wait_until(answers, timeout=20)
+        await wait_until(healthy, timeout=20)
+        assert (await model_info())["weight_version"] == "1"
+    finally:
+        await eng.close()
+        server.kill()
+        server.wait(10)
 
 
 def test_parsing_tolerates_older_response_shapes() -> None:
@@ -600,3 +737,57 @@ async def test_a_resumable_job_runs_in_segments_and_continues_another_runs_token
     assert out.token_ids == made and len(out.token_ids) == 40 and out.finish_reason == "length"
     assert out.logprobs[:8] == [-0.25] * 8 and result.kept_tokens == 8 and result.engine == "sglang"
     assert [(s.replica, s.start, s.end) for s in out.weight_versions] == [("dead", 0, 8), ("sgl", 8, 40)]
+
+
+async def test_a_seeded_resumable_job_in_segments_returns_samples_that_are_not_copies(
+    standin: SGLangStandin, nats_url: str, namespace: str
+) -> None:
+    """Issue 30, item 4: a resumable job on SGLang runs each sample alone, in segments; sample i must
+    draw its own stream (``sampling_seed`` 7 + i, as in one /generate of n), not sample 0's."""
+    from rollfleet.testing import running_worker
+    from rollfleet.trainer_client import RolloutClient
+
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        engine = SGLangEngine(url=standin.url)
+        async with running_worker(nats_url, namespace, engine=engine, worker_id="sgl", checkpoint_tokens=4):
+            job = payload(max_tokens=8, n=4, seed=7, temperature=1.0)
+            result = await (await client.submit(job, min_version=0, retry_policy="resume", timeout=30)).result(30)
+    seqs = [o.token_ids for o in result.outputs]
+    assert len({tuple(s) for s in seqs}) == 4, seqs
+    vocab = standin.state.vocab
+    for i, seq in enumerate(seqs):  # the first segment is the stand-in's stream for seed 7 + i
+        assert seq[:4] == [(sum(PROMPT) + j + (7 + i) * 7919) % vocab for j in range(4)]
+    seeds = sorted(b["sampling_params"]["sampling_seed"] for b in standin.state.bodies("/generate"))
+    assert seeds == [7, 7, 8, 8, 9, 9, 10, 10]  # two segments of each sample
+
+
+async def test_a_worker_whose_server_fails_a_pause_or_a_continue_keeps_serving_and_announces_what_is_live(
+    standin: SGLangStandin, nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """Issue 30, item 6 through a worker: a /pause_generation answered with an error fails that
+    activation (still at version 0) and jobs are served as before. A /continue_generation that
+    fails after a successful reload does not leave the registry at the old version: version 2 is
+    live, announced, and served once a health look got the server going again."""
+    from rollfleet.testing import running_worker, tensors_at, wait_until, write_base_checkpoint
+    from rollfleet.trainer_client import PolicyPublisher, RolloutClient
+
+    publisher = PolicyPublisher(tmp_path / "store", write_base_checkpoint(tmp_path / "base"), keep_last=None)
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        await client.publish_policy(publisher, tensors_at(0))
+        async with running_worker(
+            nats_url, namespace, engine=SGLangEngine(url=standin.url), worker_id="sgl", store_dir=tmp_path / "store",
+            local_dir=tmp_path / "local", health_s=0.2,
+        ) as worker:  # fmt: skip
+            await client.wait_for_version(0, replicas=1, timeout=30)
+            assert worker.sync is not None
+            standin.state.fail_next_pause = "scheduler busy"
+            await client.publish_policy(publisher, tensors_at(1))
+            await wait_until(lambda: worker.sync is not None and worker.sync.failures, timeout=20)
+            assert "scheduler busy" in worker.sync.failures[-1]
+            served = await (await client.submit(payload(max_tokens=2), min_version=0, timeout=10)).result(10)
+            assert served.version_end == 0
+            standin.state.fail_next_continue = "tokenizer manager gone"
+            await client.publish_policy(publisher, tensors_at(2))
+            await client.wait_for_version(2, replicas=1, timeout=30)
+            result = await (await client.submit(payload(max_tokens=2), exact_version=2, timeout=20)).result(20)
+            assert result.version_start == result.version_end == 2 and standin.state.paused is None

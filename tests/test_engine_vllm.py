@@ -42,6 +42,7 @@ from tests.vllm_helpers import (
     expected_vllm_checksums,
     load_tensors,
     perturb,
+    restarted,
     unavailable,
     write_version,
 )
@@ -227,6 +228,65 @@ async def test_n_samples_seeds_and_no_fixed_seed(engine: VLLMEngine) -> None:
     c = await engine.generate("c", payload(max_tokens=12, n=2, temperature=1.0))
     d = await engine.generate("d", payload(max_tokens=12, n=2, temperature=1.0))
     assert [o.token_ids for o in c.outputs] != [o.token_ids for o in d.outputs]
+
+
+@pytest.mark.heavy  # a second server, killed and relaunched: minutes here (the sglang stand-in's
+# twin of this test runs in `make test`: tests/test_engine_sglang_contract.py)
+async def test_an_attached_server_restarted_on_its_launch_checkpoint_is_reloaded_before_serving(
+    shared: Shared, tmp_path: Path
+) -> None:
+    """Issue 30, item 2: an attached server at version 1 is SIGKILLed and comes back on its launch
+    checkpoint (version 0's weights, /weight_info ``default``). The adapter must not take it back as
+    version 1: it reloads version 1's directory before serving, so greedy tokens are version 1's."""
+    server = Server(shared.base, tmp_path / "server.log")
+    eng = VLLMEngine(url=server.url, health_interval_s=0.5)
+    try:
+        await eng.start(shared.base, 0)
+        await activate(eng, shared.v1, 1)
+        before = (await eng.generate("v1", payload(max_tokens=12, temperature=0.0))).outputs[0].token_ids
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(30)
+        server = restarted(server, shared.base)
+        async with httpx.AsyncClient(base_url=server.url) as http:  # back on version 0's weights
+            assert (await http.get("/weight_info")).json()["weight_version"] != "1"
+        try:  # refused, or served once version 1 is back: never version 0's tokens labelled 1
+            early = await eng.generate("early", payload(max_tokens=12, temperature=0.0))
+            assert early.outputs[0].token_ids == before and early.version_end == 1
+        except EngineFailure:
+            pass
+
+        async def serving() -> bool:
+            return (await eng.health()).ok and await eng.served_version() == 1
+
+        await wait_until(serving, timeout=120, what="version 1 reloaded")
+        after = await eng.generate("again", payload(max_tokens=12, temperature=0.0))
+        assert after.outputs[0].token_ids == before and after.version_end == 1
+    finally:
+        await eng.close()
+        server.stop()
+
+
+async def test_a_seeded_resumable_job_in_segments_returns_samples_that_are_not_copies(
+    shared: Shared, nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """Issue 30, item 4: a resumable job runs each sample alone on vLLM, in segments; sample i
+    draws vLLM's stream for sample i of the job (seed 7 + i), not sample 0's."""
+    store = tmp_path / "store"
+    engine = VLLMEngine(url=shared.server.url, health_interval_s=0.5)
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        await client.publish_policy(PolicyPublisher(store, shared.base), load_tensors(shared.base))
+        async with running_worker(
+            nats_url, namespace, worker_id="v", engine=engine, store_dir=store, local_dir=tmp_path / "local",
+            checkpoint_tokens=8,
+        ):  # fmt: skip
+            await client.wait_for_version(0, replicas=1, timeout=60)
+            job = payload(max_tokens=16, n=4, temperature=1.0, seed=7)
+            result = await (await client.submit(job, min_version=0, retry_policy="resume", timeout=120)).result(120)
+            reference = await engine.generate("ref", payload(max_tokens=8, n=4, temperature=1.0, seed=7))
+    seqs = [o.token_ids for o in result.outputs]
+    assert all(len(s) == 16 for s in seqs) and len({tuple(s) for s in seqs}) == 4, seqs
+    # The first segment of sample i is sample i of one request of n (vLLM seeds it 7 + i).
+    assert [s[:8] for s in seqs] == [o.token_ids for o in reference.outputs]
 
 
 async def test_bad_input_is_refused_with_a_typed_error_and_the_server_keeps_serving(engine: VLLMEngine) -> None:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 from pathlib import Path
+
+import pytest
 
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.topology import TopologyConfig
-from rollfleet.testing import running_worker, start_worker_process, terminate, wait_until
+from rollfleet.schemas.errors import NoCompatibleReplica
+from rollfleet.testing import ProcessGroup, running_worker, start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import CountingEcho, payload
 
@@ -105,3 +109,33 @@ async def test_sigterm_drains_in_flight_jobs_and_logs_json(nats_url: str, namesp
     assert done[0]["idempotency_key"] == "drain-me" and done[0]["worker_id"] == "drainer"
     assert {"job_id", "version", "version_start", "version_end", "timestamp", "level"} <= set(done[0])
     assert [e["event"] for e in events].index("draining") < [e["event"] for e in events].index("stopped")
+
+
+async def test_an_exact_job_whose_holder_died_is_not_held_up_by_a_replica_draining_its_own(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """Item 11: an exact-0 job runs on a (capacity 1); b, the only other replica at version 0, runs
+    a long job of its own and is draining it (SIGTERM). a is SIGKILLed: no live replica can serve
+    the exact job, and b never took it (the job's claim names a): it is answered
+    NoCompatibleReplica within seconds, not left waiting for b's drain until it is Expired."""
+    slow = ("--capacity", "1", "--echo-token-latency", "0.05")
+    group = ProcessGroup(tmp_path)
+    try:
+        group.worker(nats_url, namespace, "a", *slow)
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=30)
+            exact = await client.submit(payload(max_tokens=400), exact_version=0, timeout=30)  # 20 s on a
+            await wait_until(lambda: client.placement.taken(exact), timeout=10)
+            group.worker(nats_url, namespace, "b", *slow)
+            await wait_until(lambda: len(client.fleet.replicas()) == 2, timeout=30)
+            own = await client.submit(payload(max_tokens=600), min_version=0, timeout=60)  # 30 s on b
+            await wait_until(lambda: client.placement.taken(own), timeout=10)
+            group.procs["b"].send_signal(signal.SIGTERM)
+            await wait_until(lambda: (r := client.fleet.replica("b")) is not None and r.state == "draining", timeout=10)
+            group.kill("a")
+            t0 = time.monotonic()
+            with pytest.raises(NoCompatibleReplica):
+                await asyncio.wait_for(exact.result(), 12)
+            assert time.monotonic() - t0 < 12.0
+    finally:
+        group.close()

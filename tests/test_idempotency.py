@@ -23,7 +23,7 @@ from rollfleet.testing import (
     wait_until,
     write_base_checkpoint,
 )
-from rollfleet.trainer_client import PolicyPublisher, RolloutClient
+from rollfleet.trainer_client import PolicyPublisher, RolloutClient, answers
 from tests.helpers import CountingEcho, payload
 
 TOPO = TopologyConfig(ack_wait_s=1.5)
@@ -293,3 +293,39 @@ async def test_a_key_resubmitted_after_a_broker_restart_is_answered_once(tmp_pat
             assert len(engine.calls) == 1
     finally:
         broker.stop()
+
+
+async def test_a_key_resubmitted_while_the_broker_restarts_is_answered_once(tmp_path: Path) -> None:
+    """Item 12: a client older than the duplicate window (3 s here) resubmits an answered key while
+    the broker is down; the broker comes back with its duplicate detection rebuilt from the jobs
+    it stores (the answered one is gone). The resubmission waits for the broker and finds the
+    stored answer before it stores anything: one job run, one answer."""
+    topo = TopologyConfig(duplicate_window_s=3.0)
+    broker = EmbeddedBroker(store_dir=tmp_path / "nats", log_file=tmp_path / "nats.log").start()
+    try:
+        engine = CountingEcho()
+        async with (
+            running_worker(broker.url, "restart", engine=engine, worker_id="w", topology=topo),
+            await RolloutClient.connect(broker.url, namespace="restart", client_id="t", topology=topo) as client,
+        ):
+            await asyncio.sleep(topo.duplicate_window_s)  # this client's own start is past the window
+            answered = await (await client.submit(payload([3]), min_version=0, idempotency_key="k")).result(10)
+            broker.kill()
+            await wait_until(lambda: not client.nc.is_connected, timeout=5)  # the client knows it is away
+            again = asyncio.ensure_future(client.submit(payload([3]), min_version=0, idempotency_key="k"))
+            await asyncio.sleep(0.3)
+            broker.start()  # same port, same store; well inside the key's duplicate window
+            result = await (await asyncio.wait_for(again, 20)).result(10)
+            assert result.job_id == answered.job_id and result.outputs == answered.outputs
+            await asyncio.sleep(1.0)
+            stored = [o async for _, o in answers.stored(client.js, client.names, "t", "k")]
+            assert len(stored) == 1 and len(engine.calls) == 1
+    finally:
+        broker.stop()
+
+
+def test_a_resubmission_looks_for_a_stored_answer_in_the_window_or_while_the_broker_is_away() -> None:
+    assert answers.look_up_before_storing(now=10.0, recheck_until=11.0, connected=True)
+    assert not answers.look_up_before_storing(now=12.0, recheck_until=11.0, connected=True)
+    # Past the window, but the broker is away: it may come back without the key's duplicate entry.
+    assert answers.look_up_before_storing(now=12.0, recheck_until=11.0, connected=False)

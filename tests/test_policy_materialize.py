@@ -221,3 +221,53 @@ def test_durable_mode_fsyncs_and_is_trusted_after_a_reboot(tmp_path: Path) -> No
     _fake_reboot(local)
     res = materialize(local, store, 2, durable=True)
     assert not res.reseeded and read_local(local) == raw(weights[2])
+
+
+def _other_store(root: Path, steps: int) -> tuple[Path, list[dict[str, torch.Tensor]]]:
+    """A store at ``root/store`` with versions 0..steps whose bytes differ from every Chain's."""
+    base = make_checkpoint(root / "base", seed=7)
+    store = root / "store"
+    pub = PolicyPublisher(store, root / "base", keyframe_every=0, keep_last=None)
+    trainer = Trainer(base, seed=8)
+    weights = [trainer.weights()]
+    pub.publish(weights[0])
+    for _ in range(steps):
+        weights.append(trainer.step())
+        pub.publish(weights[-1])
+    return store, weights
+
+
+@pytest.mark.parametrize("held", [1, 0])
+def test_a_local_dir_reused_with_another_store_ends_with_that_stores_bytes(tmp_path: Path, held: int) -> None:
+    a, _ = publish_steps(tmp_path / "a", 1, keyframe_every=0)
+    b, b_weights = _other_store(tmp_path / "b", 1)
+    local = tmp_path / "local"
+    materialize(local, a, held)  # store A's version `held` (a marker for 1 equals the target below)
+    res = materialize(local, b, 1)
+    assert res.reseeded and res.version == 1 and read_marker(local) == 1
+    assert read_local(local) == raw(b_weights[1])  # B's version 1, not A's
+    assert materialize(local, b, 1).applied == []  # and from now on it is B's: nothing to redo
+
+
+def test_a_store_recreated_by_another_run_is_not_taken_for_the_old_one(tmp_path: Path) -> None:
+    store, _ = publish_steps(tmp_path / "run1", 1, keyframe_every=0)
+    local = tmp_path / "local"
+    materialize(local, store, 1)
+    shutil.rmtree(store)  # the next run publishes into the same directory
+    again, weights = _other_store(tmp_path / "run2", 1)
+    shutil.move(again, store)
+    res = materialize(local, store, 1)
+    assert res.reseeded and read_local(local) == raw(weights[1])
+
+
+def test_marker_matches_only_this_stores_version() -> None:
+    from rollfleet.policy_store.materialize import marker_matches, store_identity
+
+    sums = {"a": "xxh3-128:01", "b": "xxh3-128:02"}
+    here = store_identity("/stores/a")
+    assert marker_matches(here, sums, "/stores/a", {"a": "xxh3-128:01"})  # a delta that changed `a`
+    assert marker_matches(here, sums, "/stores/a", None)  # the version was retired: the store decides
+    assert not marker_matches(here, sums, "/stores/a", {"a": "xxh3-128:ff"})  # other bytes under that number
+    assert not marker_matches(here, sums, "/stores/b", {"a": "xxh3-128:01"})  # another store
+    assert not marker_matches(None, sums, "/stores/a", None)  # a marker that does not say its store
+    assert "stores" not in here  # a digest: an address may carry secrets

@@ -10,9 +10,11 @@ uploads, hostile keys.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +23,8 @@ import pytest
 from policy_helpers import Trainer, kill_at_pause, make_checkpoint, raw, read_local
 
 from rollfleet.policy_store import list_versions, read_marker
-from rollfleet.policy_store.bucket import Bucket, check_store
+from rollfleet.policy_store.bucket import OBJECTS_KEY, PIN_FORMAT, Bucket, check_store
+from rollfleet.policy_store.formats import new_hasher
 from rollfleet.policy_store.publisher import PolicyPublisher
 from rollfleet.policy_store.remote import CACHE_DIR, materialize_from, open_store
 from rollfleet.policy_store.retention import plan_retention
@@ -69,14 +72,28 @@ class Backend:
         return reader.versions() if isinstance(reader, Bucket) else list_versions(reader)
 
     def _key(self, version: int, name: str) -> str:
-        return f"{self.store.split('/', 3)[3]}/weight_v{version:06d}/{name}"
+        """The object holding file ``name`` of a version: the one its index pins (the index itself)."""
+        vdir = f"{self.store.split('/', 3)[3]}/weight_v{version:06d}"
+        if name == INDEX_FILE:
+            return f"{vdir}/{name}"
+        return f"{vdir}/{self._pins(version)['prefix']}/{name}"
+
+    def _pins(self, version: int) -> dict:
+        assert self.server is not None
+        key = f"{self.store.split('/', 3)[3]}/weight_v{version:06d}/{INDEX_FILE}"
+        index = json.loads(self.server.client().get_object(Bucket=s3.BUCKET, Key=key)["Body"].read())
+        return index["metadata"][OBJECTS_KEY]  # type: ignore[no-any-return]
 
     def files(self, version: int) -> list[str]:
+        """A version's files: those its index pins, or every object under it while it has no index."""
         if self.server is None:
             return sorted(os.listdir(Path(self.store) / f"weight_v{version:06d}"))
         reader = self.reader()
         assert isinstance(reader, Bucket)
-        return sorted(reader.objects().get(version, {}))
+        objects = reader.objects().get(version, {})
+        if INDEX_FILE not in objects:
+            return sorted(objects)
+        return sorted([INDEX_FILE, *self._pins(version)["files"]])
 
     def read(self, version: int, name: str) -> bytes:
         if self.server is None:
@@ -261,7 +278,7 @@ def test_a_download_killed_midway_resumes_where_it_stopped(tmp_path: Path, s3_se
     assert os.listdir(cache) == [".rollfleet.lock"]  # nothing left behind once applied
 
 
-def test_an_upload_killed_midway_is_never_listed_and_the_next_publisher_replaces_it(
+def test_an_upload_killed_midway_is_never_listed_and_the_next_publisher_publishes_the_number(
     tmp_path: Path, s3_server: s3.S3Server
 ) -> None:
     url = s3_server.url(tmp_path.name)
@@ -282,6 +299,11 @@ pub.publish(Trainer(make_checkpoint(Path({str(tmp_path / "scratch")!r}), sharded
     trainer = Trainer(weights[0], seed=9)
     pub = PolicyPublisher(url, tmp_path / "base", keep_last=None)
     assert pub.publish(trainer.step()).version == 1
+    # The dead upload's objects are left alone (they might have been a live racer's), and unpinned.
+    reader = backend.reader()
+    assert isinstance(reader, Bucket)
+    pins = _edit_index(backend, 1)
+    assert {k for k in reader.objects()[1] if not k.startswith(f"{pins['prefix']}/")} - {INDEX_FILE}
     backend.follow(tmp_path / "local", 1)
     assert read_local(tmp_path / "local") == raw(trainer.weights())
 
@@ -290,7 +312,10 @@ def test_hostile_object_names_are_refused(tmp_path: Path, s3_server: s3.S3Server
     url = s3_server.url(tmp_path.name)
     backend = Backend("s3", url, s3_server)
     _publish_chain(tmp_path, backend, 0, keep_last=None)
-    backend.write(0, "a\\..\\..\\evil.json", b"x")  # a full version's extra top-level file
+    backend.write(0, "a\\..\\..\\evil.json", b"x")  # a full version's extra top-level file...
+    pins = _edit_index(backend, 0)
+    pins["files"]["a\\..\\..\\evil.json"] = {"size": 1, "checksum": _pin(b"x")}  # ...that its index pins
+    _edit_index(backend, 0, pins)
     with pytest.raises(HostileName):
         backend.follow(tmp_path / "local", 0)
     assert read_marker(tmp_path / "local") is None
@@ -333,3 +358,189 @@ def test_an_endpoint_given_as_a_setting_instead_of_the_environment(
     pub.publish(tensors)
     materialize_from(Bucket(url, endpoint=s3_server.endpoint), tmp_path / "local", 0)
     assert read_local(tmp_path / "local") == raw(tensors)
+
+
+# -- a published version is what its index pins, whoever else writes -------------------------
+
+
+def _pin(data: bytes) -> str:
+    hasher = new_hasher(PIN_FORMAT)
+    hasher.update(data)
+    return hasher.hexdigest()
+
+
+def _edit_index(backend: Backend, version: int, pins: dict | None = None) -> dict:
+    """The pins of a version's index; with ``pins``, the index object rewritten to pin those instead
+    (what no publisher can do: the index is create-only; damage, or a repair, at the source)."""
+    key = backend._key(version, INDEX_FILE)
+    doc = json.loads(backend.read(version, INDEX_FILE))
+    if pins is not None:
+        doc["metadata"][OBJECTS_KEY] = pins
+        assert backend.server is not None
+        backend.server.client().put_object(Bucket=s3.BUCKET, Key=key, Body=json.dumps(doc).encode())
+    return doc["metadata"][OBJECTS_KEY]  # type: ignore[no-any-return]
+
+
+def test_racing_publishers_one_wins_and_a_replica_gets_exactly_the_winners_bytes(
+    tmp_path: Path, s3_server: s3.S3Server
+) -> None:
+    url = s3_server.url(tmp_path.name)
+    backend = Backend("s3", url, s3_server)
+    base = make_checkpoint(tmp_path / "base", sharded=True)
+    PolicyPublisher(url, tmp_path / "base", keep_last=None).publish(base)
+    local = tmp_path / "local"
+    backend.follow(local, 0)
+    # Two trainers that both believe 0 is the latest publish different bytes as 1, at once.
+    pubs = [PolicyPublisher(url, tmp_path / "base", keep_last=None, max_shard_bytes=1 << 20) for _ in range(2)]
+    weights = [Trainer(base, seed=seed).step() for seed in (3, 4)]
+    start = threading.Barrier(2)
+    outcome: dict[int, object] = {}
+
+    def publish(i: int) -> None:
+        start.wait()
+        try:
+            outcome[i] = pubs[i].publish(weights[i])
+        except VersionConflict as exc:
+            outcome[i] = exc
+
+    threads = [threading.Thread(target=publish, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    [winner] = [i for i in range(2) if not isinstance(outcome[i], VersionConflict)]
+    assert isinstance(outcome[1 - winner], VersionConflict)
+    assert backend.versions() == [0, 1]
+    # The refused publisher took back what it wrote: under 1, the index and what it pins alone.
+    pins = _edit_index(backend, 1)
+    reader = backend.reader()
+    assert isinstance(reader, Bucket)
+    assert set(reader.objects()[1]) == {INDEX_FILE} | {f"{pins['prefix']}/{n}" for n in pins["files"]}
+    backend.follow(local, 1)
+    assert read_local(local) == raw(weights[winner])
+    late = tmp_path / "late"
+    backend.follow(late, 1)  # a second replica, from nothing: the same version 1
+    assert read_local(late) == raw(weights[winner])
+
+
+@pytest.mark.parametrize("keyframe_every", [0, 1], ids=["delta", "full"])
+def test_a_late_upload_under_a_published_version_cannot_change_what_readers_verify(
+    tmp_path: Path, s3_server: s3.S3Server, keyframe_every: int
+) -> None:
+    """A refused publisher's puts landing after the winner's index (its shards, and its sidecar:
+    a full version's checksums): every object readers read for version 1 gets the loser's bytes."""
+    url = s3_server.url(tmp_path.name)
+    backend = Backend("s3", url, s3_server)
+    base = make_checkpoint(tmp_path / "base", sharded=True)
+    options = {"keep_last": None, "keyframe_every": keyframe_every}
+    pub = PolicyPublisher(url, tmp_path / "base", **options)  # type: ignore[arg-type]
+    pub.publish(base)
+    local = tmp_path / "local"
+    backend.follow(local, 0)
+    pub.publish(Trainer(base, seed=3).step())
+    loser = PolicyPublisher(tmp_path / "loser", tmp_path / "base", **options)  # type: ignore[arg-type]
+    loser.publish(base)
+    loser.publish(Trainer(base, seed=4).step())  # its version 1: the same base, other bytes
+    loser_dir = tmp_path / "loser" / "weight_v000001"
+    prefix = f"{tmp_path.name}/weight_v000001/"
+    client = s3_server.client()
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3.BUCKET, Prefix=prefix)["Contents"]]
+    replaced = 0
+    for name in os.listdir(loser_dir):
+        for key in (k for k in keys if k.endswith(f"/{name}") and name != INDEX_FILE):
+            client.put_object(Bucket=s3.BUCKET, Key=key, Body=(loser_dir / name).read_bytes())
+            replaced += 1
+    assert replaced >= 2  # a shard and the sidecar at least
+    with pytest.raises(ChecksumMismatch):
+        backend.follow(local, 1)
+    assert read_marker(local) == 0 and read_local(local) == raw(base)  # still serving 0, intact
+    with pytest.raises(ChecksumMismatch):
+        backend.follow(tmp_path / "late", 1)
+    assert read_marker(tmp_path / "late") is None
+
+
+def _rename_first_tensor(shard: bytes, name: str) -> bytes:
+    """A safetensors file whose first tensor is called ``name`` (its bytes where they were)."""
+    n = int.from_bytes(shard[:8], "little")
+    header = json.loads(shard[8 : 8 + n])
+    first = next(k for k in header if k != "__metadata__")
+    header[name] = header.pop(first)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + shard[8 + n :]
+
+
+def test_a_download_refused_for_any_reason_is_not_reused_after_the_bucket_is_repaired(
+    tmp_path: Path, s3_server: s3.S3Server
+) -> None:
+    url = s3_server.url(tmp_path.name)
+    backend = Backend("s3", url, s3_server)
+    _, weights = _publish_chain(tmp_path, backend, 1, keyframe_every=0, keep_last=None)
+    local = tmp_path / "local"
+    backend.follow(local, 0)
+    pins = _edit_index(backend, 1)
+    shard = next(n for n in pins["files"] if n.endswith(".safetensors"))
+    good = backend.read(1, shard)
+    hostile = _rename_first_tensor(good, "../evil")
+    backend.write(1, shard, hostile)  # a bad version at the source, its pins consistent with it
+    bad_pins = json.loads(json.dumps(pins))
+    bad_pins["files"][shard] = {"size": len(hostile), "checksum": _pin(hostile)}
+    _edit_index(backend, 1, bad_pins)
+    with pytest.raises(HostileName):
+        backend.follow(local, 1)
+    assert read_marker(local) == 0
+    assert not (local / CACHE_DIR / "weight_v000001").exists()  # the refused download was forgotten
+    backend.write(1, shard, good)  # repaired at the source
+    _edit_index(backend, 1, pins)
+    backend.follow(local, 1)
+    assert read_local(local) == raw(weights[1])
+
+
+def test_a_version_published_again_under_its_number_is_read_afresh(tmp_path: Path, s3_server: s3.S3Server) -> None:
+    """A long-lived reader's cached index is dropped when a listing shows the index replaced."""
+    url = s3_server.url(tmp_path.name)
+    base = make_checkpoint(tmp_path / "base", sharded=True)
+    pub = PolicyPublisher(url, tmp_path / "base", keep_last=None, keyframe_every=0)
+    pub.publish(base)
+    pub.publish(Trainer(base, seed=3).step())
+    reader = Bucket(url)
+    assert reader.versions() == [0, 1] and not reader.is_full(1)  # read, and cached
+    assert Bucket(url).delete(1)  # retired elsewhere, then published again as a full version
+    again = Trainer(base, seed=4).step()
+    assert PolicyPublisher(url, tmp_path / "base", keep_last=None, keyframe_every=1).publish(again).version == 1
+    assert reader.versions() == [0, 1]
+    assert reader.is_full(1)  # the new index, not the cached one
+    materialize_from(reader, tmp_path / "local", 1)
+    assert read_local(tmp_path / "local") == raw(again)
+    assert reader.delete(1) and reader.versions() == [0]
+    assert 1 not in reader._indexes  # bounded by what the bucket lists
+
+
+# A ``--local-dir`` reused with another store, in an object store: the marker names the bucket, so
+# another bucket's version N is never taken for this one's (a directory store: test_policy_materialize).
+
+
+def _publish_seeded(tmp: Path, store: str, seed: int, steps: int) -> list[dict]:
+    """Versions 0..steps (deltas after 0) into ``store``; their bytes depend on ``seed``."""
+    base = make_checkpoint(tmp / "base", seed=seed)
+    pub = PolicyPublisher(store, tmp / "base", keyframe_every=0, keep_last=None)
+    trainer = Trainer(base, seed=seed + 1)
+    weights = [trainer.weights()] + [trainer.step() for _ in range(steps)]
+    for w in weights:
+        pub.publish(w)
+    return weights
+
+
+def test_a_local_dir_reused_with_another_bucket_ends_with_that_buckets_bytes(
+    tmp_path: Path, s3_server: s3.S3Server
+) -> None:
+    a, b = s3_server.url(f"{tmp_path.name}-a"), s3_server.url(f"{tmp_path.name}-b")
+    _publish_seeded(tmp_path / "a", a, seed=0, steps=1)
+    b_weights = _publish_seeded(tmp_path / "b", b, seed=7, steps=2)
+    local = tmp_path / "local"
+    materialize_from(open_store(a), local, 1)
+    # B's delta 2 must not be applied over A's 1 (it would fail its checksums, and keep failing:
+    # the replica would never leave A's weights); B's own chain is followed from its base instead.
+    res = materialize_from(open_store(b), local, 2)
+    assert res.reseeded and res.version == 2
+    assert read_local(local) == raw(b_weights[2])

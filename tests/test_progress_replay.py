@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollfleet.schemas import VersionSpan, decode, encode
+from rollfleet.schemas import Completion, RolloutResult, VersionSpan, decode, encode
 from rollfleet.schemas.errors import CorruptCheckpoint, InvalidRequest
 from rollfleet.schemas.progress import (
     MAC_HEADER,
@@ -108,3 +108,89 @@ def test_a_record_is_the_jobs_only_with_its_mac_over_its_exact_bytes() -> None:
     assert not sealed("job-1", data, {}) and not sealed("job-1", data, None)
     assert not sealed("job-1", data, {MAC_HEADER: "0" * len(mac)})
     assert b"job-1" not in data  # a record names no job: reading one reveals no job id
+
+
+def _answer(*samples: tuple[list[int], str]) -> RolloutResult:
+    outs = [
+        Completion(
+            token_ids=ids,
+            finish_reason=finish,  # type: ignore[arg-type]
+            logprobs=[-0.5] * len(ids),
+            weight_versions=[VersionSpan(version=0, start=0, end=len(ids), replica="a")],
+        )
+        for ids, finish in samples
+    ]
+    return RolloutResult(
+        job_id="j", idempotency_key="k", client_id="c", outputs=outs, version_start=0, version_end=0,
+        worker_id="a", engine="echo", queue_wait_s=0.0, generation_s=0.0, delivery_attempt=1, finished_at=0.0,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("streamed", [(0, 0), (10, 0), (25, 7), (30, 12)])
+def test_a_stream_that_lags_the_answer_takes_the_rest_from_it_each_token_once(streamed: tuple[int, int]) -> None:
+    """``streaming._rest``, the end-of-job catch-up: a stream that read only part of the
+    checkpoints when the answer came (nothing, some of each sample, all of one) ends with exactly
+    the answer's tokens past what it yielded, with their log-probs, spans and finish: put together,
+    the answer, each token once; nothing at all once the checkpoints carried everything."""
+    from rollfleet.trainer_client.streaming import _rest
+
+    answer = _answer((list(range(30)), "length"), (list(range(12)), "stop"))
+    replay, chunks = fresh(), []
+    for i, upto in enumerate(streamed):
+        if upto:
+            finish = answer.outputs[i].finish_reason if upto == len(answer.outputs[i].token_ids) else None
+            chunks += replay.apply(tokens(delta(0, upto, index=i, finish=finish)))
+    rest = _rest(replay, answer)
+    assert not any(c.rewound for c in rest)
+    joined: list[list[int]] = [[], []]
+    for c in [*chunks, *rest]:
+        assert c.start == len(joined[c.index])  # no gap, no token twice
+        joined[c.index] += c.token_ids
+    assert joined == [out.token_ids for out in answer.outputs]
+    for c in rest:
+        out = answer.outputs[c.index]
+        assert c.logprobs == out.logprobs[c.start :] and c.finish == out.finish_reason
+        assert c.spans == [VersionSpan(version=0, start=c.start, end=len(out.token_ids), replica="a")]
+    assert len(rest) == sum(1 for i, upto in enumerate(streamed) if upto < len(answer.outputs[i].token_ids))
+
+
+def test_a_stream_whose_checkpoints_differ_from_the_answer_rewinds_to_where_they_part() -> None:
+    """Tokens streamed that the answer does not have (a run whose checkpoints were given up) are
+    rewound from where they part, and the answer's tokens follow from there."""
+    from rollfleet.trainer_client.streaming import _rest
+
+    replay = fresh(1)
+    replay.apply(tokens(SampleDelta(index=0, start=0, token_ids=[0, 1, 2, 99], logprobs=[0.0] * 4,
+                                    spans=[VersionSpan(version=0, start=0, end=4, replica="a")])))  # fmt: skip
+    rest = _rest(replay, _answer((list(range(8)), "length")))
+    assert [(c.start, c.rewound, c.token_ids) for c in rest] == [(3, True, []), (3, False, [3, 4, 5, 6, 7])]
+
+
+def test_a_resumable_jobs_claim_is_its_holders_only_with_the_jobs_mac() -> None:
+    """A sealed claim reads back as its holder and time, for the job it was sealed for only; what
+    any ``Claim`` reader sees of it (worker, time) is unchanged; a claim written by someone without
+    the job id (none, another job's, a made-up one) or marked stopped since is nobody's."""
+    from rollfleet.schemas import Claim
+    from rollfleet.schemas.progress import open_claim, seal_claim
+
+    claim = Claim("w1:42-abcd", 1_700_000_000.25)
+    value = seal_claim("job-1", claim)
+    assert open_claim("job-1", value) == claim
+    assert Claim.decode(value).worker_id == "w1" and Claim.decode(value).refreshed == claim.refreshed
+    assert open_claim("job-2", value) is None
+    assert open_claim("job-1", claim.encode()) is None  # a plain claim (a rogue's, fresh as it likes)
+    assert open_claim("job-1", value.replace(b"@1700000000.250", b"@1800000000.250")) is None  # moved on
+    assert open_claim("job-1", Claim.decode(value)._replace(refreshed=0.0).encode()) is None  # marked stopped
+    assert open_claim("job-1", None) is None and open_claim("job-1", b"garbage") is None
+
+
+def test_the_broker_giving_up_on_a_message_names_its_sequence() -> None:
+    from rollfleet.broker.topology import given_up_seq
+
+    advisory = (
+        b'{"type":"io.nats.jetstream.advisory.v1.max_deliver","id":"x","timestamp":"2026-01-01T00:00:00Z",'
+        b'"stream":"RF_NS_JOBS","consumer":"min-0","stream_seq":17,"deliveries":10}'
+    )
+    assert given_up_seq(advisory) == 17
+    assert given_up_seq(b"{}") is None and given_up_seq(b"not json") is None
+    assert given_up_seq(b"[" * 100_000) is None  # deeply nested: refused, not a RecursionError

@@ -459,6 +459,50 @@ async def test_hf_generation_resumes_on_another_replica(nats_url: str, namespace
             terminate(b, 10.0, signal.SIGKILL)
 
 
+async def test_a_seeded_hf_job_resumed_after_a_kill_returns_samples_that_are_not_copies(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """Issue 30, item 4: a seeded job of n=4 on hf, its replica SIGKILLed mid-job. The resumed run
+    sends each sample alone; each must go on drawing its own stream (seed 7 + i), not sample 0's
+    (on the tiny random model one stream makes nearly the same tokens whatever the context)."""
+    from rollfleet.models.tiny import build_model_dir
+    from rollfleet.schemas import RolloutPayload, SamplingParams
+
+    model = build_model_dir(tmp_path / "model", preset="tiny", seed=0)
+    hf = ("--engine", "hf", "--device", "cpu", "--model-dir", str(model))
+    a = _start(nats_url, namespace, "a", tmp_path, *hf)
+    b = None
+    try:
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=TOPO) as client:
+            await client.wait_for_version(0, replicas=1, timeout=120)
+            job = RolloutPayload(
+                prompt_token_ids=[5, 6, 7, 8],
+                sampling=SamplingParams(max_tokens=96, temperature=1.0, seed=7),
+                n=4,
+                extra={"ignore_eos": True},
+            )
+            handle = await client.submit(job, min_version=0, retry_policy="resume", idempotency_key="k", timeout=180)
+            await _wait_stored(client, handle.job_id, 32, timeout=60)
+            a.send_signal(signal.SIGKILL)
+            a.wait(10)
+            b = _start(nats_url, namespace, "b", tmp_path, *hf)
+            result = await handle.result(120)
+    finally:
+        terminate(a, 10.0, signal.SIGKILL)
+        if b is not None:
+            terminate(b, 10.0, signal.SIGKILL)
+    assert result.kept_tokens > 0
+    seqs = [o.token_ids for o in result.outputs]
+    assert all(len(s) == 96 for s in seqs)
+    resumed_from = max(min(s.start for s in o.weight_versions if s.replica == "b") for o in result.outputs)
+    assert resumed_from < 96
+    for i in range(4):
+        for j in range(i + 1, 4):
+            after = list(zip(seqs[i][resumed_from:], seqs[j][resumed_from:], strict=True))
+            same = sum(x == y for x, y in after)
+            assert same < len(after) / 2, (i, j, same, len(after))
+
+
 async def test_random_kills_across_many_jobs_never_lose_a_checkpointed_token(
     nats_url: str, namespace: str, tmp_path: Path
 ) -> None:

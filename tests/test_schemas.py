@@ -262,3 +262,32 @@ def test_a_job_built_with_its_payload_encoded_once_is_the_job_workers_decode() -
     assert decode(data, RolloutJob) == job
     assert set(RolloutJob.__struct_fields__) == set(RolloutJobWire.__struct_fields__)
     assert RolloutJob.__struct_fields__ == RolloutJobWire.__struct_fields__  # same order: same bytes
+
+
+def test_a_worker_decides_what_to_do_with_a_job_of_another_schema() -> None:
+    """``decode_job``: a job of a newer schema is refused (UnsupportedSchema, naming the schema and
+    the fields it cannot decode) even when it decodes; a value unknown at this schema is plain
+    bad input; either way ``job_address`` still reads where the answer goes."""
+    from rollfleet.schemas import SCHEMA_VERSION, decode_job, job_address
+
+    wire = msgspec.to_builtins(_job(fingerprint="f1"))
+    assert decode_job(encode(wire), max_bytes=1 << 20) == _job(fingerprint="f1")
+    cases = [
+        ({"schema": SCHEMA_VERSION + 1, "retry_policy": "teleport"}, E.UnsupportedSchema, ("retry_policy",)),
+        ({"schema": SCHEMA_VERSION + 1}, E.UnsupportedSchema, ()),
+        ({"retry_policy": "teleport"}, E.InvalidRequest, None),
+    ]
+    for changes, error, fields in cases:
+        data = encode(wire | changes)
+        with pytest.raises(error) as caught:
+            decode_job(data, max_bytes=1 << 20)
+        assert type(caught.value) is error and not caught.value.retryable
+        if fields is not None:
+            assert (caught.value.schema, caught.value.supported) == (SCHEMA_VERSION + 1, SCHEMA_VERSION)
+            assert caught.value.fields == fields
+        address = job_address(data)
+        assert address is not None and (address.job_id, address.fingerprint) == ("j1", "f1")
+        assert (address.client_id, address.idempotency_key) == ("trainer-0", "step1/g0/s0")
+    assert job_address(b"\xc1 not messagepack") is None
+    assert job_address(encode({"job_id": 7})) is None  # (then the headers address the answer)
+    assert E.error_from_code("unsupported_schema", "m").retryable is False

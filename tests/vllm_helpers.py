@@ -5,9 +5,11 @@ environment, the model, the server): the trainer-side view of weights.
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import torch
 
+import rollfleet.testing.vllm as harness
 from rollfleet.models import load_model_tensors as load_tensors  # noqa: F401  (for the tests)
 from rollfleet.testing.vllm import (  # noqa: F401  (re-exported for the tests)
     BLOCK,
@@ -54,3 +56,14 @@ def comparable(live: dict[str, str]) -> dict[str, str]:
     """The parameters vLLM's checker can vouch for: on CPU, linear layers repacked for the GEMM
     kernels hash as empty."""
     return {name: digest for name, digest in live.items() if digest != EMPTY_SHA256}
+
+
+def restarted(server: Server, model: Path) -> Server:
+    """A vLLM server on the port ``server`` (stopped) had, launched on ``model``: an attached server
+    that came back after a crash, at the same URL."""
+    chosen = harness.free_port
+    harness.free_port = lambda: server.port  # the harness picks a fresh port otherwise
+    try:
+        return Server(model, server.log)
+    finally:
+        harness.free_port = chosen

@@ -11,6 +11,7 @@ import nats
 from nats.aio.client import Client as NATS
 
 from rollfleet.runtime.logs import get_logger
+from rollfleet.runtime.secrets import redact_url, redact_urls
 from rollfleet.schemas.errors import AuthorizationError, ServiceUnavailable
 
 log = get_logger("rollfleet.broker.connection")
@@ -42,13 +43,14 @@ async def connect(
     ``user:password@`` credentials.
     """
     servers = [u.strip() for u in url.split(",") if u.strip()]
+    shown = ",".join(redact_url(server) for server in servers)  # what errors and logs say of the URL
     # Called after every reconnect; the list may be appended to after connecting.
     reconnect_hooks = reconnect_hooks if reconnect_hooks is not None else []
     conn: dict[str, NATS] = {}
 
     async def on_error(exc: Exception) -> None:
         if log_errors:
-            log.warning("nats error", error=str(exc), client=name)
+            log.warning("nats error", error=redact_urls(str(exc)), client=name)
 
     async def on_disconnect() -> None:
         nc = conn.get("nc")
@@ -102,9 +104,10 @@ async def connect(
         try:
             conn["nc"] = attempt.result()
         except Exception as exc:  # nats raises several unrelated types here
-            raise ServiceUnavailable(f"cannot connect to NATS at {url}: {exc}") from exc
+            # (from None: the chained exception's text and traceback may carry the URL as given)
+            raise ServiceUnavailable(f"cannot connect to NATS at {shown}: {redact_urls(str(exc))}") from None
         return conn["nc"]
     attempt.cancel()
     if refused.done():
-        raise AuthorizationError(f"NATS at {url} refused these credentials: {refused.result()}")
-    raise ServiceUnavailable(f"cannot connect to NATS at {url} within {initial_timeout:.0f}s")
+        raise AuthorizationError(f"NATS at {shown} refused these credentials: {redact_urls(str(refused.result()))}")
+    raise ServiceUnavailable(f"cannot connect to NATS at {shown} within {initial_timeout:.0f}s")

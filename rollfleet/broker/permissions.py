@@ -64,6 +64,7 @@ def trainer_permissions(n: Names) -> dict[str, dict[str, list[str]]]:
                 f"{root}.versions.>",
                 f"{root}.client.>",
                 n.consumer_leader_advisory(s["results"]),  # a fail-over: re-request results at once
+                n.max_deliveries_advisory(s["jobs"]),  # a resumable job given up on: stored again
             ]
         },
     }

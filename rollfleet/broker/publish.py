@@ -20,11 +20,13 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
 from rollfleet.runtime.logs import get_logger
+from rollfleet.schemas.bounded import load_json
 from rollfleet.schemas.errors import InvalidRequest, ServiceUnavailable
 
 log = get_logger("rollfleet.broker.publish")
 
 ATTEMPT_S = 1.5
+_MAX_ACK_BYTES = 64 * 1024  # an acknowledgement is a few dozen bytes; an error one a few hundred
 _SWEEP_S = 0.25  # an attempt gives up between ATTEMPT_S and ATTEMPT_S + this
 
 
@@ -94,7 +96,10 @@ class _AckedPublisher:
             self._waiting.pop(token, None)
         if reply.headers and reply.headers.get("Status") == "503":
             raise _Retry("no stream answered (no responders)")
-        ack = msgspec.json.decode(reply.data, type=_Ack)
+        try:
+            ack = load_json(reply.data, what="the broker's acknowledgement", max_bytes=_MAX_ACK_BYTES, type_=_Ack)
+        except InvalidRequest as exc:  # a garbled answer: the retry is deduplicated by the message id
+            raise _Retry(exc.message) from None
         if ack.error is not None:
             description = ack.error.get("description", ack.error)
             if ack.error.get("code") == 400:

@@ -97,6 +97,19 @@ class TopologyConfig(msgspec.Struct, kw_only=True, frozen=True):
 DEFAULT_TOPOLOGY = TopologyConfig()
 
 
+class _MaxDeliveries(msgspec.Struct):
+    stream_seq: int
+
+
+def given_up_seq(advisory: bytes) -> int | None:
+    """The stream sequence of the message a consumer gave up on (delivered ``max_deliver`` times),
+    from the broker's advisory (``Names.max_deliveries_advisory``); None if it does not say."""
+    try:
+        return msgspec.json.decode(advisory, type=_MaxDeliveries).stream_seq
+    except (msgspec.DecodeError, RecursionError):
+        return None
+
+
 def _stream_configs(names: Names, cfg: TopologyConfig) -> list[StreamConfig]:
     def stream(name: str, subject: str, **settings: Any) -> StreamConfig:
         return StreamConfig(

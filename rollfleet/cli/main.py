@@ -178,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--echo-prefill-latency", type=float, default=0.0, help="echo engine: seconds per prompt token not cached"
     )
     p.add_argument(
+        "--echo-keyed",
+        action="store_true",
+        help="echo engine: each token a function of the weights it loaded, the context and the seed, so a checker "
+        "holding a version's weights can recompute it (needs --store or --model-dir)",
+    )
+    p.add_argument(
         "--session-cache-mb",
         type=_non_negative_float,
         default=2048.0,
@@ -391,7 +397,10 @@ async def cmd_worker(args: argparse.Namespace) -> int:
             "latency_s": args.echo_latency,
             "per_token_s": args.echo_token_latency,
             "streams_tokens": not args.echo_whole_requests,
+            "keyed": args.echo_keyed,
         }
+        if args.echo_keyed and not (args.store or args.model_dir):
+            raise InvalidRequest("--echo-keyed keys its tokens by the weights it loads: give --store or --model-dir")
         options |= {"prefill_s_per_token": args.echo_prefill_latency, **sessions}
     elif args.engine == "hf":
         options = {"device": args.device, "dtype": args.dtype, "max_batch": args.max_batch, **sessions}

@@ -11,6 +11,7 @@ import nats.js.errors
 from rollfleet.broker.connection import connect
 from rollfleet.broker.kv import read_latest, read_replicas
 from rollfleet.broker.topology import queue_depths
+from rollfleet.runtime.secrets import redact_urls
 from rollfleet.schemas import Names
 
 
@@ -46,7 +47,10 @@ async def collect_status(
         "declared": True,
         "latest_version": latest,
         "replicas": [
-            msgspec.to_builtins(r) | {"live": r.is_live(now), "heartbeat_age_s": round(now - r.heartbeat_at, 1)}
+            msgspec.to_builtins(r)
+            | {"live": r.is_live(now), "heartbeat_age_s": round(now - r.heartbeat_at, 1)}
+            # an entry an older worker wrote may quote a URL with its credentials: never shown
+            | {"degraded_reason": r.degraded_reason and redact_urls(r.degraded_reason)}
             for r in sorted(replicas, key=lambda r: r.worker_id)
         ],
         "queues": {f"{kind}-{v}": n for (kind, v), n in sorted(depths.items())},

@@ -13,11 +13,12 @@ Trainer side (``publisher.PolicyPublisher`` wraps these; ``trainer_client`` re-e
 
 Replica / worker side:
     ``materialize(local_dir, store_dir, target_version, *, pre_read_hook=None, workers=N,
-        durable=False) -> MaterializeResult`` (version, previous_version, changed, applied,
-        reseeded, seeded_from, wire_bytes, changed_bytes, total_bytes, density, seconds).
+        durable=False, store_id=None) -> MaterializeResult`` (version, previous_version, changed,
+        applied, reseeded, seeded_from, wire_bytes, changed_bytes, total_bytes, density, seconds).
         Thread- and process-safe (per-host lock). Without ``durable`` the model data is not
         fsynced; the marker carries the boot id and every tensor's checksum, and a marker from an
-        earlier boot is re-verified by hashing before it is trusted.
+        earlier boot is re-verified by hashing before it is trusted. The marker also names its
+        store: one of another store (or disagreeing with the store's checksums) makes it reseed.
     ``read_marker(local_dir) -> int | None``            the applied-version marker
     ``list_versions(store) -> list[int]``, ``read_record(store, v) -> VersionRecord``,
     ``list_records(store) -> list[VersionRecord]``      plan catch-up from the filesystem alone

@@ -2,34 +2,46 @@
 
 ``s3://bucket/prefix`` (and ``gs://``, ``az://``; any S3-compatible server through
 ``AWS_ENDPOINT_URL`` or ``endpoint=``) holds the same ``weight_vNNNNNN/`` directories as a store
-directory, one object per file, so a downloaded copy is an ordinary store directory that SGLang's
-and miles' readers understand. I/O goes through ``obstore`` (Rust ``object_store``: signing,
-retries, multipart); credentials come only from each cloud's usual environment variables and
-files, and no error or log line carries the provider's raw message (it can quote keys).
+directory, one object per file (under its upload's own prefix, below), so a downloaded copy is an
+ordinary store directory that SGLang's and miles' readers understand. I/O goes through
+``obstore`` (Rust ``object_store``: signing, retries, multipart); credentials come only from
+each cloud's usual environment variables and files (a URL carrying some is refused), and no
+error or log line carries the provider's raw message (it can quote keys).
 
 The commit boundary inside a bucket is the index object: a version is listed only once
 ``weight_vNNNNNN/model.safetensors.index.json`` exists, it is uploaded after every other file of
 its directory and with create-only semantics (a second publisher of the same number is refused),
-and a version is deleted index first. So a reader never sees a half-written version, and a
-publisher that died mid-upload leaves index-less objects that the next push of that number, or
-retention, removes. (A store directory may also hold index-less plain checkpoints; a bucket may
-not: there the index is what says the upload finished.)
+and a version is deleted index first. So a reader never sees a half-written version. (A store
+directory may also hold index-less plain checkpoints; a bucket may not: there the index is what
+says the upload finished.)
+
+A published version never changes: each upload writes its files under a prefix of its own,
+``weight_vNNNNNN/.upload-<nonce>/<file>``, and the index pins every one of them (where it is, its
+size, a blake3 of its bytes: ``metadata.rollfleet_objects``). Two publishers racing for a number
+never write or delete each other's objects: the refused one deletes its own prefix, and nothing
+it wrote is named by the winner's index. Readers verify each file against its pin before using
+it, so an object written later under a published version cannot change what that version is. A
+publisher that died mid-upload leaves a prefix no index names: retention removes it with its
+version (or at once, below the newest version, if no index came).
 
 Downloads are parallel ranged reads: each file is cut into segments (``segment_bytes``, 128 MiB),
 each segment is one streamed GET of its byte range, written in place with ``pwrite``, and its
 progress is journaled every ``STEP_BYTES`` (8 MiB), so a download killed midway resumes where it
 stopped, to within a step. Few, long requests: object stores serve a range as cheaply as a
 whole object, and every request costs a round trip (some servers, moto among them, even read
-the whole object for each range). Content is checked where it is applied
-(``materialize`` verifies every tensor against the published checksums), sizes here.
+the whole object for each range). Each downloaded file is checked here against its pin (size,
+blake3) before the version is handed on, and every tensor again where it is applied
+(``materialize`` verifies them against the published checksums).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
+import secrets
 import shutil
 import threading
 from collections.abc import Callable, Mapping
@@ -39,9 +51,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from rollfleet.policy_store.store import SIDECAR, dir_version, version_dir_name
+from rollfleet.policy_store.formats import new_hasher, valid_checksum
+from rollfleet.policy_store.store import dir_version, version_dir_name
 from rollfleet.runtime import faults
+from rollfleet.runtime.secrets import has_secrets, redact_url, redact_urls
 from rollfleet.schemas.errors import (
+    ChecksumMismatch,
     CorruptArtifact,
     PolicyError,
     StoreAccessDenied,
@@ -50,7 +65,7 @@ from rollfleet.schemas.errors import (
     VersionConflict,
     VersionNotFound,
 )
-from rollfleet.schemas.index import INDEX_FILE, MAX_INDEX_BYTES, PublicationIndex, check_name
+from rollfleet.schemas.index import INDEX_FILE, MAX_INDEX_BYTES, PublicationIndex, check_name, json_object
 
 SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss")
 _URLISH = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/")
@@ -59,6 +74,64 @@ STEP_BYTES = 8 << 20  # progress journaled this often within a segment
 DEFAULT_CONNECTIONS = 8
 PARTIAL_PREFIX = ".partial-"
 _JOURNAL = ".progress"
+OBJECTS_KEY = "rollfleet_objects"  # in a bucket index's metadata: the objects the version is made of
+UPLOAD_PREFIX = ".upload-"
+PIN_FORMAT = "blake3"  # cryptographic: no second publisher can make other bytes with the same pin
+_UPLOAD_DIR = re.compile(r"^\.upload-[0-9a-f]{16,64}$")
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One file of a published version: the object holding it and what its bytes must be."""
+
+    key: str  # relative to the version directory: <upload prefix>/<file>
+    size: int
+    checksum: str  # PIN_FORMAT hex of the object's bytes
+
+
+def pin_objects(prefix: str, files: Mapping[str, tuple[int, str]]) -> dict[str, Any]:
+    """The index's ``rollfleet_objects`` entry for files uploaded under ``prefix`` ({name: (size, checksum)})."""
+    return {
+        "prefix": prefix,
+        "checksum_format": PIN_FORMAT,
+        "files": {name: {"size": size, "checksum": sum_} for name, (size, sum_) in sorted(files.items())},
+    }
+
+
+def pinned_files(index: PublicationIndex, where: str) -> dict[str, Pin]:
+    """Every file a bucket index pins, by name, checked: a bucket version is only what its index pins.
+
+    An index without pins (another tool's upload, or an older rollfleet's) is ``CorruptArtifact``:
+    nothing would say which bytes are the version's."""
+    doc = index.metadata.extra.get(OBJECTS_KEY)
+    if not isinstance(doc, dict):
+        raise CorruptArtifact(f"{where}: the index pins no objects ({OBJECTS_KEY}); republish the version")
+    prefix, fmt, files = doc.get("prefix"), doc.get("checksum_format"), doc.get("files")
+    if not isinstance(prefix, str) or not _UPLOAD_DIR.match(prefix):
+        raise CorruptArtifact(f"{where}: {OBJECTS_KEY}.prefix is not an upload prefix: {str(prefix)[:80]!r}")
+    if fmt != PIN_FORMAT or not isinstance(files, dict):
+        raise CorruptArtifact(f"{where}: {OBJECTS_KEY} must pin files with {PIN_FORMAT} checksums")
+    out: dict[str, Pin] = {}
+    for name, pin in files.items():
+        check_name(name, "file name in the index's pins")
+        size = pin.get("size") if isinstance(pin, dict) else None
+        checksum = pin.get("checksum") if isinstance(pin, dict) else None
+        if name == INDEX_FILE or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise CorruptArtifact(f"{where}: the pin of {name!r} is malformed")
+        if not valid_checksum(PIN_FORMAT, checksum):
+            raise CorruptArtifact(f"{where}: the pin of {name!r} has no {PIN_FORMAT} checksum")
+        out[name] = Pin(f"{prefix}/{name}", size, str(checksum).lower())
+    missing = sorted(set(index.shards) - set(out))
+    if missing:
+        raise CorruptArtifact(f"{where}: the index names {missing[0]!r} but pins no object for it")
+    return out
+
+
+@dataclass(frozen=True)
+class _Indexed:
+    raw: bytes
+    index: PublicationIndex
+    tag: str | None  # the index object's e_tag when read: a listing with another one means it was replaced
 
 
 def is_store_url(store: str | os.PathLike[str]) -> bool:
@@ -71,20 +144,30 @@ def is_store_url(store: str | os.PathLike[str]) -> bool:
 
 
 def check_store(store: str | os.PathLike[str]) -> str | Path:
-    """A directory path, or a URL whose scheme rollfleet serves; anything else is refused in one line."""
+    """A directory path, or a URL whose scheme rollfleet serves; anything else is refused in one line.
+
+    A URL that carries credentials (``s3://KEY:SECRET@bucket/p``, a signed query) is refused too,
+    naming it redacted: credentials live in the environment or ``store_options``, so no URL that
+    logs, errors and the registry print can hold one."""
     text = os.fspath(store)
     m = _URLISH.match(text)
     if m is None:
         return Path(text)
+    if "://" not in text:  # s3:/bucket/prefix: a URL that went through pathlib
+        text = text.replace(":/", "://", 1)
+    if has_secrets(text):
+        raise UnsupportedStore(
+            f"{redact_url(text)}: a store URL must not carry credentials; give them in the environment "
+            "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_ACCOUNT_KEY, "
+            "...) or in store_options"
+        )
     scheme = m.group(1).lower()
     if scheme == "file":  # file:///abs/path is a directory
         return Path(urlparse(text).path)
     if scheme not in SCHEMES:
         raise UnsupportedStore(
-            f"cannot serve a policy store at {text!r}: give a directory, or an s3://, gs:// or az:// URL"
+            f"cannot serve a policy store at {os.fspath(store)!r}: give a directory, or an s3://, gs:// or az:// URL"
         )
-    if "://" not in text:  # s3:/bucket/prefix: a URL that went through pathlib
-        text = text.replace(":/", "://", 1)
     return text
 
 
@@ -181,9 +264,11 @@ class Bucket:
         try:
             self._store = from_url(self.url, client_options=client, **kwargs)
         except Exception as exc:  # a malformed URL or a missing setting: one clear line
-            said = _redact(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)[:300]
+            said = redact_urls(_redact(str(exc).splitlines()[0] if str(exc) else type(exc).__name__))[:300]
             raise UnsupportedStore(f"cannot open the object store {self.url}: {said}") from None
-        self._indexes: dict[int, PublicationIndex] = {}  # immutable once listed
+        # Indexes read, revalidated by every listing (a version deleted and published again under
+        # the same number is another version) and dropped once unlisted: bounded by the bucket.
+        self._indexes: dict[int, _Indexed] = {}
 
     def __repr__(self) -> str:
         return f"Bucket({self.url!r})"
@@ -199,11 +284,13 @@ class Bucket:
     # -- listing ----------------------------------------------------------------------------
 
     def objects(self, version: int | None = None) -> dict[int, dict[str, int]]:
-        """Every version directory's top-level files and sizes (published or not); with
-        ``version``, that directory's alone (one short listing instead of the whole prefix)."""
+        """Every version directory's objects and sizes (published or not), by key relative to the
+        directory (``.upload-<nonce>/<file>``, the index); with ``version``, that directory's
+        alone (one short listing instead of the whole prefix). Cached indexes are revalidated."""
         import obstore
 
         out: dict[int, dict[str, int]] = {}
+        tags: dict[int, str | None] = {}
         prefix = None if version is None else f"{version_dir_name(version)}/"
 
         def walk(store: Any) -> None:
@@ -211,19 +298,24 @@ class Bucket:
                 for meta in chunk:
                     top, _, name = meta["path"].partition("/")
                     v = dir_version(top)
-                    if v is None or not name or "/" in name:
-                        continue  # not a version directory's top-level file
+                    if v is None or not name or name.count("/") > 1:
+                        continue  # not a version directory's file
                     out.setdefault(v, {})[name] = int(meta["size"])
+                    if name == INDEX_FILE:
+                        tags[v] = _tag(meta)
 
         self._call("", walk)
+        for v in [v for v in self._indexes if version is None or v == version]:
+            if v not in tags or tags[v] is None or tags[v] != self._indexes[v].tag:
+                del self._indexes[v]  # unpublished, or replaced by another publication of the number
         return out
 
     def versions(self) -> list[int]:
         """Published version numbers (those with an index object), ascending."""
         return sorted(v for v, files in self.objects().items() if INDEX_FILE in files)
 
-    def read(self, version: int, name: str, limit: int) -> bytes | None:
-        """One small object (index, sidecar), or None if absent; over ``limit`` bytes is corrupt."""
+    def read(self, version: int, name: str, limit: int) -> tuple[bytes, str | None] | None:
+        """One small object (the index) and its e_tag, or None if absent; over ``limit`` bytes is corrupt."""
         import obstore
 
         key = f"{version_dir_name(version)}/{check_name(name, 'file name')}"
@@ -233,20 +325,23 @@ class Bucket:
             return None
         if int(got.meta["size"]) > limit:  # judged before the body is read
             raise CorruptArtifact(f"{self.url}/{key} is over its {limit} byte limit")
-        return bytes(self._call(key, lambda _store: got.bytes()))
+        return bytes(self._call(key, lambda _store: got.bytes())), _tag(got.meta)
+
+    def _indexed(self, version: int) -> _Indexed:
+        if version not in self._indexes:
+            got = self.read(version, INDEX_FILE, MAX_INDEX_BYTES)
+            where = f"{self.url}/{version_dir_name(version)}"
+            if got is None:
+                raise VersionNotFound(f"{where} is not published")
+            index = PublicationIndex.parse(got[0], default_version=version)
+            if index.metadata.version != version:
+                raise CorruptArtifact(f"{where}: index says version {index.metadata.version}")
+            self._indexes[version] = _Indexed(got[0], index, got[1])
+        return self._indexes[version]
 
     def index(self, version: int) -> PublicationIndex:
-        """A published version's index (cached: a published version never changes)."""
-        if version not in self._indexes:
-            raw = self.read(version, INDEX_FILE, MAX_INDEX_BYTES)
-            if raw is None:
-                raise VersionNotFound(f"{self.url}/{version_dir_name(version)} is not published")
-            index = PublicationIndex.parse(raw, default_version=version)
-            if index.metadata.version != version:
-                where = f"{self.url}/{version_dir_name(version)}"
-                raise CorruptArtifact(f"{where}: index says version {index.metadata.version}")
-            self._indexes[version] = index
-        return self._indexes[version]
+        """A published version's index (cached until a listing shows it replaced or gone)."""
+        return self._indexed(version).index
 
     def is_full(self, version: int) -> bool:
         return not self.index(version).metadata.is_delta
@@ -269,42 +364,42 @@ class Bucket:
         name = version_dir_name(version)
         final = Path(store_dir) / name
         stats = DownloadStats()
-        if final.is_dir():
-            return final, stats
         listed = (self.objects(version) if listing is None else listing).get(version, {})
         if INDEX_FILE not in listed:
             raise VersionNotFound(f"{self.url}/{name} is not published")
-        index = self.index(version)
-        wanted = {INDEX_FILE, *index.shards}
-        if SIDECAR in listed:
-            wanted.add(SIDECAR)
-        if not index.metadata.is_delta:
-            wanted |= {n for n in listed if not n.startswith(".")}
-        sizes: dict[str, int] = {}
-        for file in sorted(wanted):
-            check_name(file, "file name in the object store")
-            if file not in listed:
-                raise CorruptArtifact(f"{self.url}/{name}/{file} is missing (the index names it)")
-            sizes[file] = listed[file]
+        indexed = self._indexed(version)
+        if final.is_dir():
+            if _read_or_none(final / INDEX_FILE) == indexed.raw:
+                return final, stats
+            shutil.rmtree(final)  # a copy of another publication of this number
+        pins = pinned_files(indexed.index, f"{self.url}/{name}")
+        for pin in pins.values():
+            if pin.key not in listed:
+                raise CorruptArtifact(f"{self.url}/{name}/{pin.key} is missing (the index pins it)")
+            if listed[pin.key] != pin.size:
+                raise ChecksumMismatch(
+                    f"{self.url}/{name}/{pin.key} is {listed[pin.key]} bytes; the index pins {pin.size}"
+                )
         partial = Path(store_dir) / f"{PARTIAL_PREFIX}{name}"
         partial.mkdir(parents=True, exist_ok=True)
         jobs: list[tuple[str, int, int, int]] = []  # file, segment start, resume offset, segment end
         journals: dict[str, _Journal] = {}
-        for file, size in sizes.items():
-            journal = journals[file] = _Journal(partial / file, size)
+        for file, pin in sorted(pins.items()):
+            size = pin.size
+            journal = journals[file] = _Journal(partial / file, size, pin.checksum)
             for start in range(0, size, self.segment_bytes):
                 end = min(size, start + self.segment_bytes)
                 upto = min(max(journal.done.get(start, start), start), end)
                 stats.add(resumed=upto - start)
                 if upto < end:
                     jobs.append((file, start, upto, end))
-        stats.files = len(sizes)
+        stats.files = len(pins) + 1
 
         def fetch(job: tuple[str, int, int, int]) -> None:
             import obstore
 
             file, start, offset, end = job
-            key = f"{name}/{file}"
+            key = f"{name}/{pins[file].key}"
             got = self._call(key, obstore.get, key, options={"range": (offset, end)})
             stream = got.stream(min_chunk_size=self.step_bytes)
             while offset < end:
@@ -333,6 +428,19 @@ class Bucket:
                 journal.close()
         for journal in journals.values():
             journal.finish()
+
+        def verify(file: str) -> None:
+            got = _digests(partial / file)[1]
+            if got != pins[file].checksum:
+                (partial / file).unlink()  # fetched afresh next time, not resumed
+                raise ChecksumMismatch(
+                    f"{self.url}/{name}/{pins[file].key}: its bytes hash to {got}, the index pins {pins[file].checksum}"
+                )
+
+        with ThreadPoolExecutor(min(self.connections, max(1, len(pins))), thread_name_prefix="rf-verify") as pool:
+            for _ in pool.map(verify, sorted(pins)):
+                pass
+        (partial / INDEX_FILE).write_bytes(indexed.raw)  # the bytes every pin was checked against
         try:
             os.rename(partial, final)
         except OSError:
@@ -344,42 +452,65 @@ class Bucket:
     # -- upload and delete ------------------------------------------------------------------
 
     def upload(self, version_dir: Path) -> int:
-        """Upload a complete version directory, index last and create-only; returns bytes sent.
+        """Upload a complete version directory; returns bytes sent.
 
-        Index-less objects left under the same number by a publisher that died mid-upload are
-        removed first; a published version of the same number is a ``VersionConflict``."""
+        Its files go under a prefix of this upload's own (never another publisher's objects),
+        then the index, create-only, pinning each of them: a published version of the same number
+        is a ``VersionConflict``, and this upload's objects are then deleted by this upload."""
         import obstore
 
         version_dir = Path(version_dir)
         version = dir_version(version_dir.name)
         if version is None:
             raise UnsupportedStore(f"{version_dir} is not a version directory")
-        present = self.objects(version).get(version, {})
-        if INDEX_FILE in present:
+        if INDEX_FILE in self.objects(version).get(version, {}):
             raise VersionConflict(f"{self.url}/{version_dir.name} is already published")
-        if present:
-            self._delete_keys([f"{version_dir.name}/{n}" for n in present])
+        if not (version_dir / INDEX_FILE).is_file():
+            raise CorruptArtifact(f"{version_dir} has no {INDEX_FILE}: not a complete version")
+        doc = json_object((version_dir / INDEX_FILE).read_bytes(), f"{version_dir.name}/{INDEX_FILE}")
         files = sorted(
             e.name
             for e in os.scandir(version_dir)
             if e.is_file(follow_symlinks=True) and not e.name.startswith(".") and e.name != INDEX_FILE
         )
-        sent = 0
+        prefix = f"{UPLOAD_PREFIX}{secrets.token_hex(8)}"
+        keys = [f"{version_dir.name}/{prefix}/{file}" for file in files]
 
-        def put(file: str, mode: str = "overwrite") -> int:
+        def put(file: str) -> tuple[int, str]:
             path = version_dir / file
-            key = f"{version_dir.name}/{file}"
-            digest = _md5(path)
-            result = self._call(key, obstore.put, key, path, mode=mode)
+            key = f"{version_dir.name}/{prefix}/{file}"
+            md5, pin = _digests(path)
+            result = self._call(key, obstore.put, key, path)  # under our own prefix: nobody else's to overwrite
             etag = (result.get("e_tag") or "").strip('"')
-            if re.fullmatch(r"[0-9a-f]{32}", etag) and etag != digest:  # a single-part S3 upload's etag is its MD5
+            if re.fullmatch(r"[0-9a-f]{32}", etag) and etag != md5:  # a single-part S3 upload's etag is its MD5
                 raise CorruptArtifact(f"{self.url}/{key}: the stored object's MD5 differs from the file's")
             faults.point("bucket:mid-upload")
-            return path.stat().st_size
+            return path.stat().st_size, pin
 
-        with ThreadPoolExecutor(min(self.connections, max(1, len(files))), thread_name_prefix="rf-upload") as pool:
-            sent = sum(pool.map(put, files))
-        return sent + put(INDEX_FILE, "create")
+        try:
+            with ThreadPoolExecutor(min(self.connections, max(1, len(files))), thread_name_prefix="rf-upload") as pool:
+                pinned = dict(zip(files, pool.map(put, files), strict=True))
+        except BaseException:
+            self._discard(keys)
+            raise
+        meta = doc.setdefault("metadata", {})
+        if not isinstance(meta, dict):
+            raise CorruptArtifact(f"{version_dir.name}/{INDEX_FILE}: metadata must be an object")
+        meta[OBJECTS_KEY] = pin_objects(prefix, pinned)
+        body = json.dumps(doc, indent=2).encode()
+        index_key = f"{version_dir.name}/{INDEX_FILE}"
+        try:
+            self._call(index_key, obstore.put, index_key, body, mode="create")
+        except VersionConflict:
+            self._discard(keys)  # refused: no index will ever name these objects
+            raise
+        # (Any other failure may have stored the index: the objects stay, published or leftovers.)
+        return sum(size for size, _ in pinned.values()) + len(body)
+
+    def _discard(self, keys: list[str]) -> None:
+        """Best effort: this upload's own objects, which no index names (retention takes what stays)."""
+        with contextlib.suppress(PolicyError):
+            self._delete_keys(keys)
 
     def delete(self, version: int) -> bool:
         """Unpublish a version (its index first, so readers stop listing it), then its other objects."""
@@ -400,12 +531,27 @@ class Bucket:
             self._call(keys[i], obstore.delete, keys[i : i + 1000])
 
 
-def _md5(path: Path) -> str:
-    h = hashlib.md5(usedforsecurity=False)
+def _digests(path: Path) -> tuple[str, str]:
+    """(MD5, ``PIN_FORMAT`` checksum) of a file's bytes, read once."""
+    md5 = hashlib.md5(usedforsecurity=False)
+    pin = new_hasher(PIN_FORMAT)
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(8 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+            md5.update(block)
+            pin.update(block)
+    return md5.hexdigest(), pin.hexdigest()
+
+
+def _tag(meta: Mapping[str, Any]) -> str | None:
+    tag = meta.get("e_tag")
+    return tag.strip('"') if isinstance(tag, str) and tag else None
+
+
+def _read_or_none(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 class _Journal:
@@ -413,9 +559,10 @@ class _Journal:
 
     The journal holds ``<segment start> <written up to>`` lines; the last line of a segment wins.
     A process killed mid-step leaves that step unrecorded, so it is fetched again. The file's
-    expected size heads the journal: a different size restarts the file."""
+    expected size and pinned checksum head the journal: another object's (a version published
+    again under its number) restarts the file instead of mixing their bytes."""
 
-    def __init__(self, path: Path, size: int) -> None:
+    def __init__(self, path: Path, size: int, pin: str) -> None:
         self.path = path
         self.size = size
         self.done: dict[int, int] = {}
@@ -423,7 +570,7 @@ class _Journal:
         fresh = True
         with contextlib.suppress(OSError, ValueError):
             lines = self._jpath.read_text().splitlines()
-            if lines and int(lines[0]) == size and path.stat().st_size == size:
+            if lines and lines[0] == f"{size} {pin}" and path.stat().st_size == size:
                 fresh = False
                 for line in lines[1:]:
                     start, _, upto = line.partition(" ")
@@ -432,7 +579,7 @@ class _Journal:
         if fresh:
             with open(path, "wb") as f:
                 f.truncate(size)
-            self._jpath.write_text(f"{size}\n")
+            self._jpath.write_text(f"{size} {pin}\n")
         self._fd = os.open(path, os.O_RDWR)
         self._jfd = os.open(self._jpath, os.O_WRONLY | os.O_APPEND)
         self._lock = threading.Lock()

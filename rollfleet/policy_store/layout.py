@@ -105,7 +105,7 @@ def read_header(path: Path) -> ShardHeader:
             raw = f.read(hlen)
     except FileNotFoundError:
         raise CorruptArtifact(f"shard {path.name} is missing") from None
-    doc = json_object(raw, f"{path.name}: safetensors header")
+    doc = json_object(raw, f"{path.name}: safetensors header", MAX_HEADER_BYTES)
     meta = doc.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise CorruptArtifact(f"{path.name}: __metadata__ must map strings to strings")

@@ -17,17 +17,25 @@ and the checksum of every local tensor; a marker from an earlier boot is trusted
 tensor hashes to its recorded value (a few hundred ms per GiB), otherwise the call reseeds. With
 ``durable=True`` the data is msync'ed and fsync'ed before each marker instead (and such a marker
 is trusted after a reboot without re-hashing).
+
+A marker says which store it came from (a digest of the store's identity: its resolved path, or
+the bucket's URL) and, in its checksums, what every local tensor holds. A ``local_dir`` reused
+with another store, or with a store re-created by another run, would otherwise pass that store's
+version N off as this one's: a marker is trusted only when its store is this store and its
+checksums agree with every final-state checksum this store publishes for that version
+(``marker_matches``); otherwise the call reseeds from a full version.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,9 +50,11 @@ from rollfleet.policy_store.layout import CheckpointLayout, TensorLocation, chec
 from rollfleet.policy_store.store import SIDECAR, list_versions, read_index, version_path
 from rollfleet.policy_store.verify import OpenVersion, check_delta_against, open_version
 from rollfleet.runtime import faults
+from rollfleet.schemas.bounded import load_json
 from rollfleet.schemas.errors import (
     ChecksumMismatch,
     CorruptArtifact,
+    InvalidRequest,
     LineageMismatch,
     PolicyError,
     VersionNotFound,
@@ -90,8 +100,8 @@ def _boot_id() -> str:
 
 def _read_marker_doc(local_dir: Path) -> dict | None:
     try:
-        doc = json.loads((Path(local_dir) / MARKER).read_bytes())
-    except (OSError, ValueError):
+        doc = load_json((Path(local_dir) / MARKER).read_bytes(), what="local marker", max_bytes=16 * 1024**2)
+    except (OSError, InvalidRequest):  # unreadable, or not a marker of ours: no version held
         return None
     v = doc.get("version") if isinstance(doc, dict) else None
     if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -105,18 +115,51 @@ def read_marker(local_dir: Path) -> int | None:
     return None if doc is None else int(doc["version"])
 
 
+def store_identity(store: str) -> str:
+    """What a marker records of the store it came from: a digest (an address may carry secrets)."""
+    return hashlib.sha256(store.encode()).hexdigest()[:32]
+
+
+def marker_matches(
+    recorded_store: object, recorded_sums: Mapping[str, str], store: str, published: Mapping[str, str] | None
+) -> bool:
+    """Whether a local checkpoint whose marker records ``recorded_store`` (see ``store_identity``)
+    and ``recorded_sums`` ("fmt:hex" per tensor) holds this store's version of its number.
+
+    ``published``: the final-state checksums ("fmt:hex") the store gives for that version (a
+    delta's changed tensors, a full version's every tensor); None when the store cannot say (the
+    version was retired, or is unreadable now): then the store's identity alone decides."""
+    if recorded_store != store_identity(store):
+        return False  # another store's (or an older rollfleet's) version N is not this store's N
+    return published is None or all(recorded_sums.get(name) == digest for name, digest in published.items())
+
+
+def published_checksums(store: Path, version: int) -> dict[str, str] | None:
+    """The final-state checksums ("fmt:hex") ``store`` publishes for ``version``; None when it has
+    none to give (not in the store, unreadable, or a plain full version without checksums)."""
+    try:
+        ov = open_version(version_path(store, version), expected_version=version)
+    except PolicyError:
+        return None
+    fmt = ov.index.metadata.checksum_format or DEFAULT_CHECKSUM
+    sums = {n: f.checksum for n, f in ov.frames.items()} if ov.is_delta else ov.checksums
+    return {name: f"{fmt}:{digest}" for name, digest in sums.items()} or None
+
+
 class _Local:
     """The host-local checkpoint: where it is, how durably to write, what each tensor's checksum is."""
 
-    def __init__(self, root: Path, durable: bool, workers: int) -> None:
+    def __init__(self, root: Path, durable: bool, workers: int, store: str = "") -> None:
         self.root = root
         self.durable = durable
         self.workers = workers
+        self.store = store  # the identity of the store its versions come from
         self.sums: dict[str, str] = {}  # tensor name -> "fmt:hex" of its current local bytes
 
     def write_marker(self, version: int) -> None:
         doc = {
             "version": version,
+            "store": store_identity(self.store),
             "boot_id": _boot_id(),
             "durable": self.durable,
             "checksums": self.sums,
@@ -137,8 +180,9 @@ class _Local:
             return
         fsync_dir(self.root)
 
-    def adopt_marker(self) -> int | None:
-        """The marker's version if it can be trusted (loading its checksums), else None."""
+    def adopt_marker(self, store: Path, hook: Hook | None = None) -> int | None:
+        """The marker's version if it can be trusted as ``store``'s (loading its checksums), else None;
+        ``hook``: the pre-read hook, run before that version's directory in the store is read."""
         doc = _read_marker_doc(self.root)
         if doc is None:
             return None
@@ -149,7 +193,13 @@ class _Local:
         sums = doc.get("checksums")
         if not isinstance(sums, dict) or set(sums) != set(layout.tensors):
             return None
-        self.sums = {str(k): str(v) for k, v in sums.items()}
+        recorded = {str(k): str(v) for k, v in sums.items()}
+        path = version_path(store, int(doc["version"]))
+        if hook is not None and path.is_dir():
+            hook(path)
+        if not marker_matches(doc.get("store"), recorded, self.store, published_checksums(store, int(doc["version"]))):
+            return None
+        self.sums = recorded
         if doc.get("boot_id") == _boot_id() != "" or doc.get("durable") is True:
             return int(doc["version"])
         # Written before a reboot without fsync: trust it only if every tensor still matches.
@@ -248,11 +298,13 @@ def materialize(
     pre_read_hook: str | Hook | None = None,
     workers: int = DEFAULT_WORKERS,
     durable: bool = False,
+    store_id: str | None = None,
 ) -> MaterializeResult:
     """Bring ``local_dir`` to ``target_version`` from ``store_dir``; thread- and process-safe.
 
     ``durable=True`` fsyncs the model data before every marker (see the module docstring for why
-    the default does not need to).
+    the default does not need to). ``store_id``: the identity of the store the versions come from
+    (default: ``store_dir``'s resolved path; a bucket's URL when ``store_dir`` is its download cache).
 
     Raises a typed PolicyError on any inconsistency; the local checkpoint then stays at its last
     good version (the marker says which), or has no marker if it had none to begin with.
@@ -262,12 +314,12 @@ def materialize(
     store = Path(store_dir)
     local.mkdir(parents=True, exist_ok=True)
     hook = resolve_hook(pre_read_hook)
-    state = _Local(local, durable, workers)
+    state = _Local(local, durable, workers, store_id if store_id is not None else str(store.resolve()))
     with host_lock(local):
         previous = read_marker(local)
-        marker = state.adopt_marker()
         if hook is not None:
             hook(store)
+        marker = state.adopt_marker(store, hook)
         seed, chain = plan(store, marker, target_version)
         result = MaterializeResult(version=marker if marker is not None else -1, previous_version=previous, changed=[])
         changed: set[str] = set()

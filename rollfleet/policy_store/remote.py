@@ -6,8 +6,8 @@ late joiner or a lost marker), reading only the indexes of the versions it walks
 just those versions into a cache directory (an ordinary store directory, resumable, see
 ``bucket``), materializes from it with every tensor verified, and then drops what it no longer
 needs. A download or verification failure is a typed error that leaves the host-local checkpoint
-at its last good version, so the replica keeps serving; a corrupt download is forgotten, so the
-next try reads the bucket again.
+at its last good version, so the replica keeps serving; a download that failed to apply, for any
+reason, is forgotten, so the next try reads the bucket again.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from rollfleet.policy_store.materialize import (
 )
 from rollfleet.policy_store.retention import plan_retention
 from rollfleet.policy_store.store import dir_version, list_versions, version_dir_name
-from rollfleet.schemas.errors import ChecksumMismatch, CorruptArtifact, LayoutMismatch, PolicyError, VersionNotFound
+from rollfleet.schemas.errors import PolicyError, VersionNotFound
 from rollfleet.schemas.index import INDEX_FILE
 
 CACHE_DIR = ".rollfleet-store"  # inside the host-local checkpoint unless told otherwise
@@ -95,13 +95,16 @@ def materialize_from(
         for attempt in (marker, None):  # None: the marker was not trusted (a reboot): seed afresh
             needed, fetched, resumed = fetch_chain(store, cache, attempt, target, on_chunk)
             try:
-                result = materialize(local, cache, target, workers=workers, durable=durable)
+                # The bucket, not the cache, is the store the local checkpoint's marker names.
+                result = materialize(local, cache, target, workers=workers, durable=durable, store_id=store.url)
             except VersionNotFound:
                 if attempt is None:
                     raise
                 continue
-            except (ChecksumMismatch, CorruptArtifact, LayoutMismatch):
-                _forget(cache, needed)  # a bad download must not be trusted on the next try
+            except BaseException:
+                # Whatever refused it (a hostile name, a layout, a disk error), a download that
+                # failed is not trusted on the next try: the bucket may have been repaired since.
+                _forget(cache, needed)
                 raise
             result.fetched_bytes, result.resumed_bytes = fetched, resumed
             _prune(cache, below=target + 1)

@@ -112,7 +112,7 @@ def read_sidecar(path: Path) -> dict[str, Any]:
 def read_sidecar_strict(path: Path) -> dict[str, Any] | None:
     """Our sidecar; None when absent; CorruptArtifact when present but unreadable."""
     raw = read_file(Path(path) / SIDECAR, Path(path).parent, MAX_SIDECAR_BYTES)
-    return None if raw is None else json_object(raw, f"{Path(path).name}/{SIDECAR}")
+    return None if raw is None else json_object(raw, f"{Path(path).name}/{SIDECAR}", MAX_SIDECAR_BYTES)
 
 
 def record_from_index(path: Path, index: PublicationIndex, sidecar: dict[str, Any] | None = None) -> VersionRecord:

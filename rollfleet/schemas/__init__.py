@@ -1,6 +1,6 @@
 """The contract every side reads: messages, names, errors, limits, version constraints."""
 
-from rollfleet.schemas.codec import decode, decode_event, decode_outcome, encode
+from rollfleet.schemas.codec import decode, decode_event, decode_job, decode_outcome, encode, job_address
 from rollfleet.schemas.errors import *  # noqa: F403
 from rollfleet.schemas.errors import RollfleetError, error_from_code
 from rollfleet.schemas.limits import DEFAULT_LIMITS, Limits, check_job, check_payload
@@ -9,6 +9,7 @@ from rollfleet.schemas.messages import (
     ChunkedOutcome,
     Completion,
     ConstraintKind,
+    JobAddress,
     Outcome,
     ReplicaStatus,
     RetryPolicy,
@@ -41,6 +42,7 @@ __all__ = [
     "Claim",
     "Completion",
     "ConstraintKind",
+    "JobAddress",
     "Limits",
     "Names",
     "Outcome",
@@ -69,9 +71,11 @@ __all__ = [
     "claim_key",
     "decode",
     "decode_event",
+    "decode_job",
     "decode_outcome",
     "encode",
     "error_from_code",
+    "job_address",
     "job_token",
     "key_token",
     "request_fingerprint",

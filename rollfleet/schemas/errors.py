@@ -68,6 +68,26 @@ class CorruptCheckpoint(InvalidRequest):
     code = "corrupt_checkpoint"
 
 
+class UnsupportedSchema(InvalidRequest):
+    """The job was written for a newer schema than this worker's, or carries a field value this
+    worker cannot decode: upgrade the worker (it is answered, never run)."""
+
+    code = "unsupported_schema"
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        schema: int | None = None,
+        supported: int | None = None,
+        fields: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.schema = schema  # the job's
+        self.supported = supported  # the newest this worker decodes
+        self.fields = fields  # the job's fields whose values it could not decode
+
+
 class IdempotencyConflict(RollfleetError):
     """The idempotency key was already used for a different request (constraint or payload)."""
 
@@ -238,6 +258,18 @@ class StoreAccessDenied(PolicyError):
     """The object store refused the credentials (missing, wrong or without permission)."""
 
     code = "store_access_denied"
+
+
+class NoServableVersion(PolicyError):
+    """At start-up, no committed version at or below the latest could be materialized and verified."""
+
+    code = "no_servable_version"
+    retryable = True  # a later commit (or a repaired store) can be served
+
+    def __init__(self, message: str = "", *, latest: int = -1, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.latest = latest
+        self.failures = dict(failures or {})  # version -> the code of the error that refused it
 
 
 _BY_CODE: dict[str, type[RollfleetError]] = {}

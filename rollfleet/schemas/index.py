@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollfleet.schemas.bounded import load_json
 from rollfleet.schemas.errors import CorruptArtifact, HostileName
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -176,20 +177,16 @@ def _weight_map(doc: object) -> dict[str, str]:
     return dict(wmap)
 
 
-def json_object(raw: bytes | str, what: str) -> dict[str, Any]:
-    """``raw`` parsed as a JSON object; CorruptArtifact naming ``what`` when it is not one."""
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CorruptArtifact(f"{what} is not valid JSON: {exc}") from None
+def json_object(raw: bytes | str, what: str, max_bytes: int = MAX_INDEX_BYTES) -> dict[str, Any]:
+    """``raw`` parsed as a JSON object; CorruptArtifact naming ``what`` when it is not one (or is
+    larger than ``max_bytes``, or nested too deep: ``bounded.load_json``)."""
+    doc = load_json(raw, what=what, max_bytes=max_bytes, error=CorruptArtifact)
     if not isinstance(doc, dict):
         raise CorruptArtifact(f"{what} is not a JSON object")
     return doc
 
 
 def _load_index_json(raw: bytes | str) -> object:
-    if len(raw) > MAX_INDEX_BYTES:
-        raise CorruptArtifact(f"index is {len(raw)} bytes, over the {MAX_INDEX_BYTES} byte limit")
     return json_object(raw, "index")
 
 

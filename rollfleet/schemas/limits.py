@@ -6,6 +6,7 @@ import math
 
 import msgspec
 
+from rollfleet.schemas.bounded import MAX_DEPTH, depth_within
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.schemas.messages import RolloutJob, RolloutPayload
 
@@ -51,6 +52,8 @@ def check_payload(payload: RolloutPayload, limits: Limits = DEFAULT_LIMITS) -> N
         raise InvalidRequest("stop_token_ids must be non-negative")
     if not 1 <= payload.n <= limits.max_samples:
         raise InvalidRequest(f"n must be in [1, {limits.max_samples}], got {payload.n}")
+    if not depth_within(payload.extra, MAX_DEPTH):  # passed on to engines, which recurse into it
+        raise InvalidRequest(f"extra nests deeper than {MAX_DEPTH} levels")
 
 
 def check_job(job: RolloutJob, limits: Limits = DEFAULT_LIMITS) -> None:

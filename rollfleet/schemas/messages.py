@@ -13,7 +13,10 @@ from typing import Any, Literal
 
 import msgspec
 
-SCHEMA_VERSION = 1
+# The jobs' wire schema: bumped whenever a job may carry something an older worker cannot decode
+# or would misread (1: the first; 2: retry_policy "resume"). A worker refuses a job of a newer
+# schema with UnsupportedSchema instead of guessing, so upgrade workers before trainers.
+SCHEMA_VERSION = 2
 
 # "resume": replayable, and its worker checkpoints the generation so far on the broker; a run that
 # takes the job over after its worker died continues from there instead of from the first token.
@@ -83,8 +86,10 @@ class RolloutJob(msgspec.Struct, kw_only=True):
     def claimed(self) -> bool:
         """Whether the worker running it writes a claim naming itself first: jobs that must never
         run twice at once, ``at_most_once`` and ``resume`` ones and sessions' turns (a turn moved
-        off its replica while that replica runs it must wait for its answer)."""
-        return self.retry_policy != "replayable" or self.session_id is not None
+        off its replica while that replica runs it must wait for its answer), and exact jobs (the
+        claim names the replica running one, so a replica draining at its version that never took
+        it does not hold it up once its holder died)."""
+        return self.retry_policy != "replayable" or self.session_id is not None or self.constraint.kind == "exact"
 
 
 class RolloutJobWire(msgspec.Struct, kw_only=True):
@@ -103,6 +108,18 @@ class RolloutJobWire(msgspec.Struct, kw_only=True):
     trainer_version: int | None = None
     schema: int = SCHEMA_VERSION
     fingerprint: str = ""
+
+
+class JobAddress(msgspec.Struct, kw_only=True):
+    """What addresses a job's answer, read from a job that does not decode as a whole (a field
+    value this worker does not know, a newer schema): its answer must still reach its caller,
+    who accepts one only under a job id it issued and the request's fingerprint."""
+
+    job_id: str | None = None
+    idempotency_key: str | None = None
+    client_id: str | None = None
+    fingerprint: str = ""
+    schema: int = 1  # (a job without the field predates it)
 
 
 def request_fingerprint(written: str, payload: bytes, retry_policy: str, session_id: str | None) -> str:

@@ -205,6 +205,12 @@ class Names:
         requests held by the old one are gone (a cluster fail-over)."""
         return f"$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.{stream}.*"
 
+    @staticmethod
+    def max_deliveries_advisory(stream: str) -> str:
+        """The broker's announcement that it gave up on a message of ``stream`` (delivered
+        ``max_deliver`` times): it is never delivered again."""
+        return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{stream}.*"
+
     # -- results -----------------------------------------------------------------------------
     # An answer's subject names the client, the key, the job and the replica that stored it:
     # ``results.<client>.<key token>.<job token>.<worker_id>``. The broker lets each worker

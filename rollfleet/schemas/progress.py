@@ -28,6 +28,7 @@ import msgspec
 
 from rollfleet.schemas.errors import CorruptCheckpoint
 from rollfleet.schemas.messages import Completion, FinishReason, VersionSpan
+from rollfleet.schemas.names import Claim
 
 
 class SampleDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -55,6 +56,25 @@ def sealed(job_id: str, data: bytes, headers: Mapping[str, str] | None) -> bool:
     """Whether a stored record was written by a holder of ``job_id`` (its MAC matches)."""
     mac = (headers or {}).get(MAC_HEADER, "")
     return bool(mac) and hmac.compare_digest(mac, record_mac(job_id, data))
+
+
+def seal_claim(job_id: str, claim: Claim) -> bytes:
+    """A resumable job's claim value, sealed like its records: the MAC rides at the end of the
+    holder (``<holder>#<mac>@<time>``), so every ``Claim`` reader still sees worker and time.
+    Workers may write any claims key, and can learn a job's key from its progress subject, but
+    only a holder of the job id can write a claim of the job (``open_claim``)."""
+    return Claim(f"{claim.holder}#{record_mac(job_id, claim.encode())}", claim.refreshed).encode()
+
+
+def open_claim(job_id: str, value: bytes | None) -> Claim | None:
+    """The claim a holder of ``job_id`` wrote; None for anything else (no value, no or a wrong MAC,
+    or one marked stopped since, which changes its bytes): such a claim is nobody's."""
+    claim = Claim.decode(value)
+    holder, sep, mac = claim.holder.rpartition("#")
+    if not sep:
+        return None
+    plain = Claim(holder, claim.refreshed)
+    return plain if hmac.compare_digest(mac, record_mac(job_id, plain.encode())) else None
 
 
 class TokensRecord(msgspec.Struct, tag="tokens", kw_only=True):

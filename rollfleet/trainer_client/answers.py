@@ -77,15 +77,31 @@ async def whole(js: JetStreamContext, names: Names, head_subject: str, stored: S
     return outcome
 
 
-async def stored(js: JetStreamContext, names: Names, client_id: str, key: str) -> AsyncIterator[tuple[str, Outcome]]:
+def look_up_before_storing(now: float, recheck_until: float, connected: bool) -> bool:
+    """Whether a resubmitted key is looked up among the stored answers before its job is stored:
+    within a duplicate window (``recheck_until``, monotonic) of the client's start or of a
+    reconnect, and whenever the broker is away when it is asked. A broker that restarts rebuilds
+    its duplicate detection from the jobs it still stores, and an answered job is not among them:
+    storing the key's job again would run it a second time."""
+    return now < recheck_until or not connected
+
+
+async def stored(
+    js: JetStreamContext, names: Names, client_id: str, key: str, *, strict: bool = False
+) -> AsyncIterator[tuple[str, Outcome]]:
     """The authentic answers stored for a key, oldest first (unreadable or forged ones are
-    skipped). Ends quietly when the broker is away: the consumer still delivers them later."""
+    skipped). Ends quietly when the broker is away (the consumer still delivers them later);
+    ``strict``: a broker that does not answer is raised, never taken for "nothing stored"."""
     subject = names.results_of_key(client_id, key)
     seq = 1
     for _ in range(_MAX_HEADS):
         try:
             raw = await js.get_msg(names.results_stream, seq=seq, subject=subject, next=True, direct=True)
+        except nats.js.errors.NotFoundError:
+            return
         except (nats.errors.Error, nats.js.errors.Error):
+            if strict:
+                raise
             return
         seq = (raw.seq or seq) + 1
         try:
@@ -97,12 +113,20 @@ async def stored(js: JetStreamContext, names: Names, client_id: str, key: str) -
 
 
 async def first_answer(
-    js: JetStreamContext, names: Names, client_id: str, key: str, fingerprint: str | None, accepts: JobFilter
+    js: JetStreamContext,
+    names: Names,
+    client_id: str,
+    key: str,
+    fingerprint: str | None,
+    accepts: JobFilter,
+    *,
+    strict: bool = False,
 ) -> tuple[Verdict, Outcome] | None:
     """The oldest stored answer for this request (``fingerprint`` None: for any request), or
-    ``("conflict", answer)`` when the key only answers another request; None if nothing is stored."""
+    ``("conflict", answer)`` when the key only answers another request; None if nothing is stored
+    (``strict``: as ``stored``)."""
     conflict: Outcome | None = None
-    async for _, outcome in stored(js, names, client_id, key):
+    async for _, outcome in stored(js, names, client_id, key, strict=strict):
         verdict = judge(outcome, fingerprint, accepts)
         if verdict == "accept":
             return verdict, outcome

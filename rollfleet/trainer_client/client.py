@@ -32,6 +32,7 @@ from rollfleet.broker.topology import (
     declare_replica_consumer,
     ensure_results_consumer,
     ensure_topology,
+    given_up_seq,
 )
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
@@ -72,7 +73,7 @@ from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.jobids import JobIds
 from rollfleet.trainer_client.lease import ClientLease
 from rollfleet.trainer_client.metrics import ClientMetrics
-from rollfleet.trainer_client.placement import JobPlacement
+from rollfleet.trainer_client.placement import PUBLISH_BUDGET_S, JobPlacement
 from rollfleet.trainer_client.requests import build_job, constraint_from, written_constraint
 from rollfleet.trainer_client.sessions import OpenSession, Session, expire_idle
 from rollfleet.trainer_client.streaming import stream_tokens
@@ -209,6 +210,7 @@ class RolloutClient:
         await self.nc.subscribe(self._bell_inbox + ".>", cb=self._on_bell_unanswered)
         advisory = self.names.consumer_leader_advisory(self.names.results_stream)
         await self.nc.subscribe(advisory, cb=self._on_results_leader)
+        await self.nc.subscribe(self.names.max_deliveries_advisory(self.names.jobs_stream), cb=self._on_given_up)
         self._results_task = asyncio.create_task(self._receive_results(), name="results")
         self._expiry_task = asyncio.create_task(self._expire_handles(), name="deadlines")
         self._stall_task = asyncio.create_task(self._watch_stalls(), name="stalls")
@@ -357,15 +359,39 @@ class RolloutClient:
         return handle
 
     async def _answered_before(self, handle: RolloutHandle) -> bool:
-        """Within a duplicate window of this client's start or of a reconnect, an explicit key is
-        looked up among the stored answers before its job is stored: a broker that restarted
-        meanwhile rebuilt its duplicate detection from the jobs it still stores, and a job that
-        was answered and acked is no longer among them, so the key's resubmission would run a
-        second job. (Past that window, with no reconnect, the broker's own detection holds.)"""
-        if time.monotonic() >= self._recheck_until or not await self._settle_stored(handle):
+        """Within a duplicate window of this client's start or of a reconnect, or while the broker
+        is away, an explicit key is looked up among the stored answers before its job is stored
+        (``answers.look_up_before_storing``): a broker that restarted meanwhile rebuilt its
+        duplicate detection from the jobs it still stores, and a job that was answered and acked
+        is no longer among them, so the key's resubmission would run a second job. The look-up
+        waits for the broker (as storing would): a broker that does not answer is never taken for
+        "nothing stored". (Past that window, with no reconnect, the broker's own detection holds.)"""
+        if not answers.look_up_before_storing(time.monotonic(), self._recheck_until, self.nc.is_connected):
             return False
+        found = await self._stored_answer(handle)
+        if found is None:
+            return False
+        self._handles.pop(handle.idempotency_key, None)
         handle.stored = True
-        return True
+        return self._settle(handle, found)
+
+    async def _stored_answer(self, handle: RolloutHandle) -> Outcome | None:
+        """The oldest stored answer to the handle's request, asked until the broker answers (as
+        storing the job would be); ServiceUnavailable once that has taken the publish budget."""
+        until = min(handle.job.deadline, time.time() + PUBLISH_BUDGET_S)
+        key = handle.idempotency_key
+        while True:
+            try:
+                found = await answers.first_answer(
+                    self.js, self.names, self.client_id, key, handle.job.fingerprint, self._accepts(handle), strict=True
+                )
+                return None if found is None else found[1]
+            except (nats.errors.Error, nats.js.errors.Error) as exc:
+                if time.time() >= until:
+                    raise ServiceUnavailable(
+                        f"cannot look up the stored answers of {key!r}: {type(exc).__name__}"
+                    ) from exc
+                await asyncio.sleep(0.1)
 
     async def _adopt(self, handle: RolloutHandle, seq: int) -> bool:
         """A resubmission within the duplicate window stored nothing: the key's job is the one
@@ -881,6 +907,19 @@ class RolloutClient:
         """The results consumer has a new leader (a cluster fail-over): our request is gone."""
         if self._results_puller is not None and msg.subject.rpartition(".")[2] == self._results_consumer:
             self._results_puller.reset()
+
+    async def _on_given_up(self, msg: Msg) -> None:
+        """The broker gave up on a job: delivered ``max_deliver`` times (its holders died, or handed
+        it back), it is never delivered again. A resumable job is stored again, the same job, so
+        the next replica resumes it from its checkpoints: outliving its holders is what it is for.
+        (Other jobs keep the broker's bound on a job that kills its workers: their deadline.)"""
+        seq = given_up_seq(msg.data or b"")
+        for handle in list(self._handles.values()):
+            if seq is None or handle.stream_seq != seq or handle.done() or handle.job.retry_policy != "resume":
+                continue
+            place = self.placement
+            stored = await (place.requeue(handle) if handle.replica is None else place.move_to_shared(handle))
+            log.info("resumable job given up on by the broker; stored again", key=handle.idempotency_key, stored=stored)
 
     async def _receive_results(self) -> None:
         """Keep pull requests open on this client's results consumer; each result is handled the

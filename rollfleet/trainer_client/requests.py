@@ -18,6 +18,7 @@ from typing import get_args
 import msgspec
 
 from rollfleet.schemas import (
+    SCHEMA_VERSION,
     Limits,
     RetryPolicy,
     RolloutJob,
@@ -128,6 +129,8 @@ def build_job(
         raw = encode(payload)
     except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
         raise InvalidRequest(f"the request cannot be encoded: {exc}") from None
+    except RecursionError:  # (the encoder recurses per level; check_payload bounds extra's depth)
+        raise InvalidRequest("the request nests deeper than it can be encoded") from None
     # Decode what a worker will decode: every field's type is checked, nothing silently coerced.
     payload = decode(raw, RolloutPayload, what="rollout payload")
     check_payload(payload, limits)  # type: ignore[arg-type]
@@ -144,6 +147,7 @@ def build_job(
         "session_id": session_id,
         "trainer_version": trainer_version,
         "fingerprint": fingerprint,
+        "schema": SCHEMA_VERSION,  # (a worker of an older schema refuses it: UnsupportedSchema)
     }
     data = encode(RolloutJobWire(payload=msgspec.Raw(raw), **fields))  # type: ignore[arg-type]
     if len(data) > limits.max_job_bytes:

@@ -4,16 +4,24 @@ A job is acked only after its answer is stored on the client's results subject, 
 that dies mid-job loses nothing: the broker redelivers it. A redelivered job whose answer is
 already stored is acked without running again.
 
-``at_most_once`` jobs and sessions' turns are claimed (``Names.claims_bucket``, key
+``at_most_once`` jobs, sessions' turns and exact jobs are claimed (``Names.claims_bucket``, key
 ``claim_key(job_id)``, value: the holder and when it last said it still runs the job) before
-they start, and the claim is refreshed while the job runs (so it never outlives a long job) and
-removed once the answer is stored and the job acked. A delivery that finds the job claimed:
+they start, and the claim is refreshed by revision while the job runs (so it never outlives a
+long job) and removed once the answer is stored and the job acked. A delivery that finds the job
+claimed:
 
 - by a holder that refreshed the claim within twice ``ack_wait`` (it still runs the job, e.g. a
   turn the client moved off a busy replica, or a holder cut off from the broker for a moment):
   handed back with a delay, never run a second time;
-- by a holder that stopped (died, or restarted under the same id): ``at_most_once`` is answered
-  ``Interrupted`` (it may have started); a turn is run again (``replayable``), once.
+- by a holder that stopped (died, or restarted under the same id), as the claim shows once it
+  has also stood unchanged for a while with the broker answering (``judge_claim``: a paused
+  broker stops every refresh): ``at_most_once`` is answered ``Interrupted`` (it may have
+  started); a replayable job is run again, once.
+
+A holder whose claim changed under it (this process was paused or cut off while another replica
+took the job over or answered it) aborts the run and stores nothing; the claim is checked once
+more, by revision, just before the answer is stored, so no second answer follows even past the
+broker's duplicate window.
 
 A job handed back unrun (a version change raced its pull, or an activation's drain ran out) has
 its claim removed and is served normally elsewhere.
@@ -37,7 +45,7 @@ import uuid
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import nats.errors
@@ -53,6 +61,7 @@ from rollfleet.runtime import faults
 from rollfleet.schemas import (
     ChunkedOutcome,
     Completion,
+    JobAddress,
     Limits,
     Names,
     RolloutFailure,
@@ -60,8 +69,9 @@ from rollfleet.schemas import (
     RolloutResult,
     check_job,
     claim_key,
-    decode,
+    decode_job,
     encode,
+    job_address,
     job_token,
     served_within,
 )
@@ -76,7 +86,9 @@ from rollfleet.schemas.errors import (
     Superseded,
 )
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, Claim, check_token
+from rollfleet.schemas.progress import open_claim, seal_claim
 from rollfleet.workers.engines import Engine, Generation
+from rollfleet.workers.engines.base import sample_seed
 from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.progress import ProgressLog
 from rollfleet.workers.serving import ServedVersion
@@ -87,6 +99,35 @@ _HEADROOM = 16 * 1024  # message size left for headers and protocol overhead
 # open on its subject does not take it straight back again and again.
 _HAND_BACK_DELAY_S = 0.2
 _HAND_BACK_CHECKPOINT_S = 2.0  # a job handed back stores its tokens so far, briefly
+
+
+ClaimVerdict = Literal["held", "stopped", "watch"]
+
+
+def judge_claim(refreshed: float, now: float, *, stale_s: float, watched_s: float, confirm_s: float) -> ClaimVerdict:
+    """Whether the holder of a claim still runs its job, judged by a replica the job was delivered to.
+
+    ``refreshed``: when the holder last wrote the claim (unix time; 0: marked stopped by a client
+    that found the holder's connection gone). ``watched_s``: how long this replica has watched the
+    claim stay unchanged while the broker answered each of its looks promptly (``watched_after``).
+    A claim old by the clock is not enough: a paused or restarting broker stops every holder's
+    refreshes too, and redelivers the job the moment it is back, before any holder could write
+    again. The holder is gone only once it has also let ``confirm_s`` of broker time, seen
+    available, pass without a refresh; until then: ``"watch"``."""
+    if refreshed == 0.0:
+        return "stopped"
+    if now - refreshed < stale_s:
+        return "held"
+    return "stopped" if watched_s >= confirm_s else "watch"
+
+
+def watched_after(watched_s: float, *, same: bool, look_s: float, since_last_s: float, slow_s: float) -> float:
+    """``watched_s`` after one more look at a claim, ``since_last_s`` after the previous one: back
+    to 0 if the claim changed (its holder wrote it) or the look took longer than ``slow_s`` (the
+    broker stalled, and the holder's refreshes with it); otherwise the time since the last look."""
+    if not same or look_s > slow_s:
+        return 0.0
+    return watched_s + since_last_s
 
 
 def _token_versions(out: Completion, default: int) -> list[int]:
@@ -108,6 +149,7 @@ class RunningJob:
     claimed_at: float | None = None  # when its claim was last written (claimed jobs)
     claim_revision: int | None = None  # of our last write of the claim (resumable jobs refresh by it)
     took_over: bool = False  # its claim was taken over from a holder that stopped
+    claim_lost: bool = False  # its claim changed under it (another replica has the job): answer nothing
     progress: ProgressLog | None = None  # resumable jobs: its checkpoints
     # The engine requests it runs (a resumed job runs one per unfinished sample): what is aborted.
     request_ids: list[str] = field(default_factory=list)
@@ -168,10 +210,14 @@ class JobRunner:
         # takeover of a holder that was only slow costs the tokens since its last checkpoint, never
         # a second answer (its writes are fenced off), and a replica's death costs less waiting.
         self._resume_stale_s = 3 * self._claim_refresh_s
+        # A claim old by the clock is judged stopped only after this long watched unchanged while
+        # the broker answered (``judge_claim``): two refreshes of a live holder, and some.
+        self._claim_confirm_s = 3 * self._claim_refresh_s
         # A job held elsewhere is handed back with this delay: a few hand-backs span a claim going
         # stale, well inside max_deliver.
         self._held_delay_s = max(ack_wait_s / 2.0, 0.5)
         self._running: dict[int, RunningJob] = {}
+        self._aborts: set[asyncio.Future[None]] = set()  # engine aborts of runs that lost their claim
         self._changed = asyncio.Event()  # set whenever a running job ends
         self._holding = asyncio.Event()  # set while a job runs: keep_alive sleeps otherwise
         self._ids = itertools.count()
@@ -191,19 +237,23 @@ class JobRunner:
             delivery = delivery_info(msg.reply)
         attempt, stored_at = (delivery[0], delivery[1]) if delivery is not None else (1, time.time())
         log = self._log.bind(idempotency_key=key, attempt=attempt)
-        job_id = None
         try:
-            job = decode(msg.data, RolloutJob, max_bytes=self._limits.max_job_bytes, what="rollout job")
+            job = decode_job(msg.data, max_bytes=self._limits.max_job_bytes)
             check_job(job, self._limits)
             subject = self._names.parse_job_subject(msg.subject)
             if msg.subject != self._own_subject and subject != (job.constraint.kind, job.constraint.version):
                 raise InvalidRequest(f"job constraint {job.constraint} does not match its subject {msg.subject}")
-            client_id, key = job.client_id, job.idempotency_key
-            check_token(client_id, "client_id")
-            job_id = job.job_id
+            check_token(job.client_id, "client_id")
         except InvalidRequest as exc:
-            log.warning("invalid job", error=exc.message)
-            await self.answer_failure(client_id, key, exc, attempt, job_id=job_id)
+            log.warning("invalid job", error=exc.message, code=exc.code)
+            # Answered under the job's own id and fingerprint wherever they can be read (a job of
+            # a newer schema, a value this worker does not know): its caller accepts nothing else.
+            address = job_address(msg.data) or JobAddress()
+            if address.client_id and address.idempotency_key:
+                client_id, key = address.client_id, address.idempotency_key
+            await self.answer_failure(
+                client_id, key, exc, attempt, job_id=address.job_id, fingerprint=address.fingerprint
+            )
             await msg.term()
             return
         log = log.bind(job_id=job.job_id, idempotency_key=job.idempotency_key, version=self._served.version)
@@ -238,9 +288,22 @@ class JobRunner:
         if (attempt > 1 or guarded) and await self._answered(job):
             log.info("job already answered; acking", attempt=attempt)
             await msg.ack()
+            # Its holder may have died between storing the answer and acking: what it would have
+            # cleaned up then (the checkpoints, the claim) is cleaned up here, not left for 24 h.
+            if job.retry_policy == "resume":
+                await self._progress_log(job, log).roll_up_answered()
+            await self._release_claim(job)
             return
         if guarded:
             verdict = await self._claim(run)
+            if verdict != "held" and await self._answered(job):
+                # Its holder stored the answer and released the claim between the look above and
+                # this claim (a redelivery racing the run it duplicates, on this replica or
+                # another): the claim is ours, the job is done; never run it again.
+                log.info("job answered before its claim was taken; acking", attempt=attempt)
+                await msg.ack()
+                await self._release_claim(job)
+                return
             if verdict == "held" and job.retry_policy == "resume":
                 verdict = await self._await_claim(run)
                 if verdict != "held" and await self._answered(job):  # its holder finished meanwhile
@@ -277,6 +340,8 @@ class JobRunner:
             else:
                 generation = await self._engine.generate(job.job_id, job.payload, job.session_id)
         except Exception as exc:
+            if run.claim_lost:  # (its requests were aborted for that)
+                return
             if await self._engine_died(run, exc, attempt, log):
                 return
             if isinstance(exc, RollfleetError):
@@ -285,10 +350,14 @@ class JobRunner:
             else:
                 log.exception("engine failed")
                 err = EngineFailure(f"engine {self._engine.name} failed: {exc}")
+            if not await self._still_holds(run):
+                return
             await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
             await msg.ack()
             await self._release_claim(job)
             return
+        if run.claim_lost:
+            return  # another replica has the job: nothing of this run is stored
         if run.handed_back:
             await self._hand_back(run, log)
             return
@@ -341,6 +410,8 @@ class JobRunner:
             except RollfleetError as exc:
                 log.warning("last checkpoint not stored; leaving the job to be redelivered", error=exc.message)
                 return
+        if not await self._still_holds(run):
+            return  # (said when the claim was found lost)
         try:
             stored = await self._store(job.client_id, job.idempotency_key, job.job_id, result)
         except ResultUnstorable as exc:
@@ -372,19 +443,7 @@ class JobRunner:
         """Generate a ``resume`` job from where its earlier runs stopped, checkpointing as it goes
         (``workers.progress``). None when another run took the job over meanwhile."""
         job, engine = run.job, self._engine
-        plog = ProgressLog(
-            self._js,
-            self._names,
-            job,
-            worker_id=self._worker_id,
-            run=self._holder,
-            every_tokens=self.checkpoint_tokens,
-            every_s=self.checkpoint_s,
-            metrics=self._metrics,
-            log=log,
-            max_record_bytes=self._chunk_bytes + _HEADROOM,  # a record is one message
-            on_superseded=lambda: asyncio.ensure_future(run.abort(engine)),
-        )
+        plog = self._progress_log(job, log, on_superseded=lambda: asyncio.ensure_future(run.abort(engine)))
         prompt = engine.prompt_ids(job.payload)
         try:
             await plog.open(took_over=run.took_over, can_continue=prompt is not None)
@@ -428,6 +487,23 @@ class JobRunner:
             plog.completions(engine.detokenize if want_text else None), v_start, v_end, prompt_tokens=prompt_tokens
         )
 
+    def _progress_log(
+        self, job: RolloutJob, log: Any, on_superseded: Callable[[], object] | None = None
+    ) -> ProgressLog:
+        return ProgressLog(
+            self._js,
+            self._names,
+            job,
+            worker_id=self._worker_id,
+            run=self._holder,
+            every_tokens=self.checkpoint_tokens,
+            every_s=self.checkpoint_s,
+            metrics=self._metrics,
+            log=log,
+            max_record_bytes=self._chunk_bytes + _HEADROOM,  # a record is one message
+            on_superseded=on_superseded,
+        )
+
     async def _continue(self, run: RunningJob, plog: ProgressLog, prompt: list[int] | None) -> int:
         """Generate every unfinished sample on from its kept tokens, each as its own request
         (the prompt and its tokens so far prefilled). An engine that does not stream its tokens
@@ -446,16 +522,18 @@ class JobRunner:
                     plog.finished(i, "length")
                     break
                 take = left if segment is None else min(segment, left)
+                # Alone, sample i keeps its own random stream (not sample 0's of a request of one).
+                sampling = msgspec.structs.replace(payload.sampling, seed=sample_seed(payload.sampling.seed, i))
                 if prompt is not None:
                     part = msgspec.structs.replace(
                         payload,
                         prompt_token_ids=prompt + sample.token_ids,
                         prompt_text=None,
                         n=1,
-                        sampling=msgspec.structs.replace(payload.sampling, max_tokens=take),
+                        sampling=msgspec.structs.replace(sampling, max_tokens=take),
                     )
                 elif not sample.token_ids:  # a text prompt the engine cannot tokenize: one request
-                    part = msgspec.structs.replace(payload, n=1)
+                    part = msgspec.structs.replace(payload, n=1, sampling=sampling)
                     take = left
                 else:
                     raise InvalidRequest("cannot continue a text prompt on an engine that cannot tokenize it")
@@ -538,10 +616,12 @@ class JobRunner:
         """Return a job unanswered, as if never run: its claim is released, the broker redelivers it."""
         log.info("handed back", constraint=str(run.job.constraint))
         self._count("handed_back")
+        if run.claim_lost:
+            return  # the claim and the job are another replica's now
         if run.progress is not None:  # what it made so far is kept for the next run
             with suppress(RollfleetError):
                 await run.progress.checkpoint(_HAND_BACK_CHECKPOINT_S)
-        await self._release_claim(run.job)
+        await self._release_claim(run.job, only_own=True)
         with suppress(Exception):
             await run.msg.nak(delay=_HAND_BACK_DELAY_S)
 
@@ -550,29 +630,66 @@ class JobRunner:
     async def _claim(self, run: RunningJob) -> str:
         """Claim a job before it starts: ``"ok"`` (ours now), ``"held"`` (a replica that refreshed
         its claim lately runs it: leave it alone) or ``"stopped"`` (its holder stopped running it;
-        for a replayable turn the claim is ours now)."""
+        for a replayable turn the claim is ours now). A claim old by the clock is watched (the
+        delivery kept in progress) until its holder has missed refreshes while the broker answered
+        (``judge_claim``): a broker that stalled stalled every holder's refreshes too."""
         key = claim_key(run.job.job_id)
         try:
-            run.claim_revision = await self._claims.create(key, self._claim_value())
+            run.claim_revision = await self._claims.create(key, self._claim_value(run.job))
             run.claimed_at = time.monotonic()
             return "ok"
         except nats.js.errors.KeyWrongLastSequenceError:
             pass
-        try:
-            entry = await self._claims.get(key)
-            claim = Claim.decode(entry.value)
-        except nats.js.errors.KeyNotFoundError:
-            claim, entry = Claim("", 0.0), None
-        running_here = self._runs_here(run)
         stale_s = self._resume_stale_s if run.job.retry_policy == "resume" else self._claim_stale_s
-        if running_here or (claim.holder != self._holder and time.time() - claim.refreshed < stale_s):
+        watched, seen, last_look = 0.0, None, 0.0
+        give_up = time.monotonic() + 4 * stale_s  # a broker that keeps stalling: judge nothing
+        while True:
+            look = time.monotonic()
+            try:
+                entry = await self._claims.get(key)
+                claim = self._read_claim(run.job, entry.value)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                claim, entry = Claim("", 0.0), None
+            except (nats.errors.Error, TimeoutError):  # the broker did not answer: it judges nothing
+                if run.handed_back or time.monotonic() >= give_up:
+                    return "held"
+                watched, seen = 0.0, None
+                await asyncio.sleep(self._claim_refresh_s)
+                continue
+            looked = time.monotonic()
+            if self._runs_here(run):
+                return "held"
+            if entry is None or claim.holder == self._holder:
+                verdict: ClaimVerdict = "stopped"  # nobody's, or a process that is this one (not running it)
+            else:
+                watched = watched_after(
+                    watched,
+                    same=seen is not None and entry.revision == seen,
+                    look_s=looked - look,
+                    since_last_s=looked - last_look,
+                    slow_s=self._claim_refresh_s,
+                )
+                verdict = judge_claim(
+                    claim.refreshed, time.time(), stale_s=stale_s, watched_s=watched, confirm_s=self._claim_confirm_s
+                )
+            if verdict != "watch":
+                break
+            if run.handed_back or looked >= give_up:
+                return "held"
+            seen, last_look = entry.revision if entry is not None else None, looked
+            with suppress(Exception):
+                await run.msg.in_progress()
+            await asyncio.sleep(self._claim_refresh_s)
+        if verdict == "held":
             return "held"
         if run.job.retry_policy != "at_most_once":
             try:  # take it over from the stopped holder (one taker wins)
                 if entry is None:
-                    run.claim_revision = await self._claims.create(key, self._claim_value())
+                    run.claim_revision = await self._claims.create(key, self._claim_value(run.job))
                 else:
-                    run.claim_revision = await self._claims.update(key, self._claim_value(), last=entry.revision)
+                    run.claim_revision = await self._claims.update(
+                        key, self._claim_value(run.job), last=entry.revision
+                    )
             except nats.js.errors.KeyWrongLastSequenceError:
                 return "held"
             run.claimed_at = time.monotonic()
@@ -599,39 +716,126 @@ class JobRunner:
         """Whether another delivery of the same job runs on this replica now."""
         return any(r.job.job_id == run.job.job_id for r in self._running.values() if r is not run)
 
-    def _claim_value(self) -> bytes:
-        return Claim(self._holder, time.time()).encode()
+    def _claim_value(self, job: RolloutJob | None = None) -> bytes:
+        claim = Claim(self._holder, time.time())
+        # A resumable job's claim is sealed with its job id, like its progress records: a claim
+        # written by someone the job was never delivered to is nobody's (``_read_claim``).
+        return seal_claim(job.job_id, claim) if job is not None and job.retry_policy == "resume" else claim.encode()
 
-    async def _release_claim(self, job: RolloutJob) -> None:
-        """Answered and acked (or handed back unrun): the claim has done its work."""
-        if job.claimed:
-            with suppress(Exception):
-                await self._claims.delete(claim_key(job.job_id))
+    @staticmethod
+    def _read_claim(job: RolloutJob, value: bytes | None) -> Claim:
+        """A claim as its job's replicas read it; a resumable job's without its MAC (a rogue
+        write, or one marked stopped since) reads as nobody's: stopped."""
+        if job.retry_policy != "resume":
+            return Claim.decode(value)
+        return open_claim(job.job_id, value) or Claim("", 0.0)
+
+    async def _release_claim(self, job: RolloutJob, *, only_own: bool = False) -> None:
+        """Answered and acked (or handed back unrun): the claim has done its work. ``only_own`` (a
+        hand-back: the job is not answered): only while the claim is still this process's, so a
+        run that lost the job unnoticed never deletes the claim of the run that has it now."""
+        if not job.claimed:
+            return
+        key = claim_key(job.job_id)
+        with suppress(Exception):
+            if not only_own:
+                await self._claims.delete(key)
+                return
+            entry = await self._claims.get(key)
+            if self._read_claim(job, entry.value).holder == self._holder:
+                await self._claims.delete(key, last=entry.revision)
 
     async def _refresh_claims(self, now: float) -> None:
         """A long job's claim says, every ack_wait / 3, that its holder still runs it."""
         for run in list(self._running.values()):
-            if run.claimed_at is not None and now - run.claimed_at >= self._claim_refresh_s:
+            if run.claimed_at is not None and now - run.claimed_at >= self._claim_refresh_s and not run.claim_lost:
                 run.claimed_at = now
-                if run.job.retry_policy == "resume" and run.claim_revision is not None:
+                if run.claim_revision is not None:
                     await self._refresh_by_revision(run)
                     continue
                 with suppress(Exception):
                     await self._claims.put(claim_key(run.job.job_id), self._claim_value())
 
-    async def _refresh_by_revision(self, run: RunningJob) -> None:
-        """A resumable job's claim is refreshed only if it is still the one this run wrote: one
-        taken over meanwhile (this process was stopped too long) means another run continues
-        the job, and this one stores nothing more."""
+    async def _refresh_by_revision(self, run: RunningJob) -> bool | None:
+        """Refresh a claim only if it is still the one this run wrote: True if so, False if it was
+        taken over, answered ``Interrupted`` or marked stopped meanwhile (this process was paused
+        or cut off too long: another replica has the job, and this run stops and answers nothing),
+        None if the broker did not answer (the next refresh tries again)."""
+        key = claim_key(run.job.job_id)
         try:
-            run.claim_revision = await self._claims.update(
-                claim_key(run.job.job_id), self._claim_value(), last=run.claim_revision
-            )
+            run.claim_revision = await self._claims.update(key, self._claim_value(run.job), last=run.claim_revision)
+            return True
         except nats.js.errors.KeyWrongLastSequenceError:
-            if run.progress is not None:  # (before it has one, its first write is fenced off anyway)
-                run.progress.supersede("its claim was taken over")
-        except Exception:  # the broker away: the next refresh tries again
+            if run.job.retry_policy == "resume":
+                return await self._reclaim_resumable(run)
+        except Exception:
+            return None
+        try:  # a write of ours whose acknowledgement was lost (the broker stalled) moved it too
+            entry = await self._claims.get(key)
+            claim: Claim | None = Claim.decode(entry.value)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            claim = None
+        except Exception:
+            return None
+        if claim is not None and claim.holder == self._holder and not claim.stopped:
+            run.claim_revision = entry.revision
+            return True
+        self._lose_claim(run)
+        return False
+
+    async def _reclaim_resumable(self, run: RunningJob) -> bool | None:
+        """A resumable job's claim changed under its run. Only the job's progress says whether
+        another run has the job (a run that takes it over stores its ``ResumeRecord`` at once, and
+        that fences this run's next write): a claim written or deleted by someone who does not know
+        the job id fences nothing, and this run writes its own back. (A taker whose record is not
+        stored yet gets its claim back the same way; the records decide which run goes on.)"""
+        key = claim_key(run.job.job_id)
+        try:
+            if run.progress is not None and await run.progress.taken_over():
+                self._lose_claim(run)
+                return False
+            try:
+                entry = await self._claims.get(key)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                run.claim_revision = await self._claims.create(key, self._claim_value(run.job))
+            else:
+                run.claim_revision = await self._claims.update(key, self._claim_value(run.job), last=entry.revision)
+        except (nats.errors.Error, RollfleetError):  # the broker away, or written again meanwhile
+            return None
+        self._log.warning("resumable job's claim rewritten by someone else; written back", job_id=run.job.job_id)
+        return True
+
+    def _lose_claim(self, run: RunningJob) -> None:
+        if run.claim_lost:
             return
+        run.claim_lost = True
+        job = run.job
+        self._log.warning("claim lost; this run stops and answers nothing", job_id=job.job_id, key=job.idempotency_key)
+        if run.progress is not None:
+            run.progress.supersede("its claim was taken over")  # (it aborts the run's requests)
+        else:
+            self._spawn_abort(run)
+
+    def _spawn_abort(self, run: RunningJob) -> None:
+        task = asyncio.ensure_future(run.abort(self._engine))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _still_holds(self, run: RunningJob) -> bool:
+        """Just before a claimed job is answered: whether this run still holds the claim (refreshed
+        by revision, retried while the broker is away). A holder paused past the moment another
+        replica took the job over (or answered it ``Interrupted``), even past the duplicate window
+        that would drop a second answer, never stores one."""
+        if run.claim_lost:
+            return False
+        if run.claimed_at is None or run.claim_revision is None:
+            return True
+        until = time.time() + _RESULT_PUBLISH_BUDGET_S
+        while True:
+            held = await self._refresh_by_revision(run)
+            if held is not None or time.time() >= until:
+                return bool(held)
+            await asyncio.sleep(0.2)
 
     # -- answers ---------------------------------------------------------------------------------
 
@@ -703,9 +907,11 @@ class JobRunner:
         attempt: int,
         job: RolloutJob | None = None,
         job_id: str | None = None,
+        fingerprint: str = "",
     ) -> None:
         """Store a typed failure as the job's answer (dropped, with a warning, if there is no
-        reply address or key to store it under)."""
+        reply address or key to store it under). Without ``job``: the ``job_id`` and
+        ``fingerprint`` read from a job that did not decode, if any."""
         job_id = job.job_id if job is not None else job_id
         self._count(error.code)
         try:
@@ -726,7 +932,7 @@ class JobRunner:
             worker_id=self._worker_id,
             delivery_attempt=attempt,
             finished_at=time.time(),
-            fingerprint=job.fingerprint if job else "",
+            fingerprint=job.fingerprint if job else fingerprint,
         )
         with suppress(ResultUnstorable):  # a failure is small; nothing more to say if it is refused
             await self._store(client_id, key, job_id, failure)  # type: ignore[arg-type]

@@ -54,7 +54,9 @@ _EXPECT = "Nats-Expected-Last-Subject-Sequence"
 _FINAL_BUDGET_S = 20.0  # the last checkpoint before an answer: then the job is left to redeliver
 _CHECKPOINT_BUDGET_S = 5.0  # a periodic one: the next one carries its tokens too
 _NOISE_RETRIES = 8  # writes refused only for records that are not the job's, before giving up
-_RECORD_TOKENS = 16_384  # per record (about 230 kB with log-probs), far below a message's limit
+_RECORD_TOKENS = 16_384  # per record at most (about 230 kB with log-probs)
+_TOKEN_BYTES = 16  # a token and its log-prob in a record, at most (spans aside): the first guess
+_HEADER_BYTES = 1024  # a record's message headers (id, MAC, expected sequence, roll-up), and some
 
 
 class _Rebuild(Exception):
@@ -79,7 +81,7 @@ class ProgressLog(TokenSink):
         metrics: WorkerMetrics,
         log: Any,
         max_record_bytes: int,
-        on_superseded: Callable[[], None] | None = None,
+        on_superseded: Callable[[], object] | None = None,
     ) -> None:
         self._js = js
         self._names = names
@@ -246,13 +248,17 @@ class ProgressLog(TokenSink):
 
     async def checkpoint(self, budget_s: float = _FINAL_BUDGET_S) -> bool:
         """Store what is new since the last record (nothing new: nothing stored), in records of at
-        most ``_RECORD_TOKENS`` tokens. ``Superseded`` if another run took the job over."""
+        most ``_RECORD_TOKENS`` tokens, each within a message (``max_record_bytes``: a record is
+        never split across messages, so a smaller one is built where one would not fit).
+        ``Superseded`` if another run took the job over."""
+        limit = max(1, self._max_bytes - _HEADER_BYTES)
+        tokens = min(_RECORD_TOKENS, max(1, limit // _TOKEN_BYTES))
         async with self._lock:
             wrote = False
             while True:
                 if self.superseded:
                     raise Superseded("another run took this job over")
-                deltas, upto, room = [], [], _RECORD_TOKENS
+                deltas, upto, room = [], [], tokens
                 for i, s in enumerate(self.samples):
                     start, have = self.stored[i], len(s.token_ids)
                     end = min(have, start + room)
@@ -273,9 +279,13 @@ class ProgressLog(TokenSink):
                     upto.append((i, end, finish is not None))
                 if not deltas:
                     return wrote
+                record = TokensRecord(run=self._run, samples=deltas)
+                if tokens > 1 and len(encode(record)) > limit:  # (many spans): fewer tokens a record
+                    tokens //= 2
+                    continue
                 self._pending = 0
                 try:
-                    await self._publish(TokensRecord(run=self._run, samples=deltas), budget_s)
+                    await self._publish(record, budget_s)
                 except _Rebuild:
                     continue
                 for i, end, done in upto:
@@ -288,6 +298,13 @@ class ProgressLog(TokenSink):
         """The answer is stored: roll the job's records up into one small done record."""
         with suppress(RollfleetError, _Rebuild):
             await self._publish(DoneRecord(run=self._run), 5.0, rollup=True)
+
+    async def roll_up_answered(self) -> None:
+        """The answer was stored by a run that died before rolling up (a redelivery found it):
+        roll up from wherever the subject stands (no run can store anything after the answer)."""
+        async for _ in self._records(self.last_seq + 1):
+            pass  # (moves last_seq to the subject's last record)
+        await self.done()
 
     async def _publish(self, record: ProgressRecord, budget_s: float, *, rollup: bool = False) -> None:
         data = encode(record)
@@ -329,6 +346,15 @@ class ProgressLog(TokenSink):
                 self.stored[d.index] = max(self.stored[d.index], d.start + len(d.token_ids))
                 self._finish_stored[d.index] = self._finish_stored[d.index] or d.finish is not None
         return verdict
+
+    async def taken_over(self) -> bool:
+        """Whether another run of the job has stored a record since this run's last (its claim
+        changed hands: only a run that then wrote its ``ResumeRecord`` has the job). If so, this
+        run is superseded."""
+        async with self._lock:
+            if not self.superseded and await self._since_last() == "other run":
+                self._supersede()
+        return self.superseded
 
     def _supersede(self) -> None:
         if not self.superseded:

@@ -28,6 +28,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from rollfleet.runtime.logs import get_logger
+from rollfleet.runtime.secrets import redact_urls
 from rollfleet.schemas import Names, ReplicaStatus, encode
 
 log = get_logger("rollfleet.registry")
@@ -77,6 +78,8 @@ class Registration:
             setattr(self.status, name, value)
         if self._refresh is not None:
             self._refresh(self.status)
+        if self.status.degraded_reason:  # error text may quote a URL: its credentials stay out of the registry
+            self.status.degraded_reason = redact_urls(self.status.degraded_reason)
         self.status.heartbeat_at = time.time()
         self._written_at = time.monotonic()
         self._written.set()

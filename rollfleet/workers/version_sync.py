@@ -29,6 +29,12 @@ activated); every tensor whose checksum differs from the checkpoint's is reloade
 ``verify_live`` the live weights are hashed after each activation and compared with the
 checkpoint: a mismatch reloads every tensor, and one that persists degrades the replica.
 
+A (re)started replica whose latest committed version cannot be materialized and verified (corrupt,
+unreadable, missing) serves the newest version below it that can be (``fallback_versions``), reports
+``degraded`` naming the bad version, and follows commits as usual; it exits
+(``NoServableVersion``) only when no version can be served. Exiting instead would let a bad commit
+take down every replica that restarts after it.
+
 ``hold_version``: the replica serves that version and no other (pinned sessions and exact jobs
 of an old version keep a replica while they need one); announcements of newer ones are ignored.
 """
@@ -39,7 +45,7 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
@@ -54,11 +60,12 @@ from rollfleet.policy_store.bucket import Bucket
 from rollfleet.policy_store.digest import weights_digest
 from rollfleet.policy_store.materialize import checkpoint_checksums
 from rollfleet.policy_store.remote import materialize_from, open_store, store_label
+from rollfleet.policy_store.store import list_versions
 from rollfleet.runtime import faults
 from rollfleet.runtime.aio import in_daemon_thread, stop_tasks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, VersionActivated, encode
-from rollfleet.schemas.errors import PolicyError, PrepareTimeout, RollfleetError
+from rollfleet.schemas.errors import NoServableVersion, PolicyError, PrepareTimeout, RollfleetError
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.registry import Registration
@@ -119,6 +126,8 @@ class VersionSync:
         self._reread = True  # read `latest` at the next wake (start, resync, reconnect)
         self._tasks: list[asyncio.Task[None]] = []
         self._failed_version: int | None = None
+        # Why the replica started on a version older than the latest commit (None: it did not).
+        self.start_degraded: str | None = None
         self.activations: list[VersionActivated] = []  # what each activation cost, as announced
         self.failures: list[str] = []
         self.log = get_logger("rollfleet.version_sync", worker_id=worker_id)
@@ -140,7 +149,12 @@ class VersionSync:
         if registration is not None:  # clients see a replica preparing `target`, not an empty fleet
             await registration.write(preparing_version=target)
         t0 = time.perf_counter()
-        result = await self._materialize(target)
+        try:
+            result = await self._materialize(target)
+        except (PolicyError, OSError) as exc:
+            if self.hold_version is not None:
+                raise  # held: that version and no other
+            result = await self._fall_back(target, exc)
         self.engine_sums = dict(result.checksums)  # the engine starts on this checkpoint, whole
         self.log.info(
             "caught up",
@@ -151,6 +165,41 @@ class VersionSync:
             seconds=round(time.perf_counter() - t0, 3),
         )
         return result
+
+    async def _fall_back(self, latest: int, error: PolicyError | OSError) -> MaterializeResult:
+        """The newest version below ``latest`` that materializes and verifies, to serve degraded;
+        ``NoServableVersion`` when there is none."""
+        errors: dict[int, BaseException] = {latest: error}
+        self.log.error("the latest version cannot be served; trying older ones", version=latest, error=str(error))
+        store = self.store
+        assert store is not None  # (without a store nothing is read, so nothing fails)
+        try:
+            if isinstance(store, Bucket):
+                present = await asyncio.to_thread(store.versions)
+            else:
+                present = await asyncio.to_thread(list_versions, store)
+        except (PolicyError, OSError) as exc:
+            self.log.error("listing the store failed", error=str(exc))
+            present = []
+        for version in fallback_versions(present, latest):
+            try:
+                result = await self._materialize(version)
+            except (PolicyError, OSError) as exc:
+                errors[version] = exc
+                self.log.warning("an older version cannot be served either", version=version, error=str(exc))
+                continue
+            self._failed_version = latest  # the follow loop waits for a newer commit, as after a failed prepare
+            self.start_degraded = f"version {latest} cannot be served ({_reason(error)}); serving {version}"
+            self.failures.append(self.start_degraded)
+            if self._metrics is not None:
+                self._metrics.prepare_failures.inc()
+            return result
+        shown = "; ".join(f"version {v}: {_reason(exc)}" for v, exc in list(errors.items())[:4])
+        raise NoServableVersion(
+            f"no committed version at or below {latest} can be served from {store_label(store)} ({shown})",
+            latest=latest,
+            failures={v: getattr(exc, "code", type(exc).__name__) for v, exc in errors.items()},
+        )
 
     def start(self, registration: Registration) -> None:
         self._registration = registration
@@ -229,7 +278,7 @@ class VersionSync:
                 raise PrepareTimeout(f"staging version {target} took over {self.prepare_timeout_s:g} s") from None
         except (PolicyError, OSError, RollfleetError) as exc:
             self._failed_version = target
-            self.failures.append(reason := f"{getattr(exc, 'code', type(exc).__name__)}: {exc}")
+            self.failures.append(reason := _reason(exc))
             log.warning("prepare failed; still serving the current version", error=str(exc))
             if self._metrics is not None:
                 self._metrics.prepare_failures.inc()
@@ -340,7 +389,7 @@ class VersionSync:
             self._served.activating = None
             self.engine_sums = None  # a load that failed midway: what the engine holds is not known
             self._failed_version = target
-            self.failures.append(reason := f"{getattr(exc, 'code', type(exc).__name__)}: {exc}")
+            self.failures.append(reason := _reason(exc))
             log.warning("activation failed; still serving the current version", error=str(exc))
             await self._registration.write(
                 state="degraded", preparing_version=None, degraded_reason=f"activation of {target} failed: {reason}"
@@ -451,6 +500,17 @@ async def announce_start(sync: VersionSync, version: int) -> None:
     )
     with suppress(Exception):
         await sync._js.publish(sync._names.versions_activated, encode(announcement))
+
+
+def fallback_versions(present: Iterable[int], latest: int) -> list[int]:
+    """The versions a replica that cannot serve ``latest`` at start-up tries instead, newest first:
+    every one in the store below it (a retired one is not there to try)."""
+    return sorted({v for v in present if v < latest}, reverse=True)
+
+
+def _reason(exc: BaseException) -> str:
+    """An error as a registry reason: its code (typed errors) and its message."""
+    return f"{getattr(exc, 'code', type(exc).__name__)}: {exc}"
 
 
 def _xxh3_sums(local_dir: Path, sums: dict[str, str]) -> dict[str, str] | None:

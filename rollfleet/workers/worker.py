@@ -232,7 +232,14 @@ class Worker:
         await self.nc.subscribe(self.names.bell_subject(cfg.worker_id), cb=self._on_bell)
         await self.nc.subscribe(self.names.consumers_declared, cb=self._on_declared)
         await self.nc.subscribe(self.names.consumer_leader_advisory(self.names.jobs_stream), cb=self._on_leader)
-        await self.registration.write(state="ready", active_version=self.version, preparing_version=None)
+        # Started on an older version than the latest commit (it could not be served): say so and why.
+        reason = self.sync.start_degraded if self.sync is not None else None
+        await self.registration.write(
+            state="degraded" if reason else "ready",
+            active_version=self.version,
+            preparing_version=None,
+            degraded_reason=reason,
+        )
         if self.sync is not None:
             self.sync.start(self.registration)
         await self._scan_once()  # backlog stored before this replica existed

@@ -2,6 +2,9 @@
 
 Used for queue benchmarks and tests of the request path. Output token ``i`` is
 ``(sum(prompt) + i) % vocab``; log-probs are 0.0 so callers can exercise the full result.
+With ``keyed=True`` each token is instead a function of the weights the engine holds (read
+from its checkpoint at start and at every activation), the context and the sample's stream
+(``engines.keyed``), so that the reliability oracle can tell which weights served a label.
 
 Sessions, so routing tests and benchmarks can observe affinity without a model: with
 ``prefill_s_per_token``, a request first sleeps that long per prompt token it would have to
@@ -21,7 +24,9 @@ import numpy as np
 
 from rollfleet.policy_store import CheckpointLayout, tensor_checksum
 from rollfleet.schemas import Completion, RolloutPayload, VersionSpan, version_spans
+from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.workers.engines.base import Engine, EngineHealth, Generation, TokenSink
+from rollfleet.workers.engines.keyed import VOCAB, context_state, keyed_token, keyed_tokens, weights_key
 from rollfleet.workers.engines.sessions import DEFAULT_TTL_S, Branch, Lookup, SessionCache, SessionCacheStats
 
 _TOKEN_BYTES = 4
@@ -34,12 +39,13 @@ class EchoEngine(Engine):
         self,
         latency_s: float = 0.0,
         per_token_s: float = 0.0,
-        vocab: int = 32_000,
+        vocab: int = VOCAB,
         *,
         prefill_s_per_token: float = 0.0,
         session_cache_bytes: int = 64 * 1024**2,
         session_ttl_s: float = DEFAULT_TTL_S,
         streams_tokens: bool = True,
+        keyed: bool = False,
     ) -> None:
         super().__init__()
         # False: behaves as an HTTP engine that answers whole requests (resumable jobs run in segments)
@@ -55,11 +61,17 @@ class EchoEngine(Engine):
         self._aborted: set[str] = set()
         self._closed = False
         self._weights: dict[str, bytes] = {}  # every tensor's bytes, when started on a checkpoint
+        self.keyed = keyed
+        self._key = b""  # keyed: weights_key of ``_weights``, recomputed whenever they change
 
     async def start(self, checkpoint_dir: Path | None, version: int) -> None:
+        if self.keyed and checkpoint_dir is None:
+            raise InvalidRequest("a keyed echo engine needs weights to key its tokens: --store or --model-dir")
         self.version = version
         if checkpoint_dir is not None:
             self._weights = await asyncio.to_thread(_read_tensors, checkpoint_dir, None)
+            if self.keyed:
+                self._key = await asyncio.to_thread(weights_key, self._weights)
 
     async def generate(
         self, request_id: str, payload: RolloutPayload, session_id: str | None = None, sink: TokenSink | None = None
@@ -79,7 +91,7 @@ class EchoEngine(Engine):
             # Nothing can pause or abort it between steps (no step awaits): every token is made
             # at once, at the live version; the same outputs as the step loop below.
             base = sum(prompt)
-            outputs = [self._sample_at_once(base + sample, payload) for sample in range(payload.n)]
+            outputs = [self._sample_at_once(base + sample, payload, prompt, sample) for sample in range(payload.n)]
             for i, out in enumerate(outputs if sink is not None else ()):
                 for tok in out.token_ids:
                     sink.token(i, tok, 0.0, self.version)
@@ -104,6 +116,7 @@ class EchoEngine(Engine):
         for sample in range(payload.n):
             tokens: list[int] = []
             versions: list[int] = []
+            context = context_state(prompt) if self.keyed else b""  # keyed: the prompt and the tokens so far
             finish = "length"
             for i in range(payload.sampling.max_tokens):
                 if not self._running.is_set():
@@ -113,7 +126,12 @@ class EchoEngine(Engine):
                     break
                 if self.per_token_s:
                     await asyncio.sleep(self.per_token_s)
-                tok = (sum(prompt) + sample + i) % self.vocab
+                if self.keyed:
+                    tok = keyed_token(self._key, context, seed=payload.sampling.seed, sample=sample,
+                                      first=not tokens, vocab=self.vocab)
+                    context = context_state((tok,), context)
+                else:
+                    tok = (sum(prompt) + sample + i) % self.vocab
                 tokens.append(tok)
                 versions.append(self.version)
                 if sink is not None:
@@ -162,11 +180,14 @@ class EchoEngine(Engine):
     def session_cache_stats(self) -> SessionCacheStats:
         return self._sessions.stats()
 
-    def _sample_at_once(self, base: int, payload: RolloutPayload) -> Completion:
+    def _sample_at_once(self, base: int, payload: RolloutPayload, prompt: list[int], sample: int) -> Completion:
         """One sample (``base``: the prompt's sum plus the sample's index) with no step boundary
         to honour: the same tokens, versions and finish as the step loop, computed in one go."""
-        vocab = self.vocab
-        tokens = [(base + i) % vocab for i in range(payload.sampling.max_tokens)]
+        vocab, count = self.vocab, payload.sampling.max_tokens
+        if self.keyed:
+            tokens = keyed_tokens(self._key, prompt, count, seed=payload.sampling.seed, sample=sample, vocab=vocab)
+        else:
+            tokens = [(base + i) % vocab for i in range(count)]
         finish = "length"
         stops = set(payload.sampling.stop_token_ids)
         if stops:
@@ -188,6 +209,8 @@ class EchoEngine(Engine):
     async def load_weights(self, checkpoint_dir: Path | None, changed: Sequence[str], version: int) -> None:
         if checkpoint_dir is not None and self._weights and changed:
             self._weights.update(await asyncio.to_thread(_read_tensors, checkpoint_dir, set(changed)))
+            if self.keyed:  # the key follows the bytes now held, whatever the version is called
+                self._key = await asyncio.to_thread(weights_key, self._weights)
         self.version = version
         self._sessions.invalidate(version)
 

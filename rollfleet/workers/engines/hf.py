@@ -47,7 +47,7 @@ from rollfleet.schemas.errors import EngineFailure, InvalidRequest, RollfleetErr
 from rollfleet.schemas.limits import check_payload
 from rollfleet.workers.engines import _kvrows, _weights
 from rollfleet.workers.engines._sampling import fresh_seed, make_generator, sample_token
-from rollfleet.workers.engines.base import Engine, EngineHealth, Generation, TokenSink
+from rollfleet.workers.engines.base import Engine, EngineHealth, Generation, TokenSink, sample_seed
 from rollfleet.workers.engines.sessions import (
     DEFAULT_MAX_BYTES,
     DEFAULT_TTL_S,
@@ -307,13 +307,13 @@ class HFEngine(Engine):
         for i in range(payload.n):
             gen = None
             if params.temperature > 0:
-                if params.seed is not None:
-                    base = params.seed
+                if params.seed is not None:  # the same stream whether sample i is sent alone or not
+                    stream = sample_seed(params.seed, i)
                 elif self.seed is not None:
-                    base = (self.seed << 32) + next(self._seed_counter)
+                    stream = ((self.seed << 32) + next(self._seed_counter)) * 1_000_003 + i
                 else:
-                    base = fresh_seed()
-                gen = make_generator(base * 1_000_003 + i, self.device)
+                    stream = fresh_seed() * 1_000_003 + i
+                gen = make_generator(stream, self.device)
             req.seqs.append(_Seq(req=req, index=i, tokens=list(prompt), gen=gen))
         self._requests[request_id] = req
         self._pending.extend(req.seqs)

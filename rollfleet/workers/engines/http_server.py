@@ -11,10 +11,21 @@ the server's API:
   says why in one line, requests in flight fail at once with ``EngineFailure`` (instead of
   waiting out ``request_timeout_s``) and new ones are refused until the server answers again;
 - the request gate: during an activation (``pause`` .. ``resume``) no new request reaches the
-  server, so every request starts on the weights the adapter last made live;
+  server, so every request starts on the weights the adapter last made live. A pause the server
+  refused reopens the gate at once (and asks the server to continue); a server that may still be
+  paused outside an activation (a failed ``resume``, which does not undo the activation) makes
+  the engine not healthy and refuses requests until a later ask (each health look and each
+  request asks) gets it to continue (``gate_decision``). A request waiting
+  at the gate can be aborted there (an activation's drain gives up on it);
 - in-flight bookkeeping for ``abort``, and a prefix-cache salt per weight version for sessions
   (a turn after an activation is prefilled anew and reported ``cache_rebuilt``);
-- rollfleet versions as the integer strings the servers carry, and per-token version spans.
+- rollfleet versions as the integer strings the servers carry, and per-token version spans;
+- a server that lost the weights made live here: once the adapter has set the server's version
+  label, a server that reports another one (an attached server restarted on its launch
+  checkpoint: vLLM's ``default``) is checked for at every health look, and tokens a server
+  attributes to a label that is no rollfleet version are refused. The engine is then down (no
+  request is sent) while the adapter reloads the live version from the directory it was loaded
+  from, and serves again once that succeeded (``restart_suspected``).
 
 Subclasses say how to start their server (``_launch_command``), how to abort (``_send_abort``)
 and everything about generation and weights.
@@ -32,7 +43,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
@@ -83,6 +94,11 @@ def parse_spans(raw: object, n_tokens: int) -> list[VersionSpan]:
     return spans
 
 
+def span_labels(raw: object) -> list[object]:
+    """The version labels a server's ``weight_versions`` spans name, as it sent them."""
+    return [item.get("version") for item in raw if isinstance(item, Mapping)] if isinstance(raw, list) else []
+
+
 def response_json(r: httpx.Response) -> dict[str, Any]:
     try:
         value = r.json()
@@ -113,6 +129,30 @@ def generation_versions(
     if outputs and len(firsts) == len(outputs):
         return min(firsts), version_end
     return min([sent_on, version_end, *firsts]), version_end
+
+
+def restart_suspected(believed: int, reported: object) -> bool:
+    """Whether a server whose version label the adapter set to ``believed`` no longer holds those
+    weights: it reports another label (a restarted server reports its launch label)."""
+    return parse_version(reported) != believed
+
+
+GateVerdict = Literal["send", "wait", "refuse"]
+
+
+def gate_decision(activating: bool, server_paused: bool) -> tuple[GateVerdict, str | None]:
+    """What the request gate does with a new request, and what is wrong (for ``health``).
+
+    ``activating``: between the adapter's ``pause`` and ``resume``: the request waits (an
+    activation is bounded by its control calls, and ``resume`` always reopens the gate).
+    ``server_paused``: a pause reached, or may have reached, the server and no resume has
+    succeeded since. Outside an activation such a server would hold a request forever, so it is
+    refused and the engine is not healthy until the server continues."""
+    if activating:
+        return "wait", None
+    if server_paused:
+        return "refuse", "server may still be paused: asking it to continue failed"
+    return "send", None
 
 
 class HTTPServerEngine(Engine, abc.ABC):
@@ -159,6 +199,15 @@ class HTTPServerEngine(Engine, abc.ABC):
         self._client: httpx.AsyncClient | None = None
         self._running = asyncio.Event()  # cleared from pause to resume: no new request is sent
         self._running.set()
+        self._server_paused = False  # a pause may hold the server and no resume has succeeded since
+        self._control_lock = asyncio.Lock()  # pause, resume and health's retry of resume, one at a time
+        self._gate_waiters: dict[str, asyncio.Event] = {}  # request id -> set when aborted at the gate
+        self._activation = asyncio.Lock()  # held from pause to resume: a reload after a restart waits
+        # Whether the server's version label is this adapter's ``version`` (set by start and every
+        # load): a server reporting another one lost the weights made live here.
+        self._labelled = False
+        self._loaded_dir: Path | None = None  # where the live version was loaded from (reloaded after a restart)
+        self._recovering: asyncio.Task[None] | None = None
         self._inflight: dict[str, list[str]] = {}  # request id -> the server's ids for it
         self._aborted: set[str] = set()
         self._closed = False
@@ -249,8 +298,8 @@ class HTTPServerEngine(Engine, abc.ABC):
             problem = await self._diagnose()
             if problem is not None:
                 self._mark_down(problem)
-            elif self._down is not None and not self._broken:
-                self._down = None  # an attached server that answers again (restarted) serves again
+            elif not self._broken and await self._check_served() is None:
+                self._down = None  # an attached server that answers again, at the live version, serves
 
     async def _diagnose(self) -> str | None:
         """What is wrong with the server (one line), None if it serves: its exit, or else its
@@ -293,7 +342,7 @@ class HTTPServerEngine(Engine, abc.ABC):
             return
         self._closed = True
         self._running.set()
-        for task in list(self._watchers):
+        for task in [*self._watchers, *([self._recovering] if self._recovering is not None else [])]:
             task.cancel()
         if self._client is not None:
             for rid in list(self._inflight):
@@ -325,8 +374,91 @@ class HTTPServerEngine(Engine, abc.ABC):
             return EngineHealth(ok=False, detail=self._down or problem, extra=extra)
         if self._broken and self._down is not None:
             return EngineHealth(ok=False, detail=self._down, extra=extra)
+        lost = await self._check_served()
+        if lost is not None:
+            return EngineHealth(ok=False, detail=lost, extra=extra)
         self._down = None
+        gate_problem = await self._unpause_server()
+        if gate_problem is not None:
+            return EngineHealth(ok=False, detail=f"{self.server_name} {gate_problem}", extra=extra)
         return EngineHealth(ok=True, detail="serving", extra=extra)
+
+    async def _check_served(self) -> str | None:
+        """None when the server holds the version made live here, as far as its label says (or
+        the adapter set no label to compare); else why not, with a reload of the live version
+        started where the adapter knows its directory (the engine stays down until it succeeded)."""
+        if self._recovering is not None and not self._recovering.done():
+            return self._down or f"reloading version {self.version}"
+        if not self._labelled or self._activation.locked():
+            return None  # (during an activation the label is moving)
+        believed = self.version
+        try:
+            reported = await asyncio.wait_for(self._read_label(), self.health_timeout_s)
+        except (httpx.HTTPError, EngineFailure, TimeoutError):
+            return self._down  # unconfirmed: one serving keeps serving, one that was down stays so
+        if self._activation.locked() or self.version != believed or not restart_suspected(believed, reported):
+            return None  # (an activation began meanwhile: the label read may be from either side of it)
+        self._lost(f"reports weight version {reported!r}, not {self.version}")
+        return self._down
+
+    def _lost(self, what: str) -> None:
+        """The server does not hold the version made live here (``what`` says how that showed):
+        down at once (requests in flight fail, none is sent), and the live version reloaded."""
+        if self._recovering is not None and not self._recovering.done():
+            return
+        detail = f"{self.server_name} server {what} (restarted on its launch checkpoint?)"
+        if self._loaded_dir is None:
+            detail += f"; nothing to reload version {self.version} from: not serving until it reports it"
+        else:
+            detail += f"; reloading version {self.version} from {self._loaded_dir}"
+        self._down = None  # (this account replaces any earlier one)
+        self._mark_down(detail)
+        if self._loaded_dir is not None:
+            self._recovering = asyncio.create_task(self._reload_live(self._loaded_dir), name="server-reload")
+
+    async def _reload_live(self, directory: Path) -> None:
+        """Make the live version the server's again (an activation to the same version); the
+        engine serves again only once that succeeded."""
+        try:
+            await self.pause()
+            try:
+                await self.load_weights(directory, (), self.version)
+            finally:
+                await self.resume()
+        except Exception as exc:  # stays down; the next health look tries again
+            if not self._broken:
+                self._down = f"{self.server_name} server lost version {self.version} and reloading it failed: {exc}"
+            return
+        if not self._broken:
+            self._down = None
+
+    @abc.abstractmethod
+    async def _read_label(self) -> object:
+        """The server's weight-version label, as it reports it; raises when it cannot be read."""
+
+    def _refuse_foreign(self, labels: Sequence[object]) -> None:
+        """Tokens a labelled server attributes to a label that is no rollfleet version (vLLM's
+        ``default`` after a restart) did not come from the weights made live here: refused, never
+        relabelled with the adapter's own version."""
+        foreign = [label for label in labels if parse_version(label) is None]
+        if self._labelled and foreign:
+            self._lost(f"attributes tokens to weight version {foreign[0]!r}")
+            raise EngineFailure(f"{self.server_name} attributes tokens to weight version {foreign[0]!r}: {self._down}")
+
+    async def _unpause_server(self) -> str | None:
+        """Outside an activation, ask a server that may still be paused to continue; what is still
+        wrong with the gate (None when nothing)."""
+        if gate_decision(not self._running.is_set(), self._server_paused)[0] != "refuse":
+            return None  # (without waiting for a pause or resume under way)
+        async with self._control_lock:
+            verdict, problem = gate_decision(not self._running.is_set(), self._server_paused)
+            if verdict != "refuse":
+                return None
+            with contextlib.suppress(EngineFailure):
+                await self._resume_server()
+                self._server_paused = False
+                return None
+            return problem
 
     async def _exited(self, wait_s: float = 0.0) -> str | None:
         """A launched server's exit, as one line (None while it runs or for an attached server);
@@ -342,13 +474,28 @@ class HTTPServerEngine(Engine, abc.ABC):
 
     # -- requests --------------------------------------------------------------------------------
 
-    async def _admit(self) -> None:
-        """Before a request: wait out an activation; refuse while the engine is closed or down."""
-        await self._running.wait()  # no new work reaches the server during an activation
+    async def _admit(self, request_id: str) -> bool:
+        """Before a request: wait out an activation (no new work reaches the server during one);
+        refuse while the engine is closed or down, or while the server may still be paused outside
+        an activation. True: the request was aborted while it waited (it is not sent)."""
+        while (decision := gate_decision(not self._running.is_set(), self._server_paused))[0] == "wait":
+            aborted = self._gate_waiters[request_id] = asyncio.Event()
+            opened, gave_up = asyncio.ensure_future(self._running.wait()), asyncio.ensure_future(aborted.wait())
+            try:
+                await asyncio.wait({opened, gave_up}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                opened.cancel()
+                gave_up.cancel()
+                self._gate_waiters.pop(request_id, None)
+            if aborted.is_set():
+                return True
         if self._closed:
             raise EngineFailure(f"the {self.name} engine is closed")
         if self._down is not None:
             raise EngineFailure(f"{self.server_name} server is down: {self._down}")
+        if decision[0] == "refuse" and (problem := await self._unpause_server()) is not None:
+            raise EngineFailure(f"{self.server_name} {problem}")
+        return False
 
     async def _post_request(
         self, request_id: str, ids: list[str], path: str, body: Any, headers: Mapping[str, str] | None = None
@@ -400,6 +547,10 @@ class HTTPServerEngine(Engine, abc.ABC):
         """Ask the server to stop these of its requests (best effort)."""
 
     async def abort(self, request_id: str) -> None:
+        waiting = self._gate_waiters.get(request_id)
+        if waiting is not None:  # not sent yet: it returns aborted without reaching the server
+            waiting.set()
+            return
         ids = self._inflight.get(request_id)
         if not ids:
             return
@@ -447,10 +598,42 @@ class HTTPServerEngine(Engine, abc.ABC):
     # -- activation gate ---------------------------------------------------------------------------
 
     async def pause(self) -> None:
-        self._running.clear()
+        await self._activation.acquire()
+        async with self._control_lock:
+            self._running.clear()
+            self._server_paused = True  # from the moment the call is sent it may land, answered or not
+            try:
+                await self._pause_server()
+            except BaseException:
+                # A refused pause is no activation: reopen the gate at once (version sync calls no
+                # resume after a pause that raised), and ask the server to continue in case it paused.
+                with contextlib.suppress(Exception):
+                    await self._resume_server()
+                    self._server_paused = False
+                self._running.set()
+                self._activation.release()
+                raise
 
     async def resume(self) -> None:
-        self._running.set()
+        """Reopen the gate and ask the server to continue. A server that refuses to continue does
+        not undo the activation (the new weights are live, and must be announced as such): the
+        engine then refuses requests and is not healthy until a later ask succeeds (health and
+        every request ask again: ``_unpause_server``)."""
+        async with self._control_lock:
+            try:
+                with contextlib.suppress(EngineFailure):
+                    await self._resume_server()
+                    self._server_paused = False
+            finally:
+                self._running.set()
+                if self._activation.locked():
+                    self._activation.release()
+
+    async def _pause_server(self) -> None:
+        """Ask the server to stop advancing requests (in-flight ones stay); raise if it refused."""
+
+    async def _resume_server(self) -> None:
+        """Ask the server to continue generation; raise if it refused."""
 
     # -- plumbing ----------------------------------------------------------------------------------
 

@@ -59,8 +59,12 @@ adapter's version when the request is sent (requests wait while paused, so it is
 activation lands before SGLang's first step, in which case it is conservatively older) and
 ``version_end`` is the ``weight_version`` SGLang reports. A version string that is not a
 non-negative integer (SGLang's ``"default"``, or a label someone else set) is not a rollfleet
-version: spans holding one are dropped (the completion's ``weight_versions`` is then empty,
-meaning unknown) and the adapter's own version stands in for it.
+version. Once the adapter has set the server's label (it loaded a version, or the server reported
+the adapter's version at start), such tokens are refused, never relabelled: the server lost the
+weights made live here (restarted on its launch checkpoint) and the engine is down while it
+reloads them (``http_server``). A server whose label the adapter never set (attached without a
+checkpoint) keeps the old reading: its spans are dropped (``weight_versions`` empty, meaning
+unknown) and the adapter's own version stands in.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ import httpx
 from rollfleet.schemas import Completion, RolloutPayload
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest
 from rollfleet.schemas.limits import check_payload
-from rollfleet.workers.engines.base import Generation, TokenSink
+from rollfleet.workers.engines.base import Generation, TokenSink, sample_seed
 from rollfleet.workers.engines.http_server import (
     HTTPServerEngine,
     error_message,
@@ -84,6 +88,7 @@ from rollfleet.workers.engines.http_server import (
     parse_spans,
     parse_version,
     response_json,
+    span_labels,
 )
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -170,6 +175,9 @@ class SGLangEngine(HTTPServerEngine):
             finally:
                 await self.resume()
         self.version = version
+        if served == version:  # (a load above labelled it; else the server carries no label of ours)
+            self._labelled = True
+            self._loaded_dir = checkpoint_dir
         self._start_watching()
 
     def _launch_command(self, model_path: str, version: int, port: int) -> list[str]:
@@ -184,7 +192,8 @@ class SGLangEngine(HTTPServerEngine):
         self, request_id: str, payload: RolloutPayload, session_id: str | None = None, sink: TokenSink | None = None
     ) -> Generation:
         check_payload(payload)
-        await self._admit()
+        if await self._admit(request_id):  # aborted while an activation held it at the gate
+            return self._aborted_generation(payload.n, self.version)
         rids = [request_id] if payload.n == 1 else [f"{request_id}-{i}" for i in range(payload.n)]
         body = self._generate_body(rids, payload, session_id)
         version_start = salted = self.version
@@ -199,6 +208,7 @@ class SGLangEngine(HTTPServerEngine):
             raise EngineFailure(f"SGLang answered {len(items)} outputs for n={payload.n}")
         outputs, served, prompt_tokens = [], [], len(payload.prompt_token_ids or [])
         cached: list[int] = []
+        self._refuse_foreign([label for item in items for label in _labels(item)])
         for item in items:
             completion, version, prompt_len = self._parse_item(item, payload.sampling.logprobs, aborted)
             outputs.append(completion)
@@ -241,8 +251,8 @@ class SGLangEngine(HTTPServerEngine):
         per_sample = []
         for i in range(len(rids)):
             params = dict(base)
-            if s.seed is not None:
-                params["sampling_seed"] = s.seed + i
+            if (seed := sample_seed(s.seed, i)) is not None:
+                params["sampling_seed"] = seed
             per_sample.append(params)
         single = len(rids) == 1
         body: dict[str, Any] = {
@@ -296,8 +306,7 @@ class SGLangEngine(HTTPServerEngine):
 
     # -- activation ----------------------------------------------------------------------------
 
-    async def pause(self) -> None:
-        await super().pause()
+    async def _pause_server(self) -> None:
         await self._control("/pause_generation", {"mode": self.pause_mode})
 
     async def prepare_weights(self, checkpoint_dir: Path | None, changed: Sequence[str], version: int) -> None:
@@ -347,23 +356,35 @@ class SGLangEngine(HTTPServerEngine):
         if served is not None and served != version:
             raise EngineFailure(f"SGLang serves weight_version {served} after loading {version}")
         self.version = version
+        self._labelled, self._loaded_dir = served == version, checkpoint_dir
 
-    async def resume(self) -> None:
-        try:
-            await self._control("/continue_generation", {})
-        finally:
-            await super().resume()
+    async def _resume_server(self) -> None:
+        await self._control("/continue_generation", {})
 
     async def served_version(self) -> int | None:
         """The weight version the server reports (None when it reports none or a non-integer)."""
+        try:
+            return parse_version(await self._read_label())
+        except (httpx.HTTPError, EngineFailure):
+            return None
+
+    async def _read_label(self) -> object:
+        failure: Exception = EngineFailure("SGLang answered no model info")
         for path in ("/model_info", "/get_model_info"):
             try:
                 r = await self._http.get(path)
-            except httpx.HTTPError:
+            except httpx.HTTPError as exc:
+                failure = exc
                 continue
             if r.status_code == 200:
-                return parse_version(response_json(r).get("weight_version"))
-        return None
+                return response_json(r).get("weight_version")
+        raise failure
+
+
+def _labels(item: Mapping[str, Any]) -> list[object]:
+    """The weight-version labels an answer attributes its tokens to (as SGLang sent them)."""
+    meta = item.get("meta_info") or {}
+    return span_labels(meta.get("weight_versions")) or ([meta["weight_version"]] if "weight_version" in meta else [])
 
 
 def _cached_tokens(item: Mapping[str, Any]) -> int:

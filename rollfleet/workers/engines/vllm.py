@@ -41,10 +41,11 @@ layout differs from the one it started on (``LayoutMismatch``/``CorruptArtifact`
 fails anyway marks the engine down.
 
 Versions: the server's weight version is a string; the adapter sets ``str(version)`` and reads
-spans back as integers. A span holding anything else (``"default"``, a label someone else set)
-makes that completion's versions unknown (``weight_versions`` empty) and the adapter's own
-versions stand in. A span naming a version this adapter did not have live while the request ran
-is refused (``EngineFailure``): the tokens' provenance is not what the worker announced.
+spans back as integers. A span holding anything else (``"default"``: a server restarted on its
+launch checkpoint) is refused (``EngineFailure``), never relabelled with the adapter's version:
+the engine is down while it reloads the live version (``http_server``). A span naming a version
+this adapter did not have live while the request ran is refused too: the tokens' provenance is
+not what the worker announced.
 
 Sessions: vLLM's prefix cache matches by content (in blocks of ``--block-size`` tokens, 128 by
 default on CPU); every request carries ``cache_salt`` naming the weight version it is sent on,
@@ -80,6 +81,7 @@ from rollfleet.workers.engines.http_server import (
     parse_spans,
     parse_version,
     response_json,
+    span_labels,
 )
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -193,6 +195,8 @@ class VLLMEngine(HTTPServerEngine):
             await self._set_version(version)
         self.version = version
         self._live.add(version)
+        self._labelled = True  # every way above ends with vLLM's label checked to be ``version``
+        self._loaded_dir = self._loaded_dir or checkpoint_dir
 
     def _launch_command(self, model_path: str, version: int, port: int) -> list[str]:
         if self.launch_cmd is not None:
@@ -217,7 +221,8 @@ class VLLMEngine(HTTPServerEngine):
     ) -> Generation:
         check_payload(payload)
         self._check_tokens(payload)
-        await self._admit()
+        if await self._admit(request_id):  # aborted while an activation held it at the gate
+            return self._aborted_generation(payload.n, self.version)
         body = self._generate_body(request_id, payload)
         sent_on = salted = self.version
         headers = {"X-Session-ID": session_id} if session_id is not None else None
@@ -229,6 +234,8 @@ class VLLMEngine(HTTPServerEngine):
             self._mark_down(problem)  # (vLLM answers 500 for every request once its engine died)
         self._check_status(r, GENERATE)
         answer = response_json(r)
+        choices = [c for c in answer.get("choices") or () if isinstance(c, Mapping)]
+        self._refuse_foreign([label for c in choices for label in span_labels(c.get("weight_versions"))])
         outputs = self._parse_choices(answer, payload.sampling.logprobs, aborted)
         if len(outputs) != payload.n:
             raise EngineFailure(f"vLLM answered {len(outputs)} outputs for n={payload.n}")
@@ -330,15 +337,11 @@ class VLLMEngine(HTTPServerEngine):
 
     # -- activation ----------------------------------------------------------------------------
 
-    async def pause(self) -> None:
-        await super().pause()
+    async def _pause_server(self) -> None:
         await self._control("/pause", params={"mode": "keep"})
 
-    async def resume(self) -> None:
-        try:
-            await self._control("/resume")
-        finally:
-            await super().resume()
+    async def _resume_server(self) -> None:
+        await self._control("/resume")
 
     async def prepare_weights(self, checkpoint_dir: Path | None, changed: Sequence[str], version: int) -> None:
         """While serving: the version was materialized into ``checkpoint_dir`` (what vLLM reloads
@@ -370,6 +373,7 @@ class VLLMEngine(HTTPServerEngine):
             raise
         self.version = version
         self._live.add(version)
+        self._labelled, self._loaded_dir = True, Path(checkpoint_dir)
 
     async def _set_version(self, version: int) -> None:
         await self._control("/update_weight_version", {"new_version": str(version)})
@@ -391,10 +395,15 @@ class VLLMEngine(HTTPServerEngine):
     async def served_version(self) -> int | None:
         """The weight version the server reports (None when it reports none or a non-integer)."""
         try:
-            r = await self._http.get("/weight_info")
-        except httpx.HTTPError:
+            return parse_version(await self._read_label())
+        except (httpx.HTTPError, EngineFailure):
             return None
-        return parse_version(response_json(r).get("weight_version")) if r.status_code == 200 else None
+
+    async def _read_label(self) -> object:
+        r = await self._http.get("/weight_info")
+        if r.status_code != 200:
+            raise EngineFailure(f"vLLM /weight_info: HTTP {r.status_code}")
+        return response_json(r).get("weight_version")
 
     async def _served_max_model_len(self) -> int | None:
         try:

@@ -1,0 +1,96 @@
+"""Decoding input that nobody here wrote, within bounds: size and nesting depth.
+
+Every parser of nested data (``json``, msgspec) recurses once per level, so a small document of
+``[[[[...`` nested deeper than the interpreter's recursion limit raises ``RecursionError``: not a
+typed error, and one that ends whatever task met it (a worker's version follow task, a decode on
+the request path). Documents nested deeper than ``MAX_DEPTH`` are refused before any parser
+sees them, with the caller's typed error; nothing we read (an index, a safetensors header, a
+sidecar, an acknowledgement, a job's ``extra``) comes near that depth.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import msgspec
+
+from rollfleet.schemas.errors import InvalidRequest, RollfleetError
+
+MAX_DEPTH = 64
+
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"')
+_EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
+_json_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
+
+
+def json_depth_within(raw: bytes | str, max_depth: int = MAX_DEPTH) -> bool:
+    """Whether the JSON text ``raw`` nests arrays and objects at most ``max_depth`` deep, found
+    without recursing (nor looping in Python per byte): every byte but a bracket or a quote
+    dropped, then strings, then innermost pairs removed one level per pass. Malformed text whose
+    brackets do not pair up is left for the parser to refuse."""
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    # Escaped backslashes, then escaped quotes, go first: every quote left delimits a string.
+    marks = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
+    # Any two quotes in a row are an empty string or the seam of two strings (whatever stood
+    # between them is gone): dropping them keeps every bracket inside a string inside one.
+    brackets = b"".join(marks.replace(b'""', b"").split(b'"')[::2])
+    too_deep = re.compile(rb"[\[{]{%d}" % (max_depth + 1))  # that many openers in a row
+    for _ in range(max_depth):
+        if not brackets:
+            return True
+        if too_deep.search(brackets):
+            return False
+        brackets, removed = _EMPTY_PAIR.subn(b"", brackets)
+        if not removed:
+            return True
+    return not brackets
+
+
+def depth_within(value: object, max_depth: int = MAX_DEPTH) -> bool:
+    """Whether a decoded value (lists, tuples and dicts of plain data) nests at most
+    ``max_depth`` deep; walked with a stack of its own, so any depth is safe to look at."""
+    stack: list[tuple[object, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth + 1 > max_depth:
+            return False
+        stack.extend((child, depth + 1) for child in children)
+    return True
+
+
+def load_json(
+    raw: bytes | str,
+    *,
+    what: str,
+    max_bytes: int,
+    type_: Any = None,
+    error: type[RollfleetError] = InvalidRequest,
+    max_depth: int = MAX_DEPTH,
+) -> Any:
+    """``raw`` decoded as JSON (and validated as ``type_`` when given, by msgspec), or ``error``
+    naming ``what`` when it is too large, nested too deep, not JSON, or not a ``type_``."""
+    if len(raw) > max_bytes:
+        raise error(f"{what} is {len(raw)} bytes, over the limit of {max_bytes}")
+    if not json_depth_within(raw, max_depth):
+        raise error(f"{what} nests deeper than {max_depth} levels")
+    try:
+        if type_ is None:
+            return json.loads(raw)
+        decoder = _json_decoders.get(type_)
+        if decoder is None:
+            decoder = _json_decoders[type_] = msgspec.json.Decoder(type_)
+        return decoder.decode(raw)
+    except RecursionError:  # (cannot happen within MAX_DEPTH; kept typed should a limit change)
+        raise error(f"{what} nests deeper than this process can decode") from None
+    except msgspec.ValidationError as exc:
+        raise error(f"{what} has an invalid field: {exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # (msgspec.DecodeError is a ValueError)
+        raise error(f"{what} is not valid JSON: {exc}") from None

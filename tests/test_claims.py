@@ -1,0 +1,66 @@
+"""A claimed job's redelivery racing the run it duplicates (issue 30: the machine adversary's
+``pauses`` schedule saw an at_most_once job run twice on one replica): the holder stores its
+answer and releases its claim between the redelivery's look for an answer and its claim. The
+claim is then free, and without a second look the job would be generated again."""
+
+from __future__ import annotations
+
+import time
+
+import nats
+import pytest
+
+from rollfleet.broker.topology import TopologyConfig, ensure_topology
+from rollfleet.runtime.logs import get_logger
+from rollfleet.schemas import DEFAULT_LIMITS, EngineFailure, Names, RolloutJob, VersionConstraint, claim_key, encode
+from rollfleet.workers.engines.echo import EchoEngine
+from rollfleet.workers.jobs import JobRunner, RunningJob
+from rollfleet.workers.metrics import WorkerMetrics
+from rollfleet.workers.serving import ServedVersion
+from tests.helpers import payload
+
+
+@pytest.mark.parametrize("policy", ["at_most_once", "replayable-turn", "exact"])
+async def test_a_redelivery_that_claims_after_its_holder_answered_does_not_run_the_job(
+    nc: nats.NATS, namespace: str, policy: str
+) -> None:
+    js, names = nc.jetstream(), Names(namespace)
+    await ensure_topology(js, names, TopologyConfig(ack_wait_s=1.0))
+    claims = await js.key_value(names.claims_bucket)
+    engine = EchoEngine()
+    runner = JobRunner(
+        js, names, engine, worker_id="w1", limits=DEFAULT_LIMITS, ack_wait_s=1.0,
+        max_message_bytes=1 << 20, metrics=WorkerMetrics("w1", "echo"), log=get_logger("test"),
+        served=ServedVersion(0), claims=claims,
+    )  # fmt: skip
+    kind = "exact" if policy == "exact" else "min"
+    job = RolloutJob(
+        job_id="job-1", idempotency_key="k", client_id="c", constraint=VersionConstraint(kind, 0),
+        payload=payload(), deadline=time.time() + 60, submitted_at=time.time(),
+        retry_policy="at_most_once" if policy == "at_most_once" else "replayable",
+        session_id="s" if policy == "replayable-turn" else None,
+    )  # fmt: skip
+    assert job.claimed
+    # The redelivered job, as the broker hands it out (a real stored and fetched message).
+    subject = names.job_subject(kind, 0)
+    await js.publish(subject, encode(job))
+    sub = await js.pull_subscribe(subject, durable=f"t-{policy}".replace("_", "-"), stream=names.jobs_stream)
+    [msg] = await sub.fetch(1, timeout=5)
+    # The first run answered and released its claim just after the redelivery looked for an answer.
+    looks = 0
+    real_answered = runner._answered
+
+    async def answered_after_the_first_look(j: RolloutJob) -> bool:
+        nonlocal looks
+        looks += 1
+        return False if looks == 1 else await real_answered(j)
+
+    runner._answered = answered_after_the_first_look  # type: ignore[method-assign]
+    await runner.answer_failure("c", "k", EngineFailure("the first run's answer"), 1, job)
+    await runner._serve(RunningJob(msg, job), 2, time.time(), get_logger("test"))
+    assert looks == 2  # looked again once the claim was taken
+    assert engine.prefill_tokens == 0, "the job was generated again"
+    with pytest.raises((nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError)):
+        await claims.get(claim_key(job.job_id))  # the claim taken for nothing is released
+    with pytest.raises(nats.errors.TimeoutError):
+        await sub.fetch(1, timeout=2.5)  # acked: never delivered again

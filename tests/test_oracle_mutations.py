@@ -1,0 +1,334 @@
+"""The oracle tested against known-bad histories (issue 30).
+
+One short real adversary run is recorded once (its inputs kept by ``save_inputs``: the journals,
+the wiretap's dump, the timeline, the finals); the oracle judges it again from those files
+(``judge_kept``), unmutated (no violation) and as mutated copies that each tell a known lie:
+everything refused, no calls, answers relabelled ``EngineFailure``, replayable answers relabelled
+``Interrupted``, a label one version off, a second different answer for a key, a fleet dead most
+of the run, tokens swapped between answers, an ``Interrupted`` answer although the frozen holder
+finished the job. Each must be flagged by the invariant that owns that promise; two histories
+that are fine, which the oracle once flagged (false positives), must pass. The pure rules
+behind ``available`` and ``Report.passed``, and the counting of events, are tested in milliseconds.
+
+The recorded run uses a short availability bound (``AVAILABLE_S`` 5 s, the run lasts ~10 s of
+load), so that a fleet dead for most of a short run is past it; the unmutated run must pass
+under the same bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reliability.adversary import Adversary, Config, Report, print_report, run_one
+from reliability.oracle import judge_kept, load_kept, unserved_stretches
+from reliability.schedule import Event
+
+RUN_S = 10.0
+SEED = 19
+BOUND_S = 5.0
+
+
+# -- the pure rules --------------------------------------------------------------------------------
+
+
+def test_unserved_stretches_measure_asking_without_service() -> None:
+    # Asked from 0 to 10, served at 1 and 9: nothing served from 1 to 9 while asking.
+    assert unserved_stretches([(0.0, 10.0)], [1.0, 9.0]) == [(0.0, 1.0, 1.0), (1.0, 9.0, 8.0), (9.0, 10.0, 1.0)]
+    # Refusals are points: refused at 2, 5 and 8 with nothing served is a 6 s stretch.
+    assert unserved_stretches([(2.0, 2.0), (5.0, 5.0), (8.0, 8.0)], []) == [(2.0, 8.0, 6.0)]
+    # Nobody asking: no stretch, however long nothing was served.
+    assert unserved_stretches([], [1.0]) == []
+    # An outage the run injected is not counted (overlapping outages once).
+    assert unserved_stretches([(0.0, 10.0)], [], [(2.0, 5.0), (4.0, 6.0)]) == [(0.0, 10.0, 6.0)]
+
+
+def test_a_run_that_injected_or_judged_nothing_fails() -> None:
+    report = Report(config=Config(seed=1), events=0, checks={"version": 3})
+    assert not report.passed and report.vacuous == "the run injected no events"
+    report = Report(config=Config(seed=1), events=2, checks={})
+    assert not report.passed and report.vacuous == "the oracle judged no fact"
+    assert Report(config=Config(seed=1), events=2, checks={"version": 3}).passed
+    assert Report(config=Config(seed=1), events=2, checks={"version": 3}).summary()["violations"] == 0
+    assert Report(config=Config(seed=1), events=0, checks={"version": 3}).summary()["violations"] == 1
+
+
+async def test_a_skipped_event_is_not_counted_as_injected(tmp_path: Path) -> None:
+    adversary = Adversary(Config(seed=1, quiet=True), tmp_path)
+    try:
+        await adversary.guarded(Event(0.0, "second_client"))  # no trainer runs: nobody to impersonate
+        await adversary.guarded(Event(0.0, "hide", {"which": "latest", "for_s": 1.0}))  # nothing committed
+    finally:
+        adversary.events_journal.close()
+    assert adversary.injected == {}
+    assert adversary.skipped == {"second_client": 1, "hide": 1}
+
+
+# -- the recorded run ------------------------------------------------------------------------------
+
+INPUTS = ("oracle.json", "tap.json", "trainer.jsonl", "rogue.jsonl")
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    workdir = tmp_path_factory.mktemp("oracle-mutations") / "run"
+    cfg = Config(seed=SEED, duration=RUN_S, available_s=BOUND_S, workdir=workdir, keep=True, quiet=True)
+    report = asyncio.run(run_one(cfg))
+    print_report(report)
+    assert report.crashed is None, report.crashed
+    assert all((workdir / name).is_file() for name in INPUTS)
+    return workdir
+
+
+class History:
+    """A copy of a recorded run's inputs, to be mutated and judged again."""
+
+    def __init__(self, src: Path, dst: Path) -> None:
+        dst.mkdir(parents=True)
+        for name in INPUTS:
+            shutil.copy(src / name, dst / name)
+        (dst / "base").symlink_to(src / "base")  # the trainer's weights: read only
+        self.dir = dst
+        self.doc = json.loads((dst / "oracle.json").read_text())
+        self.tap = json.loads((dst / "tap.json").read_text())
+        self.trainer = [json.loads(line) for line in (dst / "trainer.jsonl").read_text().splitlines() if line]
+
+    def calls(self) -> dict[str, dict[str, Any]]:
+        return {r["rid"]: r for r in self.trainer if r.get("ev") in ("submit", "turn")}
+
+    def answers(self, kind: str = "result") -> list[dict[str, Any]]:
+        return [r for r in self.trainer if r.get("ev") == "answer" and r.get("kind") == kind]
+
+    def judge(self) -> dict[str, list[str]]:
+        (self.dir / "oracle.json").write_text(json.dumps(self.doc))
+        (self.dir / "tap.json").write_text(json.dumps(self.tap))
+        (self.dir / "trainer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.trainer))
+        out: dict[str, list[str]] = {}
+        for v in judge_kept(self.dir):
+            out.setdefault(v.check, []).append(v.message)
+        return out
+
+
+def _error(record: dict[str, Any], cls: str, code: str, **more: Any) -> None:
+    keep = {k: record[k] for k in ("ev", "rid", "op", "key", "t0", "t", "inc", "sid", "turn", "spent") if k in record}
+    record.clear()
+    record.update(keep, kind="error", cls=cls, code=code, retryable=True, message=f"{cls} (mutated)", **more)
+
+
+def refuse_everything(h: History) -> None:
+    """No job was ever stored: every call refused NoCompatibleReplica at submit."""
+    h.trainer = [r for r in h.trainer if r.get("ev") not in ("stored", "answer", "hang", "reask")]
+    for r in h.calls().values():
+        turn = {"sid": r["sid"], "turn": r["turn"], "spent": True} if "sid" in r else {}
+        answer = {"ev": "answer", "rid": r["rid"], "op": r["op"], "key": r["key"], "t": r["t"] + 0.01,
+                  "t0": r["t"], "inc": r["inc"], **turn}
+        _error(answer, "NoCompatibleReplica", "no_compatible_replica", at="submit")
+        h.trainer.append(answer)
+    h.tap["deliveries"], h.tap["published"] = [], []
+    h.doc["finals"] = {}
+
+
+def no_calls(h: History) -> None:
+    h.trainer = [r for r in h.trainer if r.get("ev") in ("start", "connected", "done")]
+    h.tap["deliveries"], h.tap["published"] = [], []
+    h.doc["finals"] = {}
+
+
+def relabel_engine_failure(h: History) -> None:
+    for r in h.answers():
+        _error(r, "EngineFailure", "engine_failure")
+
+
+def relabel_replayable_interrupted(h: History) -> None:
+    calls = h.calls()
+    mutated = 0
+    for r in h.answers():
+        req = calls[r["rid"]].get("req") or {}
+        if req.get("retry") == "replayable":
+            _error(r, "Interrupted", "interrupted")
+            mutated += 1
+    assert mutated, "the recorded run has no replayable answer"
+
+
+def label_one_version_off(h: History) -> None:
+    calls = h.calls()
+    mutated = 0
+    for r in h.answers():
+        req = calls[r["rid"]].get("req") or {}
+        if req.get("kind") == "exact":
+            r["version_start"] += 1
+            r["version_end"] += 1
+            r["spans"] = [[[v + 1, a, b] for v, a, b in spans] for spans in r["spans"]]
+            mutated += 1
+    assert mutated, "the recorded run has no exact answer"
+
+
+def second_answer_for_a_key(h: History) -> None:
+    """A fresh client's re-ask of a key returns another job's answer than the trainer got."""
+    finals = h.doc["finals"]
+    key = next(k for k, f in sorted(finals.items()) if f.get("kind") == "result")
+    finals[key] = {**finals[key], "job_id": "another-job", "tokens": "0" * 16}
+
+
+def dead_fleet(h: History) -> None:
+    """Every worker process dead two seconds into the trainer's run, none restarted."""
+    t_trainer = min(float(t["start"]) for t in h.doc["timeline"]["trainers"])
+    for w in h.doc["timeline"]["workers"]:
+        w["end"] = max(float(w["start"]) + 0.5, min(float(w["end"] or 1e18), t_trainer + 2.0))
+        w["how"] = "exited 2"
+
+
+def swap_tokens(h: History) -> None:
+    """Tokens swapped consistently between answers of the same shape (every copy of a job's answer,
+    in the journal and the final re-ask, gets another job's token ids and digest; lengths and spans
+    unchanged): only recomputing them can tell."""
+    jobs: dict[str, dict[str, Any]] = {}
+    for r in h.answers():
+        if r.get("token_ids"):
+            jobs.setdefault(r["job_id"], r)
+    groups: dict[str, dict[str, dict[str, Any]]] = {}  # shape -> tokens -> one job's answer
+    for r in jobs.values():
+        groups.setdefault(json.dumps(r["lengths"]), {}).setdefault(json.dumps(r["token_ids"]), r)
+    by_job: dict[str, tuple[Any, str]] = {}
+    for same in groups.values():
+        distinct = list(same.values())
+        if len(distinct) >= 2:
+            moved = [(r["token_ids"], r["tokens"]) for r in distinct]
+            for r, lie in zip(distinct, moved[1:] + moved[:1], strict=True):
+                by_job[r["job_id"]] = lie
+    assert by_job, "the recorded run has no two answers of the same shape with different tokens"
+    for r in [*h.answers(), *h.doc["finals"].values()]:
+        if r.get("kind") == "result" and r.get("job_id") in by_job:
+            r["token_ids"], r["tokens"] = by_job[r["job_id"]]
+
+
+def interrupted_though_a_frozen_holder_finished(h: History) -> None:
+    """An at_most_once job's holder was frozen (SIGSTOP) for a while; another replica answered it
+    Interrupted, and then the holder, alive all along, finished it (issue 30, items 8 and 9)."""
+    submit, answer = _call_of(h, "at_most_once")
+    key, job, worker = answer["key"], answer["job_id"], answer["worker_id"]
+    done = min(float(p["t"]) for p in h.tap["published"] if p["job_id"] == job)
+    other = next(w for w in ("w1", "w2", "w3", "w4") if w != worker)
+    h.tap["published"].append({"t": done - 0.2, "subject": f"rf.adv.results.trainer.x.{job}.{other}",
+                               "kind": "failure", "key": key, "job_id": job, "worker": other, "digest": "0" * 16,
+                               "code": "interrupted"})
+    _error(answer, "Interrupted", "interrupted")
+    h.doc["finals"][key] = {k: answer[k] for k in ("kind", "cls", "code", "retryable", "message", "t")}
+    for w in h.doc["timeline"]["workers"]:
+        if w["worker_id"] == worker and float(w["start"]) <= done and (w["end"] is None or done < float(w["end"])):
+            w["stops"] = [[float(submit["t"]), (float(submit["t"]) + done) / 2]]  # frozen while it ran
+
+
+MUTATIONS: dict[str, tuple[Callable[[History], None], str]] = {
+    "refuse-everything": (refuse_everything, "available"),
+    "no-calls": (no_calls, "available"),
+    "relabelled-engine-failure": (relabel_engine_failure, "answered"),
+    "relabelled-interrupted": (relabel_replayable_interrupted, "answered"),
+    "label-one-version-off": (label_one_version_off, "version"),
+    "second-answer-for-a-key": (second_answer_for_a_key, "once"),
+    "dead-fleet": (dead_fleet, "available"),
+    "swapped-tokens": (swap_tokens, "served"),
+    "interrupted-though-a-frozen-holder-finished": (interrupted_though_a_frozen_holder_finished, "twice"),
+}
+
+
+@pytest.mark.timeout(240)
+def test_the_unmutated_history_passes(recorded: Path, tmp_path: Path) -> None:
+    found = History(recorded, tmp_path / "h").judge()
+    assert found == {}, found
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_a_mutated_history_is_flagged(name: str, recorded: Path, tmp_path: Path) -> None:
+    mutate, expected = MUTATIONS[name]
+    h = History(recorded, tmp_path / "h")
+    mutate(h)
+    found = h.judge()
+    assert expected in found, f"{name}: not flagged by {expected!r}; the oracle said {found}"
+
+
+@pytest.mark.timeout(240)
+def test_checks_are_counted_once_per_judged_fact(recorded: Path) -> None:
+    oracle = load_kept(recorded)
+    oracle.judge()
+    assert oracle.tap.deliveries and oracle.broker_log  # (deliveries and log lines once inflated these)
+    assert oracle.checks["rogue"] == 1
+    assert oracle.checks["permissions"] == 1
+    resumed = {(c.key, (c.answer or {}).get("job_id")) for c in oracle.calls
+               if c.is_result and (c.req or {}).get("retry") == "resume"}
+    assert oracle.checks["resumed"] == len(resumed) > 0  # one per result, not one per span
+
+
+# -- histories that are fine, which the oracle once flagged ---------------------------------------------
+
+
+def _call_of(h: History, retry: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A plain call with that retry policy, its key asked once, answered with a result: (its
+    submit, its answer)."""
+    calls = h.calls()
+    keys = [c["key"] for c in calls.values()]
+    for r in h.answers():
+        req = calls[r["rid"]].get("req") or {}
+        if req.get("retry") == retry and r.get("spans") and keys.count(r["key"]) == 1:  # (asked once)
+            return calls[r["rid"]], r
+    raise AssertionError(f"the recorded run has no {retry} answer")
+
+
+def interrupted_then_a_later_job(h: History) -> None:
+    """An at_most_once job answered Interrupted (as a worker published it); after the duplicate
+    window a new job under the same key is finished by a replica that is draining. The later
+    job is another job: it does not make the Interrupted answer wrong."""
+    _submit, answer = _call_of(h, "at_most_once")
+    key, job, worker, t = answer["key"], answer["job_id"], answer["worker_id"], float(answer["t"])
+    h.tap["published"] = [p for p in h.tap["published"] if p["job_id"] != job]
+    h.tap["published"].append({"t": t - 0.1, "subject": f"rf.adv.results.trainer.x.{job}.{worker}", "kind": "failure",
+                               "key": key, "job_id": job, "worker": worker, "digest": "0" * 16,
+                               "code": "interrupted"})
+    _error(answer, "Interrupted", "interrupted")
+    h.doc["finals"][key] = {k: answer[k] for k in ("kind", "cls", "code", "retryable", "message", "t")}
+    later = t + float(h.doc["cfg"]["duplicate_window"]) + 5.0
+    desc = {"kind": "result", "job_id": "a-later-job", "worker_id": worker, "version_start": 0, "version_end": 0,
+            "spans": [], "tokens": "1" * 16, "finished_at": later}
+    h.tap["published"].append({"t": later, "subject": f"rf.adv.results.trainer.x.a-later-job.{worker}",
+                               "kind": "result", "key": key, "job_id": "a-later-job", "worker": worker,
+                               "digest": "1" * 16, "desc": desc})
+    for w in h.doc["timeline"]["workers"]:
+        if w["worker_id"] == worker and float(w["start"]) <= later and (w["end"] is None or later < float(w["end"])):
+            w["end"], w["how"] = later + 1.0, "terminated"  # it drained, alive, while it finished that job
+
+
+def resumed_delivery_the_tap_missed(h: History) -> None:
+    """A resumable job's first delivery went to another replica (seen); its second, to the replica
+    that made every token and answered, the wiretap missed (it mirrored that inbox too late)."""
+    _submit, answer = _call_of(h, "resume")
+    job = answer["job_id"]
+    other = next(w for w in ("w1", "w2", "w3", "w4") if w != answer["worker_id"])
+    for d in h.tap["deliveries"]:
+        if d["job_id"] == job:
+            d["worker"], d["attempt"] = other, 1
+    answer["attempt"] = 2
+    final = h.doc["finals"].get(answer.get("idem_key") or answer["key"])
+    if final and final.get("job_id") == job:
+        final["attempt"] = 2
+
+
+FINE: dict[str, Callable[[History], None]] = {
+    "interrupted-then-a-later-job": interrupted_then_a_later_job,
+    "resumed-delivery-the-tap-missed": resumed_delivery_the_tap_missed,
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", list(FINE))
+def test_a_history_that_is_fine_passes(name: str, recorded: Path, tmp_path: Path) -> None:
+    h = History(recorded, tmp_path / "h")
+    FINE[name](h)
+    found = h.judge()
+    assert found == {}, f"{name}: {found}"

@@ -1,0 +1,156 @@
+"""Pauses (SIGSTOP/SIGCONT) of a worker or of the broker under a claimed job: a holder that was
+only paused never answers a job it lost, and a holder the broker could not hear (the broker was
+paused, not the holder) is not judged gone."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rollfleet.broker import EmbeddedBroker
+from rollfleet.broker.topology import TopologyConfig
+from rollfleet.schemas import RolloutResult, claim_key
+from rollfleet.schemas.errors import Interrupted
+from rollfleet.testing import ProcessGroup, wait_until
+from rollfleet.trainer_client import RolloutClient, answers
+from rollfleet.workers.jobs import judge_claim, watched_after
+from tests.helpers import payload
+
+_SLOW = ("--ack-wait", "1", "--echo-token-latency", "0.05", "--capacity", "1")
+
+
+async def _paused(proc: subprocess.Popen[bytes], seconds: float) -> None:
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+
+
+async def _holder(client: RolloutClient, job_id: str) -> str:
+    """The worker id named by the job's claim, once it is claimed."""
+    claims = await client.js.key_value(client.names.claims_bucket)
+    found: list[str] = []
+
+    async def look() -> bool:
+        try:
+            found.append((await claims.get(claim_key(job_id))).value.decode().partition(":")[0])
+        except Exception:
+            return False
+        return True
+
+    deadline = asyncio.get_running_loop().time() + 20
+    while not await look():
+        assert asyncio.get_running_loop().time() < deadline, "job never claimed"
+        await asyncio.sleep(0.05)
+    return found[-1]
+
+
+# -- the decision, in milliseconds --------------------------------------------------------------
+
+
+def test_an_old_claim_is_a_gone_holder_only_after_it_was_watched_unchanged() -> None:
+    now = 1000.0
+    assert judge_claim(now - 0.5, now, stale_s=2.0, watched_s=0.0, confirm_s=1.0) == "held"
+    # Old by the clock, but nobody has watched it with the broker answering: a broker pause looks so.
+    assert judge_claim(now - 5.0, now, stale_s=2.0, watched_s=0.0, confirm_s=1.0) == "watch"
+    assert judge_claim(now - 5.0, now, stale_s=2.0, watched_s=0.9, confirm_s=1.0) == "watch"
+    assert judge_claim(now - 5.0, now, stale_s=2.0, watched_s=1.0, confirm_s=1.0) == "stopped"
+    # Marked stopped by a client that found its process gone: no watching.
+    assert judge_claim(0.0, now, stale_s=2.0, watched_s=0.0, confirm_s=1.0) == "stopped"
+
+
+def test_watching_counts_only_time_the_broker_answered_and_the_claim_stood_still() -> None:
+    assert watched_after(0.0, same=True, look_s=0.01, since_last_s=0.3, slow_s=0.3) == pytest.approx(0.3)
+    assert watched_after(0.6, same=True, look_s=0.01, since_last_s=0.3, slow_s=0.3) == pytest.approx(0.9)
+    # The claim moved: its holder wrote it; start over.
+    assert watched_after(0.9, same=False, look_s=0.01, since_last_s=0.3, slow_s=0.3) == 0.0
+    # A look the broker answered late: it stalled, and the holder's refreshes with it.
+    assert watched_after(0.9, same=True, look_s=2.0, since_last_s=2.3, slow_s=0.3) == 0.0
+
+
+# -- the processes --------------------------------------------------------------------------------
+
+
+async def test_a_broker_paused_under_a_running_at_most_once_job_keeps_its_holders_answer(
+    broker: EmbeddedBroker, namespace: str, tmp_path: Path
+) -> None:
+    """Item 9: nats-server is SIGSTOPped (2.5 s, again until it has redelivered the job: its
+    redelivery races the holder's queued progress acks) while a 10 s at_most_once job runs; no
+    process dies. The redelivery reaches the other replica with the claim older than its stale
+    bound by the clock, yet the holder is alive and refreshes it once the broker is back: the
+    answer is the holder's full result, not Interrupted."""
+    assert broker.proc is not None
+    group = ProcessGroup(tmp_path)
+    topo = TopologyConfig(ack_wait_s=1.0)
+    try:
+        group.worker(broker.url, namespace, "a", *_SLOW)
+        group.worker(broker.url, namespace, "b", *_SLOW)
+        async with await RolloutClient.connect(broker.url, namespace=namespace, client_id="c", topology=topo) as client:
+            await wait_until(lambda: len(client.fleet.replicas()) == 2, timeout=30)
+            handle = await client.submit(
+                payload(max_tokens=200), min_version=0, retry_policy="at_most_once", timeout=60
+            )
+            holder = await _holder(client, handle.job_id)
+            consumer = client.names.job_consumer("min", 0)
+            for _ in range(3):
+                await asyncio.sleep(0.5)
+                await _paused(broker.proc, 2.5)
+                await asyncio.sleep(0.3)
+                info = await client.js.consumer_info(client.names.jobs_stream, consumer)
+                if info.delivered.consumer_seq >= 2:
+                    break
+            else:
+                pytest.skip("the broker never redelivered the job after a pause")
+            try:
+                result = await handle.result(30)
+            except Interrupted as exc:
+                pytest.fail(f"a live holder was judged gone after a broker pause: {exc}")
+            assert isinstance(result, RolloutResult)
+            assert result.worker_id == holder and len(result.outputs[0].token_ids) == 200
+    finally:
+        group.close()
+
+
+@pytest.mark.parametrize("retry_policy", ["replayable", "at_most_once"])
+async def test_a_paused_holder_of_a_sticky_turn_never_answers_it_once_moved(
+    nats_url: str, namespace: str, tmp_path: Path, retry_policy: str
+) -> None:
+    """Item 8 (and a holder paused past the duplicate window): w1 is SIGSTOPped 5 s into a turn it
+    holds; the turn moves and w2 runs it (replayable) or answers Interrupted (at_most_once). Once
+    resumed, w1 learns from its claim (refreshed by revision) that it lost the turn: it stops
+    generating and stores nothing, so the key has one answer even past the duplicate window (2 s
+    here), and w1 answered nothing after the first turn."""
+    topo = TopologyConfig(ack_wait_s=1.0, duplicate_window_s=2.0)
+    group = ProcessGroup(tmp_path)
+    try:
+        group.worker(nats_url, namespace, "w1", *_SLOW)
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=topo) as client:
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=30)
+            async with client.session(min_version=0, retry_policy=retry_policy, affinity_wait_s=1.0) as s:  # type: ignore[arg-type]
+                first = await s.generate(payload([1, 2, 3], max_tokens=2))
+                assert first.worker_id == "w1"
+                group.worker(nats_url, namespace, "w2", *_SLOW)
+                await wait_until(lambda: len(client.fleet.replicas()) == 2, timeout=30)
+                turn = asyncio.ensure_future(s.generate(payload([1, 2, 3, 4], max_tokens=60)))  # 3 s on w1
+                await asyncio.sleep(1.0)
+                assert not turn.done()
+                await _paused(group.procs["w1"], 5.0)
+                if retry_policy == "replayable":
+                    second = await asyncio.wait_for(turn, 30)
+                    assert second.worker_id == "w2" and len(second.outputs[0].token_ids) == 60
+                else:
+                    with pytest.raises(Interrupted):
+                        await asyncio.wait_for(turn, 30)
+                await asyncio.sleep(3.0)  # w1 had 2 s of the turn left: what it would store is stored now
+                stored = [o async for _, o in answers.stored(client.js, client.names, "c", s.turn_key(1))]
+                assert [o.worker_id for o in stored] == ["w2"]
+                w1 = client.fleet.replica("w1")
+                assert w1 is not None and w1.jobs_done == 1  # the first turn only
+                assert group.log_events("w1", "claim lost; this run stops and answers nothing")
+    finally:
+        group.close()
