@@ -1037,25 +1037,43 @@ class Oracle:
             # twice: stored claims by two worker processes, no hand-back (delete) between them
             if retry == "at_most_once":
                 keys = {job_id} | ({claim_key(job_id)} if claim_key else set())
-                owners: list[tuple[float, str]] = []
+                # (holder, shown as, first stored, last stored): a holder is the process the claim
+                # names (``<worker>:<pid>-<nonce>``), not whichever process of that worker id ran
+                # when the write was seen.
+                owners: list[list[Any]] = []
+                spells: list[list[list[Any]]] = [owners]  # one per stretch between hand-backs
                 for k in keys:
                     for t, value, op, status in sorted(claims_by_key.get(k, []), key=lambda c: c[0]):
                         if op.upper() in ("DEL", "PURGE"):
                             owners = []
+                            spells.append(owners)
                             continue
                         if status != "stored":
                             if status is None:
                                 self.unverified["claim: the broker's answer unseen"] += 1
                             continue
-                        worker = re.match(r"[A-Za-z0-9_-]+", value or "")  # (a claim may say more than the id)
+                        holder, _, refreshed = (value or "").rpartition("@")
+                        if refreshed in ("0", "0.000"):  # marked stopped (its holder gone): nobody starts it
+                            continue
+                        worker = re.match(r"[A-Za-z0-9_-]+", holder or value or "")
                         wid = worker.group(0) if worker else value
                         proc = self.proc_at(wid, t) or self._proc_ended_near(wid, t)
-                        who = f"{wid} (process started {proc.start - self.t_first:.1f} s in)" if proc else wid
-                        if not owners or owners[-1][1] != who:
-                            owners.append((t, who))
-                self.check("twice", len(owners) <= 1, key,
-                           f"at_most_once job {job_id} started by {len(owners)} worker processes "
-                           f"({'; '.join(w for _, w in owners)})", "10")
+                        shown = f"{wid} (process started {proc.start - self.t_first:.1f} s in)" if proc else wid
+                        if not owners or owners[-1][0] != (holder or shown):
+                            owners.append([holder or shown, shown, t, t])
+                        owners[-1][3] = t
+                # The stretch with the most holders is judged (a hand-back after a second holder
+                # does not undo it). A hand-back (the claim deleted) the wiretap may have missed: it
+                # was away between one holder's last write and the next holder's first.
+                owners = max(spells, key=len)
+                unseen = any(a <= o2[2] and b >= o1[3] for o1, o2 in itertools.pairwise(owners)
+                             for a, b in self.tap.gaps)
+                if len(owners) > 1 and unseen:
+                    self.unverified["twice: the wiretap was away between two holders' claims"] += 1
+                else:
+                    self.check("twice", len(owners) <= 1, key,
+                               f"at_most_once job {job_id} started by {len(owners)} worker processes "
+                               f"({'; '.join(o[1] for o in owners)})", "10")
                 ran = {(p.worker, round(float((p.desc or {}).get("finished_at", 0)), 2))
                        for p in self.published_by_key.get(key or "", [])
                        if p.job_id == job_id and p.desc and not p.desc.get("forged_tokens")}

@@ -121,7 +121,11 @@ async def test_cluster_round_trip_across_nodes(cluster: LocalCluster, ns: str) -
 
         consumer = await ensure_job_consumer(wjs, names, "min", 0, R3)
         sub = await wjs.pull_subscribe_bind(consumer, stream=names.jobs_stream)
-        [job] = await sub.fetch(1, timeout=10)
+        # The new R3 consumer answers pulls once its own leader is elected (503 until then).
+        [job] = await wait_until(
+            lambda: sub.fetch(1, timeout=2), 20, what="the first pull on the new R3 consumer", interval=0.2,
+            retry_errors=True,
+        )
         assert job.data == b"job-1"
         subject = names.result_subject("trainer-0", "k1", "job1", "w1")
         await wjs.publish(subject, b"result-1", headers={"Nats-Msg-Id": "h:job1"})

@@ -21,14 +21,18 @@ import asyncio
 import json
 import shutil
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from reliability.adversary import Adversary, Config, Report, print_report, run_one
+from reliability.journal import tokens_digest
 from reliability.oracle import judge_kept, load_kept, unserved_stretches
 from reliability.schedule import Event
+from rollfleet.schemas.names import claim_key
 
 RUN_S = 10.0
 SEED = 19
@@ -184,7 +188,7 @@ def dead_fleet(h: History) -> None:
         w["how"] = "exited 2"
 
 
-def swap_tokens(h: History) -> None:
+def swap_tokens(h: History, reverse: bool = False) -> None:
     """Tokens swapped consistently between answers of the same shape (every copy of a job's answer,
     in the journal and the final re-ask, gets another job's token ids and digest; lengths and spans
     unchanged): only recomputing them can tell."""
@@ -196,22 +200,36 @@ def swap_tokens(h: History) -> None:
     for r in jobs.values():
         groups.setdefault(json.dumps(r["lengths"]), {}).setdefault(json.dumps(r["token_ids"]), r)
     by_job: dict[str, tuple[Any, str]] = {}
-    for same in groups.values():
+    for same in groups.values() if not reverse else ():
         distinct = list(same.values())
         if len(distinct) >= 2:
             moved = [(r["token_ids"], r["tokens"]) for r in distinct]
             for r, lie in zip(distinct, moved[1:] + moved[:1], strict=True):
                 by_job[r["job_id"]] = lie
-    assert by_job, "the recorded run has no two answers of the same shape with different tokens"
+    if not by_job:
+        # A short run under load may answer no two jobs of one shape: then one answer's tokens are
+        # reversed instead (same lengths, spans and digest scheme; a consistent lie all the same).
+        for r in jobs.values():
+            moved_ids = [list(reversed(ids)) for ids in r["token_ids"]]
+            if moved_ids != r["token_ids"] and not r.get("forged_tokens"):
+                by_job[r["job_id"]] = (moved_ids, tokens_digest([SimpleNamespace(token_ids=t) for t in moved_ids]))
+                break
+    assert by_job, "the recorded run has no answer whose tokens can be moved"
+    digests = {job: lie[1] for job, lie in by_job.items()}
     for r in [*h.answers(), *h.doc["finals"].values()]:
         if r.get("kind") == "result" and r.get("job_id") in by_job:
             r["token_ids"], r["tokens"] = by_job[r["job_id"]]
+    for p in h.tap["published"]:  # (what the wiretap saw published tells the same lie)
+        if p.get("job_id") in digests and p.get("kind") == "result":
+            p["digest"] = digests[p["job_id"]]
+            if p.get("desc"):
+                p["desc"]["tokens"] = digests[p["job_id"]]
 
 
-def interrupted_though_a_frozen_holder_finished(h: History) -> None:
+def interrupted_though_a_frozen_holder_finished(h: History, convert: bool = False) -> None:
     """An at_most_once job's holder was frozen (SIGSTOP) for a while; another replica answered it
     Interrupted, and then the holder, alive all along, finished it (issue 30, items 8 and 9)."""
-    submit, answer = _call_of(h, "at_most_once")
+    submit, answer = _at_most_once_call(h, convert)
     key, job, worker = answer["key"], answer["job_id"], answer["worker_id"]
     done = min(float(p["t"]) for p in h.tap["published"] if p["job_id"] == job)
     other = next(w for w in ("w1", "w2", "w3", "w4") if w != worker)
@@ -225,6 +243,15 @@ def interrupted_though_a_frozen_holder_finished(h: History) -> None:
             w["stops"] = [[float(submit["t"]), (float(submit["t"]) + done) / 2]]  # frozen while it ran
 
 
+def claimed_by_two_processes(h: History) -> None:
+    """An at_most_once job's claim stored by two processes (no hand-back between): two other
+    processes' claim creates, both acknowledged, while the job was asked."""
+    submit, answer = _at_most_once_call(h)
+    key, t = claim_key(answer["job_id"]), float(submit["t"])
+    for i, holder in enumerate(("w8:4001-0badc1a1", "w9:4002-0badc1a2")):
+        h.tap["claims"].append([t + 0.01 * (i + 1), key, f"{holder}@{t:.3f}", "PUT", "stored"])
+
+
 MUTATIONS: dict[str, tuple[Callable[[History], None], str]] = {
     "refuse-everything": (refuse_everything, "available"),
     "no-calls": (no_calls, "available"),
@@ -234,7 +261,11 @@ MUTATIONS: dict[str, tuple[Callable[[History], None], str]] = {
     "second-answer-for-a-key": (second_answer_for_a_key, "once"),
     "dead-fleet": (dead_fleet, "available"),
     "swapped-tokens": (swap_tokens, "served"),
+    "claimed-by-two-processes": (claimed_by_two_processes, "twice"),
+    "reversed-tokens": (partial(swap_tokens, reverse=True), "served"),
     "interrupted-though-a-frozen-holder-finished": (interrupted_though_a_frozen_holder_finished, "twice"),
+    "interrupted-though-a-frozen-holder-finished (converted call)": (
+        partial(interrupted_though_a_frozen_holder_finished, convert=True), "twice"),
 }
 
 
@@ -281,11 +312,35 @@ def _call_of(h: History, retry: str) -> tuple[dict[str, Any], dict[str, Any]]:
     raise AssertionError(f"the recorded run has no {retry} answer")
 
 
-def interrupted_then_a_later_job(h: History) -> None:
+def _at_most_once_call(h: History, convert: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An at_most_once call as ``_call_of`` finds it. A short run under load may have answered
+    none: then a replayable call whose job was delivered once, to the replica that answered it,
+    becomes one (its request and its delivery say at_most_once; nothing else differs for one
+    delivery, since a replayable job takes no claim and at_most_once's claim is judged only
+    between two holders)."""
+    try:
+        if not convert:
+            return _call_of(h, "at_most_once")
+    except AssertionError:
+        pass
+    calls = h.calls()
+    keys = [c["key"] for c in calls.values()]
+    for r in h.answers():
+        submit = calls[r["rid"]]
+        req = submit.get("req") or {}
+        seen = [d for d in h.tap["deliveries"] if d["job_id"] == r["job_id"]]
+        if (req.get("retry") == "replayable" and r.get("spans") and keys.count(r["key"]) == 1
+                and len(seen) == 1 and seen[0]["worker"] == r["worker_id"] and seen[0].get("attempt") == 1):
+            req["retry"] = seen[0]["retry"] = "at_most_once"
+            return submit, r
+    raise AssertionError("the recorded run has no at_most_once answer, nor a replayable one delivered once")
+
+
+def interrupted_then_a_later_job(h: History, convert: bool = False) -> None:
     """An at_most_once job answered Interrupted (as a worker published it); after the duplicate
     window a new job under the same key is finished by a replica that is draining. The later
     job is another job: it does not make the Interrupted answer wrong."""
-    _submit, answer = _call_of(h, "at_most_once")
+    _submit, answer = _at_most_once_call(h, convert)
     key, job, worker, t = answer["key"], answer["job_id"], answer["worker_id"], float(answer["t"])
     h.tap["published"] = [p for p in h.tap["published"] if p["job_id"] != job]
     h.tap["published"].append({"t": t - 0.1, "subject": f"rf.adv.results.trainer.x.{job}.{worker}", "kind": "failure",
@@ -319,8 +374,32 @@ def resumed_delivery_the_tap_missed(h: History) -> None:
         final["attempt"] = 2
 
 
+def a_holder_seen_after_its_id_restarted(h: History) -> None:
+    """An at_most_once job's holder refreshes its claim; the wiretap sees that write only after
+    another process of the same worker id started (the first one stopped just after claiming).
+    One process held the claim: the claim's own holder names it, not the worker id's newest
+    process; and a client's mark that the holder stopped (refreshed 0) starts nothing."""
+    submit, answer = _at_most_once_call(h)
+    key, worker, t = claim_key(answer["job_id"]), answer["worker_id"], float(submit["t"])
+    holder = f"{worker}:4003-0badc1a3"
+    h.tap["claims"] = [c for c in h.tap["claims"] if c[1] != key]
+    h.tap["claims"] += [
+        [t + 0.01, key, f"{holder}@{t + 0.01:.3f}", "PUT", "stored"],
+        [t + 0.30, key, f"{holder}@{t + 0.02:.3f}", "PUT", "stored"],  # (seen late)
+        [t + 0.35, key, f"{holder}@0", "PUT", "stored"],
+    ]
+    for w in h.doc["timeline"]["workers"]:
+        if w["worker_id"] == worker and float(w["start"]) <= t + 0.01 and (w["end"] is None or t < float(w["end"])):
+            later = {**w, "start": t + 0.2}
+            w["end"], w["how"] = t + 0.1, "killed"
+            h.doc["timeline"]["workers"].append(later)
+            break
+
+
 FINE: dict[str, Callable[[History], None]] = {
+    "a-holder-seen-after-its-id-restarted": a_holder_seen_after_its_id_restarted,
     "interrupted-then-a-later-job": interrupted_then_a_later_job,
+    "interrupted-then-a-later-job (converted call)": partial(interrupted_then_a_later_job, convert=True),
     "resumed-delivery-the-tap-missed": resumed_delivery_the_tap_missed,
 }
 

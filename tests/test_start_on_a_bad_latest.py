@@ -15,7 +15,7 @@ from rollfleet.policy_store.digest import weights_digest
 from rollfleet.schemas import VersionActivated, decode
 from rollfleet.testing import start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
-from rollfleet.workers.version_sync import fallback_versions
+from rollfleet.workers.following import fallback_versions
 from tests.helpers import payload
 
 

@@ -131,6 +131,34 @@ async def test_failed_prepare_degrades_then_the_next_good_version_activates(
     assert list_versions(store)[-1] == 2
 
 
+async def test_a_version_that_failed_is_tried_again_without_a_new_commit(
+    nats_url: str, namespace: str, tmp_path: Path, base: Path
+) -> None:
+    """A failure can be transient (a shard caught mid-rewrite): the replica tries the failed
+    version again after a backoff, and activates it once its bytes are whole, although the
+    trainer commits nothing newer (it may have stopped publishing)."""
+    store = tmp_path / "store"
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        publisher = PolicyPublisher(store, base)
+        t = tensors_of(base)
+        await client.publish_policy(publisher, t)
+        async with running_worker(nats_url, namespace, store_dir=store, local_dir=tmp_path / "l") as worker:
+            record = publisher.publish(bump(t))
+            shard = next((store / record.path).glob("*.safetensors"))
+            whole = shard.read_bytes()
+            data = bytearray(whole)
+            data[-5] ^= 0xFF
+            shard.write_bytes(bytes(data))
+            await client.commit_version(record)
+            await wait_until(lambda: any(r.state == "degraded" for r in client.fleet.replicas()), timeout=20)
+            assert worker.version == 0
+            shard.write_bytes(whole)  # the shard is whole again; no newer version is committed
+            await wait_until(lambda: worker.version == 1, 30, what="the failed version retried and activated")
+            await wait_until(lambda: client.fleet.replicas()[0].state == "ready", 10)
+            assert (await (await client.submit(payload(), exact_version=1)).result(10)).version_start == 1
+    assert list_versions(store)[-1] == 1
+
+
 async def test_record_base_commits_version_zero_without_tensors(
     nats_url: str, namespace: str, tmp_path: Path, base: Path
 ) -> None:

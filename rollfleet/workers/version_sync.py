@@ -45,7 +45,7 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from dataclasses import replace
 from pathlib import Path
@@ -67,6 +67,7 @@ from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, VersionActivated, encode
 from rollfleet.schemas.errors import NoServableVersion, PolicyError, PrepareTimeout, RollfleetError
 from rollfleet.workers.engines import Engine
+from rollfleet.workers.following import FailedVersion, after_failure, fallback_versions, follow
 from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.registry import Registration
 from rollfleet.workers.serving import ServedVersion
@@ -125,7 +126,8 @@ class VersionSync:
         self._announced: int | None = None  # the newest version announced since the last read
         self._reread = True  # read `latest` at the next wake (start, resync, reconnect)
         self._tasks: list[asyncio.Task[None]] = []
-        self._failed_version: int | None = None
+        self._failed: FailedVersion | None = None  # the last version that failed here (retried later)
+        self._retry_wake: asyncio.TimerHandle | None = None
         # Why the replica started on a version older than the latest commit (None: it did not).
         self.start_degraded: str | None = None
         self.activations: list[VersionActivated] = []  # what each activation cost, as announced
@@ -188,7 +190,7 @@ class VersionSync:
                 errors[version] = exc
                 self.log.warning("an older version cannot be served either", version=version, error=str(exc))
                 continue
-            self._failed_version = latest  # the follow loop waits for a newer commit, as after a failed prepare
+            self._fail(latest)  # the follow loop retries it later, or follows a newer commit
             self.start_degraded = f"version {latest} cannot be served ({_reason(error)}); serving {version}"
             self.failures.append(self.start_degraded)
             if self._metrics is not None:
@@ -207,9 +209,27 @@ class VersionSync:
             asyncio.create_task(self._resync(), name="policy-resync"),
             asyncio.create_task(self._follow(), name="policy-follow"),
         ]
+        if self._failed is not None:  # (the version it could not start on is retried too)
+            self._wake_at(self._failed.retry_at)
 
     async def stop(self) -> None:
+        if self._retry_wake is not None:
+            self._retry_wake.cancel()
         await stop_tasks(self._tasks)
+
+    def _fail(self, version: int) -> None:
+        """``version`` failed here: the follow loop tries it again after a backoff (``following``)."""
+        self._failed = after_failure(self._failed, version, time.monotonic())
+        self.log.info("version failed here; retried later", version=version, failures=self._failed.failures,
+                      retry_in_s=round(self._failed.retry_at - time.monotonic(), 3))
+        if self._tasks:
+            self._wake_at(self._failed.retry_at)
+
+    def _wake_at(self, at: float) -> None:
+        """Read ``latest`` again at monotonic time ``at`` (one timer: the earliest kept)."""
+        if self._retry_wake is not None:
+            self._retry_wake.cancel()
+        self._retry_wake = asyncio.get_running_loop().call_later(max(0.0, at - time.monotonic()), self.notice, None)
 
     # -- noticing new versions --------------------------------------------------------------
     def notice(self, version: int | None) -> None:
@@ -242,11 +262,12 @@ class VersionSync:
                     read = None
                 if read is not None and (latest is None or read > latest):
                     latest = read
-            if latest is None or latest <= self._served.version or self.hold_version is not None:
-                continue
-            if self._failed_version is not None and latest <= self._failed_version:
-                continue  # that version failed here; wait for the next one
-            await self.update_to(latest)
+            now = time.monotonic()
+            decision = follow(latest, self._served.version, self._failed, now, held=self.hold_version is not None)
+            if decision.wake_at is not None:
+                self._wake_at(decision.wake_at)  # that version failed here lately: try it again then
+            if decision.target is not None:
+                await self.update_to(decision.target)
 
     async def _read_latest(self) -> int | None:
         assert self._kv is not None
@@ -277,7 +298,7 @@ class VersionSync:
             except TimeoutError:
                 raise PrepareTimeout(f"staging version {target} took over {self.prepare_timeout_s:g} s") from None
         except (PolicyError, OSError, RollfleetError) as exc:
-            self._failed_version = target
+            self._fail(target)
             self.failures.append(reason := _reason(exc))
             log.warning("prepare failed; still serving the current version", error=str(exc))
             if self._metrics is not None:
@@ -388,7 +409,7 @@ class VersionSync:
         except (RollfleetError, OSError) as exc:
             self._served.activating = None
             self.engine_sums = None  # a load that failed midway: what the engine holds is not known
-            self._failed_version = target
+            self._fail(target)
             self.failures.append(reason := _reason(exc))
             log.warning("activation failed; still serving the current version", error=str(exc))
             await self._registration.write(
@@ -420,7 +441,7 @@ class VersionSync:
             self._metrics.density.set(result.density)
             self._metrics.activations.inc()
             self._metrics.drain.observe(drain_s)
-        self._failed_version = None
+        self._failed = None
         if self._verify_live:
             # After resume, off the pause: hashing every live tensor is not free.
             live = await asyncio.to_thread(self._engine.live_checksums)
@@ -500,12 +521,6 @@ async def announce_start(sync: VersionSync, version: int) -> None:
     )
     with suppress(Exception):
         await sync._js.publish(sync._names.versions_activated, encode(announcement))
-
-
-def fallback_versions(present: Iterable[int], latest: int) -> list[int]:
-    """The versions a replica that cannot serve ``latest`` at start-up tries instead, newest first:
-    every one in the store below it (a retired one is not there to try)."""
-    return sorted({v for v in present if v < latest}, reverse=True)
 
 
 def _reason(exc: BaseException) -> str:
