@@ -291,3 +291,31 @@ def test_a_worker_decides_what_to_do_with_a_job_of_another_schema() -> None:
     assert job_address(b"\xc1 not messagepack") is None
     assert job_address(encode({"job_id": 7})) is None  # (then the headers address the answer)
     assert E.error_from_code("unsupported_schema", "m").retryable is False
+
+
+def test_every_retry_policy_has_one_behaviour_and_the_rules_read_it() -> None:
+    from typing import get_args
+
+    from rollfleet.schemas.messages import RETRY_BEHAVIOUR, RetryPolicy, refuses_while_activating, version_allows
+
+    assert set(RETRY_BEHAVIOUR) == set(get_args(RetryPolicy))
+    # Only a policy whose holder's death ends the job (Interrupted) refuses a takeover; a policy
+    # that checkpoints goes on from them; every policy but replayable claims.
+    for policy, b in RETRY_BEHAVIOUR.items():
+        assert b.takeover == (b.holder_gone != "interrupted"), policy
+        assert b.checkpoints == (b.holder_gone == "resume"), policy
+        assert b.claimed == (policy != "replayable"), policy
+    # The claim rule: every claimed policy, every session turn, every exact job.
+    for policy in RETRY_BEHAVIOUR:
+        for kind in ("min", "exact"):
+            for sid in (None, "s"):
+                job = RolloutJob(
+                    job_id="j", idempotency_key="k", client_id="c", constraint=VersionConstraint(kind, 1),
+                    payload=RolloutPayload(prompt_token_ids=[1]), retry_policy=policy, session_id=sid,
+                    deadline=1e10, submitted_at=1.0,
+                )
+                assert job.claimed == (policy != "replayable" or sid is not None or kind == "exact")
+    # The version rule, once: exact N allows N alone, min N allows N and above.
+    assert [v for v in range(5) if version_allows("exact", 2, v)] == [2]
+    assert [v for v in range(5) if version_allows("min", 2, v)] == [2, 3, 4]
+    assert refuses_while_activating("exact") and not refuses_while_activating("min")

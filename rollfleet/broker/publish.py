@@ -21,12 +21,16 @@ from nats.js.api import PubAck
 
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas.bounded import load_json
-from rollfleet.schemas.errors import InvalidRequest, ServiceUnavailable
+from rollfleet.schemas.errors import Fenced, InvalidRequest, ServiceUnavailable
 
 log = get_logger("rollfleet.broker.publish")
 
 ATTEMPT_S = 1.5
 _MAX_ACK_BYTES = 64 * 1024  # an acknowledgement is a few dozen bytes; an error one a few hundred
+# The broker's refusal of a conditional write (JSStreamWrongLastSequenceErrF): the only one
+# rollfleet acts on, read by its code, never by its text.
+_WRONG_LAST_SEQUENCE = 10071
+_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 _SWEEP_S = 0.25  # an attempt gives up between ATTEMPT_S and ATTEMPT_S + this
 
 
@@ -102,6 +106,13 @@ class _AckedPublisher:
             raise _Retry(exc.message) from None
         if ack.error is not None:
             description = ack.error.get("description", ack.error)
+            if ack.error.get("err_code") == _WRONG_LAST_SEQUENCE:
+                expected = headers.get(_EXPECTED_LAST_SUBJECT_SEQ)
+                raise Fenced(
+                    f"broker refused the conditional write on {subject}: {description}",
+                    subject=subject,
+                    expected_seq=int(expected) if expected is not None and expected.isdigit() else None,
+                )
             if ack.error.get("code") == 400:
                 raise InvalidRequest(f"broker refused the message: {description}")
             raise _Retry(f"broker error: {description}")
@@ -124,7 +135,8 @@ async def publish_retrying(
     js: JetStreamContext, subject: str, data: bytes, headers: dict[str, str], *, until: float
 ) -> PubAck:
     """Publish until the broker acknowledges, or raise ``ServiceUnavailable`` once ``until`` (unix
-    time) has passed; a message the broker refuses outright is ``InvalidRequest``.
+    time) has passed; a message the broker refuses outright is ``InvalidRequest``, and a conditional
+    write refused because the subject moved on is ``Fenced`` (one of those).
 
     Short attempts, many of them: a publish sent to a stream leader that just died is never
     answered, and a retry (deduplicated by the message id) reaches the new leader as soon as

@@ -61,6 +61,18 @@ class InvalidRequest(RollfleetError):
     retryable = False
 
 
+class Fenced(InvalidRequest):
+    """The broker refused a write made on the condition that the subject's last stored message
+    be ``expected_seq`` (``Nats-Expected-Last-Subject-Sequence``): someone else wrote there since."""
+
+    code = "fenced"
+
+    def __init__(self, message: str = "", *, subject: str = "", expected_seq: int | None = None) -> None:
+        super().__init__(message)
+        self.subject = subject
+        self.expected_seq = expected_seq
+
+
 class CorruptCheckpoint(InvalidRequest):
     """A resumable job's stored progress cannot be continued (undecodable, or not a prefix of
     this job's output); the job is generated again from its first token."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -21,6 +21,24 @@ SCHEMA_VERSION = 2
 # "resume": replayable, and its worker checkpoints the generation so far on the broker; a run that
 # takes the job over after its worker died continues from there instead of from the first token.
 RetryPolicy = Literal["replayable", "at_most_once", "resume"]
+
+
+class RetryBehaviour(NamedTuple):
+    """What a retry policy means, in one place: every side reads this table, never the name."""
+
+    claimed: bool  # its run writes a claim naming its process before it starts
+    takeover: bool  # a replica may take it over from a holder that stopped
+    checkpoints: bool  # its tokens are stored as they are made, and a later run goes on from them
+    # What a redelivery finds when its holder stopped: run it again from the start, answer
+    # ``Interrupted`` (it started and must never start twice), or go on from its checkpoints.
+    holder_gone: Literal["run_again", "interrupted", "resume"]
+
+
+RETRY_BEHAVIOUR: dict[str, RetryBehaviour] = {
+    "replayable": RetryBehaviour(claimed=False, takeover=True, checkpoints=False, holder_gone="run_again"),
+    "at_most_once": RetryBehaviour(claimed=True, takeover=False, checkpoints=False, holder_gone="interrupted"),
+    "resume": RetryBehaviour(claimed=True, takeover=True, checkpoints=True, holder_gone="resume"),
+}
 VersionPolicy = Literal["pinned", "monotonic", "free"]  # how a session's turns choose versions
 ConstraintKind = Literal["min", "exact"]
 FinishReason = Literal["stop", "length", "abort"]
@@ -50,15 +68,25 @@ class RolloutPayload(msgspec.Struct, kw_only=True, omit_defaults=True):
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+def version_allows(kind: ConstraintKind, bound: int, version: int) -> bool:
+    """The one rule of version constraints: ``exact:N`` allows N alone, ``min:N`` N and above.
+    Routing, the registry, the client's checks and the results' checks all read it."""
+    return version == bound if kind == "exact" else version >= bound
+
+
+def refuses_while_activating(kind: ConstraintKind) -> bool:
+    """A replica activating a newer version takes no more exact jobs for the one it leaves
+    (they could not finish before the weights change); minimum jobs may span the activation."""
+    return kind == "exact"
+
+
 class VersionConstraint(msgspec.Struct, frozen=True):
     kind: ConstraintKind
     version: int
 
     def allows(self, version: int) -> bool:
         """Whether a replica at ``version`` may serve this request."""
-        if self.kind == "exact":
-            return version == self.version
-        return version >= self.version
+        return version_allows(self.kind, self.version, version)
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.version}"
@@ -89,7 +117,11 @@ class RolloutJob(msgspec.Struct, kw_only=True):
         off its replica while that replica runs it must wait for its answer), and exact jobs (the
         claim names the replica running one, so a replica draining at its version that never took
         it does not hold it up once its holder died)."""
-        return self.retry_policy != "replayable" or self.session_id is not None or self.constraint.kind == "exact"
+        return self.behaviour.claimed or self.session_id is not None or self.constraint.kind == "exact"
+
+    @property
+    def behaviour(self) -> RetryBehaviour:
+        return RETRY_BEHAVIOUR[self.retry_policy]
 
 
 class RolloutJobWire(msgspec.Struct, kw_only=True):
@@ -208,9 +240,7 @@ def served_within(constraint: VersionConstraint, result: RolloutResult) -> bool:
                 lo = v
             elif v > hi:
                 hi = v
-    if constraint.kind == "exact":
-        return lo == hi == constraint.version
-    return lo >= constraint.version
+    return constraint.allows(lo) and constraint.allows(hi)  # (every version lies between them)
 
 
 class RolloutFailure(msgspec.Struct, tag="failure", kw_only=True):
@@ -283,8 +313,8 @@ class ReplicaStatus(msgspec.Struct, kw_only=True):
             return False
         if self.preparing_version is not None and constraint.allows(self.preparing_version):
             return True
-        if self.state == "activating" and constraint.kind == "exact":
-            return False  # it takes no more exact jobs for the version it is leaving
+        if self.state == "activating" and refuses_while_activating(constraint.kind):
+            return False
         # A starting replica serves nothing yet; only what it is preparing counts.
         return self.state != "starting" and constraint.allows(self.active_version)
 

@@ -915,7 +915,7 @@ class RolloutClient:
         (Other jobs keep the broker's bound on a job that kills its workers: their deadline.)"""
         seq = given_up_seq(msg.data or b"")
         for handle in list(self._handles.values()):
-            if seq is None or handle.stream_seq != seq or handle.done() or handle.job.retry_policy != "resume":
+            if seq is None or handle.stream_seq != seq or handle.done() or not handle.job.behaviour.checkpoints:
                 continue
             place = self.placement
             stored = await (place.requeue(handle) if handle.replica is None else place.move_to_shared(handle))

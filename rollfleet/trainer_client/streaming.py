@@ -36,7 +36,7 @@ async def stream_tokens(js: JetStreamContext, names: Names, handle: RolloutHandl
     replay = Replay(job.payload.n, params.max_tokens, params.logprobs)
     records: asyncio.Queue[Msg] = asyncio.Queue()
     sub: Any = None
-    if job.retry_policy == "resume":
+    if job.behaviour.checkpoints:
 
         async def on_record(msg: Msg) -> None:
             records.put_nowait(msg)

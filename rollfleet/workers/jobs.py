@@ -290,7 +290,7 @@ class JobRunner:
             await msg.ack()
             # Its holder may have died between storing the answer and acking: what it would have
             # cleaned up then (the checkpoints, the claim) is cleaned up here, not left for 24 h.
-            if job.retry_policy == "resume":
+            if job.behaviour.checkpoints:
                 await self._progress_log(job, log).roll_up_answered()
             await self._release_claim(job)
             return
@@ -304,7 +304,7 @@ class JobRunner:
                 await msg.ack()
                 await self._release_claim(job)
                 return
-            if verdict == "held" and job.retry_policy == "resume":
+            if verdict == "held" and job.behaviour.checkpoints:
                 verdict = await self._await_claim(run)
                 if verdict != "held" and await self._answered(job):  # its holder finished meanwhile
                     log.info("job answered while its claim was awaited; acking")
@@ -317,7 +317,7 @@ class JobRunner:
                 with suppress(Exception):
                     await msg.nak(delay=self._held_delay_s)
                 return
-            if verdict == "stopped" and job.retry_policy == "at_most_once":
+            if verdict == "stopped" and job.behaviour.holder_gone == "interrupted":
                 log.info("at_most_once job redelivered after its holder started it")
                 err = Interrupted("the worker that started this at_most_once job stopped; it was not run again")
                 await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
@@ -333,7 +333,7 @@ class JobRunner:
         msg, job = run.msg, run.job
         started = time.time()
         try:
-            if job.retry_policy == "resume":
+            if job.behaviour.checkpoints:
                 generation = await self._generate_resumable(run, log)
                 if generation is None:
                     return  # another run has the job now: nothing of this one is stored
@@ -573,7 +573,7 @@ class JobRunner:
         if self._on_engine_down is not None:
             self._on_engine_down(detail)
         job = run.job
-        if job.retry_policy == "at_most_once":
+        if job.behaviour.holder_gone == "interrupted":
             err = Interrupted(f"the engine of the replica running this at_most_once job went down: {detail}")
             await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
             await run.msg.ack()
@@ -640,7 +640,7 @@ class JobRunner:
             return "ok"
         except nats.js.errors.KeyWrongLastSequenceError:
             pass
-        stale_s = self._resume_stale_s if run.job.retry_policy == "resume" else self._claim_stale_s
+        stale_s = self._resume_stale_s if run.job.behaviour.checkpoints else self._claim_stale_s
         watched, seen, last_look = 0.0, None, 0.0
         give_up = time.monotonic() + 4 * stale_s  # a broker that keeps stalling: judge nothing
         while True:
@@ -682,7 +682,7 @@ class JobRunner:
             await asyncio.sleep(self._claim_refresh_s)
         if verdict == "held":
             return "held"
-        if run.job.retry_policy != "at_most_once":
+        if run.job.behaviour.takeover:
             try:  # take it over from the stopped holder (one taker wins)
                 if entry is None:
                     run.claim_revision = await self._claims.create(key, self._claim_value(run.job))
@@ -720,13 +720,13 @@ class JobRunner:
         claim = Claim(self._holder, time.time())
         # A resumable job's claim is sealed with its job id, like its progress records: a claim
         # written by someone the job was never delivered to is nobody's (``_read_claim``).
-        return seal_claim(job.job_id, claim) if job is not None and job.retry_policy == "resume" else claim.encode()
+        return seal_claim(job.job_id, claim) if job is not None and job.behaviour.checkpoints else claim.encode()
 
     @staticmethod
     def _read_claim(job: RolloutJob, value: bytes | None) -> Claim:
         """A claim as its job's replicas read it; a resumable job's without its MAC (a rogue
         write, or one marked stopped since) reads as nobody's: stopped."""
-        if job.retry_policy != "resume":
+        if not job.behaviour.checkpoints:
             return Claim.decode(value)
         return open_claim(job.job_id, value) or Claim("", 0.0)
 
@@ -766,7 +766,7 @@ class JobRunner:
             run.claim_revision = await self._claims.update(key, self._claim_value(run.job), last=run.claim_revision)
             return True
         except nats.js.errors.KeyWrongLastSequenceError:
-            if run.job.retry_policy == "resume":
+            if run.job.behaviour.checkpoints:
                 return await self._reclaim_resumable(run)
         except Exception:
             return None

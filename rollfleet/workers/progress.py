@@ -32,7 +32,7 @@ from nats.js import JetStreamContext
 
 from rollfleet.broker.publish import publish_retrying
 from rollfleet.schemas import Completion, Names, RolloutJob, VersionSpan, decode, encode
-from rollfleet.schemas.errors import CorruptCheckpoint, InvalidRequest, RollfleetError, Superseded
+from rollfleet.schemas.errors import CorruptCheckpoint, Fenced, InvalidRequest, RollfleetError, Superseded
 from rollfleet.schemas.progress import (
     MAC_HEADER,
     DoneRecord,
@@ -317,9 +317,7 @@ class ProgressLog(TokenSink):
             headers[_EXPECT] = str(self.last_seq)
             try:
                 ack = await publish_retrying(self._js, self.subject, data, headers, until=time.time() + budget_s)
-            except InvalidRequest as exc:
-                if "wrong last sequence" not in exc.message:
-                    raise
+            except Fenced:
                 verdict = await self._since_last()
                 if verdict == "other run":
                     self._supersede()

@@ -14,14 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollfleet.schemas import ConstraintKind, VersionConstraint
+from rollfleet.schemas.messages import refuses_while_activating, version_allows
 
 Subject = tuple[ConstraintKind, int]
 
 
 def compatible(version: int, subject: Subject) -> bool:
     """Whether a worker serving ``version`` may take jobs from ``subject``."""
-    kind, v = subject
-    return v == version if kind == "exact" else v <= version
+    kind, bound = subject
+    return version_allows(kind, bound, version)
 
 
 @dataclass
@@ -34,7 +35,7 @@ class ServedVersion:
         """Whether to pull from ``subject`` now."""
         if self.down:
             return False
-        if subject[0] == "exact" and self.activating is not None:
+        if self.activating is not None and refuses_while_activating(subject[0]):
             return False
         return compatible(self.version, subject)
 
