@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from reliability.journal import Journal, describe_error, describe_result
-from reliability.machine import ECHO_POOL, HF_POOL, ROGUE, Machine, WorkerProc
+from reliability.machine import ECHO_POOL, HF_POOL, ROGUE, Machine, WorkerProc, faketime_library
 from reliability.oracle import AVAILABLE_S
 from reliability.schedule import Event, make_schedule
 
@@ -249,12 +249,13 @@ class Adversary:
         self.say("rogue", copy_share=self.rogue.copy_share)
         await self.rogue.snoop(1.5)  # every run's rogue tries to read the others' deliveries once
 
-    def start_worker(self, wid: str, engine: str, armed: str | None = None) -> WorkerProc:
+    def start_worker(self, wid: str, engine: str, armed: str | None = None, skew_s: float = 0.0) -> WorkerProc:
         drain = self.rng.choice(EXACT_DRAINS)
         extra = ["--exact-drain", str(drain), "--ack-wait", str(self.cfg.ack_wait),
                  "--duplicate-window", str(self.cfg.duplicate_window), "--prepare-timeout", "8"]
-        wp = self.machine.start_worker(wid, engine, extra, armed=armed)
-        self.say("worker start", worker=wid, engine=engine, pid=wp.proc.pid, exact_drain=drain, armed=armed)
+        wp = self.machine.start_worker(wid, engine, extra, armed=armed, skew_s=skew_s)
+        self.say("worker start", worker=wid, engine=engine, pid=wp.proc.pid, exact_drain=drain, armed=armed,
+                 **({"skew_s": skew_s} if skew_s else {}))
         return wp
 
     def start_trainer(self, duration: float) -> None:
@@ -465,6 +466,21 @@ class Adversary:
                 self.say("SIGSTOP worker", worker=wp.worker_id, victim=p["victim"], for_s=p["for_s"])
                 await m.pause_worker(wp, p["for_s"])
                 self.say("SIGCONT worker", worker=wp.worker_id)
+            finally:
+                self.busy.discard(wp.worker_id)
+        elif ev.kind == "skew":
+            if faketime_library() is None:
+                self.say("skew skipped", reason="no libfaketime (Debian's faketime package)")
+                return False
+            wp = await self.victim(p["victim"])
+            if wp is None:
+                self.say("skew skipped", reason="no victim")
+                return False
+            self.busy.add(wp.worker_id)
+            try:
+                self.say("SIGTERM worker", worker=wp.worker_id, victim=p["victim"], why="skew")
+                await m.term_worker(wp)
+                self.start_worker(wp.worker_id, wp.engine, skew_s=p["skew_s"])
             finally:
                 self.busy.discard(wp.worker_id)
         elif ev.kind == "pause_broker":

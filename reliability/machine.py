@@ -41,6 +41,19 @@ def keyed_echo() -> bool:
     return importlib.util.find_spec("rollfleet.workers.engines.keyed") is not None
 
 
+FAKETIME_LIBS = (
+    "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
+    "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
+    "/usr/lib/faketime/libfaketimeMT.so.1",
+    "/usr/local/lib/faketime/libfaketimeMT.so.1",
+)
+
+
+def faketime_library() -> str | None:
+    """libfaketime's multi-threaded build (Debian's ``faketime`` package), if installed."""
+    return next((lib for lib in FAKETIME_LIBS if Path(lib).is_file()), None)
+
+
 @dataclass
 class WorkerProc:
     worker_id: str
@@ -53,6 +66,7 @@ class WorkerProc:
     paused_at: float | None = None  # stopped at a fault point (then SIGKILLed: it never goes on)
     how: str = ""  # how it ended: killed, terminated, exited
     stops: list[list[float]] = field(default_factory=list)  # [SIGSTOP, SIGCONT]: frozen, alive all along
+    skew_s: float = 0.0  # its clocks run this far from the harness's (libfaketime), for its whole life
 
     @property
     def alive(self) -> bool:
@@ -174,7 +188,9 @@ class Machine:
                 common.append("--echo-keyed")
         return common + extra
 
-    def start_worker(self, worker_id: str, engine: str, extra: list[str], armed: str | None = None) -> WorkerProc:
+    def start_worker(
+        self, worker_id: str, engine: str, extra: list[str], armed: str | None = None, skew_s: float = 0.0
+    ) -> WorkerProc:
         old = self.current.get(worker_id)
         assert old is None or not old.alive, f"{worker_id} is running"
         self.worker_args[worker_id] = extra
@@ -183,8 +199,13 @@ class Machine:
         env = {**CHILD_LOG_ENV, **self.child_env, "RF_ADV_SLOW_READ": str(self.slow_file)}
         if armed:
             env["ROLLFLEET_FAULT"] = armed
+        if skew_s:
+            lib = faketime_library()
+            assert lib is not None, "no libfaketime: a skewed worker cannot be started"
+            # Every clock of the process (wall and monotonic alike) runs skew_s off the harness's.
+            env.update(LD_PRELOAD=lib, FAKETIME=f"{skew_s:+.3f}", FAKETIME_NO_CACHE="1")
         proc = spawn(self._worker_cmd(worker_id, engine, extra), log, env=env, cwd=self.cwd)
-        wp = WorkerProc(worker_id, engine, proc, log, time.time(), armed=armed)
+        wp = WorkerProc(worker_id, engine, proc, log, time.time(), armed=armed, skew_s=skew_s)
         self.timeline.workers.append(wp)
         self.current[worker_id] = wp
         return wp

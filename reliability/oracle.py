@@ -316,6 +316,15 @@ class Oracle:
                 return w
         return None
 
+    def by_own_clock(self, worker: str, t: float) -> float:
+        """A time a worker wrote (``finished_at``, ``activated_at``) on the harness's clock: less
+        the skew of the process of that worker whose life it falls in (``skew``)."""
+        for w in self.tl.workers:
+            skew = float(getattr(w, "skew_s", 0.0) or 0.0)
+            if skew and w.worker_id == worker and w.start <= t - skew and (w.end is None or t - skew <= w.end + 2.0):
+                return t - skew
+        return t
+
     def broker_down(self, t: float) -> bool:
         return any(a <= t <= b for a, b in self.broker_out)
 
@@ -588,7 +597,7 @@ class Oracle:
             seen = self.deliveries_by_job.get(str(job_id), [])
             to = {d.worker for d in seen}
             ran_on = [d for d in seen if d.attempt == desc.get("attempt")]
-            t_run = float(desc.get("finished_at") or 0.0)
+            t_run = self.by_own_clock(str(worker), float(desc.get("finished_at") or 0.0))
             unseen = self._unseen_delivery(str(job_id), min((d.t for d in seen), default=t_run), t_run)
             if worker in to:
                 self.checks["delivered"] += 1
@@ -601,14 +610,15 @@ class Oracle:
             else:
                 self.unverified[unseen or "delivery not seen by the wiretap"] += 1
             # digest
-            finished = float(desc.get("finished_at") or 0.0)
+            finished = t_run
             proc = self.proc_at(str(worker), finished) or self._proc_ended_near(str(worker), finished)
             if proc is None:
                 self.unverified["digest: no process of that worker at that time"] += 1
                 continue
             for v in _versions(desc):
                 mine = [
-                    a for a in acts.get(str(worker), []) if a.version == v and proc.start <= a.activated_at <= finished
+                    a for a in acts.get(str(worker), [])
+                    if a.version == v and proc.start <= self.by_own_clock(str(worker), a.activated_at) <= finished
                 ]
                 if not mine:
                     self.unverified["digest: served since start-up (no activation announced)"] += 1
@@ -958,7 +968,8 @@ class Oracle:
             seen = self.deliveries_by_job.get(job_id, [])
             delivered = {d.worker for d in seen}
             t0 = call.t0 if call is not None else min((d.t for d in seen), default=0.0)
-            unseen = self._unseen_delivery(job_id, t0, float(desc.get("finished_at") or t0), desc.get("attempt"))
+            t_run = self.by_own_clock(worker, float(desc.get("finished_at") or t0))
+            unseen = self._unseen_delivery(job_id, t0, t_run, desc.get("attempt"))
             problems: list[str] = []  # one judged fact per result: the first thing wrong with it
             others = 0
             for i, spans in enumerate(desc.get("spans") or []):
@@ -1328,7 +1339,8 @@ def save_inputs(path: Any, *, cfg: Any, timeline: Any, finals: dict[str, Any], s
                 "available_s": getattr(cfg, "available_s", AVAILABLE_S)},
         "timeline": {
             "workers": [{"worker_id": w.worker_id, "engine": w.engine, "start": w.start, "end": w.end,
-                         "paused_at": w.paused_at, "how": w.how, "armed": w.armed, "stops": w.stops}
+                         "paused_at": w.paused_at, "how": w.how, "armed": w.armed, "stops": w.stops,
+                         "skew_s": getattr(w, "skew_s", 0.0)}
                         for w in timeline.workers],
             "broker_down": timeline.broker_down,
             "broker_paused": timeline.broker_paused,
@@ -1379,7 +1391,7 @@ def load_kept(workdir: Any) -> Oracle:
     tap_doc = json.loads((wd / "tap.json").read_text())
     cfg = SimpleNamespace(**doc["cfg"])
     tl = SimpleNamespace(**doc["timeline"])
-    tl.workers = [SimpleNamespace(**{"stops": [], **w}) for w in tl.workers]
+    tl.workers = [SimpleNamespace(**{"stops": [], "skew_s": 0.0, **w}) for w in tl.workers]
     tl.broker_paused = getattr(tl, "broker_paused", [])
     tl.commits = [tuple(c) for c in tl.commits]
     tl.consumers_deleted = [tuple(c) for c in tl.consumers_deleted]

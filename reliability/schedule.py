@@ -27,12 +27,15 @@ and with what else, it happens:
 ``pause_worker``    SIGSTOP a worker (at random, or one holding a session turn, an exact job, a
                     large answer or an at_most_once job) for 1.5-6 s, then SIGCONT: frozen, alive
 ``pause_broker``    SIGSTOP the broker for 1.5-5 s, then SIGCONT (its store and connections kept)
+``skew``            restart a worker (SIGTERM, a graceful drain) with its clocks 0.2-2 s ahead of or
+                    behind everyone else's (libfaketime), for the rest of its life: NTP-sized skew
 ==================  ===========================================================================
 
 ``make_schedule(seed, duration)`` is a pure function: the same seed gives the same events at
 the same offsets with the same parameters (the run itself is real time, so what they meet
 varies a little). Pauses are drawn from a stream of their own (``pauses:<seed>``), so adding
-them left every other event of a seed's schedule where it was. Named schedules script a
+them left every other event of a seed's schedule where it was; clock skews likewise
+(``skews:<seed>``). Named schedules script a
 sequence of the same events.
 """
 
@@ -128,6 +131,8 @@ def params_for(kind: str, rng: random.Random, hf: bool) -> dict[str, Any]:
         return {"victim": rng.choice(PAUSE_VICTIMS), "for_s": round(u(1.5, 6.0), 2)}
     if kind == "pause_broker":
         return {"for_s": round(u(1.5, 5.0), 2)}
+    if kind == "skew":
+        return {"victim": "random", "skew_s": round(rng.choice((-1, 1)) * u(0.2, 2.0), 3)}
     return {}
 
 
@@ -144,7 +149,19 @@ def random_schedule(seed: int, duration: float, hf: bool = False) -> list[Event]
         trainer_kills += kind == "trainer_kill"
         events.append(Event(round(t, 2), kind, params_for(kind, rng, hf)))
         t += rng.expovariate(1.0 / MEAN_GAP_S)
-    return sorted(events + pauses(seed, duration), key=lambda e: e.t)
+    return sorted(events + pauses(seed, duration) + skews(seed, duration), key=lambda e: e.t)
+
+
+def skews(seed: int, duration: float) -> list[Event]:
+    """Workers restarted with skewed clocks, from their own stream: one in the first half of a
+    run, another per further 60 s."""
+    rng = random.Random(f"skews:{seed}")
+    out: list[Event] = []
+    t = rng.uniform(3.0, max(3.5, duration / 2))
+    while t < duration - 6.0:
+        out.append(Event(round(t, 2), "skew", params_for("skew", rng, False)))
+        t += rng.uniform(45.0, 75.0)
+    return out
 
 
 def pauses(seed: int, duration: float) -> list[Event]:

@@ -10,18 +10,22 @@ from typing import Any
 from nats.js.kv import KeyValue
 
 
-async def watch_keys(kv: KeyValue, keys: str, on_entry: Callable[[Any], None], log: Any) -> None:
-    """Feed every update of ``keys`` to ``on_entry``, re-creating the watcher after errors
-    (a reconnect can end it). Runs until cancelled."""
+async def watch_keys(kv: KeyValue, keys: str, on_entry: Callable[[Any, bool], None], log: Any) -> None:
+    """Feed every update of ``keys`` to ``on_entry(entry, live)``, re-creating the watcher after
+    errors (a reconnect can end it). Runs until cancelled. ``live``: written while this watcher
+    watched (heard as it happened), not one of the values a new watcher is handed first."""
     while True:
         watcher = None
         try:
             watcher = await kv.watch(keys)
+            live = False
             while True:
                 # No time-out: asyncio.wait_for with one can swallow a cancellation on 3.11.
                 entry = await watcher.updates(timeout=None)
-                if entry is not None:
-                    on_entry(entry)
+                if entry is None:  # (the marker after the current values: what follows is new)
+                    live = True
+                    continue
+                on_entry(entry, live)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -22,6 +22,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
@@ -236,7 +237,12 @@ class FleetView:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 
-    def _apply(self, key: str, value: bytes | None, deleted: bool) -> None:
+    def _apply(self, key: str, value: bytes | None, deleted: bool, heard_at: float | None = None) -> None:
+        """One registry entry or ``latest``. ``heard_at``: this client's time when the entry was
+        heard as it was written (a live watch update): a replica's liveness then counts from
+        this client's own clock, so a replica whose clock is off by more than its heartbeat
+        period is neither taken for dead nor kept alive past its silence. An entry read from a
+        snapshot (start, reconnect) can only be judged by the time it carries."""
         if key == self._names.LATEST_KEY:
             if value and not deleted:
                 with suppress(ValueError):
@@ -254,13 +260,15 @@ class FleetView:
         except InvalidRequest as exc:
             log.warning("ignoring undecodable registry entry", key=key, error=exc.message)
             return
+        if heard_at is not None:
+            status = msgspec.structs.replace(status, heartbeat_at=heard_at)
         before = self._replicas.get(worker_id)
         self._replicas[worker_id] = status
         if before is None or _routing(before) != _routing(status) or not before.is_live():
             self._index = None  # a heartbeat of a listed replica changes nothing the index holds
 
-    def _on_entry(self, entry: Any) -> None:
-        self._apply(entry.key, entry.value, entry.operation in ("DEL", "PURGE"))
+    def _on_entry(self, entry: Any, live: bool = False) -> None:
+        self._apply(entry.key, entry.value, entry.operation in ("DEL", "PURGE"), time.time() if live else None)
         self._notify()
 
     async def _refresh_quietly(self) -> None:

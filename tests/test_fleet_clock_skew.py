@@ -1,0 +1,85 @@
+"""A replica's liveness, as a client judges it, does not depend on the replica's clock agreeing
+with the client's: a heartbeat heard as it is written counts from the client's own clock.
+
+Registry entries are written into the real fleet bucket of a real nats-server as a replica
+whose clock is off would write them; one test runs a real worker process under libfaketime
+(skipped, saying so, where Debian's ``faketime`` package is not installed)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from rollfleet.schemas import Names, ReplicaStatus, encode
+from rollfleet.testing import start_worker_process, terminate, wait_until
+from rollfleet.trainer_client import RolloutClient
+from tests.helpers import payload
+
+HEARTBEAT_S = 0.5  # stale after 1.5 s
+FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
+
+
+def entry(worker_id: str, skew_s: float) -> bytes:
+    now = time.time() + skew_s  # what a replica whose clock is skew_s off writes
+    return encode(
+        ReplicaStatus(
+            worker_id=worker_id, state="ready", active_version=0, engine="echo", capacity=4, in_flight=0,
+            heartbeat_at=now, heartbeat_interval_s=HEARTBEAT_S, started_at=now,
+        )
+    )
+
+
+async def beat(client: RolloutClient, worker_id: str, skew_s: float, for_s: float) -> None:
+    kv = await client.js.key_value(client.names.fleet_bucket)
+    until = time.monotonic() + for_s
+    while time.monotonic() < until:
+        await kv.put(Names.REPLICA_PREFIX + worker_id, entry(worker_id, skew_s))
+        await asyncio.sleep(HEARTBEAT_S)
+
+
+def live(client: RolloutClient) -> set[str]:
+    return {r.worker_id for r in client.fleet.replicas()}
+
+
+@pytest.mark.parametrize("skew_s", [-3.0, 30.0])
+async def test_a_replica_with_a_skewed_clock_is_live_while_it_beats_and_gone_once_silent(
+    nats_url: str, namespace: str, skew_s: float
+) -> None:
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        beating = asyncio.ensure_future(beat(client, "skewed", skew_s, 3.0))
+        await wait_until(lambda: "skewed" in live(client), 5, what="the replica seen")
+        seen = []
+        while not beating.done():  # 3 s behind: by its own stamps always past its 1.5 s bound
+            seen.append("skewed" in live(client))
+            await asyncio.sleep(0.1)
+        await beating
+        assert all(seen[5:]), seen  # (after its first beats were heard)
+        silent = time.monotonic()
+        # 30 s ahead: by its own stamps it would look alive for 30 s after its last beat.
+        await wait_until(lambda: "skewed" not in live(client), 5, what="the silent replica gone")
+        assert time.monotonic() - silent < 3 * HEARTBEAT_S + 1.0
+
+
+@pytest.mark.skipif(not os.path.exists(FAKETIME_LIB), reason="Debian's faketime package is not installed")
+async def test_a_worker_whose_clock_is_behind_serves_and_is_seen_live(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    env = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": "-3.0", "FAKETIME_NO_CACHE": "1"}
+    proc = start_worker_process(nats_url, namespace, "behind", log_path=tmp_path / "w.log", env=env,
+                                heartbeat=HEARTBEAT_S)
+    try:
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+            await wait_until(lambda: "behind" in live(client), 30, what="the worker seen live")
+            result = await (await client.submit(payload(), min_version=0, timeout=20)).result(20)
+            assert result.worker_id == "behind"
+            # Its own stamps lag this clock by 3 s, twice its staleness bound; it stays live.
+            assert result.finished_at < time.time() - 2.0
+            for _ in range(20):
+                assert "behind" in live(client)
+                await asyncio.sleep(0.1)
+    finally:
+        terminate(proc, 20)
