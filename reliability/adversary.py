@@ -197,6 +197,7 @@ class Adversary:
             write_base_checkpoint(base)
         self.weights = TrainerWeights(base, cfg.seed)
         m.start_broker()
+        await m.start_links([*ECHO_POOL, *HF_POOL])  # each worker dials the broker through its own link
         self.say("broker", url=m.broker.url if m.broker else "", auth=cfg.auth, monitor=m.monitor_port)
         self.topology = TopologyConfig(
             ack_wait_s=cfg.ack_wait, duplicate_window_s=cfg.duplicate_window, max_deliver=cfg.max_deliver
@@ -466,6 +467,30 @@ class Adversary:
                 self.say("SIGSTOP worker", worker=wp.worker_id, victim=p["victim"], for_s=p["for_s"])
                 await m.pause_worker(wp, p["for_s"])
                 self.say("SIGCONT worker", worker=wp.worker_id)
+            finally:
+                self.busy.discard(wp.worker_id)
+        elif ev.kind in ("partition", "lag", "cut_link"):
+            wp = await self.victim(p["victim"])
+            link = m.links.get(wp.worker_id) if wp is not None else None
+            if wp is None or link is None:
+                self.say(f"{ev.kind} skipped", reason="no victim")
+                return False
+            self.busy.add(wp.worker_id)
+            try:
+                t0 = time.time()
+                if ev.kind == "partition":
+                    self.say("link stalled", worker=wp.worker_id, direction=p["direction"], for_s=p["for_s"])
+                    await link.stall(p["direction"], p["for_s"])
+                    # (the oracle treats it as a pause: the worker ran on, unheard or deaf)
+                    wp.stops.append([t0, time.time()])
+                    self.say("link healed", worker=wp.worker_id)
+                elif ev.kind == "lag":
+                    self.say("link lagging", worker=wp.worker_id, seconds=p["seconds"], for_s=p["for_s"])
+                    await link.lag(p["seconds"], p["for_s"])
+                    self.say("link fast again", worker=wp.worker_id)
+                else:
+                    link.cut()
+                    self.say("link cut", worker=wp.worker_id)
             finally:
                 self.busy.discard(wp.worker_id)
         elif ev.kind == "skew":
@@ -811,6 +836,7 @@ class Adversary:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(part.close(), 10.0)
         await asyncio.to_thread(self.machine.close)
+        await self.machine.close_links()
         self.events_journal.close()
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from rollfleet.broker import EmbeddedBroker, free_port
 from rollfleet.runtime.processes import terminate
+from rollfleet.testing.link import LinkProxy
 from rollfleet.testing.processes import CHILD_LOG_ENV, spawn
 
 MAX_PAYLOAD = "32KB"  # answers over ~16 KB are stored in chunks (the worker keeps 16 KB headroom)
@@ -108,6 +109,7 @@ class Machine:
         self.current: dict[str, WorkerProc] = {}  # worker id -> its live (or last) process
         self.trainer: subprocess.Popen[bytes] | None = None
         self.worker_args: dict[str, list[str]] = {}
+        self.links: dict[str, LinkProxy] = {}  # worker id -> the proxy it dials the broker through
 
     # -- the broker ----------------------------------------------------------------------------
     def users(self) -> list[str]:
@@ -118,6 +120,25 @@ class Machine:
         if not self.auth or user is None:
             return self.broker.url
         return self.broker.url.replace("nats://", f"nats://{user}:{self.passwords[user]}@")
+
+    async def start_links(self, worker_ids: list[str]) -> None:
+        """A proxy per worker id, between it and the broker (``rollfleet.testing.link``)."""
+        assert self.broker is not None
+        for wid in worker_ids:
+            self.links[wid] = await LinkProxy("127.0.0.1", self.broker.port).start()
+
+    async def close_links(self) -> None:
+        for link in self.links.values():
+            await link.close()
+
+    def worker_url(self, worker_id: str) -> str:
+        """Where a worker dials: its own proxy when it has one, else the broker."""
+        url = self.url(worker_id)
+        link = self.links.get(worker_id)
+        if link is None:
+            return url
+        assert self.broker is not None
+        return url.replace(f":{self.broker.port}", f":{link.port}")
 
     def _config(self) -> Path:
         path = self.workdir / "nats.conf"
@@ -175,7 +196,8 @@ class Machine:
     def _worker_cmd(self, worker_id: str, engine: str, extra: list[str]) -> list[str]:
         local = self.workdir / "local" / worker_id
         common = [
-            sys.executable, "-m", "rollfleet", "worker", "--nats", self.url(worker_id), "--namespace", self.namespace,
+            sys.executable, "-m", "rollfleet", "worker", "--nats", self.worker_url(worker_id),
+            "--namespace", self.namespace,
             "--worker-id", worker_id, "--heartbeat", "0.5", "--store", str(self.store), "--local-dir", str(local),
             "--verify-live", "--capacity", "3", "--catch-up-wait", "60",
             "--pre-read-hook", "reliability.hooks:slow_read",

@@ -27,6 +27,11 @@ and with what else, it happens:
 ``pause_worker``    SIGSTOP a worker (at random, or one holding a session turn, an exact job, a
                     large answer or an at_most_once job) for 1.5-6 s, then SIGCONT: frozen, alive
 ``pause_broker``    SIGSTOP the broker for 1.5-5 s, then SIGCONT (its store and connections kept)
+``partition``       one worker's link to the broker stalls (``rollfleet.testing.link``) one way (its
+                    messages unheard, or the broker's undelivered) or both, for 1-8 s; bytes are
+                    held, as TCP holds them, and delivered when it heals
+``lag``             one worker's link adds 50-500 ms to every chunk, for 3-10 s
+``cut_link``        one worker's connections to the broker are reset
 ``skew``            restart a worker (SIGTERM, a graceful drain) with its clocks 0.2-2 s ahead of or
                     behind everyone else's (libfaketime), for the rest of its life: NTP-sized skew
 ==================  ===========================================================================
@@ -34,8 +39,8 @@ and with what else, it happens:
 ``make_schedule(seed, duration)`` is a pure function: the same seed gives the same events at
 the same offsets with the same parameters (the run itself is real time, so what they meet
 varies a little). Pauses are drawn from a stream of their own (``pauses:<seed>``), so adding
-them left every other event of a seed's schedule where it was; clock skews likewise
-(``skews:<seed>``). Named schedules script a
+them left every other event of a seed's schedule where it was; clock skews and link faults
+likewise (``skews:<seed>``, ``links:<seed>``). Named schedules script a
 sequence of the same events.
 """
 
@@ -131,6 +136,13 @@ def params_for(kind: str, rng: random.Random, hf: bool) -> dict[str, Any]:
         return {"victim": rng.choice(PAUSE_VICTIMS), "for_s": round(u(1.5, 6.0), 2)}
     if kind == "pause_broker":
         return {"for_s": round(u(1.5, 5.0), 2)}
+    if kind == "partition":
+        return {"victim": rng.choice(PAUSE_VICTIMS), "direction": rng.choice(("up", "down", "both")),
+                "for_s": round(u(1.0, 8.0), 2)}
+    if kind == "lag":
+        return {"victim": "random", "seconds": round(u(0.05, 0.5), 3), "for_s": round(u(3.0, 10.0), 2)}
+    if kind == "cut_link":
+        return {"victim": rng.choice(PAUSE_VICTIMS)}
     if kind == "skew":
         return {"victim": "random", "skew_s": round(rng.choice((-1, 1)) * u(0.2, 2.0), 3)}
     return {}
@@ -149,7 +161,19 @@ def random_schedule(seed: int, duration: float, hf: bool = False) -> list[Event]
         trainer_kills += kind == "trainer_kill"
         events.append(Event(round(t, 2), kind, params_for(kind, rng, hf)))
         t += rng.expovariate(1.0 / MEAN_GAP_S)
-    return sorted(events + pauses(seed, duration) + skews(seed, duration), key=lambda e: e.t)
+    return sorted(events + pauses(seed, duration) + skews(seed, duration) + links(seed, duration), key=lambda e: e.t)
+
+
+def links(seed: int, duration: float) -> list[Event]:
+    """Faults on one worker's link to the broker, from their own stream (``links:<seed>``)."""
+    rng = random.Random(f"links:{seed}")
+    out: list[Event] = []
+    t = rng.uniform(4.0, 12.0)
+    while t < duration - 4.0:
+        kind = rng.choice(("partition", "partition", "lag", "cut_link"))
+        out.append(Event(round(t, 2), kind, params_for(kind, rng, False)))
+        t += rng.expovariate(1.0 / 14.0)
+    return out
 
 
 def skews(seed: int, duration: float) -> list[Event]:

@@ -16,6 +16,13 @@ from rollfleet.schemas.errors import AuthorizationError, ServiceUnavailable
 
 log = get_logger("rollfleet.broker.connection")
 
+# A link that stops carrying bytes (a partition, a dead NAT entry, a host gone without a reset)
+# is given up after PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 1), about 20 s, and dialed again:
+# nats-py's defaults (120 s, 2) leave a worker deaf, and its pull requests dead at the broker,
+# for up to six minutes. One small PING every 5 s per connection is the whole cost.
+PING_INTERVAL_S = 5.0
+MAX_OUTSTANDING_PINGS = 3
+
 
 async def connect(
     url: str,
@@ -72,6 +79,8 @@ async def connect(
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        ping_interval=PING_INTERVAL_S,
+        max_outstanding_pings=MAX_OUTSTANDING_PINGS,
     )
     if token:
         opts["token"] = token

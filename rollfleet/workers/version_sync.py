@@ -127,6 +127,7 @@ class VersionSync:
         self._reread = True  # read `latest` at the next wake (start, resync, reconnect)
         self._tasks: list[asyncio.Task[None]] = []
         self._failed: FailedVersion | None = None  # the last version that failed here (retried later)
+        self._stopping = False
         self._retry_wake: asyncio.TimerHandle | None = None
         # Why the replica started on a version older than the latest commit (None: it did not).
         self.start_degraded: str | None = None
@@ -213,6 +214,10 @@ class VersionSync:
             self._wake_at(self._failed.retry_at)
 
     async def stop(self) -> None:
+        # The flag as well as the cancel: on Python 3.11 an asyncio.wait_for whose inner await
+        # finishes as the cancel arrives swallows the cancel, and the follow loop would go on
+        # activating versions on a draining replica until the process exits.
+        self._stopping = True
         if self._retry_wake is not None:
             self._retry_wake.cancel()
         await stop_tasks(self._tasks)
@@ -248,8 +253,10 @@ class VersionSync:
 
     async def _follow(self) -> None:
         assert self._kv is not None
-        while True:
+        while not self._stopping:
             await self._wake.wait()
+            if self._stopping:
+                return
             self._wake.clear()
             latest, self._announced = self._announced, None
             if self._reread:
@@ -397,6 +404,9 @@ class VersionSync:
             self._served.activating = result.version
             prepare_s += time.perf_counter() - t_more
             log = log.bind(version=result.version)
+        if self._stopping:  # (a stop whose cancel was lost: never activate on a draining replica)
+            self._served.activating = None
+            return None
         t1 = time.perf_counter()
         try:
             faults.point("worker:mid-activation")

@@ -1,0 +1,98 @@
+"""A client's link to the broker that stops carrying bytes, through a real TCP proxy
+(``rollfleet.testing.link``) in front of a real nats-server.
+
+A stall shorter than the ping bound is lived through on the same connection, nothing lost;
+a longer one is given up by the product's own ping bound (``broker.connection``) and the
+connection dialed again, the reconnect hooks called; latency slows what it carries and loses
+nothing; a cut link is dialed again at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from rollfleet.broker import EmbeddedBroker
+from rollfleet.broker.connection import MAX_OUTSTANDING_PINGS, PING_INTERVAL_S, connect
+from rollfleet.testing import wait_until
+from rollfleet.testing.link import LinkProxy
+
+
+@pytest.fixture
+async def link(broker: EmbeddedBroker) -> AsyncIterator[LinkProxy]:
+    proxy = await LinkProxy("127.0.0.1", broker.port).start()
+    yield proxy
+    await proxy.close()
+
+
+async def test_the_product_gives_a_silent_link_up_within_its_ping_bound(link: LinkProxy) -> None:
+    nc = await connect(f"nats://127.0.0.1:{link.port}", name="t", initial_timeout=10)
+    try:
+        assert nc.options["ping_interval"] == PING_INTERVAL_S
+        assert nc.options["max_outstanding_pings"] == MAX_OUTSTANDING_PINGS
+        assert PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 1) <= 30  # (nats-py's defaults: about 6 min)
+    finally:
+        await nc.close()
+
+
+async def test_a_short_stall_is_lived_through_in_order(link: LinkProxy) -> None:
+    reconnected: list[float] = []
+    nc = await connect(f"nats://127.0.0.1:{link.port}", name="t", initial_timeout=10,
+                       reconnect_hooks=[lambda: reconnected.append(time.monotonic())])
+    got: list[bytes] = []
+    try:
+        async def on_msg(msg: Any) -> None:
+            got.append(msg.data)
+
+        await nc.subscribe("s", cb=on_msg)
+        await nc.flush()
+        stalled = asyncio.ensure_future(link.stall("down", 2.0))
+        await asyncio.sleep(0.1)
+        for i in range(20):
+            await nc.publish("s", str(i).encode())
+        await asyncio.sleep(0.8)  # (no flush: its PONG comes down the stalled way)
+        assert got == []  # held on the way down
+        await stalled
+        await wait_until(lambda: len(got) == 20, 5, what="the held messages delivered")
+        assert got == [str(i).encode() for i in range(20)] and reconnected == []
+    finally:
+        await nc.close()
+
+
+async def test_a_long_stall_makes_the_client_dial_again(link: LinkProxy) -> None:
+    reconnected: list[float] = []
+    nc = await connect(f"nats://127.0.0.1:{link.port}", name="t", initial_timeout=10,
+                       reconnect_hooks=[lambda: reconnected.append(time.monotonic())],
+                       ping_interval=0.3, max_outstanding_pings=2)  # (the product's bound, shortened)
+    try:
+        t0 = time.monotonic()
+        stall = asyncio.ensure_future(link.stall("both", 4.0))
+        # New connections stall too until it heals; then the client is connected again.
+        await wait_until(lambda: reconnected, 15, what="a reconnect after the stall")
+        await stall
+        await wait_until(lambda: nc.is_connected, 10)
+        assert reconnected[0] - t0 >= 0.6  # (not before the pings went unanswered)
+        answer = await nc.request("$JS.API.INFO", b"", timeout=5)  # the new connection carries traffic
+        assert answer.data
+    finally:
+        await nc.close()
+
+
+async def test_latency_slows_and_loses_nothing_and_a_cut_link_is_dialed_again(link: LinkProxy) -> None:
+    reconnected: list[float] = []
+    nc = await connect(f"nats://127.0.0.1:{link.port}", name="t", initial_timeout=10,
+                       reconnect_hooks=[lambda: reconnected.append(time.monotonic())])
+    try:
+        lagging = asyncio.ensure_future(link.lag(0.2, 2.0))
+        t0 = time.monotonic()
+        await nc.flush(timeout=5)  # a PING up and a PONG down, each chunk 0.2 s late
+        assert time.monotonic() - t0 >= 0.35
+        await lagging
+        link.cut()
+        await wait_until(lambda: reconnected, 10, what="a reconnect after the cut")
+        await nc.flush(timeout=5)
+    finally:
+        await nc.close()
