@@ -376,17 +376,20 @@ class Oracle:
         version: int,
         idle: bool = False,
         promised: bool = False,
+        now: bool = False,
     ) -> bool:
         """Whether a replica (a fleet sample) serves the constraint; ``idle``: with a free slot too;
         ``promised``: a replica still starting, preparing that version, counts (the README's "at, or
-        preparing, a compatible version": such a job is kept for it)."""
+        preparing, a compatible version": such a job is kept for it); ``now``: only a replica that
+        could run it at this moment (preparing an exact job's version is not serving it yet, and a
+        replica may skip a version it prepared when a newer one is committed meanwhile)."""
         _, state, active, preparing, free = entry
         if promised and state == "starting" and kind == "exact" and preparing == version:
             return True
         if state not in SERVING_STATES or (idle and not free):
             return False
         if kind == "exact":
-            return (active == version and state != "activating") or preparing == version
+            return (active == version and state != "activating") or (preparing == version and not now)
         return active >= version
 
     # -- constraints ------------------------------------------------------------------------------
@@ -855,14 +858,14 @@ class Oracle:
         key = self.idem.get(c.key, c.key)
         newer = sorted(d.t for d in self.tap.deliveries
                        if d.key != key and d.submitted_at > c.t0 + 0.5 and c.t0 <= d.t <= end and d.worker
-                       and any(e[0] == d.worker and self.takes(e, kind, v) for e in self.snapshot(d.t)))
+                       and any(e[0] == d.worker and self.takes(e, kind, v, now=True) for e in self.snapshot(d.t)))
         best = best_at = 0.0
         run_start: float | None = None
         idle = 0.0
         t = c.t0
         while t <= end + SAMPLE_S:
             snap = self.snapshot(t) if t <= end else []
-            able = [e for e in snap if self.takes(e, kind, v)]
+            able = [e for e in snap if self.takes(e, kind, v, now=True)]
             ok = bool(able) and not any(a <= t <= b for a, b in held)
             if ok:
                 if run_start is None:
@@ -1270,10 +1273,20 @@ class Oracle:
         excluded = [(a, b + BROKER_GRACE_S) for a, b in self.broker_out]
         killed_at = {int(t["incarnation"]): float(t["end"]) for t in self.tl.trainers if t.get("how") == "killed"}
         wanted = []
+        moments: list[float] = []
         for c in calls:
             end = c.answered_at or (float(c.hang["t"]) if c.hang else killed_at.get(c.inc, c.deadline or c.t0))
+            # A call answered with a result was served from the moment the run that made it
+            # started (a long generation is service, not a wait): it asked until then.
+            desc = c.answer if c.is_result and c.answer else {}
+            if desc.get("finished_at") and desc.get("generation_s") is not None:
+                began = self.by_own_clock(str(desc.get("worker_id")),
+                                          float(desc["finished_at"]) - float(desc["generation_s"]))
+                if began <= end:  # (begun before the call: a resubmit of a job already running)
+                    end = max(c.t0, began)
+                    moments.append(end)
             wanted.append((c.t0, max(c.t0, end)))
-        moments = [float(c.answer["t"]) for c in served if c.answer]
+        moments += [float(c.answer["t"]) for c in served if c.answer]
         moments += [p.t for p in self.tap.published if (p.desc or {}).get("kind") == "result"
                     and not (p.desc or {}).get("forged_tokens")]
         worst = max(unserved_stretches(wanted, moments, excluded), key=lambda s: s[2], default=(0.0, 0.0, 0.0))
