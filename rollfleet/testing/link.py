@@ -57,10 +57,13 @@ class LinkProxy:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        self.cut()
+        for way in (self._up, self._down):
+            way.open.set()  # (a stalled pump would otherwise wait for the heal that never comes)
+        self.cut()  # the pumps end on their own once their sockets are gone
+        if self._conns:
+            await asyncio.wait(list(self._conns), timeout=2.0)
         for task in list(self._conns):
             task.cancel()
-        await asyncio.gather(*self._conns, return_exceptions=True)
 
     # -- faults ---------------------------------------------------------------------------------
     async def stall(self, direction: str, for_s: float) -> None:

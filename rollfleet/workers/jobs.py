@@ -320,9 +320,7 @@ class JobRunner:
             if verdict == "stopped" and job.behaviour.holder_gone == "interrupted":
                 log.info("at_most_once job redelivered after its holder started it")
                 err = Interrupted("the worker that started this at_most_once job stopped; it was not run again")
-                await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
-                await msg.ack()
-                await self._release_claim(job)
+                await self._answer_and_close(job, msg, err, attempt)
                 return
         if run.handed_back:  # the drain gave up on it while we were claiming
             await self._hand_back(run, log)
@@ -352,9 +350,7 @@ class JobRunner:
                 err = EngineFailure(f"engine {self._engine.name} failed: {exc}")
             if not await self._still_holds(run):
                 return
-            await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
-            await msg.ack()
-            await self._release_claim(job)
+            await self._answer_and_close(job, msg, err, attempt)
             return
         if run.claim_lost:
             return  # another replica has the job: nothing of this run is stored
@@ -416,9 +412,7 @@ class JobRunner:
             stored = await self._store(job.client_id, job.idempotency_key, job.job_id, result)
         except ResultUnstorable as exc:
             log.error("result cannot be stored", error=exc.message)
-            await self.answer_failure(job.client_id, job.idempotency_key, exc, attempt, job)
-            await msg.ack()
-            await self._release_claim(job)
+            await self._answer_and_close(job, msg, exc, attempt)
             return
         if not stored:
             return  # broker away: leave the job unacked (and claimed) so it is redelivered
@@ -575,9 +569,7 @@ class JobRunner:
         job = run.job
         if job.behaviour.holder_gone == "interrupted":
             err = Interrupted(f"the engine of the replica running this at_most_once job went down: {detail}")
-            await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
-            await run.msg.ack()
-            await self._release_claim(job)
+            await self._answer_and_close(job, run.msg, err, attempt)
         else:
             await self._hand_back(run, log)
         return True
@@ -729,6 +721,14 @@ class JobRunner:
         if not job.behaviour.checkpoints:
             return Claim.decode(value)
         return open_claim(job.job_id, value) or Claim("", 0.0)
+
+    async def _answer_and_close(self, job: RolloutJob, msg: Msg, err: RollfleetError, attempt: int) -> None:
+        """A job that ends here with an error: the error stored as its answer, the delivery acked,
+        its claim released (in that order: an answer is never lost to a crash between them, and
+        the claim keeps a second run away until the answer is there)."""
+        await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
+        await msg.ack()
+        await self._release_claim(job)
 
     async def _release_claim(self, job: RolloutJob, *, only_own: bool = False) -> None:
         """Answered and acked (or handed back unrun): the claim has done its work. ``only_own`` (a
