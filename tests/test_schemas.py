@@ -319,3 +319,21 @@ def test_every_retry_policy_has_one_behaviour_and_the_rules_read_it() -> None:
     assert [v for v in range(5) if version_allows("exact", 2, v)] == [2]
     assert [v for v in range(5) if version_allows("min", 2, v)] == [2, 3, 4]
     assert refuses_while_activating("exact") and not refuses_while_activating("min")
+
+
+@pytest.mark.parametrize("policy", ["replayable", "at_most_once", "resume"])
+def test_only_a_job_whose_holder_death_ends_it_is_bounded_by_its_claims_lifetime(policy: str) -> None:
+    from tests.helpers import built_job
+
+    constraint = VersionConstraint("min", 0)
+    ok, _ = built_job(RolloutPayload(prompt_token_ids=[1]), constraint, "min:0", retry_policy=policy,
+                      timeout=100, max_timeout_s=100)
+    assert ok.retry_policy == policy
+    if policy == "at_most_once":
+        with pytest.raises(E.InvalidRequest, match="may wait at most 100 s"):
+            built_job(RolloutPayload(prompt_token_ids=[1]), constraint, "min:0", retry_policy=policy,
+                      timeout=101, max_timeout_s=100)
+    else:  # (a replayable or resumable job outliving its claim is run again, or goes on: fine)
+        job, _ = built_job(RolloutPayload(prompt_token_ids=[1]), constraint, "min:0", retry_policy=policy,
+                           timeout=101, max_timeout_s=100)
+        assert job.deadline - job.submitted_at > 100

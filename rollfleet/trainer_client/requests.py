@@ -32,6 +32,7 @@ from rollfleet.schemas import (
     request_fingerprint,
 )
 from rollfleet.schemas.errors import InvalidRequest
+from rollfleet.schemas.messages import RETRY_BEHAVIOUR
 
 _MAX_VERSION = 2**63 - 1
 RETRY_POLICIES: tuple[str, ...] = get_args(RetryPolicy)
@@ -118,9 +119,12 @@ def build_job(
         if wait <= 0:
             raise InvalidRequest(f"timeout must be > 0 seconds, got {wait}")
         when = now + wait
-    if retry_policy == "at_most_once" and max_timeout_s is not None and when - now > max_timeout_s:
+    # A job whose holder's death ends it must find its claim until its deadline: a redelivery
+    # after the claim expired would start it a second time.
+    if RETRY_BEHAVIOUR[retry_policy].holder_gone == "interrupted" and max_timeout_s is not None \
+            and when - now > max_timeout_s:
         raise InvalidRequest(
-            f"an at_most_once job may wait at most {max_timeout_s:g} s (how long its claim is kept); "
+            f"an {retry_policy} job may wait at most {max_timeout_s:g} s (how long its claim is kept); "
             f"asked for {when - now:g} s"
         )
     if constraint.version < 0:
