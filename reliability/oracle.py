@@ -988,9 +988,10 @@ class Oracle:
                     problems.append(f"job {job_id} sample {i}: spans end at {at}, {length} tokens")
                 if not (length == max_tokens or finish == "stop"):
                     problems.append(f"job {job_id} sample {i}: {length} of {max_tokens} tokens, finish {finish}")
-                # Another run had stored every token (its last checkpoint), then died or was taken
-                # over before answering: the answering replica only answered.
-                if names and names[-1] != worker and int(desc.get("kept") or 0) < sum(desc.get("lengths") or []):
+                # Another run had stored every token of this sample (its last checkpoint), then died
+                # or was taken over before answering: the answering replica kept all of them (its
+                # count covers every sample: with n > 1 it may have made another sample's tail).
+                if names and names[-1] != worker and int(desc.get("kept") or 0) < length:
                     problems.append(f"job {job_id} sample {i}: last span by {names[-1]}, answered by {worker}, "
                                     f"which kept only {desc.get('kept')} tokens")
                 for name, (_v, start, end) in zip(names, spans, strict=False):
