@@ -23,12 +23,15 @@ HEARTBEAT_S = 0.5  # stale after 1.5 s
 FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
 
 
+STARTED_AT = 1_700_000_000.0  # one process per worker id in these tests
+
+
 def entry(worker_id: str, skew_s: float) -> bytes:
     now = time.time() + skew_s  # what a replica whose clock is skew_s off writes
     return encode(
         ReplicaStatus(
             worker_id=worker_id, state="ready", active_version=0, engine="echo", capacity=4, in_flight=0,
-            heartbeat_at=now, heartbeat_interval_s=HEARTBEAT_S, started_at=now,
+            heartbeat_at=now, heartbeat_interval_s=HEARTBEAT_S, started_at=STARTED_AT,
         )
     )
 
@@ -62,6 +65,20 @@ async def test_a_replica_with_a_skewed_clock_is_live_while_it_beats_and_gone_onc
         # 30 s ahead: by its own stamps it would look alive for 30 s after its last beat.
         await wait_until(lambda: "skewed" not in live(client), 5, what="the silent replica gone")
         assert time.monotonic() - silent < 3 * HEARTBEAT_S + 1.0
+
+
+async def test_a_heartbeat_held_up_on_the_way_counts_from_when_it_was_made(nats_url: str, namespace: str) -> None:
+    """A partition that heals delivers a replica's held writes late: they say it was alive when
+    it wrote them, not now (its stamps, on its clock's offset as measured before)."""
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        await beat(client, "held", 5.0, 1.5)  # a clock 5 s ahead, heard as it writes
+        assert "held" in live(client)
+        await asyncio.sleep(3 * HEARTBEAT_S + 0.5)
+        assert "held" not in live(client)  # silent: gone
+        kv = await client.js.key_value(client.names.fleet_bucket)
+        await kv.put(Names.REPLICA_PREFIX + "held", entry("held", 5.0 - 4.0))  # made 4 s ago, heard now
+        await wait_until(lambda: client.fleet.replica("held").heartbeat_at < time.time() - 3.0, 5)  # type: ignore[union-attr]
+        assert "held" not in live(client)
 
 
 @pytest.mark.skipif(not os.path.exists(FAKETIME_LIB), reason="Debian's faketime package is not installed")

@@ -76,6 +76,8 @@ class FleetView:
         self._js = js
         self._names = names
         self._replicas: dict[str, ReplicaStatus] = {}
+        # worker id -> (its process's started_at, the smallest heard_at - heartbeat_at seen)
+        self._offsets: dict[str, tuple[float, float]] = {}
         self._latest: int | None = None
         self._fleet_kv: KeyValue | None = None
         self._policy_kv: KeyValue | None = None
@@ -239,10 +241,12 @@ class FleetView:
 
     def _apply(self, key: str, value: bytes | None, deleted: bool, heard_at: float | None = None) -> None:
         """One registry entry or ``latest``. ``heard_at``: this client's time when the entry was
-        heard as it was written (a live watch update): a replica's liveness then counts from
-        this client's own clock, so a replica whose clock is off by more than its heartbeat
-        period is neither taken for dead nor kept alive past its silence. An entry read from a
-        snapshot (start, reconnect) can only be judged by the time it carries."""
+        heard as it was written (a live watch update). A replica's heartbeats are then timed on
+        this client's clock: its own stamp plus the smallest gap seen between its stamps and
+        their hearing (its clock's offset, plus the shortest transit), so a replica whose clock
+        is off is neither taken for dead nor kept alive past its silence, and a write held up on
+        the way (a partition that healed) still counts from when it was made. An entry read from
+        a snapshot (start, reconnect) can only be judged by the time it carries."""
         if key == self._names.LATEST_KEY:
             if value and not deleted:
                 with suppress(ValueError):
@@ -261,7 +265,12 @@ class FleetView:
             log.warning("ignoring undecodable registry entry", key=key, error=exc.message)
             return
         if heard_at is not None:
-            status = msgspec.structs.replace(status, heartbeat_at=heard_at)
+            process, offset = self._offsets.get(worker_id, (None, math.inf))
+            if process != status.started_at:  # another process under that id: its own clock
+                offset = math.inf
+            offset = min(offset, heard_at - status.heartbeat_at)
+            self._offsets[worker_id] = (status.started_at, offset)
+            status = msgspec.structs.replace(status, heartbeat_at=status.heartbeat_at + offset)
         before = self._replicas.get(worker_id)
         self._replicas[worker_id] = status
         if before is None or _routing(before) != _routing(status) or not before.is_live():
