@@ -337,3 +337,10 @@ def test_only_a_job_whose_holder_death_ends_it_is_bounded_by_its_claims_lifetime
         job, _ = built_job(RolloutPayload(prompt_token_ids=[1]), constraint, "min:0", retry_policy=policy,
                            timeout=101, max_timeout_s=100)
         assert job.deadline - job.submitted_at > 100
+
+
+def test_a_retry_policy_this_version_does_not_know_is_treated_as_the_strictest() -> None:
+    from rollfleet.schemas.messages import RETRY_BEHAVIOUR, retry_behaviour
+
+    assert retry_behaviour("teleport") == RETRY_BEHAVIOUR["at_most_once"]
+    assert all(retry_behaviour(p) == b for p, b in RETRY_BEHAVIOUR.items())

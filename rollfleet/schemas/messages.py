@@ -39,6 +39,12 @@ RETRY_BEHAVIOUR: dict[str, RetryBehaviour] = {
     "at_most_once": RetryBehaviour(claimed=True, takeover=False, checkpoints=False, holder_gone="interrupted"),
     "resume": RetryBehaviour(claimed=True, takeover=True, checkpoints=True, holder_gone="resume"),
 }
+
+
+def retry_behaviour(policy: str) -> RetryBehaviour:
+    """A policy's behaviour; one this version does not know (a newer peer's) is treated as the
+    strictest, at_most_once: never started twice."""
+    return RETRY_BEHAVIOUR.get(policy, RETRY_BEHAVIOUR["at_most_once"])
 VersionPolicy = Literal["pinned", "monotonic", "free"]  # how a session's turns choose versions
 ConstraintKind = Literal["min", "exact"]
 FinishReason = Literal["stop", "length", "abort"]
@@ -121,7 +127,7 @@ class RolloutJob(msgspec.Struct, kw_only=True):
 
     @property
     def behaviour(self) -> RetryBehaviour:
-        return RETRY_BEHAVIOUR[self.retry_policy]
+        return retry_behaviour(self.retry_policy)
 
 
 class RolloutJobWire(msgspec.Struct, kw_only=True):

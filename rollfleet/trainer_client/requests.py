@@ -32,7 +32,7 @@ from rollfleet.schemas import (
     request_fingerprint,
 )
 from rollfleet.schemas.errors import InvalidRequest
-from rollfleet.schemas.messages import RETRY_BEHAVIOUR
+from rollfleet.schemas.messages import retry_behaviour
 
 _MAX_VERSION = 2**63 - 1
 RETRY_POLICIES: tuple[str, ...] = get_args(RetryPolicy)
@@ -121,7 +121,7 @@ def build_job(
         when = now + wait
     # A job whose holder's death ends it must find its claim until its deadline: a redelivery
     # after the claim expired would start it a second time.
-    if RETRY_BEHAVIOUR[retry_policy].holder_gone == "interrupted" and max_timeout_s is not None \
+    if retry_behaviour(str(retry_policy)).holder_gone == "interrupted" and max_timeout_s is not None \
             and when - now > max_timeout_s:
         raise InvalidRequest(
             f"an {retry_policy} job may wait at most {max_timeout_s:g} s (how long its claim is kept); "
