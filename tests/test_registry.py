@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from rollfleet.schemas import ReplicaStatus
 from rollfleet.schemas.errors import Expired, NoCompatibleReplica
 from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient
@@ -47,8 +48,15 @@ async def test_dead_worker_goes_stale_and_client_fails_fast(nats_url: str, names
             assert registration is not None and registration._task is not None
             registration._task.cancel()
             registration._kv = None  # its final delete is lost too
-            await wait_until(lambda: client.fleet.replicas()[0].heartbeat_at == registration.status.heartbeat_at)
-            bound = registration.status.heartbeat_at + registration.status.stale_after_s()
+            last = registration.status.heartbeat_at  # (its last refresh, on its clock)
+
+            def heard_last() -> ReplicaStatus | None:
+                seen = client.fleet.replica("dies")  # (timed on the client's clock: never before it was made)
+                return seen if seen is not None and seen.heartbeat_at >= last else None
+
+            seen = await wait_until(heard_last, what="the last refresh heard")
+            bound = seen.heartbeat_at + seen.stale_after_s()
+            assert seen.heartbeat_at - last < 0.5  # (the client's timing: when it was made, plus its transit)
             assert registration.status.stale_after_s() == pytest.approx(1.2)
             await wait_until(lambda: not client.fleet.replicas(), timeout=5)
             assert time.time() <= bound + 0.5  # gone within the bound (plus this loop's polling)

@@ -165,7 +165,8 @@ class FleetView:
     async def refresh(self) -> None:
         """Re-read the registry and the latest version from the broker (one snapshot each)."""
         assert self._fleet_kv is not None and self._policy_kv is not None
-        self._replicas = await read_replicas(self._fleet_kv)
+        now, read = time.time(), await read_replicas(self._fleet_kv)
+        self._replicas = {w: self._timed(w, r, now, live=False) for w, r in read.items()}
         self._index = None
         latest = await read_latest(self._policy_kv)
         if latest is not None:
@@ -264,17 +265,25 @@ class FleetView:
         except InvalidRequest as exc:
             log.warning("ignoring undecodable registry entry", key=key, error=exc.message)
             return
-        if heard_at is not None:
-            process, offset = self._offsets.get(worker_id, (None, math.inf))
-            if process != status.started_at:  # another process under that id: its own clock
-                offset = math.inf
-            offset = min(offset, heard_at - status.heartbeat_at)
-            self._offsets[worker_id] = (status.started_at, offset)
-            status = msgspec.structs.replace(status, heartbeat_at=status.heartbeat_at + offset)
+        live = heard_at is not None
+        status = self._timed(worker_id, status, heard_at if heard_at is not None else time.time(), live=live)
         before = self._replicas.get(worker_id)
         self._replicas[worker_id] = status
         if before is None or _routing(before) != _routing(status) or not before.is_live():
             self._index = None  # a heartbeat of a listed replica changes nothing the index holds
+
+    def _timed(self, worker_id: str, status: ReplicaStatus, heard_at: float, *, live: bool) -> ReplicaStatus:
+        """The entry with its heartbeat on this client's clock (see ``_apply``). One heard live
+        teaches the replica's offset; one from a snapshot uses the offset known for that process,
+        or else counts from no later than now (a stamp in the future is a clock ahead)."""
+        process, offset = self._offsets.get(worker_id, (None, math.inf))
+        if process != status.started_at:  # another process under that id: its own clock
+            offset = math.inf
+        if live:
+            offset = min(offset, heard_at - status.heartbeat_at)
+            self._offsets[worker_id] = (status.started_at, offset)
+        when = status.heartbeat_at + offset if offset != math.inf else min(status.heartbeat_at, heard_at)
+        return msgspec.structs.replace(status, heartbeat_at=when)
 
     def _on_entry(self, entry: Any, live: bool = False) -> None:
         self._apply(entry.key, entry.value, entry.operation in ("DEL", "PURGE"), time.time() if live else None)

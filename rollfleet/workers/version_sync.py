@@ -231,7 +231,7 @@ class VersionSync:
             self._wake_at(self._failed.retry_at)
 
     def _wake_at(self, at: float) -> None:
-        """Read ``latest`` again at monotonic time ``at`` (one timer: the earliest kept)."""
+        """Read ``latest`` again at monotonic time ``at`` (one timer: a newer call replaces it)."""
         if self._retry_wake is not None:
             self._retry_wake.cancel()
         self._retry_wake = asyncio.get_running_loop().call_later(max(0.0, at - time.monotonic()), self.notice, None)
