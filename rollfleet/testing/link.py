@@ -8,7 +8,8 @@ its own, so a fault on the link hits that worker alone:
   order when it heals (a TCP peer retransmits until the link comes back). Connections made
   meanwhile stall the same way. A stall longer than the client's ping bound makes the client
   give the connection up and dial again; the broker sees the same from its side.
-- ``delay(seconds)``: every chunk in both directions waits this long first (latency).
+- ``lag(seconds, for_s)``: every chunk in both directions arrives this much later (latency;
+  chunks in flight overlap, so the link is slower to answer, not narrower).
 - ``cut()``: every connection through the proxy is closed at once (a reset link).
 
 The proxy is the harness's code, in the harness's process; it never parses the protocol.
@@ -116,16 +117,31 @@ class LinkProxy:
             self._conns.discard(task)
 
     async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, way: _Direction) -> None:
-        try:
+        """Read as bytes come, deliver each chunk ``delay_s`` after it was read, in order: latency,
+        not a narrower link (chunks in flight overlap, as packets on a long link do)."""
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def deliver() -> None:
             while True:
-                data = await src.read(_CHUNK)
+                due, data = await chunks.get()
                 if not data:
-                    break
-                if self.delay_s:
-                    await asyncio.sleep(self.delay_s)
+                    return
+                if due > loop.time():
+                    await asyncio.sleep(due - loop.time())
                 await way.open.wait()  # a stalled direction holds its bytes, in order
                 dst.write(data)
                 await dst.drain()
+
+        writer = asyncio.ensure_future(deliver())
+        try:
+            while not writer.done():
+                data = await src.read(_CHUNK)
+                chunks.put_nowait((loop.time() + self.delay_s, data))
+                if not data:
+                    break
+            await writer
         finally:
+            writer.cancel()
             with contextlib.suppress(Exception):
                 dst.transport.abort()  # one side gone: the link is gone (as a reset would end it)
