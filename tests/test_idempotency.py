@@ -24,6 +24,7 @@ from rollfleet.testing import (
     write_base_checkpoint,
 )
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient, answers
+from rollfleet.trainer_client.jobids import JobIds
 from tests.helpers import CountingEcho, payload
 
 TOPO = TopologyConfig(ack_wait_s=1.5)
@@ -148,22 +149,51 @@ async def test_result_consumed_by_a_dead_process_is_read_back(nats_url: str, nam
     assert result.idempotency_key == "used-by-the-dead"
 
 
-async def test_a_key_resubmitted_after_the_duplicate_window_is_a_new_job_with_its_own_answer(
+async def test_a_key_resubmitted_after_the_duplicate_window_still_gets_its_one_answer(
     nats_url: str, namespace: str
 ) -> None:
-    """docs/reliability.md: past the window a resubmitted key makes a new job and may produce a
-    second result; the handle of that new job resolves with it (it is not dropped as a duplicate)."""
+    """Past the window the broker has forgotten the key; the client has not: a key it already had
+    answered is looked up among the stored answers, and the answer comes back with nothing run
+    again (a job stored again under the key's own job id would find itself answered)."""
     window = TopologyConfig(duplicate_window_s=1.0)
     engine = CountingEcho()
     async with running_worker(nats_url, namespace, engine=engine, topology=window):
         async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=window) as client:
             first = await (await client.submit(payload(), min_version=0, idempotency_key="k")).result(10)
-            await asyncio.sleep(1.5)  # the broker forgets the key
+            await asyncio.sleep(1.5)  # the broker forgets the key, and the client's start is past the window
             again = await client.submit(payload(), min_version=0, idempotency_key="k")
-            assert again.stream_seq is not None  # stored: a new job
+            assert again.stream_seq is None  # nothing stored
             second = await again.result(10)
-    assert second.job_id != first.job_id and second.job_id == again.job_id
-    assert len(engine.calls) == 2
+    assert second.job_id == first.job_id and second.outputs == first.outputs
+    assert len(engine.calls) == 1
+
+
+@pytest.mark.parametrize("policy", ["at_most_once", "resume"])
+async def test_a_trainer_restarted_past_the_window_resubmitting_a_running_key_runs_it_once(
+    nats_url: str, namespace: str, policy: str
+) -> None:
+    """A trainer restarted after the duplicate window submits a key that is still running: the
+    broker stores the job again, under the key's one job id, so the running job's claim keeps the
+    copy from running; the restarted trainer gets the one answer."""
+    window = TopologyConfig(duplicate_window_s=1.0)
+    engine = CountingEcho(per_token_s=0.2)
+    async with running_worker(nats_url, namespace, engine=engine, topology=window, capacity=4):
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=window) as first:
+            handle = await first.submit(
+                payload(max_tokens=20), min_version=0, idempotency_key="k", retry_policy=policy, timeout=6
+            )
+            await wait_until(lambda: len(engine.calls) == 1, timeout=5)
+        await asyncio.sleep(1.2)  # past the key's duplicate window, the job still running (4 s)
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=window) as back:
+            again = await back.submit(
+                payload(max_tokens=20), min_version=0, idempotency_key="k", retry_policy=policy, timeout=6
+            )
+            assert again.stream_seq is not None and again.job_id == handle.job_id  # stored again: the same job
+            result = await again.result(15)
+            await asyncio.sleep(1.0)  # the copy's delivery has been judged by now
+            stored = [o async for _, o in answers.stored(back.js, back.names, "c", "k")]
+    assert len(engine.calls) == 1, engine.calls
+    assert len(stored) == 1 and result.job_id == handle.job_id and len(result.outputs[0].token_ids) == 20
 
 
 async def test_a_stored_answer_wins_over_the_fleet_check(nats_url: str, namespace: str) -> None:
@@ -332,3 +362,16 @@ def test_a_resubmission_looks_for_a_stored_answer_in_the_window_or_while_the_bro
     assert not answers.look_up_before_storing(now=12.0, recheck_until=11.0, connected=True)
     # Past the window, but the broker is away: it may come back without the key's duplicate entry.
     assert answers.look_up_before_storing(now=12.0, recheck_until=11.0, connected=False)
+    # Past the window, a key this process already had answered (the broker forgot it).
+    assert answers.look_up_before_storing(now=12.0, recheck_until=11.0, connected=True, answered_here=True)
+
+
+def test_a_key_has_one_job_id_per_client_id_and_a_keyless_job_a_new_one_each_time() -> None:
+    ids, again, other = JobIds("c", b"s" * 32), JobIds("c", b"s" * 32), JobIds("d", b"s" * 32)
+    assert ids.issue("k") == again.issue("k")  # a restarted trainer: the same job
+    assert ids.issue("k") != ids.issue("k2") and ids.issue("k") != other.issue("k")
+    assert ids.issue("k") != JobIds("c", b"t" * 32).issue("k")  # unguessable without the secret
+    assert ids.issued(ids.issue("k"), "k") and not ids.issued(ids.issue("k"), "k2")
+    assert not other.issued(ids.issue("k"), "k")
+    keyless = ids.issue(None)
+    assert keyless != ids.issue(None) and ids.issued(keyless, keyless)

@@ -77,13 +77,15 @@ async def whole(js: JetStreamContext, names: Names, head_subject: str, stored: S
     return outcome
 
 
-def look_up_before_storing(now: float, recheck_until: float, connected: bool) -> bool:
+def look_up_before_storing(now: float, recheck_until: float, connected: bool, answered_here: bool = False) -> bool:
     """Whether a resubmitted key is looked up among the stored answers before its job is stored:
     within a duplicate window (``recheck_until``, monotonic) of the client's start or of a
-    reconnect, and whenever the broker is away when it is asked. A broker that restarts rebuilds
-    its duplicate detection from the jobs it still stores, and an answered job is not among them:
-    storing the key's job again would run it a second time."""
-    return now < recheck_until or not connected
+    reconnect, whenever the broker is away when it is asked, and for a key this process has
+    already had an answer for (``answered_here``). A broker that restarts rebuilds its duplicate
+    detection from the jobs it still stores, and an answered job is not among them; past the
+    window the broker has forgotten the key too. Storing the key's job again then would run it
+    a second time, or (its job id being the key's) find it answered and never answer again."""
+    return now < recheck_until or not connected or answered_here
 
 
 async def stored(

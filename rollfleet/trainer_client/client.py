@@ -334,6 +334,12 @@ class RolloutClient:
                     handle.set_error(NoCompatibleReplica(self._no_replica_message(constraint)))
                 return handle
         self._handles[key] = handle
+        # An answer that came while the look-ups above awaited went to the unclaimed ones.
+        unclaimed = self._unclaimed.pop(key, None)
+        if unclaimed is not None and self._settle(handle, unclaimed):
+            self._handles.pop(key, None)
+            handle.stored = True
+            return handle
         try:
             if replica is None:
                 subject = self.names.job_subject(constraint.kind, constraint.version)
@@ -359,14 +365,20 @@ class RolloutClient:
         return handle
 
     async def _answered_before(self, handle: RolloutHandle) -> bool:
-        """Within a duplicate window of this client's start or of a reconnect, or while the broker
-        is away, an explicit key is looked up among the stored answers before its job is stored
-        (``answers.look_up_before_storing``): a broker that restarted meanwhile rebuilt its
-        duplicate detection from the jobs it still stores, and a job that was answered and acked
-        is no longer among them, so the key's resubmission would run a second job. The look-up
-        waits for the broker (as storing would): a broker that does not answer is never taken for
-        "nothing stored". (Past that window, with no reconnect, the broker's own detection holds.)"""
-        if not answers.look_up_before_storing(time.monotonic(), self._recheck_until, self.nc.is_connected):
+        """Within a duplicate window of this client's start or of a reconnect, while the broker is
+        away, or for a key this process already had answered, an explicit key is looked up among
+        the stored answers before its job is stored (``answers.look_up_before_storing``): a broker
+        that restarted meanwhile rebuilt its duplicate detection from the jobs it still stores, and
+        a job that was answered and acked is no longer among them, so the key's resubmission would
+        run a second job. The look-up waits for the broker (as storing would): a broker that does
+        not answer is never taken for "nothing stored". (Past that window, with no reconnect, the
+        broker's own detection holds for a key this process has not seen answered, and a key
+        still pending elsewhere is stored as the same job, which its claim keeps from running
+        twice: ``JobIds``.)"""
+        answered_here = (handle.idempotency_key, handle.job_id) in self._delivered
+        if not answers.look_up_before_storing(
+            time.monotonic(), self._recheck_until, self.nc.is_connected, answered_here
+        ):
             return False
         found = await self._stored_answer(handle)
         if found is None:

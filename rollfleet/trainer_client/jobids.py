@@ -6,6 +6,11 @@ no worker may read). Workers learn a job id only with a delivery of that job, so
 naming a job id that checks out was produced by a replica the job was delivered to: a replica
 cannot forge an answer to a job it never saw, even for a request it could guess, and a
 restarted trainer that no longer knows which ids it issued can still tell.
+
+A job given an idempotency key has the same id every time its key is submitted (the nonce is
+itself a MAC of the key): a trainer restarted past the broker's duplicate window that submits a
+still-pending key again stores the same job a second time, and that job's claim (keyed by its
+id) keeps the second copy from running while the first holds it, or once it is answered.
 """
 
 from __future__ import annotations
@@ -52,8 +57,12 @@ class JobIds:
         return cls(client_id, secret)
 
     def issue(self, idempotency_key: str | None) -> str:
-        """A new job id for ``idempotency_key`` (None: the id becomes the key)."""
-        nonce = secrets.token_hex(_NONCE_HEX // 2)
+        """The job id for ``idempotency_key``: the same for every submission of the key by this
+        client id; None: a new random id, which becomes the job's key."""
+        if idempotency_key is None:
+            nonce = secrets.token_hex(_NONCE_HEX // 2)
+        else:
+            nonce = self._mac(idempotency_key, "nonce")
         return nonce + self._mac(idempotency_key, nonce)
 
     def issued(self, job_id: str | None, idempotency_key: str) -> bool:
