@@ -12,7 +12,7 @@ from rollfleet.broker.connection import connect
 from rollfleet.broker.kv import read_latest, read_replicas
 from rollfleet.broker.topology import queue_depths
 from rollfleet.runtime.secrets import redact_urls
-from rollfleet.schemas import Names
+from rollfleet.schemas import HeardClock, Names, ReplicaStatus, heartbeat_on_readers_clock
 
 
 async def collect_status(
@@ -47,14 +47,22 @@ async def collect_status(
         "declared": True,
         "latest_version": latest,
         "replicas": [
-            msgspec.to_builtins(r)
-            | {"live": r.is_live(now), "heartbeat_age_s": round(now - r.heartbeat_at, 1)}
+            msgspec.to_builtins(r) | _liveness(r, now)
             # an entry an older worker wrote may quote a URL with its credentials: never shown
             | {"degraded_reason": r.degraded_reason and redact_urls(r.degraded_reason)}
             for r in sorted(replicas, key=lambda r: r.worker_id)
         ],
         "queues": {f"{kind}-{v}": n for (kind, v), n in sorted(depths.items())},
     }
+
+
+def _liveness(replica: ReplicaStatus, now: float) -> dict[str, Any]:
+    """Judged as clients judge a snapshot entry (``heartbeat_on_readers_clock``): a stamp ahead of
+    this machine's clock counts as now, so a replica whose clock runs ahead never looks alive
+    longer than its silence allows."""
+    heard, _ = heartbeat_on_readers_clock(HeardClock(), replica.started_at, replica.heartbeat_at, now, live=False)
+    timed = msgspec.structs.replace(replica, heartbeat_at=heard)
+    return {"live": timed.is_live(now), "heartbeat_age_s": round(now - heard, 1)}
 
 
 def render_table(snapshot: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ field of the wrong type is an error, never a silently wrong value.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Iterable
 from typing import Any, Literal, NamedTuple
@@ -279,6 +280,36 @@ class ChunkedOutcome(msgspec.Struct, tag="chunked", kw_only=True):
 
 Outcome = RolloutResult | RolloutFailure
 StoredOutcome = RolloutResult | RolloutFailure | ChunkedOutcome
+
+
+class HeardClock(NamedTuple):
+    """What a reader has learnt of one replica process's clock: that process (its
+    ``started_at``) and the smallest (heard - stamp) gap seen, its clock's offset plus the
+    shortest transit (``math.inf``: nothing heard live yet)."""
+
+    process: float | None = None
+    offset: float = math.inf
+
+
+def heartbeat_on_readers_clock(
+    known: HeardClock, started_at: float, heartbeat_at: float, heard_at: float, *, live: bool
+) -> tuple[float, HeardClock]:
+    """A replica's heartbeat stamp moved onto the reader's clock, and what the reader knows after.
+
+    ``heard_at``: the reader's time when it heard the entry; ``live``: heard as it was written
+    (a watch update), not read from a snapshot. A stamp is its own clock's reading; the smallest
+    gap seen between stamps and their hearing is that clock's offset (plus the shortest transit),
+    so a replica whose clock is off is neither taken for dead nor kept alive past its silence, and
+    a write held up on the way (a partition that healed) still counts from when it was made. A
+    snapshot entry can only use the offset known for that process, or else count from no later
+    than the reading (a stamp in the future is a clock ahead). Another process under the same id
+    has its own clock: what was learnt of the one before is dropped."""
+    offset = known.offset if known.process == started_at else math.inf
+    if live:
+        offset = min(offset, heard_at - heartbeat_at)
+        known = HeardClock(started_at, offset)
+    when = heartbeat_at + offset if offset != math.inf else min(heartbeat_at, heard_at)
+    return when, known
 
 
 class ReplicaStatus(msgspec.Struct, kw_only=True):

@@ -31,7 +31,15 @@ from rollfleet.broker.kv import read_latest, read_replicas
 from rollfleet.broker.watch import watch_keys
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
-from rollfleet.schemas import Names, ReplicaStatus, VersionConstraint, VersionRecord, decode
+from rollfleet.schemas import (
+    HeardClock,
+    Names,
+    ReplicaStatus,
+    VersionConstraint,
+    VersionRecord,
+    decode,
+    heartbeat_on_readers_clock,
+)
 from rollfleet.schemas.errors import InvalidRequest, ServiceUnavailable
 from rollfleet.schemas.names import listened_subjects
 
@@ -76,8 +84,7 @@ class FleetView:
         self._js = js
         self._names = names
         self._replicas: dict[str, ReplicaStatus] = {}
-        # worker id -> (its process's started_at, the smallest heard_at - heartbeat_at seen)
-        self._offsets: dict[str, tuple[float, float]] = {}
+        self._clocks: dict[str, HeardClock] = {}  # worker id -> what its heartbeats taught of its clock
         self._latest: int | None = None
         self._fleet_kv: KeyValue | None = None
         self._policy_kv: KeyValue | None = None
@@ -166,6 +173,7 @@ class FleetView:
         """Re-read the registry and the latest version from the broker (one snapshot each)."""
         assert self._fleet_kv is not None and self._policy_kv is not None
         now, read = time.time(), await read_replicas(self._fleet_kv)
+        self._clocks = {w: c for w, c in self._clocks.items() if w in read}
         self._replicas = {w: self._timed(w, r, now, live=False) for w, r in read.items()}
         self._index = None
         latest = await read_latest(self._policy_kv)
@@ -242,12 +250,8 @@ class FleetView:
 
     def _apply(self, key: str, value: bytes | None, deleted: bool, heard_at: float | None = None) -> None:
         """One registry entry or ``latest``. ``heard_at``: this client's time when the entry was
-        heard as it was written (a live watch update). A replica's heartbeats are then timed on
-        this client's clock: its own stamp plus the smallest gap seen between its stamps and
-        their hearing (its clock's offset, plus the shortest transit), so a replica whose clock
-        is off is neither taken for dead nor kept alive past its silence, and a write held up on
-        the way (a partition that healed) still counts from when it was made. An entry read from
-        a snapshot (start, reconnect) can only be judged by the time it carries."""
+        heard as it was written (a live watch update); None: read from a snapshot (start,
+        reconnect). Heartbeats are timed on this client's clock (``_timed``)."""
         if key == self._names.LATEST_KEY:
             if value and not deleted:
                 with suppress(ValueError):
@@ -257,6 +261,7 @@ class FleetView:
             return
         worker_id = key[len(Names.REPLICA_PREFIX) :]
         if deleted or not value:
+            self._clocks.pop(worker_id, None)
             if self._replicas.pop(worker_id, None) is not None:
                 self._index = None
             return
@@ -273,16 +278,11 @@ class FleetView:
             self._index = None  # a heartbeat of a listed replica changes nothing the index holds
 
     def _timed(self, worker_id: str, status: ReplicaStatus, heard_at: float, *, live: bool) -> ReplicaStatus:
-        """The entry with its heartbeat on this client's clock (see ``_apply``). One heard live
-        teaches the replica's offset; one from a snapshot uses the offset known for that process,
-        or else counts from no later than now (a stamp in the future is a clock ahead)."""
-        process, offset = self._offsets.get(worker_id, (None, math.inf))
-        if process != status.started_at:  # another process under that id: its own clock
-            offset = math.inf
-        if live:
-            offset = min(offset, heard_at - status.heartbeat_at)
-            self._offsets[worker_id] = (status.started_at, offset)
-        when = status.heartbeat_at + offset if offset != math.inf else min(status.heartbeat_at, heard_at)
+        """The entry with its heartbeat on this client's clock (``heartbeat_on_readers_clock``)."""
+        known = self._clocks.get(worker_id, HeardClock())
+        when, self._clocks[worker_id] = heartbeat_on_readers_clock(
+            known, status.started_at, status.heartbeat_at, heard_at, live=live
+        )
         return msgspec.structs.replace(status, heartbeat_at=when)
 
     def _on_entry(self, entry: Any, live: bool = False) -> None:
