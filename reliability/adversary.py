@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from reliability.journal import Journal, describe_error, describe_result
-from reliability.machine import ECHO_POOL, HF_POOL, ROGUE, Machine, WorkerProc, faketime_library
+from reliability.machine import ECHO_POOL, HF_POOL, ROGUE, Machine, WorkerProc
 from reliability.oracle import AVAILABLE_S
 from reliability.schedule import Event, make_schedule
+from rollfleet.testing.clocks import faketime_library
 
 REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "adv"

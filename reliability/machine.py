@@ -26,6 +26,7 @@ from typing import Any
 
 from rollfleet.broker import EmbeddedBroker, free_port
 from rollfleet.runtime.processes import terminate
+from rollfleet.testing.clocks import faketime_library
 from rollfleet.testing.link import LinkProxy
 from rollfleet.testing.processes import CHILD_LOG_ENV, spawn
 
@@ -40,19 +41,6 @@ def keyed_echo() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("rollfleet.workers.engines.keyed") is not None
-
-
-FAKETIME_LIBS = (
-    "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
-    "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
-    "/usr/lib/faketime/libfaketimeMT.so.1",
-    "/usr/local/lib/faketime/libfaketimeMT.so.1",
-)
-
-
-def faketime_library() -> str | None:
-    """libfaketime's multi-threaded build (Debian's ``faketime`` package), if installed."""
-    return next((lib for lib in FAKETIME_LIBS if Path(lib).is_file()), None)
 
 
 @dataclass

@@ -8,7 +8,6 @@ whose clock is off would write them; one test runs a real worker process under l
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 
@@ -16,11 +15,12 @@ import pytest
 
 from rollfleet.schemas import Names, ReplicaStatus, encode
 from rollfleet.testing import start_worker_process, terminate, wait_until
+from rollfleet.testing.clocks import faketime_library
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import payload
 
 HEARTBEAT_S = 0.5  # stale after 1.5 s
-FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
+FAKETIME_LIB = faketime_library()
 
 
 STARTED_AT = 1_700_000_000.0  # one process per worker id in these tests
@@ -80,11 +80,11 @@ async def test_a_heartbeat_held_up_on_the_way_counts_from_when_it_was_made(nats_
         assert "held" not in live(client)  # it said it was alive 4 s ago, not now
 
 
-@pytest.mark.skipif(not os.path.exists(FAKETIME_LIB), reason="Debian's faketime package is not installed")
+@pytest.mark.skipif(FAKETIME_LIB is None, reason="Debian's faketime package is not installed")
 async def test_a_worker_whose_clock_is_behind_serves_and_is_seen_live(
     nats_url: str, namespace: str, tmp_path: Path
 ) -> None:
-    env = {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": "-3.0", "FAKETIME_NO_CACHE": "1"}
+    env = {"LD_PRELOAD": str(FAKETIME_LIB), "FAKETIME": "-3.0", "FAKETIME_NO_CACHE": "1"}
     proc = start_worker_process(nats_url, namespace, "behind", log_path=tmp_path / "w.log", env=env,
                                 heartbeat=HEARTBEAT_S)
     try:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 _CHUNK = 64 * 1024
@@ -44,16 +43,11 @@ class LinkProxy:
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
-        self.faults: list[list[object]] = []  # [kind, started, ended]: what the oracle is told
 
     async def start(self) -> LinkProxy:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
-
-    def retarget(self, port: int) -> None:
-        """The broker came back on another port: new connections go there."""
-        self.target = (self.target[0], port)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -70,7 +64,6 @@ class LinkProxy:
     async def stall(self, direction: str, for_s: float) -> None:
         """Hold every byte going ``direction`` (up, down, both) for ``for_s`` seconds."""
         ways = {"up": [self._up], "down": [self._down], "both": [self._up, self._down]}[direction]
-        t0 = time.time()
         for way in ways:
             way.open.clear()
         try:
@@ -78,16 +71,13 @@ class LinkProxy:
         finally:
             for way in ways:
                 way.open.set()
-            self.faults.append([f"stall-{direction}", t0, time.time()])
 
     async def lag(self, seconds: float, for_s: float) -> None:
-        t0 = time.time()
         self.delay_s = seconds
         try:
             await asyncio.sleep(for_s)
         finally:
             self.delay_s = 0.0
-            self.faults.append([f"lag-{seconds:g}", t0, time.time()])
 
     def cut(self) -> None:
         for writer in list(self._writers):
