@@ -7,6 +7,8 @@ it answers.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import shutil
@@ -78,6 +80,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def _read_ports_file(directory: Path, timeout: float, proc: subprocess.Popen[bytes]) -> int:
+    """The client port a server started with ``-p -1 --ports_file_dir`` bound, from its ports file."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ServiceUnavailable(f"nats-server exited with code {proc.returncode} while starting")
+        for path in directory.glob("*.ports"):
+            with contextlib.suppress(ValueError, OSError, KeyError, IndexError):
+                url = json.loads(path.read_text())["nats"][0]
+                return int(url.rsplit(":", 1)[1])
+        time.sleep(0.02)
+    raise ServiceUnavailable(f"nats-server wrote no ports file in {timeout:.0f} s")
+
+
 def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -116,14 +132,19 @@ class EmbeddedBroker:
         cmd = [str(binary)]
         if self.config is not None:
             cmd += ["-c", str(self.config)]
-        cmd += ["-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port)]
+        cmd += ["-js", "-sd", str(self.store_dir), "-a", self.host, "-p", str(self.port or -1)]
         return cmd + list(self.extra_args)
 
     def start(self, timeout: float = 20.0) -> EmbeddedBroker:
         self.store_dir = Path(self.store_dir)
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        if not self.port:
-            self.port = free_port(self.host)
+        # No port given: the server picks one itself and says which in its ports file. (A port
+        # found free here and passed on could be taken before the server binds it, and a client
+        # would then meet whichever server holds it: another test's, under parallel runs.)
+        ports_dir = self.store_dir.with_name(self.store_dir.name + ".ports") if not self.port else None
+        if ports_dir is not None:
+            shutil.rmtree(ports_dir, ignore_errors=True)
+            ports_dir.mkdir(parents=True)
         if self.log_file is None:
             self.log_file = self.store_dir / "nats-server.log"
         out = open(self.log_file, "ab")
@@ -131,8 +152,11 @@ class EmbeddedBroker:
             # Own process group: a Ctrl-C meant for a foreground `rollfleet up` is handled by
             # it, which then stops the broker last, after the workers have drained. Tied to
             # this process's life all the same: a SIGKILLed parent leaves no broker behind.
+            command = self.command()
+            if ports_dir is not None:
+                command += ["--ports_file_dir", str(ports_dir)]
             self.proc = subprocess.Popen(
-                self.command(),
+                command,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -141,6 +165,8 @@ class EmbeddedBroker:
         finally:
             out.close()
         try:
+            if ports_dir is not None:
+                self.port = _read_ports_file(ports_dir, timeout, self.proc)
             wait_for_port(self.host, self.port, timeout, self.proc)
         except ServiceUnavailable as exc:
             tail = self.log_file.read_text(errors="replace")[-2000:]
