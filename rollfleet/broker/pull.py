@@ -35,6 +35,8 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from rollfleet.runtime.aio import wait_event
+
 _STATUS = "Status"
 _DESCRIPTION = "Description"
 _PENDING = "Nats-Pending-Messages"
@@ -131,9 +133,7 @@ class PullConsumer:
         return self.delivered - before
 
     async def wait_idle(self, timeout: float | None = None) -> None:
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
+        if not await wait_event(self._idle, timeout):
             self._expire_if_overdue()
 
     async def _receive(self, msg: Msg) -> None:

@@ -18,6 +18,11 @@ async def watch_keys(kv: KeyValue, keys: str, on_entry: Callable[[Any, bool], No
         watcher = None
         try:
             watcher = await kv.watch(keys)
+            if (task := asyncio.current_task()) is not None and task.cancelling():
+                # Cancelled while the watcher was being set up: nats' own asyncio.wait_for can
+                # swallow that on 3.11, and the loop below would then wait for updates for good
+                # (a client closed right after it connected took its full stop time-out).
+                raise asyncio.CancelledError
             live = False
             while True:
                 # No time-out: asyncio.wait_for with one can swallow a cancellation on 3.11.

@@ -19,6 +19,18 @@ async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], timeout: float = 5.0) -
         await asyncio.wait(tasks, timeout=timeout)
 
 
+async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:
+    """Wait until ``event`` is set, at most ``timeout`` seconds (None: no limit); whether it was.
+    Not ``asyncio.wait_for``: on Python 3.11 that can swallow a cancellation arriving as the event
+    is set, and a loop around it then runs on after its task was stopped (until a stop time-out)."""
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+        return True
+    except TimeoutError:
+        return False
+
+
 async def in_daemon_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run blocking ``fn`` in a daemon thread and await it. Unlike ``asyncio.to_thread``, a
     cancelled caller is not held up at exit by the thread: for crash-safe work (materializing a

@@ -34,7 +34,7 @@ from rollfleet.broker.topology import (
     ensure_topology,
     given_up_seq,
 )
-from rollfleet.runtime.aio import stop_tasks
+from rollfleet.runtime.aio import stop_tasks, wait_event
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
     DEFAULT_LIMITS,
@@ -880,8 +880,7 @@ class RolloutClient:
             if remaining <= 0:
                 raise TimeoutError(f"no result for {idempotency_key!r} within {wait:g} s")
             event = self._unclaimed_event
-            with suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), remaining)
+            await wait_event(event, remaining)
         outcome = self._unclaimed.pop(idempotency_key)
         if isinstance(outcome, RolloutFailure):
             raise error_from_code(outcome.code, outcome.message, outcome.retryable)

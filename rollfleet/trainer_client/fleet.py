@@ -29,7 +29,7 @@ from nats.js.kv import KeyValue
 
 from rollfleet.broker.kv import read_latest, read_replicas
 from rollfleet.broker.watch import watch_keys
-from rollfleet.runtime.aio import stop_tasks
+from rollfleet.runtime.aio import stop_tasks, wait_event
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
     HeardClock,
@@ -220,8 +220,7 @@ class FleetView:
                 have = {r.worker_id: r.active_version for r in self.replicas()}
                 raise ServiceUnavailable(f"fleet did not reach version {version} in {timeout:.0f}s: {have}")
             # The time-out re-evaluates liveness (a replica going stale is no event); no read.
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), min(remaining, 1.0))
+            await wait_event(self._changed, min(remaining, 1.0))
             await asyncio.sleep(_SETTLE_S)  # count once per burst (a fleet activating), not per entry
         return done
 

@@ -58,6 +58,7 @@ from nats.js.kv import KeyValue
 from rollfleet.broker.publish import publish_retrying
 from rollfleet.broker.pull import delivery_info
 from rollfleet.runtime import faults
+from rollfleet.runtime.aio import wait_event
 from rollfleet.schemas import (
     ChunkedOutcome,
     Completion,
@@ -592,16 +593,14 @@ class JobRunner:
         deadline = t0 + bound_s
         while pinned() and time.monotonic() < deadline:
             self._changed.clear()
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), max(0.0, deadline - time.monotonic()))
+            await wait_event(self._changed, max(0.0, deadline - time.monotonic()))
         late = pinned()
         for run in late:
             run.handed_back = True
             await run.abort(self._engine)
         while any(r.handed_back for r in self._running.values()):  # until they have unwound (nak)
             self._changed.clear()
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), 1.0)
+            await wait_event(self._changed, 1.0)
         return time.monotonic() - t0, len(late)
 
     async def _hand_back(self, run: RunningJob, log: Any) -> None:

@@ -31,6 +31,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from rollfleet.broker.publish import publish_retrying
+from rollfleet.runtime.aio import wait_event
 from rollfleet.schemas import Completion, Names, RolloutJob, VersionSpan, decode, encode
 from rollfleet.schemas.errors import CorruptCheckpoint, Fenced, InvalidRequest, RollfleetError, Superseded
 from rollfleet.schemas.progress import (
@@ -226,11 +227,9 @@ class ProgressLog(TokenSink):
 
     async def keep_writing(self) -> None:
         """Checkpoint every ``every_tokens`` tokens or ``every_s`` seconds, until ``stop`` or
-        superseded. (Stopped by a flag, not by cancelling: a cancellation that lands as the
-        event is set is lost inside ``wait_for`` on Python 3.11.)"""
+        superseded. (Stopped by a flag: the job's run awaits the last write, never cancels it.)"""
         while not self.superseded and not self._stopped:
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._due.wait(), self.every_s)
+            await wait_event(self._due, self.every_s)
             self._due.clear()
             if self._stopped:
                 return

@@ -27,6 +27,7 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from rollfleet.runtime.aio import wait_event
 from rollfleet.runtime.logs import get_logger
 from rollfleet.runtime.secrets import redact_urls
 from rollfleet.schemas import Names, ReplicaStatus, encode
@@ -129,11 +130,8 @@ class Registration:
             # The first wait has a random phase, so replicas started together do not beat together.
             wait = interval * (random.uniform(0.5, 1.0) if first else random.uniform(1 - _JITTER, 1 + _JITTER))
             first = False
-            try:
-                await asyncio.wait_for(self._written.wait(), wait)
+            if await wait_event(self._written, wait):
                 continue  # a write just happened: the next refresh is an interval after it
-            except TimeoutError:
-                pass
             await self.refresh()
 
     async def stop(self) -> None:

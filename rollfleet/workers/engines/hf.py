@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rollfleet.runtime.aio import wait_event
 from rollfleet.schemas import Completion, RolloutPayload, SamplingParams, version_spans
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest, RollfleetError
 from rollfleet.schemas.limits import check_payload
@@ -432,9 +433,7 @@ class HFEngine(Engine):
                         await loop.run_in_executor(self._executor, self._settle)
                     continue
                 self._wake.clear()
-                try:  # idle: still let idle sessions expire on time
-                    await asyncio.wait_for(self._wake.wait(), self._sessions.ttl_s)
-                except TimeoutError:
+                if not await wait_event(self._wake, self._sessions.ttl_s):  # idle: sessions still expire
                     self._sessions.expire()
                 continue
             await self._running.wait()

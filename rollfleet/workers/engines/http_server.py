@@ -51,6 +51,10 @@ from rollfleet.schemas import Completion, VersionSpan
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest
 from rollfleet.workers.engines.base import Engine, EngineHealth, Generation
 
+# An idle connection is dropped well before the server's own keep-alive timeout (uvicorn's 5 s,
+# for vLLM and SGLang alike): reusing one the server is closing at that moment fails the request
+# with "server disconnected", which reads as the engine going down.
+_POOL_LIMITS = httpx.Limits(keepalive_expiry=2.0)
 SESSIONS_REMEMBERED = 65_536  # sessions whose last salt is remembered (oldest forgotten first)
 
 
@@ -250,7 +254,7 @@ class HTTPServerEngine(Engine, abc.ABC):
             if model_path is None:
                 raise InvalidRequest(f"launching {self.server_name} needs a model path or a checkpoint dir")
             await self._launch(model_path, version)
-        self._client = httpx.AsyncClient(base_url=self.url or "", timeout=self.control_timeout_s)
+        self._client = httpx.AsyncClient(base_url=self.url or "", timeout=self.control_timeout_s, limits=_POOL_LIMITS)
         await self._wait_healthy()
 
     async def _wait_healthy(self) -> None:
@@ -640,7 +644,9 @@ class HTTPServerEngine(Engine, abc.ABC):
     @property
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(base_url=self.url or "", timeout=self.control_timeout_s)
+            self._client = httpx.AsyncClient(
+                base_url=self.url or "", timeout=self.control_timeout_s, limits=_POOL_LIMITS
+            )
         return self._client
 
     async def _post_control(

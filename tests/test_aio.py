@@ -1,0 +1,67 @@
+"""Waiting on an event with a time-out, and keys watched, stop when their task is cancelled."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from rollfleet.broker import EmbeddedBroker
+from rollfleet.broker.topology import ensure_topology
+from rollfleet.broker.watch import watch_keys
+from rollfleet.runtime.aio import wait_event
+from rollfleet.runtime.logs import get_logger
+from rollfleet.schemas import Names
+
+
+async def _loop_until_cancelled(event: asyncio.Event, wait: object) -> None:
+    while True:
+        await wait(event)  # type: ignore[operator]
+        event.clear()
+
+
+async def test_a_cancellation_that_lands_as_the_event_is_set_stops_the_loop() -> None:
+    """The race asyncio.wait_for loses on 3.11: the event is set, then the task is cancelled, in
+    one turn of the loop. With wait_event the loop stops; with wait_for it runs on."""
+    for wait, stops in ((lambda e: wait_event(e, 10.0), True), (lambda e: asyncio.wait_for(e.wait(), 10.0), False)):
+        event = asyncio.Event()
+        task = asyncio.ensure_future(_loop_until_cancelled(event, wait))
+        await asyncio.sleep(0.01)
+        event.set()
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=1.0)
+        assert bool(done) == stops
+        if not done:  # (what wait_event prevents: a second cancel is needed)
+            task.cancel()
+            await asyncio.wait([task], timeout=1.0)
+
+
+async def test_wait_event_says_whether_the_event_was_set() -> None:
+    event = asyncio.Event()
+    assert not await wait_event(event, 0.01)
+    event.set()
+    assert await wait_event(event, 0.01) and await wait_event(event, None)
+
+
+async def test_a_watch_cancelled_while_it_is_being_set_up_stops(tmp_path: Path) -> None:
+    """Cancelled at every point of its start (a client closed right after it connected)."""
+    broker = EmbeddedBroker(store_dir=tmp_path / "nats").start()
+    try:
+        import nats
+
+        nc = await nats.connect(broker.url)
+        names = Names("w")
+        await ensure_topology(nc.jetstream(), names)
+        kv = await nc.jetstream().key_value(names.fleet_bucket)
+        for step in range(60):  # cancelled 0 to 6 ms into its start, by 0.1 ms
+            task = asyncio.ensure_future(watch_keys(kv, ">", lambda e, live: None, get_logger("test")))
+            await asyncio.sleep(step / 10_000)
+            task.cancel()
+            done, _ = await asyncio.wait([task], timeout=3.0)
+            assert done, f"a watch cancelled {step / 10:.1f} ms into its start kept running"
+            with pytest.raises(asyncio.CancelledError):
+                task.result()
+        await nc.close()
+    finally:
+        broker.stop()
