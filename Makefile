@@ -12,7 +12,7 @@ TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP  = $(VLLM_VENV)/.installed
 
-.PHONY: setup demo test test-vllm vllm-env compose bench lint reliability adversary clean
+.PHONY: setup demo test test-long test-vllm vllm-env compose bench lint reliability adversary clean
 
 setup: $(STAMP)
 
@@ -31,9 +31,17 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) examples/async_grpo.py
 
+# Test files run on TEST_WORKERS parallel workers (most tests wait on brokers, processes and
+# timers, not on a core); a file stays on one worker, so its module-wide fixtures start once.
+TEST_WORKERS ?= 4
 test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
-	ROLLFLEET_VLLM_VENV=$(VLLM_VENV) $(PY) -m pytest -q -ra --durations=30 -m "not docker and not heavy"
+	ROLLFLEET_VLLM_VENV=$(VLLM_VENV) $(PY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile \
+		-m "not docker and not heavy and not long"
+
+# The long scenarios that `make test` keeps one short representative of (minutes).
+test-long: $(STAMP) $(VLLM_STAMP)
+	ROLLFLEET_VLLM_VENV=$(VLLM_VENV) $(PY) -m pytest -q -ra --durations=30 -m "long and not docker and not heavy"
 
 vllm-env: $(VLLM_STAMP)
 

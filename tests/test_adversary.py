@@ -26,10 +26,11 @@ from rollfleet.testing import wait_until
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 DURATION = 30.0
-FIXED_SEEDS = (19, 1905)
+# 19 in `make test`; the others in `make test-long` (and `make reliability`, with fresh seeds).
+FIXED_SEEDS = (19, pytest.param(1905, marks=pytest.mark.long))
 
 
-@pytest.mark.parametrize("seed", FIXED_SEEDS, ids=[str(s) for s in FIXED_SEEDS])
+@pytest.mark.parametrize("seed", FIXED_SEEDS, ids=["19", "1905"])
 async def test_the_adversary_finds_nothing(seed: int, tmp_path: Path) -> None:
     cfg = Config(seed=seed, duration=DURATION, workdir=tmp_path / "adversary", keep=True, quiet=True)
     print(f"adversary seed {seed}; replay: {cfg.replay()}")

@@ -40,6 +40,7 @@ def test_request_path_quick() -> None:
     assert tput.extra["cpu_ms_per_job_client"] > 0  # type: ignore[operator]
 
 
+@pytest.mark.long  # (request_path_quick is its short representative)
 def test_scale_quick() -> None:
     rows = _run("scale")
     _check(rows, {"scale/idle", "scale/load", "scale/convergence", "scale/cluster"})
@@ -116,6 +117,7 @@ def test_object_store_quick() -> None:
     assert bytes_row.value == bytes_row.baseline  # a replica reads the same bytes from either store
 
 
+@pytest.mark.long  # (the resume tests cover what it runs)
 def test_resume_quick() -> None:
     rows = _run("resume")
     _check(

@@ -428,6 +428,7 @@ async def test_session_turns_reuse_their_prefix_and_not_after_an_activation(engi
 # -- health: a hung, then a killed server --------------------------------------------------------
 
 
+@pytest.mark.heavy  # its own servers, started and killed: `make test-vllm`
 async def test_a_hung_or_dead_server_fails_its_requests_at_once_and_health_says_why(tmp_path: Path) -> None:
     reason = unavailable()
     if reason is not None:
@@ -662,6 +663,7 @@ async def test_a_resumable_job_continues_through_vllm_after_its_worker_dies(
     assert result.kept_tokens == len(stored) and [s.replica for s in out.weight_versions] == ["vllm-a", "vllm-b"]
 
 
+@pytest.mark.heavy  # a second server, killed mid-job: `make test-vllm`
 async def test_a_vllm_server_killed_mid_job_hands_the_job_back_to_be_served_elsewhere_once(
     nats_url: str, namespace: str, tmp_path: Path
 ) -> None:

@@ -30,6 +30,7 @@ async def test_broker_killed_and_restarted_loses_no_acknowledged_job(tmp_path: P
     assert fig.lost == 0 and fig.duplicated == 0 and fig.faults == 1
 
 
+@pytest.mark.long  # (test_deploy_cluster is its short representative)
 async def test_cluster_node_killed_under_load(tmp_path: Path) -> None:
     fig = await cluster_node_loss(tmp_path, jobs=100, rate=30.0)
     print(fig.summary(), fig.notes)
