@@ -33,11 +33,13 @@ demo: $(STAMP)
 
 # Test files run on TEST_WORKERS parallel workers (most tests wait on brokers, processes and
 # timers, not on a core); a file stays on one worker, so its module-wide fixtures start once.
-TEST_WORKERS ?= 4
+# The tests against a real vLLM server run after them, alone: its CPU build takes every core.
+TEST_WORKERS ?= 3
 test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
-	ROLLFLEET_VLLM_VENV=$(VLLM_VENV) $(PY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile \
-		-m "not docker and not heavy and not long"
+	$(PY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile \
+		-m "not docker and not heavy and not long and not vllm"
+	ROLLFLEET_VLLM_VENV=$(VLLM_VENV) $(PY) -m pytest -q -ra --durations=10 -m "vllm and not heavy and not docker"
 
 # The long scenarios that `make test` keeps one short representative of (minutes).
 test-long: $(STAMP) $(VLLM_STAMP)

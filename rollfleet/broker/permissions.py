@@ -34,6 +34,7 @@ def trainer_permissions(n: Names) -> dict[str, dict[str, list[str]]]:
     allow = [
         f"{root}.jobs.>",
         f"{root}.bell.>",
+        n.cancel_subject(),
         n.versions_published,
         n.consumers_declared,
         f"{root}.client.>",
@@ -128,6 +129,7 @@ def worker_permissions(
     subscribe = [
         f"{n.inbox_prefix('worker', worker_id)}.>",  # its own replies and job deliveries, no one else's
         n.bell_subject(worker_id),  # its own wake-ups only
+        n.cancel_subject(),  # a trainer stopping a running job (named by its claim key)
         n.consumers_declared,
         f"{root}.versions.>",
         n.consumer_leader_advisory(s["jobs"]),  # a fail-over: its waiting pull requests are gone

@@ -46,6 +46,13 @@ class Interrupted(RollfleetError):
     retryable = True
 
 
+class Cancelled(RollfleetError):
+    """The caller cancelled the job before a replica started generating it."""
+
+    code = "cancelled"
+    retryable = False
+
+
 class Superseded(RollfleetError):
     """Another run of this job took it over (its worker was taken for dead): this run's
     checkpoints and answer are not stored."""

@@ -144,6 +144,12 @@ class Names:
         A client rings one replica that can serve the subject, never the whole fleet."""
         return f"{self._root}.bell.{check_token(worker_id, 'worker_id')}"
 
+    def cancel_subject(self) -> str:
+        """Where a trainer asks the fleet to stop one running job: a core-NATS message to every
+        replica, carrying the job's ``claim_key`` (a digest: listening reveals no job id). The
+        replica running that job aborts it and answers it with what it made so far."""
+        return f"{self._root}.cancel"
+
     @staticmethod
     def bell_payload(kind: ConstraintKind, version: int, *, stalled: bool = False) -> bytes:
         """``stalled``: the client saw jobs there and no pull request waiting for them."""

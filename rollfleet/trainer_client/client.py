@@ -52,11 +52,13 @@ from rollfleet.schemas import (
     VersionPolicy,
     VersionRecord,
     check_token,
+    claim_key,
     decode_outcome,
     error_from_code,
     served_within,
 )
 from rollfleet.schemas.errors import (
+    Cancelled,
     ClientIdInUse,
     ContractViolation,
     Expired,
@@ -67,7 +69,8 @@ from rollfleet.schemas.errors import (
 )
 from rollfleet.schemas.names import listened_subjects
 from rollfleet.schemas.progress import TokenChunk
-from rollfleet.trainer_client import answers
+from rollfleet.trainer_client import answers, cancelling
+from rollfleet.trainer_client.cancelling import CancelOutcome
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.jobids import JobIds
@@ -314,7 +317,7 @@ class RolloutClient:
         if existing is not None:
             self._check_same_request(existing.job, job.fingerprint)
             return existing
-        handle = RolloutHandle(job, data, self._withdraw)
+        handle = RolloutHandle(job, data, self._cancel)
         unclaimed = self._unclaimed.pop(key, None)
         if unclaimed is not None and self._settle(handle, unclaimed):
             handle.stored = True
@@ -740,9 +743,11 @@ class RolloutClient:
         if isinstance(outcome, RolloutFailure):
             handle.set_error(error_from_code(outcome.code, outcome.message, outcome.retryable))
             return True
-        # Judged against the constraint it was asked under: the job it answers may be one stored
-        # before (a resubmission of ``max_staleness=1`` resolves to another version later).
-        asked = handle.job.constraint if outcome.job_id == handle.job_id else outcome.constraint
+        # Judged against the constraint it was asked under: the job it answers may be a copy of
+        # the request stored before, under the key's one job id (a resubmission of
+        # ``max_staleness=1``, or of a pinned session's turn, resolves to another version later;
+        # the fingerprint has already matched the request as written).
+        asked = outcome.constraint or handle.job.constraint
         if not self._within_constraint(outcome, asked or handle.job.constraint):
             handle.set_error(
                 ContractViolation(
@@ -798,6 +803,34 @@ class RolloutClient:
     async def _withdraw(self, handle: RolloutHandle) -> bool:
         self._handles.pop(handle.idempotency_key, None)
         return await self.placement.delete(handle)
+
+    async def _cancel(self, handle: RolloutHandle, timeout: float) -> CancelOutcome:
+        """``RolloutHandle.cancel``: withdrawn if nobody took it, else stopped where it runs and
+        answered from there (``cancelling``)."""
+        if handle.done():
+            return "answered"
+        key = handle.idempotency_key
+        delivered = await self.placement.delivered(handle)
+        removed = await self.placement.delete(handle)  # (queued or running: never delivered again)
+        if not cancelling.must_stop(delivered, removed):
+            self._handles.pop(key, None)
+            handle.set_error(Cancelled(f"{key!r} withdrawn before a replica took it"))
+            self.metrics.cancelled.labels(client_id=self.client_id, outcome="withdrawn").inc()
+            return "withdrawn"
+        with suppress(nats.errors.Error):
+            await self.nc.publish(self.names.cancel_subject(), claim_key(handle.job_id).encode())
+        answer: RolloutResult | RollfleetError | None = None
+        try:
+            answer = await handle.result(timeout)
+        except RollfleetError as exc:
+            answer = exc
+        except TimeoutError:
+            self._handles.pop(key, None)
+            handle.set_error(Cancelled(f"{key!r} cancelled; no answer came in {timeout:g} s"))
+        outcome = cancelling.outcome_of(answer)
+        self.metrics.cancelled.labels(client_id=self.client_id, outcome=outcome).inc()
+        log.info("cancelled", idempotency_key=key, outcome=outcome)
+        return outcome
 
     # -- policy versions --------------------------------------------------------------------
     async def publish_policy(self, publisher: Any, named_tensors: Any) -> VersionRecord:

@@ -2,7 +2,7 @@
 
 The client that created a handle settles it (``set_result`` / ``set_error``) when the job's
 answer arrives or its deadline passes; the caller only awaits or cancels it. Cancelling
-withdraws the job through the ``withdraw`` function the client gave the handle.
+goes through the ``cancel`` function the client gave the handle (``trainer_client.cancelling``).
 
 A handle also says where its job is stored (``subject``, ``stream_seq``, ``replica``) and the
 bytes stored there (moved as they are, so the job keeps its id and its one answer).
@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 from rollfleet.schemas import RolloutJob, RolloutResult
+from rollfleet.trainer_client.cancelling import CancelOutcome
 
 
 class RolloutHandle:
@@ -22,7 +23,10 @@ class RolloutHandle:
     ``NoCompatibleReplica``, ``InvalidRequest``, ...)."""
 
     def __init__(
-        self, job: RolloutJob, data: bytes, withdraw: Callable[[RolloutHandle], Awaitable[bool]]
+        self,
+        job: RolloutJob,
+        data: bytes,
+        cancel: Callable[[RolloutHandle, float], Awaitable[CancelOutcome]],
     ) -> None:
         self.job = job
         self.data = data  # the job as stored (moved as is: the same job id wherever it runs)
@@ -31,7 +35,7 @@ class RolloutHandle:
         self.stream_seq: int | None = None  # its sequence in the jobs stream, when known
         self.replica: str | None = None  # stored on this replica's own subject (a session's sticky turn)
         self.moves = 0  # times moved from a replica's own subject to the shared one
-        self._withdraw = withdraw
+        self._cancel = cancel
         self._future: asyncio.Future[RolloutResult] = asyncio.get_running_loop().create_future()
 
     @property
@@ -56,11 +60,18 @@ class RolloutHandle:
     async def result(self, timeout: float | None = None) -> RolloutResult:
         return await asyncio.wait_for(asyncio.shield(self._future), timeout)
 
-    async def cancel(self) -> bool:
-        """Withdraw the job if no worker has taken it yet; returns whether it was withdrawn."""
-        removed = await self._withdraw(self)
-        self.set_error(asyncio.CancelledError())
-        return removed
+    async def cancel(self, timeout: float = 10.0) -> CancelOutcome:
+        """Cancel the job, and say what happened:
+
+        - ``"withdrawn"``: no replica had taken it; it never runs (the handle raises ``Cancelled``);
+        - ``"stopped"``: a replica was running it and stopped within about a second, freeing its
+          slot; the handle holds its answer, the tokens made so far (finish reason ``"abort"``),
+          or raises ``Cancelled`` if it had not started generating;
+        - ``"answered"``: it had been answered already (the handle holds that answer);
+        - ``"unknown"``: no answer came within ``timeout`` (the broker away, or its replica gone);
+          the handle raises ``Cancelled``, and the job is not delivered again.
+        """
+        return await self._cancel(self, timeout)
 
     # -- settled by the client that owns the handle --------------------------------------------
 

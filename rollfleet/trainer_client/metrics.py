@@ -36,3 +36,9 @@ class ClientMetrics:
             ("client_id",),
             registry=self.registry,
         ).labels(client_id=client_id)
+        self.cancelled = Counter(
+            "rollfleet_client_cancelled_total",
+            "Jobs cancelled, by what the cancel did (withdrawn, stopped, answered, unknown)",
+            ("client_id", "outcome"),
+            registry=self.registry,
+        )

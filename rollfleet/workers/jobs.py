@@ -77,6 +77,7 @@ from rollfleet.schemas import (
     served_within,
 )
 from rollfleet.schemas.errors import (
+    Cancelled,
     EngineFailure,
     Expired,
     Interrupted,
@@ -147,6 +148,7 @@ class RunningJob:
     job: RolloutJob
     since: float = field(default_factory=time.monotonic)  # for progress acks
     handed_back: bool = False  # an activation's drain gave up on it: discard whatever it produced
+    cancelled: bool = False  # its trainer cancelled it: stopped, and answered with what it made
     claimed_at: float | None = None  # when its claim was last written (claimed jobs)
     claim_revision: int | None = None  # of our last write of the claim (resumable jobs refresh by it)
     took_over: bool = False  # its claim was taken over from a holder that stopped
@@ -228,6 +230,16 @@ class JobRunner:
     @property
     def running(self) -> list[RunningJob]:
         return list(self._running.values())
+
+    def cancel(self, claim_digest: str) -> None:
+        """Stop the run of the job whose ``claim_key`` is ``claim_digest``, if it runs here: its
+        engine requests are aborted, and it is answered with the tokens made so far (finish
+        reason "abort"), or ``Cancelled`` if it had not started generating."""
+        for run in self._running.values():
+            if not run.cancelled and claim_key(run.job.job_id) == claim_digest:
+                run.cancelled = True
+                self._log.info("job cancelled by its trainer", idempotency_key=run.job.idempotency_key)
+                self._spawn_abort(run)
 
     async def handle(self, msg: Msg, delivery: tuple[int, float, int] | None = None) -> None:
         faults.point("worker:job-delivered")
@@ -326,6 +338,10 @@ class JobRunner:
         if run.handed_back:  # the drain gave up on it while we were claiming
             await self._hand_back(run, log)
             return
+        if run.cancelled:  # while it was being claimed: nothing generated yet
+            self._count("cancelled")
+            await self._answer_and_close(job, msg, Cancelled("cancelled by its trainer before it ran"), attempt)
+            return
         await self._run(run, attempt, stored_at, log)
 
     async def _run(self, run: RunningJob, attempt: int, stored_at: float, log: Any) -> None:
@@ -355,7 +371,7 @@ class JobRunner:
             return
         if run.claim_lost:
             return  # another replica has the job: nothing of this run is stored
-        if run.handed_back:
+        if run.handed_back and not run.cancelled:  # (a cancelled run is answered, not run again)
             await self._hand_back(run, log)
             return
         finished = time.time()
@@ -423,7 +439,7 @@ class JobRunner:
             await run.progress.done()
         await self._release_claim(job)
         self.jobs_done += 1
-        self._count("ok")
+        self._count("cancelled" if run.cancelled else "ok")
         self._metrics.queue_wait.observe(result.queue_wait_s)
         self._metrics.generation.observe(result.generation_s)
         log.debug(
@@ -511,7 +527,7 @@ class JobRunner:
 
         async def one(i: int) -> None:
             sample = plog.samples[i]
-            while sample.finish is None and not plog.superseded and not run.handed_back:
+            while sample.finish is None and not plog.superseded and not run.handed_back and not run.cancelled:
                 left = plog.max_tokens - len(sample.token_ids)
                 if left <= 0:
                     plog.finished(i, "length")

@@ -230,6 +230,7 @@ class Worker:
         else:
             await self.engine.start(cfg.model_dir, self.served.version)
         await self.nc.subscribe(self.names.bell_subject(cfg.worker_id), cb=self._on_bell)
+        await self.nc.subscribe(self.names.cancel_subject(), cb=self._on_cancel)
         await self.nc.subscribe(self.names.consumers_declared, cb=self._on_declared)
         await self.nc.subscribe(self.names.consumer_leader_advisory(self.names.jobs_stream), cb=self._on_leader)
         # Started on an older version than the latest commit (it could not be served): say so and why.
@@ -299,7 +300,8 @@ class Worker:
         while True:
             await asyncio.sleep(self.config.health_s)
             try:
-                health = await asyncio.wait_for(self.engine.health(), max(5.0, 2 * self.config.health_s))
+                bound = max(self.engine.health_timeout_s + 1.0, 2 * self.config.health_s)
+                health = await asyncio.wait_for(self.engine.health(), bound)
                 ok, detail = health.ok, health.detail
             except Exception as exc:  # a hung check is a hung engine
                 ok, detail = False, f"health check failed: {exc!r}"
@@ -401,6 +403,10 @@ class Worker:
         self.metrics.session_cache_bytes.set(stats.bytes if stats is not None else 0)
 
     # -- hearing about work -----------------------------------------------------------------
+    async def _on_cancel(self, msg: Msg) -> None:
+        """A trainer cancelled a job: if it runs here, it stops and is answered with what it made."""
+        self.jobs.cancel(msg.data.decode(errors="replace")[:64])
+
     async def _on_bell(self, msg: Msg) -> None:
         if msg.data == Names.REPLICA_BELL:  # a session's turn waits on this replica's own subject
             self._own_pending = True

@@ -1,0 +1,98 @@
+"""Cancelling a job: withdrawn if nobody took it, stopped where it runs if a replica did, and
+``cancel()`` says which (``trainer_client.cancelling``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rollfleet.schemas import Completion, RolloutResult
+from rollfleet.schemas.errors import Cancelled, Expired
+from rollfleet.testing import running_worker, wait_until
+from rollfleet.trainer_client import RolloutClient, answers
+from rollfleet.trainer_client.cancelling import must_stop, outcome_of
+from tests.helpers import CountingEcho, payload
+
+LONG = 1500  # tokens; 15 s at 10 ms a token: far longer than any wait below
+
+
+def _result(*finishes: str) -> RolloutResult:
+    outs = [Completion(token_ids=[1], finish_reason=f) for f in finishes]  # type: ignore[arg-type]
+    return RolloutResult(
+        job_id="j", idempotency_key="k", client_id="c", outputs=outs, version_start=0, version_end=0,
+        worker_id="w", engine="echo", queue_wait_s=0.0, generation_s=0.0, delivery_attempt=1, finished_at=0.0,
+    )  # fmt: skip
+
+
+def test_only_a_job_removed_before_any_delivery_needs_no_stop() -> None:
+    assert not must_stop(delivered=False, removed=True)
+    assert must_stop(delivered=True, removed=True)  # running: deleted from the queue, still running
+    assert must_stop(delivered=None, removed=True)  # the broker did not say: ask
+    assert must_stop(delivered=False, removed=False)  # taken between the two looks
+
+
+def test_what_the_cancel_did_is_read_from_the_answer() -> None:
+    assert outcome_of(None) == "unknown"
+    assert outcome_of(Cancelled("before it ran")) == "stopped"
+    assert outcome_of(_result("length", "abort")) == "stopped"
+    assert outcome_of(_result("length", "stop")) == "answered"
+    assert outcome_of(Expired("late")) == "answered"
+
+
+@pytest.mark.parametrize("policy", ["replayable", "at_most_once", "resume"])
+async def test_a_running_job_cancelled_stops_frees_its_slot_and_is_answered_once(
+    nats_url: str, namespace: str, policy: str
+) -> None:
+    engine = CountingEcho(per_token_s=0.01)
+    async with (
+        running_worker(nats_url, namespace, engine=engine, capacity=1, checkpoint_tokens=16),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 1)
+        long = await client.submit(
+            payload(max_tokens=LONG), min_version=0, idempotency_key="long", retry_policy=policy, timeout=6
+        )
+        queued = await client.submit(payload(max_tokens=4), min_version=0, idempotency_key="next")
+        await wait_until(lambda: engine.running == 1, timeout=10, what="the long job running")
+        await asyncio.sleep(0.5)
+        assert await long.cancel() == "stopped"
+        partial = await long.result(0)
+        out = partial.outputs[0]
+        assert out.finish_reason == "abort" and 0 < len(out.token_ids) < LONG
+        # The slot is free: the queued job runs now, not after the 15 s the long one had left.
+        assert len((await queued.result(8)).outputs[0].token_ids) == 4
+        await asyncio.sleep(0.5)
+        stored = [o async for _, o in answers.stored(client.js, client.names, "c", "long")]
+    assert len(stored) == 1 and isinstance(stored[0], RolloutResult)
+    assert stored[0].outputs[0].token_ids == out.token_ids  # the one answer is the partial one
+    assert engine.calls.count(long.job_id) + sum(c.startswith(long.job_id + ".") for c in engine.calls) == 1
+
+
+async def test_a_queued_job_cancelled_is_withdrawn_and_never_runs(nats_url: str, namespace: str) -> None:
+    engine = CountingEcho(per_token_s=0.01)
+    async with (
+        running_worker(nats_url, namespace, engine=engine, capacity=1),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 1)
+        busy = await client.submit(payload(max_tokens=200), min_version=0, idempotency_key="busy")
+        await wait_until(lambda: engine.running == 1, timeout=10, what="the first job running")
+        waiting = await client.submit(payload(max_tokens=4), min_version=0, idempotency_key="waiting")
+        assert await waiting.cancel() == "withdrawn"
+        with pytest.raises(Cancelled):
+            await waiting.result(0)
+        await busy.result(10)
+        await asyncio.sleep(0.5)  # (the slot is free again: had the job stayed queued, it would run now)
+        stored = [o async for _, o in answers.stored(client.js, client.names, "c", "waiting")]
+    assert stored == [] and waiting.job_id not in engine.calls
+
+
+async def test_cancelling_a_job_already_answered_says_so(nats_url: str, namespace: str) -> None:
+    async with (
+        running_worker(nats_url, namespace, engine=CountingEcho()),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        done = await client.submit(payload(max_tokens=3), min_version=0)
+        result = await done.result(10)
+        assert await done.cancel() == "answered" and await done.result(0) == result
