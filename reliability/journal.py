@@ -71,6 +71,7 @@ def describe_result(result: Any) -> dict[str, Any]:
         "tokens": tokens_digest(result.outputs),
         "token_ids": [list(c.token_ids) for c in result.outputs],  # recomputed by the oracle (``served``)
         "ntokens": sum(len(c.token_ids) for c in result.outputs),
+        "finish": [c.finish_reason for c in result.outputs],
         "finished_at": result.finished_at,
         "generation_s": result.generation_s,
         "attempt": result.delivery_attempt,

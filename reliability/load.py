@@ -66,6 +66,16 @@ def constraint_kwargs(req: dict[str, Any]) -> dict[str, Any]:
     ]
 
 
+CANCEL_WAIT_S = 5.0
+
+
+def cancel_delay(key: str) -> float | None:
+    """About one new call in twelve is cancelled, 0.2 to 2.2 s after it was stored (chosen by its
+    key, not drawn from the schedule's generator: the seeds' schedules stay as they were)."""
+    h = zlib.crc32(f"cancel:{key}".encode())
+    return 0.2 + (h >> 8) % 2000 / 1000 if h % 12 == 0 else None
+
+
 # Every run asks each retry policy for a result early, whatever its seed draws after: each
 # policy's promises are then judged in every run, short ones included.
 _COVER = ("resume", "at_most_once", "replayable") * 2
@@ -187,6 +197,24 @@ class Load:
             }
         )
         self.spawn(self.await_answer(key, handle, job.deadline, op, t0, rid))
+        delay = cancel_delay(key) if op == "new" else None
+        if delay is not None:
+            self.spawn(self.cancel_later(key, handle, delay, rid))
+
+    async def cancel_later(self, key: str, handle: Any, delay: float, rid: str) -> None:
+        """Cancel a call ``delay`` s after it was stored (queued, running, or answered by then) and
+        journal what ``cancel()`` said it did; the oracle checks that against what happened."""
+        await asyncio.sleep(delay)
+        if handle.done():
+            return
+        t = time.time()
+        try:
+            outcome = await handle.cancel(timeout=CANCEL_WAIT_S)
+        except Exception as exc:  # a cancel that raises is a finding too
+            self.log({"ev": "cancel", "rid": rid, "key": key, "t_asked": t, "outcome": "raised",
+                      **describe_error(exc)})
+            return
+        self.log({"ev": "cancel", "rid": rid, "key": key, "t_asked": t, "outcome": outcome})
 
     async def await_answer(self, key: str, handle: Any, deadline: float, op: str, t0: float, rid: str) -> None:
         from rollfleet.schemas.errors import RollfleetError

@@ -57,6 +57,8 @@ The invariants (``Oracle.checks`` counts each evaluation; each violation is one 
   no live process served for no longer than that while the run went on (broker outages, and
   ``BROKER_GRACE_S`` after each, excepted). The harness keeps the fleet at its size, so a stop
   longer than the bound is the product's doing.
+- ``cancelled``: about one new call in twelve is cancelled while queued or running; what
+  ``cancel()`` says it did ("withdrawn", "stopped", "answered") is what the answers show.
 - ``answered``: an error only a worker makes (``EngineFailure``, ``Interrupted``, ...) reached the
   trainer only where a worker published that failure for the key; ``Interrupted`` only for an
   ``at_most_once`` job or a session's turn.
@@ -117,6 +119,7 @@ class Call:
     stored: dict[str, Any] | None = None
     answer: dict[str, Any] | None = None
     hang: dict[str, Any] | None = None
+    cancel: dict[str, Any] | None = None  # the trainer cancelled it: what cancel() said it did
 
     @property
     def deadline(self) -> float | None:
@@ -244,6 +247,8 @@ class Oracle:
                 calls[r["rid"]].answer = r
             elif ev == "hang" and r.get("rid") in calls:
                 calls[r["rid"]].hang = r
+            elif ev == "cancel" and r.get("rid") in calls:
+                calls[r["rid"]].cancel = r
             elif ev == "session_open":
                 self.sessions.setdefault(r["sid"], dict(r))
             elif ev == "reask":
@@ -430,6 +435,7 @@ class Oracle:
         self._check_permissions()
         self._check_answered()
         self._check_available()
+        self._check_cancelled()
         self.notes.update(
             activations=len(self.activations),
             calls=len(self.calls),
@@ -649,8 +655,13 @@ class Oracle:
             return
         truth = Truth(self.weights)
         engine_of = {w.worker_id: w.engine for w in self.tl.workers}
-        # A result's prompt: the request stored as its job (a reused key's other request is not it).
-        payload_of_job = {str(c.stored["job_id"]): c.req["payload"] for c in self.calls if c.stored and c.req}
+        # A result's prompt: the request stored as its job (a reused key's other request is not it:
+        # a key has one job id, so the request is told by its fingerprint too).
+        payload_of_job = {
+            (str(c.stored["job_id"]), c.stored.get("fingerprint")): c.req["payload"]
+            for c in self.calls
+            if c.stored and c.req
+        }
         payloads_of_key: dict[str, list[Any]] = defaultdict(list)  # (a turn's re-ask is by its product key)
         for c in self.calls:
             for k in {c.key, self.idem.get(c.key, c.key)}:
@@ -667,7 +678,7 @@ class Oracle:
             if "token_ids" not in desc:
                 self.unverified["served: the journal has no token ids (a run before keyed echo)"] += 1
                 continue
-            payload = payload_of_job.get(str(desc.get("job_id")))
+            payload = payload_of_job.get((str(desc.get("job_id")), desc.get("fingerprint")))
             if payload is None and call is not None and call.req:
                 payload = call.req.get("payload")
             if payload is None and len(payloads_of_key.get(key, [])) == 1:
@@ -961,6 +972,7 @@ class Oracle:
 
     def _check_resumed(self) -> None:
         done: set[tuple[str, str]] = set()
+        stopped_keys = self.stopped_keys
         for call, key, desc in self._accepted():
             req = call.req if call is not None else None  # (re-asks return what a call was handed)
             if not req or req.get("retry") != "resume" or (key, str(desc.get("job_id"))) in done:
@@ -986,7 +998,8 @@ class Oracle:
                     at = end
                 if at != length:
                     problems.append(f"job {job_id} sample {i}: spans end at {at}, {length} tokens")
-                if not (length == max_tokens or finish == "stop"):
+                stopped = finish == "abort" and key in stopped_keys  # (ended early by its cancel)
+                if not (length == max_tokens or finish == "stop" or stopped):
                     problems.append(f"job {job_id} sample {i}: {length} of {max_tokens} tokens, finish {finish}")
                 # Another run had stored every token of this sample (its last checkpoint), then died
                 # or was taken over before answering: the answering replica kept all of them (its
@@ -1262,6 +1275,45 @@ class Oracle:
             else:
                 self.check("answered", False, c.key, f"answered {c.error} ({c.answer.get('message', '')[:80]!r}), "
                            f"but no worker published a {code} failure for it")
+
+    @property
+    def stopped_keys(self) -> set[str]:
+        """Keys of calls whose cancel() said it stopped them where they ran."""
+        return {c.key for c in self.calls if c.cancel and c.cancel.get("outcome") == "stopped"}
+
+    def _check_cancelled(self) -> None:
+        """cancelled: what ``cancel()`` said it did is what happened. "withdrawn": no worker answered
+        the key before it was asked again, and the trainer was handed ``Cancelled``; "stopped": the
+        answer is ``Cancelled`` or a result with a sample ended early ("abort"); "answered": a
+        whole result or another error; never raised."""
+        for c in self.calls:
+            if c.cancel is None:
+                continue
+            said, got = c.cancel.get("outcome"), c.answer or {}
+            finishes = got.get("finish") or []
+            if said == "raised":
+                self.check("cancelled", False, c.key, f"cancel() raised {c.cancel.get('cls')}: "
+                           f"{c.cancel.get('message', '')[:90]!r}")
+            elif said == "unknown":
+                self.unverified["cancelled: no answer within the cancel's wait"] += 1
+            elif said == "withdrawn":
+                later = [o.t0 for o in self.by_key.get(c.key, []) if o.t0 > c.t0]
+                until = min(later, default=float("inf"))
+                pubs = [p for p in self.published_by_key.get(c.key, []) if c.t0 <= p.t < until
+                        and not (p.desc or {}).get("forged_tokens")]
+                self.check("cancelled", c.error == "Cancelled" and not pubs, c.key,
+                           f"cancel() said withdrawn, but the trainer was handed {c.error or got.get('kind')}"
+                           + (f" and {pubs[0].worker} answered the job" if pubs else ""))
+            elif said == "stopped":
+                ok = c.error == "Cancelled" or (c.is_result and "abort" in finishes)
+                self.check("cancelled", ok, c.key, f"cancel() said stopped, but the answer was "
+                           f"{c.error or 'a result'} (finish {finishes})")
+            elif said == "answered":
+                ok = (c.is_result and "abort" not in finishes) or (c.error not in (None, "Cancelled"))
+                self.check("cancelled", ok, c.key, f"cancel() said answered, but the answer was "
+                           f"{c.error or 'a result'} (finish {finishes})")
+            else:
+                self.check("cancelled", False, c.key, f"cancel() returned {said!r}")
 
     def _check_available(self) -> None:
         """available: some of what the trainer asked was served, and service never stopped long."""

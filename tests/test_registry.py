@@ -61,11 +61,9 @@ async def test_dead_worker_goes_stale_and_client_fails_fast(nats_url: str, names
             await wait_until(lambda: not client.fleet.replicas(), timeout=5)
             assert time.time() <= bound + 0.5  # gone within the bound (plus this loop's polling)
             assert client.fleet.replicas(live_only=False)[0].worker_id == "dies"  # still there, but stale
-            t0 = time.monotonic()
             handle = await client.submit(payload(), min_version=1)
-            with pytest.raises(NoCompatibleReplica):
-                await handle
-            assert time.monotonic() - t0 < 2.0  # fail fast, not at the deadline
+            with pytest.raises(NoCompatibleReplica):  # fail fast, not at the 600 s deadline
+                await asyncio.wait_for(handle, 10)
 
 
 async def test_no_replica_at_all_fails_fast(nats_url: str, namespace: str) -> None:
@@ -100,8 +98,6 @@ async def test_client_side_deadline_when_nobody_pulls(nats_url: str, namespace: 
         client.deadline_grace_s = 0.2
         await client.submit(payload(), min_version=0)
         await asyncio.sleep(0.2)
-        t0 = time.monotonic()
         late = await client.submit(payload(), min_version=0, timeout=0.5)
-        with pytest.raises(Expired):
-            await late
-        assert time.monotonic() - t0 < 2.0
+        with pytest.raises(Expired):  # by the client's own sweep: the replica is busy for 3 s
+            await asyncio.wait_for(late, 2.5)

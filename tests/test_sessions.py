@@ -208,15 +208,14 @@ async def test_sticky_replica_killed_between_turns_costs_no_wait(nats_url: str, 
         group.worker(nats_url, namespace, "w1")
         async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
             await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=30)
-            async with client.session(min_version=0, affinity_wait_s=5.0) as s:
+            async with client.session(min_version=0, affinity_wait_s=120.0) as s:
                 assert (await s.generate(turn_payload([1]))).worker_id == "w1"
                 group.worker(nats_url, namespace, "w2")
                 await wait_until(lambda: len(client.fleet.replicas()) == 2, timeout=30)
                 group.kill("w1")
-                t0 = time.monotonic()
-                result = await s.generate(turn_payload([1, 2]))
-                # Its bell found no responders: moved at once, not after the 5 s affinity wait.
-                assert result.worker_id == "w2" and time.monotonic() - t0 < 4.0
+                # Its bell found no responders: moved at once, not after the 120 s affinity wait.
+                result = await asyncio.wait_for(s.generate(turn_payload([1, 2])), 30)
+                assert result.worker_id == "w2"
     finally:
         group.close()
 
@@ -492,18 +491,15 @@ async def test_a_turn_answered_with_an_error_raises_it_again_when_asked_again(na
             await wait_until(lambda: len(busy.calls) == 2, timeout=5)
             with pytest.raises(Expired):
                 await s.generate(turn_payload([1, 2]), timeout=1.0)
-            t0 = time.monotonic()
-            with pytest.raises(Expired):
-                await s.generate(turn_payload([1, 2]), turn=1)
-            assert time.monotonic() - t0 < 1.0 and s.next_turn == 2
+            with pytest.raises(Expired):  # the stored answer, not a new wait for the turn
+                await asyncio.wait_for(s.generate(turn_payload([1, 2]), turn=1), 10)
+            assert s.next_turn == 2
             sid = s.session_id
             await hog.result(10)
         async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
             resumed = await client.resume_session(sid)
-            t0 = time.monotonic()
             with pytest.raises(Expired):
-                await resumed.generate(turn_payload([1, 2]), turn=1)
-            assert time.monotonic() - t0 < 1.0
+                await asyncio.wait_for(resumed.generate(turn_payload([1, 2]), turn=1), 10)
 
 
 async def test_a_pinned_session_the_fleet_left_says_so_and_a_held_replica_serves_it(
