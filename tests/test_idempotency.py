@@ -375,3 +375,20 @@ def test_a_key_has_one_job_id_per_client_id_and_a_keyless_job_a_new_one_each_tim
     assert not other.issued(ids.issue("k"), "k")
     keyless = ids.issue(None)
     assert keyless != ids.issue(None) and ids.issued(keyless, keyless)
+
+
+async def test_a_job_stored_again_under_a_move_id_an_earlier_process_used_is_not_lost(
+    nats_url: str, namespace: str
+) -> None:
+    """A trainer restarted within the duplicate window moves a job its predecessor had moved
+    already: the move's message id (``<key>#1``) is a duplicate of a copy that is gone, so the
+    broker stores nothing. The job must still be stored somewhere, not left nowhere."""
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", fail_fast=False) as client:
+        handle = await client.submit(payload(), min_version=0, idempotency_key="k")
+        assert handle.subject is not None and handle.stream_seq is not None
+        earlier = await client.placement.store(handle, handle.subject, "k#1")  # the predecessor's move
+        await client.js.delete_msg(client.names.jobs_stream, earlier.seq)  # ... taken and gone since
+        assert await client.placement.requeue(handle)
+        assert handle.stream_seq not in (None, earlier.seq)
+        found = await client.placement.job_at(handle.stream_seq)
+        assert found is not None and found[0].job_id == handle.job_id

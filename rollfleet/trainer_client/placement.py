@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from typing import Any
@@ -151,6 +152,11 @@ class JobPlacement:
         key = handle.idempotency_key
         try:
             ack = await self.store(handle, subject, f"{key}#{handle.moves}")
+            if ack.duplicate and await self.job_at(ack.seq) is None:
+                # An earlier process (a trainer before its restart) moved the job under the same
+                # message id within the duplicate window, and that copy is gone: the broker stored
+                # nothing, so the job would lie nowhere. Stored under an id of its own instead.
+                ack = await self.store(handle, subject, f"{key}#{handle.moves}-{uuid.uuid4().hex[:12]}")
         except RollfleetError as exc:
             self._forget(key)
             handle.set_error(exc)
