@@ -107,3 +107,39 @@ async def test_a_replica_whose_engine_dies_hands_back_its_job_and_takes_no_more(
         assert served.worker_id == "a"
         await asyncio.sleep(0.3)
         assert answers["k"] == 1
+
+
+async def _dropping_server(drops: int) -> tuple[asyncio.Server, list[int]]:
+    """A TCP server that closes its first ``drops`` connections after reading their request
+    (as a server closing an idle keep-alive connection does), then answers 200."""
+    seen = [0]
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        seen[0] += 1
+        if seen[0] > drops:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(serve, "127.0.0.1", 0), seen
+
+
+@pytest.mark.parametrize(("drops", "down"), [(1, False), (5, True)])
+async def test_a_dropped_health_connection_is_asked_again_before_the_server_counts_as_down(
+    drops: int, down: bool
+) -> None:
+    from rollfleet.workers.engines.vllm import VLLMEngine
+
+    server, seen = await _dropping_server(drops)
+    port = server.sockets[0].getsockname()[1]
+    engine = VLLMEngine(url=f"http://127.0.0.1:{port}")
+    try:
+        problem = await engine._probe()
+    finally:
+        server.close()
+        await engine.close()
+    assert (problem is not None) == down, problem
+    assert seen[0] == 2  # asked once more on a fresh connection, never more
+    if down:
+        assert problem is not None and "RemoteProtocolError" in problem

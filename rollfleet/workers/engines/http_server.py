@@ -314,15 +314,22 @@ class HTTPServerEngine(Engine, abc.ABC):
         return problem
 
     async def _probe(self) -> str | None:
-        """One ``/health`` question: None if the server answers 200, else what is wrong."""
-        try:
-            r = await self._http.get(self.health_path, timeout=self.health_timeout_s)
-        except httpx.TimeoutException:
-            return (
-                f"{self.server_name} server gave no answer to {self.health_path} in {self.health_timeout_s:g} s (hung?)"
-            )
-        except httpx.HTTPError as exc:
-            return f"{self.server_name} server unreachable at {self.url} ({type(exc).__name__})"
+        """One ``/health`` question: None if the server answers 200, else what is wrong. A
+        connection the server dropped (it closes idle ones on its own schedule, later under load)
+        is asked again once on a fresh one: a dropped connection is not a dead server."""
+        for attempt in range(2):
+            try:
+                r = await self._http.get(self.health_path, timeout=self.health_timeout_s)
+                break
+            except httpx.TimeoutException:
+                return (
+                    f"{self.server_name} server gave no answer to {self.health_path} in "
+                    f"{self.health_timeout_s:g} s (hung?)"
+                )
+            except httpx.HTTPError as exc:
+                if attempt == 0 and isinstance(exc, httpx.RemoteProtocolError):
+                    continue
+                return f"{self.server_name} server unreachable at {self.url} ({type(exc).__name__})"
         if r.status_code != 200:
             return f"{self.server_name} {self.health_path}: HTTP {r.status_code}"
         return None
