@@ -707,7 +707,8 @@ async def test_a_resumable_job_runs_in_segments_and_continues_another_runs_token
             nats_url, namespace, "frozen", "--ack-wait", "1.0", log_path=tmp_path / "frozen.log"
         )
         try:
-            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=20)
+            # Ready, not only registered: a replica still starting serves nothing (fail fast).
+            await wait_until(lambda: [r.state for r in client.fleet.replicas()] == ["ready"], timeout=20)
             frozen.send_signal(signal.SIGSTOP)
             handle = await client.submit(payload(max_tokens=40), min_version=0, retry_policy="resume", timeout=60)
         finally:

@@ -341,7 +341,8 @@ async def test_bad_records_never_reach_the_answer(nats_url: str, namespace: str,
         a = _start(nats_url, namespace, "frozen", tmp_path, "--version", "2")
         w = None
         try:
-            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=20)
+            # Ready, not only registered: a replica still starting serves nothing (fail fast).
+            await wait_until(lambda: [r.state for r in client.fleet.replicas()] == ["ready"], timeout=20)
             a.send_signal(signal.SIGSTOP)
             handle = await client.submit(
                 payload(max_tokens=50), min_version=2, retry_policy="resume", idempotency_key="k", timeout=60
