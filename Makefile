@@ -34,7 +34,7 @@ demo: $(STAMP)
 # Test files run on TEST_WORKERS parallel workers (most tests wait on brokers, processes and
 # timers, not on a core); a file stays on one worker, so its module-wide fixtures start once.
 # The tests against a real vLLM server run after them, alone: its CPU build takes every core.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile \

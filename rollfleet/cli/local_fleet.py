@@ -13,10 +13,11 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollfleet.broker import EmbeddedBroker, check_server_binary, free_port
+from rollfleet.broker import EmbeddedBroker, check_server_binary
 from rollfleet.cli.status import collect_status
 from rollfleet.runtime.logs import get_logger
 from rollfleet.runtime.processes import die_with_parent
@@ -67,8 +68,11 @@ class LocalFleet:
             elif self.follow_versions:
                 cmd += ["--follow-versions"]
             if self.metrics_base_port is not None:
-                port = self.metrics_base_port + i if self.metrics_base_port else free_port()
-                self.metrics_ports[worker_id] = port
+                # 0: the worker binds a free port itself and says which in its registry entry (a
+                # port found free here could be taken before the worker binds it).
+                port = self.metrics_base_port + i if self.metrics_base_port else 0
+                if port:
+                    self.metrics_ports[worker_id] = port
                 cmd += ["--metrics-port", str(port)]
             cmd += self.worker_args
             env = {**os.environ, "ROLLFLEET_LOG_JSON": "1"}
@@ -89,6 +93,11 @@ class LocalFleet:
             snapshot = await collect_status(self.url, self.namespace)
             ready = {r["worker_id"] for r in snapshot["replicas"] if r["live"] and r["state"] == "ready"}
             if set(self.procs) <= ready:
+                for r in snapshot["replicas"]:  # the ports workers picked themselves (metrics_url)
+                    url = str(r.get("metrics_url") or "")
+                    if r["worker_id"] in self.procs and r["worker_id"] not in self.metrics_ports and url:
+                        with suppress(ValueError):
+                            self.metrics_ports[r["worker_id"]] = int(url.rsplit(":", 1)[1].split("/", 1)[0])
                 return snapshot
             if time.monotonic() > deadline:
                 raise ServiceUnavailable(f"workers not ready after {timeout:.0f}s: ready={sorted(ready)}")
