@@ -76,9 +76,16 @@ def cancel_delay(key: str) -> float | None:
     return 0.2 + (h >> 8) % 2000 / 1000 if h % 12 == 0 else None
 
 
-# Every run asks each retry policy for a result early, whatever its seed draws after: each
-# policy's promises are then judged in every run, short ones included.
-_COVER = ("resume", "at_most_once", "replayable") * 2
+# Every run asks each retry policy for a result early, on min and exact constraints, whatever
+# its seed draws after: each policy's promises are then judged in every run, short ones included.
+_COVER = (
+    ("resume", "min"),
+    ("at_most_once", "exact"),
+    ("replayable", "min"),
+    ("resume", "exact"),
+    ("at_most_once", "min"),
+    ("replayable", "exact"),
+)
 
 class Load:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -127,8 +134,9 @@ class Load:
             kind, value = "staleness", rng.randint(0, 2)
         roll = rng.random()
         retry = "at_most_once" if roll < 0.3 else "resume" if roll < 0.5 else "replayable"
-        if self.covered < len(_COVER):  # the first requests: each policy twice, on a constraint any replica meets
-            retry, kind, value = _COVER[self.covered], "min", 0
+        if self.covered < len(_COVER):  # the first requests: each policy twice, on constraints replicas meet
+            retry, kind = _COVER[self.covered]
+            value = 0 if kind == "min" else latest
             self.covered += 1
         prompt = [rng.randrange(1, 500) for _ in range(rng.randint(2, 12))]
         timeout = rng.uniform(8.0, 20.0)

@@ -101,7 +101,13 @@ class History:
         self.dir = dst
         self.doc = json.loads((dst / "oracle.json").read_text())
         self.tap = json.loads((dst / "tap.json").read_text())
-        self.trainer = [json.loads(line) for line in (dst / "trainer.jsonl").read_text().splitlines() if line]
+        # (Without the trainer's cancels: a mutation rewrites answers, and a cancel's record says
+        # what the answer was; `cancelled` is judged on the recorded run itself.)
+        self.trainer = [
+            r
+            for r in (json.loads(line) for line in (dst / "trainer.jsonl").read_text().splitlines() if line)
+            if r.get("ev") != "cancel"
+        ]
 
     def calls(self) -> dict[str, dict[str, Any]]:
         return {r["rid"]: r for r in self.trainer if r.get("ev") in ("submit", "turn")}
