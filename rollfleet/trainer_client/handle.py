@@ -54,6 +54,12 @@ class RolloutHandle:
     def done(self) -> bool:
         return self._future.done()
 
+    def settled_result(self) -> RolloutResult | None:
+        """The result it was settled with; None while unsettled or when it holds an error."""
+        if not self._future.done() or self._future.cancelled() or self._future.exception() is not None:
+            return None
+        return self._future.result()
+
     def __await__(self) -> Generator[Any, None, RolloutResult]:
         return self._future.__await__()
 
