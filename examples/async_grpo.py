@@ -3,9 +3,12 @@
 A tiny Qwen3-style policy (built from a config, no downloads) learns a toy task with a
 verifiable reward -- continue any prompt with the alternating pattern A B A B ... -- by
 GRPO-style policy gradient. Rollouts come from two hf workers in their own processes,
-submitted with a staleness bound; each optimizer step publishes a new policy version as a
-verified weight delta, which the workers prepare and activate while they keep serving.
-Off-policy samples are corrected with importance weights from the served log-probs.
+through `RolloutLoop`: it keeps only as many groups in flight as the trainer can consume
+within the staleness bound (so little is generated only to be dropped), judges each group's
+staleness from the versions that made its tokens, and counts what it wasted and why. Each
+optimizer step publishes a new policy version as a verified weight delta, which the workers
+prepare and activate while they keep serving. Off-policy samples are corrected with
+importance weights from the served log-probs.
 """
 
 from __future__ import annotations
@@ -35,11 +38,14 @@ class StepStats:
     staleness_mean: float
     staleness_max: int
     dropped_stale: int  # samples (completions), the unit of `samples`
-    dropped_groups: int  # the jobs (groups of `group` samples) they came in
+    dropped_groups: int  # the groups (of `group` samples) they came in
     replicas: dict[str, int]
     prepare_s: float | None
     pause_s: float | None
     seconds: float
+    utilization: float | None = None  # busy fraction of the fleet's slots during the step
+    trainer_wait_s: float = 0.0  # time the trainer waited for its batch
+    waste_tokens: dict[str, int] = field(default_factory=dict)  # cause -> tokens not trained on
 
 
 @dataclass
@@ -59,13 +65,7 @@ class DemoConfig:
     store: Path | None = None
     quiet: bool = False
     history: list[StepStats] = field(default_factory=list)
-
-
-def stale_samples(result: Any, version: int, max_staleness: int) -> int:
-    """How many samples of ``result`` are dropped at trainer ``version``: all of its group when it
-    started more than ``max_staleness`` versions ago, else none (counted in samples, the unit
-    the summary's trained-on count uses, not in jobs)."""
-    return len(result.outputs) if version - result.version_start > max_staleness else 0
+    totals: dict[str, int] = field(default_factory=dict)  # the loop's counters over the run
 
 
 def reward(tokens: list[int]) -> float:
@@ -117,8 +117,8 @@ class Trainer:
 async def run(cfg: DemoConfig) -> list[StepStats]:
     from rollfleet.cli.local_fleet import LocalFleet
     from rollfleet.models import build_model_dir
-    from rollfleet.schemas import RolloutPayload, SamplingParams, VersionActivated, decode
-    from rollfleet.trainer_client import PolicyPublisher, RolloutClient
+    from rollfleet.schemas import SamplingParams, VersionActivated, decode
+    from rollfleet.trainer_client import Group, LoopConfig, PolicyPublisher, RolloutClient, RolloutLoop
 
     out = cfg.out.resolve()
     if cfg.nats is None and out.exists():
@@ -159,75 +159,79 @@ async def run(cfg: DemoConfig) -> list[StepStats]:
 
             await client.nc.subscribe(client.names.versions_activated, cb=on_activated)
 
-            def submit_group() -> Any:
-                prompt = [rng.randrange(10, VOCAB) for _ in range(4)]
-                payload = RolloutPayload(
-                    prompt_token_ids=prompt,
-                    sampling=SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, logprobs=True),
-                    n=cfg.group,
-                    extra={"ignore_eos": True},
-                )
-                return client.submit(payload, max_staleness=cfg.max_staleness, timeout=300)
+            async def prompts() -> Any:
+                while True:
+                    yield [rng.randrange(10, VOCAB) for _ in range(4)]
 
-            pending = [await submit_group() for _ in range(cfg.prompts_per_step * 2)]  # one step ahead
-            version = first.version
-            cols = ("step", "version", "reward", "stale", "dropped", "prepare", "pause")
-            say(" ".join(f"{c:>{w}}" for c, w in zip(cols, (4, 7, 7, 9, 7, 8, 8), strict=True)) + "  replicas")
-            for step in range(1, cfg.steps + 1):
+            async def score(group: Group) -> list[float]:
+                return [reward(s.tokens) for s in group.samples]
+
+            loop_cfg = LoopConfig(
+                group_size=cfg.group,
+                batch_groups=cfg.prompts_per_step,
+                max_staleness=cfg.max_staleness,
+                sampling=SamplingParams(max_tokens=cfg.max_tokens, temperature=1.0, logprobs=True),
+                extra={"ignore_eos": True},
+                job_timeout_s=300,
+            )
+            cols = ("step", "version", "reward", "stale", "util", "waste", "wait", "prepare", "pause")
+            say(" ".join(f"{c:>{w}}" for c, w in zip(cols, _WIDTHS, strict=True)) + "  replicas")
+            async with RolloutLoop(client, prompts(), loop_cfg, reward=score) as loop:
                 t0 = time.perf_counter()
-                batch, staleness, dropped, dropped_groups = [], [], 0, 0
-                while len(batch) < cfg.prompts_per_step:
-                    handle = pending.pop(0)
-                    result = await handle
-                    stale = stale_samples(result, version, cfg.max_staleness)
-                    if stale:  # too old by now: never train on it
-                        dropped += stale
-                        dropped_groups += 1
-                    else:
-                        batch.append((handle.job.payload.prompt_token_ids, result))
-                        staleness.append(version - result.version_start)
-                    pending.append(await submit_group())
-                samples, rewards = [], []
-                for prompt, result in batch:
-                    group_rewards = [reward(o.token_ids) for o in result.outputs]
-                    mean = statistics.fmean(group_rewards)
-                    std = statistics.pstdev(group_rewards) or 1.0
-                    rewards += group_rewards
-                    for o, r in zip(result.outputs, group_rewards, strict=True):
-                        samples.append((list(prompt), o.token_ids, o.logprobs or [], (r - mean) / (std + 1e-4)))
-                trainer.step(samples)
-                record = await client.publish_policy(publisher, trainer.named_tensors())
-                version = record.version
-                replicas = {r.worker_id: r.active_version for r in client.fleet.replicas()}
-                prep = [a.prepare_s for a in activations.values()]
-                pause = [a.pause_s for a in activations.values()]
-                stats = StepStats(
-                    step=step,
-                    version=version,
-                    reward=statistics.fmean(rewards),
-                    samples=len(samples),
-                    staleness_mean=statistics.fmean(staleness),
-                    staleness_max=max(staleness),
-                    dropped_stale=dropped,
-                    dropped_groups=dropped_groups,
-                    replicas=replicas,
-                    prepare_s=statistics.fmean(prep) if prep else None,
-                    pause_s=statistics.fmean(pause) if pause else None,
-                    seconds=time.perf_counter() - t0,
-                )
-                cfg.history.append(stats)
-                reps = " ".join(f"{w}@{v}" for w, v in sorted(replicas.items()))
-                say(
-                    f"{step:>4} {version:>7} {stats.reward:>7.3f} {stats.staleness_mean:>5.2f}/{stats.staleness_max:<3}"
-                    f" {dropped:>7} {_fmt_s(stats.prepare_s):>8} {_fmt_s(stats.pause_s):>8}  {reps}"
-                )
-            for handle in pending:
-                await handle.cancel()
+                async for batch in loop.batches(steps=cfg.steps):
+                    samples, rewards, staleness = [], [], []
+                    for g in batch.groups:
+                        group_rewards = g.rewards
+                        mean = statistics.fmean(group_rewards)
+                        std = statistics.pstdev(group_rewards) or 1.0
+                        rewards += group_rewards
+                        staleness.append(g.staleness)
+                        for s in g.samples:
+                            adv = (s.reward - mean) / (std + 1e-4)
+                            samples.append((list(g.prompt), s.tokens, s.logprobs or [], adv))
+                    trainer.step(samples)
+                    record = await client.publish_policy(publisher, trainer.named_tensors())
+                    replicas = {r.worker_id: r.active_version for r in client.fleet.replicas()}
+                    prep = [a.prepare_s for a in activations.values()]
+                    pause = [a.pause_s for a in activations.values()]
+                    st = batch.stats
+                    stats = StepStats(
+                        step=batch.step,
+                        version=record.version,
+                        reward=statistics.fmean(rewards),
+                        samples=len(samples),
+                        staleness_mean=statistics.fmean(staleness),
+                        staleness_max=max(staleness),
+                        dropped_stale=st.waste_groups.get("stale", 0) * cfg.group,
+                        dropped_groups=st.waste_groups.get("stale", 0),
+                        replicas=replicas,
+                        prepare_s=statistics.fmean(prep) if prep else None,
+                        pause_s=statistics.fmean(pause) if pause else None,
+                        seconds=time.perf_counter() - t0,
+                        utilization=st.utilization,
+                        trainer_wait_s=st.trainer_wait_s,
+                        waste_tokens=st.waste_tokens,
+                    )
+                    t0 = time.perf_counter()
+                    cfg.history.append(stats)
+                    reps = " ".join(f"{w}@{v}" for w, v in sorted(replicas.items()))
+                    util = "-" if st.utilization is None else f"{st.utilization:.0%}"
+                    waste = sum(st.waste_tokens.values())
+                    say(
+                        f"{batch.step:>4} {record.version:>7} {stats.reward:>7.3f}"
+                        f" {stats.staleness_mean:>5.2f}/{stats.staleness_max:<3} {util:>5} {waste:>6}"
+                        f" {_fmt_s(st.trainer_wait_s):>8} {_fmt_s(stats.prepare_s):>8}"
+                        f" {_fmt_s(stats.pause_s):>8}  {reps}"
+                    )
+                cfg.totals = dict(loop.totals)
     finally:
         if fleet is not None:
             fleet.stop()
     _report(cfg, out, say)
     return cfg.history
+
+
+_WIDTHS = (4, 7, 7, 9, 5, 6, 8, 8, 8)
 
 
 def _fmt_s(value: float | None) -> str:
@@ -242,13 +246,26 @@ def _report(cfg: DemoConfig, out: Path, say: Any) -> None:
         return
     k = max(1, min(3, len(h) // 3))
     start, end = statistics.fmean(s.reward for s in h[:k]), statistics.fmean(s.reward for s in h[-k:])
+    trained = sum(s.samples for s in h)
+    dropped = sum(s.dropped_stale for s in h)
+    waste: dict[str, int] = {}
+    for s in h:
+        for cause, tokens in s.waste_tokens.items():
+            waste[cause] = waste.get(cause, 0) + tokens
+    utils = [s.utilization for s in h if s.utilization is not None]
     summary = {
         "steps": len(h),
         "reward_start": start,
         "reward_end": end,
-        "samples": sum(s.samples for s in h),
-        "dropped_stale": sum(s.dropped_stale for s in h),  # samples
+        "samples": trained,
+        "samples_generated": trained + dropped,  # complete groups: trained on or dropped as stale
+        "dropped_stale": dropped,  # samples
         "dropped_groups": sum(s.dropped_groups for s in h),
+        "dropped_stale_fraction": dropped / (trained + dropped) if trained + dropped else 0.0,
+        "waste_tokens": waste,  # by cause, during the steps (what the end of the run cancels is apart)
+        "utilization_mean": statistics.fmean(utils) if utils else None,
+        "trainer_wait_s": sum(s.trainer_wait_s for s in h),
+        "loop_totals": cfg.totals,
         "max_staleness_seen": max(s.staleness_max for s in h),
         "max_staleness_allowed": cfg.max_staleness,
         "seconds": sum(s.seconds for s in h),
@@ -259,8 +276,13 @@ def _report(cfg: DemoConfig, out: Path, say: Any) -> None:
     say("summary")
     say(f"  steps                    {len(h)}")
     say(f"  reward (first/last {k})    {start:.3f} -> {end:.3f}")
-    dropped = f"{summary['dropped_stale']} samples in {summary['dropped_groups']} groups"
-    say(f"  samples trained on       {summary['samples']}  (dropped as too stale: {dropped})")
+    fraction = f"{summary['dropped_stale_fraction']:.1%} of {trained + dropped} generated"
+    dropped_txt = f"{dropped} samples in {summary['dropped_groups']} groups, {fraction}"
+    say(f"  samples trained on       {trained}  (dropped as too stale: {dropped_txt})")
+    say(f"  waste (tokens, by cause) {waste or 'none'}")
+    if utils:
+        say(f"  fleet utilization        {summary['utilization_mean']:.0%} of slots busy (mean over steps)")
+    say(f"  trainer waited           {summary['trainer_wait_s']:.1f}s for batches")
     say(f"  staleness seen / allowed {summary['max_staleness_seen']} / {cfg.max_staleness}")
     say(f"  wall time in steps       {summary['seconds']:.1f}s")
     try:
@@ -269,16 +291,27 @@ def _report(cfg: DemoConfig, out: Path, say: Any) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, (ax, wax) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2))
         steps = [s.step for s in h]
         ax.plot(steps, [s.reward for s in h], color="tab:blue", label="reward")
-        ax.set_xlabel("optimizer step (= policy version)")
         ax.set_ylabel("mean reward", color="tab:blue")
         ax2 = ax.twinx()
         ax2.plot(steps, [s.staleness_mean for s in h], color="tab:orange", label="staleness")
         ax2.set_ylabel("mean staleness of consumed samples", color="tab:orange")
         ax2.set_ylim(-0.05, cfg.max_staleness + 0.5)
         ax.set_title("rollfleet demo: async GRPO on a tiny Qwen3-style policy")
+        bottom = [0] * len(h)
+        causes = sorted({c for s in h for c in s.waste_tokens})
+        for cause in causes:
+            values = [s.waste_tokens.get(cause, 0) for s in h]
+            wax.bar(steps, values, bottom=bottom, label=cause)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        wax.set_ylabel("tokens wasted")
+        wax.set_xlabel("optimizer step (= policy version)")
+        if causes:
+            wax.legend(loc="upper right", fontsize="small")
+        else:
+            wax.text(0.5, 0.5, "nothing wasted", ha="center", va="center", transform=wax.transAxes)
         fig.tight_layout()
         fig.savefig(out / "rollfleet_demo.png", dpi=110)
         say(f"  plot                     {out / 'rollfleet_demo.png'}")

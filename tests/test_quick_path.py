@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -189,16 +188,19 @@ def load_demo() -> object:
     return module
 
 
-def test_the_demo_counts_dropped_samples_in_samples(tmp_path: Path) -> None:
+def test_the_demo_reports_drops_in_samples_and_waste_by_cause(tmp_path: Path) -> None:
     demo: object = load_demo()
-    group = [SimpleNamespace(token_ids=[5, 9])] * 8
-    stale = SimpleNamespace(outputs=group, version_start=3)
-    assert demo.stale_samples(stale, version=5, max_staleness=1) == 8  # type: ignore[attr-defined]
-    assert demo.stale_samples(stale, version=4, max_staleness=1) == 0  # type: ignore[attr-defined]
     cfg = demo.DemoConfig(out=tmp_path)  # type: ignore[attr-defined]
     step = {"version": 1, "reward": 0.5, "samples": 32, "staleness_mean": 1.0, "staleness_max": 1, "replicas": {}}
     stats = demo.StepStats  # type: ignore[attr-defined]
-    cfg.history = [stats(step=1, dropped_stale=16, dropped_groups=2, prepare_s=None, pause_s=None, seconds=1, **step)]
+    cfg.history = [
+        stats(step=1, dropped_stale=16, dropped_groups=2, prepare_s=None, pause_s=None, seconds=1,
+              utilization=0.5, waste_tokens={"stale": 192, "failed": 8}, **step),
+        stats(step=2, dropped_stale=0, dropped_groups=0, prepare_s=None, pause_s=None, seconds=1,
+              utilization=0.25, waste_tokens={"stale": 8}, **step),
+    ]  # fmt: skip
     lines: list[str] = []
     demo._report(cfg, tmp_path, lambda *a: lines.append(" ".join(map(str, a))))  # type: ignore[attr-defined]
-    assert any("samples trained on       32  (dropped as too stale: 16 samples in 2 groups)" in line for line in lines)
+    text = "\n".join(lines)
+    assert "samples trained on       64  (dropped as too stale: 16 samples in 2 groups, 20.0% of 80 generated)" in text
+    assert "{'stale': 200, 'failed': 8}" in text and "38% of slots busy" in text
