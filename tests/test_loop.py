@@ -7,6 +7,7 @@ worker SIGKILLs losing no group, and the loop's counters agreeing with what it y
 from __future__ import annotations
 
 import asyncio
+import itertools
 import signal
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -253,6 +254,42 @@ def _true_versions(group: Group, sample: int) -> list[int]:
         else:
             raise AssertionError(f"no version makes span {span} of sample {sample}")
     return found
+
+
+async def test_a_partial_rollout_continues_at_the_new_version_with_spans_tiling_both(
+    nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
+) -> None:
+    """``partial_rollout`` and ``max_staleness=0``: a group of two 100-token samples is still
+    generating when the trainer commits version 1. The loop stops it and continues each sample
+    at version 1 from its tokens so far: every sample has all its 100 tokens, spans that tile
+    them with both versions, each span's tokens recomputed from the trainer's bytes of the
+    version it names; nothing is wasted and the group is not dropped as stale."""
+    cfg = LoopConfig(
+        group_size=2, batch_groups=1, max_staleness=0, partial_rollout=True, sampling=SamplingParams(max_tokens=100)
+    )
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as client:
+        await client.publish_policy(publisher, tensors_at(0))
+        async with running_worker(
+            nats_url, namespace, engine=EchoEngine(per_token_s=0.02, keyed=True), worker_id="a", capacity=4,
+            store_dir=tmp_path / "store", local_dir=tmp_path / "local-a",
+        ):  # fmt: skip
+            await client.wait_for_version(0, replicas=1, timeout=30)
+            async with RolloutLoop(client, _prompts(1), cfg) as loop:
+                await wait_until(lambda: loop.in_flight == 1)
+                await asyncio.sleep(0.5)  # ~25 tokens made at version 0
+                await client.publish_policy(publisher, tensors_at(1))
+                batch = await loop.next_batch()
+    assert batch is not None and len(batch.groups) == 1
+    g = batch.groups[0]
+    assert g.continued_at == 1 and loop.totals["continued"] == 1
+    assert sum(loop.totals[k] for k in loop.totals if k.startswith("waste_tokens")) == 0
+    for i, s in enumerate(g.samples):
+        assert len(s.tokens) == 100 and s.logprobs is not None and len(s.logprobs) == 100
+        assert s.spans[0].start == 0 and s.spans[-1].end == 100
+        assert all(a.end == b.start for a, b in itertools.pairwise(s.spans))  # they tile the tokens
+        assert [sp.version for sp in s.spans] == [0, 1], s.spans
+        assert _true_versions(g, i) == [0, 1]
+    assert g.staleness == 1  # the fact: its oldest tokens are one version old
 
 
 class FailsOn(CountingEcho):

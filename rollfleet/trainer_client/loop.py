@@ -24,7 +24,9 @@ from collections import Counter, deque
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
 
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
@@ -62,6 +64,9 @@ class LoopConfig:
     oversample: int = 0  # groups admitted beyond the bound; as many tails cancelled per batch
     group_deadline_s: float | None = None
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill
+    # Stop a group still generating when a commit would make it too stale, and continue each
+    # stopped sample at the new version from its tokens so far (prompts given as token ids).
+    partial_rollout: bool = False
     max_in_flight: int | None = None  # groups; None: the staleness bound alone
     sampling: SamplingParams = field(default_factory=SamplingParams)  # for prompts given as tokens/text
     extra: dict[str, Any] = field(default_factory=dict)
@@ -103,7 +108,10 @@ class Group:
     results: list[RolloutResult]
     attempts: int
     admitted: int  # admission number (order of admission over the loop's life)
-    staleness: int = 0  # at consume time: the trainer's version minus the oldest sample's start
+    staleness: int = 0  # at consume time: the trainer's version minus the oldest token's version
+    # A partial rollout: the version its stopped samples were continued at (their earlier
+    # tokens are older; the spans say which). It is judged by this version at consume time.
+    continued_at: int | None = None
 
     @property
     def rewards(self) -> list[float]:
@@ -158,7 +166,20 @@ class _Flight:
     admitted_at: float  # monotonic
     handles: list[Any] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
-    cancel_cause: WasteCause | None = None
+    cancel_cause: WasteCause | Literal["continue"] | None = None
+    floor: int = 0  # the minimum version its jobs asked for
+
+
+@dataclass
+class _Piece:
+    """One job of a group: its payload, and for a continuation the sample it continues."""
+
+    payload: RolloutPayload
+    prefixes: list[Sample] | None = None  # per output sample: what earlier runs made of it
+    handle: Any = None
+
+    def prefix(self, i: int) -> Sample | None:
+        return self.prefixes[i] if self.prefixes is not None else None
 
 
 class RolloutLoop:
@@ -260,8 +281,9 @@ class RolloutLoop:
                 continue
             group = self._ready.popleft()
             version = self._version()
-            group.staleness = loop_rules.staleness(version, [s.version_start for s in group.samples])
-            if loop_rules.too_stale(version, [s.version_start for s in group.samples], cfg.max_staleness):
+            starts = [s.version_start for s in group.samples]
+            group.staleness = loop_rules.staleness(version, starts)
+            if loop_rules.too_stale(version, loop_rules.judged_starts(starts, group.continued_at), cfg.max_staleness):
                 action = loop_rules.on_stale(cfg.stale)
                 if action != "train":
                     self._accepted -= 1  # its room is given back
@@ -349,6 +371,8 @@ class RolloutLoop:
             now = time.monotonic()
             self._sample_fleet()
             self._expire(now)
+            if self.config.partial_rollout:
+                self._continue_stale(self._version())
             room = self._room()
             floor = self._floor(now) if room > 0 else None
             while room > 0 and floor is not None:
@@ -408,26 +432,35 @@ class RolloutLoop:
         cfg = self.config
         try:
             payloads = self._payloads(flight.prompt)
-            for p in payloads:
-                if flight.cancel_cause is not None:
-                    break
-                flight.handles.append(
-                    await self.client.submit(
-                        p, min_version=floor, retry_policy=cfg.retry_policy, timeout=cfg.job_timeout_s
-                    )
-                )
-                if flight.cancel_cause is not None:  # cancelled while this one was submitted
-                    await self._cancel_flight(flight)
-            results = await asyncio.gather(*flight.handles)
-            if flight.cancel_cause is not None:  # stopped: whatever came back is partial
-                raise Cancelled(f"group {flight.no} cancelled ({flight.cancel_cause})")
+            pieces = [_Piece(p) for p in payloads]
+            samples: list[Sample] = []
+            results: list[RolloutResult] = []
+            continued_at: int | None = None
+            while pieces:
+                flight.floor = floor
+                outcomes = await self._generate(flight, pieces, floor)
+                results += [o for o in outcomes if isinstance(o, RolloutResult)]
+                if flight.cancel_cause == "continue":  # a version landed: go on at it, keep the tokens
+                    flight.cancel_cause = None
+                    floor = await self._fresh_floor()
+                    continued_at = floor
+                    pieces = self._continuations(pieces, outcomes, samples)
+                    self.totals.update(continued=1)
+                    continue
+                if flight.cancel_cause is not None:  # stopped: whatever came back is partial
+                    raise Cancelled(f"group {flight.no} cancelled ({flight.cancel_cause})")
+                for piece, outcome in zip(pieces, outcomes, strict=True):
+                    assert isinstance(outcome, RolloutResult)  # (_generate raised otherwise)
+                    samples += [_joined(piece.prefix(i), _sample(outcome, o)) for i, o in enumerate(outcome.outputs)]
+                pieces = []
             group = Group(
                 prompt=flight.prompt,
                 payload=payloads[0],
-                samples=[_sample(r, o) for r in results for o in r.outputs],
-                results=list(results),
+                samples=samples,
+                results=results,
                 attempts=flight.attempts,
                 admitted=flight.no,
+                continued_at=continued_at,
             )
             if self.reward is not None:
                 rewards = list(await self.reward(group))
@@ -450,8 +483,76 @@ class RolloutLoop:
         self._wake.set()
         self._pump_wake.set()
 
+    async def _generate(self, flight: _Flight, pieces: list[_Piece], floor: int) -> list[RolloutResult | BaseException]:
+        """Submit each piece's job and wait for all of them. A failure fails the group at once
+        (its other jobs are cancelled by the caller), unless the group is being cancelled: then
+        every job's answer (partial, or ``Cancelled``) is returned."""
+        cfg = self.config
+        flight.handles = []
+        for piece in pieces:
+            if flight.cancel_cause is not None:
+                break
+            piece.handle = await self.client.submit(
+                piece.payload, min_version=floor, retry_policy=cfg.retry_policy, timeout=cfg.job_timeout_s
+            )
+            flight.handles.append(piece.handle)
+            if flight.cancel_cause is not None:  # cancelled while this one was submitted
+                await self._cancel_flight(flight)
+        if flight.cancel_cause is not None and len(flight.handles) < len(pieces):
+            await self._cancel_flight(flight)  # (settles what was submitted; the rest never was)
+            unsent: list[RolloutResult | BaseException] = [Cancelled("never submitted")]
+            answers = await asyncio.gather(*(h.result() for h in flight.handles), return_exceptions=True)
+            return [*answers, *unsent * (len(pieces) - len(flight.handles))]
+        waits = [asyncio.ensure_future(h.result()) for h in flight.handles]
+        try:
+            pending: set[asyncio.Future[RolloutResult]] = set(waits)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+                failed = [w.exception() for w in done if w.exception() is not None]
+                if failed and flight.cancel_cause is None:
+                    raise failed[0]  # type: ignore[misc]
+        finally:
+            for w in waits:
+                w.cancel()
+        return [w.exception() or w.result() for w in waits]
+
+    def _continuations(
+        self, pieces: list[_Piece], outcomes: list[RolloutResult | BaseException], finished: list[Sample]
+    ) -> list[_Piece]:
+        """After a stop for a new version: each sample stopped mid-way goes on as a job of its own,
+        its prompt followed by its tokens so far, for the tokens it has left; a sample that had
+        ended is kept as it is (``finished``); a job that had made nothing is asked again whole."""
+        out: list[_Piece] = []
+        for piece, outcome in zip(pieces, outcomes, strict=True):
+            if isinstance(outcome, Cancelled):
+                out.append(_Piece(piece.payload, piece.prefixes))
+                continue
+            if isinstance(outcome, BaseException):
+                raise outcome
+            for i, o in enumerate(outcome.outputs):
+                sample = _joined(piece.prefix(i), _sample(outcome, o))
+                left = piece.payload.sampling.max_tokens - len(o.token_ids)
+                if o.finish_reason == "abort" and left > 0 and piece.payload.prompt_token_ids is not None:
+                    payload = RolloutPayload(
+                        prompt_token_ids=[*piece.payload.prompt_token_ids, *o.token_ids],
+                        sampling=msgspec.structs.replace(piece.payload.sampling, max_tokens=left),
+                        n=1,
+                        extra=piece.payload.extra,
+                    )
+                    out.append(_Piece(payload, [sample]))
+                else:
+                    finished.append(sample)
+        return out
+
+    async def _fresh_floor(self) -> int:
+        while True:
+            floor = self._floor(time.monotonic())
+            if floor is not None:
+                return floor
+            await asyncio.sleep(_TICK_S)
+
     async def _fail(self, flight: _Flight, exc: BaseException) -> None:
-        cause: WasteCause = flight.cancel_cause or "failed"
+        cause: WasteCause = "failed" if flight.cancel_cause in (None, "continue") else flight.cancel_cause  # type: ignore[assignment]
         for h in flight.handles:  # the rest of the group goes too (whole or nothing)
             if not h.done():
                 with suppress(Exception):
@@ -490,6 +591,16 @@ class RolloutLoop:
             flight.cancel_cause = "tail"
             asyncio.create_task(self._cancel_flight(flight), name=f"cancel-tail-{no}")  # noqa: RUF006
 
+    def _continue_stale(self, latest: int) -> None:
+        for flight in list(self._in_flight.values()):
+            if (
+                flight.cancel_cause is None
+                and flight.handles
+                and loop_rules.must_continue(flight.floor, latest, self.config.max_staleness)
+            ):
+                flight.cancel_cause = "continue"
+                asyncio.create_task(self._cancel_flight(flight), name=f"continue-{flight.no}")  # noqa: RUF006
+
     def _expire(self, now: float) -> None:
         for flight in list(self._in_flight.values()):
             if flight.cancel_cause is None and loop_rules.past_deadline(
@@ -521,6 +632,33 @@ def _sample(result: RolloutResult, out: Any) -> Sample:
         finish_reason=out.finish_reason,
         version_start=min(s.version for s in spans) if out.weight_versions else result.version_start,
         version_end=result.version_end,
+    )
+
+
+def _joined(prefix: Sample | None, rest: Sample) -> Sample:
+    """A continued sample: the tokens, log-probs and spans of its earlier runs, then this one's
+    (its spans shifted past the earlier tokens; a span going on at the same version and replica
+    merges with the one before it)."""
+    if prefix is None:
+        return rest
+    shift = len(prefix.tokens)
+    spans = list(prefix.spans)
+    for sp in rest.spans:
+        last = spans[-1] if spans else None
+        if last is not None and (last.version, last.replica, last.end) == (sp.version, sp.replica, sp.start + shift):
+            spans[-1] = VersionSpan(version=sp.version, start=last.start, end=sp.end + shift, replica=sp.replica)
+        else:
+            spans.append(
+                VersionSpan(version=sp.version, start=sp.start + shift, end=sp.end + shift, replica=sp.replica)
+            )
+    logprobs = None if prefix.logprobs is None or rest.logprobs is None else [*prefix.logprobs, *rest.logprobs]
+    return Sample(
+        tokens=[*prefix.tokens, *rest.tokens],
+        logprobs=logprobs,
+        spans=spans,
+        finish_reason=rest.finish_reason,
+        version_start=min(prefix.version_start, rest.version_start),
+        version_end=rest.version_end,
     )
 
 

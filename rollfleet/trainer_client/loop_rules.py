@@ -13,6 +13,9 @@ milliseconds. The rules:
   tokens (the ``version_start`` of its samples). Past ``max_staleness`` the loop's policy decides:
   ``drop`` it, ``requeue`` its prompt, or ``keep`` it (the spans stay on every sample for
   importance weighting).
+- **Partial rollouts** (``partial_rollout``): a group still generating when a commit would make
+  it too stale is stopped, and each stopped sample goes on at the new version from its tokens
+  so far (its spans show both versions); it is judged by the version it was continued at.
 - **Long tails**: a group still in flight that a whole batch of later-admitted groups overtook is
   a tail; with ``oversample`` the loop cancels up to that many of them when a batch fills (their
   replicas are freed at once) and re-queues their prompts.
@@ -64,6 +67,20 @@ def staleness(consumed_at: int, version_starts: Sequence[int]) -> int:
 
 def too_stale(consumed_at: int, version_starts: Sequence[int], max_staleness: int) -> bool:
     return staleness(consumed_at, version_starts) > max_staleness
+
+
+def judged_starts(version_starts: Sequence[int], continued_at: int | None) -> list[int]:
+    """The versions a group's staleness is judged from: its samples' starts, or, for a partial
+    rollout, the version it was continued at (its older tokens are in the spans, for the
+    trainer to mask or weight)."""
+    return [continued_at] if continued_at is not None else list(version_starts)
+
+
+def must_continue(floor: int, latest: int, max_staleness: int) -> bool:
+    """Partial rollouts: a group whose jobs may be served at ``floor`` and are still generating
+    when ``latest`` is committed would be too stale when consumed (at ``latest`` or later) once
+    ``latest - floor > max_staleness``: it is stopped and continued at ``latest``."""
+    return latest - floor > max_staleness
 
 
 def on_stale(policy: StalePolicy) -> Literal["train", "drop", "requeue"]:
