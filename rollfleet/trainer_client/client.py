@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
@@ -318,9 +317,7 @@ class RolloutClient:
             self._check_same_request(existing.job, job.fingerprint)
             return existing
         handle = RolloutHandle(job, data, self._cancel)
-        unclaimed = self._unclaimed.pop(key, None)
-        if unclaimed is not None and self._settle(handle, unclaimed):
-            handle.stored = True
+        if self._settle_unclaimed(handle):
             return handle  # the answer came before we asked again (trainer restart)
         if idempotency_key is not None and await self._answered_before(handle):
             return handle
@@ -338,10 +335,8 @@ class RolloutClient:
                 return handle
         self._handles[key] = handle
         # An answer that came while the look-ups above awaited went to the unclaimed ones.
-        unclaimed = self._unclaimed.pop(key, None)
-        if unclaimed is not None and self._settle(handle, unclaimed):
+        if self._settle_unclaimed(handle):
             self._handles.pop(key, None)
-            handle.stored = True
             return handle
         try:
             if replica is None:
@@ -366,6 +361,15 @@ class RolloutClient:
             self._spawn(self.nc.publish(bell, Names.REPLICA_BELL, reply=f"{self._bell_inbox}.r"))
         log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
         return handle
+
+    def _settle_unclaimed(self, handle: RolloutHandle) -> bool:
+        """Settle the handle with an answer for its key that arrived while no handle waited for it
+        (before a restarted trainer asked again, or while ``_submit`` awaited a look-up)."""
+        unclaimed = self._unclaimed.pop(handle.idempotency_key, None)
+        if unclaimed is None or not self._settle(handle, unclaimed):
+            return False
+        handle.stored = True
+        return True
 
     async def _answered_before(self, handle: RolloutHandle) -> bool:
         """Within a duplicate window of this client's start or of a reconnect, while the broker is
@@ -421,11 +425,13 @@ class RolloutClient:
             moved = f"{key}#1"  # where a moved turn of an earlier process went
             subject = self.names.job_subject(handle.job.constraint.kind, handle.job.constraint.version)
             await self._ensure_consumer(handle.job.constraint)
-            ack = await self.placement.store(handle, subject, moved)
-            if ack.duplicate and (found := await self.placement.job_at(ack.seq)) is None:
-                if await self._settle_stored(handle):
-                    return False
-                ack = await self.placement.store(handle, subject, f"{key}#{uuid.uuid4().hex[:12]}")
+            stored = await self.placement.store_where_it_lies(
+                handle, subject, moved, answered=lambda: self._settle_stored(handle)
+            )
+            if stored is None:
+                return False
+            ack, found = stored
+            seq = ack.seq  # (a copy found there is followed where it lies)
             if found is None:
                 handle.subject, handle.stream_seq, handle.replica = subject, ack.seq, None
                 handle.moves = 1
@@ -748,11 +754,11 @@ class RolloutClient:
         # ``max_staleness=1``, or of a pinned session's turn, resolves to another version later;
         # the fingerprint has already matched the request as written).
         asked = outcome.constraint or handle.job.constraint
-        if not self._within_constraint(outcome, asked or handle.job.constraint):
+        if not self._within_constraint(outcome, asked):
             handle.set_error(
                 ContractViolation(
                     f"result for {handle.idempotency_key!r} was served at versions {outcome.version_start}.."
-                    f"{outcome.version_end}, outside {asked or handle.job.constraint}; it was not used"
+                    f"{outcome.version_end}, outside {asked}; it was not used"
                 )
             )
             return True

@@ -79,6 +79,29 @@ class JobPlacement:
         except (nats.errors.Error, nats.js.errors.Error, RollfleetError):
             return None
 
+    async def store_where_it_lies(
+        self,
+        handle: RolloutHandle,
+        subject: str,
+        msg_id: str,
+        answered: Callable[[], Awaitable[bool]] | None = None,
+    ) -> tuple[Any, tuple[RolloutJob, bytes, str] | None] | None:
+        """Store the job under ``msg_id`` so that it lies somewhere: (the broker's ack, the copy
+        already stored under that id if the broker took this for its duplicate and it still lies
+        there). An earlier process (a trainer before its restart) may have stored a copy under the
+        same id within the duplicate window that is gone since (answered, withdrawn, moved): the
+        broker stores nothing then, so the job is stored under an id of its own, unless
+        ``answered`` finds the request answered meanwhile (None: the handle is settled)."""
+        ack = await self.store(handle, subject, msg_id)
+        if not ack.duplicate:
+            return ack, None
+        found = await self.job_at(ack.seq)
+        if found is not None:
+            return ack, found
+        if answered is not None and await answered():
+            return None
+        return await self.store(handle, subject, f"{msg_id}-{uuid.uuid4().hex[:12]}"), None
+
     async def delete(self, handle: RolloutHandle) -> bool:
         """Remove the stored job (queued, or held by a worker that will find it gone when it
         acks); whether it was removed."""
@@ -151,12 +174,9 @@ class JobPlacement:
         handle.moves += 1
         key = handle.idempotency_key
         try:
-            ack = await self.store(handle, subject, f"{key}#{handle.moves}")
-            if ack.duplicate and await self.job_at(ack.seq) is None:
-                # An earlier process (a trainer before its restart) moved the job under the same
-                # message id within the duplicate window, and that copy is gone: the broker stored
-                # nothing, so the job would lie nowhere. Stored under an id of its own instead.
-                ack = await self.store(handle, subject, f"{key}#{handle.moves}-{uuid.uuid4().hex[:12]}")
+            stored = await self.store_where_it_lies(handle, subject, f"{key}#{handle.moves}")
+            assert stored is not None  # (no ``answered`` to say otherwise)
+            ack = stored[0]
         except RollfleetError as exc:
             self._forget(key)
             handle.set_error(exc)
