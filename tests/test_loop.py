@@ -91,6 +91,16 @@ def test_staleness_is_measured_from_the_oldest_token_and_judged_by_policy() -> N
     assert [rules.on_stale(p) for p in ("drop", "requeue", "keep")] == ["drop", "requeue", "train"]
 
 
+def test_the_group_closest_to_going_stale_is_consumed_first() -> None:
+    assert rules.next_to_consume([5, 3, 4, 3]) == 1  # the oldest, the earliest completed of equals
+    assert rules.next_to_consume([7]) == 0
+    assert rules.judged_starts([2, 3], None) == [2, 3] and rules.judged_starts([2, 3], 5) == [5]
+    # Stopped and continued once the next batch could not take it (the one at `latest` may be gone).
+    assert [rules.must_continue(3, latest, 1) for latest in (3, 4, 5)] == [False, True, True]
+    assert [rules.must_continue(3, latest, 0) for latest in (3, 4)] == [False, True]
+    assert [rules.must_continue(3, latest, 2) for latest in (4, 5)] == [False, True]
+
+
 def test_dynamic_sampling_filters_only_groups_without_signal() -> None:
     assert rules.uninformative([1.0, 1.0, 1.0]) and rules.uninformative([0.0])
     assert not rules.uninformative([0.0, 1.0]) and not rules.uninformative([])
@@ -355,7 +365,7 @@ async def test_an_overtaken_tail_is_cancelled_frees_its_replica_and_comes_back(n
         await wait_until(lambda: len(client.fleet.replicas()) == 1)
         async with RolloutLoop(client, prompts(), cfg) as loop:
             batch = await loop.next_batch()
-            assert batch is not None and [g.prompt.prompt_token_ids for g in batch.groups] == [[10], [11]]
+            assert batch is not None and sorted(g.prompt.prompt_token_ids for g in batch.groups) == [[10], [11]]
             await wait_until(lambda: loop.totals["waste_groups_tail"] == 1, timeout=5, what="the tail cancelled")
             assert engine.running <= 1  # the long job stopped (at most the requeued one runs again)
             assert 0 < loop.totals["waste_tokens_tail"] < 1500

@@ -64,8 +64,8 @@ class LoopConfig:
     oversample: int = 0  # groups admitted beyond the bound; as many tails cancelled per batch
     group_deadline_s: float | None = None
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill
-    # Stop a group still generating when a commit would make it too stale, and continue each
-    # stopped sample at the new version from its tokens so far (prompts given as token ids).
+    # Stop a group still generating when a commit puts it at risk of going stale, and continue
+    # each stopped sample at the new version from its tokens so far (prompts given as token ids).
     partial_rollout: bool = False
     max_in_flight: int | None = None  # groups; None: the staleness bound alone
     sampling: SamplingParams = field(default_factory=SamplingParams)  # for prompts given as tokens/text
@@ -198,7 +198,7 @@ class RolloutLoop:
         self._source_done = False
         self._requeued: deque[tuple[Any, int]] = deque()  # (prompt, attempts so far)
         self._in_flight: dict[int, _Flight] = {}
-        self._ready: deque[Group] = deque()
+        self._ready: list[Group] = []
         self._failed: list[FailedGroup] = []  # reported since the last batch
         self.failed: list[FailedGroup] = []  # reported over the loop's life
         self._numbers = itertools.count()
@@ -279,13 +279,22 @@ class RolloutLoop:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            group = self._ready.popleft()
+            judged = [min(_judged_from(g)) for g in self._ready]
+            group = self._ready.pop(loop_rules.next_to_consume(judged))
             version = self._version()
-            starts = [s.version_start for s in group.samples]
-            group.staleness = loop_rules.staleness(version, starts)
-            if loop_rules.too_stale(version, loop_rules.judged_starts(starts, group.continued_at), cfg.max_staleness):
+            group.staleness = loop_rules.staleness(version, [s.version_start for s in group.samples])
+            if loop_rules.too_stale(version, _judged_from(group), cfg.max_staleness):
                 action = loop_rules.on_stale(cfg.stale)
                 if action != "train":
+                    log.info(
+                        "loop_group_stale",
+                        admitted=group.admitted,
+                        version=version,
+                        judged_from=min(_judged_from(group)),
+                        continued_at=group.continued_at,
+                        tokens=group.tokens,
+                        action=action,
+                    )
                     self._accepted -= 1  # its room is given back
                     self._waste(group.tokens, "stale")
                     if action == "requeue":
@@ -443,9 +452,10 @@ class RolloutLoop:
                 if flight.cancel_cause == "continue":  # a version landed: go on at it, keep the tokens
                     flight.cancel_cause = None
                     floor = await self._fresh_floor()
-                    continued_at = floor
                     pieces = self._continuations(pieces, outcomes, samples)
-                    self.totals.update(continued=1)
+                    if pieces:  # (all of it had ended before the stop: nothing goes on)
+                        continued_at = floor
+                        self.totals.update(continued=1)
                     continue
                 if flight.cancel_cause is not None:  # stopped: whatever came back is partial
                     raise Cancelled(f"group {flight.no} cancelled ({flight.cancel_cause})")
@@ -633,6 +643,10 @@ def _sample(result: RolloutResult, out: Any) -> Sample:
         version_start=min(s.version for s in spans) if out.weight_versions else result.version_start,
         version_end=result.version_end,
     )
+
+
+def _judged_from(group: Group) -> list[int]:
+    return loop_rules.judged_starts([s.version_start for s in group.samples], group.continued_at)
 
 
 def _joined(prefix: Sample | None, rest: Sample) -> Sample:

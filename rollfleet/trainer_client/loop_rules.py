@@ -13,9 +13,12 @@ milliseconds. The rules:
   tokens (the ``version_start`` of its samples). Past ``max_staleness`` the loop's policy decides:
   ``drop`` it, ``requeue`` its prompt, or ``keep`` it (the spans stay on every sample for
   importance weighting).
-- **Partial rollouts** (``partial_rollout``): a group still generating when a commit would make
-  it too stale is stopped, and each stopped sample goes on at the new version from its tokens
+- **Partial rollouts** (``partial_rollout``): a group still generating when a commit puts it at
+  risk of going stale is stopped, and each stopped sample goes on at the new version from its tokens
   so far (its spans show both versions); it is judged by the version it was continued at.
+- **Consume order**: of the ready groups, the one judged from the oldest version goes first
+  (earliest deadline first), so a group is dropped only when it could not have been trained on
+  in time.
 - **Long tails**: a group still in flight that a whole batch of later-admitted groups overtook is
   a tail; with ``oversample`` the loop cancels up to that many of them when a batch fills (their
   replicas are freed at once) and re-queues their prompts.
@@ -76,11 +79,25 @@ def judged_starts(version_starts: Sequence[int], continued_at: int | None) -> li
     return [continued_at] if continued_at is not None else list(version_starts)
 
 
+def next_to_consume(judged_from: Sequence[int]) -> int:
+    """Which ready group goes into the batch next: the one judged from the oldest version (the
+    first to go stale if left waiting), the earliest completed among equals. Taking them in
+    completion order instead drops a long group that completed just as a version was committed,
+    while fresher groups that could wait a step are trained on."""
+    return min(range(len(judged_from)), key=lambda i: (judged_from[i], i))
+
+
 def must_continue(floor: int, latest: int, max_staleness: int) -> bool:
-    """Partial rollouts: a group whose jobs may be served at ``floor`` and are still generating
-    when ``latest`` is committed would be too stale when consumed (at ``latest`` or later) once
-    ``latest - floor > max_staleness``: it is stopped and continued at ``latest``."""
-    return latest - floor > max_staleness
+    """Partial rollouts: whether a group whose jobs may be served at ``floor`` and are still
+    generating when ``latest`` is committed is stopped and continued at ``latest``.
+
+    It is at risk once it could no longer be trained on at the batch after the next commit: the
+    batch at ``latest`` may already have been handed out, so it would be consumed at
+    ``latest + 1``, too stale once ``latest + 1 - floor > max_staleness``. (With
+    ``max_staleness=0`` that is every commit; waiting for ``latest - floor > max_staleness``
+    instead lost every long group that finished just after a batch was handed out.)
+    """
+    return latest - floor > max(max_staleness - 1, 0)
 
 
 def on_stale(policy: StalePolicy) -> Literal["train", "drop", "requeue"]:
