@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	# CPU build of torch first so the `hf` extra's range is already satisfied; torch alone from
 	# that index (its dependencies, plain Python packages, come with the next line).
 	$(PY) -m pip install -q --no-deps --index-url "$(TORCH_INDEX_URL)" "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[hf,sglang,demo,test,objects]"
+	$(PY) -m pip install -q -e ".[hf,sglang,demo,test,objects,gateway]"
 	# SGLang's own HTTP contract types for the sglang adapter's contract tests; only its
 	# generated api_types (msgspec) and io_struct (read as data) are used, so no dependencies.
 	$(PY) -m pip install -q --no-deps "sglang==0.5.23"

@@ -23,7 +23,8 @@ ALLOWED = {
     "trainer_client": {"schemas", "runtime", "broker", "policy_store"},
     "workers": {"schemas", "runtime", "broker", "policy_store", "models"},
     "integrations": {"schemas", "runtime", "broker", "policy_store", "trainer_client"},
-    "cli": {"schemas", "runtime", "broker", "policy_store", "models", "trainer_client", "workers"},
+    "gateway": {"schemas", "runtime", "trainer_client"},
+    "cli": {"schemas", "runtime", "broker", "policy_store", "models", "trainer_client", "workers", "gateway"},
     "testing": {"schemas", "runtime", "broker", "policy_store", "models", "trainer_client", "workers", "cli"},
 }
 

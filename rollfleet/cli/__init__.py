@@ -1,4 +1,5 @@
-"""The ``rollfleet`` command line: ``broker``, ``declare``, ``worker``, ``up``, ``permissions``, ``status``."""
+"""The ``rollfleet`` command line: ``broker``, ``declare``, ``worker``, ``up``, ``gateway``, ``permissions``,
+``status``."""
 
 from rollfleet.cli.main import main
 

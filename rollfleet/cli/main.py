@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -302,6 +303,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="a namespace and its worker ids, e.g. run1=w1,w2",
     )
 
+    p = sub.add_parser(
+        "gateway",
+        help="serve the fleet over HTTP: SGLang's POST /generate and OpenAI's /v1/completions",
+        formatter_class=_DefaultsFormatter,
+    )
+    _add_conn(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one, printed)")
+    p.add_argument(
+        "--max-staleness", type=int, default=None, help="constraint of requests that carry none (default: any version)"
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("ROLLFLEET_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (env ROLLFLEET_API_KEY)",
+    )
+    p.add_argument("--client-id", default="gateway", help="the gateway's client id (one live gateway per id)")
+    p.add_argument("--model-name", default="rollfleet", help="the model name /v1/models reports")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may wait for its answer")
+
     p = sub.add_parser("status", help="show the fleet, queue depths and the latest version")
     _add_conn(p)
     p.add_argument("--json", action="store_true")
@@ -324,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(cmd_up(args))
         if args.command == "status":
             return asyncio.run(cmd_status(args))
+        if args.command == "gateway":
+            return asyncio.run(cmd_gateway(args))
         if args.command == "permissions":
             return cmd_permissions(args)
     except RollfleetError as exc:
@@ -489,4 +512,27 @@ async def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(snapshot, indent=2))
     else:
         print(render_table(snapshot))
+    return 0
+
+
+async def cmd_gateway(args: argparse.Namespace) -> int:
+    from rollfleet.gateway.server import serve
+    from rollfleet.trainer_client import RolloutClient
+
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)  # type: ignore[union-attr]
+
+    def started(port: int) -> None:
+        print(f"rollfleet gateway on http://{args.host}:{port} (namespace {args.namespace})", flush=True)
+
+    async with await RolloutClient.connect(
+        args.nats, namespace=args.namespace, client_id=args.client_id, **_conn_options(args)
+    ) as client:
+        with contextlib.suppress(asyncio.CancelledError):
+            await serve(
+                client, args.host, args.port, started=started, model_name=args.model_name, api_key=args.api_key,
+                default_max_staleness=args.max_staleness, timeout_s=args.timeout,
+            )  # fmt: skip
     return 0

@@ -1,0 +1,370 @@
+"""The gateway's HTTP contract, as pure functions: request bodies in, rollfleet requests out;
+results and errors in, response bodies out. No I/O; ``gateway.server`` carries them out.
+
+Two request shapes are read:
+
+- SGLang's native ``POST /generate`` (what miles' rollout code sends): ``input_ids`` or
+  ``text``, ``sampling_params``, ``return_logprob``, ``stream``, ``rid``;
+- OpenAI's ``POST /v1/completions`` (what the official ``openai`` client sends): ``prompt`` as
+  text or token ids, ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``,
+  ``logprobs``, ``stream``.
+
+Both may carry Stitch's constraint object, ``weight_version: {"min_required_version": N,
+"exact_version": N}`` (through ``extra_body`` for the ``openai`` client); without one the
+gateway's default applies. Every field is checked for its type; an unknown field of
+``weight_version`` or of ``sampling_params`` is refused (a misspelt constraint must never
+silently mean "any version").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams
+from rollfleet.schemas.errors import InvalidRequest, RollfleetError
+from rollfleet.schemas.progress import TokenChunk
+
+Route = Literal["generate", "completions"]
+
+_SAMPLING_KEYS = {
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "seed", "n",
+}  # fmt: skip
+_CONSTRAINT_KEYS = {"min_required_version", "exact_version"}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Which versions may serve: exactly one of the three, or none (the gateway's default)."""
+
+    min_version: int | None = None
+    exact_version: int | None = None
+    max_staleness: int | None = None
+
+    def as_kwargs(self) -> dict[str, int]:
+        given = {
+            k: v
+            for k, v in (
+                ("min_version", self.min_version),
+                ("exact_version", self.exact_version),
+                ("max_staleness", self.max_staleness),
+            )
+            if v is not None
+        }
+        return given or {"min_version": 0}
+
+
+@dataclass(frozen=True)
+class GatewayRequest:
+    route: Route
+    payload: RolloutPayload
+    constraint: Constraint
+    idempotency_key: str | None
+    stream: bool
+    logprobs: bool  # return them (the payload always asks the engine for them)
+    model: str | None = None
+
+
+def _int(value: Any, name: str, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{name} must be an integer, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise InvalidRequest(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be true or false, got {type(value).__name__}")
+    return value
+
+
+def _token_ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest(f"{name} must be a non-empty list of token ids")
+    return [_int(t, f"{name}[]", minimum=0) for t in value]
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def constraint_of(body: dict[str, Any], default_max_staleness: int | None) -> Constraint:
+    """Stitch's ``weight_version`` object, else the gateway's default (``max_staleness`` below
+    the latest version, or any version)."""
+    spec = body.get("weight_version")
+    if spec is None:
+        return Constraint(max_staleness=default_max_staleness)
+    if not isinstance(spec, dict):
+        raise InvalidRequest("weight_version must be an object with min_required_version or exact_version")
+    unknown = set(spec) - _CONSTRAINT_KEYS
+    if unknown:
+        raise InvalidRequest(f"weight_version has unknown fields {sorted(unknown)}; known: {sorted(_CONSTRAINT_KEYS)}")
+    low, exact = spec.get("min_required_version"), spec.get("exact_version")
+    if low is not None and exact is not None:
+        raise InvalidRequest("weight_version: give min_required_version or exact_version, not both")
+    if exact is not None:
+        return Constraint(exact_version=_int(exact, "weight_version.exact_version", minimum=0))
+    if low is not None:
+        return Constraint(min_version=_int(low, "weight_version.min_required_version", minimum=0))
+    return Constraint(max_staleness=default_max_staleness)
+
+
+def _key(body: dict[str, Any], header: str | None) -> str | None:
+    if header is not None:
+        return header
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise InvalidRequest("rid must be a string (one request; a batch is not accepted with rid)")
+    return rid
+
+
+def parse_generate(body: Any, *, key_header: str | None, default_max_staleness: int | None) -> GatewayRequest:
+    """SGLang's ``/generate`` body (one input; a batch is refused with a clear error)."""
+    body = _object(body)
+    ids, text = body.get("input_ids"), body.get("text")
+    if (ids is None) == (text is None):
+        raise InvalidRequest("give exactly one of input_ids or text")
+    if isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+        raise InvalidRequest("a batch of inputs is not accepted: send one request per input")
+    if text is not None and not isinstance(text, str):
+        raise InvalidRequest("text must be a string")
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise InvalidRequest("sampling_params must be an object")
+    unknown = set(params) - _SAMPLING_KEYS
+    if unknown:
+        raise InvalidRequest(f"sampling_params has unknown fields {sorted(unknown)}")
+    sampling = SamplingParams(
+        max_tokens=_int(params.get("max_new_tokens", 128), "sampling_params.max_new_tokens", minimum=1),
+        temperature=_float(params.get("temperature", 1.0), "sampling_params.temperature"),
+        top_p=_float(params.get("top_p", 1.0), "sampling_params.top_p"),
+        top_k=max(0, _int(params.get("top_k", 0), "sampling_params.top_k")),  # SGLang's -1: no cut
+        stop_token_ids=_token_ids(params["stop_token_ids"], "sampling_params.stop_token_ids")
+        if params.get("stop_token_ids")
+        else [],
+        seed=_int(params["seed"], "sampling_params.seed") if params.get("seed") is not None else None,
+        logprobs=True,
+    )
+    extra: dict[str, Any] = {}
+    for name in ("ignore_eos", "min_p", "stop"):
+        if params.get(name) is not None:
+            extra[name] = params[name]
+    if "ignore_eos" in extra:
+        _bool(extra["ignore_eos"], "sampling_params.ignore_eos")
+    payload = RolloutPayload(
+        prompt_token_ids=_token_ids(ids, "input_ids") if ids is not None else None,
+        prompt_text=text,
+        sampling=sampling,
+        n=_int(params.get("n", 1), "sampling_params.n", minimum=1),
+        extra=extra,
+    )
+    return GatewayRequest(
+        route="generate",
+        payload=payload,
+        constraint=constraint_of(body, default_max_staleness),
+        idempotency_key=_key(body, key_header),
+        stream=_bool(body.get("stream", False), "stream"),
+        logprobs=_bool(body.get("return_logprob", False), "return_logprob"),
+    )
+
+
+def parse_completions(body: Any, *, key_header: str | None, default_max_staleness: int | None) -> GatewayRequest:
+    """OpenAI's ``/v1/completions`` body (one prompt: text or token ids)."""
+    body = _object(body)
+    prompt = body.get("prompt")
+    ids: list[int] | None = None
+    text: str | None = None
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = _token_ids(prompt, "prompt")
+    elif isinstance(prompt, list) and len(prompt) == 1:
+        one = prompt[0]
+        if isinstance(one, str):
+            text = one
+        else:
+            ids = _token_ids(one, "prompt[0]")
+    else:
+        raise InvalidRequest("prompt must be a string or a list of token ids (one prompt a request)")
+    stop = body.get("stop")
+    extra: dict[str, Any] = {}
+    if stop is not None:
+        if not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
+            raise InvalidRequest("stop must be a string or a list of strings")
+        extra["stop"] = stop
+    if body.get("ignore_eos") is not None:
+        extra["ignore_eos"] = _bool(body["ignore_eos"], "ignore_eos")
+    logprobs = body.get("logprobs")
+    if logprobs is not None:
+        _int(logprobs, "logprobs", minimum=0)
+    sampling = SamplingParams(
+        max_tokens=_int(body.get("max_tokens", 16), "max_tokens", minimum=1),
+        temperature=_float(body.get("temperature", 1.0), "temperature"),
+        top_p=_float(body.get("top_p", 1.0), "top_p"),
+        seed=_int(body["seed"], "seed") if body.get("seed") is not None else None,
+        logprobs=True,
+    )
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("model must be a string")
+    return GatewayRequest(
+        route="completions",
+        payload=RolloutPayload(
+            prompt_token_ids=ids,
+            prompt_text=text,
+            sampling=sampling,
+            n=_int(body.get("n", 1), "n", minimum=1),
+            extra=extra,
+        ),
+        constraint=constraint_of(body, default_max_staleness),
+        idempotency_key=_key(body, key_header),
+        stream=_bool(body.get("stream", False), "stream"),
+        logprobs=logprobs is not None,
+        model=model,
+    )
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+def _finish(reason: str, tokens: int) -> dict[str, Any]:
+    # SGLang's shape: {"type": "length", "length": N} | {"type": "stop", "matched": ...} | {"type": "abort"}
+    return {"type": "length", "length": tokens} if reason == "length" else {"type": reason}
+
+
+def _facts(result: RolloutResult, index: int) -> dict[str, Any]:
+    """rollfleet's own facts beside each shape's fields: which version made which tokens."""
+    out = result.outputs[index]
+    return {
+        "job_id": result.job_id,
+        "idempotency_key": result.idempotency_key,
+        "replica": result.worker_id,
+        "weight_versions": [[s.version, s.start, s.end, s.replica or result.worker_id] for s in out.weight_versions],
+        "queue_wait_s": result.queue_wait_s,
+        "generation_s": result.generation_s,
+    }
+
+
+def generate_response(result: RolloutResult, *, logprobs: bool) -> dict[str, Any] | list[dict[str, Any]]:
+    """SGLang's ``/generate`` answer (a list when ``n > 1``, as SGLang returns one item a sample)."""
+    items = []
+    for i, out in enumerate(result.outputs):
+        meta: dict[str, Any] = {
+            "id": f"{result.job_id}-{i}" if len(result.outputs) > 1 else result.job_id,
+            "finish_reason": _finish(out.finish_reason, len(out.token_ids)),
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": len(out.token_ids),
+            "cached_tokens": result.cached_tokens,
+            # What miles records per sample (SGLang reports its weight version as a string).
+            "weight_version": str(result.version_end),
+            "weight_version_start": result.version_start,
+            "weight_version_end": result.version_end,
+            "rollfleet": _facts(result, i),
+        }
+        if logprobs:
+            lps = out.logprobs or [None] * len(out.token_ids)
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, out.token_ids, strict=True)]
+        items.append({"text": out.text or "", "output_ids": list(out.token_ids), "meta_info": meta})
+    return items[0] if len(items) == 1 else items
+
+
+def completions_response(result: RolloutResult, *, model: str, created: int, logprobs: bool) -> dict[str, Any]:
+    choices = []
+    for i, out in enumerate(result.outputs):
+        choice: dict[str, Any] = {
+            "index": i,
+            "text": out.text or "",
+            "finish_reason": "length" if out.finish_reason == "length" else out.finish_reason,
+            "token_ids": list(out.token_ids),  # exact tokens: a trainer never re-tokenizes
+            "logprobs": None,
+            "rollfleet": _facts(result, i),
+        }
+        if logprobs:
+            choice["logprobs"] = {
+                "tokens": [str(t) for t in out.token_ids],
+                "token_logprobs": list(out.logprobs or []),
+                "top_logprobs": None,
+                "text_offset": None,
+            }
+        choices.append(choice)
+    completion_tokens = sum(len(o.token_ids) for o in result.outputs)
+    return {
+        "id": f"cmpl-{result.job_id}",
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": result.prompt_tokens + completion_tokens,
+        },
+        "weight_version_start": result.version_start,
+        "weight_version_end": result.version_end,
+    }
+
+
+def stream_event(req: GatewayRequest, chunk: TokenChunk, *, job_id: str, model: str, created: int) -> dict[str, Any]:
+    """One server-sent event: sample ``chunk.index``'s tokens from offset ``chunk.start`` (a
+    delta, with the versions that made them). Text comes whole in the last event (the gateway
+    holds no tokenizer; the tokens are exact)."""
+    spans = [[s.version, s.start, s.end, s.replica] for s in chunk.spans]
+    if req.route == "generate":
+        meta: dict[str, Any] = {"id": job_id, "finish_reason": None, "weight_versions": spans}
+        if req.logprobs:
+            lps = chunk.logprobs or [None] * len(chunk.token_ids)
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, chunk.token_ids, strict=True)]
+        return {"index": chunk.index, "start": chunk.start, "output_ids": list(chunk.token_ids), "meta_info": meta}
+    logprobs = None
+    if req.logprobs:
+        logprobs = {"tokens": [str(t) for t in chunk.token_ids], "token_logprobs": list(chunk.logprobs or []),
+                    "top_logprobs": None, "text_offset": None}  # fmt: skip
+    choice = {"index": chunk.index, "text": "", "token_ids": list(chunk.token_ids), "logprobs": logprobs,
+              "finish_reason": None, "rollfleet": {"start": chunk.start, "weight_versions": spans}}  # fmt: skip
+    return {"id": f"cmpl-{job_id}", "object": "text_completion", "created": created, "model": model,
+            "choices": [choice]}  # fmt: skip
+
+
+def final_event(req: GatewayRequest, result: RolloutResult, *, model: str, created: int) -> Any:
+    """The last event before ``[DONE]``: the whole answer, in the route's own shape."""
+    if req.route == "generate":
+        return generate_response(result, logprobs=req.logprobs)
+    whole = completions_response(result, model=model, created=created, logprobs=False)
+    for choice in whole["choices"]:  # (the tokens came as deltas: the text and finish reason come now)
+        choice["token_ids"] = []
+    return whole
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+def error_reply(exc: RollfleetError) -> ErrorReply:
+    """The HTTP status a client can act on: 409 with ``Retry-After`` when no replica can serve
+    the constraint now, 504 past the deadline, 400 for bad input, 503 for other retryable
+    errors, 500 otherwise; the body carries the error's code and ``retryable`` flag."""
+    code = exc.code
+    status = {
+        "no_compatible_replica": 409,
+        "expired": 504,
+        "invalid_request": 400,
+        "unsupported_schema": 400,
+        "idempotency_conflict": 422,
+        "cancelled": 499,
+        "unauthorized": 401,
+    }.get(code, 503 if exc.retryable else 500)
+    headers = {"Retry-After": "1"} if status in (409, 503) else {}
+    body = {"error": {"code": code, "message": exc.message, "retryable": exc.retryable, "type": type(exc).__name__}}
+    return ErrorReply(status, body, headers)

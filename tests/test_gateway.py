@@ -1,0 +1,270 @@
+"""The gateway (``rollfleet gateway``): its contract as pure functions, then a real gateway in
+front of real workers on a real broker, asked by clients nobody here wrote: the official
+``openai`` package, and bodies checked with SGLang's own ``GenerateRequest``. Bad input gets a
+typed 4xx and changes nothing; a retried key runs once; a client that leaves without a key has
+its job cancelled in the fleet; a gateway process SIGKILLed mid-request loses nothing a retry
+with the same key through another gateway cannot get back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from sglang_contract import api_types
+
+from rollfleet.gateway import protocol
+from rollfleet.gateway.server import serve
+from rollfleet.schemas import Completion, RolloutResult, VersionSpan
+from rollfleet.schemas.errors import Expired, InvalidRequest, NoCompatibleReplica
+from rollfleet.testing import ProcessGroup, running_worker, wait_until
+from rollfleet.testing.processes import rollfleet_command
+from rollfleet.trainer_client import RolloutClient, answers
+from tests.helpers import CountingEcho
+
+# -- the contract, pure ------------------------------------------------------------------------
+
+
+def test_a_generate_body_becomes_a_payload_and_a_constraint() -> None:
+    body = {
+        "input_ids": [3, 4, 5],
+        "sampling_params": {"max_new_tokens": 7, "temperature": 0.5, "top_k": -1, "ignore_eos": True, "n": 2},
+        "return_logprob": True,
+        "weight_version": {"min_required_version": 3},
+        "rid": "k1",
+    }
+    req = protocol.parse_generate(body, key_header=None, default_max_staleness=None)
+    assert req.payload.prompt_token_ids == [3, 4, 5] and req.payload.n == 2
+    assert req.payload.sampling.max_tokens == 7 and req.payload.sampling.top_k == 0
+    assert req.payload.extra == {"ignore_eos": True}
+    assert req.constraint.as_kwargs() == {"min_version": 3} and req.idempotency_key == "k1" and req.logprobs
+    exact = protocol.parse_generate(
+        {"text": "hi", "weight_version": {"exact_version": 2}}, key_header="h", default_max_staleness=1
+    )
+    assert exact.constraint.as_kwargs() == {"exact_version": 2} and exact.idempotency_key == "h"
+    default = protocol.parse_generate({"text": "hi"}, key_header=None, default_max_staleness=1)
+    assert default.constraint.as_kwargs() == {"max_staleness": 1}
+    anyv = protocol.parse_generate({"text": "hi"}, key_header=None, default_max_staleness=None)
+    assert anyv.constraint.as_kwargs() == {"min_version": 0}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        [],
+        {"input_ids": [1], "text": "x"},
+        {},
+        {"input_ids": [[1, 2], [3]]},
+        {"text": ["a", "b"]},
+        {"input_ids": [1, "2"]},
+        {"input_ids": [-1]},
+        {"input_ids": [1], "sampling_params": {"max_new_tokens": "9"}},
+        {"input_ids": [1], "sampling_params": {"max_tokens": 9}},  # OpenAI's name in SGLang's object
+        {"input_ids": [1], "weight_version": {"min_version": 1}},  # a misspelt constraint
+        {"input_ids": [1], "weight_version": {"min_required_version": 1, "exact_version": 1}},
+        {"input_ids": [1], "weight_version": 3},
+        {"input_ids": [1], "stream": "yes"},
+        {"input_ids": [1], "rid": ["a"]},
+    ],
+)
+def test_a_bad_generate_body_is_a_typed_error(body: Any) -> None:
+    with pytest.raises(InvalidRequest):
+        protocol.parse_generate(body, key_header=None, default_max_staleness=None)
+
+
+def test_completions_bodies_as_the_openai_client_sends_them() -> None:
+    req = protocol.parse_completions(
+        {"model": "m", "prompt": [1, 2], "max_tokens": 4, "logprobs": 1, "weight_version": {"exact_version": 0}},
+        key_header=None,
+        default_max_staleness=None,
+    )
+    assert (
+        req.payload.prompt_token_ids == [1, 2] and req.logprobs and req.constraint.as_kwargs() == {"exact_version": 0}
+    )
+    assert (
+        protocol.parse_completions({"prompt": ["hi"]}, key_header=None, default_max_staleness=None).payload.prompt_text
+        == "hi"
+    )
+    for bad in ({"prompt": ["a", "b"]}, {"prompt": 3}, {"prompt": "x", "max_tokens": 0}, {"prompt": "x", "stop": 3}):
+        with pytest.raises(InvalidRequest):
+            protocol.parse_completions(bad, key_header=None, default_max_staleness=None)
+
+
+def _result(**kw: Any) -> RolloutResult:
+    spans = [VersionSpan(version=1, start=0, end=2), VersionSpan(version=2, start=2, end=3)]
+    out = Completion(token_ids=[7, 8, 9], finish_reason="length", logprobs=[-0.1, -0.2, -0.3], text="abc",
+                     weight_versions=spans)  # fmt: skip
+    base = dict(job_id="j", idempotency_key="k", client_id="c", outputs=[out], version_start=1, version_end=2,
+                worker_id="w", engine="echo", queue_wait_s=0.0, generation_s=0.1, delivery_attempt=1,
+                finished_at=0.0, prompt_tokens=3)  # fmt: skip
+    return RolloutResult(**(base | kw))
+
+
+def test_responses_carry_what_miles_and_openai_clients_read_and_the_versions() -> None:
+    g = protocol.generate_response(_result(), logprobs=True)
+    assert isinstance(g, dict) and g["text"] == "abc"
+    meta = g["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 3}
+    assert meta["output_token_logprobs"] == [[-0.1, 7, None], [-0.2, 8, None], [-0.3, 9, None]]
+    assert (meta["weight_version"], meta["weight_version_start"], meta["weight_version_end"]) == ("2", 1, 2)
+    assert meta["rollfleet"]["weight_versions"] == [[1, 0, 2, "w"], [2, 2, 3, "w"]]
+    c = protocol.completions_response(_result(), model="m", created=1, logprobs=True)
+    assert c["choices"][0]["token_ids"] == [7, 8, 9] and c["choices"][0]["logprobs"]["token_logprobs"][2] == -0.3
+    assert c["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+def test_errors_map_to_statuses_a_client_can_act_on() -> None:
+    busy = protocol.error_reply(NoCompatibleReplica("none at exact:9"))
+    assert busy.status == 409 and busy.headers == {"Retry-After": "1"} and busy.body["error"]["retryable"]
+    assert protocol.error_reply(Expired("late")).status == 504
+    bad = protocol.error_reply(InvalidRequest("no"))
+    assert bad.status == 400 and bad.body["error"]["code"] == "invalid_request" and not bad.body["error"]["retryable"]
+
+
+# -- a real gateway --------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def gateway(url: str, namespace: str, **options: Any) -> AsyncIterator[str]:
+    async with await RolloutClient.connect(url, namespace=namespace, client_id="gw") as client:
+        bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(serve(client, "127.0.0.1", 0, started=bound.set_result, **options))
+        try:
+            yield f"http://127.0.0.1:{await asyncio.wait_for(bound, 10)}"
+        finally:
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+
+async def test_the_official_openai_client_gets_exact_tokens_logprobs_and_versions(
+    nats_url: str, namespace: str
+) -> None:
+    async with (
+        running_worker(nats_url, namespace, engine=CountingEcho(per_token_s=0.002)),
+        gateway(nats_url, namespace, api_key="sekrit") as base,
+    ):
+        oa = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="sekrit", max_retries=0)
+        models = await oa.models.list()
+        assert [m.id for m in models.data] == ["rollfleet"]
+        done = await oa.completions.create(
+            model="rollfleet", prompt=[5, 6, 7], max_tokens=6, logprobs=1,
+            extra_body={"weight_version": {"min_required_version": 0}},
+        )  # fmt: skip
+        choice = done.choices[0]
+        extra = choice.model_extra or {}
+        assert len(extra["token_ids"]) == 6 and choice.finish_reason == "length"
+        assert choice.logprobs is not None and len(choice.logprobs.token_logprobs or []) == 6
+        assert extra["rollfleet"]["weight_versions"][0][:3] == [0, 0, 6]
+        chunks = [
+            c async for c in await oa.completions.create(model="rollfleet", prompt="hello", max_tokens=5, stream=True)
+        ]
+        streamed = [t for c in chunks for t in (c.choices[0].model_extra or {}).get("token_ids", [])]
+        assert len(streamed) == 5 and chunks[-1].choices[0].finish_reason == "length"
+        # No replica at exact:9: a 409 the client sees as a conflict, with the code and retryable.
+        with pytest.raises(openai.ConflictError) as busy:
+            await oa.completions.create(model="rollfleet", prompt=[1], max_tokens=2,
+                                        extra_body={"weight_version": {"exact_version": 9}})  # fmt: skip
+        assert busy.value.response.headers["retry-after"] == "1"
+        error = busy.value.body  # (the client hands over the body's "error" object)
+        assert isinstance(error, dict) and error["code"] == "no_compatible_replica" and error["retryable"] is True
+        with pytest.raises(openai.AuthenticationError):
+            await openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+async def test_generate_in_sglangs_shape_retried_by_key_runs_once(nats_url: str, namespace: str) -> None:
+    engine = CountingEcho(per_token_s=0.002)
+    body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 8, "temperature": 1.0},
+            "return_logprob": True}  # fmt: skip
+    api_types().GenerateRequest.from_json_value(body)  # what we send is what SGLang accepts
+    async with (
+        running_worker(nats_url, namespace, engine=engine),
+        gateway(nats_url, namespace) as base,
+        httpx.AsyncClient(base_url=base, timeout=30) as http,
+    ):
+        first = await http.post("/generate", json=body, headers={"Idempotency-Key": "g-1"})
+        again = await http.post("/generate", json=body, headers={"Idempotency-Key": "g-1"})
+        assert first.status_code == again.status_code == 200, first.text
+        a, b = first.json(), again.json()
+        assert a["meta_info"]["rollfleet"]["job_id"] == b["meta_info"]["rollfleet"]["job_id"]
+        assert a["output_ids"] == b["output_ids"] and len(engine.calls) == 1  # one run, one answer
+        meta = a["meta_info"]
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == a["output_ids"]
+        assert meta["finish_reason"]["type"] == "length" and meta["weight_version"] == "0"
+        # Bad input: a typed 400 naming the problem, and nothing submitted.
+        for bad in (b"{not json", json.dumps({"input_ids": [1], "weight_version": {"min": 1}}).encode(),
+                    b"[" * 100_000 + b"]" * 100_000):  # fmt: skip
+            r = await http.post("/generate", content=bad, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", r.text
+        big = await http.post(
+            "/generate", content=b" " * (2 * 1024 * 1024), headers={"Content-Type": "application/json"}
+        )
+        assert big.status_code == 413
+        assert len(engine.calls) == 1
+        health = await http.get("/health")
+        assert health.status_code == 200 and health.json()["replicas"] == 1
+        metrics = (await http.get("/metrics")).text
+        assert 'rollfleet_gateway_requests_total{route="/generate",status="200"} 2.0' in metrics
+
+
+async def test_a_client_that_leaves_without_a_key_has_its_job_cancelled(nats_url: str, namespace: str) -> None:
+    engine = CountingEcho(per_token_s=0.01)
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1500}}  # 15 s
+    async with (
+        running_worker(nats_url, namespace, engine=engine, capacity=1),
+        gateway(nats_url, namespace) as base,
+    ):
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            request = asyncio.create_task(http.post("/generate", json=body))
+            await wait_until(lambda: engine.running == 1, timeout=10, what="the job running")
+            request.cancel()  # the connection closes with it
+            with pytest.raises(asyncio.CancelledError):
+                await request
+        await wait_until(lambda: engine.running == 0, timeout=10, what="the job stopped in the fleet")
+
+
+async def test_a_gateway_killed_mid_request_loses_nothing_a_keyed_retry_cannot_get(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """A real ``rollfleet gateway`` process is SIGKILLed while a keyed request runs; the client
+    retries the key through a second gateway process with the same client id (a restart): one
+    run, one answer."""
+    procs = ProcessGroup(tmp_path)
+    body = {"input_ids": [9, 9], "sampling_params": {"max_new_tokens": 100}}
+    try:
+        procs.worker(nats_url, namespace, "w", "--echo-token-latency", "0.02")
+
+        async def start(name: str) -> str:
+            procs.spawn(name, rollfleet_command("gateway", "--nats", nats_url, "-n", namespace, "--port", "0"))
+            log = procs.log(name)
+            await wait_until(lambda: "rollfleet gateway on" in (log.read_text() if log.exists() else ""), timeout=30,
+                             what=f"{name} listening")  # fmt: skip
+            line = next(x for x in log.read_text().splitlines() if "rollfleet gateway on" in x)
+            return line.split()[3]
+
+        first = await start("gw1")
+        async with httpx.AsyncClient(timeout=30) as http:
+            running = asyncio.create_task(
+                http.post(f"{first}/generate", json=body, headers={"Idempotency-Key": "kill-1"})
+            )
+            await asyncio.sleep(1.0)  # 100 tokens at 20 ms: mid-generation
+            procs.procs["gw1"].send_signal(signal.SIGKILL)
+            with pytest.raises(httpx.HTTPError):
+                await running
+            second = await start("gw2")
+            answer = await http.post(f"{second}/generate", json=body, headers={"Idempotency-Key": "kill-1"})
+            assert answer.status_code == 200, answer.text
+            assert len(answer.json()["output_ids"]) == 100
+            assert answer.json()["meta_info"]["rollfleet"]["idempotency_key"] == "kill-1"
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="reader") as reader:
+            stored = [o async for _, o in answers.stored(reader.js, reader.names, "gateway", "kill-1")]
+    finally:
+        procs.close()
+    assert len(stored) == 1  # the fleet answered the key once
