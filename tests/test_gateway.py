@@ -79,6 +79,27 @@ def test_a_bad_generate_body_is_a_typed_error(body: Any) -> None:
         protocol.parse_generate(body, key_header=None, default_max_staleness=None)
 
 
+def test_the_body_miles_sends_is_accepted_and_its_sampling_keys_reach_the_engine() -> None:
+    """miles' own default request (rollout/generate_utils/generate_endpoint_utils.py and
+    sglang_rollout.py): its sampling parameters include SGLang-only keys."""
+    body = {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {
+            "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 16, "stop": None,
+            "stop_token_ids": None, "skip_special_tokens": False, "no_stop_trim": True,
+            "spaces_between_special_tokens": False, "sampling_seed": 7,
+        },
+        "return_logprob": True,
+        "return_routed_experts": False,
+        "return_indexer_topk": False,
+    }  # fmt: skip
+    api_types().GenerateRequest.from_json_value(body)
+    req = protocol.parse_generate(body, key_header=None, default_max_staleness=None)
+    assert req.payload.sampling.seed == 7 and req.payload.sampling.top_k == 0
+    assert req.payload.extra == {"skip_special_tokens": False, "no_stop_trim": True,
+                                 "spaces_between_special_tokens": False}  # fmt: skip
+
+
 def test_completions_bodies_as_the_openai_client_sends_them() -> None:
     req = protocol.parse_completions(
         {"model": "m", "prompt": [1, 2], "max_tokens": 4, "logprobs": 1, "weight_version": {"exact_version": 0}},

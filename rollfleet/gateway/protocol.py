@@ -27,9 +27,16 @@ from rollfleet.schemas.progress import TokenChunk
 
 Route = Literal["generate", "completions"]
 
-_SAMPLING_KEYS = {
-    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "seed", "n",
+# SGLang's sampling parameters (sglang.api.v1.SamplingParams, which refuses any other key). The
+# gateway reads the ones rollfleet's payload has; the rest reach the engine as they are.
+_SAMPLING_READ = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "n", "sampling_seed"}
+_SAMPLING_PASSED = {
+    "stop", "stop_regex", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
+    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "custom_params",
+    "beam_width", "watermark", "choice",
 }  # fmt: skip
+_NO_TOP_K = 1 << 30  # SGLang's "no cut" (its default is 1073741824; -1 also means none)
 _CONSTRAINT_KEYS = {"min_required_version", "exact_version"}
 
 
@@ -140,24 +147,23 @@ def parse_generate(body: Any, *, key_header: str | None, default_max_staleness: 
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise InvalidRequest("sampling_params must be an object")
-    unknown = set(params) - _SAMPLING_KEYS
+    unknown = set(params) - _SAMPLING_READ - _SAMPLING_PASSED
     if unknown:
-        raise InvalidRequest(f"sampling_params has unknown fields {sorted(unknown)}")
+        raise InvalidRequest(f"sampling_params has unknown fields {sorted(unknown)} (SGLang's names are expected)")
+    top_k = _int(params["top_k"], "sampling_params.top_k") if params.get("top_k") is not None else 0
+    seed = params.get("sampling_seed")
     sampling = SamplingParams(
         max_tokens=_int(params.get("max_new_tokens", 128), "sampling_params.max_new_tokens", minimum=1),
         temperature=_float(params.get("temperature", 1.0), "sampling_params.temperature"),
         top_p=_float(params.get("top_p", 1.0), "sampling_params.top_p"),
-        top_k=max(0, _int(params.get("top_k", 0), "sampling_params.top_k")),  # SGLang's -1: no cut
+        top_k=0 if top_k < 0 or top_k >= _NO_TOP_K else top_k,
         stop_token_ids=_token_ids(params["stop_token_ids"], "sampling_params.stop_token_ids")
         if params.get("stop_token_ids")
         else [],
-        seed=_int(params["seed"], "sampling_params.seed") if params.get("seed") is not None else None,
+        seed=_int(seed, "sampling_params.sampling_seed") if seed is not None else None,
         logprobs=True,
     )
-    extra: dict[str, Any] = {}
-    for name in ("ignore_eos", "min_p", "stop"):
-        if params.get(name) is not None:
-            extra[name] = params[name]
+    extra = {k: v for k, v in params.items() if k in _SAMPLING_PASSED and v is not None}
     if "ignore_eos" in extra:
         _bool(extra["ignore_eos"], "sampling_params.ignore_eos")
     payload = RolloutPayload(
