@@ -180,6 +180,10 @@ async def test_consumed_groups_stay_within_the_bound_by_their_own_tokens(
                     batches.append(batch)
                     await client.publish_policy(publisher, tensors_at(batch.version + 1))
                 _identity_holds(loop, sum(len(b.groups) for b in batches))
+                trained = client.metrics.registry.get_sample_value(
+                    "rollfleet_loop_trained_tokens_total", {"client_id": "t"}
+                )
+                assert trained == loop.totals["tokens"] == sum(b.stats.tokens for b in batches)
     keys: dict[int, bytes] = {}
 
     def key_of(v: int) -> bytes:
