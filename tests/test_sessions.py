@@ -243,23 +243,32 @@ async def test_version_policies_hold_across_activations(
     not the first turn's. Every turn reports its per-token versions."""
     async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
         await client.publish_policy(publisher, tensors_at(0))
-        async with (
-            running_worker(nats_url, namespace, engine=EchoEngine(per_token_s=0.01), **follower(tmp_path, "new")),
-            # One slot on `old`: it cannot take every session's first turn, so some sessions live on `new`.
-            running_worker(
-                nats_url, namespace, version=0, worker_id="old", engine=EchoEngine(per_token_s=0.01), capacity=1
-            ),
+        async with running_worker(
+            nats_url, namespace, engine=EchoEngine(per_token_s=0.01), **follower(tmp_path, "new")
         ):
-            await client.wait_for_version(0, replicas=2, timeout=20)
+            await client.wait_for_version(0, replicas=1, timeout=20)
             constraint: dict[str, int] = {"max_staleness": 1} if policy == "free" else {"min_version": 0}
             sessions = [client.session(version_policy=policy, **constraint) for _ in range(4)]  # type: ignore[arg-type]
             for s in sessions:
                 await s.open()
             turns: dict[str, list[RolloutResult]] = {s.session_id: [] for s in sessions}
             floors: dict[str, list[int]] = {s.session_id: [] for s in sessions}  # free: latest - 1 at submit
+            # Every session's first turn runs on `new` (the only replica yet), so every session has
+            # an activation to live through; `old` joins after, at version 0, for the policies to
+            # keep turns off (monotonic) or on (pinned).
+            for s in sessions:
+                floors[s.session_id].append(0)
+                turns[s.session_id].append(await s.generate(turn_payload([1, 2, 3], max_tokens=20)))
+            late = contextlib.AsyncExitStack()
+            await late.enter_async_context(
+                running_worker(
+                    nats_url, namespace, version=0, worker_id="old", engine=EchoEngine(per_token_s=0.01), capacity=1
+                )
+            )
+            await client.wait_for_version(0, replicas=2, timeout=20)
 
             async def run(s: Any) -> None:
-                context = [1, 2, 3]
+                context = [1, 2, 3, *turns[s.session_id][0].outputs[0].token_ids]
                 # 0.2 s a turn: the versions land while they run. At least 12 turns, and on until
                 # `new` serves version 2 and, for monotonic sessions, some turn has run past
                 # version 0 (a loaded host activates slowly; the check below needs it), at most 60.
@@ -279,9 +288,12 @@ async def test_version_policies_hold_across_activations(
             for version in (1, 2):
                 await asyncio.sleep(0.3)
                 await client.publish_policy(publisher, tensors_at(version))
-            await asyncio.wait_for(runs, 60)
-            for s in sessions:
-                await s.close()
+            try:
+                await asyncio.wait_for(runs, 60)
+                for s in sessions:
+                    await s.close()
+            finally:
+                await late.aclose()
     for results in turns.values():
         for r in results:  # the spans cover every token and agree with the reported range
             spans = r.outputs[0].weight_versions
