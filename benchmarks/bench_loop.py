@@ -13,7 +13,8 @@ Completion lengths are long-tailed: most prompts ask for 8 tokens, one in six fo
 optimizer's stand-in: the same for every trainer) and then publishes a real new version
 (~1 % of every tensor changed) that the workers prepare and activate while serving.
 ``max_staleness=1``. Figures per trainer: tokens trained on per second of wall time, waste
-(tokens generated and never trained on, over tokens generated), trainer wait per step.
+(tokens generated and never trained on, over tokens generated), trainer wait per step. Then, on
+the same fleet: how long ``cancel()`` of a running 2,000-token job takes to come back answered.
 """
 
 from __future__ import annotations
@@ -153,6 +154,27 @@ async def run_sync(
     return _figures(trained, 0, 0, waits, time.perf_counter() - t0)
 
 
+async def cancel_latencies(client: RolloutClient, trials: int) -> list[float]:
+    """Seconds from ``cancel()`` on a running 2,000-token job to its answer (the replica aborted
+    the generation, answered with the tokens so far, and freed its slot)."""
+    out = []
+    for i in range(trials):
+        payload = RolloutPayload(
+            prompt_token_ids=[11, 12, 13, i],
+            sampling=SamplingParams(max_tokens=2000, temperature=1.0),
+            extra={"ignore_eos": True},
+        )
+        handle = await client.submit(payload, min_version=0, timeout=300)
+        await asyncio.sleep(1.0)  # generating by now on an idle fleet
+        t0 = time.perf_counter()
+        outcome = await handle.cancel(timeout=30)
+        out.append(time.perf_counter() - t0)
+        result = handle.settled_result()
+        made = len(result.outputs[0].token_ids) if result is not None else 0
+        assert outcome == "stopped" and made < 2000, (outcome, made)
+    return out
+
+
 def _figures(trained: int, wasted: int, _still: int, waits: list[float], wall: float) -> dict[str, float]:
     generated = trained + wasted
     return {
@@ -190,6 +212,8 @@ async def bench(url: str, steps: int, tmp: Path) -> list[Row]:
                 await client.wait_for_version(client.latest_version or 0, replicas=3, timeout=300)
                 results[name] = await fn(client, trainer, list(items), steps)
                 print(f"  {name:<10} {results[name]}", flush=True)
+            cancels = await cancel_latencies(client, 3 if steps < 10 else 5)
+            print(f"  cancel     {cancels}", flush=True)
         finally:
             stop_all(procs)
     loop, demo, sync = results["loop"], results["demo-loop"], results["sync"]
@@ -204,6 +228,8 @@ async def bench(url: str, steps: int, tmp: Path) -> list[Row]:
             "demo-loop", False, "<= 0.05", {}, loop["waste_fraction"] <= 0.05),
         Row("loop/trainer-wait", "per step", "s", loop["wait_per_step_s"], demo["wait_per_step_s"],
             "demo-loop", False, "<= 1.0x", {}, loop["wait_per_step_s"] <= demo["wait_per_step_s"]),
+        Row("loop/cancel-running", f"hf, slowest of {len(cancels)}", "s", max(cancels), None, "", False,
+            "<= 1 s", {"all_s": cancels}, max(cancels) <= 1.0),
     ]  # fmt: skip
     return rows
 

@@ -261,6 +261,8 @@ async def test_a_gateway_killed_mid_request_loses_nothing_a_keyed_retry_cannot_g
     body = {"input_ids": [9, 9], "sampling_params": {"max_new_tokens": 100}}
     try:
         procs.worker(nats_url, namespace, "w", "--echo-token-latency", "0.02")
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="watch") as watch:
+            await watch.wait_for_version(0, replicas=1, timeout=30)  # a request now runs (no 409)
 
         async def start(name: str) -> str:
             procs.spawn(name, rollfleet_command("gateway", "--nats", nats_url, "-n", namespace, "--port", "0"))
