@@ -1,0 +1,130 @@
+"""The gateway's cost: the same fleet asked through ``rollfleet gateway`` (HTTP, SGLang's
+``/generate``) and directly through ``RolloutClient``, in the same run.
+
+One broker, one echo worker process (capacity 64), one ``rollfleet gateway`` process. From this
+process, interleaved rounds of: sequential requests (1 in flight: p50 latency) and a window of
+64 in flight (throughput), over HTTP to the gateway and through ``RolloutClient`` to the
+fleet, the same prompt and length. The HTTP caller is aiohttp's client (httpx's own CPU per
+request capped the window below what the gateway serves). Targets (issue 32): p50 through the
+gateway within 1.1x plus 2 ms of the client's; throughput >= 0.9x. The gateway's CPU per
+request (from /proc) is reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import aiohttp
+
+from benchmarks._fleet import REPO, machine_load, percentile
+from benchmarks.report import Row
+from rollfleet.schemas import RolloutPayload, SamplingParams
+from rollfleet.testing import cpu_seconds, spawn, stop_all, temp_broker, wait_until, worker_command
+from rollfleet.testing.processes import rollfleet_command
+from rollfleet.trainer_client import RolloutClient
+
+PROMPT = list(range(3, 35))
+MAX_TOKENS = 16
+WINDOW = 64
+
+
+def _payload() -> RolloutPayload:
+    return RolloutPayload(prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0))
+
+
+_BODY = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 1.0}}
+
+
+async def _direct_one(client: RolloutClient) -> None:
+    await (await client.submit(_payload(), min_version=0, timeout=60))
+
+
+async def _gateway_one(http: aiohttp.ClientSession) -> None:
+    async with http.post("/generate", json=_BODY) as r:
+        r.raise_for_status()
+        await r.read()
+
+
+async def _latencies(one: object, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await one()  # type: ignore[operator]
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+async def _throughput(one: object, total: int) -> float:
+    sem = asyncio.Semaphore(WINDOW)
+
+    async def go() -> None:
+        async with sem:
+            await one()  # type: ignore[operator]
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(go() for _ in range(total)))
+    return total / (time.perf_counter() - t0)
+
+
+async def bench(url: str, rounds: int, seq: int, total: int, tmp: Path) -> list[Row]:
+    namespace = "gw" + uuid.uuid4().hex[:8]
+    procs = []
+    lat = {"direct": [], "gateway": []}  # type: dict[str, list[float]]
+    thr = {"direct": [], "gateway": []}  # type: dict[str, list[float]]
+    gw_cpu_per_req: list[float] = []
+    caller_cpu: list[float] = []  # this process's (the HTTP caller's) CPU per request
+    async with await RolloutClient.connect(url, namespace=namespace, client_id="bench") as client:
+        try:
+            procs.append(spawn(worker_command(url, namespace, "w", "--capacity", str(WINDOW)), tmp / "w.log", cwd=REPO))
+            gw_log = tmp / "gw.log"
+            gw = spawn(rollfleet_command("gateway", "--nats", url, "-n", namespace, "--port", "0"), gw_log, cwd=REPO)
+            procs.append(gw)
+            await client.wait_for_version(0, replicas=1, timeout=60)
+            found = await wait_until(
+                lambda: re.search(r"on (http://\S+)", gw_log.read_text()) if gw_log.exists() else None, timeout=60,
+                what="the gateway listening",
+            )  # fmt: skip
+            base = found.group(1)
+            # aiohttp's client as the caller: httpx spent 3.4 ms of this process's CPU a request,
+            # capping the window at what the caller, not the gateway, could send.
+            connector = aiohttp.TCPConnector(limit=WINDOW)
+            async with aiohttp.ClientSession(base_url=base, connector=connector) as http:
+                for _ in range(20):  # warm both paths
+                    await _direct_one(client)
+                    await _gateway_one(http)
+                for _ in range(rounds):
+                    lat["direct"] += await _latencies(lambda: _direct_one(client), seq)
+                    lat["gateway"] += await _latencies(lambda: _gateway_one(http), seq)
+                    thr["direct"].append(await _throughput(lambda: _direct_one(client), total))
+                    c0, me0 = cpu_seconds(gw.pid), cpu_seconds()
+                    thr["gateway"].append(await _throughput(lambda: _gateway_one(http), total))
+                    gw_cpu_per_req.append((cpu_seconds(gw.pid) - c0) / total)
+                    caller_cpu.append((cpu_seconds() - me0) / total)
+        finally:
+            stop_all(procs)
+    p50 = {k: percentile(v, 50) for k, v in lat.items()}
+    tput = {k: statistics.median(v) for k, v in thr.items()}
+    extra = {"rounds": rounds, "sequential_per_round": seq, "window": WINDOW, "per_window_round": total,
+             "p99_s": {k: percentile(v, 99) for k, v in lat.items()}, "load": machine_load(),
+             "gateway_cpu_s_per_request": statistics.median(gw_cpu_per_req),
+             "http_caller_cpu_s_per_request": statistics.median(caller_cpu)}  # fmt: skip
+    return [
+        Row("gateway/latency", "1 in flight, p50", "s", p50["gateway"], p50["direct"], "RolloutClient", False,
+            "<= 1.1x + 2 ms", extra, p50["gateway"] <= 1.1 * p50["direct"] + 0.002),
+        Row("gateway/throughput", f"{WINDOW} in flight", "req/s", tput["gateway"], tput["direct"], "RolloutClient",
+            True, ">= 0.9x", {}, tput["gateway"] >= 0.9 * tput["direct"]),
+        Row("gateway/cpu", "gateway process, per request", "ms", 1000 * statistics.median(gw_cpu_per_req), None, "",
+            False, "", {}),
+    ]  # fmt: skip
+
+
+def run(quick: bool = False) -> list[Row]:
+    rounds, seq, total = (1, 20, 128) if quick else (5, 100, 1000)
+    with temp_broker("bench-gw-") as broker, tempfile.TemporaryDirectory(prefix="bench-gw-") as tmp:
+        return asyncio.run(bench(broker.url, rounds, seq, total, Path(tmp)))
