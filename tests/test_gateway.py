@@ -235,6 +235,45 @@ async def test_generate_in_sglangs_shape_retried_by_key_runs_once(nats_url: str,
         assert 'rollfleet_gateway_requests_total{route="/generate",status="200"} 2.0' in metrics
 
 
+def test_a_session_header_names_one_stable_valid_session() -> None:
+    a = protocol.session_id_of("traj-17")
+    assert a == protocol.session_id_of("traj-17") != protocol.session_id_of("traj-18")
+    assert a.startswith("gw-") and len(a) == 27 and protocol.session_id_of("ü/../*>") != a
+    for bad in ("", "x" * 513):
+        with pytest.raises(InvalidRequest):
+            protocol.session_id_of(bad)
+
+
+async def test_a_trajectorys_turns_stick_to_one_replica_through_the_routing_header(
+    nats_url: str, namespace: str
+) -> None:
+    """Six turns of one trajectory (miles' ``X-SMG-Routing-Key``), each prompt the whole context
+    so far, on two replicas: every turn is served by the replica holding its context, and the
+    replica reports the context's prefix as cached from the second turn on."""
+    engines = {"a": CountingEcho(per_token_s=0.002), "b": CountingEcho(per_token_s=0.002)}
+    async with (
+        running_worker(nats_url, namespace, worker_id="a", engine=engines["a"]),
+        running_worker(nats_url, namespace, worker_id="b", engine=engines["b"]),
+        gateway(nats_url, namespace) as base,
+        httpx.AsyncClient(base_url=base, timeout=30) as http,
+    ):
+        context = [3, 4, 5]
+        served, cached = [], []
+        for _ in range(6):
+            body = {"input_ids": context, "sampling_params": {"max_new_tokens": 4}}
+            r = await http.post("/generate", json=body, headers={"X-SMG-Routing-Key": "traj-1"})
+            assert r.status_code == 200, r.text
+            served.append(r.json()["meta_info"]["rollfleet"]["replica"])
+            cached.append(r.json()["meta_info"]["cached_tokens"])
+            context = context + r.json()["output_ids"] + [7]
+        assert len(set(served)) == 1, served
+        assert all(c > 0 for c in cached[1:]), cached
+        # A second, different trajectory header is another session: its turn runs too.
+        other = await http.post("/generate", json={"input_ids": [9], "sampling_params": {"max_new_tokens": 2}},
+                                headers={"X-Session-Id": "traj-2"})  # fmt: skip
+        assert other.status_code == 200, other.text
+
+
 async def test_a_client_that_leaves_without_a_key_has_its_job_cancelled(nats_url: str, namespace: str) -> None:
     engine = CountingEcho(per_token_s=0.01)
     body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1500}}  # 15 s

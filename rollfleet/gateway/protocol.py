@@ -18,6 +18,7 @@ silently mean "any version").
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -239,6 +240,18 @@ def parse_completions(body: Any, *, key_header: str | None, default_max_stalenes
     )
 
 
+SESSION_HEADERS = ("X-Session-Id", "X-SMG-Routing-Key")  # (miles' router sends the second)
+_MAX_SESSION_KEY = 512
+
+
+def session_id_of(key: str) -> str:
+    """The rollfleet session a trajectory's header names: a digest of it, so that any header
+    value (a user's string, a UUID, a hash) becomes a valid, stable session id of bounded size."""
+    if not key or len(key) > _MAX_SESSION_KEY:
+        raise InvalidRequest(f"a session header must be 1 to {_MAX_SESSION_KEY} characters")
+    return "gw-" + hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+
+
 # -- responses ---------------------------------------------------------------------------------
 
 
@@ -370,6 +383,8 @@ def error_reply(exc: RollfleetError) -> ErrorReply:
         "idempotency_conflict": 422,
         "cancelled": 499,
         "unauthorized": 401,
+        "session_conflict": 409,  # (a turn of the trajectory still running, or other settings)
+        "unknown_session": 404,
     }.get(code, 503 if exc.retryable else 500)
     headers = {"Retry-After": "1"} if status in (409, 503) else {}
     body = {"error": {"code": code, "message": exc.message, "retryable": exc.retryable, "type": type(exc).__name__}}

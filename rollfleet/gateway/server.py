@@ -27,6 +27,7 @@ from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import RolloutResult
 from rollfleet.schemas.bounded import load_json
 from rollfleet.schemas.errors import AuthorizationError, InvalidRequest, RollfleetError
+from rollfleet.trainer_client import Session
 
 if TYPE_CHECKING:
     from rollfleet.trainer_client import RolloutClient, RolloutHandle
@@ -66,6 +67,7 @@ class Gateway:
         self.timeout_s = timeout_s
         self.metrics = GatewayMetrics()
         self._cancels: set[asyncio.Task[Any]] = set()
+        self._opening: dict[str, asyncio.Lock] = {}  # one open of a session at a time
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._measured])
@@ -156,12 +158,33 @@ class Gateway:
                  "latest_version": self.client.latest_version}  # fmt: skip
         return web.json_response({"object": "list", "data": [model]})
 
+    async def _session(self, request: web.Request, req: GatewayRequest) -> Session | None:
+        """The rollfleet session of a request that names its trajectory (``X-Session-Id``, or
+        miles' ``X-SMG-Routing-Key``): opened on its first turn with the request's constraint,
+        resumed after (also by a restarted gateway with the same client id). Its turns stick to
+        the replica holding their context, under the session's version policy (monotonic)."""
+        key = next((request.headers[h] for h in protocol.SESSION_HEADERS if h in request.headers), None)
+        if key is None:
+            return None
+        if req.stream:
+            raise InvalidRequest("a session's turn cannot be streamed yet: leave out the session header or stream")
+        sid = protocol.session_id_of(key)
+        async with self._opening.setdefault(sid, asyncio.Lock()):
+            found = self.client.sessions.get(sid)
+            if isinstance(found, Session) and not found.closed:
+                return found
+            return await self.client.session(sid, **req.constraint.as_kwargs()).open()
+
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         req = protocol.parse_generate(
             await self._body(request),
             key_header=request.headers.get("Idempotency-Key"),
             default_max_staleness=self.default_max_staleness,
         )
+        session = await self._session(request, req)
+        if session is not None:
+            result = await session.generate(req.payload, timeout=self.timeout_s)
+            return web.json_response(protocol.generate_response(result, logprobs=req.logprobs))
         handle = await self._submit(req)
         if req.stream:
             return await self._stream(request, req, handle)
@@ -174,10 +197,14 @@ class Gateway:
             key_header=request.headers.get("Idempotency-Key"),
             default_max_staleness=self.default_max_staleness,
         )
-        handle = await self._submit(req)
-        if req.stream:
-            return await self._stream(request, req, handle)
-        result = await self._await(req, handle)
+        session = await self._session(request, req)
+        if session is not None:
+            result = await session.generate(req.payload, timeout=self.timeout_s)
+        else:
+            handle = await self._submit(req)
+            if req.stream:
+                return await self._stream(request, req, handle)
+            result = await self._await(req, handle)
         body = protocol.completions_response(
             result, model=req.model or self.model_name, created=int(time.time()), logprobs=req.logprobs
         )

@@ -147,6 +147,10 @@ class Session:
         )
         return await session.open()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def open(self) -> Session:
         """Create the session's record, or resume the live one with the same id and settings."""
         if self._opened:
