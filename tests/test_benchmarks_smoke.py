@@ -139,3 +139,19 @@ def test_resume_quick() -> None:
     kept = next(r for r in rows if r.bench == "resume/kept-fraction")
     assert 0 <= kept.extra["kept"] <= kept.extra["generated_before_kills"] + 64  # type: ignore[operator]
     assert next(r for r in rows if r.bench == "resume/generated-per-useful").value > 0.9  # every job's tokens counted
+
+
+def test_gateway_quick() -> None:
+    rows = _run("gateway")
+    _check(rows, {"gateway/latency", "gateway/throughput", "gateway/cpu"})
+    assert all(isinstance(r.met, bool) for r in rows if r.target)
+    latency = next(r for r in rows if r.bench == "gateway/latency")
+    assert latency.value > 0 and latency.baseline is not None
+    assert latency.extra["gateway_cpu_s_per_request"] > 0  # type: ignore[operator]
+
+
+@pytest.mark.long  # (three hf workers: `make bench` runs it whole)
+def test_loop_quick() -> None:
+    rows = _run("loop")
+    _check(rows, {"loop/throughput", "loop/waste", "loop/trainer-wait", "loop/cancel-running"})
+    assert all(isinstance(r.met, bool) for r in rows if r.target)
