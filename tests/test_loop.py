@@ -91,6 +91,13 @@ def test_staleness_is_measured_from_the_oldest_token_and_judged_by_policy() -> N
     assert [rules.on_stale(p) for p in ("drop", "requeue", "keep")] == ["drop", "requeue", "train"]
 
 
+def test_new_groups_ask_for_the_latest_version_once_a_replica_serves_it() -> None:
+    args = {"latest": 7, "first": 5, "max_staleness": 3}
+    assert rules.submit_floor(**args, fresh_served=True, waited_s=99.0, grace_s=30.0) == 7
+    assert rules.submit_floor(**args, fresh_served=False, waited_s=29.9, grace_s=30.0) is None  # wait
+    assert rules.submit_floor(**args, fresh_served=False, waited_s=30.0, grace_s=30.0) == 5  # never below first
+
+
 def test_the_group_closest_to_going_stale_is_consumed_first() -> None:
     assert rules.next_to_consume([5, 3, 4, 3]) == 1  # the oldest, the earliest completed of equals
     assert rules.next_to_consume([7]) == 0

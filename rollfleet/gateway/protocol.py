@@ -353,12 +353,20 @@ def stream_event(req: GatewayRequest, chunk: TokenChunk, *, job_id: str, model: 
             "choices": [choice]}  # fmt: skip
 
 
-def final_event(req: GatewayRequest, result: RolloutResult, *, model: str, created: int) -> Any:
-    """The last event before ``[DONE]``: the whole answer, in the route's own shape."""
+def answer(req: GatewayRequest, result: RolloutResult, *, model: str, created: int) -> Any:
+    """The whole answer, in the route's own shape."""
     if req.route == "generate":
         return generate_response(result, logprobs=req.logprobs)
+    return completions_response(result, model=model, created=created, logprobs=req.logprobs)
+
+
+def final_event(req: GatewayRequest, result: RolloutResult, *, model: str, created: int) -> Any:
+    """The last event of a stream before ``[DONE]``: the whole answer, less what came as deltas
+    (a completion's tokens and log-probs; its text and finish reason come now)."""
+    if req.route == "generate":
+        return answer(req, result, model=model, created=created)
     whole = completions_response(result, model=model, created=created, logprobs=False)
-    for choice in whole["choices"]:  # (the tokens came as deltas: the text and finish reason come now)
+    for choice in whole["choices"]:
         choice["token_ids"] = []
     return whole
 

@@ -176,23 +176,15 @@ class Gateway:
             return await self.client.session(sid, **req.constraint.as_kwargs()).open()
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        req = protocol.parse_generate(
-            await self._body(request),
-            key_header=request.headers.get("Idempotency-Key"),
-            default_max_staleness=self.default_max_staleness,
-        )
-        session = await self._session(request, req)
-        if session is not None:
-            result = await session.generate(req.payload, timeout=self.timeout_s)
-            return web.json_response(protocol.generate_response(result, logprobs=req.logprobs))
-        handle = await self._submit(req)
-        if req.stream:
-            return await self._stream(request, req, handle)
-        result = await self._await(req, handle)
-        return web.json_response(protocol.generate_response(result, logprobs=req.logprobs))
+        return await self._serve(request, protocol.parse_generate)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        req = protocol.parse_completions(
+        return await self._serve(request, protocol.parse_completions)
+
+    async def _serve(self, request: web.Request, parse: Callable[..., GatewayRequest]) -> web.StreamResponse:
+        """One request of either shape: parsed, run as a session's turn or a job of its own
+        (streamed, or awaited), and answered in the route's shape."""
+        req = parse(
             await self._body(request),
             key_header=request.headers.get("Idempotency-Key"),
             default_max_staleness=self.default_max_staleness,
@@ -205,10 +197,10 @@ class Gateway:
             if req.stream:
                 return await self._stream(request, req, handle)
             result = await self._await(req, handle)
-        body = protocol.completions_response(
-            result, model=req.model or self.model_name, created=int(time.time()), logprobs=req.logprobs
-        )
-        return web.json_response(body)
+        return web.json_response(protocol.answer(req, result, model=self._model(req), created=int(time.time())))
+
+    def _model(self, req: GatewayRequest) -> str:
+        return req.model or self.model_name
 
     async def _stream(self, request: web.Request, req: GatewayRequest, handle: RolloutHandle) -> web.StreamResponse:
         """Server-sent events: each chunk of tokens as the fleet checkpoints it (a resumable job)
@@ -218,11 +210,11 @@ class Gateway:
         created = int(time.time())
         try:
             async for chunk in self.client.stream(handle):
-                event = protocol.stream_event(req, chunk, job_id=handle.job_id, model=req.model or self.model_name,
+                event = protocol.stream_event(req, chunk, job_id=handle.job_id, model=self._model(req),
                                               created=created)  # fmt: skip
                 await response.write(f"data: {json.dumps(event)}\n\n".encode())
             result = await handle.result()
-            final = protocol.final_event(req, result, model=req.model or self.model_name, created=created)
+            final = protocol.final_event(req, result, model=self._model(req), created=created)
             await response.write(f"data: {json.dumps(final)}\n\n".encode())
         except asyncio.CancelledError:
             self._abandoned(req, handle)

@@ -208,6 +208,7 @@ class RolloutLoop:
         self._wake = asyncio.Event()  # next_batch: a group is ready, or the source may be dry
         self._pump_wake = asyncio.Event()  # the pump: room may have been given back
         self._pump_task: asyncio.Task[None] | None = None
+        self._stopping: set[asyncio.Task[None]] = set()  # background cancels (referenced till done)
         self._closed = False
         self._step = 0
         # Since the last step: waste, and the fleet's busy fraction sampled each tick.
@@ -361,19 +362,22 @@ class RolloutLoop:
         )
 
     def _floor(self, now: float) -> int | None:
-        """The minimum version new groups ask for: the trainer's latest, once a replica is at or
-        preparing it (None: wait); after ``activation_grace_s`` without one, ``max_staleness``
-        below it, as a plain ``submit(max_staleness=...)`` would."""
+        """``loop_rules.submit_floor`` from the fleet view and how long a fresh version has
+        waited for a replica."""
         latest = self._version()
         fresh = bool(self.client.fleet.compatible(VersionConstraint(kind="min", version=latest)))
         if fresh:
             self._fresh_wait_since = None
-            return latest
-        if self._fresh_wait_since is None:
+        elif self._fresh_wait_since is None:
             self._fresh_wait_since = now
-        if now - self._fresh_wait_since < self.config.activation_grace_s:
-            return None
-        return max(self._first_version or 0, latest - self.config.max_staleness)
+        return loop_rules.submit_floor(
+            latest=latest,
+            first=self._first_version or 0,
+            max_staleness=self.config.max_staleness,
+            fresh_served=fresh,
+            waited_s=0.0 if self._fresh_wait_since is None else now - self._fresh_wait_since,
+            grace_s=self.config.activation_grace_s,
+        )
 
     async def _pump(self) -> None:
         while not self._closed:
@@ -563,10 +567,7 @@ class RolloutLoop:
 
     async def _fail(self, flight: _Flight, exc: BaseException) -> None:
         cause: WasteCause = "failed" if flight.cancel_cause in (None, "continue") else flight.cancel_cause  # type: ignore[assignment]
-        for h in flight.handles:  # the rest of the group goes too (whole or nothing)
-            if not h.done():
-                with suppress(Exception):
-                    await h.cancel(timeout=2.0)
+        await self._cancel_flight(flight, timeout=2.0)  # the rest of the group goes too (whole or nothing)
         self._waste(_tokens_of(flight.handles), cause)
         action, attempts = loop_rules.on_failure(
             self.config.on_failure, cause, flight.attempts, self.config.max_attempts
@@ -586,20 +587,25 @@ class RolloutLoop:
         self._wake.set()
         self._pump_wake.set()
 
-    async def _cancel_flight(self, flight: _Flight) -> None:
+    async def _cancel_flight(self, flight: _Flight, timeout: float = 5.0) -> None:
         """Cancel the group's submitted jobs (its task stops submitting once ``cancel_cause`` is
         set, and fails the group when they are answered)."""
         for h in list(flight.handles):
             if not h.done():
                 with suppress(Exception):
-                    await h.cancel(timeout=5.0)
+                    await h.cancel(timeout=timeout)
+
+    def _stop(self, flight: _Flight, cause: WasteCause | Literal["continue"]) -> None:
+        """Mark the group stopped for ``cause`` and cancel its jobs in the background (the
+        group's own task settles it when their answers come)."""
+        flight.cancel_cause = cause
+        task = asyncio.create_task(self._cancel_flight(flight), name=f"stop-{cause}-{flight.no}")
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
 
     def _cancel_tails(self, batch: list[Group]) -> None:
-        chosen = loop_rules.tails(list(self._in_flight), [g.admitted for g in batch], self.config.oversample)
-        for no in chosen:
-            flight = self._in_flight[no]
-            flight.cancel_cause = "tail"
-            asyncio.create_task(self._cancel_flight(flight), name=f"cancel-tail-{no}")  # noqa: RUF006
+        for no in loop_rules.tails(list(self._in_flight), [g.admitted for g in batch], self.config.oversample):
+            self._stop(self._in_flight[no], "tail")
 
     def _continue_stale(self, latest: int) -> None:
         for flight in list(self._in_flight.values()):
@@ -608,16 +614,14 @@ class RolloutLoop:
                 and flight.handles
                 and loop_rules.must_continue(flight.floor, latest, self.config.max_staleness)
             ):
-                flight.cancel_cause = "continue"
-                asyncio.create_task(self._cancel_flight(flight), name=f"continue-{flight.no}")  # noqa: RUF006
+                self._stop(flight, "continue")
 
     def _expire(self, now: float) -> None:
         for flight in list(self._in_flight.values()):
             if flight.cancel_cause is None and loop_rules.past_deadline(
                 flight.admitted_at, now, self.config.group_deadline_s
             ):
-                flight.cancel_cause = "deadline"
-                asyncio.create_task(self._cancel_flight(flight), name=f"cancel-late-{flight.no}")  # noqa: RUF006
+                self._stop(flight, "deadline")
 
     # -- accounting ------------------------------------------------------------------------
     def _waste(self, tokens: int, cause: WasteCause) -> None:

@@ -61,6 +61,19 @@ def admission_room(
     return max(0, room)
 
 
+def submit_floor(
+    *, latest: int, first: int, max_staleness: int, fresh_served: bool, waited_s: float, grace_s: float
+) -> int | None:
+    """The minimum version new groups ask for: the trainer's latest, once a replica is at or
+    preparing it (``fresh_served``); None (wait) until then, for at most ``grace_s``; after that,
+    ``max_staleness`` below it, as a plain ``submit(max_staleness=...)`` would."""
+    if fresh_served:
+        return latest
+    if waited_s < grace_s:
+        return None
+    return max(first, latest - max_staleness)
+
+
 def staleness(consumed_at: int, version_starts: Sequence[int]) -> int:
     """A group's staleness when consumed at trainer version ``consumed_at``: measured from the
     oldest policy that generated any of its tokens (never negative: a replica may be ahead of

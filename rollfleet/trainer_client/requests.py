@@ -121,8 +121,11 @@ def build_job(
         when = now + wait
     # A job whose holder's death ends it must find its claim until its deadline: a redelivery
     # after the claim expired would start it a second time.
-    if retry_behaviour(str(retry_policy)).holder_gone == "interrupted" and max_timeout_s is not None \
-            and when - now > max_timeout_s:
+    if (
+        retry_behaviour(str(retry_policy)).holder_gone == "interrupted"
+        and max_timeout_s is not None
+        and when - now > max_timeout_s
+    ):
         raise InvalidRequest(
             f"an {retry_policy} job may wait at most {max_timeout_s:g} s (how long its claim is kept); "
             f"asked for {when - now:g} s"
