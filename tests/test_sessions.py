@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import random
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -28,6 +30,7 @@ from rollfleet.schemas.errors import (
 from rollfleet.testing import ProcessGroup, running_worker, wait_until, write_base_checkpoint
 from rollfleet.testing.weights import tensors_at
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
+from rollfleet.trainer_client.sessions.session import fewest_held
 from rollfleet.workers.engines.echo import EchoEngine
 from tests.helpers import CountingEcho
 
@@ -91,6 +94,31 @@ async def test_turns_stick_to_the_replica_holding_their_context(nats_url: str, n
         for s in sessions:
             await s.close()  # each replica drops the contexts it held
         await wait_until(lambda: a.engine.session_cache_stats().entries + b.engine.session_cache_stats().entries == 0)
+
+
+def test_a_first_turn_goes_to_the_replica_holding_the_fewest_sessions() -> None:
+    held: Counter[str | None] = Counter({"a": 3, "b": 1, None: 7})  # (None: sessions not placed)
+    assert fewest_held(["a", "b"], held) == "b"
+    ties = Counter(fewest_held(["a", "b", "c"], Counter(), random.Random(seed)) for seed in range(60))
+    assert set(ties) == {"a", "b", "c"}  # ties broken at random, not always the first
+
+
+async def test_bursts_of_new_sessions_spread_evenly_over_the_fleet(nats_url: str, namespace: str) -> None:
+    """Sessions whose first turn is on its way count where they were sent: three bursts of 12 new
+    sessions on 2 replicas split 6/6 each (before, a burst saw only answered sessions, and went
+    6/6, then 9/3, then 12/0)."""
+    async with (
+        running_worker(nats_url, namespace, worker_id="a", engine=EchoEngine()),
+        running_worker(nats_url, namespace, worker_id="b", engine=EchoEngine()),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 2)
+        splits = []
+        for _burst in range(3):
+            sessions = [await client.session(min_version=0).open() for _ in range(12)]
+            results = await asyncio.gather(*[s.generate(turn_payload(list(range(1, 9)))) for s in sessions])
+            splits.append(Counter(r.worker_id for r in results))
+        assert splits == [Counter(a=6, b=6)] * 3, splits
 
 
 async def test_a_busy_sticky_replica_costs_one_bounded_wait_then_the_turn_moves(nats_url: str, namespace: str) -> None:

@@ -25,6 +25,9 @@ class OpenSession(Protocol):
     @property
     def replica(self) -> str | None: ...
 
+    @property
+    def placed_on(self) -> str | None: ...
+
 
 class TurnPlacement(Protocol):
     """Where a sticky turn's job lies, and how it is moved (the client's job mechanics)."""

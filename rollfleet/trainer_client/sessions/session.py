@@ -123,6 +123,7 @@ class Session:
         self._opened = False
         self._closed = False
         self._running: int | None = None  # the turn being generated
+        self._heading: str | None = None  # the replica the running turn was sent to
         self._answers: dict[int, RolloutResult] = {}  # this process's answered turns
         self._errors: dict[int, RollfleetError] = {}  # ... and turns answered with an error
 
@@ -223,6 +224,13 @@ class Session:
         return self._record.replica
 
     @property
+    def placed_on(self) -> str | None:
+        """Where the session counts as placed: the replica its running turn was sent to, else
+        the one holding its context. A first turn sent but not yet answered counts, so a burst of
+        new sessions spreads over the fleet instead of all picking the replica that looked empty."""
+        return self._heading or self._record.replica
+
+    @property
     def record(self) -> SessionRecord:
         return self._record
 
@@ -255,7 +263,7 @@ class Session:
         await self._check_still_open()
         constraint = self._constraint()
         previous, sticky = self._record.replica, self._sticky(constraint)
-        self._running = nxt
+        self._running, self._heading = nxt, sticky  # (no await between: the next burst's choice sees it)
         spent = False
         try:
             handle = await self._host.submit_turn(
@@ -289,7 +297,7 @@ class Session:
                 raise explained from exc
             raise
         finally:
-            self._running = None
+            self._running = self._heading = None
             if spent:
                 await self._save()
         self._answered(nxt, result, previous)
@@ -376,8 +384,8 @@ class Session:
         able = [r.worker_id for r in fleet.compatible(constraint) if r.takes_now(constraint)]
         if not able:
             return None  # the shared subjects: whichever replica activates a compatible version
-        held = Counter(s.replica for s in self._host.sessions.values() if s is not self)
-        return min(able, key=lambda w: (held[w], random.random()))
+        held = Counter(s.placed_on for s in self._host.sessions.values() if s is not self)
+        return fewest_held(able, held)
 
     def _answered(self, turn: int, result: RolloutResult, previous: str | None) -> None:
         metrics = self._host.metrics
@@ -470,6 +478,13 @@ class Session:
             self._revision = await self._kv.update(key, encode(self._record), last=revision)
         except Exception as exc:
             log.warning("session record not stored", session_id=self.session_id, error=str(exc))
+
+
+def fewest_held(able: list[str], held: Counter[str | None], rng: random.Random | None = None) -> str:
+    """The able replica holding the fewest sessions (placed or heading there), ties broken at
+    random so that concurrent clients do not all pick the same one."""
+    draw = (rng or random).random
+    return min(able, key=lambda w: (held[w], draw()))
 
 
 async def _read(kv: KeyValue, host: SessionHost, session_id: str) -> tuple[SessionRecord, int] | None:
