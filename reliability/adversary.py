@@ -253,19 +253,48 @@ class Adversary:
 
     def start_worker(self, wid: str, engine: str, armed: str | None = None, skew_s: float = 0.0) -> WorkerProc:
         drain = self.rng.choice(EXACT_DRAINS)
-        extra = ["--exact-drain", str(drain), "--ack-wait", str(self.cfg.ack_wait),
-                 "--duplicate-window", str(self.cfg.duplicate_window), "--prepare-timeout", "8"]
+        extra = [
+            "--exact-drain",
+            str(drain),
+            "--ack-wait",
+            str(self.cfg.ack_wait),
+            "--duplicate-window",
+            str(self.cfg.duplicate_window),
+            "--prepare-timeout",
+            "8",
+        ]
         wp = self.machine.start_worker(wid, engine, extra, armed=armed, skew_s=skew_s)
-        self.say("worker start", worker=wid, engine=engine, pid=wp.proc.pid, exact_drain=drain, armed=armed,
-                 **({"skew_s": skew_s} if skew_s else {}))
+        self.say(
+            "worker start",
+            worker=wid,
+            engine=engine,
+            pid=wp.proc.pid,
+            exact_drain=drain,
+            armed=armed,
+            **({"skew_s": skew_s} if skew_s else {}),
+        )
         return wp
 
     def start_trainer(self, duration: float) -> None:
         cfg = self.cfg
-        args = ["--journal", str(self.workdir / "trainer.jsonl"), "--seed", str(cfg.seed), "--duration",
-                f"{max(0.0, duration):.1f}", "--sessions", str(cfg.sessions), "--client-id", TRAINER_ID,
-                "--ack-wait", str(cfg.ack_wait), "--duplicate-window", str(cfg.duplicate_window),
-                "--max-deliver", str(cfg.max_deliver)]
+        args = [
+            "--journal",
+            str(self.workdir / "trainer.jsonl"),
+            "--seed",
+            str(cfg.seed),
+            "--duration",
+            f"{max(0.0, duration):.1f}",
+            "--sessions",
+            str(cfg.sessions),
+            "--client-id",
+            TRAINER_ID,
+            "--ack-wait",
+            str(cfg.ack_wait),
+            "--duplicate-window",
+            str(cfg.duplicate_window),
+            "--max-deliver",
+            str(cfg.max_deliver),
+        ]
         proc = self.machine.start_trainer(self.incarnation, args)
         self.say("trainer start", incarnation=self.incarnation, pid=proc.pid, duration=round(duration, 1))
 
@@ -286,8 +315,14 @@ class Adversary:
             if committed:
                 self.machine.timeline.commits.append((v, t_start, time.time()))
                 self.rogue_latest(v)
-            self.say("publish", version=v, why=why, committed=committed, hidden=bool(hidden),
-                     corrupt=str(corrupted[0].name) if corrupted else None)
+            self.say(
+                "publish",
+                version=v,
+                why=why,
+                committed=committed,
+                hidden=bool(hidden),
+                corrupt=str(corrupted[0].name) if corrupted else None,
+            )
         if hidden is not None:
             t_hide = time.time()
             await asyncio.sleep(hide_s)
@@ -387,18 +422,35 @@ class Adversary:
                 since = short_since.setdefault(engine, time.monotonic())
                 if time.monotonic() - since < KEEP_AFTER_S:
                     continue
-                ended = [w for w in m.current.values() if w.engine == engine and not w.alive
-                         and w.worker_id not in present and w.worker_id not in self.retired]
+                ended = [
+                    w
+                    for w in m.current.values()
+                    if w.engine == engine
+                    and not w.alive
+                    and w.worker_id not in present
+                    and w.worker_id not in self.retired
+                ]
                 crashed = [w.worker_id for w in ended if w.how.startswith("exited")]
-                free = [w for w in pool if w not in present and w not in self.retired and w not in crashed
-                        and not (w in m.current and m.current[w].alive)]
+                free = [
+                    w
+                    for w in pool
+                    if w not in present
+                    and w not in self.retired
+                    and w not in crashed
+                    and not (w in m.current and m.current[w].alive)
+                ]
                 for _ in range(size - len(present)):
                     wid = crashed.pop(0) if crashed else (free.pop(self.rng.randrange(len(free))) if free else None)
                     if wid is None:
                         break
                     before = m.current.get(wid)
-                    self.kept.append({"t": round(time.time() - self.t0, 2), "worker": wid,
-                                      "previous": before.how if before else None})
+                    self.kept.append(
+                        {
+                            "t": round(time.time() - self.t0, 2),
+                            "worker": wid,
+                            "previous": before.how if before else None,
+                        }
+                    )
                     self.start_worker(wid, engine)
                     self.say("fleet kept at size", worker=wid, previous=before.how if before else None)
                 short_since.pop(engine, None)
@@ -580,8 +632,13 @@ class Adversary:
             m.kill_worker(wp)
             armed = self.start_worker(wp.worker_id, "echo", armed=f"pause:{p['point']}")
             self.say("armed", worker=wp.worker_id, point=p["point"])
-            if p["point"] in ("worker:mid-drain", "worker:mid-activation", "worker:before-activation",
-                              "worker:after-materialize", "worker:mid-prepare"):
+            if p["point"] in (
+                "worker:mid-drain",
+                "worker:mid-activation",
+                "worker:before-activation",
+                "worker:after-materialize",
+                "worker:mid-prepare",
+            ):
                 await asyncio.sleep(4.0)  # registered and serving first, then a version to prepare
                 self.spawn(self.publish(f"to reach {p['point']}"))
             reached = await m.wait_paused(armed, FAULT_WAIT_S)
@@ -637,8 +694,9 @@ class Adversary:
         record: dict[str, Any] = {"t": time.time(), "trainer_incarnation": self.incarnation}
         try:
             client = await asyncio.wait_for(
-                RolloutClient.connect(m.url("trainer"), namespace=NAMESPACE, client_id=TRAINER_ID,
-                                      topology=self.topology),
+                RolloutClient.connect(
+                    m.url("trainer"), namespace=NAMESPACE, client_id=TRAINER_ID, topology=self.topology
+                ),
                 20.0,
             )
         except Exception as exc:
@@ -676,8 +734,14 @@ class Adversary:
         schedule = make_schedule(cfg.seed, cfg.duration, hf=bool(cfg.hf), name=cfg.schedule)
         t_start = time.monotonic()
         self.t0 = time.time()
-        self.say("run", seed=cfg.seed, duration=cfg.duration, rollfleet=report.notes["rollfleet"],
-                 replay=cfg.replay(), workdir=str(self.workdir))
+        self.say(
+            "run",
+            seed=cfg.seed,
+            duration=cfg.duration,
+            rollfleet=report.notes["rollfleet"],
+            replay=cfg.replay(),
+            workdir=str(self.workdir),
+        )
         self.say("schedule", events=[[round(e.t, 2), e.kind, e.params] for e in schedule])
         try:
             await self.setup()
@@ -700,8 +764,15 @@ class Adversary:
             log_lines = (self.workdir / "nats.log").read_text(errors="replace").splitlines()
             broker_log = "\n".join(line for line in log_lines if "Violation" in line)
             with contextlib.suppress(Exception):
-                save_inputs(self.workdir / "oracle.json", cfg=cfg, timeline=self.machine.timeline, finals=finals,
-                            stored=stored, activations=activations, broker_log=broker_log)
+                save_inputs(
+                    self.workdir / "oracle.json",
+                    cfg=cfg,
+                    timeline=self.machine.timeline,
+                    finals=finals,
+                    stored=stored,
+                    activations=activations,
+                    broker_log=broker_log,
+                )
             oracle = Oracle(
                 cfg=cfg,
                 timeline=self.machine.timeline,
@@ -779,8 +850,9 @@ class Adversary:
                 keys.add(r.get("idem_key") or r["key"])
         out: dict[str, dict[str, Any]] = {}
         client = await asyncio.wait_for(
-            RolloutClient.connect(self.machine.url("trainer"), namespace=NAMESPACE, client_id=TRAINER_ID,
-                                  topology=self.topology),
+            RolloutClient.connect(
+                self.machine.url("trainer"), namespace=NAMESPACE, client_id=TRAINER_ID, topology=self.topology
+            ),
             60.0,
         )
         sem = asyncio.Semaphore(16)
@@ -921,13 +993,28 @@ async def campaign(
     plan = [(None, seed, duration, 1 if i >= len(seeds) - hf_seeds else 0, 3) for i, seed in enumerate(seeds)]
     plan += [(None, seed, duration, 0, 3) for seed in fresh]
     for schedule, seed, dur, hf, workers in [*plan, *named]:
-        cfg = Config(seed=seed, duration=dur, hf=hf, workers=workers, schedule=schedule,
-                     workdir=workdir / f"{schedule or 'seed'}-{seed}", quiet=True)
+        cfg = Config(
+            seed=seed,
+            duration=dur,
+            hf=hf,
+            workers=workers,
+            schedule=schedule,
+            workdir=workdir / f"{schedule or 'seed'}-{seed}",
+            quiet=True,
+        )
         report = await run_one(cfg)
         print_report(report)
         s = report.summary()
-        runs.append({"seed": seed if schedule is None else f"{schedule} {seed}", "hf": hf, "seconds": report.seconds,
-                     "events": report.events, "checks": s["checks"], "violations": s["violations"]})
+        runs.append(
+            {
+                "seed": seed if schedule is None else f"{schedule} {seed}",
+                "hf": hf,
+                "seconds": report.seconds,
+                "events": report.events,
+                "checks": s["checks"],
+                "violations": s["violations"],
+            }
+        )
         for k, v in report.checks.items():
             checks[k] = checks.get(k, 0) + v
         for k, v in report.events_by_kind.items():
@@ -976,8 +1063,11 @@ def print_report(report: Report) -> None:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m reliability.adversary", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m reliability.adversary",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--seed", type=int, default=None, help="default: a fresh one, printed")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load and events")
     p.add_argument("--workers", type=int, default=3, help="echo workers at the start")

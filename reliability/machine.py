@@ -184,11 +184,29 @@ class Machine:
     def _worker_cmd(self, worker_id: str, engine: str, extra: list[str]) -> list[str]:
         local = self.workdir / "local" / worker_id
         common = [
-            sys.executable, "-m", "rollfleet", "worker", "--nats", self.worker_url(worker_id),
-            "--namespace", self.namespace,
-            "--worker-id", worker_id, "--heartbeat", "0.5", "--store", str(self.store), "--local-dir", str(local),
-            "--verify-live", "--capacity", "3", "--catch-up-wait", "60",
-            "--pre-read-hook", "reliability.hooks:slow_read",
+            sys.executable,
+            "-m",
+            "rollfleet",
+            "worker",
+            "--nats",
+            self.worker_url(worker_id),
+            "--namespace",
+            self.namespace,
+            "--worker-id",
+            worker_id,
+            "--heartbeat",
+            "0.5",
+            "--store",
+            str(self.store),
+            "--local-dir",
+            str(local),
+            "--verify-live",
+            "--capacity",
+            "3",
+            "--catch-up-wait",
+            "60",
+            "--pre-read-hook",
+            "reliability.hooks:slow_read",
         ]
         if engine == "hf":
             common += ["--engine", "hf", "--device", "cpu", "--max-batch", "8"]
@@ -305,8 +323,18 @@ class Machine:
         log = self.workdir / "logs" / f"trainer.{incarnation}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         env = {**self.child_env, "RF_ADV_TRAINER_URL": self.url("trainer"), "ROLLFLEET_LOG_LEVEL": "warning"}
-        cmd = [sys.executable, "-m", "reliability.load", "--nats", self.url(), "--namespace", self.namespace,
-               "--incarnation", str(incarnation), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "reliability.load",
+            "--nats",
+            self.url(),
+            "--namespace",
+            self.namespace,
+            "--incarnation",
+            str(incarnation),
+            *args,
+        ]
         self.trainer = spawn(cmd, log, env=env, cwd=self.cwd)
         self.timeline.trainers.append({"incarnation": incarnation, "pid": self.trainer.pid, "start": time.time()})
         return self.trainer

@@ -237,8 +237,16 @@ class Oracle:
                 calls[r["rid"]] = Call(r["rid"], int(r["inc"]), r["op"], r["key"], float(r["t"]), req=r["req"])
             elif ev == "turn":
                 # (A turn's request is its payload; the session's constraint and policy are fixed.)
-                c = Call(r["rid"], int(r["inc"]), r["op"], r["key"], float(r["t"]), sid=r["sid"], turn=int(r["turn"]),
-                         req={"payload": r.get("payload")})
+                c = Call(
+                    r["rid"],
+                    int(r["inc"]),
+                    r["op"],
+                    r["key"],
+                    float(r["t"]),
+                    sid=r["sid"],
+                    turn=int(r["turn"]),
+                    req={"payload": r.get("payload")},
+                )
                 c.timeout = float(r["timeout"]) if r.get("timeout") is not None else None
                 calls[r["rid"]] = c
             elif ev == "stored" and r.get("rid") in calls:
@@ -479,10 +487,14 @@ class Oracle:
                 self.check("resolution", False, c.key, f"{c.op} call {c.rid} was never resolved (no answer, no hang)")
                 continue
             if c.hang is not None:
-                self.check("resolution", False, c.key,
-                           f"{c.op} {c.rid} still unanswered {c.hang['t'] - (c.deadline or c.t0):.1f} s after its "
-                           f"deadline (waited {c.hang['t'] - c.t0:.1f} s)",
-                           "4" if c.sid else None)
+                self.check(
+                    "resolution",
+                    False,
+                    c.key,
+                    f"{c.op} {c.rid} still unanswered {c.hang['t'] - (c.deadline or c.t0):.1f} s after its "
+                    f"deadline (waited {c.hang['t'] - c.t0:.1f} s)",
+                    "4" if c.sid else None,
+                )
                 continue
             assert c.answer is not None
             if c.answer.get("untyped"):
@@ -493,8 +505,12 @@ class Oracle:
                 self.checks["resolution"] += 1
                 continue
             late = float(c.answer["t"]) - deadline
-            self.check("resolution", late <= RESOLVE_SLACK_S, c.key,
-                       f"{c.op} {c.rid} resolved {late:.1f} s after its deadline ({c.answer.get('cls') or 'result'})")
+            self.check(
+                "resolution",
+                late <= RESOLVE_SLACK_S,
+                c.key,
+                f"{c.op} {c.rid} resolved {late:.1f} s after its deadline ({c.answer.get('cls') or 'result'})",
+            )
 
     def _accepted(self) -> list[tuple[Call | None, str, dict[str, Any]]]:
         """Every result the trainer accepted: (call or None for a re-ask, key, description)."""
@@ -525,13 +541,22 @@ class Oracle:
             kind, v = want
             vs = _versions(c.answer)
             ok = all(x == v for x in vs) if kind == "exact" else min(vs) >= v
-            self.check("version", ok, c.key, f"labelled v{vs} for {c.req['kind'] if c.req else '?'}:"
-                       f"{c.req['value'] if c.req else '?'} (must be {kind} {v}); served by {c.answer['worker_id']}")
+            self.check(
+                "version",
+                ok,
+                c.key,
+                f"labelled v{vs} for {c.req['kind'] if c.req else '?'}:"
+                f"{c.req['value'] if c.req else '?'} (must be {kind} {v}); served by {c.answer['worker_id']}",
+            )
             got = self.resolved(c)
             if c.req and c.req["kind"] == "staleness" and got is not None:
-                self.check("version", got[1] >= v, c.key,
-                           f"max_staleness={c.req['value']} resolved to min {got[1]}, but v{v + int(c.req['value'])} "
-                           f"was committed {STALENESS_LAG_S:g} s before the submit")
+                self.check(
+                    "version",
+                    got[1] >= v,
+                    c.key,
+                    f"max_staleness={c.req['value']} resolved to min {got[1]}, but v{v + int(c.req['value'])} "
+                    f"was committed {STALENESS_LAG_S:g} s before the submit",
+                )
         # Sessions, turn by turn.
         turns: dict[str, list[Call]] = defaultdict(list)
         for c in self.calls:
@@ -548,15 +573,23 @@ class Oracle:
                 assert c.answer is not None
                 vs = _versions(c.answer)
                 if "min_version" in base:
-                    self.check("version", min(vs) >= int(base["min_version"]), c.key,
-                               f"turn labelled v{vs}, session min_version {base['min_version']}")
+                    self.check(
+                        "version",
+                        min(vs) >= int(base["min_version"]),
+                        c.key,
+                        f"turn labelled v{vs}, session min_version {base['min_version']}",
+                    )
                 if policy == "pinned":
                     if pin is None:
                         pin = vs[0]
                     self.check("version", vs == [pin], c.key, f"pinned session at v{pin}, turn labelled v{vs}")
                 elif policy == "monotonic":
-                    self.check("version", min(vs) >= floor, c.key,
-                               f"monotonic session: turn labelled v{vs} after a turn that ended at v{floor}")
+                    self.check(
+                        "version",
+                        min(vs) >= floor,
+                        c.key,
+                        f"monotonic session: turn labelled v{vs} after a turn that ended at v{floor}",
+                    )
                     floor = max(floor, int(c.answer["version_end"]), max(vs))
                 else:
                     self.checks["version"] += 1
@@ -599,8 +632,9 @@ class Oracle:
             done.add(sig)
             job_id, worker = desc.get("job_id"), desc.get("worker_id")
             forged = bool(desc.get("forged_tokens")) or (job_id in forged_ids and str(job_id).startswith("forged"))
-            if not self.check("forged", not forged, key,
-                              f"a forged answer (job {job_id}, claiming worker {worker}) was accepted", "3"):
+            if not self.check(
+                "forged", not forged, key, f"a forged answer (job {job_id}, claiming worker {worker}) was accepted", "3"
+            ):
                 continue
             # delivered: the delivery the result ran on (its attempt) went to the worker it names
             seen = self.deliveries_by_job.get(str(job_id), [])
@@ -613,9 +647,14 @@ class Oracle:
             elif ran_on and all(d.worker is not None for d in ran_on) and not (unseen or "").startswith(RESTORED):
                 # The wiretap saw the very delivery the result ran on go to another worker (and
                 # that job was stored once, its consumer never re-declared).
-                self.check("delivered", False, key,
-                           f"accepted result of job {job_id} names {worker} (attempt {desc.get('attempt')}), but that "
-                           f"delivery went to {sorted({str(d.worker) for d in ran_on})}", "3")
+                self.check(
+                    "delivered",
+                    False,
+                    key,
+                    f"accepted result of job {job_id} names {worker} (attempt {desc.get('attempt')}), but that "
+                    f"delivery went to {sorted({str(d.worker) for d in ran_on})}",
+                    "3",
+                )
             else:
                 self.unverified[unseen or "delivery not seen by the wiretap"] += 1
             # digest
@@ -626,7 +665,8 @@ class Oracle:
                 continue
             for v in _versions(desc):
                 mine = [
-                    a for a in acts.get(str(worker), [])
+                    a
+                    for a in acts.get(str(worker), [])
                     if a.version == v and proc.start <= self.by_own_clock(str(worker), a.activated_at) <= finished
                 ]
                 if not mine:
@@ -635,16 +675,19 @@ class Oracle:
                 last = mine[-1]
                 if last.weights_digest is None:
                     if expect_digest.get(proc.engine, False):
-                        self.check("digest", False, key, f"{worker} ({proc.engine}) announced v{v} with no digest",
-                                   "1")
+                        self.check("digest", False, key, f"{worker} ({proc.engine}) announced v{v} with no digest", "1")
                     else:
                         self.unverified[f"digest: the {proc.engine} engine announces none"] += 1
                     continue
                 want = self.weights.digest(v)
-                self.check("digest", last.weights_digest == want, key,
-                           f"served by {worker} ({proc.engine}) labelled v{v}: its activation of v{v} announced live "
-                           f"weights {last.weights_digest[:12]}, the trainer's v{v} is {want[:12]} (mixed weights)",
-                           "1")
+                self.check(
+                    "digest",
+                    last.weights_digest == want,
+                    key,
+                    f"served by {worker} ({proc.engine}) labelled v{v}: its activation of v{v} announced live "
+                    f"weights {last.weights_digest[:12]}, the trainer's v{v} is {want[:12]} (mixed weights)",
+                    "1",
+                )
 
     def _check_served(self) -> None:
         """served: each accepted answer's tokens are what its labelled versions' weights make."""
@@ -686,15 +729,26 @@ class Oracle:
             if payload is None or payload.get("prompt") is None:
                 self.unverified["served: the answer's prompt is not known"] += 1
                 continue
-            verdict = truth.judge(desc, payload["prompt"], seed=payload.get("seed"), versions=versions,
-                                  keyed_replica=lambda w: engine_of.get(w) == "echo")
+            verdict = truth.judge(
+                desc,
+                payload["prompt"],
+                seed=payload.get("seed"),
+                versions=versions,
+                keyed_replica=lambda w: engine_of.get(w) == "echo",
+            )
             if not verdict.checked and not verdict.mismatches:
                 self.unverified["served: no token of it made by a keyed engine"] += 1
                 continue
             bad = verdict.mismatches
             more = f" (and {len(bad) - 1} more spans)" if len(bad) > 1 else ""
-            self.check("served", not bad, key, f"served by {desc.get('worker_id')} (job {desc.get('job_id')}): "
-                       f"{bad[0].describe() if bad else ''}{more}", "1")
+            self.check(
+                "served",
+                not bad,
+                key,
+                f"served by {desc.get('worker_id')} (job {desc.get('job_id')}): "
+                f"{bad[0].describe() if bad else ''}{more}",
+                "1",
+            )
 
     def _check_forged_errors(self) -> None:
         """A key whose answer a forgery decided: the trainer was handed an error (the forged
@@ -709,11 +763,19 @@ class Oracle:
                 continue
             if forged_at[c.key] > (c.answered_at or c.t0):
                 continue
-            honest = [p for p in self.published_by_key.get(c.key, [])
-                      if p.t <= (c.answered_at or c.t0) and not (p.desc or {}).get("forged_tokens")]
-            self.check("forged", bool(honest), c.key,
-                       f"the rogue's forged answer decided this key: the trainer was answered {c.error} "
-                       f"({(c.answer or {}).get('message', '')[:100]!r}) before any worker answered", "3")
+            honest = [
+                p
+                for p in self.published_by_key.get(c.key, [])
+                if p.t <= (c.answered_at or c.t0) and not (p.desc or {}).get("forged_tokens")
+            ]
+            self.check(
+                "forged",
+                bool(honest),
+                c.key,
+                f"the rogue's forged answer decided this key: the trainer was answered {c.error} "
+                f"({(c.answer or {}).get('message', '')[:100]!r}) before any worker answered",
+                "3",
+            )
 
     def _proc_ended_near(self, worker: str, t: float) -> Any:
         """A process that ended just before ``t`` (its result was stored as it died)."""
@@ -723,12 +785,15 @@ class Oracle:
         return None
 
     def _stored_failure(self, key: str, code: str | None, before: float) -> bool:
-        return any(p.kind in ("failure", "chunked") and p.code == code and p.t <= before + 0.5
-                   for p in self.published_by_key.get(key, []))
+        return any(
+            p.kind in ("failure", "chunked") and p.code == code and p.t <= before + 0.5
+            for p in self.published_by_key.get(key, [])
+        )
 
     def _check_once(self) -> None:
         for key, calls in self.by_key.items():
             calls = sorted(calls, key=lambda c: c.t0)
+
             # The request that owns the key: the first one stored (a request refused at submit,
             # e.g. no compatible replica, never used it).
             # (A request refused at submit, e.g. no compatible replica, was journalled with no
@@ -750,8 +815,12 @@ class Oracle:
                 same = c.req == first.req
                 if c.op == "conflict" or not same:
                     if c.is_result and ref is not None:
-                        self.check("once", c.answer.get("job_id") != ref.answer.get("job_id"), key,
-                                   "a key reused for another request was answered with the first request's result")
+                        self.check(
+                            "once",
+                            c.answer.get("job_id") != ref.answer.get("job_id"),
+                            key,
+                            "a key reused for another request was answered with the first request's result",
+                        )
                     else:
                         self.checks["once"] += 1
                     continue
@@ -760,9 +829,14 @@ class Oracle:
                         self.unverified["asked again after the duplicate window"] += 1
                         continue
                     changed = self.latest_at(c.t0) != self.latest_at(first.t0)
-                    self.check("once", False, key,
-                               f"the same request, asked again ({c.op}, trainer #{c.inc}), was refused as a conflict"
-                               + (" after a commit moved latest" if changed else ""), "9")
+                    self.check(
+                        "once",
+                        False,
+                        key,
+                        f"the same request, asked again ({c.op}, trainer #{c.inc}), was refused as a conflict"
+                        + (" after a commit moved latest" if changed else ""),
+                        "9",
+                    )
                     continue
                 if c.t0 > ref_t + self.window - 1.0:
                     self.unverified["asked again after the duplicate window"] += 1
@@ -770,14 +844,22 @@ class Oracle:
                 if ref is not None and c.is_result:
                     a, b = ref.answer or {}, c.answer
                     same_answer = (a.get("job_id"), a.get("tokens")) == (b.get("job_id"), b.get("tokens"))
-                    self.check("once", same_answer, key,
-                               f"two answers: job {a.get('job_id')} from {a.get('worker_id')} and job "
-                               f"{b.get('job_id')} from {b.get('worker_id')} ({c.op}, trainer #{c.inc})")
+                    self.check(
+                        "once",
+                        same_answer,
+                        key,
+                        f"two answers: job {a.get('job_id')} from {a.get('worker_id')} and job "
+                        f"{b.get('job_id')} from {b.get('worker_id')} ({c.op}, trainer #{c.inc})",
+                    )
                 elif ref is not None and c.error and c.t0 >= (ref.answered_at or ref.t0):
-                    self.check("once", c.error in (*CLIENT_ERRORS, "Expired"), key,
-                               f"answered {(ref.answer or {}).get('job_id')} first; the same request asked again "
-                               f"({c.op}, trainer #{c.inc}): {c.error} ({(c.answer or {}).get('message', '')[:90]!r})",
-                               "9" if c.error == "ContractViolation" else None)
+                    self.check(
+                        "once",
+                        c.error in (*CLIENT_ERRORS, "Expired"),
+                        key,
+                        f"answered {(ref.answer or {}).get('job_id')} first; the same request asked again "
+                        f"({c.op}, trainer #{c.inc}): {c.error} ({(c.answer or {}).get('message', '')[:90]!r})",
+                        "9" if c.error == "ContractViolation" else None,
+                    )
                 else:
                     self.checks["once"] += 1
             # The same answer on a re-ask: in the restarted trainer, and by a fresh client at the end.
@@ -794,16 +876,27 @@ class Oracle:
                         self.unverified["re-ask after a second job for the key (window passed)"] += 1
                         continue
                     ok = r.get("kind") == "result" and (r.get("job_id"), r.get("tokens")) == (
-                        ref.answer.get("job_id"), ref.answer.get("tokens"))
+                        ref.answer.get("job_id"),
+                        ref.answer.get("tokens"),
+                    )
                     got = r.get("cls") or r.get("kind")
-                    self.check("once", ok, key, f"{label} returned {got} {r.get('job_id') or ''}, the trainer was "
-                               f"answered job {ref.answer.get('job_id')}")
+                    self.check(
+                        "once",
+                        ok,
+                        key,
+                        f"{label} returned {got} {r.get('job_id') or ''}, the trainer was "
+                        f"answered job {ref.answer.get('job_id')}",
+                    )
                 elif first.error and self._stored_failure(
                     key, (first.answer or {}).get("code"), first.answered_at or 0.0
                 ):
                     got = r.get("cls") or r.get("kind")
-                    self.check("once", r.get("cls") == first.error, key,
-                               f"{label} returned {got}, the trainer was answered {first.error}")
+                    self.check(
+                        "once",
+                        r.get("cls") == first.error,
+                        key,
+                        f"{label} returned {got}, the trainer was answered {first.error}",
+                    )
 
     def _check_lost_and_stranded(self) -> None:
         deleted = self.tl.consumers_deleted
@@ -824,25 +917,40 @@ class Oracle:
                 continue  # answered before: a re-ask that disagrees is the `once` check's
             # lost: a worker published the answer in time
             gave_up = min(deadline, (c.answered_at or deadline) + 0.5)
-            pub = [p for p in self.published_by_key.get(c.key, [])
-                   if p.t <= gave_up and p.t >= c.t0 - self.window
-                   and not ((p.desc or {}).get("forged_tokens")) and p.kind != "undecodable"]
-            forged_first = any(r.get("ev") == "forge" and r.get("key") == c.key and r.get("outcome") == "stored"
-                               for r in self.rogue)
+            pub = [
+                p
+                for p in self.published_by_key.get(c.key, [])
+                if p.t <= gave_up
+                and p.t >= c.t0 - self.window
+                and not ((p.desc or {}).get("forged_tokens"))
+                and p.kind != "undecodable"
+            ]
+            forged_first = any(
+                r.get("ev") == "forge" and r.get("key") == c.key and r.get("outcome") == "stored" for r in self.rogue
+            )
             if pub and c.op in ("resubmit", "resume") and c.error == "ContractViolation":
                 p = pub[0]
-                self.check("lost", False, c.key,
-                           f"the same request asked again ({c.op}, trainer #{c.inc}) was refused ContractViolation "
-                           f"although {p.worker} had answered it (job {p.job_id}): the stored answer was judged "
-                           f"against the constraint resolved anew ({(c.answer or {}).get('message', '')[:90]!r})", "9")
+                self.check(
+                    "lost",
+                    False,
+                    c.key,
+                    f"the same request asked again ({c.op}, trainer #{c.inc}) was refused ContractViolation "
+                    f"although {p.worker} had answered it (job {p.job_id}): the stored answer was judged "
+                    f"against the constraint resolved anew ({(c.answer or {}).get('message', '')[:90]!r})",
+                    "9",
+                )
                 continue
             if pub:
                 p = pub[0]
                 what = f"{p.kind}{' (chunks add up)' if p.assembled else ''}"
-                self.check("lost", False, c.key,
-                           f"answered {c.error or 'nothing (hang)'} although {p.worker} published its answer "
-                           f"({what}, job {p.job_id}) {deadline - p.t:.1f} s before the deadline",
-                           "3" if forged_first else "2")
+                self.check(
+                    "lost",
+                    False,
+                    c.key,
+                    f"answered {c.error or 'nothing (hang)'} although {p.worker} published its answer "
+                    f"({what}, job {p.job_id}) {deadline - p.t:.1f} s before the deadline",
+                    "3" if forged_first else "2",
+                )
                 continue
             self.checks["lost"] += 1
             self._stranded(c, min(c.answered_at or deadline, deadline), deleted, restarts)
@@ -867,9 +975,15 @@ class Oracle:
         # serve it; such a run counts when the fleet meanwhile was idle (a free slot) for half of
         # it, or served newer work (jobs submitted after it, delivered to replicas able to serve it).
         key = self.idem.get(c.key, c.key)
-        newer = sorted(d.t for d in self.tap.deliveries
-                       if d.key != key and d.submitted_at > c.t0 + 0.5 and c.t0 <= d.t <= end and d.worker
-                       and any(e[0] == d.worker and self.takes(e, kind, v, now=True) for e in self.snapshot(d.t)))
+        newer = sorted(
+            d.t
+            for d in self.tap.deliveries
+            if d.key != key
+            and d.submitted_at > c.t0 + 0.5
+            and c.t0 <= d.t <= end
+            and d.worker
+            and any(e[0] == d.worker and self.takes(e, kind, v, now=True) for e in self.snapshot(d.t))
+        )
         best = best_at = 0.0
         run_start: float | None = None
         idle = 0.0
@@ -897,10 +1011,14 @@ class Oracle:
             hint = "4"
         cut = c.answer is None and c.hang is None
         outcome = c.error or ("nothing before the trainer was killed" if cut else "nothing")
-        self.check("stranded", best < STARVE_S, c.key,
-                   f"waited {best:.1f} s in a row (until {best_at - c.t0:.1f} s after submit), held by no worker, "
-                   f"while live replicas able to serve {kind}:{v} sat idle or served newer jobs; answered {outcome}",
-                   hint)
+        self.check(
+            "stranded",
+            best < STARVE_S,
+            c.key,
+            f"waited {best:.1f} s in a row (until {best_at - c.t0:.1f} s after submit), held by no worker, "
+            f"while live replicas able to serve {kind}:{v} sat idle or served newer jobs; answered {outcome}",
+            hint,
+        )
 
     def _turn_constraint(self, c: Call) -> tuple[str, int] | None:
         """The strictest constraint the turn may have had (for liveness checks: the fewest
@@ -965,10 +1083,16 @@ class Oracle:
                 t += SAMPLE_S
             self.checks["orphan"] += 1
             if left is not None and end - left > ORPHAN_S and left + ORPHAN_S < deadline - 1.0:
-                self.violations.append(Violation("orphan", c.key,
-                           f"exact v{v}: no live replica at v{v} from {left - c.t0:.1f} s after submit, but answered "
-                           f"{c.error or ('a result' if c.is_result else 'nothing')} only {end - left:.1f} s later "
-                           f"(deadline {deadline - left:.1f} s later)", "8"))
+                self.violations.append(
+                    Violation(
+                        "orphan",
+                        c.key,
+                        f"exact v{v}: no live replica at v{v} from {left - c.t0:.1f} s after submit, but answered "
+                        f"{c.error or ('a result' if c.is_result else 'nothing')} only {end - left:.1f} s later "
+                        f"(deadline {deadline - left:.1f} s later)",
+                        "8",
+                    )
+                )
 
     def _check_resumed(self) -> None:
         done: set[tuple[str, str]] = set()
@@ -992,7 +1116,7 @@ class Oracle:
                 length = (desc.get("lengths") or [0] * (i + 1))[i]
                 finish = (desc.get("finishes") or [None] * (i + 1))[i]
                 at = 0
-                for (_v, start, end) in spans:
+                for _v, start, end in spans:
                     if not (start == at and end > start):
                         problems.append(f"job {job_id} sample {i}: spans {spans} do not tile its tokens")
                     at = end
@@ -1005,8 +1129,10 @@ class Oracle:
                 # or was taken over before answering: the answering replica kept all of them (its
                 # count covers every sample: with n > 1 it may have made another sample's tail).
                 if names and names[-1] != worker and int(desc.get("kept") or 0) < length:
-                    problems.append(f"job {job_id} sample {i}: last span by {names[-1]}, answered by {worker}, "
-                                    f"which kept only {desc.get('kept')} tokens")
+                    problems.append(
+                        f"job {job_id} sample {i}: last span by {names[-1]}, answered by {worker}, "
+                        f"which kept only {desc.get('kept')} tokens"
+                    )
                 for name, (_v, start, end) in zip(names, spans, strict=False):
                     if name != worker:
                         others += end - start
@@ -1024,9 +1150,13 @@ class Oracle:
             self.check("resumed", not problems, key, problems[0] if problems else "")
             # streamed (half of them): the chunks, put together, are the answer, each token once
             if "streamed" in desc or "stream_error" in desc:
-                self.check("streamed", desc.get("streamed") == desc.get("tokens") and not desc.get("stream_gaps"),
-                           key, f"job {job_id}: its stream ({desc.get('stream_error') or desc.get('stream_gaps')} "
-                           "gaps) does not add up to its answer")
+                self.check(
+                    "streamed",
+                    desc.get("streamed") == desc.get("tokens") and not desc.get("stream_gaps"),
+                    key,
+                    f"job {job_id}: its stream ({desc.get('stream_error') or desc.get('stream_gaps')} "
+                    "gaps) does not add up to its answer",
+                )
 
     def _unseen_delivery(self, job_id: str, t0: float, t1: float, attempt: Any = None) -> str | None:
         """Why the wiretap may have missed a delivery of ``job_id`` between t0 and t1 (None: it saw
@@ -1094,19 +1224,32 @@ class Oracle:
                 # does not undo it). A hand-back (the claim deleted) the wiretap may have missed: it
                 # was away between one holder's last write and the next holder's first.
                 owners = max(spells, key=len)
-                unseen = any(a <= o2[2] and b >= o1[3] for o1, o2 in itertools.pairwise(owners)
-                             for a, b in self.tap.gaps)
+                unseen = any(
+                    a <= o2[2] and b >= o1[3] for o1, o2 in itertools.pairwise(owners) for a, b in self.tap.gaps
+                )
                 if len(owners) > 1 and unseen:
                     self.unverified["twice: the wiretap was away between two holders' claims"] += 1
                 else:
-                    self.check("twice", len(owners) <= 1, key,
-                               f"at_most_once job {job_id} started by {len(owners)} worker processes "
-                               f"({'; '.join(o[1] for o in owners)})", "10")
-                ran = {(p.worker, round(float((p.desc or {}).get("finished_at", 0)), 2))
-                       for p in self.published_by_key.get(key or "", [])
-                       if p.job_id == job_id and p.desc and not p.desc.get("forged_tokens")}
-                self.check("twice", len(ran) <= 1, key, f"at_most_once job {job_id} generated {len(ran)} times "
-                           f"({sorted(w or '?' for w, _ in ran)})", "10")
+                    self.check(
+                        "twice",
+                        len(owners) <= 1,
+                        key,
+                        f"at_most_once job {job_id} started by {len(owners)} worker processes "
+                        f"({'; '.join(o[1] for o in owners)})",
+                        "10",
+                    )
+                ran = {
+                    (p.worker, round(float((p.desc or {}).get("finished_at", 0)), 2))
+                    for p in self.published_by_key.get(key or "", [])
+                    if p.job_id == job_id and p.desc and not p.desc.get("forged_tokens")
+                }
+                self.check(
+                    "twice",
+                    len(ran) <= 1,
+                    key,
+                    f"at_most_once job {job_id} generated {len(ran)} times ({sorted(w or '?' for w, _ in ran)})",
+                    "10",
+                )
             # moved: a second worker got it while the first held it, alive and acking
             for d1, d2 in itertools.pairwise(ds):
                 if d1.worker is None or d2.worker is None or d1.worker == d2.worker:
@@ -1119,9 +1262,16 @@ class Oracle:
                 if d2.stream_seq != d1.stream_seq:
                     # The job was stored again (a client moved it) while the first replica had it:
                     # a double run if that replica finished it.
-                    finished = [p for p in self.published_by_key.get(key or "", [])
-                                if p.job_id == job_id and p.worker == d1.worker and p.t >= d1.t and p.desc
-                                and not p.desc.get("forged_tokens") and self.proc_at(d1.worker, p.t) is holder]
+                    finished = [
+                        p
+                        for p in self.published_by_key.get(key or "", [])
+                        if p.job_id == job_id
+                        and p.worker == d1.worker
+                        and p.t >= d1.t
+                        and p.desc
+                        and not p.desc.get("forged_tokens")
+                        and self.proc_at(d1.worker, p.t) is holder
+                    ]
                     handed_back = any(k in ("-NAK", "+TERM") and d1.t <= t <= d2.t + 0.5 for t, k in acks)
                     # The copy's taker ran it too, unless it handed it back at once (it found the
                     # job claimed by the first holder, alive) or acked it as answered, and never answered it.
@@ -1134,10 +1284,16 @@ class Oracle:
                     )
                     if finished and not handed_back and (answered_by_second or not declined):
                         state = "draining (SIGTERM)" if holder.how.startswith("terminated") else "alive"
-                        self.violations.append(Violation("moved", key,
-                                   f"job {job_id} was stored again and run on {d2.worker} while {d1.worker}, "
-                                   f"{state}, ran it too (finished {finished[0].t - d1.t:.2f} s after it took it, "
-                                   f"{finished[0].t - d2.t:+.2f} s from the second delivery): generated twice", "5"))
+                        self.violations.append(
+                            Violation(
+                                "moved",
+                                key,
+                                f"job {job_id} was stored again and run on {d2.worker} while {d1.worker}, "
+                                f"{state}, ran it too (finished {finished[0].t - d1.t:.2f} s after it took it, "
+                                f"{finished[0].t - d2.t:+.2f} s from the second delivery): generated twice",
+                                "5",
+                            )
+                        )
                     continue
                 # The same message delivered again: the broker's redelivery (an ack-wait that ran out),
                 # not the product's doing; counted when its holder was still acking progress.
@@ -1152,16 +1308,25 @@ class Oracle:
             # The answers of this job, made while it was waiting (a later job under the same key,
             # after the duplicate window, is another job: matching by key alone was a false positive).
             job, ta = (c.stored or {}).get("job_id"), c.answered_at or c.t0
-            finished = [p for p in self.published_by_key.get(c.key, [])
-                        if p.desc and not p.desc.get("forged_tokens") and (job is None or p.job_id == job)
-                        and c.t0 <= p.t <= ta + self.window
-                        and (self._drained(str(p.worker), p.t) or self._frozen(str(p.worker), c.t0, p.t))]
+            finished = [
+                p
+                for p in self.published_by_key.get(c.key, [])
+                if p.desc
+                and not p.desc.get("forged_tokens")
+                and (job is None or p.job_id == job)
+                and c.t0 <= p.t <= ta + self.window
+                and (self._drained(str(p.worker), p.t) or self._frozen(str(p.worker), c.t0, p.t))
+            ]
             how = "while draining (SIGTERM)"
             if finished and not self._drained(str(finished[0].worker), finished[0].t):
                 how = "after a pause (SIGSTOP of it or of the broker)"
-            self.check("twice", not finished, c.key,
-                       f"answered Interrupted although {finished[0].worker if finished else '?'} finished it {how}, "
-                       "alive", "5")
+            self.check(
+                "twice",
+                not finished,
+                c.key,
+                f"answered Interrupted although {finished[0].worker if finished else '?'} finished it {how}, alive",
+                "5",
+            )
 
     def _frozen(self, worker: str, t0: float, t1: float) -> bool:
         """Whether ``worker``'s process alive at ``t1``, or the broker, was frozen (SIGSTOP) between
@@ -1187,19 +1352,28 @@ class Oracle:
         self.checks["rogue"] += 1  # one fact: the rogue read nobody's delivery (not one per delivery)
         if snooped:
             ex = snooped[0]
-            self.violations.append(Violation(
-                "rogue", ex.get("key"),
-                f"the rogue worker read {len(snooped)} job deliveries meant for other workers "
-                f"(job id, fingerprint and ack subject included; e.g. on {ex.get('inbox')})", "3"))
+            self.violations.append(
+                Violation(
+                    "rogue",
+                    ex.get("key"),
+                    f"the rogue worker read {len(snooped)} job deliveries meant for other workers "
+                    f"(job id, fingerprint and ack subject included; e.g. on {ex.get('inbox')})",
+                    "3",
+                )
+            )
         stored = [r for r in self.rogue if r.get("ev") == "forge" and r.get("outcome") == "stored"]
         self.notes["rogue_forgeries_stored"] = len(stored)
         self.notes["rogue_refusals"] = sum(1 for r in self.rogue if r.get("ev") == "refused")
 
     def _check_second_clients(self) -> None:
         for r in self.tl.second_clients:
-            self.check("second-client", r.get("cls") == "ClientIdInUse" or not r.get("trainer_alive", True), TRAINER,
-                       f"a second client with the trainer's id got {r.get('cls') or r.get('kind')} "
-                       f"({r.get('message', '')[:120]})")
+            self.check(
+                "second-client",
+                r.get("cls") == "ClientIdInUse" or not r.get("trainer_alive", True),
+                TRAINER,
+                f"a second client with the trainer's id got {r.get('cls') or r.get('kind')} "
+                f"({r.get('message', '')[:120]})",
+            )
 
     def _check_reask_turns(self) -> None:
         firsts: dict[tuple[str, int], Call] = {}
@@ -1217,18 +1391,32 @@ class Oracle:
                 got = "still waiting" if c.hang else f"raised {c.answer.get('cls')}"
                 had = (first.error or "a result") if first else "?"
                 waited = (c.hang or c.answer or {}).get("t", c.t0) - c.t0
-                self.check("reask-turn", False, c.key,
-                           f"asking turn {c.turn} again (it had been answered {had}) {got} after {waited:.1f} s", "6")
+                self.check(
+                    "reask-turn",
+                    False,
+                    c.key,
+                    f"asking turn {c.turn} again (it had been answered {had}) {got} after {waited:.1f} s",
+                    "6",
+                )
                 continue
             if first is None or first.answer is None:
                 self.checks["reask-turn"] += 1
                 continue
             if first.error:
-                self.check("reask-turn", c.error == first.error, c.key,
-                           f"turn {c.turn} failed {first.error}, asked again: {c.error or 'a result'}", "6")
+                self.check(
+                    "reask-turn",
+                    c.error == first.error,
+                    c.key,
+                    f"turn {c.turn} failed {first.error}, asked again: {c.error or 'a result'}",
+                    "6",
+                )
             else:
-                self.check("reask-turn", (c.answer or {}).get("job_id") == first.answer.get("job_id"), c.key,
-                           f"turn {c.turn} asked again returned {c.error or (c.answer or {}).get('job_id')}")
+                self.check(
+                    "reask-turn",
+                    (c.answer or {}).get("job_id") == first.answer.get("job_id"),
+                    c.key,
+                    f"turn {c.turn} asked again returned {c.error or (c.answer or {}).get('job_id')}",
+                )
         # pinned sessions the fleet has left
         for c in self.calls:
             if c.sid is None or c.error != "NoCompatibleReplica" or c.op != "turn":
@@ -1245,9 +1433,14 @@ class Oracle:
                 continue
             msg = str(c.answer.get("message", ""))
             names_pin = re.search(rf"(?<![0-9]){pin}(?![0-9])", msg) is not None and "pin" in msg.lower()
-            self.check("pinned-error", names_pin and c.answer.get("retryable") is False, c.key,
-                       f"pinned to v{pin}, which no replica serves: refused retryable={c.answer.get('retryable')} with "
-                       f"{msg[:140]!r}", "7")
+            self.check(
+                "pinned-error",
+                names_pin and c.answer.get("retryable") is False,
+                c.key,
+                f"pinned to v{pin}, which no replica serves: refused retryable={c.answer.get('retryable')} with "
+                f"{msg[:140]!r}",
+                "7",
+            )
 
     def _check_answered(self) -> None:
         """answered: a worker's error reached the trainer only as a worker published it."""
@@ -1261,20 +1454,32 @@ class Oracle:
             key = self.idem.get(c.key, c.key)
             mine = self.published_by_key.get(c.key, []) + self.published_by_key.get(key, [])
             if c.sid is not None:  # a turn's failure is published under the product's own key, "<sid>/.../<turn>"
-                mine += [p for p in self.tap.published if p.key and p.key.startswith(f"{c.sid}/")
-                         and p.key.rsplit("/", 1)[1] == str(c.turn)]
+                mine += [
+                    p
+                    for p in self.tap.published
+                    if p.key and p.key.startswith(f"{c.sid}/") and p.key.rsplit("/", 1)[1] == str(c.turn)
+                ]
             pubs = [p for p in mine if p.code == code and since <= p.t <= ta + 0.5]
             retry = (c.req or {}).get("retry")
             if c.error == "Interrupted" and c.sid is None and retry not in (None, "at_most_once"):
-                self.check("answered", False, c.key, f"a {retry} job answered Interrupted (only at_most_once jobs and "
-                           "turns are)")
+                self.check(
+                    "answered",
+                    False,
+                    c.key,
+                    f"a {retry} job answered Interrupted (only at_most_once jobs and turns are)",
+                )
             elif pubs:
                 self.checks["answered"] += 1
             elif any(a <= ta and b >= c.t0 for a, b in self.tap.gaps):
                 self.unverified["answered: the wiretap was disconnected while the job ran"] += 1
             else:
-                self.check("answered", False, c.key, f"answered {c.error} ({c.answer.get('message', '')[:80]!r}), "
-                           f"but no worker published a {code} failure for it")
+                self.check(
+                    "answered",
+                    False,
+                    c.key,
+                    f"answered {c.error} ({c.answer.get('message', '')[:80]!r}), "
+                    f"but no worker published a {code} failure for it",
+                )
 
     @property
     def stopped_keys(self) -> set[str]:
@@ -1292,26 +1497,45 @@ class Oracle:
             said, got = c.cancel.get("outcome"), c.answer or {}
             finishes = got.get("finish") or []
             if said == "raised":
-                self.check("cancelled", False, c.key, f"cancel() raised {c.cancel.get('cls')}: "
-                           f"{c.cancel.get('message', '')[:90]!r}")
+                self.check(
+                    "cancelled",
+                    False,
+                    c.key,
+                    f"cancel() raised {c.cancel.get('cls')}: {c.cancel.get('message', '')[:90]!r}",
+                )
             elif said == "unknown":
                 self.unverified["cancelled: no answer within the cancel's wait"] += 1
             elif said == "withdrawn":
                 later = [o.t0 for o in self.by_key.get(c.key, []) if o.t0 > c.t0]
                 until = min(later, default=float("inf"))
-                pubs = [p for p in self.published_by_key.get(c.key, []) if c.t0 <= p.t < until
-                        and not (p.desc or {}).get("forged_tokens")]
-                self.check("cancelled", c.error == "Cancelled" and not pubs, c.key,
-                           f"cancel() said withdrawn, but the trainer was handed {c.error or got.get('kind')}"
-                           + (f" and {pubs[0].worker} answered the job" if pubs else ""))
+                pubs = [
+                    p
+                    for p in self.published_by_key.get(c.key, [])
+                    if c.t0 <= p.t < until and not (p.desc or {}).get("forged_tokens")
+                ]
+                self.check(
+                    "cancelled",
+                    c.error == "Cancelled" and not pubs,
+                    c.key,
+                    f"cancel() said withdrawn, but the trainer was handed {c.error or got.get('kind')}"
+                    + (f" and {pubs[0].worker} answered the job" if pubs else ""),
+                )
             elif said == "stopped":
                 ok = c.error == "Cancelled" or (c.is_result and "abort" in finishes)
-                self.check("cancelled", ok, c.key, f"cancel() said stopped, but the answer was "
-                           f"{c.error or 'a result'} (finish {finishes})")
+                self.check(
+                    "cancelled",
+                    ok,
+                    c.key,
+                    f"cancel() said stopped, but the answer was {c.error or 'a result'} (finish {finishes})",
+                )
             elif said == "answered":
                 ok = (c.is_result and "abort" not in finishes) or (c.error not in (None, "Cancelled"))
-                self.check("cancelled", ok, c.key, f"cancel() said answered, but the answer was "
-                           f"{c.error or 'a result'} (finish {finishes})")
+                self.check(
+                    "cancelled",
+                    ok,
+                    c.key,
+                    f"cancel() said answered, but the answer was {c.error or 'a result'} (finish {finishes})",
+                )
             else:
                 self.check("cancelled", False, c.key, f"cancel() returned {said!r}")
 
@@ -1321,8 +1545,12 @@ class Oracle:
         served = [c for c in calls if c.is_result]
         if not self.check("available", bool(calls), None, "the trainer made no calls: nothing was judged"):
             return
-        self.check("available", bool(served), None, f"none of the trainer's {len(calls)} calls was served "
-                   f"(answers: {self._errors_by_class()})")
+        self.check(
+            "available",
+            bool(served),
+            None,
+            f"none of the trainer's {len(calls)} calls was served (answers: {self._errors_by_class()})",
+        )
         excluded = [(a, b + BROKER_GRACE_S) for a, b in self.broker_out]
         killed_at = {int(t["incarnation"]): float(t["end"]) for t in self.tl.trainers if t.get("how") == "killed"}
         wanted = []
@@ -1333,29 +1561,44 @@ class Oracle:
             # started (a long generation is service, not a wait): it asked until then.
             desc = c.answer if c.is_result and c.answer else {}
             if desc.get("finished_at") and desc.get("generation_s") is not None:
-                began = self.by_own_clock(str(desc.get("worker_id")),
-                                          float(desc["finished_at"]) - float(desc["generation_s"]))
+                began = self.by_own_clock(
+                    str(desc.get("worker_id")), float(desc["finished_at"]) - float(desc["generation_s"])
+                )
                 if began <= end:  # (begun before the call: a resubmit of a job already running)
                     end = max(c.t0, began)
                     moments.append(end)
             wanted.append((c.t0, max(c.t0, end)))
         moments += [float(c.answer["t"]) for c in served if c.answer]
-        moments += [p.t for p in self.tap.published if (p.desc or {}).get("kind") == "result"
-                    and not (p.desc or {}).get("forged_tokens")]
+        moments += [
+            p.t
+            for p in self.tap.published
+            if (p.desc or {}).get("kind") == "result" and not (p.desc or {}).get("forged_tokens")
+        ]
         worst = max(unserved_stretches(wanted, moments, excluded), key=lambda s: s[2], default=(0.0, 0.0, 0.0))
         self.notes["longest_unserved_s"] = round(worst[2], 2)
-        self.check("available", worst[2] <= self.available_s, None,
-                   f"nothing was served for {worst[2]:.1f} s while the trainer asked ({worst[0] - self.t_first:.1f} s "
-                   f"to {worst[1] - self.t_first:.1f} s into the run; broker outages not counted)")
+        self.check(
+            "available",
+            worst[2] <= self.available_s,
+            None,
+            f"nothing was served for {worst[2]:.1f} s while the trainer asked ({worst[0] - self.t_first:.1f} s "
+            f"to {worst[1] - self.t_first:.1f} s into the run; broker outages not counted)",
+        )
         # The fleet itself: a live process in a serving state, at every moment of the run.
-        up = [self.t_first + i * SAMPLE_S for i, snap in enumerate(self.samples)
-              if any(e[1] in SERVING_STATES for e in snap)]
+        up = [
+            self.t_first + i * SAMPLE_S
+            for i, snap in enumerate(self.samples)
+            if any(e[1] in SERVING_STATES for e in snap)
+        ]
         run = [(min(c.t0 for c in calls), max(b for _, b in wanted))]
         down = max(unserved_stretches(run, up, excluded), key=lambda s: s[2], default=(0.0, 0.0, 0.0))
         self.notes["longest_fleet_down_s"] = round(down[2], 2)
-        self.check("available", down[2] <= self.available_s, None,
-                   f"no live replica served for {down[2]:.1f} s ({down[0] - self.t_first:.1f} s to "
-                   f"{down[1] - self.t_first:.1f} s into the run; broker outages not counted)")
+        self.check(
+            "available",
+            down[2] <= self.available_s,
+            None,
+            f"no live replica served for {down[2]:.1f} s ({down[0] - self.t_first:.1f} s to "
+            f"{down[1] - self.t_first:.1f} s into the run; broker outages not counted)",
+        )
 
     def _check_permissions(self) -> None:
         """The broker refuses nothing a legitimate process does (the rogue's refusals are the point)."""
@@ -1368,8 +1611,11 @@ class Oracle:
                 refused[(m.group(1), f"{m.group(2)} on {m.group(3)}")] += 1
         self.checks["permissions"] += 1  # one fact: no legitimate operation refused (not one per log line)
         for (user, what), n in sorted(refused.items()):
-            self.violations.append(Violation(
-                "permissions", user, f"the generated permissions refused {user}'s own operation {n} time(s): {what}"))
+            self.violations.append(
+                Violation(
+                    "permissions", user, f"the generated permissions refused {user}'s own operation {n} time(s): {what}"
+                )
+            )
 
     def _check_activation_digests(self) -> None:
         bad: dict[tuple[str, int], tuple[str, str]] = {}
@@ -1381,9 +1627,14 @@ class Oracle:
             if a.weights_digest != want:
                 bad[(a.worker_id, a.version)] = (a.weights_digest, want)
         for (worker, v), (got, want) in sorted(bad.items()):
-            self.violations.append(Violation(
-                "digest", None, f"{worker} activated v{v} with live weights {got[:12]}, the trainer's v{v} is "
-                f"{want[:12]}", "1"))
+            self.violations.append(
+                Violation(
+                    "digest",
+                    None,
+                    f"{worker} activated v{v} with live weights {got[:12]}, the trainer's v{v} is {want[:12]}",
+                    "1",
+                )
+            )
 
 
 TRAINER = "trainer"
@@ -1392,22 +1643,45 @@ TRAINER = "trainer"
 # -- judging a kept run again (``python -m reliability.oracle WORKDIR``) ---------------------------------
 
 
-def save_inputs(path: Any, *, cfg: Any, timeline: Any, finals: dict[str, Any], stored: dict[str, Any],
-                activations: list[Any], broker_log: str = "") -> None:
+def save_inputs(
+    path: Any,
+    *,
+    cfg: Any,
+    timeline: Any,
+    finals: dict[str, Any],
+    stored: dict[str, Any],
+    activations: list[Any],
+    broker_log: str = "",
+) -> None:
     """What the oracle read besides the journals and the tap's dump, so a kept run can be judged again."""
     import json
 
     import msgspec
 
     doc = {
-        "cfg": {"seed": cfg.seed, "ack_wait": cfg.ack_wait, "duplicate_window": cfg.duplicate_window,
-                "max_deliver": cfg.max_deliver, "duration": cfg.duration,
-                "available_s": getattr(cfg, "available_s", AVAILABLE_S)},
+        "cfg": {
+            "seed": cfg.seed,
+            "ack_wait": cfg.ack_wait,
+            "duplicate_window": cfg.duplicate_window,
+            "max_deliver": cfg.max_deliver,
+            "duration": cfg.duration,
+            "available_s": getattr(cfg, "available_s", AVAILABLE_S),
+        },
         "timeline": {
-            "workers": [{"worker_id": w.worker_id, "engine": w.engine, "start": w.start, "end": w.end,
-                         "paused_at": w.paused_at, "how": w.how, "armed": w.armed, "stops": w.stops,
-                         "skew_s": getattr(w, "skew_s", 0.0)}
-                        for w in timeline.workers],
+            "workers": [
+                {
+                    "worker_id": w.worker_id,
+                    "engine": w.engine,
+                    "start": w.start,
+                    "end": w.end,
+                    "paused_at": w.paused_at,
+                    "how": w.how,
+                    "armed": w.armed,
+                    "stops": w.stops,
+                    "skew_s": getattr(w, "skew_s", 0.0),
+                }
+                for w in timeline.workers
+            ],
             "broker_down": timeline.broker_down,
             "broker_paused": timeline.broker_paused,
             "commits": timeline.commits,
@@ -1434,8 +1708,11 @@ def judge_kept(workdir: Any) -> list[Violation]:
     violations = oracle.judge()
     for v in violations:
         print(f"VIOLATION {v.line()}")
-    print(json.dumps({"checks": dict(oracle.checks), "unverified": dict(oracle.unverified),
-                      "violations": len(violations)}))
+    print(
+        json.dumps(
+            {"checks": dict(oracle.checks), "unverified": dict(oracle.unverified), "violations": len(violations)}
+        )
+    )
     return violations
 
 

@@ -137,8 +137,11 @@ def params_for(kind: str, rng: random.Random, hf: bool) -> dict[str, Any]:
     if kind == "pause_broker":
         return {"for_s": round(u(1.5, 5.0), 2)}
     if kind == "partition":
-        return {"victim": rng.choice(PAUSE_VICTIMS), "direction": rng.choice(("up", "down", "both")),
-                "for_s": round(u(1.0, 8.0), 2)}
+        return {
+            "victim": rng.choice(PAUSE_VICTIMS),
+            "direction": rng.choice(("up", "down", "both")),
+            "for_s": round(u(1.0, 8.0), 2),
+        }
     if kind == "lag":
         return {"victim": "random", "seconds": round(u(0.05, 0.5), 3), "for_s": round(u(3.0, 10.0), 2)}
     if kind == "cut_link":

@@ -136,8 +136,16 @@ def refuse_everything(h: History) -> None:
     h.trainer = [r for r in h.trainer if r.get("ev") not in ("stored", "answer", "hang", "reask")]
     for r in h.calls().values():
         turn = {"sid": r["sid"], "turn": r["turn"], "spent": True} if "sid" in r else {}
-        answer = {"ev": "answer", "rid": r["rid"], "op": r["op"], "key": r["key"], "t": r["t"] + 0.01,
-                  "t0": r["t"], "inc": r["inc"], **turn}
+        answer = {
+            "ev": "answer",
+            "rid": r["rid"],
+            "op": r["op"],
+            "key": r["key"],
+            "t": r["t"] + 0.01,
+            "t0": r["t"],
+            "inc": r["inc"],
+            **turn,
+        }
         _error(answer, "NoCompatibleReplica", "no_compatible_replica", at="submit")
         h.trainer.append(answer)
     h.tap["deliveries"], h.tap["published"] = [], []
@@ -239,9 +247,18 @@ def interrupted_though_a_frozen_holder_finished(h: History, convert: bool = Fals
     key, job, worker = answer["key"], answer["job_id"], answer["worker_id"]
     done = min(float(p["t"]) for p in h.tap["published"] if p["job_id"] == job)
     other = next(w for w in ("w1", "w2", "w3", "w4") if w != worker)
-    h.tap["published"].append({"t": done - 0.2, "subject": f"rf.adv.results.trainer.x.{job}.{other}",
-                               "kind": "failure", "key": key, "job_id": job, "worker": other, "digest": "0" * 16,
-                               "code": "interrupted"})
+    h.tap["published"].append(
+        {
+            "t": done - 0.2,
+            "subject": f"rf.adv.results.trainer.x.{job}.{other}",
+            "kind": "failure",
+            "key": key,
+            "job_id": job,
+            "worker": other,
+            "digest": "0" * 16,
+            "code": "interrupted",
+        }
+    )
     _error(answer, "Interrupted", "interrupted")
     h.doc["finals"][key] = {k: answer[k] for k in ("kind", "cls", "code", "retryable", "message", "t")}
     for w in h.doc["timeline"]["workers"]:
@@ -271,7 +288,9 @@ MUTATIONS: dict[str, tuple[Callable[[History], None], str]] = {
     "reversed-tokens": (partial(swap_tokens, reverse=True), "served"),
     "interrupted-though-a-frozen-holder-finished": (interrupted_though_a_frozen_holder_finished, "twice"),
     "interrupted-though-a-frozen-holder-finished (converted call)": (
-        partial(interrupted_though_a_frozen_holder_finished, convert=True), "twice"),
+        partial(interrupted_though_a_frozen_holder_finished, convert=True),
+        "twice",
+    ),
 }
 
 
@@ -298,8 +317,11 @@ def test_checks_are_counted_once_per_judged_fact(recorded: Path) -> None:
     assert oracle.tap.deliveries and oracle.broker_log  # (deliveries and log lines once inflated these)
     assert oracle.checks["rogue"] == 1
     assert oracle.checks["permissions"] == 1
-    resumed = {(c.key, (c.answer or {}).get("job_id")) for c in oracle.calls
-               if c.is_result and (c.req or {}).get("retry") == "resume"}
+    resumed = {
+        (c.key, (c.answer or {}).get("job_id"))
+        for c in oracle.calls
+        if c.is_result and (c.req or {}).get("retry") == "resume"
+    }
     assert oracle.checks["resumed"] == len(resumed) > 0  # one per result, not one per span
 
 
@@ -335,8 +357,14 @@ def _at_most_once_call(h: History, convert: bool = False) -> tuple[dict[str, Any
         submit = calls[r["rid"]]
         req = submit.get("req") or {}
         seen = [d for d in h.tap["deliveries"] if d["job_id"] == r["job_id"]]
-        if (req.get("retry") == "replayable" and r.get("spans") and keys.count(r["key"]) == 1
-                and len(seen) == 1 and seen[0]["worker"] == r["worker_id"] and seen[0].get("attempt") == 1):
+        if (
+            req.get("retry") == "replayable"
+            and r.get("spans")
+            and keys.count(r["key"]) == 1
+            and len(seen) == 1
+            and seen[0]["worker"] == r["worker_id"]
+            and seen[0].get("attempt") == 1
+        ):
             req["retry"] = seen[0]["retry"] = "at_most_once"
             return submit, r
     raise AssertionError("the recorded run has no at_most_once answer, nor a replayable one delivered once")
@@ -349,17 +377,43 @@ def interrupted_then_a_later_job(h: History, convert: bool = False) -> None:
     _submit, answer = _at_most_once_call(h, convert)
     key, job, worker, t = answer["key"], answer["job_id"], answer["worker_id"], float(answer["t"])
     h.tap["published"] = [p for p in h.tap["published"] if p["job_id"] != job]
-    h.tap["published"].append({"t": t - 0.1, "subject": f"rf.adv.results.trainer.x.{job}.{worker}", "kind": "failure",
-                               "key": key, "job_id": job, "worker": worker, "digest": "0" * 16,
-                               "code": "interrupted"})
+    h.tap["published"].append(
+        {
+            "t": t - 0.1,
+            "subject": f"rf.adv.results.trainer.x.{job}.{worker}",
+            "kind": "failure",
+            "key": key,
+            "job_id": job,
+            "worker": worker,
+            "digest": "0" * 16,
+            "code": "interrupted",
+        }
+    )
     _error(answer, "Interrupted", "interrupted")
     h.doc["finals"][key] = {k: answer[k] for k in ("kind", "cls", "code", "retryable", "message", "t")}
     later = t + float(h.doc["cfg"]["duplicate_window"]) + 5.0
-    desc = {"kind": "result", "job_id": "a-later-job", "worker_id": worker, "version_start": 0, "version_end": 0,
-            "spans": [], "tokens": "1" * 16, "finished_at": later}
-    h.tap["published"].append({"t": later, "subject": f"rf.adv.results.trainer.x.a-later-job.{worker}",
-                               "kind": "result", "key": key, "job_id": "a-later-job", "worker": worker,
-                               "digest": "1" * 16, "desc": desc})
+    desc = {
+        "kind": "result",
+        "job_id": "a-later-job",
+        "worker_id": worker,
+        "version_start": 0,
+        "version_end": 0,
+        "spans": [],
+        "tokens": "1" * 16,
+        "finished_at": later,
+    }
+    h.tap["published"].append(
+        {
+            "t": later,
+            "subject": f"rf.adv.results.trainer.x.a-later-job.{worker}",
+            "kind": "result",
+            "key": key,
+            "job_id": "a-later-job",
+            "worker": worker,
+            "digest": "1" * 16,
+            "desc": desc,
+        }
+    )
     for w in h.doc["timeline"]["workers"]:
         if w["worker_id"] == worker and float(w["start"]) <= later and (w["end"] is None or later < float(w["end"])):
             w["end"], w["how"] = later + 1.0, "terminated"  # it drained, alive, while it finished that job
