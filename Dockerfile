@@ -39,7 +39,8 @@ RUN case ",${ROLLFLEET_EXTRAS}," in \
 COPY pyproject.toml README.md ./
 COPY rollfleet ./rollfleet
 COPY examples ./examples
-RUN pip install ".${ROLLFLEET_EXTRAS:+[${ROLLFLEET_EXTRAS}]}"
+# The gateway extra (aiohttp, jinja2: a few MB) always, so every image can run `rollfleet gateway`.
+RUN pip install ".[gateway${ROLLFLEET_EXTRAS:+,${ROLLFLEET_EXTRAS}}]"
 
 # An unprivileged user; /weights is where docker-compose.yml mounts the shared weight store.
 RUN useradd --create-home --uid 10001 rollfleet \

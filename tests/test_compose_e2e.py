@@ -21,6 +21,7 @@ Skipped where no Docker engine with Compose v2 is reachable (see ``make compose`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -157,6 +159,8 @@ def stack() -> Iterator[Stack]:
         "ROLLFLEET_WORKER_ARGS": WORKER_ARGS,
         "ROLLFLEET_OBJECTS_NAMESPACE": f"ob{run_id}",
         "ROLLFLEET_S3_PORT": str(free_port()),
+        "ROLLFLEET_GATEWAY_PORT": str(free_port()),
+        "ROLLFLEET_API_KEY": "compose-key",
     }
     for key in [k for k in env if k.startswith("AWS_")]:
         del env[key]  # the objects profile's workers take the local object-store's settings
@@ -313,6 +317,25 @@ async def test_scaled_fleet_serves_host_and_in_network_trainers(stack: Stack, ho
     by_worker = served_by(host["results"] + network["results"])
     assert set(by_worker) == worker_ids, f"every worker serves some: {dict(by_worker)}"
     stack.record(jobs_by_worker_v0=dict(by_worker))
+    # The gateway service: one HTTP request on its published port, with its bearer key, served
+    # by one of the fleet's workers at version 0 (the echo engine's tokens: sum(prompt) + i).
+    gateway = f"http://127.0.0.1:{stack.env['ROLLFLEET_GATEWAY_PORT']}"
+    key = {"Authorization": "Bearer compose-key"}
+    async with httpx.AsyncClient(base_url=gateway, timeout=60) as http:
+
+        async def gateway_healthy() -> bool:
+            with contextlib.suppress(httpx.HTTPError):
+                return (await http.get("/health")).status_code == 200
+            return False
+
+        await eventually(gateway_healthy, timeout=60, interval=0.5)
+        assert (await http.post("/generate", json={"input_ids": [1]})).status_code == 401
+        body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3},
+                "weight_version": {"exact_version": 0}}  # fmt: skip
+        answer = await http.post("/generate", json=body, headers=key)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["output_ids"] == [11, 12, 13]
+    assert answer.json()["meta_info"]["rollfleet"]["replica"] in worker_ids
 
 
 # -- 3. workers follow published versions --------------------------------------------------------

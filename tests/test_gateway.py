@@ -61,8 +61,8 @@ def test_a_generate_body_becomes_a_payload_and_a_constraint() -> None:
         [],
         {"input_ids": [1], "text": "x"},
         {},
-        {"input_ids": [[1, 2], [3]]},
-        {"text": ["a", "b"]},
+        {"input_ids": [[1, 2], []]},  # (a batch with an empty input)
+        {"text": ["a", None]},
         {"input_ids": [1, "2"]},
         {"input_ids": [-1]},
         {"input_ids": [1], "sampling_params": {"max_new_tokens": "9"}},

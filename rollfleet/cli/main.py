@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "gateway",
-        help="serve the fleet over HTTP: SGLang's POST /generate and OpenAI's /v1/completions",
+        help="serve the fleet over HTTP: SGLang's POST /generate and OpenAI's /v1/completions and chat",
         formatter_class=_DefaultsFormatter,
     )
     _add_conn(p)
@@ -316,12 +316,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("ROLLFLEET_API_KEY"),
+        default=os.environ.get("ROLLFLEET_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' (env ROLLFLEET_API_KEY)",
     )
     p.add_argument("--client-id", default="gateway", help="the gateway's client id (one live gateway per id)")
     p.add_argument("--model-name", default="rollfleet", help="the model name /v1/models reports")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may wait for its answer")
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the served model's tokenizer files (its chat template), for /v1/chat/completions",
+    )
 
     p = sub.add_parser("status", help="show the fleet, queue depths and the latest version")
     _add_conn(p)
@@ -516,8 +523,11 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
 
 async def cmd_gateway(args: argparse.Namespace) -> int:
+    from rollfleet.gateway.chat import ChatTemplate
     from rollfleet.gateway.server import serve
     from rollfleet.trainer_client import RolloutClient
+
+    template = ChatTemplate.from_dir(args.tokenizer) if args.tokenizer is not None else None
 
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
@@ -533,6 +543,6 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
         with contextlib.suppress(asyncio.CancelledError):
             await serve(
                 client, args.host, args.port, started=started, model_name=args.model_name, api_key=args.api_key,
-                default_max_staleness=args.max_staleness, timeout_s=args.timeout,
+                default_max_staleness=args.max_staleness, timeout_s=args.timeout, chat_template=template,
             )  # fmt: skip
     return 0

@@ -7,7 +7,10 @@ Two request shapes are read:
   ``text``, ``sampling_params``, ``return_logprob``, ``stream``, ``rid``;
 - OpenAI's ``POST /v1/completions`` (what the official ``openai`` client sends): ``prompt`` as
   text or token ids, ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``,
-  ``logprobs``, ``stream``.
+  ``logprobs``, ``stream``;
+- OpenAI's ``POST /v1/chat/completions``: ``messages`` (and ``tools``) rendered into the prompt
+  by the served model's chat template (``gateway.chat``), the same sampling fields,
+  ``logprobs: true``.
 
 Both may carry Stitch's constraint object, ``weight_version: {"min_required_version": N,
 "exact_version": N}`` (through ``extra_body`` for the ``openai`` client); without one the
@@ -20,13 +23,15 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Literal
 
+from rollfleet.gateway.chat import ChatTemplate, messages_of, tools_of
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams
 from rollfleet.schemas.errors import InvalidRequest, RollfleetError
 from rollfleet.schemas.progress import TokenChunk
 
-Route = Literal["generate", "completions"]
+Route = Literal["generate", "completions", "chat"]
 
 # SGLang's sampling parameters (sglang.api.v1.SamplingParams, which refuses any other key). The
 # gateway reads the ones rollfleet's payload has; the rest reach the engine as they are.
@@ -131,21 +136,70 @@ def _key(body: dict[str, Any], header: str | None) -> str | None:
         return header
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
-        raise InvalidRequest("rid must be a string (one request; a batch is not accepted with rid)")
+        raise InvalidRequest("rid must be a string (a list of them only for a batch of inputs)")
     return rid
 
 
-def parse_generate(body: Any, *, key_header: str | None, default_max_staleness: int | None) -> GatewayRequest:
-    """SGLang's ``/generate`` body (one input; a batch is refused with a clear error)."""
+MAX_BATCH = 256  # inputs in one /generate request
+
+
+def _batch_keys(body: dict[str, Any], header: str | None, size: int) -> list[str | None]:
+    """One idempotency key an input: ``<Idempotency-Key>/<i>``, or SGLang's list of ``rid``."""
+    if header is not None:
+        return [f"{header}/{i}" for i in range(size)]
+    rid = body.get("rid")
+    if rid is None:
+        return [None] * size
+    if not isinstance(rid, list) or len(rid) != size or not all(isinstance(r, str) for r in rid):
+        raise InvalidRequest(f"rid must be a list of {size} strings, one an input")
+    if len(set(rid)) != size:
+        raise InvalidRequest("rid must not repeat within a batch")
+    return list(rid)
+
+
+def parse_generate(
+    body: Any, *, key_header: str | None, default_max_staleness: int | None
+) -> GatewayRequest | list[GatewayRequest]:
+    """SGLang's ``/generate`` body: one input, or a batch (``text`` a list of strings,
+    ``input_ids`` a list of lists; ``sampling_params`` one for all or a list, one an input)."""
     body = _object(body)
     ids, text = body.get("input_ids"), body.get("text")
     if (ids is None) == (text is None):
         raise InvalidRequest("give exactly one of input_ids or text")
-    if isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
-        raise InvalidRequest("a batch of inputs is not accepted: send one request per input")
-    if text is not None and not isinstance(text, str):
-        raise InvalidRequest("text must be a string")
     params = body.get("sampling_params") or {}
+    batched = isinstance(text, list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
+    if not batched:
+        if text is not None and not isinstance(text, str):
+            raise InvalidRequest("text must be a string, or a list of strings for a batch")
+        if isinstance(params, list):
+            raise InvalidRequest("sampling_params may be a list only for a batch of inputs")
+        return _generate_one(body, ids, text, params, _key(body, key_header), default_max_staleness)
+    inputs: list[Any] = text if text is not None else ids  # type: ignore[assignment]
+    if not inputs or len(inputs) > MAX_BATCH:
+        raise InvalidRequest(f"a batch must have 1 to {MAX_BATCH} inputs, got {len(inputs)}")
+    if _bool(body.get("stream", False), "stream"):
+        raise InvalidRequest("a batch of inputs cannot be streamed: stream one input a request")
+    if isinstance(params, list) and len(params) != len(inputs):
+        raise InvalidRequest(f"sampling_params must be one object, or a list of {len(inputs)}, one an input")
+    keys = _batch_keys(body, key_header, len(inputs))
+    out = []
+    for i, one in enumerate(inputs):
+        if text is not None and not isinstance(one, str):
+            raise InvalidRequest(f"text[{i}] must be a string")
+        each = params[i] if isinstance(params, list) else params
+        out.append(_generate_one(body, None if text is not None else one, one if text is not None else None, each,
+                                 keys[i], default_max_staleness))  # fmt: skip
+    return out
+
+
+def _generate_one(
+    body: dict[str, Any],
+    ids: Any,
+    text: str | None,
+    params: Any,
+    key: str | None,
+    default_max_staleness: int | None,
+) -> GatewayRequest:
     if not isinstance(params, dict):
         raise InvalidRequest("sampling_params must be an object")
     unknown = set(params) - _SAMPLING_READ - _SAMPLING_PASSED
@@ -178,10 +232,38 @@ def parse_generate(body: Any, *, key_header: str | None, default_max_staleness: 
         route="generate",
         payload=payload,
         constraint=constraint_of(body, default_max_staleness),
-        idempotency_key=_key(body, key_header),
+        idempotency_key=key,
         stream=_bool(body.get("stream", False), "stream"),
         logprobs=_bool(body.get("return_logprob", False), "return_logprob"),
     )
+
+
+def _openai_sampling(body: dict[str, Any], max_tokens: Any) -> tuple[SamplingParams, dict[str, Any], int]:
+    """The sampling fields OpenAI's completions and chat requests share: the parameters, what
+    passes to the engine as it is (``stop``, ``ignore_eos``), and ``n``."""
+    stop = body.get("stop")
+    extra: dict[str, Any] = {}
+    if stop is not None:
+        if not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
+            raise InvalidRequest("stop must be a string or a list of strings")
+        extra["stop"] = stop
+    if body.get("ignore_eos") is not None:
+        extra["ignore_eos"] = _bool(body["ignore_eos"], "ignore_eos")
+    sampling = SamplingParams(
+        max_tokens=_int(max_tokens, "max_tokens", minimum=1),
+        temperature=_float(body.get("temperature", 1.0), "temperature"),
+        top_p=_float(body.get("top_p", 1.0), "top_p"),
+        seed=_int(body["seed"], "seed") if body.get("seed") is not None else None,
+        logprobs=True,
+    )
+    return sampling, extra, _int(body.get("n", 1), "n", minimum=1)
+
+
+def _model(body: dict[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("model must be a string")
+    return model
 
 
 def parse_completions(body: Any, *, key_header: str | None, default_max_staleness: int | None) -> GatewayRequest:
@@ -202,41 +284,56 @@ def parse_completions(body: Any, *, key_header: str | None, default_max_stalenes
             ids = _token_ids(one, "prompt[0]")
     else:
         raise InvalidRequest("prompt must be a string or a list of token ids (one prompt a request)")
-    stop = body.get("stop")
-    extra: dict[str, Any] = {}
-    if stop is not None:
-        if not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
-            raise InvalidRequest("stop must be a string or a list of strings")
-        extra["stop"] = stop
-    if body.get("ignore_eos") is not None:
-        extra["ignore_eos"] = _bool(body["ignore_eos"], "ignore_eos")
     logprobs = body.get("logprobs")
     if logprobs is not None:
         _int(logprobs, "logprobs", minimum=0)
-    sampling = SamplingParams(
-        max_tokens=_int(body.get("max_tokens", 16), "max_tokens", minimum=1),
-        temperature=_float(body.get("temperature", 1.0), "temperature"),
-        top_p=_float(body.get("top_p", 1.0), "top_p"),
-        seed=_int(body["seed"], "seed") if body.get("seed") is not None else None,
-        logprobs=True,
-    )
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequest("model must be a string")
+    sampling, extra, n = _openai_sampling(body, body.get("max_tokens", 16))
     return GatewayRequest(
         route="completions",
-        payload=RolloutPayload(
-            prompt_token_ids=ids,
-            prompt_text=text,
-            sampling=sampling,
-            n=_int(body.get("n", 1), "n", minimum=1),
-            extra=extra,
-        ),
+        payload=RolloutPayload(prompt_token_ids=ids, prompt_text=text, sampling=sampling, n=n, extra=extra),
         constraint=constraint_of(body, default_max_staleness),
         idempotency_key=_key(body, key_header),
         stream=_bool(body.get("stream", False), "stream"),
         logprobs=logprobs is not None,
-        model=model,
+        model=_model(body),
+    )
+
+
+def parse_chat(
+    body: Any,
+    *,
+    key_header: str | None,
+    default_max_staleness: int | None,
+    template: ChatTemplate | None,
+    now: datetime | None = None,
+) -> GatewayRequest:
+    """OpenAI's ``/v1/chat/completions`` body: the conversation rendered into one prompt with the
+    served model's chat template (a gateway started without one refuses chat, naming the flag)."""
+    body = _object(body)
+    if template is None:
+        raise InvalidRequest("this gateway has no chat template: start it with --tokenizer DIR (the model's files)")
+    messages = messages_of(body.get("messages"))
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("chat_template_kwargs must be an object")
+    add_generation_prompt = _bool(body.get("add_generation_prompt", True), "add_generation_prompt")
+    prompt = template.render(messages, tools=tools_of(body.get("tools")), add_generation_prompt=add_generation_prompt,
+                             kwargs=kwargs, now=now)  # fmt: skip
+    if not prompt:
+        raise InvalidRequest("the chat template rendered the conversation to an empty prompt")
+    top = body.get("top_logprobs")
+    if top is not None:
+        _int(top, "top_logprobs", minimum=0)
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    sampling, extra, n = _openai_sampling(body, 128 if limit is None else limit)
+    return GatewayRequest(
+        route="chat",
+        payload=RolloutPayload(prompt_text=prompt, sampling=sampling, n=n, extra=extra),
+        constraint=constraint_of(body, default_max_staleness),
+        idempotency_key=_key(body, key_header),
+        stream=_bool(body.get("stream", False), "stream"),
+        logprobs=_bool(body.get("logprobs", False), "logprobs"),
+        model=_model(body),
     )
 
 
@@ -296,37 +393,73 @@ def generate_response(result: RolloutResult, *, logprobs: bool) -> dict[str, Any
     return items[0] if len(items) == 1 else items
 
 
+def _usage(result: RolloutResult) -> dict[str, int]:
+    completion_tokens = sum(len(o.token_ids) for o in result.outputs)
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": result.prompt_tokens + completion_tokens,
+    }
+
+
+def _openai_finish(reason: str) -> str:
+    return "length" if reason == "length" else reason
+
+
+def _text_logprobs(token_ids: list[int], logprobs: list[float] | None) -> dict[str, Any]:
+    """A completion's ``logprobs`` object (tokens named by their ids: exact, never re-tokenized)."""
+    return {"tokens": [str(t) for t in token_ids], "token_logprobs": list(logprobs or []), "top_logprobs": None,
+            "text_offset": None}  # fmt: skip
+
+
+def _chat_logprobs(token_ids: list[int], logprobs: list[float] | None) -> dict[str, Any]:
+    """A chat choice's ``logprobs.content``: one entry a generated token."""
+    lps = logprobs or [None] * len(token_ids)
+    return {"content": [{"token": str(t), "logprob": lp, "bytes": None, "top_logprobs": []}
+                        for t, lp in zip(token_ids, lps, strict=True)]}  # fmt: skip
+
+
 def completions_response(result: RolloutResult, *, model: str, created: int, logprobs: bool) -> dict[str, Any]:
     choices = []
     for i, out in enumerate(result.outputs):
-        choice: dict[str, Any] = {
+        choices.append({
             "index": i,
             "text": out.text or "",
-            "finish_reason": "length" if out.finish_reason == "length" else out.finish_reason,
+            "finish_reason": _openai_finish(out.finish_reason),
             "token_ids": list(out.token_ids),  # exact tokens: a trainer never re-tokenizes
-            "logprobs": None,
+            "logprobs": _text_logprobs(out.token_ids, out.logprobs) if logprobs else None,
             "rollfleet": _facts(result, i),
-        }
-        if logprobs:
-            choice["logprobs"] = {
-                "tokens": [str(t) for t in out.token_ids],
-                "token_logprobs": list(out.logprobs or []),
-                "top_logprobs": None,
-                "text_offset": None,
-            }
-        choices.append(choice)
-    completion_tokens = sum(len(o.token_ids) for o in result.outputs)
+        })  # fmt: skip
     return {
         "id": f"cmpl-{result.job_id}",
         "object": "text_completion",
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": result.prompt_tokens + completion_tokens,
-        },
+        "usage": _usage(result),
+        "weight_version_start": result.version_start,
+        "weight_version_end": result.version_end,
+    }
+
+
+def chat_response(result: RolloutResult, *, model: str, created: int, logprobs: bool) -> dict[str, Any]:
+    choices = []
+    for i, out in enumerate(result.outputs):
+        choices.append({
+            "index": i,
+            "message": {"role": "assistant", "content": out.text or ""},
+            "finish_reason": _openai_finish(out.finish_reason),
+            "token_ids": list(out.token_ids),
+            "logprobs": _chat_logprobs(out.token_ids, out.logprobs) if logprobs else None,
+            "rollfleet": _facts(result, i),
+        })  # fmt: skip
+    return {
+        "id": f"chatcmpl-{result.job_id}",
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": _usage(result),
         "weight_version_start": result.version_start,
         "weight_version_end": result.version_end,
     }
@@ -337,18 +470,23 @@ def stream_event(req: GatewayRequest, chunk: TokenChunk, *, job_id: str, model: 
     delta, with the versions that made them). Text comes whole in the last event (the gateway
     holds no tokenizer; the tokens are exact)."""
     spans = [[s.version, s.start, s.end, s.replica] for s in chunk.spans]
+    ids = list(chunk.token_ids)
     if req.route == "generate":
         meta: dict[str, Any] = {"id": job_id, "finish_reason": None, "weight_versions": spans}
         if req.logprobs:
-            lps = chunk.logprobs or [None] * len(chunk.token_ids)
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, chunk.token_ids, strict=True)]
-        return {"index": chunk.index, "start": chunk.start, "output_ids": list(chunk.token_ids), "meta_info": meta}
-    logprobs = None
-    if req.logprobs:
-        logprobs = {"tokens": [str(t) for t in chunk.token_ids], "token_logprobs": list(chunk.logprobs or []),
-                    "top_logprobs": None, "text_offset": None}  # fmt: skip
-    choice = {"index": chunk.index, "text": "", "token_ids": list(chunk.token_ids), "logprobs": logprobs,
-              "finish_reason": None, "rollfleet": {"start": chunk.start, "weight_versions": spans}}  # fmt: skip
+            lps = chunk.logprobs or [None] * len(ids)
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
+        return {"index": chunk.index, "start": chunk.start, "output_ids": ids, "meta_info": meta}
+    facts = {"start": chunk.start, "weight_versions": spans}
+    if req.route == "chat":
+        logprobs = _chat_logprobs(ids, chunk.logprobs) if req.logprobs else None
+        choice = {"index": chunk.index, "delta": {"role": "assistant", "content": ""}, "token_ids": ids,
+                  "logprobs": logprobs, "finish_reason": None, "rollfleet": facts}  # fmt: skip
+        return {"id": f"chatcmpl-{job_id}", "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [choice]}  # fmt: skip
+    logprobs = _text_logprobs(ids, chunk.logprobs) if req.logprobs else None
+    choice = {"index": chunk.index, "text": "", "token_ids": ids, "logprobs": logprobs, "finish_reason": None,
+              "rollfleet": facts}  # fmt: skip
     return {"id": f"cmpl-{job_id}", "object": "text_completion", "created": created, "model": model,
             "choices": [choice]}  # fmt: skip
 
@@ -357,7 +495,8 @@ def answer(req: GatewayRequest, result: RolloutResult, *, model: str, created: i
     """The whole answer, in the route's own shape."""
     if req.route == "generate":
         return generate_response(result, logprobs=req.logprobs)
-    return completions_response(result, model=model, created=created, logprobs=req.logprobs)
+    shape = chat_response if req.route == "chat" else completions_response
+    return shape(result, model=model, created=created, logprobs=req.logprobs)
 
 
 def final_event(req: GatewayRequest, result: RolloutResult, *, model: str, created: int) -> Any:
@@ -365,6 +504,13 @@ def final_event(req: GatewayRequest, result: RolloutResult, *, model: str, creat
     (a completion's tokens and log-probs; its text and finish reason come now)."""
     if req.route == "generate":
         return answer(req, result, model=model, created=created)
+    if req.route == "chat":
+        whole = chat_response(result, model=model, created=created, logprobs=False)
+        whole["object"] = "chat.completion.chunk"
+        for choice in whole["choices"]:
+            choice["delta"] = choice.pop("message")
+            choice["token_ids"] = []
+        return whole
     whole = completions_response(result, model=model, created=created, logprobs=False)
     for choice in whole["choices"]:
         choice["token_ids"] = []

@@ -3,7 +3,8 @@ never import rollfleet. A stateless aiohttp server around one ``RolloutClient``:
 ``gateway.protocol``, submits, awaits or streams, and answers; it keeps nothing a restart could
 lose (jobs, answers and idempotency keys live in the broker).
 
-Routes: ``POST /generate`` (SGLang's shape), ``POST /v1/completions`` and ``GET /v1/models``
+Routes: ``POST /generate`` (SGLang's shape, one input or a batch), ``POST /v1/completions``,
+``POST /v1/chat/completions`` (with a chat template: ``--tokenizer DIR``) and ``GET /v1/models``
 (OpenAI's), ``GET /health``, ``GET /metrics`` (Prometheus). With an API key, every route but
 ``/health`` needs ``Authorization: Bearer <key>``.
 """
@@ -11,6 +12,7 @@ Routes: ``POST /generate`` (SGLang's shape), ``POST /v1/completions`` and ``GET 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import time
@@ -22,6 +24,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from rollfleet.gateway import protocol
+from rollfleet.gateway.chat import ChatTemplate
 from rollfleet.gateway.protocol import GatewayRequest
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import RolloutResult
@@ -59,8 +62,10 @@ class Gateway:
         api_key: str | None = None,
         default_max_staleness: int | None = None,
         timeout_s: float = 600.0,
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         self.client = client
+        self.chat_template = chat_template
         self.model_name = model_name
         self.api_key = api_key
         self.default_max_staleness = default_max_staleness
@@ -76,6 +81,7 @@ class Gateway:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/generate", self._generate)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
         return app
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -181,14 +187,22 @@ class Gateway:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, protocol.parse_completions)
 
-    async def _serve(self, request: web.Request, parse: Callable[..., GatewayRequest]) -> web.StreamResponse:
-        """One request of either shape: parsed, run as a session's turn or a job of its own
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, functools.partial(protocol.parse_chat, template=self.chat_template))
+
+    async def _serve(
+        self, request: web.Request, parse: Callable[..., GatewayRequest | list[GatewayRequest]]
+    ) -> web.StreamResponse:
+        """One request of any shape: parsed, run as a session's turn or a job of its own
         (streamed, or awaited), and answered in the route's shape."""
-        req = parse(
+        parsed = parse(
             await self._body(request),
             key_header=request.headers.get("Idempotency-Key"),
             default_max_staleness=self.default_max_staleness,
         )
+        if isinstance(parsed, list):
+            return web.json_response(await self._batch(request, parsed))
+        req = parsed
         session = await self._session(request, req)
         if session is not None:
             result = await session.generate(req.payload, timeout=self.timeout_s)
@@ -198,6 +212,27 @@ class Gateway:
                 return await self._stream(request, req, handle)
             result = await self._await(req, handle)
         return web.json_response(protocol.answer(req, result, model=self._model(req), created=int(time.time())))
+
+    async def _batch(self, request: web.Request, reqs: list[GatewayRequest]) -> list[Any]:
+        """A batch of inputs (SGLang's ``/generate``): every job submitted, then awaited; the answer
+        is one flat list, input by input (and sample by sample within an input). One failure fails
+        the request; its keyless siblings are cancelled with it (nobody can ask for them again)."""
+        if any(h in request.headers for h in protocol.SESSION_HEADERS):
+            raise InvalidRequest("a batch of inputs cannot be one session's turn: send the turns one by one")
+        handles: list[RolloutHandle] = []
+        try:
+            for req in reqs:
+                handles.append(await self._submit(req))
+            results = await asyncio.gather(*(self._await(r, h) for r, h in zip(reqs, handles, strict=False)))
+        except (RollfleetError, asyncio.CancelledError):
+            for req, handle in zip(reqs, handles, strict=False):
+                self._abandoned(req, handle)
+            raise
+        items: list[Any] = []
+        for req, result in zip(reqs, results, strict=True):
+            one = protocol.answer(req, result, model=self.model_name, created=int(time.time()))
+            items.extend(one if isinstance(one, list) else [one])
+        return items
 
     def _model(self, req: GatewayRequest) -> str:
         return req.model or self.model_name

@@ -1,0 +1,233 @@
+"""The gateway's chat route and SGLang's batches: a conversation becomes the prompt that
+``transformers``' own ``apply_chat_template`` makes from the model's tokenizer files (tool calls
+and tool results included), asked through the official ``openai`` client; a batch of inputs to
+``/generate`` is answered input by input, and a keyed batch retried runs once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from sglang_contract import api_types
+
+from rollfleet.gateway import protocol
+from rollfleet.gateway.chat import ChatTemplate, ChatTemplateError
+from rollfleet.schemas.errors import InvalidRequest
+from rollfleet.testing import running_worker, wait_until
+from tests.helpers import CountingEcho
+from tests.test_gateway import gateway
+
+TEMPLATE = Path(__file__).parent / "fixtures" / "chatml_tools.jinja"
+
+_ADD_ARGS = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add <two> numbers", "parameters": _ADD_ARGS}}]
+CONVERSATION: list[dict[str, Any]] = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2+2? ü"},
+    {"role": "assistant", "content": None, "reasoning_content": "add them",
+     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "4"},
+    {"role": "user", "content": [{"type": "text", "text": "And "}, {"type": "text", "text": "3+3?"}]},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tokenizer saved by ``transformers`` itself, with the test's chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = TEMPLATE.read_text()
+    path = tmp_path_factory.mktemp("tokenizer")
+    fast.save_pretrained(str(path))
+    fast.saved_to = path
+    return fast
+
+
+def test_a_conversation_renders_as_transformers_renders_it(hf_tokenizer: Any, tmp_path: Path) -> None:
+    """The same text as ``apply_chat_template`` for every shape of conversation: tools, a tool
+    call and its result, reasoning, text parts, template kwargs; from ``chat_template.jinja`` (as
+    transformers saves it now) and from ``tokenizer_config.json``'s ``chat_template`` (older)."""
+    embedded = tmp_path / "embedded"
+    shutil.copytree(hf_tokenizer.saved_to, embedded)
+    (embedded / "chat_template.jinja").unlink()
+    config = json.loads((embedded / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE.read_text()
+    (embedded / "tokenizer_config.json").write_text(json.dumps(config))
+    cases: list[dict[str, Any]] = [
+        {"messages": CONVERSATION, "tools": TOOLS},
+        {"messages": CONVERSATION[1:2]},
+        {"messages": CONVERSATION[:2], "kwargs": {"enable_thinking": False}},
+        {"messages": CONVERSATION[:3], "add_generation_prompt": False},
+    ]
+    for path in (hf_tokenizer.saved_to, embedded):
+        ours = ChatTemplate.from_dir(path)
+        assert ours.special["bos_token"] == "<s>"
+        for case in cases:
+            want = hf_tokenizer.apply_chat_template(
+                case["messages"], tools=case.get("tools"), tokenize=False,
+                add_generation_prompt=case.get("add_generation_prompt", True), **case.get("kwargs", {}),
+            )  # fmt: skip
+            got = ours.render(case["messages"], tools=case.get("tools"),
+                              add_generation_prompt=case.get("add_generation_prompt", True),
+                              kwargs=case.get("kwargs"))  # fmt: skip
+            assert got == want, case
+
+
+def test_bad_chat_requests_are_typed_errors(hf_tokenizer: Any, tmp_path: Path) -> None:
+    template = ChatTemplate.from_dir(hf_tokenizer.saved_to)
+
+    def parse(body: Any, t: ChatTemplate | None = template) -> Any:
+        return protocol.parse_chat(body, key_header=None, default_max_staleness=None, template=t)
+
+    req = parse({"messages": CONVERSATION, "tools": TOOLS, "max_completion_tokens": 5, "logprobs": True, "n": 2,
+                 "weight_version": {"exact_version": 3}, "stop": ["\n"]})  # fmt: skip
+    assert req.route == "chat" and req.logprobs and req.payload.n == 2 and req.payload.sampling.max_tokens == 5
+    assert req.payload.prompt_text is not None and req.payload.prompt_text.endswith("<|im_start|>assistant\n")
+    assert req.constraint.as_kwargs() == {"exact_version": 3} and req.payload.extra == {"stop": ["\n"]}
+    with pytest.raises(InvalidRequest, match="--tokenizer"):
+        parse({"messages": CONVERSATION}, None)
+    bad_bodies: list[Any] = [
+        {"messages": []},
+        {"messages": "hi"},
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        {"messages": [{"role": "user", "content": 3}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+        {"messages": [{"role": "user", "content": "x"}], "tools": "add"},
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}},
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": 1},
+    ]
+    for body in bad_bodies:
+        with pytest.raises(InvalidRequest):
+            parse(body)
+    # The template's own refusal (raise_exception) is a typed 400, naming what it said.
+    with pytest.raises(ChatTemplateError, match="system message must come first"):
+        parse({"messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "late"}]})
+    assert protocol.error_reply(ChatTemplateError("x")).status == 400
+    # A directory without a template says so when the gateway starts.
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        ChatTemplate.from_dir(tmp_path)
+
+
+def test_a_batch_of_inputs_becomes_one_request_an_input_with_its_own_key() -> None:
+    body = {"text": ["a", "bb"], "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 3, "n": 2}],
+            "rid": ["r0", "r1"]}  # fmt: skip
+    api_types().GenerateRequest.from_json_value(body)  # a batch SGLang itself accepts
+    reqs = protocol.parse_generate(body, key_header=None, default_max_staleness=None)
+    assert isinstance(reqs, list) and [r.payload.prompt_text for r in reqs] == ["a", "bb"]
+    assert [r.payload.sampling.max_tokens for r in reqs] == [2, 3] and reqs[1].payload.n == 2
+    assert [r.idempotency_key for r in reqs] == ["r0", "r1"]
+    ids = protocol.parse_generate({"input_ids": [[1], [2, 3]]}, key_header="k", default_max_staleness=None)
+    assert isinstance(ids, list) and [r.idempotency_key for r in ids] == ["k/0", "k/1"]
+    for bad in (
+        {"text": []},
+        {"text": ["a", 3]},
+        {"text": ["a"] * (protocol.MAX_BATCH + 1)},
+        {"text": ["a", "b"], "sampling_params": [{}]},
+        {"text": ["a", "b"], "rid": "one"},
+        {"text": ["a", "b"], "rid": ["x", "x"]},
+        {"text": ["a", "b"], "stream": True},
+        {"text": "a", "sampling_params": [{}]},
+    ):
+        with pytest.raises(InvalidRequest):
+            protocol.parse_generate(bad, key_header=None, default_max_staleness=None)
+
+
+async def test_the_openai_client_chats_through_the_models_template(
+    nats_url: str, namespace: str, hf_tokenizer: Any
+) -> None:
+    """Chat, non-stream and stream, with logprobs and a constraint, through the official client.
+    The fleet saw exactly transformers' rendering: the echo engine's tokens are a function of the
+    prompt's bytes, recomputed here from ``apply_chat_template``'s text."""
+    engine = CountingEcho(per_token_s=0.001)
+    want = hf_tokenizer.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    prompt = list(want.encode())
+    async with (
+        running_worker(nats_url, namespace, engine=engine),
+        gateway(nats_url, namespace, chat_template=ChatTemplate.from_dir(hf_tokenizer.saved_to)) as base,
+    ):
+        oa = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        done = await oa.chat.completions.create(
+            model="rollfleet", messages=CONVERSATION, tools=TOOLS, max_tokens=5, logprobs=True,  # type: ignore[arg-type]
+            extra_body={"weight_version": {"min_required_version": 0}},
+        )  # fmt: skip
+        choice = done.choices[0]
+        ids = (choice.model_extra or {})["token_ids"]
+        assert ids == [(sum(prompt) + i) % engine.vocab for i in range(5)]  # the fleet's prompt was `want`
+        assert done.usage is not None and done.usage.prompt_tokens == len(prompt)
+        assert choice.message.role == "assistant" and choice.message.content == engine.detokenize(ids)
+        assert choice.logprobs is not None and [c.token for c in choice.logprobs.content or []] == [str(t) for t in ids]
+        assert (done.model_extra or {})["weight_version_end"] == 0 and choice.finish_reason == "length"
+        chunks = [c async for c in await oa.chat.completions.create(
+            model="rollfleet", messages=CONVERSATION[:2], max_tokens=4, stream=True, logprobs=True)]  # fmt: skip
+        streamed = [t for c in chunks for ch in c.choices for t in (ch.model_extra or {}).get("token_ids", [])]
+        short = list(hf_tokenizer.apply_chat_template(CONVERSATION[:2], tokenize=False,
+                                                      add_generation_prompt=True).encode())  # fmt: skip
+        assert streamed == [(sum(short) + i) % engine.vocab for i in range(4)]
+        last = chunks[-1].choices[0]
+        assert last.finish_reason == "length" and last.delta.content == engine.detokenize(streamed)
+        # The template's refusal reaches the client as a 400 naming it; nothing ran.
+        calls = len(engine.calls)
+        with pytest.raises(openai.BadRequestError, match="system message must come first"):
+            await oa.chat.completions.create(model="rollfleet", max_tokens=2, messages=[
+                {"role": "user", "content": "x"}, {"role": "system", "content": "late"}])  # fmt: skip
+        assert len(engine.calls) == calls
+
+
+async def test_a_chat_session_stays_on_one_replica(nats_url: str, namespace: str, hf_tokenizer: Any) -> None:
+    """An agent's conversation (``X-Session-Id`` through the openai client) on two replicas: each
+    turn goes to the replica holding the context, which reports it cached."""
+    template = ChatTemplate.from_dir(hf_tokenizer.saved_to)
+    async with (
+        running_worker(nats_url, namespace, worker_id="a", engine=CountingEcho(per_token_s=0.001)),
+        running_worker(nats_url, namespace, worker_id="b", engine=CountingEcho(per_token_s=0.001)),
+        gateway(nats_url, namespace, chat_template=template) as base,
+    ):
+        oa = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
+        served = []
+        for turn in range(6):
+            done = await oa.chat.completions.create(model="rollfleet", messages=messages, max_tokens=3,  # type: ignore[arg-type]
+                                                    extra_headers={"X-Session-Id": "agent-1"})  # fmt: skip
+            served.append((done.choices[0].model_extra or {})["rollfleet"]["replica"])
+            messages += [{"role": "assistant", "content": done.choices[0].message.content},
+                         {"role": "user", "content": f"go on {turn}"}]  # fmt: skip
+        assert len(set(served)) == 1, served
+
+
+async def test_a_batch_is_answered_input_by_input_and_a_keyed_retry_runs_once(nats_url: str, namespace: str) -> None:
+    engine = CountingEcho(per_token_s=0.001)
+    body = {"input_ids": [[1, 2], [3, 4, 5]], "sampling_params": {"max_new_tokens": 3, "n": 2},
+            "return_logprob": True}  # fmt: skip
+    async with (
+        running_worker(nats_url, namespace, engine=engine),
+        gateway(nats_url, namespace) as base,
+        httpx.AsyncClient(base_url=base, timeout=30) as http,
+    ):
+        first = await http.post("/generate", json=body, headers={"Idempotency-Key": "b-1"})
+        assert first.status_code == 200, first.text
+        items = first.json()
+        assert len(items) == 4  # 2 inputs x 2 samples, input by input
+        for i, prompt in enumerate(([1, 2], [3, 4, 5])):
+            for sample in range(2):
+                item = items[2 * i + sample]
+                assert item["output_ids"] == [(sum(prompt) + sample + t) % engine.vocab for t in range(3)]
+                assert item["meta_info"]["rollfleet"]["idempotency_key"] == f"b-1/{i}"
+        again = await http.post("/generate", json=body, headers={"Idempotency-Key": "b-1"})
+        assert again.json() == items and len(engine.calls) == 2  # two jobs, each run once
+        # One input the fleet cannot serve fails the batch with its typed error.
+        bad = await http.post("/generate", json={"text": ["a", "b"], "weight_version": {"exact_version": 7}})
+        assert bad.status_code == 409 and bad.json()["error"]["code"] == "no_compatible_replica"
+        await wait_until(lambda: engine.running == 0, timeout=5, what="nothing left running")
+        await asyncio.sleep(0)
