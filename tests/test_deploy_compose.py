@@ -245,7 +245,7 @@ def test_compose_commands_exist(compose: dict[str, Any]) -> None:
         for flag in (arg for arg in command if arg.startswith("--")):
             assert re.search(rf"(^|\s){re.escape(flag)}\b", out.stdout), f"{name}: {argv[1:]} has no {flag}"
         checked += 1
-    assert checked == 5  # worker, demo-worker, demo-trainer, object-store, object-worker
+    assert checked == 6  # worker, gateway, demo-worker, demo-trainer, object-store, object-worker
 
 
 def dockerignored(path: str, patterns: list[str]) -> bool:

@@ -6,8 +6,14 @@ and tool results included), asked through the official ``openai`` client; a batc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import re
+import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +22,12 @@ import openai
 import pytest
 from sglang_contract import api_types
 
+from rollfleet.broker import free_port
 from rollfleet.gateway import protocol
 from rollfleet.gateway.chat import ChatTemplate, ChatTemplateError
 from rollfleet.schemas.errors import InvalidRequest
-from rollfleet.testing import running_worker, wait_until
+from rollfleet.testing import ProcessGroup, running_worker, wait_until
+from rollfleet.testing.processes import rollfleet_command
 from tests.helpers import CountingEcho
 from tests.test_gateway import gateway
 
@@ -231,3 +239,62 @@ async def test_a_batch_is_answered_input_by_input_and_a_keyed_retry_runs_once(na
         assert bad.status_code == 409 and bad.json()["error"]["code"] == "no_compatible_replica"
         await wait_until(lambda: engine.running == 0, timeout=5, what="nothing left running")
         await asyncio.sleep(0)
+
+
+def readme_http_section() -> tuple[str, str, str]:
+    """The README's gateway command line, its curl line and its Python snippet."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## From any trainer: the HTTP endpoint\n", 1)[1].split("\n## ", 1)[0]
+    bash = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)  # type: ignore[union-attr]
+    lines = [line for line in bash.replace("\\\n", " ").splitlines() if line and not line.startswith("#")]
+    command = next(line for line in lines if line.startswith("rollfleet gateway"))
+    curl = "\n".join(lines[lines.index(command) + 1 :])
+    python = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)  # type: ignore[union-attr]
+    return command, curl, python
+
+
+async def test_the_readmes_http_lines_work_as_written(
+    nats_url: str, namespace: str, hf_tokenizer: Any, tmp_path: Path
+) -> None:
+    """The README's gateway command (its broker address, namespace and port swapped for this
+    test's; ``--tokenizer`` added for its chat line), its curl line as curl sends it, and its
+    Python snippet, verbatim but for the port, against a real echo worker."""
+    command, curl, python = readme_http_section()
+    port = free_port()
+    argv = shlex.split(command.rstrip("& "))
+    assert argv[:2] == ["rollfleet", "gateway"] and "nats://127.0.0.1:4222" in argv and "8000" in argv
+    swap = {"nats://127.0.0.1:4222": nats_url, "default": namespace, "8000": str(port)}
+    procs = ProcessGroup(tmp_path)
+    try:
+        procs.worker(nats_url, namespace, "w")
+        procs.spawn("gw", rollfleet_command(*[swap.get(a, a) for a in argv[1:]], "--tokenizer",
+                                            str(hf_tokenizer.saved_to)))  # fmt: skip
+        async with httpx.AsyncClient(timeout=30) as http:
+
+            async def ready() -> bool:
+                with contextlib.suppress(httpx.HTTPError):
+                    return (await http.get(f"http://127.0.0.1:{port}/health")).json()["replicas"] == 1
+                return False
+
+            await wait_until(ready, timeout=60, what="the gateway and its worker")
+            # curl -s URL -H 'K: V' -d DATA: a POST of DATA (form content type), as curl sends it.
+            words = shlex.split(curl)
+            assert words[:2] == ["curl", "-s"]
+            url = words[2].replace("localhost:8000", f"127.0.0.1:{port}")
+            options = dict(zip(words[3::2], words[4::2], strict=True))
+            assert set(options) == {"-H", "-d"}, words
+            name, value = options["-H"].split(": ", 1)
+            headers, data = {name: value}, options["-d"]
+            sent = await http.post(f"http://{url}", content=data.encode(), headers={
+                **headers, "Content-Type": "application/x-www-form-urlencoded"})  # fmt: skip
+        assert sent.status_code == 200, sent.text
+        assert len(sent.json()["meta_info"]["output_token_logprobs"]) == 8
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        script = tmp_path / "snippet.py"
+        script.write_text(python.replace("127.0.0.1:8000", f"127.0.0.1:{port}") + "\nprint(len(tokens), spans)\n")
+        run = await asyncio.to_thread(subprocess.run, [sys.executable, str(script)], capture_output=True, text=True,
+                                      env=env, timeout=120)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.startswith("8 [[0, 0, 8, "), run.stdout
+    finally:
+        procs.close()
