@@ -8,6 +8,10 @@ fleet, the same prompt and length. The HTTP caller is aiohttp's client (httpx's 
 request capped the window below what the gateway serves). Targets (issue 32): p50 through the
 gateway within 1.1x plus 2 ms of the client's; throughput >= 0.9x. The gateway's CPU per
 request (from /proc) is reported.
+
+Then a fresh gateway process (its own namespace, and an echo worker that generates slowly, with
+a slot for every request) holds ``STREAMS`` server-sent-event streams open at once: its resident
+memory at rest and at the peak (VmHWM, from /proc), per open stream, and its CPU per stream.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from rollfleet.trainer_client import RolloutClient
 PROMPT = list(range(3, 35))
 MAX_TOKENS = 16
 WINDOW = 64
+STREAMS = 1000
+STREAM_TOKENS = 16
+STREAM_TOKEN_S = 0.25  # each stream stays open >= 4 s: every one is open at the peak
 
 
 def _payload() -> RolloutPayload:
@@ -124,7 +131,73 @@ async def bench(url: str, rounds: int, seq: int, total: int, tmp: Path) -> list[
     ]  # fmt: skip
 
 
+def _status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+async def streams(url: str, count: int, tmp: Path) -> list[Row]:
+    """``count`` streams open at once through one gateway: its memory at rest and at the peak."""
+    namespace = "gs" + uuid.uuid4().hex[:8]
+    procs = []
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": STREAM_TOKENS}, "stream": True}
+    async with await RolloutClient.connect(url, namespace=namespace, client_id="bench-streams") as client:
+        try:
+            procs.append(spawn(worker_command(url, namespace, "w", "--capacity", str(count), "--echo-token-latency",
+                                              str(STREAM_TOKEN_S)), tmp / "ws.log", cwd=REPO))  # fmt: skip
+            gw_log = tmp / "gws.log"
+            gw = spawn(rollfleet_command("gateway", "--nats", url, "-n", namespace, "--port", "0"), gw_log, cwd=REPO)
+            procs.append(gw)
+            await client.wait_for_version(0, replicas=1, timeout=60)
+            found = await wait_until(
+                lambda: re.search(r"on (http://\S+)", gw_log.read_text()) if gw_log.exists() else None, timeout=60,
+                what="the gateway listening",
+            )  # fmt: skip
+            open_now, peak_open, events = 0, 0, 0
+            connector = aiohttp.TCPConnector(limit=0)  # no cap: every stream its own connection
+            async with aiohttp.ClientSession(base_url=found.group(1), connector=connector,
+                                             timeout=aiohttp.ClientTimeout(total=300)) as http:  # fmt: skip
+                async with http.post("/generate", json=body | {"stream": False}) as r:  # warm
+                    r.raise_for_status()
+                    await r.read()
+                rest_kib, hwm0 = _status_kib(gw.pid, "VmRSS:"), _status_kib(gw.pid, "VmHWM:")
+                c0 = cpu_seconds(gw.pid)
+
+                async def one() -> None:
+                    nonlocal open_now, peak_open, events
+                    async with http.post("/generate", json=body) as r:
+                        r.raise_for_status()
+                        open_now += 1
+                        peak_open = max(peak_open, open_now)
+                        async for line in r.content:
+                            events += line.startswith(b"data:")
+                        open_now -= 1
+
+                t0 = time.perf_counter()
+                await asyncio.gather(*(one() for _ in range(count)))
+                wall = time.perf_counter() - t0
+                cpu = cpu_seconds(gw.pid) - c0
+                peak_kib = _status_kib(gw.pid, "VmHWM:")
+        finally:
+            stop_all(procs)
+    per_stream_kib = (peak_kib - rest_kib) / count
+    extra = {"streams": count, "peak_open_at_once": peak_open, "events": events, "wall_s": wall,
+             "gateway_rss_at_rest_kib": rest_kib, "gateway_hwm_before_kib": hwm0, "gateway_hwm_peak_kib": peak_kib,
+             "gateway_cpu_s_per_stream": cpu / count, "tokens_per_stream": STREAM_TOKENS,
+             "token_latency_s": STREAM_TOKEN_S}  # fmt: skip
+    return [
+        Row("gateway/streams", f"{count} open at once, peak RSS", "MiB", peak_kib / 1024, rest_kib / 1024,
+            "the gateway at rest", False, "", extra),
+        Row("gateway/streams", "memory per open stream", "KiB", per_stream_kib, None, "", False, "", {}),
+        Row("gateway/streams", "gateway CPU per stream", "ms", 1000 * cpu / count, None, "", False, "", {}),
+    ]  # fmt: skip
+
+
 def run(quick: bool = False) -> list[Row]:
     rounds, seq, total = (1, 20, 128) if quick else (5, 100, 1000)
+    count = 100 if quick else STREAMS
     with temp_broker("bench-gw-") as broker, tempfile.TemporaryDirectory(prefix="bench-gw-") as tmp:
-        return asyncio.run(bench(broker.url, rounds, seq, total, Path(tmp)))
+        rows = asyncio.run(bench(broker.url, rounds, seq, total, Path(tmp)))
+        return rows + asyncio.run(streams(broker.url, count, Path(tmp)))

@@ -143,11 +143,15 @@ def test_resume_quick() -> None:
 
 def test_gateway_quick() -> None:
     rows = _run("gateway")
-    _check(rows, {"gateway/latency", "gateway/throughput", "gateway/cpu"})
+    _check(rows, {"gateway/latency", "gateway/throughput", "gateway/cpu", "gateway/streams"})
     assert all(isinstance(r.met, bool) for r in rows if r.target)
     latency = next(r for r in rows if r.bench == "gateway/latency")
     assert latency.value > 0 and latency.baseline is not None
     assert latency.extra["gateway_cpu_s_per_request"] > 0  # type: ignore[operator]
+    streams = next(r for r in rows if r.bench == "gateway/streams").extra
+    # Every stream was open at once, and each sent its tokens' events, its answer and [DONE].
+    assert streams["peak_open_at_once"] == streams["streams"] == 100, streams
+    assert streams["events"] >= 100 * 2, streams
 
 
 @pytest.mark.long  # (three hf workers: `make bench` runs it whole)
