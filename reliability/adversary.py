@@ -27,6 +27,7 @@ import json
 import os
 import random
 import secrets
+import signal
 import sys
 import tempfile
 import time
@@ -157,6 +158,8 @@ class Adversary:
         self.rogue: Any = None
         self.names: Any = None
         self.publish_lock = asyncio.Lock()
+        self.damaged = 0  # version directories hidden or corrupt now
+        self.publisher_fault = False  # a publisher process is at work (nothing is hidden meanwhile)
         self.busy: set[str] = set()  # worker ids an event is working on
         self.incarnation = 0
         self._trainer_lock = asyncio.Lock()
@@ -301,15 +304,30 @@ class Adversary:
     # -- versions ------------------------------------------------------------------------------
     async def publish(self, why: str, *, hide_s: float = 0.0, corrupt_s: float = 0.0) -> int | None:
         """Write the next version, optionally hide its directory or corrupt a shard before the
-        commit (a flaky mount; a bad write), commit it, and restore the store after a while."""
+        commit (a flaky mount; a bad write), commit it, and restore the store after a while.
+
+        After a publisher fault another process may have written the next version's directory (a
+        killed one's, committed or not; a race's winner): the publisher refuses to overwrite it
+        (``VersionConflict``), rebuilds its state from the store's newest version, and the
+        trainer publishes the version after that, from the lineage it adopted."""
+        from rollfleet.schemas.errors import VersionConflict
+
         async with self.publish_lock:
-            v = 0 if self.publisher.latest_version is None else self.publisher.latest_version + 1
-            record = await asyncio.to_thread(self.publisher.publish, self.weights.at(v))
+            for attempt in range(3):
+                v = 0 if self.publisher.latest_version is None else self.publisher.latest_version + 1
+                try:
+                    record = await asyncio.to_thread(self.publisher.publish, self.weights.at(v))
+                    break
+                except VersionConflict as exc:
+                    self.say("publish refused", version=v, error=str(exc)[:160], attempt=attempt)
+                    if attempt == 2:
+                        raise
             hidden = corrupted = None
             if hide_s and v > 0:
                 hidden = self.machine.hide(v)
             if corrupt_s and v > 0:
                 corrupted = self.machine.corrupt(v, self.rng)
+            self.damaged += (hidden is not None) + (corrupted is not None)
             t_start = time.time()
             committed = await self.commit(record)
             if committed:
@@ -327,12 +345,14 @@ class Adversary:
             t_hide = time.time()
             await asyncio.sleep(hide_s)
             self.machine.unhide(v)
+            self.damaged -= 1
             self.machine.timeline.hidden.append((v, t_hide, time.time()))
             self.say("store dir back", version=v, after_s=round(hide_s, 2))
         if corrupted is not None:
             t_c = time.time()
             await asyncio.sleep(corrupt_s)
             self.machine.restore(*corrupted)
+            self.damaged -= 1
             self.machine.timeline.corrupt.append((v, t_c, time.time()))
             self.say("shard restored", version=v, after_s=round(corrupt_s, 2))
         return v
@@ -348,10 +368,239 @@ class Adversary:
                 await asyncio.wait_for(self.admin.commit_version(record), 10.0)
                 return True
             except Exception as exc:  # the broker may be restarting: try again, bounded
+                # An attempt whose reply was lost may have committed: the policy KV says.
+                facts = await self.policy_facts(record.version, timeout=5.0)
+                if facts.get("latest") == record.version and facts.get("entry_publisher") == record.publisher:
+                    self.say("commit found done", version=record.version, error=repr(exc)[:200])
+                    return True
                 if time.monotonic() > deadline:
                     self.say("commit failed", version=record.version, error=repr(exc)[:200])
                     return False
                 await asyncio.sleep(0.5)
+
+    async def policy_facts(self, version: int, timeout: float = 15.0) -> dict[str, Any]:
+        """The policy KV as the broker holds it now, read raw (nats-py, msgpack): ``latest`` and
+        the publisher named by ``v.<version>`` (None where absent). Retried while the broker is
+        out; ``error`` when it never answered."""
+        import msgspec
+        import nats.js.errors
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                kv = await asyncio.wait_for(self.admin.js.key_value(self.names.policy_bucket), 5.0)
+                out: dict[str, Any] = {"latest": None, "entry_publisher": None, "entry": False}
+                try:
+                    latest = await asyncio.wait_for(kv.get("latest"), 5.0)
+                    out["latest"] = int(latest.value or b"0")
+                except nats.js.errors.KeyNotFoundError:
+                    pass
+                try:
+                    entry = await asyncio.wait_for(kv.get(f"v.{int(version)}"), 5.0)
+                    doc = msgspec.msgpack.decode(entry.value or b"")
+                    out.update(entry=True, entry_publisher=doc.get("publisher") if isinstance(doc, dict) else None)
+                except nats.js.errors.KeyNotFoundError:
+                    pass
+                return out
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    return {"error": repr(exc)[:200]}
+                await asyncio.sleep(0.5)
+
+    async def store_quiet(self, timeout: float = 15.0) -> bool:
+        """Wait until no version directory is hidden or corrupt (a publisher process reads the
+        store's newest version: on a store missing one it would take another version for next)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.damaged <= 0:
+                break
+            await asyncio.sleep(0.2)
+        return self.damaged <= 0
+
+    def next_version(self) -> int:
+        """The version a fresh publisher writes next: after the store's newest complete one."""
+        from rollfleet.policy_store import list_versions
+
+        listed = list_versions(self.machine.store)
+        return listed[-1] + 1 if listed else 0
+
+    async def publisher_proc(
+        self, name: str, version: int, armed: str | None = None, perturb: int | None = None, go: Path | None = None
+    ) -> Any:
+        args = [
+            "--base",
+            str(self.workdir / "base"),
+            "--client-id",
+            f"publisher-{name}",
+            "--keyframe-every",
+            "6",
+            "--trainer-seed",
+            str(self.cfg.seed),
+            "--adopted",
+            json.dumps(self.weights.adopted),
+            "--publisher",
+            name,
+            "--expect-version",
+            str(version),
+        ]
+        if perturb is not None:
+            args += ["--perturb", str(perturb)]
+        if go is not None:
+            args += ["--go-file", str(go)]
+        return self.machine.start_publisher(name, args, armed=armed)
+
+    async def publishers_ready(self, names: list[str], procs: list[Any], timeout: float = 40.0) -> bool:
+        """Whether every publisher process printed READY (it read the store), waiting at most ``timeout``."""
+        logs = [self.workdir / "logs" / f"publisher.{name}.log" for name in names]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(log.is_file() and b"READY " in log.read_bytes() for log in logs):
+                return True
+            if any(proc.poll() is not None for proc in procs):
+                return False
+            await asyncio.sleep(0.05)
+        return False
+
+    async def wait_proc(self, proc: Any, timeout: float = 45.0) -> int | None:
+        """A publisher process's exit code (-9: SIGKILLed by its fault); None: it hung, and was killed."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            await asyncio.sleep(0.1)
+        if proc.poll() is None:
+            from rollfleet.runtime.processes import terminate
+
+            terminate(proc, 5.0, signal.SIGKILL)
+            return None
+        return int(proc.returncode)
+
+    async def publisher_kill(self, p: dict[str, Any]) -> bool:
+        """The next version published by a separate process armed with ``kill:<point>``; the
+        policy KV read before and after says whether it was committed (past ``latest``'s CAS)."""
+        from rollfleet.runtime import faults
+
+        if p["point"] not in faults.POINTS:
+            self.say("publisher kill skipped", point=p["point"], reason="no such fault point in this code")
+            return False
+        tl = self.machine.timeline
+        async with self.publish_lock:
+            self.publisher_fault = True
+            try:
+                if not await self.store_quiet():
+                    self.say("publisher kill skipped", reason="a version is hidden or corrupt")
+                    return False
+                v = self.next_version()
+                if v == 0:
+                    return False
+                name = f"killed-v{v}-{len(tl.publishers)}"
+                before = await self.policy_facts(v)
+                t0 = time.time()
+                proc = await self.publisher_proc(name, v, armed=f"kill:{p['point']}")
+                self.say("publisher armed", version=v, point=p["point"], publisher=name, pid=proc.pid)
+                code = await self.wait_proc(proc)
+                t1 = time.time()
+                after = await self.policy_facts(v)
+                tl.publishers.append(
+                    {
+                        "kind": "kill",
+                        "version": v,
+                        "point": p["point"],
+                        "publisher": name,
+                        "pid": proc.pid,
+                        "code": code,
+                        "t_start": t0,
+                        "t_end": t1,
+                        "latest_before": before.get("latest"),
+                        "latest_after": after.get("latest"),
+                        "entry_publisher": after.get("entry_publisher"),
+                        "error": after.get("error") or before.get("error"),
+                    }
+                )
+                if after.get("latest") == v:
+                    self.rogue_latest(v)
+                self.say(
+                    "publisher killed" if code == -signal.SIGKILL else "publisher not killed",
+                    version=v,
+                    point=p["point"],
+                    code=code,
+                    latest=after.get("latest"),
+                    entry=after.get("entry_publisher"),
+                )
+            finally:
+                self.publisher_fault = False
+        await asyncio.sleep(p["then_after"])
+        await self.publish("after a killed publisher")
+        return code == -signal.SIGKILL
+
+    async def publisher_race(self, p: dict[str, Any]) -> bool:
+        """Two processes publish the same next version, one the trainer's tensors, the other a
+        perturbed copy. The winner is what the policy KV's ``v.<N>`` names; if it is the
+        perturbed one, the trainer adopts it (its later versions build on those bytes)."""
+        tl = self.machine.timeline
+        async with self.publish_lock:
+            self.publisher_fault = True
+            try:
+                if not await self.store_quiet():
+                    self.say("publisher race skipped", reason="a version is hidden or corrupt")
+                    return False
+                v = self.next_version()
+                if v == 0:
+                    return False
+                contenders = {"trainer": f"race-v{v}-trainer", "perturbed": f"race-v{v}-perturbed-{p['salt']}"}
+                before = await self.policy_facts(v)
+                order = list(contenders)
+                self.rng.shuffle(order)
+                t0 = time.time()
+                procs = {}
+                go = self.workdir / f"race-v{v}.go"
+                for who in order:
+                    procs[who] = await self.publisher_proc(
+                        contenders[who], v, perturb=p["salt"] if who == "perturbed" else None, go=go
+                    )
+                # Both have read the store (and computed their tensors) before either writes: they
+                # race through the writer's rename and the KV's create of v.<N>.
+                ready = await self.publishers_ready([contenders[who] for who in order], list(procs.values()))
+                go.touch()
+                self.say(
+                    "publishers racing",
+                    version=v,
+                    contenders=contenders,
+                    pids={k: pr.pid for k, pr in procs.items()},
+                    ready=ready,
+                )
+                codes = {who: await self.wait_proc(pr, 60.0) for who, pr in procs.items()}
+                t1 = time.time()
+                after = await self.policy_facts(v)
+                won = next((who for who, name in contenders.items() if name == after.get("entry_publisher")), None)
+                tl.publishers.append(
+                    {
+                        "kind": "race",
+                        "version": v,
+                        "salt": p["salt"],
+                        "contenders": contenders,
+                        "pids": {k: pr.pid for k, pr in procs.items()},
+                        "codes": codes,
+                        "t_start": t0,
+                        "t_end": t1,
+                        "latest_before": before.get("latest"),
+                        "latest_after": after.get("latest"),
+                        "entry_publisher": after.get("entry_publisher"),
+                        "error": after.get("error") or before.get("error"),
+                    }
+                )
+                if won == "perturbed":
+                    # The trainer goes on from what was committed (as a trainer that lost a race
+                    # would reload the winner's weights).
+                    self.weights = self.weights.adopting({**self.weights.adopted, v: int(p["salt"])})
+                if after.get("latest") == v:
+                    self.rogue_latest(v)
+                self.say("publisher race over", version=v, won=won, codes=codes, latest=after.get("latest"))
+            finally:
+                self.publisher_fault = False
+        await asyncio.sleep(p["then_after"])
+        await self.publish("after a publisher race")
+        return won is not None
 
     # -- choosing victims ------------------------------------------------------------------------
     def holders(self, mode: str) -> list[str]:
@@ -471,15 +720,17 @@ class Adversary:
             await self.publish("corrupt", corrupt_s=p["for_s"])
         elif ev.kind == "hide":
             committed = [v for v, _, _ in m.timeline.commits if v > 0]
-            if not committed:
+            if not committed or self.publisher_fault:
                 return False
             v = committed[-1] if p["which"] == "latest" else self.rng.choice(committed[-3:])
             if m.hide(v) is None:
                 return False
+            self.damaged += 1
             self.say("store dir gone", version=v, for_s=p["for_s"])
             t = time.time()
             await asyncio.sleep(p["for_s"])
             m.unhide(v)
+            self.damaged -= 1
             m.timeline.hidden.append((v, t, time.time()))
             self.say("store dir back", version=v)
         elif ev.kind == "slow_reads":
@@ -598,6 +849,10 @@ class Adversary:
                 self.start_trainer(self.cfg.duration - (time.time() - self.t0))
         elif ev.kind == "second_client":
             return await self.second_client()
+        elif ev.kind == "publisher_kill":
+            return await self.publisher_kill(p)
+        elif ev.kind == "publisher_race":
+            return await self.publisher_race(p)
         elif ev.kind == "snoop":
             self.say("rogue snooping", for_s=p["for_s"])
             await self.rogue.snoop(p["for_s"])

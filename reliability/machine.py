@@ -76,6 +76,10 @@ class Timeline:
     consumers_deleted: list[tuple[float, str]] = field(default_factory=list)
     trainers: list[dict[str, Any]] = field(default_factory=list)  # incarnation, pid, start, end, how
     second_clients: list[dict[str, Any]] = field(default_factory=list)
+    # Publisher processes SIGKILLed at a fault point, or racing for one version: what each was
+    # (version, point or contenders, pid, exit code) and the policy KV as read straight from the
+    # broker before and after (``latest``, the ``v.<N>`` entry's publisher).
+    publishers: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -350,6 +354,28 @@ class Machine:
     def note_trainer_exit(self) -> None:
         if self.trainer is not None and self.trainer.poll() is not None and "end" not in self.timeline.trainers[-1]:
             self.timeline.trainers[-1].update(end=time.time(), how=f"exited {self.trainer.returncode}")
+
+    def start_publisher(self, name: str, args: list[str], armed: str | None = None) -> subprocess.Popen[bytes]:
+        """A publisher process (``reliability.procs publish``), as the trainer's user."""
+        log = self.workdir / "logs" / f"publisher.{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**CHILD_LOG_ENV, **self.child_env, "ROLLFLEET_LOG_LEVEL": "warning"}
+        if armed:
+            env["ROLLFLEET_FAULT"] = armed
+        cmd = [
+            sys.executable,
+            "-m",
+            "reliability.procs",
+            "publish",
+            "--nats",
+            self.url("trainer"),
+            "--namespace",
+            self.namespace,
+            "--store",
+            str(self.store),
+            *args,
+        ]
+        return spawn(cmd, log, env=env, cwd=self.cwd)
 
     # -- the store ---------------------------------------------------------------------------------
     def version_dir(self, version: int) -> Path:

@@ -13,7 +13,13 @@ The invariants (``Oracle.checks`` counts each evaluation; each violation is one 
 - ``version``: every accepted result's labelled versions (start, end, every per-token span)
   lie within its constraint (exact / min / max_staleness against the commits the adversary
   made) or its session's policy (pinned: every turn exactly at the first turn's version;
-  monotonic: never below the previous turn's last version).
+  monotonic: never below the previous turn's last version); every version it is labelled with
+  was committed, and not after the result was finished. Commits are the adversary's own and, for
+  publisher processes it SIGKILLed or raced (``publisher_kill``, ``publisher_race``), what the
+  policy KV said right after, read raw from the broker: committed if ``latest`` reached N with
+  ``v.<N>`` naming that process (a kill before the CAS of ``latest`` never commits). Of two racing
+  publishers, exactly one may win: ``v.<N>`` names one contender, and the other did not exit
+  reporting success.
 - ``digest``: for every accepted result, the replica's last activation of that version before
   the result announced the digest of the trainer's weights at that version (``--verify-live``);
   a missing digest is a violation only for engines that provide one.
@@ -21,7 +27,11 @@ The invariants (``Oracle.checks`` counts each evaluation; each violation is one 
   is the token the trainer's own weights at its span's labelled version make, recomputed from
   the prompt, the tokens before it and the seed (``reliability.truth``): a label that does not
   name the weights that really served is caught by what was served, not by what was announced.
-  One check per accepted answer; tokens of hf engines are not recomputed.
+  One check per accepted answer; tokens of hf engines are not recomputed. When a publisher race
+  was won by the perturbed contender (the policy KV's ``v.<N>`` names it), the trainer's truth
+  for N is that contender's bytes and later versions build on them (``TrainerWeights.adopting``):
+  the oracle learns the winner from the KV entry, never from the store, whose bytes are what is
+  under test (a loser's shard under the winner's index must show as wrong tokens).
 - ``delivered`` / ``forged``: the job of every accepted result was delivered to the worker the
   result names (the wiretap saw it); no forged answer is ever accepted.
 - ``once``: a key's answers agree (same job id and tokens, or the same error) across resubmits,
@@ -89,6 +99,7 @@ WORKER_ERRORS = ("EngineFailure", "Interrupted", "ResultUnstorable", "Superseded
 RESTORED = "delivery of a re"  # (the unverified reasons of a job stored again or a consumer declared again)
 AVAILABLE_S = 15.0  # the longest stop of service a run may have (a dead fleet's 48 s of 60 fails)
 BROKER_GRACE_S = 5.0  # after a broker outage: clients and workers reconnect, workers register again
+COMMIT_SLACK_S = 0.5  # a result finished this long before its version's commit began is flagged
 
 
 @dataclass
@@ -217,6 +228,31 @@ class Oracle:
         # broker keeps its store, but nothing passes through it meanwhile.
         self.broker_out = [*timeline.broker_down, *getattr(timeline, "broker_paused", [])]
         self.available_s = float(getattr(cfg, "available_s", AVAILABLE_S))
+        self.publisher_faults = list(getattr(timeline, "publishers", []) or [])
+        # The trainer's truth follows the winners of publisher races, as the policy KV names them.
+        adopted = {
+            int(f["version"]): int(f["salt"])
+            for f in self.publisher_faults
+            if f.get("kind") == "race" and self._race_winner(f) == "perturbed"
+        }
+        if hasattr(weights, "adopting"):
+            self.weights = weights.adopting(adopted)
+
+    @staticmethod
+    def _race_winner(f: dict[str, Any]) -> str | None:
+        """Which contender of a race the policy KV's ``v.<N>`` names (None: neither)."""
+        return next(
+            (who for who, name in (f.get("contenders") or {}).items() if name == f.get("entry_publisher")), None
+        )
+
+    @staticmethod
+    def _fault_committed(f: dict[str, Any]) -> bool | None:
+        """Whether a publisher fault's version was committed by it: ``latest`` at N right after,
+        with ``v.<N>`` naming the process (None: the KV could not be read)."""
+        if f.get("latest_after") is None and f.get("error"):
+            return None
+        names = [f.get("publisher")] if f.get("kind") == "kill" else list((f.get("contenders") or {}).values())
+        return f.get("latest_after") == f["version"] and f.get("entry_publisher") in names
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def check(self, name: str, ok: bool, key: str | None, message: str, defect: str | None = None) -> bool:
@@ -304,7 +340,27 @@ class Oracle:
                 self.deliveries_by_key[alias].extend(self.deliveries_by_key.get(real, []))
                 self.published_by_key[alias].extend(self.published_by_key.get(real, []))
                 self.idem.setdefault(alias, real)
-        self.commits = sorted((t_done, v) for v, _, t_done in self.tl.commits)
+        # Versions committed: the adversary's commits, and those of publisher processes (the KV says).
+        committed = [(t_done, v, t_start) for v, t_start, t_done in self.tl.commits]
+        self.uncommitted: dict[int, str] = {}  # a publisher fault's version the KV shows never committed
+        self.commit_unknown: set[int] = set()
+        for f in self.publisher_faults:
+            v, ok = int(f["version"]), self._fault_committed(f)
+            if ok:
+                committed.append((float(f["t_end"]), v, float(f["t_start"])))
+            elif ok is None:
+                self.commit_unknown.add(v)
+            else:
+                how = (
+                    f"its publisher SIGKILLed at {f.get('point')}"
+                    if f.get("kind") == "kill"
+                    else "raced for by two publishers, neither committed"
+                )
+                self.uncommitted[v] = f"{how}; latest v{f.get('latest_after')} right after"
+        self.commits = sorted((t_done, v) for t_done, v, _ in committed)
+        self.commit_started: dict[int, float] = {}
+        for _, v, t_start in committed:
+            self.commit_started[v] = min(t_start, self.commit_started.get(v, float("inf")))
         # Acks by stream sequence: a holder's progress acks show it holds a job even where the
         # wiretap missed the delivery itself.
         from reliability.tap import parse_ack
@@ -428,6 +484,8 @@ class Oracle:
         self._build()
         self._check_resolution()
         self._check_versions_and_sessions()
+        self._check_committed()
+        self._check_publisher_races()
         self._check_accepted()
         self._check_served()
         self._check_forged_errors()
@@ -595,6 +653,59 @@ class Oracle:
                     self.checks["version"] += 1
             if pin is not None:
                 self.sessions.setdefault(sid, {}).setdefault("pin", pin)
+
+    def _check_committed(self) -> None:
+        """version: an accepted result names only versions that were committed, and committed
+        before it was finished (a commit begun by then: its CAS of ``latest`` came between)."""
+        done: set[tuple[str, str, str]] = set()
+        for _call, key, desc in self._accepted():
+            sig = (key, str(desc.get("job_id")), repr(desc.get("spans")))
+            if sig in done or desc.get("forged_tokens"):
+                continue
+            done.add(sig)
+            vs = _versions(desc)
+            if any(v in self.commit_unknown for v in vs):
+                self.unverified["version: the policy KV could not be read after a publisher fault"] += 1
+                continue
+            never = [v for v in vs if v not in self.commit_started]
+            if never:
+                why = "; ".join(f"v{v}: {self.uncommitted[v]}" for v in never if v in self.uncommitted)
+                self.check(
+                    "version",
+                    False,
+                    key,
+                    f"labelled v{vs}, but v{never} never committed"
+                    f"{f' ({why})' if why else ''}; served by {desc.get('worker_id')} "
+                    f"(job {desc.get('job_id')})",
+                )
+                continue
+            finished = self.by_own_clock(str(desc.get("worker_id")), float(desc.get("finished_at") or 0.0))
+            early = [v for v in vs if finished and self.commit_started[v] > finished + COMMIT_SLACK_S]
+            self.check(
+                "version",
+                not early,
+                key,
+                f"labelled v{vs}, but v{early[0] if early else '?'} was committed only "
+                f"{(self.commit_started[early[0]] - finished) if early else 0:.2f} s after the result was "
+                f"finished; served by {desc.get('worker_id')} (job {desc.get('job_id')})",
+            )
+
+    def _check_publisher_races(self) -> None:
+        """version: of two publishers racing for one version, exactly one may win."""
+        for f in self.publisher_faults:
+            if f.get("kind") != "race" or self._fault_committed(f) is None:
+                continue
+            won, codes = self._race_winner(f), f.get("codes") or {}
+            claimed = sorted(who for who, code in codes.items() if code == 0)
+            ok = len(claimed) <= 1 and (not claimed or claimed[0] == won)
+            self.check(
+                "version",
+                ok,
+                f"v{f['version']}",
+                f"publisher race for v{f['version']}: the policy KV's v.{f['version']} names "
+                f"{f.get('entry_publisher')!r} ({won or 'neither contender'}), but {claimed} exited reporting "
+                f"success",
+            )
 
     def _view_may_lag(self, t: float) -> bool:
         return self._disturbed(t - 5.0, t) or any(t - 5.0 <= tr["start"] <= t for tr in self.tl.trainers)
@@ -1690,6 +1801,7 @@ def save_inputs(
             "consumers_deleted": timeline.consumers_deleted,
             "trainers": timeline.trainers,
             "second_clients": timeline.second_clients,
+            "publishers": getattr(timeline, "publishers", []),
         },
         "finals": finals,
         "stored": stored,
@@ -1738,6 +1850,7 @@ def load_kept(workdir: Any) -> Oracle:
     tl.broker_paused = getattr(tl, "broker_paused", [])
     tl.commits = [tuple(c) for c in tl.commits]
     tl.consumers_deleted = [tuple(c) for c in tl.consumers_deleted]
+    tl.publishers = getattr(tl, "publishers", [])
     tap = SimpleNamespace(
         deliveries=[Delivery(**d) for d in tap_doc["deliveries"]],
         published=[Published(**p) for p in tap_doc["published"]],

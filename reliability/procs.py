@@ -1,7 +1,12 @@
 """Trainer-side processes the scenarios SIGKILL: ``python -m reliability.procs publish|trainer ...``.
 
 ``publish``: publish and commit the next policy version (scenario 4); ``ROLLFLEET_FAULT``
-(see ``rollfleet.runtime.faults``) stops it at a publication or commit stage.
+(see ``rollfleet.runtime.faults``) stops it at a publication or commit stage. With
+``--trainer-seed`` it publishes the adversary's trainer weights (``reliability.trainer_weights``,
+in the lineage ``--adopted`` names; ``--perturb SALT``: a perturbed copy, as a racing publisher
+with another idea of the version would), under ``--publisher NAME``, and refuses (exit 3) to
+publish any version but ``--expect-version`` (scenario 12's ``publisher_kill`` and
+``publisher_race``).
 
 ``trainer``: a training loop that journals what it submitted and consumed (scenario 7);
 ``--phase first`` runs until killed, ``--phase resume`` recovers and carries on, then prints
@@ -23,14 +28,36 @@ async def cmd_publish(args: argparse.Namespace) -> int:
     from rollfleet.testing.weights import tensors_at
     from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
+    tensors = tensors_at
+    if args.trainer_seed is not None:
+        from reliability.trainer_weights import TrainerWeights
+
+        adopted = {int(v): int(s) for v, s in json.loads(args.adopted or "{}").items()}
+        weights = TrainerWeights(Path(args.base), args.trainer_seed, adopted)
+        tensors = weights.at if args.perturb is None else (lambda v: weights.candidate(v, args.perturb))
     async with await RolloutClient.connect(
         args.nats, namespace=args.namespace, client_id=args.client_id, fail_fast=False
     ) as client:
-        publisher = PolicyPublisher(args.store, args.base, keyframe_every=args.keyframe_every, keep_last=None)
+        publisher = PolicyPublisher(
+            args.store, args.base, keyframe_every=args.keyframe_every, keep_last=None, publisher=args.publisher or ""
+        )
         records = []
         for _ in range(args.count):
             version = 0 if publisher.latest_version is None else publisher.latest_version + 1
-            record = await client.publish_policy(publisher, tensors_at(version))
+            if args.expect_version is not None and version != args.expect_version:
+                print(json.dumps({"refused": version, "expected": args.expect_version}), flush=True)
+                return 3
+            named = tensors(version)
+            if args.go_file:  # a race: every contender has read the store before any writes to it
+                print(f"READY {version}", flush=True)
+                deadline = time.monotonic() + 60.0
+                while True:
+                    if os.path.exists(args.go_file):
+                        break
+                    if time.monotonic() > deadline:
+                        return 4
+                    await asyncio.sleep(0.005)
+            record = await client.publish_policy(publisher, named)
             records.append(record.version)
         print(json.dumps({"published": records}), flush=True)
     return 0
@@ -183,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.choices["publish"]
     p.add_argument("--count", type=int, default=1)
     p.add_argument("--keyframe-every", type=int, default=0)
+    p.add_argument("--trainer-seed", type=int, default=None, help="the adversary's trainer weights of this seed")
+    p.add_argument("--adopted", default=None, help="JSON {version: salt}: perturbed versions the lineage adopted")
+    p.add_argument("--perturb", type=int, default=None, help="publish a perturbed copy, seeded SALT")
+    p.add_argument("--publisher", default=None, help="the publisher's name in its version record")
+    p.add_argument("--expect-version", type=int, default=None, help="exit 3 rather than publish another version")
+    p.add_argument("--go-file", default=None, help="print READY, then wait for this file before publishing")
     p = sub.choices["trainer"]
     p.add_argument("--phase", choices=["first", "resume"], required=True)
     p.add_argument("--journal", required=True)

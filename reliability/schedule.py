@@ -34,14 +34,21 @@ and with what else, it happens:
 ``cut_link``        one worker's connections to the broker are reset
 ``skew``            restart a worker (SIGTERM, a graceful drain) with its clocks 0.2-2 s ahead of or
                     behind everyone else's (libfaketime), for the rest of its life: NTP-sized skew
+``publisher_kill``  the next version is published by a separate publisher process armed with
+                    ``ROLLFLEET_FAULT=kill:<point>`` (a shard written, before or after the rename,
+                    before the CAS of ``latest``, before the announcement): SIGKILLed there; the
+                    trainer's own publisher goes on 0.5-3 s later
+``publisher_race``  two publisher processes race to publish the same next version with different
+                    tensors (the trainer's, a perturbed copy); one wins, and the trainer goes on
+                    from the winner's bytes 1-5 s later
 ==================  ===========================================================================
 
 ``make_schedule(seed, duration)`` is a pure function: the same seed gives the same events at
 the same offsets with the same parameters (the run itself is real time, so what they meet
 varies a little). Pauses are drawn from a stream of their own (``pauses:<seed>``), so adding
 them left every other event of a seed's schedule where it was; clock skews and link faults
-likewise (``skews:<seed>``, ``links:<seed>``). Named schedules script a
-sequence of the same events.
+likewise (``skews:<seed>``, ``links:<seed>``), and publisher faults (``publishers:<seed>``).
+Named schedules script a sequence of the same events.
 """
 
 from __future__ import annotations
@@ -82,6 +89,16 @@ KILL_VICTIMS = ("random", "random", "random", "session", "exact", "large", "long
 PAUSE_VICTIMS = ("random", "session", "session-long", "exact", "large", "long")
 PAUSE_MEAN_GAP_S = 12.0
 TERM_VICTIMS = ("random", "session", "session-long", "exact")
+# Where a publisher process is SIGKILLed (reliability.policy.PUBLISH_POINTS, scenario 4); the last
+# is past the commit boundary (``latest`` moved): that version IS committed, the others are not.
+PUBLISHER_KILL_POINTS = (
+    "publish:after-shard",
+    "publish:before-rename",
+    "publish:after-rename",
+    "commit:before-cas",
+    "commit:before-announce",
+)
+PUBLISHER_MEAN_GAP_S = 15.0  # a kill or a race every 15 s: about one of each per 30 s
 
 
 @dataclass
@@ -148,6 +165,10 @@ def params_for(kind: str, rng: random.Random, hf: bool) -> dict[str, Any]:
         return {"victim": rng.choice(PAUSE_VICTIMS)}
     if kind == "skew":
         return {"victim": "random", "skew_s": round(rng.choice((-1, 1)) * u(0.2, 2.0), 3)}
+    if kind == "publisher_kill":
+        return {"point": rng.choice(PUBLISHER_KILL_POINTS), "then_after": round(u(0.5, 3.0), 2)}
+    if kind == "publisher_race":
+        return {"salt": rng.randrange(1, 2**31), "then_after": round(u(1.0, 5.0), 2)}
     return {}
 
 
@@ -164,7 +185,21 @@ def random_schedule(seed: int, duration: float, hf: bool = False) -> list[Event]
         trainer_kills += kind == "trainer_kill"
         events.append(Event(round(t, 2), kind, params_for(kind, rng, hf)))
         t += rng.expovariate(1.0 / MEAN_GAP_S)
-    return sorted(events + pauses(seed, duration) + skews(seed, duration) + links(seed, duration), key=lambda e: e.t)
+    more = pauses(seed, duration) + skews(seed, duration) + links(seed, duration) + publishers(seed, duration)
+    return sorted(events + more, key=lambda e: e.t)
+
+
+def publishers(seed: int, duration: float) -> list[Event]:
+    """Publisher processes SIGKILLed mid-publication, or racing for one version, from their own
+    stream (``publishers:<seed>``): every other event of a seed stays where it was."""
+    rng = random.Random(f"publishers:{seed}")
+    out: list[Event] = []
+    t = rng.uniform(5.0, 15.0)
+    while t < duration - 6.0:
+        kind = rng.choice(("publisher_kill", "publisher_race"))
+        out.append(Event(round(t, 2), kind, params_for(kind, rng, False)))
+        t += rng.expovariate(1.0 / PUBLISHER_MEAN_GAP_S)
+    return out
 
 
 def links(seed: int, duration: float) -> list[Event]:
@@ -258,12 +293,25 @@ def _pauses(duration: float, rng: random.Random, hf: bool) -> list[Event]:
     return [e for e in out if e.t < duration - 2.0]
 
 
+def _publishers(duration: float, rng: random.Random, hf: bool) -> list[Event]:
+    """Publisher processes SIGKILLed at each stage of a publication (before and after the commit
+    boundary) and two races for one version, between a few ordinary publishes."""
+    out = [Event(3.0, "publish"), Event(5.0, "publisher_race", {"salt": rng.randrange(1, 2**31), "then_after": 3.0})]
+    t = 11.0
+    for point in PUBLISHER_KILL_POINTS:
+        out.append(Event(t, "publisher_kill", {"point": point, "then_after": 1.5}))
+        t += 5.0
+    out += [Event(t, "publisher_race", {"salt": rng.randrange(1, 2**31), "then_after": 2.0})]
+    return [e for e in out if e.t < duration - 2.0]
+
+
 SCHEDULES: dict[str, Callable[[float, random.Random, bool], list[Event]]] = {
     "drain-flaky-mount": _drain_and_flaky_mount,
     "sessions-trainer": _sessions_and_trainer,
     "chunks-consumers": _chunks_and_consumers,
     "long-at-most-once": _long_at_most_once,
     "pauses": _pauses,
+    "publishers": _publishers,
 }
 
 

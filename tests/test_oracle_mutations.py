@@ -471,3 +471,202 @@ def test_a_history_that_is_fine_passes(name: str, recorded: Path, tmp_path: Path
     FINE[name](h)
     found = h.judge()
     assert found == {}, f"{name}: {found}"
+
+
+# -- publisher faults (publisher_kill, publisher_race): the commits and the truth the KV says --------
+
+
+def test_publisher_faults_come_from_a_stream_of_their_own() -> None:
+    """Adding publisher faults left every other event of a seed where it was; about one kill and
+    one race per 30 s; their kill points are scenario 4's."""
+    from reliability.policy import PUBLISH_POINTS
+    from reliability.schedule import PUBLISHER_KILL_POINTS, links, pauses, publishers, random_schedule, skews
+
+    assert set(PUBLISHER_KILL_POINTS) == set(PUBLISH_POINTS)
+    kinds = ("publisher_kill", "publisher_race")
+    for seed in (19, 1905, 7):
+        others = [e for e in random_schedule(seed, 90.0) if e.kind not in kinds]
+        before = [e for e in random_schedule(seed, 90.0) if e not in publishers(seed, 90.0)]
+        assert others == before
+        assert pauses(seed, 90.0) + skews(seed, 90.0) + links(seed, 90.0)  # (the other streams still there)
+    long = [e.kind for s in range(20) for e in publishers(s, 600.0)]
+    per_30s = {k: long.count(k) / (20 * 594.0 / 30.0) for k in kinds}
+    assert all(0.7 < rate < 1.3 for rate in per_30s.values()), per_30s
+
+
+def test_a_race_won_by_the_perturbed_copy_becomes_the_trainers_lineage(tmp_path: Path) -> None:
+    from reliability.trainer_weights import TrainerWeights
+    from reliability.truth import tensors_key
+    from rollfleet.testing.weights import write_base_checkpoint
+
+    w = TrainerWeights(write_base_checkpoint(tmp_path / "base"), SEED)
+    won = w.adopting({3: 77})
+    assert tensors_key(w.candidate(3, 77)) != tensors_key(w.at(3))
+    assert tensors_key(won.at(3)) == tensors_key(w.candidate(3, 77))
+    assert tensors_key(won.at(2)) == tensors_key(w.at(2))  # earlier versions as they were
+    assert tensors_key(won.at(4)) != tensors_key(w.at(4))  # later ones build on the winner's bytes
+    assert won.adopting({}).adopted == {} and tensors_key(won.adopting({}).at(4)) == tensors_key(w.at(4))
+
+
+def _keyed_answer(h: History, kind: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A plain call of that constraint kind (not resumed, its key asked once) answered with a
+    result whose every token a keyed echo worker made: (its submit, its answer)."""
+    calls = h.calls()
+    keys = [c["key"] for c in calls.values()]
+    echo = {w["worker_id"] for w in h.doc["timeline"]["workers"] if w["engine"] == "echo"}
+    for r in h.answers():
+        req = calls[r["rid"]].get("req") or {}
+        if (
+            req.get("kind") == kind
+            and req.get("retry") != "resume"
+            and r.get("token_ids")
+            and keys.count(r["key"]) == 1
+            and r["worker_id"] in echo
+            and not r.get("forged_tokens")
+        ):
+            return calls[r["rid"]], r
+    raise AssertionError(f"the recorded run has no {kind} answer made by a keyed echo worker")
+
+
+def _relabel(h: History, submit: dict[str, Any], answer: dict[str, Any], version: int) -> None:
+    """Every copy of the answer labelled ``version``, with the tokens the trainer's bytes at that
+    version make (a consistent lie: only a rule about which versions exist can tell)."""
+    from reliability.trainer_weights import TrainerWeights
+    from reliability.truth import tensors_key
+    from rollfleet.workers.engines.keyed import VOCAB, keyed_tokens
+
+    payload = submit["req"]["payload"]
+    key = tensors_key(TrainerWeights(h.dir / "base", SEED).at(version))
+    ids = [
+        keyed_tokens(key, payload["prompt"], len(t), seed=payload.get("seed"), sample=i, vocab=VOCAB)
+        for i, t in enumerate(answer["token_ids"])
+    ]
+    digest = tokens_digest([SimpleNamespace(token_ids=t) for t in ids])
+    job = answer["job_id"]
+    for r in [*h.answers(), *h.doc["finals"].values(), *(x for x in h.trainer if x.get("ev") == "reask")]:
+        if r.get("kind") == "result" and r.get("job_id") == job:
+            r.update(token_ids=ids, tokens=digest, version_start=version, version_end=version)
+            r["spans"] = [[[version, 0, len(t)]] for t in ids]
+    for p in h.tap["published"]:
+        if p.get("job_id") == job and p.get("kind") == "result":
+            p["digest"] = digest
+            if p.get("desc"):
+                p["desc"].update(tokens=digest, version_start=version, version_end=version)
+
+
+def _kill_fact(version: int, point: str, t_start: float, t_end: float, committed: bool) -> dict[str, Any]:
+    name = f"killed-v{version}-0"
+    return {
+        "kind": "kill",
+        "version": version,
+        "point": point,
+        "publisher": name,
+        "pid": 1,
+        "code": -9,
+        "t_start": t_start,
+        "t_end": t_end,
+        "latest_before": version - 1,
+        "latest_after": version if committed else version - 1,
+        "entry_publisher": name if point.startswith("commit:") else None,
+        "error": None,
+    }
+
+
+def _killed_publisher(h: History, point: str, *, started_after_s: float | None = None) -> dict[str, Any]:
+    """A publisher of the version after the run's last commit SIGKILLed at ``point`` (the KV read
+    right after: ``latest`` at N only past the CAS); a min answer relabelled with that version.
+    ``started_after_s``: that publisher began this long after the answer was finished."""
+    commits = h.doc["timeline"]["commits"]
+    version = max(int(c[0]) for c in commits) + 1
+    submit, answer = _keyed_answer(h, "min")
+    finished = float(answer["finished_at"])
+    t_start = finished - 1.0 if started_after_s is None else finished + started_after_s
+    t_end = max([float(r["t"]) for r in h.trainer if "t" in r] + [t_start]) + 30.0  # (after every constraint)
+    fact = _kill_fact(version, point, t_start, t_end, committed=point == "commit:before-announce")
+    h.doc["timeline"]["publishers"] = [fact]
+    _relabel(h, submit, answer, version)
+    return fact
+
+
+def _raced(h: History, winner: str, codes: dict[str, int] | None = None) -> int:
+    """The committed version most answers' spans name (>= 1) was committed by one of two racing
+    publishers, not the adversary: the trainer's tensors against a perturbed copy; the KV's
+    ``v.<N>`` names ``winner``."""
+    spans = [s[0] for r in h.answers() for sample in r.get("spans") or [] for s in sample]
+    versions = [v for v in spans if v >= 1]
+    assert versions, "the recorded run has no answer labelled past v0"
+    version = max(set(versions), key=versions.count)
+    commits = h.doc["timeline"]["commits"]
+    mine = next(c for c in commits if int(c[0]) == version)
+    commits.remove(mine)
+    contenders = {"trainer": f"race-v{version}-trainer", "perturbed": f"race-v{version}-perturbed-12345"}
+    h.doc["timeline"]["publishers"] = [
+        {
+            "kind": "race",
+            "version": version,
+            "salt": 12345,
+            "contenders": contenders,
+            "pids": {"trainer": 1, "perturbed": 2},
+            "codes": codes or {winner: 0, next(k for k in contenders if k != winner): 1},
+            "t_start": float(mine[1]),
+            "t_end": float(mine[2]),
+            "latest_before": version - 1,
+            "latest_after": version,
+            "entry_publisher": contenders[winner],
+            "error": None,
+        }
+    ]
+    return version
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("point", ["publish:after-rename", "commit:before-cas"])
+def test_a_result_labelled_with_a_version_never_committed_is_flagged(
+    point: str, recorded: Path, tmp_path: Path
+) -> None:
+    h = History(recorded, tmp_path / "h")
+    fact = _killed_publisher(h, point)
+    found = h.judge()
+    never = [m for m in found.get("version", []) if "never committed" in m]
+    assert never, f"a result labelled v{fact['version']} (publisher killed at {point}) not flagged: {found}"
+    assert point in never[0]
+    assert set(found) == {"version"}, found  # (its tokens are those v{N}'s bytes make: nothing else tells)
+
+
+@pytest.mark.timeout(240)
+def test_a_version_committed_by_a_killed_publisher_is_committed(recorded: Path, tmp_path: Path) -> None:
+    """Killed past the commit boundary (before the announcement): the KV's latest is N, so N was
+    committed, and a result labelled N is fine; labelled N but finished before N's publisher
+    began is not."""
+    h = History(recorded, tmp_path / "h")
+    _killed_publisher(h, "commit:before-announce")
+    assert h.judge() == {}
+    h = History(recorded, tmp_path / "h2")
+    _killed_publisher(h, "commit:before-announce", started_after_s=5.0)
+    found = h.judge()
+    assert any("committed only" in m for m in found.get("version", [])), found
+
+
+@pytest.mark.timeout(240)
+def test_tokens_of_the_race_loser_are_flagged(recorded: Path, tmp_path: Path) -> None:
+    """The KV says the perturbed publisher won v<N>, but the replicas served the trainer's bytes
+    (the loser's) as N: ``served`` recomputes them from the winner's bytes and flags them."""
+    h = History(recorded, tmp_path / "h")
+    version = _raced(h, "perturbed")
+    found = h.judge()
+    assert any(f"labelled v{version}" in m for m in found.get("served", [])), found
+
+
+@pytest.mark.timeout(240)
+def test_a_race_won_by_the_trainers_publisher_passes(recorded: Path, tmp_path: Path) -> None:
+    h = History(recorded, tmp_path / "h")
+    _raced(h, "trainer")
+    assert h.judge() == {}
+
+
+@pytest.mark.timeout(240)
+def test_two_publishers_both_reporting_they_won_a_race_is_flagged(recorded: Path, tmp_path: Path) -> None:
+    h = History(recorded, tmp_path / "h")
+    _raced(h, "trainer", codes={"trainer": 0, "perturbed": 0})
+    found = h.judge()
+    assert any("exited reporting success" in m for m in found.get("version", [])), found
