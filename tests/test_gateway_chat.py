@@ -22,12 +22,15 @@ import openai
 import pytest
 from sglang_contract import api_types
 
+from reliability.truth import recompute, tensors_key
 from rollfleet.broker import free_port
 from rollfleet.gateway import protocol
 from rollfleet.gateway.chat import ChatTemplate, ChatTemplateError
 from rollfleet.schemas.errors import InvalidRequest
-from rollfleet.testing import ProcessGroup, running_worker, wait_until
+from rollfleet.testing import ProcessGroup, running_worker, wait_until, write_base_checkpoint
 from rollfleet.testing.processes import rollfleet_command
+from rollfleet.testing.weights import tensors_at
+from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from tests.helpers import CountingEcho
 from tests.test_gateway import gateway
 
@@ -298,3 +301,47 @@ async def test_the_readmes_http_lines_work_as_written(
         assert run.stdout.startswith("8 [[0, 0, 8, "), run.stdout
     finally:
         procs.close()
+
+
+async def test_an_activation_during_a_stream_shows_in_its_spans_and_its_tokens(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """A stream through the gateway on a keyed replica (its tokens a function of the weight bytes
+    it loaded) while the trainer commits version 1: the answer's spans name both versions, the
+    streamed tokens are the answer's, and every token recomputes from the trainer's own bytes of
+    the version its span names (a wrong label would show in the tokens)."""
+    publisher = PolicyPublisher(tmp_path / "store", write_base_checkpoint(tmp_path / "base"), keep_last=None)
+    body = {"input_ids": [4, 5, 6], "sampling_params": {"max_new_tokens": 60}, "stream": True}
+    engine = CountingEcho(per_token_s=0.03, keyed=True)
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as trainer:
+        await trainer.publish_policy(publisher, tensors_at(0))
+        async with (
+            running_worker(nats_url, namespace, engine=engine, worker_id="a", store_dir=tmp_path / "store",
+                           local_dir=tmp_path / "local-a"),  # fmt: skip
+            gateway(nats_url, namespace) as base,
+            httpx.AsyncClient(base_url=base, timeout=60) as http,
+        ):
+            await trainer.wait_for_version(0, replicas=1, timeout=30)
+            events: list[Any] = []
+
+            async def read() -> None:
+                async with http.stream("POST", "/generate", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line == "data: [DONE]":
+                            return
+                        if line.startswith("data: "):
+                            events.append(json.loads(line[6:]))
+
+            reading = asyncio.create_task(read())
+            await wait_until(lambda: engine.running == 1, timeout=10, what="the streamed job running")
+            await trainer.publish_policy(publisher, tensors_at(1))  # while it generates
+            await asyncio.wait_for(reading, 30)
+    final = events[-1]
+    spans = [(v, s, e) for v, s, e, _replica in final["meta_info"]["rollfleet"]["weight_versions"]]
+    assert {v for v, _, _ in spans} == {0, 1}, spans
+    streamed = [t for ev in events[:-1] for t in ev.get("output_ids", [])]
+    assert streamed in ([], final["output_ids"])  # deltas, if any came, add up to the answer
+    verdict = recompute(lambda v: tensors_key(tensors_at(v)), body["input_ids"], [final["output_ids"]], [spans],
+                        seed=None)  # fmt: skip
+    assert verdict.checked == 60 and not verdict.mismatches, verdict.mismatches
