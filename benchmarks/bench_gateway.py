@@ -23,6 +23,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -79,25 +80,33 @@ async def _throughput(one: object, total: int) -> float:
     return total / (time.perf_counter() - t0)
 
 
+async def _fleet(
+    client: RolloutClient, url: str, namespace: str, name: str, worker_args: list[str], tmp: Path, procs: list[Any]
+) -> tuple[Any, str]:
+    """One echo worker and one ``rollfleet gateway`` process on the client's namespace: the
+    gateway's process and its address, once it listens and the worker serves version 0."""
+    procs.append(spawn(worker_command(url, namespace, "w", *worker_args), tmp / f"{name}-w.log", cwd=REPO))
+    gw_log = tmp / f"{name}-gw.log"
+    gw = spawn(rollfleet_command("gateway", "--nats", url, "-n", namespace, "--port", "0"), gw_log, cwd=REPO)
+    procs.append(gw)
+    await client.wait_for_version(0, replicas=1, timeout=60)
+    found = await wait_until(
+        lambda: re.search(r"on (http://\S+)", gw_log.read_text()) if gw_log.exists() else None, timeout=60,
+        what="the gateway listening",
+    )  # fmt: skip
+    return gw, found.group(1)
+
+
 async def bench(url: str, rounds: int, seq: int, total: int, tmp: Path) -> list[Row]:
     namespace = "gw" + uuid.uuid4().hex[:8]
-    procs = []
+    procs: list[Any] = []
     lat = {"direct": [], "gateway": []}  # type: dict[str, list[float]]
     thr = {"direct": [], "gateway": []}  # type: dict[str, list[float]]
     gw_cpu_per_req: list[float] = []
     caller_cpu: list[float] = []  # this process's (the HTTP caller's) CPU per request
     async with await RolloutClient.connect(url, namespace=namespace, client_id="bench") as client:
         try:
-            procs.append(spawn(worker_command(url, namespace, "w", "--capacity", str(WINDOW)), tmp / "w.log", cwd=REPO))
-            gw_log = tmp / "gw.log"
-            gw = spawn(rollfleet_command("gateway", "--nats", url, "-n", namespace, "--port", "0"), gw_log, cwd=REPO)
-            procs.append(gw)
-            await client.wait_for_version(0, replicas=1, timeout=60)
-            found = await wait_until(
-                lambda: re.search(r"on (http://\S+)", gw_log.read_text()) if gw_log.exists() else None, timeout=60,
-                what="the gateway listening",
-            )  # fmt: skip
-            base = found.group(1)
+            gw, base = await _fleet(client, url, namespace, "latency", ["--capacity", str(WINDOW)], tmp, procs)
             # aiohttp's client as the caller: httpx spent 3.4 ms of this process's CPU a request,
             # capping the window at what the caller, not the gateway, could send.
             connector = aiohttp.TCPConnector(limit=WINDOW)
@@ -141,23 +150,15 @@ def _status_kib(pid: int, field: str) -> int:
 async def streams(url: str, count: int, tmp: Path) -> list[Row]:
     """``count`` streams open at once through one gateway: its memory at rest and at the peak."""
     namespace = "gs" + uuid.uuid4().hex[:8]
-    procs = []
+    procs: list[Any] = []
     body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": STREAM_TOKENS}, "stream": True}
     async with await RolloutClient.connect(url, namespace=namespace, client_id="bench-streams") as client:
         try:
-            procs.append(spawn(worker_command(url, namespace, "w", "--capacity", str(count), "--echo-token-latency",
-                                              str(STREAM_TOKEN_S)), tmp / "ws.log", cwd=REPO))  # fmt: skip
-            gw_log = tmp / "gws.log"
-            gw = spawn(rollfleet_command("gateway", "--nats", url, "-n", namespace, "--port", "0"), gw_log, cwd=REPO)
-            procs.append(gw)
-            await client.wait_for_version(0, replicas=1, timeout=60)
-            found = await wait_until(
-                lambda: re.search(r"on (http://\S+)", gw_log.read_text()) if gw_log.exists() else None, timeout=60,
-                what="the gateway listening",
-            )  # fmt: skip
+            args = ["--capacity", str(count), "--echo-token-latency", str(STREAM_TOKEN_S)]
+            gw, base = await _fleet(client, url, namespace, "streams", args, tmp, procs)
             open_now, peak_open, events = 0, 0, 0
             connector = aiohttp.TCPConnector(limit=0)  # no cap: every stream its own connection
-            async with aiohttp.ClientSession(base_url=found.group(1), connector=connector,
+            async with aiohttp.ClientSession(base_url=base, connector=connector,
                                              timeout=aiohttp.ClientTimeout(total=300)) as http:  # fmt: skip
                 async with http.post("/generate", json=body | {"stream": False}) as r:  # warm
                     r.raise_for_status()

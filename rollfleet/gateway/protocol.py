@@ -419,20 +419,12 @@ def _chat_logprobs(token_ids: list[int], logprobs: list[float] | None) -> dict[s
                         for t, lp in zip(token_ids, lps, strict=True)]}  # fmt: skip
 
 
-def completions_response(result: RolloutResult, *, model: str, created: int, logprobs: bool) -> dict[str, Any]:
-    choices = []
-    for i, out in enumerate(result.outputs):
-        choices.append({
-            "index": i,
-            "text": out.text or "",
-            "finish_reason": _openai_finish(out.finish_reason),
-            "token_ids": list(out.token_ids),  # exact tokens: a trainer never re-tokenizes
-            "logprobs": _text_logprobs(out.token_ids, out.logprobs) if logprobs else None,
-            "rollfleet": _facts(result, i),
-        })  # fmt: skip
+def _openai_answer(result: RolloutResult, kind: str, model: str, created: int, choices: list[Any]) -> dict[str, Any]:
+    """The envelope both OpenAI shapes share, with the versions that served the answer."""
+    prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
     return {
-        "id": f"cmpl-{result.job_id}",
-        "object": "text_completion",
+        "id": f"{prefix}-{result.job_id}",
+        "object": kind,
         "created": created,
         "model": model,
         "choices": choices,
@@ -440,29 +432,36 @@ def completions_response(result: RolloutResult, *, model: str, created: int, log
         "weight_version_start": result.version_start,
         "weight_version_end": result.version_end,
     }
+
+
+def _openai_choice(result: RolloutResult, i: int, **shape: Any) -> dict[str, Any]:
+    out = result.outputs[i]
+    return {"index": i, **shape, "finish_reason": _openai_finish(out.finish_reason),
+            "token_ids": list(out.token_ids),  # exact tokens: a trainer never re-tokenizes
+            "rollfleet": _facts(result, i)}  # fmt: skip
+
+
+def completions_response(result: RolloutResult, *, model: str, created: int, logprobs: bool) -> dict[str, Any]:
+    choices = [
+        _openai_choice(
+            result, i, text=out.text or "", logprobs=_text_logprobs(out.token_ids, out.logprobs) if logprobs else None
+        )
+        for i, out in enumerate(result.outputs)
+    ]
+    return _openai_answer(result, "text_completion", model, created, choices)
 
 
 def chat_response(result: RolloutResult, *, model: str, created: int, logprobs: bool) -> dict[str, Any]:
-    choices = []
-    for i, out in enumerate(result.outputs):
-        choices.append({
-            "index": i,
-            "message": {"role": "assistant", "content": out.text or ""},
-            "finish_reason": _openai_finish(out.finish_reason),
-            "token_ids": list(out.token_ids),
-            "logprobs": _chat_logprobs(out.token_ids, out.logprobs) if logprobs else None,
-            "rollfleet": _facts(result, i),
-        })  # fmt: skip
-    return {
-        "id": f"chatcmpl-{result.job_id}",
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": _usage(result),
-        "weight_version_start": result.version_start,
-        "weight_version_end": result.version_end,
-    }
+    choices = [
+        _openai_choice(
+            result,
+            i,
+            message={"role": "assistant", "content": out.text or ""},
+            logprobs=_chat_logprobs(out.token_ids, out.logprobs) if logprobs else None,
+        )
+        for i, out in enumerate(result.outputs)
+    ]
+    return _openai_answer(result, "chat.completion", model, created, choices)
 
 
 def stream_event(req: GatewayRequest, chunk: TokenChunk, *, job_id: str, model: str, created: int) -> dict[str, Any]:
