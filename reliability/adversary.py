@@ -9,7 +9,9 @@ processes, with an independent oracle judging every run (issue 19).
 One run: a nats-server with the generated auth config (a user per worker id, a rogue worker
 user among them, a privileged wiretap), ``rollfleet worker`` processes following a policy
 store with ``--verify-live``, a trainer process (``reliability.load``) submitting a seeded mix
-of jobs and sessions, the rogue (``reliability.rogue``) and the tap (``reliability.tap``).
+of jobs and sessions, the rogue (``reliability.rogue``) and the tap (``reliability.tap``);
+publisher processes (``reliability.procs publish``) for the versions it SIGKILLs mid-publication
+or races for, the policy KV read raw before and after each (``Timeline.publishers``).
 The seed fixes the schedule of events (``reliability.schedule``), printed first, one JSON line
 per event as it is injected. The harness keeps the fleet at its size (``keep_fleet``: a worker
 that is killed and not restarted by its event, or that exits on its own, is started again).
@@ -1215,6 +1217,7 @@ NAMED_RUNS = [
     ("chunks-consumers", 8, 35.0, 0, 3),
     ("long-at-most-once", 9, 60.0, 0, 3),
     ("pauses", 11, 40.0, 0, 3),
+    ("publishers", 5, 45.0, 0, 3),
 ]
 
 
