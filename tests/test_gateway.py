@@ -154,7 +154,8 @@ def test_errors_map_to_statuses_a_client_can_act_on() -> None:
 
 @asynccontextmanager
 async def gateway(url: str, namespace: str, **options: Any) -> AsyncIterator[str]:
-    async with await RolloutClient.connect(url, namespace=namespace, client_id="gw") as client:
+    """A gateway in this process, as ``rollfleet gateway`` runs it (a shared client id)."""
+    async with await RolloutClient.connect(url, namespace=namespace, client_id="gw", shared=True) as client:
         bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(serve(client, "127.0.0.1", 0, started=bound.set_result, **options))
         try:
@@ -293,9 +294,9 @@ async def test_a_client_that_leaves_without_a_key_has_its_job_cancelled(nats_url
 async def test_a_gateway_killed_mid_request_loses_nothing_a_keyed_retry_cannot_get(
     nats_url: str, namespace: str, tmp_path: Path
 ) -> None:
-    """A real ``rollfleet gateway`` process is SIGKILLed while a keyed request runs; the client
-    retries the key through a second gateway process with the same client id (a restart): one
-    run, one answer."""
+    """Two real ``rollfleet gateway`` processes behind one address book (the same client id); the
+    one serving a keyed request is SIGKILLed mid-generation, and the client retries the key
+    through the other, which was live all along: one run, one answer."""
     procs = ProcessGroup(tmp_path)
     body = {"input_ids": [9, 9], "sampling_params": {"max_new_tokens": 100}}
     try:
@@ -311,7 +312,7 @@ async def test_a_gateway_killed_mid_request_loses_nothing_a_keyed_retry_cannot_g
             line = next(x for x in log.read_text().splitlines() if "rollfleet gateway on" in x)
             return line.split()[3]
 
-        first = await start("gw1")
+        first, second = await start("gw1"), await start("gw2")
         async with httpx.AsyncClient(timeout=30) as http:
             running = asyncio.create_task(
                 http.post(f"{first}/generate", json=body, headers={"Idempotency-Key": "kill-1"})
@@ -320,7 +321,6 @@ async def test_a_gateway_killed_mid_request_loses_nothing_a_keyed_retry_cannot_g
             procs.procs["gw1"].send_signal(signal.SIGKILL)
             with pytest.raises(httpx.HTTPError):
                 await running
-            second = await start("gw2")
             answer = await http.post(f"{second}/generate", json=body, headers={"Idempotency-Key": "kill-1"})
             assert answer.status_code == 200, answer.text
             assert len(answer.json()["output_ids"]) == 100
@@ -330,3 +330,40 @@ async def test_a_gateway_killed_mid_request_loses_nothing_a_keyed_retry_cannot_g
     finally:
         procs.close()
     assert len(stored) == 1  # the fleet answered the key once
+
+
+async def test_gateways_sharing_a_client_id_answer_each_others_keys_once(nats_url: str, namespace: str) -> None:
+    """Two live gateways with one client id (behind a load balancer): a key asked of one while it
+    runs, asked again of the other, is the one job; asked after its answer, the same answer; a
+    trajectory whose turns alternate between them stays on one replica, turn after turn."""
+    engines = [CountingEcho(per_token_s=0.01), CountingEcho(per_token_s=0.01)]
+    body = {"input_ids": [2, 3], "sampling_params": {"max_new_tokens": 150}}
+
+    def runs() -> int:
+        return sum(len(e.calls) for e in engines)
+
+    async with (
+        running_worker(nats_url, namespace, worker_id="a", engine=engines[0]),
+        running_worker(nats_url, namespace, worker_id="b", engine=engines[1]),
+        gateway(nats_url, namespace) as one,
+        gateway(nats_url, namespace) as two,
+        httpx.AsyncClient(timeout=30) as http,
+    ):
+        first = asyncio.create_task(http.post(f"{one}/generate", json=body, headers={"Idempotency-Key": "lb-1"}))
+        await wait_until(lambda: sum(e.running for e in engines) == 1, timeout=10, what="the job running")
+        again = await http.post(f"{two}/generate", json=body, headers={"Idempotency-Key": "lb-1"})
+        done = await first
+        assert done.status_code == again.status_code == 200, (done.text, again.text)
+        assert done.json() == again.json() and runs() == 1
+        later = await http.post(f"{two}/generate", json=body, headers={"Idempotency-Key": "lb-1"})
+        assert later.json() == done.json() and runs() == 1
+        context, served = [4, 5], []
+        for turn in range(6):
+            gw = (one, two)[turn % 2]
+            r = await http.post(f"{gw}/generate", json={"input_ids": context, "sampling_params": {"max_new_tokens": 3}},
+                                headers={"X-Session-Id": "traj-lb"})  # fmt: skip
+            assert r.status_code == 200, r.text
+            served.append(r.json()["meta_info"]["rollfleet"]["replica"])
+            assert r.json()["meta_info"]["rollfleet"]["idempotency_key"].endswith(f"/{turn}")  # its own turn
+            context += r.json()["output_ids"] + [9]
+        assert len(set(served)) == 1, served

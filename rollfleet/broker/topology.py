@@ -78,23 +78,29 @@ class TopologyConfig(msgspec.Struct, kw_only=True, frozen=True):
             num_replicas=self.replicas if self.replicas > 1 else None,
         )
 
-    def results_consumer_config(self, names: Names, client_id: str) -> ConsumerConfig:
-        name = names.results_consumer(client_id)
+    def results_consumer_config(self, names: Names, client_id: str, instance: str | None = None) -> ConsumerConfig:
+        """The results consumer of a client id; with ``instance`` (a shared client id), one of
+        that process's own: every instance sees every answer from its start on (a key answered
+        before is looked up in the stream), and the broker removes it soon after the process."""
+        name = names.results_consumer(client_id, instance)
         return ConsumerConfig(
             name=name,
             durable_name=name,
             filter_subject=names.results_filter(client_id),
             ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
+            deliver_policy=DeliverPolicy.ALL if instance is None else DeliverPolicy.NEW,
             ack_wait=60.0,
             max_ack_pending=65_536,
             max_waiting=64,
-            inactive_threshold=self.results_max_age_s,
+            inactive_threshold=self.results_max_age_s if instance is None else SHARED_INSTANCE_GONE_S,
             num_replicas=self.replicas if self.replicas > 1 else None,
         )
 
 
 DEFAULT_TOPOLOGY = TopologyConfig()
+# A shared client id's instance consumer is removed by the broker this long after its process
+# stopped asking (its answers are in the stream; nothing is lost with it).
+SHARED_INSTANCE_GONE_S = 300.0
 
 
 class _MaxDeliveries(msgspec.Struct):
@@ -265,13 +271,17 @@ async def _bind(js: JetStreamContext, stream: str, name: str) -> str | None:
 
 
 async def ensure_results_consumer(
-    js: JetStreamContext, names: Names, client_id: str, cfg: TopologyConfig = DEFAULT_TOPOLOGY
+    js: JetStreamContext,
+    names: Names,
+    client_id: str,
+    cfg: TopologyConfig = DEFAULT_TOPOLOGY,
+    instance: str | None = None,
 ) -> str:
-    name = names.results_consumer(client_id)
+    name = names.results_consumer(client_id, instance)
     try:
         await js.consumer_info(names.results_stream, name)
     except nats.js.errors.NotFoundError:
-        await js.add_consumer(names.results_stream, cfg.results_consumer_config(names, client_id))
+        await js.add_consumer(names.results_stream, cfg.results_consumer_config(names, client_id, instance))
     return name
 
 

@@ -319,7 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("ROLLFLEET_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' (env ROLLFLEET_API_KEY)",
     )
-    p.add_argument("--client-id", default="gateway", help="the gateway's client id (one live gateway per id)")
+    p.add_argument(
+        "--client-id",
+        default="gateway",
+        help="the gateways' client id: any number of live gateways may share it (a key retried through any of them "
+        "is one job, answered once)",
+    )
     p.add_argument("--model-name", default="rollfleet", help="the model name /v1/models reports")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may wait for its answer")
     p.add_argument(
@@ -538,7 +543,7 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
         print(f"rollfleet gateway on http://{args.host}:{port} (namespace {args.namespace})", flush=True)
 
     async with await RolloutClient.connect(
-        args.nats, namespace=args.namespace, client_id=args.client_id, **_conn_options(args)
+        args.nats, namespace=args.namespace, client_id=args.client_id, shared=True, **_conn_options(args)
     ) as client:
         with contextlib.suppress(asyncio.CancelledError):
             await serve(

@@ -29,7 +29,7 @@ from rollfleet.gateway.protocol import GatewayRequest
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import RolloutResult
 from rollfleet.schemas.bounded import load_json
-from rollfleet.schemas.errors import AuthorizationError, InvalidRequest, RollfleetError
+from rollfleet.schemas.errors import AuthorizationError, InvalidRequest, RollfleetError, UnknownSession
 from rollfleet.trainer_client import Session
 
 if TYPE_CHECKING:
@@ -177,8 +177,13 @@ class Gateway:
         sid = protocol.session_id_of(key)
         async with self._opening.setdefault(sid, asyncio.Lock()):
             found = self.client.sessions.get(sid)
-            if isinstance(found, Session) and not found.closed:
+            if isinstance(found, Session) and not found.closed and not self.client.shared:
                 return found
+            if self.client.shared:
+                # Another gateway of the id may have run the trajectory's last turn: its record
+                # (the next turn, the replica holding the context) is read from the broker.
+                with suppress(UnknownSession):
+                    return await self.client.resume_session(sid)
             return await self.client.session(sid, **req.constraint.as_kwargs()).open()
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:

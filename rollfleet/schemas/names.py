@@ -270,8 +270,10 @@ class Names:
     def results_filter(self, client_id: str) -> str:
         return f"{self._root}.results.{check_token(client_id, 'client_id')}.>"
 
-    def results_consumer(self, client_id: str) -> str:
-        return f"client-{check_token(client_id, 'client_id')}"
+    def results_consumer(self, client_id: str, instance: str | None = None) -> str:
+        """The client's durable results consumer; one an instance for a shared client id."""
+        name = f"client-{check_token(client_id, 'client_id')}"
+        return name if instance is None else f"{name}-{check_token(instance, 'instance')}"
 
     # -- progress of resumable jobs ------------------------------------------------------------
     # ``progress.<client>.<claim key of the job>``: one subject per job, the job id itself hidden

@@ -93,6 +93,7 @@ _PROBE_S = 1.0  # a replica that may hold an orphaned exact job is probed this o
 _STALL_AFTER_S = 1.0  # a job unanswered this long makes its subject worth a look (see _watch_stalls)
 _STALL_JOBS_PER_BELL = 4  # a woken replica pulls up to its free slots (4 by default)
 _STALL_BELLS_MAX = 64
+_SHARED_UNCLAIMED = 4096  # answers kept for a key no handle of this instance waits on (shared id)
 _CHUNKS_PATIENCE = 20  # deliveries of an answer head whose chunks cannot be read, before it is given up
 
 
@@ -108,6 +109,7 @@ class RolloutClient:
         default_timeout_s: float = 600.0,
         deadline_grace_s: float = 2.0,
         fail_fast: bool = True,
+        shared: bool = False,
     ) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
@@ -121,6 +123,11 @@ class RolloutClient:
         self.fleet = FleetView(self.js, names)
         self.metrics = ClientMetrics(self.client_id)
         self._lease = ClientLease(nc, self.js, names, self.client_id)
+        # A shared client id (gateways behind one load balancer): every live process with the id
+        # submits as it (one job id per key, so a key retried through any of them is one job) and
+        # reads every answer through a results consumer of its own; no lease.
+        self.shared = shared
+        self._instance = self._lease.instance if shared else None
         self._handles: dict[str, RolloutHandle] = {}
         self._unclaimed: dict[str, Outcome] = {}  # results with no handle (e.g. from before a restart)
         self._unclaimed_event = asyncio.Event()
@@ -170,9 +177,15 @@ class RolloutClient:
         limits: Limits = DEFAULT_LIMITS,
         default_timeout_s: float = 600.0,
         fail_fast: bool = True,
+        shared: bool = False,
         **connect_options: Any,
     ) -> RolloutClient:
-        """Connect, declare the namespace if needed, and start receiving results."""
+        """Connect, declare the namespace if needed, and start receiving results.
+
+        ``shared``: any number of live processes may use ``client_id`` at once (a gateway behind a
+        load balancer): a key retried through any of them is the one job, answered once, and each
+        receives every answer of the id (its own handles take theirs). Without it, one live client
+        holds the id (``ClientIdInUse`` for a second)."""
         check_token(client_id, "client_id")
         hooks: list[Callable[[], None]] = []
         names = Names(namespace)
@@ -191,6 +204,7 @@ class RolloutClient:
             limits=limits,
             default_timeout_s=default_timeout_s,
             fail_fast=fail_fast,
+            shared=shared,
         )
         hooks.append(client._on_reconnect)
         try:
@@ -202,9 +216,12 @@ class RolloutClient:
 
     async def _start(self) -> None:
         await ensure_topology(self.js, self.names, self.topology)
-        await self._lease.acquire()  # one live client per client_id, or ClientIdInUse
+        if not self.shared:
+            await self._lease.acquire()  # one live client per client_id, or ClientIdInUse
         self._ids = await JobIds.load(await self.sessions_kv(), self.client_id)
-        self._results_consumer = await ensure_results_consumer(self.js, self.names, self.client_id, self.topology)
+        self._results_consumer = await ensure_results_consumer(
+            self.js, self.names, self.client_id, self.topology, self._instance
+        )
         await self.fleet.start()
         # A bell rung at a replica that is gone comes back as "no responders" on this inbox.
         self._bell_inbox = self.nc.new_inbox()
@@ -231,7 +248,11 @@ class RolloutClient:
         if self._results_task is not None:
             await stop_tasks([self._results_task, self._expiry_task, self._stall_task, *self._background])
         await self.fleet.close()
-        await self._lease.release()
+        if self.shared:
+            with suppress(Exception):  # (else the broker removes it once idle)
+                await self.js.delete_consumer(self.names.results_stream, self._results_consumer)
+        else:
+            await self._lease.release()
         for handle in self._handles.values():
             handle.set_error(ServiceUnavailable("client closed before the result arrived"))
         # flush + close rather than drain: drain waits on the watchers' push subscriptions.
@@ -941,6 +962,8 @@ class RolloutClient:
 
     async def _check_lease(self) -> None:
         """After a partition another client may have taken the id over: then stop taking results."""
+        if self.shared:
+            return
         try:
             held = await self._lease.held()
         except Exception:  # the broker went away again; the next reconnect checks again
@@ -1063,7 +1086,9 @@ class RolloutClient:
             return
         self._remember(answer)
         self._unclaimed[key] = outcome
-        if len(self._unclaimed) > _DELIVERED_MEMORY:  # nobody is asking: keep the newest only
+        # Nobody is asking: keep the newest only (a shared id's instance sees every other's
+        # answers too, and keeps fewer: a retry of one finds it, or looks it up in the stream).
+        if len(self._unclaimed) > (_SHARED_UNCLAIMED if self.shared else _DELIVERED_MEMORY):
             self._unclaimed.pop(next(iter(self._unclaimed)))
         event, self._unclaimed_event = self._unclaimed_event, asyncio.Event()
         event.set()
