@@ -427,7 +427,13 @@ class Adversary:
         return listed[-1] + 1 if listed else 0
 
     async def publisher_proc(
-        self, name: str, version: int, armed: str | None = None, perturb: int | None = None, go: Path | None = None
+        self,
+        name: str,
+        version: int,
+        armed: str | None = None,
+        perturb: int | None = None,
+        go: Path | None = None,
+        go_delay: float = 0.0,
     ) -> Any:
         args = [
             "--base",
@@ -448,7 +454,7 @@ class Adversary:
         if perturb is not None:
             args += ["--perturb", str(perturb)]
         if go is not None:
-            args += ["--go-file", str(go)]
+            args += ["--go-file", str(go), "--go-delay", str(go_delay)]
         return self.machine.start_publisher(name, args, armed=armed)
 
     async def publishers_ready(self, names: list[str], procs: list[Any], timeout: float = 40.0) -> bool:
@@ -558,7 +564,11 @@ class Adversary:
                 go = self.workdir / f"race-v{v}.go"
                 for who in order:
                     procs[who] = await self.publisher_proc(
-                        contenders[who], v, perturb=p["salt"] if who == "perturbed" else None, go=go
+                        contenders[who],
+                        v,
+                        perturb=p["salt"] if who == "perturbed" else None,
+                        go=go,
+                        go_delay=float(p.get("late_s", 0.0)) if who == p.get("late") else 0.0,
                     )
                 # Both have read the store (and computed their tensors) before either writes: they
                 # race through the writer's rename and the KV's create of v.<N>.

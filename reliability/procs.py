@@ -57,6 +57,7 @@ async def cmd_publish(args: argparse.Namespace) -> int:
                     if time.monotonic() > deadline:
                         return 4
                     await asyncio.sleep(0.005)
+                await asyncio.sleep(args.go_delay)
             record = await client.publish_policy(publisher, named)
             records.append(record.version)
         print(json.dumps({"published": records}), flush=True)
@@ -216,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--publisher", default=None, help="the publisher's name in its version record")
     p.add_argument("--expect-version", type=int, default=None, help="exit 3 rather than publish another version")
     p.add_argument("--go-file", default=None, help="print READY, then wait for this file before publishing")
+    p.add_argument("--go-delay", type=float, default=0.0, help="seconds to wait after the go file appears")
     p = sub.choices["trainer"]
     p.add_argument("--phase", choices=["first", "resume"], required=True)
     p.add_argument("--journal", required=True)

@@ -39,8 +39,8 @@ and with what else, it happens:
                     before the CAS of ``latest``, before the announcement): SIGKILLed there; the
                     trainer's own publisher goes on 0.5-3 s later
 ``publisher_race``  two publisher processes race to publish the same next version with different
-                    tensors (the trainer's, a perturbed copy); one wins, and the trainer goes on
-                    from the winner's bytes 1-5 s later
+                    tensors (the trainer's, a perturbed copy; one starts writing 0-50 ms later);
+                    one wins, and the trainer goes on from the winner's bytes 1-5 s later
 ==================  ===========================================================================
 
 ``make_schedule(seed, duration)`` is a pure function: the same seed gives the same events at
@@ -168,7 +168,13 @@ def params_for(kind: str, rng: random.Random, hf: bool) -> dict[str, Any]:
     if kind == "publisher_kill":
         return {"point": rng.choice(PUBLISHER_KILL_POINTS), "then_after": round(u(0.5, 3.0), 2)}
     if kind == "publisher_race":
-        return {"salt": rng.randrange(1, 2**31), "then_after": round(u(1.0, 5.0), 2)}
+        # (one contender starts writing up to 50 ms after the other: either may win)
+        return {
+            "salt": rng.randrange(1, 2**31),
+            "then_after": round(u(1.0, 5.0), 2),
+            "late": rng.choice(("trainer", "perturbed")),
+            "late_s": round(u(0.0, 0.05), 3),
+        }
     return {}
 
 
@@ -296,12 +302,18 @@ def _pauses(duration: float, rng: random.Random, hf: bool) -> list[Event]:
 def _publishers(duration: float, rng: random.Random, hf: bool) -> list[Event]:
     """Publisher processes SIGKILLed at each stage of a publication (before and after the commit
     boundary) and two races for one version, between a few ordinary publishes."""
+    late = {"late": "perturbed", "late_s": 0.02}
     out = [Event(3.0, "publish"), Event(5.0, "publisher_race", {"salt": rng.randrange(1, 2**31), "then_after": 3.0})]
+    out[-1].params.update(late)
     t = 11.0
     for point in PUBLISHER_KILL_POINTS:
         out.append(Event(t, "publisher_kill", {"point": point, "then_after": 1.5}))
         t += 5.0
-    out += [Event(t, "publisher_race", {"salt": rng.randrange(1, 2**31), "then_after": 2.0})]
+    out += [
+        Event(
+            t, "publisher_race", {"salt": rng.randrange(1, 2**31), "then_after": 2.0, "late": "trainer", "late_s": 0.02}
+        )
+    ]
     return [e for e in out if e.t < duration - 2.0]
 
 
