@@ -20,6 +20,7 @@ import openai
 import pytest
 from sglang_contract import api_types
 
+from rollfleet.broker.topology import DEFAULT_TOPOLOGY, TopologyConfig
 from rollfleet.gateway import protocol
 from rollfleet.gateway.server import serve
 from rollfleet.schemas import Completion, RolloutResult, VersionSpan
@@ -155,7 +156,10 @@ def test_errors_map_to_statuses_a_client_can_act_on() -> None:
 @asynccontextmanager
 async def gateway(url: str, namespace: str, **options: Any) -> AsyncIterator[str]:
     """A gateway in this process, as ``rollfleet gateway`` runs it (a shared client id)."""
-    async with await RolloutClient.connect(url, namespace=namespace, client_id="gw", shared=True) as client:
+    topology = options.pop("topology", DEFAULT_TOPOLOGY)
+    async with await RolloutClient.connect(
+        url, namespace=namespace, client_id="gw", shared=True, topology=topology
+    ) as client:
         bound: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(serve(client, "127.0.0.1", 0, started=bound.set_result, **options))
         try:
@@ -367,3 +371,40 @@ async def test_gateways_sharing_a_client_id_answer_each_others_keys_once(nats_ur
             assert r.json()["meta_info"]["rollfleet"]["idempotency_key"].endswith(f"/{turn}")  # its own turn
             context += r.json()["output_ids"] + [9]
         assert len(set(served)) == 1, served
+
+
+async def test_a_worker_killed_under_a_gateway_request_costs_one_answer(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """The worker process running a keyed request through the gateway is SIGKILLed mid-generation:
+    the broker redelivers the job to the other worker, the HTTP caller gets its answer from it,
+    and the fleet stores one answer for the key."""
+    procs = ProcessGroup(tmp_path)
+    body = {"input_ids": [6, 7], "sampling_params": {"max_new_tokens": 150}}
+    try:
+        for name in ("w1", "w2"):
+            procs.worker(nats_url, namespace, name, "--echo-token-latency", "0.02", "--ack-wait", "3")
+        fast = TopologyConfig(ack_wait_s=3.0)  # a dead holder's job is redelivered after 3 s (30 s by default)
+        async with (
+            await RolloutClient.connect(nats_url, namespace=namespace, client_id="watch", topology=fast) as watch,
+            gateway(nats_url, namespace, topology=fast) as base,
+            httpx.AsyncClient(base_url=base, timeout=60) as http,
+        ):
+            await watch.wait_for_version(0, replicas=2, timeout=30)
+            request = asyncio.create_task(http.post("/generate", json=body, headers={"Idempotency-Key": "wk-1"}))
+
+            async def holder() -> str | None:
+                await watch.fleet.refresh()
+                busy = [r.worker_id for r in watch.fleet.replicas() if r.in_flight > 0]
+                return busy[0] if len(busy) == 1 else None
+
+            victim = await wait_until(holder, timeout=15, what="one worker running the request")
+            procs.procs[victim].send_signal(signal.SIGKILL)
+            answer = await asyncio.wait_for(request, 45)
+            stored = [o async for _, o in answers.stored(watch.js, watch.names, "gw", "wk-1")]
+    finally:
+        procs.close()
+    assert answer.status_code == 200, answer.text
+    assert len(answer.json()["output_ids"]) == 150
+    assert answer.json()["meta_info"]["rollfleet"]["replica"] != victim  # the survivor served it
+    assert len(stored) == 1  # one answer for the key
