@@ -31,6 +31,7 @@ from rollfleet.workers.engines import make_engine
 from rollfleet.workers.engines.base import Generation
 from rollfleet.workers.engines.hf import HFEngine
 from rollfleet.workers.engines.vllm import VLLMEngine
+from tests.test_gateway import gateway
 from tests.vllm_helpers import (
     BLOCK,
     LAUNCH_ARGS,
@@ -603,11 +604,26 @@ async def test_the_worker_command_serves_through_an_attached_vllm_server(
             await client.wait_for_version(0, replicas=1, timeout=120)
             handle = await client.submit(payload(max_tokens=8, temperature=0.0), min_version=0)
             result = await handle.result(60)
+            # The same fleet through `rollfleet gateway`, as miles' rollout code asks it (SGLang's
+            # /generate, greedy, with log-probs).
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
+                    "return_logprob": True}  # fmt: skip
+            async with gateway(nats_url, namespace) as base, httpx.AsyncClient(base_url=base, timeout=60) as http:
+                through = (await http.post("/generate", json=body)).json()
         finally:
             stop_all([proc])
     assert (result.engine, result.worker_id) == ("vllm", "cli-vllm")
     assert [(w.version, w.start, w.end) for w in result.outputs[0].weight_versions] == [(0, 0, 8)]
     assert len(result.outputs[0].logprobs or []) == 8
+    pairs = through["meta_info"]["output_token_logprobs"]
+    tokens, logprobs = [t for _, t, _ in pairs], [lp for lp, _, _ in pairs]
+    assert through["meta_info"]["weight_version"] == "0" and through["meta_info"]["rollfleet"]["replica"] == "cli-vllm"
+    hf = await hf_model(shared.base)
+    try:  # the tokens and log-probs are the trainer's checkpoint's, by transformers' own forward pass
+        assert_greedy(hf, PROMPT, tokens)
+        assert logprobs == pytest.approx(teacher_logprobs(hf, PROMPT, tokens), abs=2e-4)
+    finally:
+        await hf.close()
 
 
 async def test_a_resumable_job_continues_through_vllm_after_its_worker_dies(
