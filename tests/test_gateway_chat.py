@@ -198,22 +198,38 @@ async def test_the_openai_client_chats_through_the_models_template(
 
 async def test_a_chat_session_stays_on_one_replica(nats_url: str, namespace: str, hf_tokenizer: Any) -> None:
     """An agent's conversation (``X-Session-Id`` through the openai client) on two replicas: each
-    turn goes to the replica holding the context, which reports it cached."""
+    turn goes to the replica holding the context, streamed or not (a streamed turn comes whole:
+    its tokens, then its text), and every turn's tokens are the echo of the rendered context."""
     template = ChatTemplate.from_dir(hf_tokenizer.saved_to)
+    engines = {"a": CountingEcho(per_token_s=0.001), "b": CountingEcho(per_token_s=0.001)}
     async with (
-        running_worker(nats_url, namespace, worker_id="a", engine=CountingEcho(per_token_s=0.001)),
-        running_worker(nats_url, namespace, worker_id="b", engine=CountingEcho(per_token_s=0.001)),
+        running_worker(nats_url, namespace, worker_id="a", engine=engines["a"]),
+        running_worker(nats_url, namespace, worker_id="b", engine=engines["b"]),
         gateway(nats_url, namespace, chat_template=template) as base,
     ):
         oa = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
         messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"}]
         served = []
         for turn in range(6):
-            done = await oa.chat.completions.create(model="rollfleet", messages=messages, max_tokens=3,  # type: ignore[arg-type]
-                                                    extra_headers={"X-Session-Id": "agent-1"})  # fmt: skip
-            served.append((done.choices[0].model_extra or {})["rollfleet"]["replica"])
-            messages += [{"role": "assistant", "content": done.choices[0].message.content},
-                         {"role": "user", "content": f"go on {turn}"}]  # fmt: skip
+            prompt = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True).encode()
+            want = [(sum(prompt) + i) % engines["a"].vocab for i in range(3)]
+            session = {"X-Session-Id": "agent-1"}
+            if turn % 2:
+                chunks = [c async for c in await oa.chat.completions.create(
+                    model="rollfleet", messages=messages, max_tokens=3, stream=True,  # type: ignore[arg-type]
+                    extra_headers=session)]  # fmt: skip
+                ids = [t for c in chunks for ch in c.choices for t in (ch.model_extra or {}).get("token_ids", [])]
+                content = chunks[-1].choices[0].delta.content
+                replica = (chunks[-1].choices[0].model_extra or {})["rollfleet"]["replica"]
+            else:
+                done = await oa.chat.completions.create(model="rollfleet", messages=messages, max_tokens=3,  # type: ignore[arg-type]
+                                                        extra_headers=session)  # fmt: skip
+                ids = (done.choices[0].model_extra or {})["token_ids"]
+                content = done.choices[0].message.content
+                replica = (done.choices[0].model_extra or {})["rollfleet"]["replica"]
+            assert ids == want and content == engines["a"].detokenize(want), (turn, ids)
+            served.append(replica)
+            messages += [{"role": "assistant", "content": content}, {"role": "user", "content": f"go on {turn}"}]
         assert len(set(served)) == 1, served
 
 

@@ -16,7 +16,7 @@ import functools
 import hmac
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +30,9 @@ from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import RolloutResult
 from rollfleet.schemas.bounded import load_json
 from rollfleet.schemas.errors import AuthorizationError, InvalidRequest, RollfleetError, UnknownSession
+from rollfleet.schemas.progress import TokenChunk
 from rollfleet.trainer_client import Session
+from rollfleet.trainer_client.streaming import chunks_of
 
 if TYPE_CHECKING:
     from rollfleet.trainer_client import RolloutClient, RolloutHandle
@@ -172,8 +174,6 @@ class Gateway:
         key = next((request.headers[h] for h in protocol.SESSION_HEADERS if h in request.headers), None)
         if key is None:
             return None
-        if req.stream:
-            raise InvalidRequest("a session's turn cannot be streamed yet: leave out the session header or stream")
         sid = protocol.session_id_of(key)
         async with self._opening.setdefault(sid, asyncio.Lock()):
             found = self.client.sessions.get(sid)
@@ -210,11 +210,15 @@ class Gateway:
         req = parsed
         session = await self._session(request, req)
         if session is not None:
+            # A turn moves between replicas as its session needs: streamed, it comes whole, once
+            # answered (an error before that is the request's status, as for any request).
             result = await session.generate(req.payload, timeout=self.timeout_s)
+            if req.stream:
+                return await self._stream(request, req, _answered(result))
         else:
             handle = await self._submit(req)
             if req.stream:
-                return await self._stream(request, req, handle)
+                return await self._stream(request, req, self._job_events(req, handle))
             result = await self._await(req, handle)
         return web.json_response(protocol.answer(req, result, model=self._model(req), created=int(time.time())))
 
@@ -242,29 +246,48 @@ class Gateway:
     def _model(self, req: GatewayRequest) -> str:
         return req.model or self.model_name
 
-    async def _stream(self, request: web.Request, req: GatewayRequest, handle: RolloutHandle) -> web.StreamResponse:
-        """Server-sent events: each chunk of tokens as the fleet checkpoints it (a resumable job)
-        or at the end, then the whole answer in the last event, then ``[DONE]``."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        created = int(time.time())
+    async def _job_events(self, req: GatewayRequest, handle: RolloutHandle) -> AsyncIterator[Event]:
+        """A job's tokens as the fleet checkpoints them (a resumable job) or at the end, then its
+        answer; a caller that leaves cancels a keyless job."""
         try:
             async for chunk in self.client.stream(handle):
-                event = protocol.stream_event(req, chunk, job_id=handle.job_id, model=self._model(req),
-                                              created=created)  # fmt: skip
-                await response.write(f"data: {json.dumps(event)}\n\n".encode())
-            result = await handle.result()
-            final = protocol.final_event(req, result, model=self._model(req), created=created)
-            await response.write(f"data: {json.dumps(final)}\n\n".encode())
+                yield handle.job_id, chunk
+            yield handle.job_id, await handle.result()
         except asyncio.CancelledError:
             self._abandoned(req, handle)
             raise
+
+    async def _stream(
+        self, request: web.Request, req: GatewayRequest, events: AsyncIterator[Event]
+    ) -> web.StreamResponse:
+        """Server-sent events: each chunk of tokens, then the whole answer in the last event, then
+        ``[DONE]``; an error on the way is an event with the error's body."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        created, model = int(time.time()), self._model(req)
+        try:
+            async for job_id, item in events:
+                if isinstance(item, RolloutResult):
+                    event = protocol.final_event(req, item, model=model, created=created)
+                else:
+                    event = protocol.stream_event(req, item, job_id=job_id, model=model, created=created)
+                await response.write(f"data: {json.dumps(event)}\n\n".encode())
         except RollfleetError as exc:
             await response.write(f"data: {json.dumps(protocol.error_reply(exc).body)}\n\n".encode())
         with suppress(ConnectionResetError):
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         return response
+
+
+Event = tuple[str, "TokenChunk | RolloutResult"]  # (the job's id, a chunk of tokens or its answer)
+
+
+async def _answered(result: RolloutResult) -> AsyncIterator[Event]:
+    """The events of an answer that came whole (a session's turn)."""
+    for chunk in chunks_of(result):
+        yield result.job_id, chunk
+    yield result.job_id, result
 
 
 async def serve(

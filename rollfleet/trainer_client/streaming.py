@@ -79,6 +79,12 @@ def _read(replay: Replay, msg: Msg, job_id: str) -> list[TokenChunk]:
         return []
 
 
+def chunks_of(result: RolloutResult, logprobs: bool = True) -> list[TokenChunk]:
+    """A whole answer as the chunks a stream that saw no checkpoint yields (one a sample)."""
+    return _rest(Replay(len(result.outputs), max((len(o.token_ids) for o in result.outputs), default=0), logprobs),
+                 result)  # fmt: skip
+
+
 def _rest(replay: Replay, result: RolloutResult) -> list[TokenChunk]:
     """What the result holds past what was streamed (a rewind first, where they differ)."""
     chunks = []
