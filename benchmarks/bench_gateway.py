@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import openai
 
 from benchmarks._fleet import REPO, machine_load, percentile
 from benchmarks.report import Row
@@ -57,6 +58,10 @@ async def _gateway_one(http: aiohttp.ClientSession) -> None:
     async with http.post("/generate", json=_BODY) as r:
         r.raise_for_status()
         await r.read()
+
+
+async def _openai_one(oa: openai.AsyncOpenAI) -> None:
+    await oa.completions.create(model="rollfleet", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0)
 
 
 async def _latencies(one: object, n: int) -> list[float]:
@@ -100,8 +105,8 @@ async def _fleet(
 async def bench(url: str, rounds: int, seq: int, total: int, tmp: Path) -> list[Row]:
     namespace = "gw" + uuid.uuid4().hex[:8]
     procs: list[Any] = []
-    lat = {"direct": [], "gateway": []}  # type: dict[str, list[float]]
-    thr = {"direct": [], "gateway": []}  # type: dict[str, list[float]]
+    lat = {"direct": [], "gateway": [], "openai": []}  # type: dict[str, list[float]]
+    thr = {"direct": [], "gateway": [], "openai": []}  # type: dict[str, list[float]]
     gw_cpu_per_req: list[float] = []
     caller_cpu: list[float] = []  # this process's (the HTTP caller's) CPU per request
     async with await RolloutClient.connect(url, namespace=namespace, client_id="bench") as client:
@@ -110,13 +115,18 @@ async def bench(url: str, rounds: int, seq: int, total: int, tmp: Path) -> list[
             # aiohttp's client as the caller: httpx spent 3.4 ms of this process's CPU a request,
             # capping the window at what the caller, not the gateway, could send.
             connector = aiohttp.TCPConnector(limit=WINDOW)
+            # (For the record: the official openai client, as agent frameworks call the gateway.)
+            oa = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
             async with aiohttp.ClientSession(base_url=base, connector=connector) as http:
-                for _ in range(20):  # warm both paths
+                for _ in range(20):  # warm every path
                     await _direct_one(client)
                     await _gateway_one(http)
+                    await _openai_one(oa)
                 for _ in range(rounds):
                     lat["direct"] += await _latencies(lambda: _direct_one(client), seq)
                     lat["gateway"] += await _latencies(lambda: _gateway_one(http), seq)
+                    lat["openai"] += await _latencies(lambda: _openai_one(oa), seq)
+                    thr["openai"].append(await _throughput(lambda: _openai_one(oa), total))
                     thr["direct"].append(await _throughput(lambda: _direct_one(client), total))
                     c0, me0 = cpu_seconds(gw.pid), cpu_seconds()
                     thr["gateway"].append(await _throughput(lambda: _gateway_one(http), total))
@@ -137,6 +147,10 @@ async def bench(url: str, rounds: int, seq: int, total: int, tmp: Path) -> list[
             True, ">= 0.9x", {}, tput["gateway"] >= 0.9 * tput["direct"]),
         Row("gateway/cpu", "gateway process, per request", "ms", 1000 * statistics.median(gw_cpu_per_req), None, "",
             False, "", {}),
+        Row("gateway/openai", "1 in flight, p50 (openai client, /v1/completions)", "s", p50["openai"],
+            p50["direct"], "RolloutClient", False, "", {"p99_s": percentile(lat["openai"], 99)}),
+        Row("gateway/openai", f"{WINDOW} in flight (openai client)", "req/s", tput["openai"], tput["direct"],
+            "RolloutClient", True, "", {}),
     ]  # fmt: skip
 
 
