@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from pathlib import Path
@@ -23,7 +22,6 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from rollfleet.broker.connection import connect
-from rollfleet.broker.pull import PullConsumer
 from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
     TopologyConfig,
@@ -37,7 +35,6 @@ from rollfleet.runtime.aio import stop_tasks, wait_event
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
     DEFAULT_LIMITS,
-    ChunkedOutcome,
     Limits,
     Names,
     Outcome,
@@ -52,7 +49,6 @@ from rollfleet.schemas import (
     VersionRecord,
     check_token,
     claim_key,
-    decode_outcome,
     error_from_code,
     served_within,
 )
@@ -72,6 +68,7 @@ from rollfleet.trainer_client import answers, cancelling
 from rollfleet.trainer_client.cancelling import CancelOutcome
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
+from rollfleet.trainer_client.inbox import ResultsInbox
 from rollfleet.trainer_client.jobids import JobIds
 from rollfleet.trainer_client.lease import ClientLease
 from rollfleet.trainer_client.metrics import ClientMetrics
@@ -83,9 +80,6 @@ from rollfleet.trainer_client.versions import adopt_version, commit_version
 
 log = get_logger("rollfleet.client")
 
-_DELIVERED_MEMORY = 100_000  # keys whose result was already handed out (drop late duplicates)
-_RESULTS_BATCH = 512
-_RESULTS_WAIT_S = 30.0  # the results request's expiry; a lost one is replaced on reconnect or leader change
 _BELL_INTERVAL_S = 0.05
 _CONSUMER_RECHECK_S = 600.0
 _ORPHAN_GRACE_S = 2.0  # an exact job no replica can serve is withdrawn after this long
@@ -93,8 +87,6 @@ _PROBE_S = 1.0  # a replica that may hold an orphaned exact job is probed this o
 _STALL_AFTER_S = 1.0  # a job unanswered this long makes its subject worth a look (see _watch_stalls)
 _STALL_JOBS_PER_BELL = 4  # a woken replica pulls up to its free slots (4 by default)
 _STALL_BELLS_MAX = 64
-_SHARED_UNCLAIMED = 4096  # answers kept for a key no handle of this instance waits on (shared id)
-_CHUNKS_PATIENCE = 20  # deliveries of an answer head whose chunks cannot be read, before it is given up
 
 
 class RolloutClient:
@@ -129,10 +121,10 @@ class RolloutClient:
         self.shared = shared
         self._instance = self._lease.instance if shared else None
         self._handles: dict[str, RolloutHandle] = {}
-        self._unclaimed: dict[str, Outcome] = {}  # results with no handle (e.g. from before a restart)
-        self._unclaimed_event = asyncio.Event()
-        self._delivered: OrderedDict[tuple[str, str | None], None] = OrderedDict()  # (key, job id)
-        self._results_task: asyncio.Task[None] | None = None
+        self.inbox = ResultsInbox(
+            nc, self.js, names, self._handles, lambda h, o: self._settle(h, o, issued=True), shared=shared
+        )
+        self._started = False
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
         self._bells: dict[tuple[str, int], float] = {}
@@ -140,8 +132,6 @@ class RolloutClient:
         # Until then, a key given explicitly is looked up among the stored answers before its job
         # is stored (see _answered_before).
         self._recheck_until = time.monotonic() + topology.duplicate_window_s
-        # Called with every answer message received, before deduplication (for audits and tests).
-        self.observe: Callable[[Outcome, int | None], None] | None = None
         self._consumers: dict[str, float] = {}  # consumer -> until when it is known to exist
         self._sessions_bucket: KeyValue | None = None
         self.placement = JobPlacement(
@@ -158,8 +148,6 @@ class RolloutClient:
         )
         self.sessions: dict[str, OpenSession] = {}  # open sessions of this client, by id
         self._bell_inbox = ""
-        self._results_puller: PullConsumer | None = None
-        self._results_low = asyncio.Event()  # the results requests need renewing
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -230,7 +218,8 @@ class RolloutClient:
         advisory = self.names.consumer_leader_advisory(self.names.results_stream)
         await self.nc.subscribe(advisory, cb=self._on_results_leader)
         await self.nc.subscribe(self.names.max_deliveries_advisory(self.names.jobs_stream), cb=self._on_given_up)
-        self._results_task = asyncio.create_task(self._receive_results(), name="results")
+        self.inbox.start(self._results_consumer, self._ids)
+        self._started = True
         self._expiry_task = asyncio.create_task(self._expire_handles(), name="deadlines")
         self._stall_task = asyncio.create_task(self._watch_stalls(), name="stalls")
         self._spawn(self._declare_windows())
@@ -245,8 +234,9 @@ class RolloutClient:
         if self._closed:
             return
         self._closed = True
-        if self._results_task is not None:
-            await stop_tasks([self._results_task, self._expiry_task, self._stall_task, *self._background])
+        if self._started:
+            await self.inbox.stop()
+            await stop_tasks([self._expiry_task, self._stall_task, *self._background])
         await self.fleet.close()
         if self.shared:
             with suppress(Exception):  # (else the broker removes it once idle)
@@ -386,7 +376,7 @@ class RolloutClient:
     def _settle_unclaimed(self, handle: RolloutHandle) -> bool:
         """Settle the handle with an answer for its key that arrived while no handle waited for it
         (before a restarted trainer asked again, or while ``_submit`` awaited a look-up)."""
-        unclaimed = self._unclaimed.pop(handle.idempotency_key, None)
+        unclaimed = self.inbox.take(handle.idempotency_key)
         if unclaimed is None or not self._settle(handle, unclaimed):
             return False
         handle.stored = True
@@ -403,7 +393,7 @@ class RolloutClient:
         broker's own detection holds for a key this process has not seen answered, and a key
         still pending elsewhere is stored as the same job, which its claim keeps from running
         twice: ``JobIds``.)"""
-        answered_here = (handle.idempotency_key, handle.job_id) in self._delivered
+        answered_here = self.inbox.answered_here(handle.idempotency_key, handle.job_id)
         if not answers.look_up_before_storing(
             time.monotonic(), self._recheck_until, self.nc.is_connected, answered_here
         ):
@@ -927,21 +917,21 @@ class RolloutClient:
         handle = self._handles.get(idempotency_key)
         if handle is not None:
             return await handle.result(timeout)
-        if idempotency_key not in self._unclaimed:
+        unclaimed = self.inbox.unclaimed
+        if idempotency_key not in unclaimed:
             # Delivered to an earlier process that died before using it: read it back.
             mine = lambda job_id: self._ids.issued(job_id, idempotency_key)  # noqa: E731
             found = await answers.first_answer(self.js, self.names, self.client_id, idempotency_key, None, mine)
             if found is not None:
-                self._unclaimed.setdefault(idempotency_key, found[1])
+                unclaimed.setdefault(idempotency_key, found[1])
         wait = self.default_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + wait
-        while idempotency_key not in self._unclaimed:
+        while idempotency_key not in unclaimed:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"no result for {idempotency_key!r} within {wait:g} s")
-            event = self._unclaimed_event
-            await wait_event(event, remaining)
-        outcome = self._unclaimed.pop(idempotency_key)
+            await wait_event(self.inbox.arrived, remaining)
+        outcome = unclaimed.pop(idempotency_key)
         if isinstance(outcome, RolloutFailure):
             raise error_from_code(outcome.code, outcome.message, outcome.retryable)
         if not self._within_constraint(outcome, None):  # checked against the constraint it carries
@@ -951,12 +941,11 @@ class RolloutClient:
 
     def unclaimed(self) -> dict[str, Outcome]:
         """Results that arrived for keys this process did not submit (e.g. before a restart)."""
-        return dict(self._unclaimed)
+        return dict(self.inbox.unclaimed)
 
     def _on_reconnect(self) -> None:
         self._recheck_until = time.monotonic() + self.topology.duplicate_window_s  # (see _answered_before)
-        if self._results_puller is not None:
-            self._results_puller.reset()  # re-request at once instead of waiting out the old one
+        self.inbox.renew()  # re-request at once instead of waiting out the old one
         self.fleet.note_reconnected()
         self._spawn(self._check_lease())
 
@@ -968,18 +957,17 @@ class RolloutClient:
             held = await self._lease.held()
         except Exception:  # the broker went away again; the next reconnect checks again
             return
-        if held or self._results_task is None:
+        if held or not self.inbox.receiving:
             return
         log.error("client_id taken over by another client while disconnected; no longer receiving results")
-        await stop_tasks([self._results_task])
+        await self.inbox.stop()
         for handle in list(self._handles.values()):
             handle.set_error(ClientIdInUse(f"client_id {self.client_id!r} was taken over by another client"))
         self._handles.clear()
 
     async def _on_results_leader(self, msg: Msg) -> None:
         """The results consumer has a new leader (a cluster fail-over): our request is gone."""
-        if self._results_puller is not None and msg.subject.rpartition(".")[2] == self._results_consumer:
-            self._results_puller.reset()
+        self.inbox.on_leader_change(msg.subject.rpartition(".")[2])
 
     async def _on_given_up(self, msg: Msg) -> None:
         """The broker gave up on a job: delivered ``max_deliver`` times (its holders died, or handed
@@ -994,124 +982,15 @@ class RolloutClient:
             stored = await (place.requeue(handle) if handle.replica is None else place.move_to_shared(handle))
             log.info("resumable job given up on by the broker; stored again", key=handle.idempotency_key, stored=stored)
 
-    async def _receive_results(self) -> None:
-        """Keep pull requests open on this client's results consumer; each result is handled the
-        moment it is stored (no batch to fill, no poll interval). A second request is added when
-        the first is half used, so results never wait for a request to be renewed."""
-        puller = await PullConsumer(self.nc, self.names.results_stream, self._results_consumer, self._on_result).start()
-        self._results_puller = puller
-        puller.on_end = self._results_low.set
-        try:
-            while True:
-                self._results_low.clear()
-                if puller.missing:  # no consumer leader answered (a fail-over): ask again shortly
-                    puller.missing = False
-                    await asyncio.sleep(0.25)
-                try:
-                    if puller.outstanding <= _RESULTS_BATCH // 2 and (puller.waiting or not puller.busy):
-                        await puller.request(_RESULTS_BATCH, wait_s=_RESULTS_WAIT_S)
-                except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:  # reconnecting
-                    log.debug("results pull failed", error=str(exc))
-                    await asyncio.sleep(0.5)
-                    continue
-                # Woken when half used or a request ended; the timer notices an overdue request.
-                timer = asyncio.get_running_loop().call_later(1.0, self._results_low.set)
-                try:
-                    await self._results_low.wait()
-                finally:
-                    timer.cancel()
-        finally:
-            await puller.close()
+    # Called with every answer message received, before deduplication (for audits and tests).
+    @property
+    def observe(self) -> Callable[[Outcome, int | None], None] | None:
+        return self.inbox.observe
 
-    async def _on_result(self, msg: Msg) -> None:
-        subject = msg.subject
-        if self.names.is_result_chunk(subject):
-            with suppress(Exception):  # read with its head, by subject
-                await msg.ack()
-            return
-        try:
-            stored = decode_outcome(msg.data)
-            outcome = await answers.whole(self.js, self.names, subject, stored)
-        except RollfleetError as exc:
-            log.warning("undecodable result dropped", error=exc.message, subject=subject)
-        except (nats.errors.Error, nats.js.errors.Error) as exc:  # chunks unreadable now: redelivered later
-            if _deliveries(msg) < _CHUNKS_PATIENCE:
-                log.warning("result chunks not readable yet", error=str(exc), subject=subject)
-                with suppress(Exception):
-                    await msg.nak(delay=1.0)
-                return
-            log.error("result chunks never became readable; answer dropped", subject=subject)
-            self._chunks_lost(stored)
-        else:
-            if not answers.authentic(self.names, subject, outcome):
-                log.warning(
-                    "answer stored under another replica's or job's subject dropped",
-                    subject=subject,
-                    worker_id=outcome.worker_id,
-                    job_id=outcome.job_id,
-                )
-            else:
-                if self.observe is not None:
-                    self.observe(outcome, _stream_seq(msg))
-                self._deliver(outcome)
-        puller = self._results_puller
-        if puller is not None and puller.outstanding == _RESULTS_BATCH // 2:
-            self._results_low.set()
-        with suppress(Exception):
-            await msg.ack()
-
-    def _chunks_lost(self, head: Any) -> None:
-        """An answer whose chunks stayed unreadable: its request fails (retryable) instead of
-        waiting for its deadline."""
-        if not isinstance(head, ChunkedOutcome):
-            return
-        handle = self._handles.get(head.idempotency_key)
-        if handle is not None and self._ids.issued(head.job_id, head.idempotency_key):
-            self._handles.pop(head.idempotency_key, None)
-            handle.set_error(ServiceUnavailable(f"the stored answer of {head.idempotency_key!r} cannot be read back"))
-
-    def _deliver(self, outcome: Outcome) -> None:
-        key = outcome.idempotency_key
-        answer = (key, outcome.job_id)
-        if answer in self._delivered:
-            return  # one answer per job: a late duplicate is dropped
-        if not self._ids.issued(outcome.job_id, key):
-            log.warning("answer to a job this client never issued dropped", idempotency_key=key, job_id=outcome.job_id)
-            return
-        handle = self._handles.get(key)
-        if handle is not None:
-            if self._settle(handle, outcome, issued=True):
-                self._handles.pop(key, None)
-                self._remember(answer)
-            return
-        self._remember(answer)
-        self._unclaimed[key] = outcome
-        # Nobody is asking: keep the newest only (a shared id's instance sees every other's
-        # answers too, and keeps fewer: a retry of one finds it, or looks it up in the stream).
-        if len(self._unclaimed) > (_SHARED_UNCLAIMED if self.shared else _DELIVERED_MEMORY):
-            self._unclaimed.pop(next(iter(self._unclaimed)))
-        event, self._unclaimed_event = self._unclaimed_event, asyncio.Event()
-        event.set()
-
-    def _remember(self, answer: tuple[str, str | None]) -> None:
-        self._delivered[answer] = None
-        if len(self._delivered) > _DELIVERED_MEMORY:
-            self._delivered.popitem(last=False)
+    @observe.setter
+    def observe(self, fn: Callable[[Outcome, int | None], None] | None) -> None:
+        self.inbox.observe = fn
 
 
 def _ANY_JOB(job_id: str | None) -> bool:
     return True
-
-
-def _stream_seq(msg: Msg) -> int | None:
-    try:
-        return int(msg.metadata.sequence.stream)
-    except Exception:  # not a JetStream message
-        return None
-
-
-def _deliveries(msg: Msg) -> int:
-    try:
-        return int(msg.metadata.num_delivered)
-    except Exception:
-        return 1
