@@ -33,11 +33,13 @@ demo: $(STAMP)
 
 # Test files run on TEST_WORKERS parallel workers (most tests wait on brokers, processes and
 # timers, not on a core); a file stays on one worker, so its module-wide fixtures start once.
+# The longest files start first (tests/conftest.py orders them by tests/file_seconds.json;
+# xdist's own reorder, by number of tests, would start a one-test file of a minute last).
 # The tests against a real vLLM server run after them, alone: its CPU build takes every core.
 TEST_WORKERS ?= 3
 test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile \
+	$(PY) -m pytest -q -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		-m "not docker and not heavy and not long and not vllm"
 	ROLLFLEET_VLLM_VENV=$(VLLM_VENV) $(PY) -m pytest -q -ra --durations=10 -m "vllm and not heavy and not docker"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -43,3 +44,14 @@ async def nc(nats_url: str) -> AsyncIterator[nats.NATS]:
         yield conn
     finally:
         await conn.close()
+
+
+# `make test` runs test files on a few workers, a file on one worker (xdist --dist loadfile,
+# --no-loadscope-reorder). The files that take longest go first, so that no long file starts
+# last while the other workers idle: seconds per file, from a `--durations=0` run of the suite
+# (`tests/file_seconds.json`; a file not listed counts as short). Only the order changes.
+_FILE_SECONDS: dict[str, float] = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: -_FILE_SECONDS.get(item.path.name, 0.0))  # (stable: a file's tests keep their order)
