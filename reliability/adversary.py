@@ -544,7 +544,10 @@ class Adversary:
     async def publisher_race(self, p: dict[str, Any]) -> bool:
         """Two processes publish the same next version, one the trainer's tensors, the other a
         perturbed copy. The winner is what the policy KV's ``v.<N>`` names; if it is the
-        perturbed one, the trainer adopts it (its later versions build on those bytes)."""
+        perturbed one, the trainer adopts it: its next publish (the trainer's own publisher finds
+        the winner's directory, rebuilds its state from it) builds on those bytes. (No publish of
+        its own follows: two versions at once would move every replica's window of ``min``
+        subjects on faster than the schedule's publishes do.)"""
         tl = self.machine.timeline
         async with self.publish_lock:
             self.publisher_fault = True
@@ -610,8 +613,6 @@ class Adversary:
                 self.say("publisher race over", version=v, won=won, codes=codes, latest=after.get("latest"))
             finally:
                 self.publisher_fault = False
-        await asyncio.sleep(p["then_after"])
-        await self.publish("after a publisher race")
         return won is not None
 
     # -- choosing victims ------------------------------------------------------------------------

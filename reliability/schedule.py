@@ -40,7 +40,7 @@ and with what else, it happens:
                     trainer's own publisher goes on 0.5-3 s later
 ``publisher_race``  two publisher processes race to publish the same next version with different
                     tensors (the trainer's, a perturbed copy; one starts writing 0-50 ms later);
-                    one wins, and the trainer goes on from the winner's bytes 1-5 s later
+                    one wins, and the trainer's next publish goes on from the winner's bytes
 ==================  ===========================================================================
 
 ``make_schedule(seed, duration)`` is a pure function: the same seed gives the same events at
@@ -171,7 +171,6 @@ def params_for(kind: str, rng: random.Random, hf: bool) -> dict[str, Any]:
         # (one contender starts writing up to 50 ms after the other: either may win)
         return {
             "salt": rng.randrange(1, 2**31),
-            "then_after": round(u(1.0, 5.0), 2),
             "late": rng.choice(("trainer", "perturbed")),
             "late_s": round(u(0.0, 0.05), 3),
         }
@@ -301,19 +300,16 @@ def _pauses(duration: float, rng: random.Random, hf: bool) -> list[Event]:
 
 def _publishers(duration: float, rng: random.Random, hf: bool) -> list[Event]:
     """Publisher processes SIGKILLed at each stage of a publication (before and after the commit
-    boundary) and two races for one version, between a few ordinary publishes."""
-    late = {"late": "perturbed", "late_s": 0.02}
-    out = [Event(3.0, "publish"), Event(5.0, "publisher_race", {"salt": rng.randrange(1, 2**31), "then_after": 3.0})]
-    out[-1].params.update(late)
+    boundary) and two races for one version (the trainer's contender starting first, then the
+    perturbed one's), each followed by an ordinary publish."""
+    race = {"salt": rng.randrange(1, 2**31), "late": "perturbed", "late_s": 0.02}
+    out = [Event(3.0, "publish"), Event(5.0, "publisher_race", race), Event(8.0, "publish")]
     t = 11.0
     for point in PUBLISHER_KILL_POINTS:
         out.append(Event(t, "publisher_kill", {"point": point, "then_after": 1.5}))
         t += 5.0
-    out += [
-        Event(
-            t, "publisher_race", {"salt": rng.randrange(1, 2**31), "then_after": 2.0, "late": "trainer", "late_s": 0.02}
-        )
-    ]
+    race = {"salt": rng.randrange(1, 2**31), "late": "trainer", "late_s": 0.02}
+    out += [Event(t, "publisher_race", race), Event(t + 3.0, "publish")]
     return [e for e in out if e.t < duration - 2.0]
 
 
