@@ -116,8 +116,10 @@ async def bench(url: str, rounds: int, seq: int, total: int, tmp: Path) -> list[
             # capping the window at what the caller, not the gateway, could send.
             connector = aiohttp.TCPConnector(limit=WINDOW)
             # (For the record: the official openai client, as agent frameworks call the gateway.)
-            oa = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
-            async with aiohttp.ClientSession(base_url=base, connector=connector) as http:
+            async with (
+                openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0) as oa,
+                aiohttp.ClientSession(base_url=base, connector=connector) as http,
+            ):
                 for _ in range(20):  # warm every path
                     await _direct_one(client)
                     await _gateway_one(http)
