@@ -8,6 +8,7 @@ with the same key through another gateway cannot get back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 from collections.abc import AsyncIterator
@@ -295,6 +296,16 @@ async def test_a_client_that_leaves_without_a_key_has_its_job_cancelled(nats_url
         await wait_until(lambda: engine.running == 0, timeout=10, what="the job stopped in the fleet")
 
 
+async def gateway_process(procs: ProcessGroup, name: str, url: str, namespace: str) -> str:
+    """A ``rollfleet gateway`` process on a free port (its default, shared client id): its address."""
+    procs.spawn(name, rollfleet_command("gateway", "--nats", url, "-n", namespace, "--port", "0"))
+    log = procs.log(name)
+    await wait_until(lambda: "rollfleet gateway on" in (log.read_text() if log.exists() else ""), timeout=30,
+                     what=f"{name} listening")  # fmt: skip
+    line = next(x for x in log.read_text().splitlines() if "rollfleet gateway on" in x)
+    return line.split()[3]
+
+
 async def test_a_gateway_killed_mid_request_loses_nothing_a_keyed_retry_cannot_get(
     nats_url: str, namespace: str, tmp_path: Path
 ) -> None:
@@ -308,15 +319,10 @@ async def test_a_gateway_killed_mid_request_loses_nothing_a_keyed_retry_cannot_g
         async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="watch") as watch:
             await watch.wait_for_version(0, replicas=1, timeout=30)  # a request now runs (no 409)
 
-        async def start(name: str) -> str:
-            procs.spawn(name, rollfleet_command("gateway", "--nats", nats_url, "-n", namespace, "--port", "0"))
-            log = procs.log(name)
-            await wait_until(lambda: "rollfleet gateway on" in (log.read_text() if log.exists() else ""), timeout=30,
-                             what=f"{name} listening")  # fmt: skip
-            line = next(x for x in log.read_text().splitlines() if "rollfleet gateway on" in x)
-            return line.split()[3]
-
-        first, second = await start("gw1"), await start("gw2")
+        first, second = (
+            await gateway_process(procs, "gw1", nats_url, namespace),
+            await gateway_process(procs, "gw2", nats_url, namespace),
+        )
         async with httpx.AsyncClient(timeout=30) as http:
             running = asyncio.create_task(
                 http.post(f"{first}/generate", json=body, headers={"Idempotency-Key": "kill-1"})
@@ -408,3 +414,57 @@ async def test_a_worker_killed_under_a_gateway_request_costs_one_answer(
     assert len(answer.json()["output_ids"]) == 150
     assert answer.json()["meta_info"]["rollfleet"]["replica"] != victim  # the survivor served it
     assert len(stored) == 1  # one answer for the key
+
+
+async def test_a_frozen_gateway_costs_a_retry_and_a_broker_restart_an_outage_it_reports(
+    broker: Any, nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """A gateway process frozen (SIGSTOP) under a keyed request: the caller times out and retries
+    through the other gateway, which answers; thawed, the frozen one answers the same. The broker
+    SIGKILLed and restarted under both: /health says 503 while it is away, and the gateways serve
+    again once it is back. One answer is stored for the key."""
+    procs = ProcessGroup(tmp_path)
+    body = {"input_ids": [8, 9], "sampling_params": {"max_new_tokens": 60}}
+    try:
+        procs.worker(nats_url, namespace, "w", "--echo-token-latency", "0.02")
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="watch") as watch:
+            await watch.wait_for_version(0, replicas=1, timeout=30)
+        one = await gateway_process(procs, "gw1", nats_url, namespace)
+        two = await gateway_process(procs, "gw2", nats_url, namespace)
+        key = {"Idempotency-Key": "frozen-1"}
+        async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=2.0)) as http:
+            first = asyncio.create_task(http.post(f"{one}/generate", json=body, headers=key))
+            await asyncio.sleep(0.3)
+            procs.procs["gw1"].send_signal(signal.SIGSTOP)
+            with pytest.raises(httpx.ReadTimeout):
+                await first
+            retried = await http.post(f"{two}/generate", json=body, headers=key)
+            assert retried.status_code == 200 and len(retried.json()["output_ids"]) == 60, retried.text
+            procs.procs["gw1"].send_signal(signal.SIGCONT)
+            thawed = await http.post(f"{one}/generate", json=body, headers=key)
+            assert thawed.json()["output_ids"] == retried.json()["output_ids"]
+            assert (
+                thawed.json()["meta_info"]["rollfleet"]["job_id"] == retried.json()["meta_info"]["rollfleet"]["job_id"]
+            )
+            broker.proc.send_signal(signal.SIGKILL)  # (its store kept: a crash, then a restart)
+            broker.proc.wait(10)
+
+            async def health(gw: str) -> int:
+                with contextlib.suppress(httpx.HTTPError):
+                    return (await http.get(f"{gw}/health")).status_code
+                return 0
+
+            await wait_until(lambda: _is(health(two), 503), timeout=15, what="/health 503 with the broker away")
+            broker.start()
+            await wait_until(lambda: _is(health(two), 200), timeout=30, what="/health 200 with the broker back")
+            again = await http.post(f"{one}/generate", json=body | {"rid": "after-restart"}, timeout=60)
+            assert again.status_code == 200, again.text
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="reader") as reader:
+            stored = [o async for _, o in answers.stored(reader.js, reader.names, "gateway", "frozen-1")]
+    finally:
+        procs.close()
+    assert len(stored) == 1
+
+
+async def _is(status: Any, want: int) -> bool:
+    return await status == want
