@@ -432,8 +432,9 @@ async def test_a_frozen_gateway_costs_a_retry_and_a_broker_restart_an_outage_it_
         one = await gateway_process(procs, "gw1", nats_url, namespace)
         two = await gateway_process(procs, "gw2", nats_url, namespace)
         key = {"Idempotency-Key": "frozen-1"}
-        async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=2.0)) as http:
-            first = asyncio.create_task(http.post(f"{one}/generate", json=body, headers=key))
+        async with httpx.AsyncClient(timeout=30) as http:
+            # (The caller gives up on a silent gateway after 2 s, as a load balancer would.)
+            first = asyncio.create_task(http.post(f"{one}/generate", json=body, headers=key, timeout=2.0))
             await asyncio.sleep(0.3)
             procs.procs["gw1"].send_signal(signal.SIGSTOP)
             with pytest.raises(httpx.ReadTimeout):
