@@ -450,6 +450,13 @@ class Adversary:
             name,
             "--expect-version",
             str(version),
+            # (the fleet's topology: the consumers this commit declares redeliver after its ack-wait)
+            "--ack-wait",
+            str(self.cfg.ack_wait),
+            "--duplicate-window",
+            str(self.cfg.duplicate_window),
+            "--max-deliver",
+            str(self.cfg.max_deliver),
         ]
         if perturb is not None:
             args += ["--perturb", str(perturb)]

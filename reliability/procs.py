@@ -35,8 +35,17 @@ async def cmd_publish(args: argparse.Namespace) -> int:
         adopted = {int(v): int(s) for v, s in json.loads(args.adopted or "{}").items()}
         weights = TrainerWeights(Path(args.base), args.trainer_seed, adopted)
         tensors = weights.at if args.perturb is None else (lambda v: weights.candidate(v, args.perturb))
+    # The fleet's topology: a commit declares its version's job consumers (their ack-wait), and a
+    # connection declares the streams (their duplicate window), as this process configures them.
+    topology = {}
+    if args.ack_wait is not None:
+        from rollfleet.broker.topology import TopologyConfig
+
+        topology["topology"] = TopologyConfig(
+            ack_wait_s=args.ack_wait, duplicate_window_s=args.duplicate_window, max_deliver=args.max_deliver
+        )
     async with await RolloutClient.connect(
-        args.nats, namespace=args.namespace, client_id=args.client_id, fail_fast=False
+        args.nats, namespace=args.namespace, client_id=args.client_id, fail_fast=False, **topology
     ) as client:
         publisher = PolicyPublisher(
             args.store, args.base, keyframe_every=args.keyframe_every, keep_last=None, publisher=args.publisher or ""
@@ -218,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--expect-version", type=int, default=None, help="exit 3 rather than publish another version")
     p.add_argument("--go-file", default=None, help="print READY, then wait for this file before publishing")
     p.add_argument("--go-delay", type=float, default=0.0, help="seconds to wait after the go file appears")
+    p.add_argument("--ack-wait", type=float, default=None, help="the fleet's topology (default: rollfleet's)")
+    p.add_argument("--duplicate-window", type=float, default=600.0)
+    p.add_argument("--max-deliver", type=int, default=10)
     p = sub.choices["trainer"]
     p.add_argument("--phase", choices=["first", "resume"], required=True)
     p.add_argument("--journal", required=True)
