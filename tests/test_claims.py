@@ -15,8 +15,8 @@ from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import DEFAULT_LIMITS, EngineFailure, Names, RolloutJob, VersionConstraint, claim_key, encode
 from rollfleet.workers.engines.echo import EchoEngine
 from rollfleet.workers.jobs import JobRunner, RunningJob
-from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.serving import ServedVersion
+from rollfleet.workers.worker_metrics import WorkerMetrics
 from tests.helpers import payload
 
 

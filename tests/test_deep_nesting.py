@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollfleet.broker.publish import publish_retrying
+from rollfleet.broker.retry_publish import publish_retrying
 from rollfleet.models import build_model_dir
 from rollfleet.policy_store import materialize, read_marker
 from rollfleet.policy_store.layout import read_header

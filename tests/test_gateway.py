@@ -23,7 +23,7 @@ from sglang_contract import api_types
 
 from rollfleet.broker.topology import DEFAULT_TOPOLOGY, TopologyConfig
 from rollfleet.gateway import protocol
-from rollfleet.gateway.server import serve
+from rollfleet.gateway.app import serve
 from rollfleet.schemas import Completion, RolloutResult, VersionSpan
 from rollfleet.schemas.errors import Expired, InvalidRequest, NoCompatibleReplica
 from rollfleet.testing import ProcessGroup, running_worker, wait_until

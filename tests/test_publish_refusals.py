@@ -9,7 +9,7 @@ import time
 import nats
 import pytest
 
-from rollfleet.broker.publish import publish_retrying
+from rollfleet.broker.retry_publish import publish_retrying
 from rollfleet.schemas.errors import Fenced, InvalidRequest
 
 EXPECT = "Nats-Expected-Last-Subject-Sequence"

@@ -298,8 +298,8 @@ async def test_a_hand_back_deletes_only_the_claim_it_still_holds(nc: nats.NATS, 
     from rollfleet.schemas.progress import open_claim
     from rollfleet.workers.engines.echo import EchoEngine
     from rollfleet.workers.jobs import JobRunner
-    from rollfleet.workers.metrics import WorkerMetrics
     from rollfleet.workers.serving import ServedVersion
+    from rollfleet.workers.worker_metrics import WorkerMetrics
 
     js, names = nc.jetstream(), Names(namespace)
     await ensure_topology(js, names, TOPO)

@@ -528,8 +528,8 @@ async def cmd_status(args: argparse.Namespace) -> int:
 
 
 async def cmd_gateway(args: argparse.Namespace) -> int:
+    from rollfleet.gateway.app import serve
     from rollfleet.gateway.chat import ChatTemplate
-    from rollfleet.gateway.server import serve
     from rollfleet.trainer_client import RolloutClient
 
     template = ChatTemplate.from_dir(args.tokenizer) if args.tokenizer is not None else None

@@ -66,12 +66,12 @@ from rollfleet.schemas.names import listened_subjects
 from rollfleet.schemas.progress import TokenChunk
 from rollfleet.trainer_client import answers, cancelling
 from rollfleet.trainer_client.cancelling import CancelOutcome
+from rollfleet.trainer_client.client_metrics import ClientMetrics
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.inbox import ResultsInbox
 from rollfleet.trainer_client.jobids import JobIds
 from rollfleet.trainer_client.lease import ClientLease
-from rollfleet.trainer_client.metrics import ClientMetrics
 from rollfleet.trainer_client.placement import PUBLISH_BUDGET_S, JobPlacement
 from rollfleet.trainer_client.requests import build_job, constraint_from, written_constraint
 from rollfleet.trainer_client.sessions import OpenSession, Session, expire_idle

@@ -22,14 +22,14 @@ from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from rollfleet.broker.publish import publish_retrying
+from rollfleet.broker.retry_publish import publish_retrying
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Claim, Names, RolloutJob, VersionConstraint, claim_key, decode
 from rollfleet.schemas.errors import RollfleetError
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
+from rollfleet.trainer_client.client_metrics import ClientMetrics
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
-from rollfleet.trainer_client.metrics import ClientMetrics
 
 log = get_logger("rollfleet.client")
 

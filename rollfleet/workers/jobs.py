@@ -55,8 +55,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from rollfleet.broker.publish import publish_retrying
 from rollfleet.broker.pull import delivery_info
+from rollfleet.broker.retry_publish import publish_retrying
 from rollfleet.runtime import faults
 from rollfleet.runtime.aio import wait_event
 from rollfleet.schemas import (
@@ -91,9 +91,9 @@ from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, Claim, check_toke
 from rollfleet.schemas.progress import open_claim, seal_claim
 from rollfleet.workers.engines import Engine, Generation
 from rollfleet.workers.engines.base import sample_seed
-from rollfleet.workers.metrics import WorkerMetrics
-from rollfleet.workers.progress import ProgressLog
+from rollfleet.workers.progress_log import ProgressLog
 from rollfleet.workers.serving import ServedVersion
+from rollfleet.workers.worker_metrics import WorkerMetrics
 
 _RESULT_PUBLISH_BUDGET_S = 20.0  # then the job stays unacked and is redelivered
 _HEADROOM = 16 * 1024  # message size left for headers and protocol overhead

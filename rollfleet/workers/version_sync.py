@@ -68,9 +68,9 @@ from rollfleet.schemas import Names, VersionActivated, encode
 from rollfleet.schemas.errors import NoServableVersion, PolicyError, PrepareTimeout, RollfleetError
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.following import FailedVersion, after_failure, fallback_versions, follow
-from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.registry import Registration
 from rollfleet.workers.serving import ServedVersion
+from rollfleet.workers.worker_metrics import WorkerMetrics
 
 
 class VersionSync:

@@ -68,11 +68,11 @@ from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.schemas.names import check_token, listened_subjects
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.jobs import JobRunner
-from rollfleet.workers.metrics import WorkerMetrics
 from rollfleet.workers.registry import Registration
 from rollfleet.workers.scheduler import SubjectScheduler
 from rollfleet.workers.serving import ServedVersion, Subject
 from rollfleet.workers.version_sync import VersionSync, announce_start
+from rollfleet.workers.worker_metrics import WorkerMetrics
 
 
 @dataclass

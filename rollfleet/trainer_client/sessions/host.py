@@ -11,9 +11,9 @@ from typing import Protocol
 from nats.js.kv import KeyValue
 
 from rollfleet.schemas import Claim, Names, RetryPolicy, RolloutPayload, RolloutResult, VersionConstraint
+from rollfleet.trainer_client.client_metrics import ClientMetrics
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
-from rollfleet.trainer_client.metrics import ClientMetrics
 
 
 class OpenSession(Protocol):

@@ -30,7 +30,7 @@ from typing import Any
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from rollfleet.broker.publish import publish_retrying
+from rollfleet.broker.retry_publish import publish_retrying
 from rollfleet.runtime.aio import wait_event
 from rollfleet.schemas import Completion, Names, RolloutJob, VersionSpan, decode, encode
 from rollfleet.schemas.errors import CorruptCheckpoint, Fenced, InvalidRequest, RollfleetError, Superseded
@@ -49,7 +49,7 @@ from rollfleet.schemas.progress import (
     spans_between,
 )
 from rollfleet.workers.engines.base import TokenSink
-from rollfleet.workers.metrics import WorkerMetrics
+from rollfleet.workers.worker_metrics import WorkerMetrics
 
 _EXPECT = "Nats-Expected-Last-Subject-Sequence"
 _FINAL_BUDGET_S = 20.0  # the last checkpoint before an answer: then the job is left to redeliver

@@ -23,7 +23,7 @@ from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas.bounded import load_json
 from rollfleet.schemas.errors import Fenced, InvalidRequest, ServiceUnavailable
 
-log = get_logger("rollfleet.broker.publish")
+log = get_logger("rollfleet.broker.retry_publish")
 
 ATTEMPT_S = 1.5
 _MAX_ACK_BYTES = 64 * 1024  # an acknowledgement is a few dozen bytes; an error one a few hundred
