@@ -101,13 +101,10 @@ class History:
         self.dir = dst
         self.doc = json.loads((dst / "oracle.json").read_text())
         self.tap = json.loads((dst / "tap.json").read_text())
-        # (Without the trainer's cancels: a mutation rewrites answers, and a cancel's record says
-        # what the answer was; `cancelled` is judged on the recorded run itself.)
-        self.trainer = [
-            r
-            for r in (json.loads(line) for line in (dst / "trainer.jsonl").read_text().splitlines() if line)
-            if r.get("ev") != "cancel"
-        ]
+        self.trainer = [json.loads(line) for line in (dst / "trainer.jsonl").read_text().splitlines() if line]
+        # Keys the trainer cancelled: a cancel's record says what the answer was (a sample ended
+        # early where it was stopped), so the mutations that must pass leave their answers alone.
+        self.cancelled = {r["key"] for r in self.trainer if r.get("ev") == "cancel"}
 
     def calls(self) -> dict[str, dict[str, Any]]:
         return {r["rid"]: r for r in self.trainer if r.get("ev") in ("submit", "turn")}
@@ -329,26 +326,26 @@ def test_checks_are_counted_once_per_judged_fact(recorded: Path) -> None:
 
 
 def _call_of(h: History, retry: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A plain call with that retry policy, its key asked once, answered with a result: (its
-    submit, its answer)."""
+    """A plain call with that retry policy, its key asked once and not cancelled, answered with a
+    result: (its submit, its answer)."""
     calls = h.calls()
     keys = [c["key"] for c in calls.values()]
     for r in h.answers():
         req = calls[r["rid"]].get("req") or {}
-        if req.get("retry") == retry and r.get("spans") and keys.count(r["key"]) == 1:  # (asked once)
+        if req.get("retry") == retry and r.get("spans") and keys.count(r["key"]) == 1 and r["key"] not in h.cancelled:
             return calls[r["rid"]], r
     raise AssertionError(f"the recorded run has no {retry} answer")
 
 
-def _at_most_once_call(h: History, convert: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-    """An at_most_once call as ``_call_of`` finds it. A short run under load may have answered
-    none: then a replayable call whose job was delivered once, to the replica that answered it,
-    becomes one (its request and its delivery say at_most_once; nothing else differs for one
-    delivery, since a replayable job takes no claim and at_most_once's claim is judged only
-    between two holders)."""
+def _once_delivered(h: History, retry: str, convert: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A call with ``retry`` as ``_call_of`` finds it; a short run under load may have answered
+    none: then a replayable call whose job was delivered once, to the replica that answered it
+    whole, becomes one (its request and its delivery say ``retry``; nothing else differs for one
+    delivery, since a replayable job takes no claim and keeps no checkpoint, and neither is
+    judged for a job that one replica ran once)."""
     try:
         if not convert:
-            return _call_of(h, "at_most_once")
+            return _call_of(h, retry)
     except AssertionError:
         pass
     calls = h.calls()
@@ -357,17 +354,26 @@ def _at_most_once_call(h: History, convert: bool = False) -> tuple[dict[str, Any
         submit = calls[r["rid"]]
         req = submit.get("req") or {}
         seen = [d for d in h.tap["deliveries"] if d["job_id"] == r["job_id"]]
+        whole = all(f in ("length", "stop") for f in r.get("finishes") or ["?"])
         if (
             req.get("retry") == "replayable"
             and r.get("spans")
             and keys.count(r["key"]) == 1
+            and r["key"] not in h.cancelled
+            and whole
             and len(seen) == 1
             and seen[0]["worker"] == r["worker_id"]
             and seen[0].get("attempt") == 1
         ):
-            req["retry"] = seen[0]["retry"] = "at_most_once"
+            req["retry"] = seen[0]["retry"] = retry
             return submit, r
-    raise AssertionError("the recorded run has no at_most_once answer, nor a replayable one delivered once")
+    raise AssertionError(f"the recorded run has no {retry} answer, nor a replayable one delivered once")
+
+
+def _at_most_once_call(h: History, convert: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An at_most_once call (``convert``: one converted from a replayable call, always; its claim
+    is judged only between two holders)."""
+    return _once_delivered(h, "at_most_once", convert)
 
 
 def interrupted_then_a_later_job(h: History, convert: bool = False) -> None:
@@ -422,7 +428,7 @@ def interrupted_then_a_later_job(h: History, convert: bool = False) -> None:
 def resumed_delivery_the_tap_missed(h: History) -> None:
     """A resumable job's first delivery went to another replica (seen); its second, to the replica
     that made every token and answered, the wiretap missed (it mirrored that inbox too late)."""
-    _submit, answer = _call_of(h, "resume")
+    _submit, answer = _once_delivered(h, "resume")
     job = answer["job_id"]
     other = next(w for w in ("w1", "w2", "w3", "w4") if w != answer["worker_id"])
     for d in h.tap["deliveries"]:
