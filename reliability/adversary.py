@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from reliability.journal import Journal, describe_error, describe_result
-from reliability.machine import ECHO_POOL, HF_POOL, ROGUE, Machine, WorkerProc
+from reliability.machine import ECHO_POOL, GATEWAY_CLIENT, GATEWAYS, HF_POOL, ROGUE, Machine, WorkerProc
 from reliability.oracle import AVAILABLE_S
 from reliability.schedule import Event, make_schedule
 from rollfleet.testing.clocks import faketime_library
@@ -231,6 +231,8 @@ class Adversary:
             self.start_worker(wid, "echo")
         for wid in HF_POOL[: cfg.hf]:
             self.start_worker(wid, "hf")
+        for name in GATEWAYS:  # (started with the workers: their start-ups overlap)
+            m.start_gateway(name)
         want = cfg.workers + cfg.hf
         deadline = time.monotonic() + 90.0
         while time.monotonic() < deadline:
@@ -240,6 +242,11 @@ class Adversary:
             await asyncio.sleep(0.2)
         else:
             raise RuntimeError(f"workers did not become ready: {[w.how for w in m.timeline.workers]}")
+        for name in GATEWAYS:
+            gp = m.gateways[name]
+            if not await m.gateway_listening(gp):
+                raise RuntimeError(f"gateway {name} did not start listening: see {gp.log}")
+            self.say("gateway start", gateway=name, pid=gp.proc.pid, address=gp.address)
         self.say("fleet ready", workers=sorted(m.current))
         # Answers stored before the trainer asks: keys a trainer is likely to use.
         from reliability.load import family_keys, key_families
@@ -299,6 +306,8 @@ class Adversary:
             str(cfg.duplicate_window),
             "--max-deliver",
             str(cfg.max_deliver),
+            "--gateways",
+            str(self.machine.gateways_file),
         ]
         proc = self.machine.start_trainer(self.incarnation, args)
         self.say("trainer start", incarnation=self.incarnation, pid=proc.pid, duration=round(duration, 1))
@@ -869,6 +878,8 @@ class Adversary:
                 self.start_trainer(self.cfg.duration - (time.time() - self.t0))
         elif ev.kind == "second_client":
             return await self.second_client()
+        elif ev.kind in ("gateway_kill", "gateway_pause"):
+            return await self.gateway_fault(ev.kind, p)
         elif ev.kind == "publisher_kill":
             return await self.publisher_kill(p)
         elif ev.kind == "publisher_race":
@@ -956,6 +967,32 @@ class Adversary:
         except Exception as exc:
             self.say("consumer deletion failed", consumer=target, error=repr(exc)[:120])
             return False
+        return True
+
+    async def gateway_fault(self, kind: str, p: dict[str, Any]) -> bool:
+        """SIGKILL one gateway and start it again (on a new port, which the trainer reads from the
+        gateways file) ``after`` s later, or freeze it (SIGSTOP) for ``for_s`` s."""
+        m = self.machine
+        name = GATEWAYS[int(p["which"]) % len(GATEWAYS)]
+        gp = m.gateways.get(name)
+        if gp is None or not gp.alive or name in self.busy:
+            self.say(f"{kind} skipped", gateway=name, reason="not running, or another event has it")
+            return False
+        self.busy.add(name)
+        try:
+            if kind == "gateway_pause":
+                self.say("SIGSTOP gateway", gateway=name, for_s=p["for_s"])
+                await m.pause_gateway(gp, p["for_s"])
+                self.say("SIGCONT gateway", gateway=name)
+                return True
+            m.kill_gateway(gp)
+            self.say("SIGKILL gateway", gateway=name, pid=gp.proc.pid)
+            await asyncio.sleep(p["after"])
+            fresh = m.start_gateway(name)
+            listening = await m.gateway_listening(fresh)
+            self.say("gateway start", gateway=name, pid=fresh.proc.pid, address=fresh.address, listening=listening)
+        finally:
+            self.busy.discard(name)
         return True
 
     async def second_client(self) -> bool:
@@ -1115,18 +1152,31 @@ class Adversary:
 
     async def reask_all(self) -> dict[str, dict[str, Any]]:
         """A fresh client with the trainer's client_id asks ``result(key)`` for every key that was
-        answered with a result or a stored failure: the same answer must come back."""
+        answered with a result or a stored failure: the same answer must come back. A key the
+        trainer sent through a gateway is asked by a client with the gateways' id (a shared one):
+        keys of different client ids are different keys."""
+        keys: dict[str, set[str]] = {}  # client id -> its keys (a gateway's calls are the gateways' client's)
+        for r in Journal.read(self.workdir / "trainer.jsonl"):
+            if r.get("ev") == "answer":
+                keys.setdefault(r.get("client") or TRAINER_ID, set()).add(r.get("idem_key") or r["key"])
+        out: dict[str, dict[str, Any]] = {}
+        for client_id, its_keys in sorted(keys.items()):
+            await self._reask(client_id, its_keys, out)
+        self.say("re-asked", keys=len(out))
+        return out
+
+    async def _reask(self, client_id: str, keys: set[str], out: dict[str, dict[str, Any]]) -> None:
         from rollfleet.schemas.errors import RollfleetError
         from rollfleet.trainer_client import RolloutClient
 
-        keys: set[str] = set()
-        for r in Journal.read(self.workdir / "trainer.jsonl"):
-            if r.get("ev") == "answer":
-                keys.add(r.get("idem_key") or r["key"])
-        out: dict[str, dict[str, Any]] = {}
+        user = "gateway" if client_id == GATEWAY_CLIENT else "trainer"
         client = await asyncio.wait_for(
             RolloutClient.connect(
-                self.machine.url("trainer"), namespace=NAMESPACE, client_id=TRAINER_ID, topology=self.topology
+                self.machine.url(user),
+                namespace=NAMESPACE,
+                client_id=client_id,
+                topology=self.topology,
+                shared=client_id == GATEWAY_CLIENT,  # (the gateways share their id; so does this re-ask)
             ),
             60.0,
         )
@@ -1150,8 +1200,6 @@ class Adversary:
             await asyncio.gather(*(one(k) for k in sorted(keys)))
         finally:
             await client.close()
-        self.say("re-asked", keys=len(out))
-        return out
 
     async def collect_notes(self) -> dict[str, Any]:
         await self.tap.resolve()

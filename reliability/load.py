@@ -30,12 +30,16 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from reliability.journal import Journal, describe_error, describe_result, tokens_digest
+from reliability.journal import FORGED_TOKEN, Journal, describe_error, describe_result, tokens_digest
 
 HANG_SLACK_S = 15.0  # a wait this long past the deadline is journaled as a hang and abandoned
 SUBMIT_BOUND_S = 45.0  # submit itself retries for up to 30 s while the broker is away
 REASK_BOUND_S = 12.0  # asking a failed or answered key (or turn) again
 FAMILIES = ("k", "sample", "rollout", "item")
+GATEWAY_SHARE = 1 / 6  # of the plain min and exact calls, sent over HTTP to a gateway instead
+GATEWAY_RESEND = 0.25  # of the HTTP calls, the same request asked again under an earlier HTTP key
+GATEWAY_TRY_S = 6.0  # one HTTP attempt waits this long before the call is retried through the other gateway
+GATEWAY_RETRY = "replayable"  # what a gateway's job is (it sends no retry policy: the client's default)
 
 
 def key_families(seed: int) -> list[str]:
@@ -103,6 +107,12 @@ class Load:
         self.stop_at = 0.0
         self.long_ok = args.duration >= 50
         self.covered = 0  # of the first requests, which cover every retry policy (_COVER)
+        # The share of calls sent to a gateway is drawn from a generator of its own: the trainer's
+        # other requests are what they were.
+        self.gw_rng = random.Random(f"gateway-calls:{args.seed}:{self.inc}")
+        self.gw_n = 0
+        self.gw_submitted: dict[str, dict[str, Any]] = {}  # HTTP key -> request as written
+        self.http: Any = None  # an aiohttp session
 
     def log(self, record: dict[str, Any]) -> None:
         record.setdefault("t", time.time())
@@ -285,7 +295,108 @@ class Load:
                 await self.submit(key, self.new_request(), "conflict")  # the key reused for another request
             else:
                 key, large = self.choose_key()
-                await self.submit(key, self.new_request(large), "new")
+                req = self.new_request(large)
+                # (the first min or exact call after those covering the retry policies always goes
+                # to a gateway, as min 0: short runs judge one too)
+                first = self.gw_n == 0 and self.covered >= len(_COVER)
+                gw = self.args.gateways and req["kind"] in ("min", "exact")
+                if gw and (self.gw_rng.random() < GATEWAY_SHARE or first):
+                    if first:  # (on a constraint every replica meets, as the covering ones are)
+                        req = {**req, "kind": "min", "value": 0}
+                    await self.via_gateway(req)
+                    continue
+                await self.submit(key, req, "new")
+
+    # -- calls through a gateway (HTTP) ---------------------------------------------------------
+    async def via_gateway(self, req: dict[str, Any]) -> None:
+        """A plain call sent to a ``rollfleet gateway`` over HTTP (SGLang's ``/generate``) under a
+        key of its own (``http-<inc>-<n>``: the gateways' client id is not the trainer's, so its
+        keys are other keys), or now and then an earlier HTTP call's request asked again."""
+        if self.gw_submitted and self.gw_rng.random() < GATEWAY_RESEND:
+            key = self.gw_rng.choice(sorted(self.gw_submitted))
+            self.spawn(self.http_call(key, self.gw_submitted[key], "resubmit"))
+            return
+        from reliability.machine import GATEWAY_TIMEOUT_S
+
+        self.gw_n += 1
+        key = f"http-{self.inc}-{self.gw_n}"
+        # (a gateway stores its jobs with its own --timeout: that is the call's)
+        req = {**req, "retry": GATEWAY_RETRY, "timeout": GATEWAY_TIMEOUT_S}
+        self.gw_submitted[key] = req
+        self.spawn(self.http_call(key, req, "new"))
+
+    def gateway_addresses(self) -> dict[str, str]:
+        import json
+
+        try:
+            return dict(json.loads(Path(self.args.gateways).read_text()))
+        except (OSError, ValueError):
+            return {}
+
+    async def http_call(self, key: str, req: dict[str, Any], op: str) -> None:
+        """POST it to a gateway chosen at random, with an ``Idempotency-Key``; on a connection error,
+        a timeout or a 503, the same key through the other gateway (as a load balancer retries),
+        until the call's deadline (then plus ``HANG_SLACK_S``, a hang). Every attempt, and the
+        answer converted to the fields ``describe_result`` writes, is journaled."""
+        import aiohttp
+
+        from reliability.machine import GATEWAY_CLIENT
+
+        rid = self.rid()
+        self.log({"ev": "submit", "rid": rid, "op": op, "key": key, "req": req, "client": GATEWAY_CLIENT,
+                  "latest": self.client.latest_version})  # fmt: skip
+        t0 = time.time()
+        spec = req["payload"]
+        constraint = {"min": "min_required_version", "exact": "exact_version"}[req["kind"]]
+        body = {
+            "input_ids": list(spec["prompt"]),
+            "sampling_params": {"max_new_tokens": int(spec["max_tokens"]), "n": int(spec.get("n", 1))},
+            "weight_version": {constraint: int(req["value"])},
+            "return_logprob": True,
+        }
+        base = {"rid": rid, "op": op, "key": key, "t0": t0, "client": GATEWAY_CLIENT}
+        deadline = t0 + float(req["timeout"])
+        give_up = deadline + HANG_SLACK_S
+        names = sorted(self.gateway_addresses())
+        name = self.gw_rng.choice(names) if names else "g1"
+        last_503: dict[str, Any] | None = None  # the last 503 answer (a retryable error)
+        tries = 0
+        while True:
+            now = time.time()
+            if now >= give_up or (last_503 is not None and now >= deadline):
+                # Past the deadline, a 503 it kept getting is its answer; with no answer at all, a hang.
+                if last_503 is not None:
+                    self.log({"ev": "answer", **base, **last_503, "tries": tries})
+                else:
+                    self.log({"ev": "hang", **base, "tries": tries})
+                return
+            address = self.gateway_addresses().get(name)
+            tries += 1
+            attempt = {"ev": "http_attempt", "rid": rid, "key": key, "gateway": name, "address": address, "t_sent": now}
+            try:
+                if address is None:
+                    raise aiohttp.ClientConnectionError(f"{name} has no address (not running)")
+                wait = aiohttp.ClientTimeout(total=max(0.5, min(GATEWAY_TRY_S, give_up - now)))
+                async with self.http.post(f"{address}/generate", json=body, headers={"Idempotency-Key": key},
+                                          timeout=wait) as resp:  # fmt: skip
+                    status, data = resp.status, await resp.json(content_type=None)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                self.log({**attempt, "outcome": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            else:
+                self.log({**attempt, "outcome": status})
+                answer = http_answer(status, data)
+                if status != 503:
+                    self.log({"ev": "answer", **base, **answer, "tries": tries})
+                    return
+                # A 503 is tried again through the other gateway; the same error from both (not
+                # "unavailable": the broker away) is the key's own stored answer.
+                if last_503 is not None and answer.get("code") == last_503.get("code") != "unavailable":
+                    self.log({"ev": "answer", **base, **answer, "tries": tries})
+                    return
+                last_503 = answer
+            others = [n for n in sorted(self.gateway_addresses()) if n != name]
+            name = others[0] if others else ("g2" if name == "g1" else "g1")  # the other gateway
+            await asyncio.sleep(0.2)
 
     # -- sessions ----------------------------------------------------------------------------
     def session_settings(self) -> dict[str, Any]:
@@ -397,12 +508,17 @@ class Load:
         closed: set[str] = set()
         turns: dict[str, dict[int, dict[str, Any]]] = {}
         turn_answers: dict[str, set[int]] = {}
+        gateway_calls: dict[str, dict[str, Any]] = {}
         for r in records:
             ev = r.get("ev")
-            if ev == "submit" and r.get("op") in ("new", "resubmit", "resume"):
+            if ev == "submit" and r.get("client"):  # a call through a gateway: asked again through one
+                gateway_calls.setdefault(r["key"], r["req"])
+            elif ev == "submit" and r.get("op") in ("new", "resubmit", "resume"):
                 requests.setdefault(r["key"], r["req"])
-            elif ev == "answer" and "sid" not in r:
+            elif ev == "answer" and "sid" not in r and not r.get("client"):
                 answered.add(r["key"])
+            elif ev == "answer" and r.get("client"):
+                gateway_calls.pop(r["key"], None)
             elif ev == "session_open":
                 sessions[r["sid"]] = r
             elif ev == "session_close":
@@ -416,6 +532,9 @@ class Load:
         self.log({"ev": "resume", "pending": len(pending), "answered": len(answered), "sessions": len(sessions)})
         for key in pending:  # exactly as written, so the same key is the same request
             await self.submit(key, requests[key], "resume")
+        if self.args.gateways:
+            for key, req in gateway_calls.items():  # unanswered HTTP calls: their keys asked again
+                self.spawn(self.http_call(key, req, "resume"))
         for key in self.rng.sample(sorted(answered), min(15, len(answered))):
             self.spawn(self.reask(key))
         for sid, opened in sessions.items():
@@ -474,6 +593,9 @@ class Load:
         )
         self.log({"ev": "connected", "latest": self.client.latest_version})
         self.stop_at = time.time() + a.duration
+        import aiohttp
+
+        self.http = aiohttp.ClientSession()
         try:
             if self.inc > 0:
                 await self.resume()
@@ -487,8 +609,55 @@ class Load:
         finally:
             for task in list(self.tasks):
                 task.cancel()
+            await self.http.close()
             await self.client.close()
         return 0
+
+
+def http_answer(status: int, data: Any) -> dict[str, Any]:
+    """A gateway's answer to ``/generate`` as the fields ``describe_result`` (200) or
+    ``describe_error`` write: SGLang's shape (a list of items when n > 1), each item's
+    ``meta_info.rollfleet`` naming its job, replica and per-token versions. What the HTTP
+    answer does not carry (when the worker finished it, which delivery ran it, the request's
+    fingerprint) is left out: the oracle reads it from the answer as the worker published it."""
+    if status != 200:
+        err = (data or {}).get("error") if isinstance(data, dict) else None
+        if not isinstance(err, dict):
+            return {"kind": "error", "cls": f"HTTP {status}", "code": None, "retryable": None,
+                    "message": str(data)[:400], "status": status, "untyped": True}  # fmt: skip
+        return {"kind": "error", "cls": err.get("type"), "code": err.get("code"), "retryable": err.get("retryable"),
+                "message": str(err.get("message"))[:400], "status": status}  # fmt: skip
+    items = data if isinstance(data, list) else [data]
+    meta = [it.get("meta_info") or {} for it in items]
+    facts = [m.get("rollfleet") or {} for m in meta]
+    outputs = [SimpleNamespace(token_ids=list(it.get("output_ids") or [])) for it in items]
+    forged = any(o.token_ids and all(t == FORGED_TOKEN for t in o.token_ids) for o in outputs)
+    finishes = [(m.get("finish_reason") or {}).get("type") for m in meta]
+    return {
+        "kind": "result",
+        "job_id": facts[0].get("job_id"),
+        "worker_id": facts[0].get("replica"),
+        "version_start": meta[0].get("weight_version_start"),
+        "version_end": meta[0].get("weight_version_end"),
+        "spans": [[[v, a, b] for v, a, b, _ in f.get("weight_versions") or []] for f in facts],
+        "tokens": tokens_digest(outputs),
+        "token_ids": [o.token_ids for o in outputs],
+        "ntokens": sum(len(o.token_ids) for o in outputs),
+        "finish": finishes,
+        "finished_at": None,
+        "generation_s": facts[0].get("generation_s"),
+        "attempt": None,
+        "fingerprint": None,
+        "session_id": None,
+        "idem_key": facts[0].get("idempotency_key"),
+        "forged_tokens": forged,
+        "replicas": [[r for _, _, _, r in f.get("weight_versions") or []] for f in facts],
+        "lengths": [len(o.token_ids) for o in outputs],
+        "finishes": finishes,
+        "kept": 0,
+        "logprobs": [len(m.get("output_token_logprobs") or []) for m in meta],
+        "status": 200,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -504,6 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ack-wait", type=float, default=2.0)
     p.add_argument("--duplicate-window", type=float, default=15.0)
     p.add_argument("--max-deliver", type=int, default=10)
+    p.add_argument("--gateways", default=None, help="a JSON file of gateway addresses (name -> http://HOST:PORT)")
     args = p.parse_args(argv)
     return asyncio.run(Load(args).run())
 

@@ -34,6 +34,9 @@ MAX_PAYLOAD = "32KB"  # answers over ~16 KB are stored in chunks (the worker kee
 ECHO_POOL = tuple(f"w{i}" for i in range(1, 7))
 HF_POOL = ("h1", "h2")
 ROGUE = "rogue"
+GATEWAYS = ("g1", "g2")  # ``rollfleet gateway`` processes (their broker user: ``gateway``)
+GATEWAY_CLIENT = "gateway"  # the client id every gateway shares (``--client-id``'s default)
+GATEWAY_TIMEOUT_S = 20.0  # a gateway's ``--timeout``: a job it stores has this long to be answered
 
 
 def keyed_echo() -> bool:
@@ -63,6 +66,24 @@ class WorkerProc:
 
 
 @dataclass
+class GatewayProc:
+    """One ``rollfleet gateway`` process's life: killed (SIGKILL) or frozen (SIGSTOP) by events."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    start: float
+    address: str = ""  # http://HOST:PORT, from its log line
+    end: float | None = None
+    how: str = ""
+    stops: list[list[float]] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@dataclass
 class Timeline:
     """What the adversary did, with wall-clock times (for the oracle)."""
 
@@ -80,6 +101,7 @@ class Timeline:
     # (version, point or contenders, pid, exit code) and the policy KV as read straight from the
     # broker before and after (``latest``, the ``v.<N>`` entry's publisher).
     publishers: list[dict[str, Any]] = field(default_factory=list)
+    gateways: list[GatewayProc] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -102,10 +124,12 @@ class Machine:
         self.trainer: subprocess.Popen[bytes] | None = None
         self.worker_args: dict[str, list[str]] = {}
         self.links: dict[str, LinkProxy] = {}  # worker id -> the proxy it dials the broker through
+        self.gateways: dict[str, GatewayProc] = {}  # gateway name -> its live (or last) process
+        self.gateways_file = self.workdir / "gateways.json"  # where the trainer finds them (name -> address)
 
     # -- the broker ----------------------------------------------------------------------------
     def users(self) -> list[str]:
-        return ["trainer", *ECHO_POOL, *HF_POOL, ROGUE]
+        return ["trainer", "gateway", *ECHO_POOL, *HF_POOL, ROGUE]
 
     def url(self, user: str | None = None) -> str:
         assert self.broker is not None
@@ -145,7 +169,7 @@ class Machine:
         marker = "    users: [\n"
         assert marker in text, "the generated config's account has no users list"
         tap = "      { user: tap, password: $ROLLFLEET_PASSWORD_TAP }  # the oracle's wiretap (adversary only)\n"
-        text = text.replace(marker, marker + tap, 1)
+        text = text.replace(marker, marker + tap + self._gateway_user(), 1)
         path.write_text(text)
         from rollfleet.broker.permissions import password_variable
 
@@ -153,6 +177,15 @@ class Machine:
             self.passwords[user] = secrets.token_hex(12)
             os.environ[password_variable(user)] = self.passwords[user]
         return path
+
+    def _gateway_user(self) -> str:
+        """The gateways' broker user: the trainer role's permissions (a gateway is a trainer-side
+        client, ``RolloutClient(client_id="gateway", shared=True)``), under a user of its own."""
+        from rollfleet.broker.permissions import _block, password_variable, trainer_permissions
+        from rollfleet.schemas import Names
+
+        perms = _block(trainer_permissions(Names(self.namespace)), "        ")
+        return f"      {{ user: gateway, password: ${password_variable('gateway')}, permissions: {perms} }}\n"
 
     def start_broker(self) -> EmbeddedBroker:
         self.monitor_port = free_port()
@@ -322,6 +355,72 @@ class Machine:
             terminate(w.proc, max(0.1, deadline - time.monotonic()))
             self._ended(w, "stopped at the end")
 
+    # -- gateways --------------------------------------------------------------------------------
+    def start_gateway(self, name: str) -> GatewayProc:
+        """A ``rollfleet gateway`` process on a free port (``--port 0``), the shared client id."""
+        old = self.gateways.get(name)
+        assert old is None or not old.alive, f"{name} is running"
+        log = self.workdir / "logs" / f"gateway-{name}.{len(self.timeline.gateways)}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**CHILD_LOG_ENV, **self.child_env, "ROLLFLEET_LOG_LEVEL": "warning"}
+        cmd = [sys.executable, "-m", "rollfleet", "gateway", "--nats", self.url("gateway"), "--namespace",
+               self.namespace, "--port", "0", "--client-id", GATEWAY_CLIENT,
+               "--timeout", f"{GATEWAY_TIMEOUT_S:g}"]  # fmt: skip
+        gp = GatewayProc(name, spawn(cmd, log, env=env, cwd=self.cwd), log, time.time())
+        self.timeline.gateways.append(gp)
+        self.gateways[name] = gp
+        return gp
+
+    async def gateway_listening(self, gp: GatewayProc, timeout: float = 40.0) -> bool:
+        """Wait for its line "rollfleet gateway on http://HOST:PORT", then publish its address."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and gp.alive:
+            try:
+                text = gp.log.read_text(errors="replace")
+            except OSError:
+                text = ""
+            line = next((x for x in text.splitlines() if "rollfleet gateway on " in x), None)
+            if line is not None:
+                gp.address = line.split("rollfleet gateway on ", 1)[1].split()[0]
+                self.write_gateways()
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    def write_gateways(self) -> None:
+        """The live gateways' addresses, for the trainer (written whole, then renamed into place)."""
+        import json
+
+        doc = {n: g.address for n, g in sorted(self.gateways.items()) if g.address and g.end is None}
+        tmp = self.gateways_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.gateways_file)
+
+    def kill_gateway(self, gp: GatewayProc) -> None:
+        if gp.alive:
+            terminate(gp.proc, 10.0, signal.SIGKILL)
+        if gp.end is None:
+            gp.end, gp.how = time.time(), gp.how or "killed"
+
+    async def pause_gateway(self, gp: GatewayProc, seconds: float) -> None:
+        if not gp.alive:
+            return
+        t0 = time.time()
+        gp.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            if gp.alive:
+                gp.proc.send_signal(signal.SIGCONT)
+            gp.stops.append([t0, time.time()])
+
+    def stop_gateways(self) -> None:
+        for gp in self.timeline.gateways:
+            if gp.alive:
+                terminate(gp.proc, 10.0)
+            if gp.end is None:
+                gp.end, gp.how = time.time(), gp.how or "stopped at the end"
+
     # -- the trainer -----------------------------------------------------------------------------
     def start_trainer(self, incarnation: int, args: list[str]) -> subprocess.Popen[bytes]:
         log = self.workdir / "logs" / f"trainer.{incarnation}.log"
@@ -434,6 +533,7 @@ class Machine:
 
     def close(self) -> None:
         self.stop_workers()
+        self.stop_gateways()
         if self.trainer is not None and self.trainer.poll() is None:
             terminate(self.trainer, 10.0)
         self.note_trainer_exit()

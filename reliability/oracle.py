@@ -73,6 +73,14 @@ The invariants (``Oracle.checks`` counts each evaluation; each violation is one 
   trainer only where a worker published that failure for the key; ``Interrupted`` only for an
   ``at_most_once`` job or a session's turn.
 
+A call the trainer sent over HTTP to a ``rollfleet gateway`` (``client`` in its journal records:
+the gateways' client id, whose key it is) is judged as any other: its answer, converted from
+SGLang's shape, is recomputed (``served``), checked against its constraint (``version``), compared
+with every other answer for its key and with the re-ask at the end, made by a client with the
+gateways' id (``once``), resolved by its job's deadline (``resolution``) and counted in
+``available``; its job (deadline, constraint) is the one the wiretap saw stored under that client
+id, and when the worker finished it is read from the answer the worker published.
+
 Each invariant counts one check per fact it judges (a result, a job, a call, a run), never per
 delivery or log line; what the wiretap cannot have seen is counted as unverified, the same way
 by every invariant.
@@ -131,11 +139,17 @@ class Call:
     answer: dict[str, Any] | None = None
     hang: dict[str, Any] | None = None
     cancel: dict[str, Any] | None = None  # the trainer cancelled it: what cancel() said it did
+    client: str = "trainer"  # whose key it is: the trainer's, or the gateways' (a call sent over HTTP)
+    attempts: list[dict[str, Any]] | None = None  # a call over HTTP: each try, through which gateway
 
     @property
     def deadline(self) -> float | None:
         if self.stored and self.stored.get("deadline"):
             return float(self.stored["deadline"])
+        if self.attempts and self.req is not None:
+            # A gateway stores the job with its own timeout when a try reaches it: by the last try
+            # at the latest (the wiretap, when it saw the job delivered, gives the job's own).
+            return max(float(a["t_sent"]) for a in self.attempts) + float(self.req["timeout"])
         if self.timeout is not None:
             return self.t0 + float(self.timeout)
         if self.req is not None:
@@ -271,6 +285,11 @@ class Oracle:
             ev = r.get("ev")
             if ev == "submit":
                 calls[r["rid"]] = Call(r["rid"], int(r["inc"]), r["op"], r["key"], float(r["t"]), req=r["req"])
+                if r.get("client"):
+                    calls[r["rid"]].client = str(r["client"])
+                    calls[r["rid"]].attempts = []
+            elif ev == "http_attempt" and r.get("rid") in calls:
+                calls[r["rid"]].attempts = [*(calls[r["rid"]].attempts or []), r]
             elif ev == "turn":
                 # (A turn's request is its payload; the session's constraint and policy are fixed.)
                 c = Call(
@@ -313,18 +332,26 @@ class Oracle:
         for c in self.calls:
             if c.op != "reask-turn" and (c.sid is None or (c.answer or {}).get("spent", True)):
                 self.by_key[c.key].append(c)
+        # Whose key each is: a key is a client's (the trainer's, or the gateways' for the calls it
+        # sent over HTTP); what the wiretap saw under the same key for another client is not its.
+        self.client_of: dict[str, str] = {}
+        for c in self.calls:
+            self.client_of.setdefault(c.key, c.client)
         # The wiretap, indexed.
         self.deliveries_by_job: dict[str, list[Any]] = defaultdict(list)
         self.deliveries_by_key: dict[str, list[Any]] = defaultdict(list)
         for d in self.tap.deliveries:
             if d.job_id:
                 self.deliveries_by_job[d.job_id].append(d)
-            if d.key:
+            if d.key and self._owned(d.key, d.client_id):
                 self.deliveries_by_key[d.key].append(d)
         self.published_by_key: dict[str, list[Any]] = defaultdict(list)
+        parse = getattr(self.names, "parse_result_subject", None)
         for p in self.tap.published:
-            if p.key:
+            parsed = parse(p.subject) if parse is not None and p.subject else None
+            if p.key and self._owned(p.key, parsed[0] if parsed else None):
                 self.published_by_key[p.key].append(p)
+        self._gateway_facts()
         # A session turn's key as the product makes it may carry more than "<sid>/<turn>" (an
         # incarnation of the session): what the wiretap saw under it is filed under both.
         aliases: dict[str, str] = {}
@@ -371,6 +398,52 @@ class Oracle:
             if parsed is not None and parsed[0] == self.names.jobs_stream:
                 self.acks_by_seq[parsed[3]].extend(acks)
         self._sample_fleet()
+
+    def _owned(self, key: str, client: str | None) -> bool:
+        """Whether what the wiretap saw under ``key`` for ``client`` is the key the calls used."""
+        want = self.client_of.get(key)
+        return want is None or client is None or client == want
+
+    def _gateway_facts(self) -> None:
+        """A call sent through a gateway: its job as stored (the wiretap's delivery of the key under
+        the gateways' client id: job id, deadline, constraint), and what its HTTP answer does not
+        carry (when the worker finished it, which delivery ran it, the fingerprint) from the answer
+        as the worker published it, the same tokens; neither seen, it stays unknown (its deadline
+        is then the last try's, when it finished the moment it was answered)."""
+        for c in self.calls:
+            if c.attempts is None:
+                continue
+            self.notes["gateway_calls"] = self.notes.get("gateway_calls", 0) + 1
+            got = c.answer or {}
+            end = c.answered_at or float((c.hang or {}).get("t") or float("inf"))
+            seen = [
+                d
+                for d in sorted(self.deliveries_by_key.get(c.key, []), key=lambda d: d.t)
+                if d.client_id == c.client and (d.job_id == got.get("job_id") if got.get("job_id") else d.t <= end)
+            ]
+            if seen and c.stored is None:
+                d = seen[0]
+                c.stored = {"ev": "stored", "rid": c.rid, "key": c.key, "job_id": d.job_id,
+                            "deadline": getattr(d, "deadline", 0.0) or None, "constraint": list(d.constraint or ()),
+                            "fingerprint": d.fingerprint, "stream_seq": d.stream_seq, "t": d.submitted_at or d.t,
+                            "from": "the wiretap"}  # fmt: skip
+                if not c.stored["constraint"]:
+                    c.stored.pop("constraint")
+            if not c.is_result or got.get("finished_at") is not None:
+                continue
+            self.notes["gateway_results"] = self.notes.get("gateway_results", 0) + 1
+            same = [
+                p
+                for p in self.published_by_key.get(c.key, [])
+                if p.job_id == got.get("job_id") and p.desc and p.desc.get("tokens") == got.get("tokens")
+            ]
+            if same:
+                desc = same[0].desc or {}
+                for k in ("finished_at", "attempt", "fingerprint", "kept", "session_id"):
+                    got[k] = desc.get(k)
+            else:
+                self.unverified["gateway answer: its published copy not seen (finished when answered)"] += 1
+                got["finished_at"] = got.get("t")
 
     def latest_at(self, t: float) -> int:
         i = bisect.bisect_right(self.commits, (t, float("inf")))
@@ -1802,6 +1875,10 @@ def save_inputs(
             "trainers": timeline.trainers,
             "second_clients": timeline.second_clients,
             "publishers": getattr(timeline, "publishers", []),
+            "gateways": [
+                {"name": g.name, "start": g.start, "end": g.end, "how": g.how, "stops": g.stops, "address": g.address}
+                for g in getattr(timeline, "gateways", [])
+            ],
         },
         "finals": finals,
         "stored": stored,
@@ -1851,6 +1928,7 @@ def load_kept(workdir: Any) -> Oracle:
     tl.commits = [tuple(c) for c in tl.commits]
     tl.consumers_deleted = [tuple(c) for c in tl.consumers_deleted]
     tl.publishers = getattr(tl, "publishers", [])
+    tl.gateways = [SimpleNamespace(**g) for g in getattr(tl, "gateways", [])]
     tap = SimpleNamespace(
         deliveries=[Delivery(**d) for d in tap_doc["deliveries"]],
         published=[Published(**p) for p in tap_doc["published"]],

@@ -41,13 +41,17 @@ and with what else, it happens:
 ``publisher_race``  two publisher processes race to publish the same next version with different
                     tensors (the trainer's, a perturbed copy; one starts writing 0-50 ms later);
                     one wins, and the trainer's next publish goes on from the winner's bytes
+``gateway_kill``    SIGKILL one of the two ``rollfleet gateway`` processes the trainer sends a
+                    share of its calls to (over HTTP, keyed); restarted 0.5-3 s later
+``gateway_pause``   SIGSTOP one gateway for 1.5-5 s, then SIGCONT (its connections kept, frozen)
 ==================  ===========================================================================
 
 ``make_schedule(seed, duration)`` is a pure function: the same seed gives the same events at
 the same offsets with the same parameters (the run itself is real time, so what they meet
 varies a little). Pauses are drawn from a stream of their own (``pauses:<seed>``), so adding
 them left every other event of a seed's schedule where it was; clock skews and link faults
-likewise (``skews:<seed>``, ``links:<seed>``), and publisher faults (``publishers:<seed>``).
+likewise (``skews:<seed>``, ``links:<seed>``), publisher faults (``publishers:<seed>``) and
+gateway faults (``gateways:<seed>``).
 Named schedules script a sequence of the same events.
 """
 
@@ -99,6 +103,7 @@ PUBLISHER_KILL_POINTS = (
     "commit:before-announce",
 )
 PUBLISHER_MEAN_GAP_S = 15.0  # a kill or a race every 15 s: about one of each per 30 s
+GATEWAY_MEAN_GAP_S = 20.0  # a gateway killed or frozen every 20 s on average
 
 
 @dataclass
@@ -174,6 +179,10 @@ def params_for(kind: str, rng: random.Random, hf: bool) -> dict[str, Any]:
             "late": rng.choice(("trainer", "perturbed")),
             "late_s": round(u(0.0, 0.05), 3),
         }
+    if kind == "gateway_kill":
+        return {"which": rng.randrange(2), "after": round(u(0.5, 3.0), 2)}
+    if kind == "gateway_pause":
+        return {"which": rng.randrange(2), "for_s": round(u(1.5, 5.0), 2)}
     return {}
 
 
@@ -191,6 +200,7 @@ def random_schedule(seed: int, duration: float, hf: bool = False) -> list[Event]
         events.append(Event(round(t, 2), kind, params_for(kind, rng, hf)))
         t += rng.expovariate(1.0 / MEAN_GAP_S)
     more = pauses(seed, duration) + skews(seed, duration) + links(seed, duration) + publishers(seed, duration)
+    more += gateways(seed, duration)
     return sorted(events + more, key=lambda e: e.t)
 
 
@@ -204,6 +214,19 @@ def publishers(seed: int, duration: float) -> list[Event]:
         kind = rng.choice(("publisher_kill", "publisher_race"))
         out.append(Event(round(t, 2), kind, params_for(kind, rng, False)))
         t += rng.expovariate(1.0 / PUBLISHER_MEAN_GAP_S)
+    return out
+
+
+def gateways(seed: int, duration: float) -> list[Event]:
+    """Gateway processes SIGKILLed (and restarted) or frozen, from their own stream
+    (``gateways:<seed>``): every other event of a seed stays where it was."""
+    rng = random.Random(f"gateways:{seed}")
+    out: list[Event] = []
+    t = rng.uniform(3.0, 12.0)
+    while t < duration - 4.0:
+        kind = rng.choice(("gateway_kill", "gateway_pause"))
+        out.append(Event(round(t, 2), kind, params_for(kind, rng, False)))
+        t += rng.expovariate(1.0 / GATEWAY_MEAN_GAP_S)
     return out
 
 

@@ -57,6 +57,7 @@ class Delivery:
     consumer: str | None
     max_tokens: int = 0
     submitted_at: float = 0.0
+    deadline: float = 0.0  # the job's, as its client stored it
     worker: str | None = None  # resolved from /connz
     also: list[str] = field(default_factory=list)  # other workers a mirror of the same inbox named
 
@@ -306,6 +307,7 @@ class Tap:
                 consumer=ack[1],
                 max_tokens=(job.payload.sampling.max_tokens * job.payload.n) if job is not None else 0,
                 submitted_at=float(getattr(job, "submitted_at", 0.0) or 0.0),
+                deadline=float(getattr(job, "deadline", 0.0) or 0.0),
             )
             self._by_ack[reply] = d
             self.deliveries.append(d)

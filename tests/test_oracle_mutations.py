@@ -6,8 +6,10 @@ the wiretap's dump, the timeline, the finals); the oracle judges it again from t
 everything refused, no calls, answers relabelled ``EngineFailure``, replayable answers relabelled
 ``Interrupted``, a label one version off, a second different answer for a key, a fleet dead most
 of the run, tokens swapped between answers, an ``Interrupted`` answer although the frozen holder
-finished the job. Each must be flagged by the invariant that owns that promise; two histories
-that are fine, which the oracle once flagged (false positives), must pass. The pure rules
+finished the job, a gateway's answer (a call the trainer sent over HTTP) labelled one version off,
+and a second answer for a gateway's key on the re-ask. Each must be flagged by the invariant that
+owns that promise; two histories that are fine, which the oracle once flagged (false positives),
+must pass. The pure rules
 behind ``available`` and ``Report.passed``, and the counting of events, are tested in milliseconds.
 
 The recorded run uses a short availability bound (``AVAILABLE_S`` 5 s, the run lasts ~10 s of
@@ -105,6 +107,7 @@ class History:
         # Keys the trainer cancelled: a cancel's record says what the answer was (a sample ended
         # early where it was stopped), so the mutations that must pass leave their answers alone.
         self.cancelled = {r["key"] for r in self.trainer if r.get("ev") == "cancel"}
+        self.flagged: str | None = None  # what a mutation's violation must name (a job id), if anything
 
     def calls(self) -> dict[str, dict[str, Any]]:
         return {r["rid"]: r for r in self.trainer if r.get("ev") in ("submit", "turn")}
@@ -272,6 +275,33 @@ def claimed_by_two_processes(h: History) -> None:
         h.tap["claims"].append([t + 0.01 * (i + 1), key, f"{holder}@{t:.3f}", "PUT", "stored"])
 
 
+def _gateway_answer(h: History) -> dict[str, Any]:
+    """A result the trainer got over HTTP from a ``rollfleet gateway`` (its key the gateways' client's)."""
+    found = [r for r in h.answers() if r.get("client") == "gateway" and r.get("spans") and r.get("token_ids")]
+    assert found, "the recorded run has no result answered through a gateway"
+    return found[0]
+
+
+def gateway_answer_one_version_off(h: History) -> None:
+    """A gateway's answer relabelled one version up (every span), its tokens as they were: only
+    recomputing them from the trainer's bytes at the labelled version can tell."""
+    r = _gateway_answer(h)
+    r["version_start"] += 1
+    r["version_end"] += 1
+    r["spans"] = [[[v + 1, a, b] for v, a, b in spans] for spans in r["spans"]]
+    h.flagged = r["job_id"]
+
+
+def second_answer_for_a_gateway_key(h: History) -> None:
+    """The re-ask at the end (a client with the gateways' id) returns another job's answer for a key
+    the trainer was answered through a gateway."""
+    r = _gateway_answer(h)
+    final = h.doc["finals"].get(r["key"])
+    assert final is not None and final.get("kind") == "result", "the gateway's key was not re-asked"
+    h.doc["finals"][r["key"]] = {**final, "job_id": "another-job", "tokens": "0" * 16}
+    h.flagged = "another-job"
+
+
 MUTATIONS: dict[str, tuple[Callable[[History], None], str]] = {
     "refuse-everything": (refuse_everything, "available"),
     "no-calls": (no_calls, "available"),
@@ -282,6 +312,8 @@ MUTATIONS: dict[str, tuple[Callable[[History], None], str]] = {
     "dead-fleet": (dead_fleet, "available"),
     "swapped-tokens": (swap_tokens, "served"),
     "claimed-by-two-processes": (claimed_by_two_processes, "twice"),
+    "gateway-answer-one-version-off": (gateway_answer_one_version_off, "served"),
+    "second-answer-for-a-gateway-key": (second_answer_for_a_gateway_key, "once"),
     "reversed-tokens": (partial(swap_tokens, reverse=True), "served"),
     "interrupted-though-a-frozen-holder-finished": (interrupted_though_a_frozen_holder_finished, "twice"),
     "interrupted-though-a-frozen-holder-finished (converted call)": (
@@ -305,6 +337,8 @@ def test_a_mutated_history_is_flagged(name: str, recorded: Path, tmp_path: Path)
     mutate(h)
     found = h.judge()
     assert expected in found, f"{name}: not flagged by {expected!r}; the oracle said {found}"
+    if h.flagged is not None:  # (the very answer it mutated, not another)
+        assert any(h.flagged in m for m in found[expected]), found[expected]
 
 
 @pytest.mark.timeout(240)
@@ -529,6 +563,7 @@ def _keyed_answer(h: History, kind: str) -> tuple[dict[str, Any], dict[str, Any]
             and keys.count(r["key"]) == 1
             and r["worker_id"] in echo
             and not r.get("forged_tokens")
+            and not r.get("client")  # (the trainer's own: a gateway's answer carries no finished_at)
         ):
             return calls[r["rid"]], r
     raise AssertionError(f"the recorded run has no {kind} answer made by a keyed echo worker")

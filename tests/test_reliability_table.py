@@ -7,7 +7,7 @@ import random
 import re
 from pathlib import Path
 
-from reliability.schedule import WEIGHTS, links, params_for, pauses, publishers, skews
+from reliability.schedule import WEIGHTS, gateways, links, params_for, pauses, publishers, skews
 
 ROOT = Path(__file__).resolve().parent.parent
 COLUMNS = {  # the table's legend: a column per family of events
@@ -21,6 +21,7 @@ COLUMNS = {  # the table's legend: a column per family of events
     "C": {"delete_consumer"},
     "T": {"trainer_kill", "second_client"},
     "R": {"forge", "snoop"},
+    "G": {"gateway_kill", "gateway_pause"},
 }
 
 
@@ -37,7 +38,7 @@ def test_every_invariant_has_a_row_and_every_event_a_column() -> None:
     header = next(line for line in table.splitlines() if line.startswith("| invariant"))
     assert [c.strip() for c in header.split("|")[3:-1]] == list(COLUMNS)
     streams = [e for seed in range(20) for e in pauses(seed, 300) + skews(seed, 300) + links(seed, 300)
-               + publishers(seed, 300)]  # fmt: skip
+               + publishers(seed, 300) + gateways(seed, 300)]  # fmt: skip
     drawn = set(WEIGHTS) | {e.kind for e in streams}
     covered = set().union(*COLUMNS.values())
     assert drawn <= covered, f"events with no column: {sorted(drawn - covered)}"
