@@ -211,6 +211,8 @@ class Adversary:
         self.admin = await RolloutClient.connect(
             m.url("trainer"), namespace=NAMESPACE, client_id="adversary", topology=self.topology, fail_fast=False
         )
+        for name in GATEWAYS:  # (once the namespace is declared: their start-ups overlap the rest of the setup)
+            m.start_gateway(name)
         self.publisher = PolicyPublisher(m.store, base, keyframe_every=6, keep_last=None)
         await self.publish("setup")
         tap_user = ("tap", m.passwords["tap"]) if cfg.auth else (None, None)
@@ -231,8 +233,6 @@ class Adversary:
             self.start_worker(wid, "echo")
         for wid in HF_POOL[: cfg.hf]:
             self.start_worker(wid, "hf")
-        for name in GATEWAYS:  # (started with the workers: their start-ups overlap)
-            m.start_gateway(name)
         want = cfg.workers + cfg.hf
         deadline = time.monotonic() + 90.0
         while time.monotonic() < deadline:
@@ -1160,8 +1160,7 @@ class Adversary:
             if r.get("ev") == "answer":
                 keys.setdefault(r.get("client") or TRAINER_ID, set()).add(r.get("idem_key") or r["key"])
         out: dict[str, dict[str, Any]] = {}
-        for client_id, its_keys in sorted(keys.items()):
-            await self._reask(client_id, its_keys, out)
+        await asyncio.gather(*(self._reask(client_id, its_keys, out) for client_id, its_keys in sorted(keys.items())))
         self.say("re-asked", keys=len(out))
         return out
 
