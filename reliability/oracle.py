@@ -423,8 +423,12 @@ class Oracle:
             ]
             if seen and c.stored is None:
                 d = seen[0]
+                # The call is due by its job's deadline, or by its own when it came after the job (a
+                # key asked again: the gateway's answer for the call, the job's long stored).
+                due = [getattr(d, "deadline", 0.0) or 0.0]
+                due += [float(a["t_sent"]) + float((c.req or {}).get("timeout") or 0.0) for a in c.attempts[:1]]
                 c.stored = {"ev": "stored", "rid": c.rid, "key": c.key, "job_id": d.job_id,
-                            "deadline": getattr(d, "deadline", 0.0) or None, "constraint": list(d.constraint or ()),
+                            "deadline": max(due) or None, "constraint": list(d.constraint or ()),
                             "fingerprint": d.fingerprint, "stream_seq": d.stream_seq, "t": d.submitted_at or d.t,
                             "from": "the wiretap"}  # fmt: skip
                 if not c.stored["constraint"]:

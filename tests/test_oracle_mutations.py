@@ -398,6 +398,7 @@ def _once_delivered(h: History, retry: str, convert: bool = False) -> tuple[dict
             and len(seen) == 1
             and seen[0]["worker"] == r["worker_id"]
             and seen[0].get("attempt") == 1
+            and not r.get("client")  # (the trainer's own key: these histories store under its client id)
         ):
             req["retry"] = seen[0]["retry"] = retry
             return submit, r
