@@ -105,6 +105,29 @@ class Timeline:
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
+class Freezes:
+    """SIGSTOP and SIGCONT that nest: two freezes of one process that overlap keep it frozen until
+    the last one ends (the union of their windows, as each records its own). Without this, the
+    first SIGCONT thawed it while the other's window still said frozen."""
+
+    def __init__(self) -> None:
+        self._depth: dict[int, int] = {}  # pid -> freezes in progress
+
+    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+        if not self._depth.get(proc.pid):
+            proc.send_signal(signal.SIGSTOP)
+        self._depth[proc.pid] = self._depth.get(proc.pid, 0) + 1
+
+    def cont(self, proc: subprocess.Popen[bytes]) -> None:
+        left = self._depth.get(proc.pid, 1) - 1
+        if left > 0:
+            self._depth[proc.pid] = left
+            return
+        self._depth.pop(proc.pid, None)
+        if proc.poll() is None:  # (killed or replaced meanwhile: nothing to thaw)
+            proc.send_signal(signal.SIGCONT)
+
+
 class Machine:
     def __init__(self, workdir: Path, *, namespace: str, seed: int, auth: bool, child_env: dict[str, str], cwd: Path):
         self.workdir = Path(workdir)
@@ -126,6 +149,7 @@ class Machine:
         self.links: dict[str, LinkProxy] = {}  # worker id -> the proxy it dials the broker through
         self.gateways: dict[str, GatewayProc] = {}  # gateway name -> its live (or last) process
         self.gateways_file = self.workdir / "gateways.json"  # where the trainer finds them (name -> address)
+        self.freezes = Freezes()
 
     # -- the broker ----------------------------------------------------------------------------
     def users(self) -> list[str]:
@@ -209,12 +233,11 @@ class Machine:
         """SIGSTOP the broker for ``seconds``, then SIGCONT (a frozen host, a long GC pause)."""
         assert self.broker is not None and self.broker.proc is not None
         proc, t0 = self.broker.proc, time.time()
-        proc.send_signal(signal.SIGSTOP)
+        self.freezes.stop(proc)
         try:
             await asyncio.sleep(seconds)
         finally:
-            if proc.poll() is None:  # (a broker restart meanwhile replaced it)
-                proc.send_signal(signal.SIGCONT)
+            self.freezes.cont(proc)  # (a broker restart meanwhile replaced it: nothing to thaw)
             self.timeline.broker_paused.append([t0, time.time()])
 
     # -- workers ---------------------------------------------------------------------------------
@@ -297,12 +320,11 @@ class Machine:
         if not wp.alive:
             return
         t0 = time.time()
-        wp.proc.send_signal(signal.SIGSTOP)
+        self.freezes.stop(wp.proc)
         try:
             await asyncio.sleep(seconds)
         finally:
-            if wp.alive:
-                wp.proc.send_signal(signal.SIGCONT)
+            self.freezes.cont(wp.proc)
             wp.stops.append([t0, time.time()])
 
     async def term_worker(self, wp: WorkerProc, timeout: float = 30.0) -> None:
@@ -406,12 +428,11 @@ class Machine:
         if not gp.alive:
             return
         t0 = time.time()
-        gp.proc.send_signal(signal.SIGSTOP)
+        self.freezes.stop(gp.proc)
         try:
             await asyncio.sleep(seconds)
         finally:
-            if gp.alive:
-                gp.proc.send_signal(signal.SIGCONT)
+            self.freezes.cont(gp.proc)
             gp.stops.append([t0, time.time()])
 
     def stop_gateways(self) -> None:
