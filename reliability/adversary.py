@@ -33,6 +33,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -507,52 +508,25 @@ class Adversary:
         if p["point"] not in faults.POINTS:
             self.say("publisher kill skipped", point=p["point"], reason="no such fault point in this code")
             return False
-        tl = self.machine.timeline
-        async with self.publish_lock:
-            self.publisher_fault = True
-            try:
-                if not await self.store_quiet():
-                    self.say("publisher kill skipped", reason="a version is hidden or corrupt")
-                    return False
-                v = self.next_version()
-                if v == 0:
-                    return False
-                name = f"killed-v{v}-{len(tl.publishers)}"
-                before = await self.policy_facts(v)
-                t0 = time.time()
-                proc = await self.publisher_proc(name, v, armed=f"kill:{p['point']}")
-                self.say("publisher armed", version=v, point=p["point"], publisher=name, pid=proc.pid)
-                code = await self.wait_proc(proc)
-                t1 = time.time()
-                after = await self.policy_facts(v)
-                tl.publishers.append(
-                    {
-                        "kind": "kill",
-                        "version": v,
-                        "point": p["point"],
-                        "publisher": name,
-                        "pid": proc.pid,
-                        "code": code,
-                        "t_start": t0,
-                        "t_end": t1,
-                        "latest_before": before.get("latest"),
-                        "latest_after": after.get("latest"),
-                        "entry_publisher": after.get("entry_publisher"),
-                        "error": after.get("error") or before.get("error"),
-                    }
-                )
-                if after.get("latest") == v:
-                    self.rogue_latest(v)
-                self.say(
-                    "publisher killed" if code == -signal.SIGKILL else "publisher not killed",
-                    version=v,
-                    point=p["point"],
-                    code=code,
-                    latest=after.get("latest"),
-                    entry=after.get("entry_publisher"),
-                )
-            finally:
-                self.publisher_fault = False
+        async with self.publisher_event("publisher kill") as v:
+            if v is None:
+                return False
+            name = f"killed-v{v}-{len(self.machine.timeline.publishers)}"
+            before, t0 = await self.policy_facts(v), time.time()
+            proc = await self.publisher_proc(name, v, armed=f"kill:{p['point']}")
+            self.say("publisher armed", version=v, point=p["point"], publisher=name, pid=proc.pid)
+            code = await self.wait_proc(proc)
+            after = await self.record_publishers(
+                "kill", v, before, t0, point=p["point"], publisher=name, pid=proc.pid, code=code
+            )
+            self.say(
+                "publisher killed" if code == -signal.SIGKILL else "publisher not killed",
+                version=v,
+                point=p["point"],
+                code=code,
+                latest=after.get("latest"),
+                entry=after.get("entry_publisher"),
+            )
         await asyncio.sleep(p["then_after"])
         await self.publish("after a killed publisher")
         return code == -signal.SIGKILL
@@ -564,72 +538,86 @@ class Adversary:
         the winner's directory, rebuilds its state from it) builds on those bytes. (No publish of
         its own follows: two versions at once would move every replica's window of ``min``
         subjects on faster than the schedule's publishes do.)"""
-        tl = self.machine.timeline
+        async with self.publisher_event("publisher race") as v:
+            if v is None:
+                return False
+            contenders = {"trainer": f"race-v{v}-trainer", "perturbed": f"race-v{v}-perturbed-{p['salt']}"}
+            before = await self.policy_facts(v)
+            order = list(contenders)
+            self.rng.shuffle(order)
+            t0 = time.time()
+            procs = {}
+            go = self.workdir / f"race-v{v}.go"
+            for who in order:
+                procs[who] = await self.publisher_proc(
+                    contenders[who],
+                    v,
+                    perturb=p["salt"] if who == "perturbed" else None,
+                    go=go,
+                    go_delay=float(p.get("late_s", 0.0)) if who == p.get("late") else 0.0,
+                )
+            # Both have read the store (and computed their tensors) before either writes: they
+            # race through the writer's rename and the KV's create of v.<N>.
+            ready = await self.publishers_ready([contenders[who] for who in order], list(procs.values()))
+            go.touch()
+            self.say(
+                "publishers racing",
+                version=v,
+                contenders=contenders,
+                pids={k: pr.pid for k, pr in procs.items()},
+                ready=ready,
+            )
+            codes = {who: await self.wait_proc(pr, 60.0) for who, pr in procs.items()}
+            pids = {k: pr.pid for k, pr in procs.items()}
+            after = await self.record_publishers(
+                "race", v, before, t0, salt=p["salt"], contenders=contenders, pids=pids, codes=codes
+            )
+            won = next((who for who, name in contenders.items() if name == after.get("entry_publisher")), None)
+            if won == "perturbed":
+                # The trainer goes on from what was committed (as a trainer that lost a race
+                # would reload the winner's weights).
+                self.weights = self.weights.adopting({**self.weights.adopted, v: int(p["salt"])})
+            self.say("publisher race over", version=v, won=won, codes=codes, latest=after.get("latest"))
+        return won is not None
+
+    @contextlib.asynccontextmanager
+    async def publisher_event(self, what: str) -> AsyncIterator[int | None]:
+        """A publisher event's hold on publishing: the next version to publish, or None when the
+        event is skipped (a version hidden or corrupt, or nothing committed yet)."""
         async with self.publish_lock:
             self.publisher_fault = True
             try:
                 if not await self.store_quiet():
-                    self.say("publisher race skipped", reason="a version is hidden or corrupt")
-                    return False
+                    self.say(f"{what} skipped", reason="a version is hidden or corrupt")
+                    yield None
+                    return
                 v = self.next_version()
-                if v == 0:
-                    return False
-                contenders = {"trainer": f"race-v{v}-trainer", "perturbed": f"race-v{v}-perturbed-{p['salt']}"}
-                before = await self.policy_facts(v)
-                order = list(contenders)
-                self.rng.shuffle(order)
-                t0 = time.time()
-                procs = {}
-                go = self.workdir / f"race-v{v}.go"
-                for who in order:
-                    procs[who] = await self.publisher_proc(
-                        contenders[who],
-                        v,
-                        perturb=p["salt"] if who == "perturbed" else None,
-                        go=go,
-                        go_delay=float(p.get("late_s", 0.0)) if who == p.get("late") else 0.0,
-                    )
-                # Both have read the store (and computed their tensors) before either writes: they
-                # race through the writer's rename and the KV's create of v.<N>.
-                ready = await self.publishers_ready([contenders[who] for who in order], list(procs.values()))
-                go.touch()
-                self.say(
-                    "publishers racing",
-                    version=v,
-                    contenders=contenders,
-                    pids={k: pr.pid for k, pr in procs.items()},
-                    ready=ready,
-                )
-                codes = {who: await self.wait_proc(pr, 60.0) for who, pr in procs.items()}
-                t1 = time.time()
-                after = await self.policy_facts(v)
-                won = next((who for who, name in contenders.items() if name == after.get("entry_publisher")), None)
-                tl.publishers.append(
-                    {
-                        "kind": "race",
-                        "version": v,
-                        "salt": p["salt"],
-                        "contenders": contenders,
-                        "pids": {k: pr.pid for k, pr in procs.items()},
-                        "codes": codes,
-                        "t_start": t0,
-                        "t_end": t1,
-                        "latest_before": before.get("latest"),
-                        "latest_after": after.get("latest"),
-                        "entry_publisher": after.get("entry_publisher"),
-                        "error": after.get("error") or before.get("error"),
-                    }
-                )
-                if won == "perturbed":
-                    # The trainer goes on from what was committed (as a trainer that lost a race
-                    # would reload the winner's weights).
-                    self.weights = self.weights.adopting({**self.weights.adopted, v: int(p["salt"])})
-                if after.get("latest") == v:
-                    self.rogue_latest(v)
-                self.say("publisher race over", version=v, won=won, codes=codes, latest=after.get("latest"))
+                yield v if v != 0 else None
             finally:
                 self.publisher_fault = False
-        return won is not None
+
+    async def record_publishers(
+        self, kind: str, v: int, before: dict[str, Any], t0: float, **fields: Any
+    ) -> dict[str, Any]:
+        """The policy KV's facts after a publisher event, in the timeline the oracle reads."""
+        t1 = time.time()
+        after = await self.policy_facts(v)
+        self.machine.timeline.publishers.append(
+            {
+                "kind": kind,
+                "version": v,
+                **fields,
+                "t_start": t0,
+                "t_end": t1,
+                "latest_before": before.get("latest"),
+                "latest_after": after.get("latest"),
+                "entry_publisher": after.get("entry_publisher"),
+                "error": after.get("error") or before.get("error"),
+            }
+        )
+        if after.get("latest") == v:
+            self.rogue_latest(v)
+        return after
 
     # -- choosing victims ------------------------------------------------------------------------
     def holders(self, mode: str) -> list[str]:
