@@ -62,8 +62,13 @@ def test_a_worker_still_connecting_stops_on_sigterm(tmp_path: Path) -> None:
     dead_port = free_port()  # nothing listens there: the worker keeps trying to connect
     worker = start_worker_process(f"nats://127.0.0.1:{dead_port}", "ns", "w", log_path=tmp_path / "w.log")
     try:
-        time.sleep(1.5)
-        assert worker.poll() is None  # still trying
+        # Trying to connect (it says so once a dial failed): its signal handlers are in place by
+        # then. (A fixed sleep was not enough on a loaded host: the SIGTERM came during imports.)
+        log = tmp_path / "w.log"
+        deadline = time.monotonic() + 60
+        while "nats error" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.poll() is None, log.read_text()[-2000:]  # still trying
         worker.send_signal(signal.SIGTERM)
         stops_within(worker, 10)  # (it would keep trying to connect for good)
         assert worker.returncode == 0, (tmp_path / "w.log").read_text()[-2000:]
