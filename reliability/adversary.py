@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reliability.engines import ENGINE_KINDS, SGLANG_POOL, engine_event
 from reliability.journal import Journal, describe_error, describe_result
 from reliability.machine import ECHO_POOL, GATEWAY_CLIENT, GATEWAYS, HF_POOL, ROGUE, Machine, WorkerProc
 from reliability.oracle import AVAILABLE_S
@@ -58,6 +59,8 @@ class Config:
     duration: float = 60.0
     workers: int = 3
     hf: int = 0
+    sglang: int = 0  # sglang workers, each attached to a keyed engine server of its own (engine events)
+    store: str = "dir"  # "s3": the policy store in a bucket (moto), each worker reading it through a fault proxy
     auth: bool = True
     code: str | None = None  # another checkout's rollfleet (e.g. the code before a fix)
     schedule: str | None = None  # a named schedule instead of the seed's random one
@@ -74,6 +77,10 @@ class Config:
         parts = [f"python -m reliability.adversary --seed {self.seed} --duration {self.duration:g}"]
         if self.hf:
             parts.append(f"--hf {self.hf}")
+        if self.sglang:
+            parts.append(f"--sglang {self.sglang}")
+        if self.store != "dir":
+            parts.append(f"--store {self.store}")
         if self.workers != 3:
             parts.append(f"--workers {self.workers}")
         if not self.auth:
@@ -205,6 +212,10 @@ class Adversary:
         self.weights = TrainerWeights(base, cfg.seed)
         m.start_broker()
         await m.start_links([*ECHO_POOL, *HF_POOL])  # each worker dials the broker through its own link
+        if cfg.store == "s3":  # (moto, and each worker reading the bucket through a fault proxy of its own)
+            from reliability.objstore import start_object_store
+
+            await start_object_store(self, [u for u in m.users() if u not in ("trainer", "gateway", ROGUE)])
         self.say("broker", url=m.broker.url if m.broker else "", auth=cfg.auth, monitor=m.monitor_port)
         self.topology = TopologyConfig(
             ack_wait_s=cfg.ack_wait, duplicate_window_s=cfg.duplicate_window, max_deliver=cfg.max_deliver
@@ -214,7 +225,7 @@ class Adversary:
         )
         for name in GATEWAYS:  # (once the namespace is declared: their start-ups overlap the rest of the setup)
             m.start_gateway(name)
-        self.publisher = PolicyPublisher(m.store, base, keyframe_every=6, keep_last=None)
+        self.publisher = PolicyPublisher(m.store_arg(), base, keyframe_every=6, keep_last=None)
         await self.publish("setup")
         tap_user = ("tap", m.passwords["tap"]) if cfg.auth else (None, None)
         self.tap = await Tap(m.url(), self.names, m.monitor_port, user=tap_user[0], password=tap_user[1]).start()
@@ -223,7 +234,7 @@ class Adversary:
             m.url(),
             self.names,
             worker_id=ROGUE,
-            victims=[*ECHO_POOL[: cfg.workers], *HF_POOL[: cfg.hf]],
+            victims=[*ECHO_POOL[: cfg.workers], *HF_POOL[: cfg.hf], *SGLANG_POOL[: cfg.sglang]],
             client_id=TRAINER_ID,
             journal=Journal(self.workdir / "rogue.jsonl"),
             seed=cfg.seed,
@@ -234,7 +245,9 @@ class Adversary:
             self.start_worker(wid, "echo")
         for wid in HF_POOL[: cfg.hf]:
             self.start_worker(wid, "hf")
-        want = cfg.workers + cfg.hf
+        for wid in SGLANG_POOL[: cfg.sglang]:
+            self.start_worker(wid, "sglang")
+        want = cfg.workers + cfg.hf + cfg.sglang
         deadline = time.monotonic() + 90.0
         while time.monotonic() < deadline:
             ready = [r for r in self.admin.fleet.replicas() if r.state == "ready"]
@@ -265,6 +278,12 @@ class Adversary:
         await self.rogue.snoop(1.5)  # every run's rogue tries to read the others' deliveries once
 
     def start_worker(self, wid: str, engine: str, armed: str | None = None, skew_s: float = 0.0) -> WorkerProc:
+        if engine == "sglang" and f"engine:{wid}" not in self.busy:
+            # Its own server, on the trainer's base (version 0's bytes): started unless running (an
+            # engine event that has it down restarts it itself; the worker waits for it).
+            es = self.machine.engines.ensure(wid, self.workdir / "base")
+            if es.start >= time.time() - 1.0:
+                self.say("engine server start", worker=wid, pid=es.proc.pid, port=es.port)
         drain = self.rng.choice(EXACT_DRAINS)
         extra = [
             "--exact-drain",
@@ -433,6 +452,9 @@ class Adversary:
         """The version a fresh publisher writes next: after the store's newest complete one."""
         from rollfleet.policy_store import list_versions
 
+        if self.machine.objstore is not None:
+            listed = self.machine.objstore.versions()
+            return listed[-1] + 1 if listed else 0
         listed = list_versions(self.machine.store)
         return listed[-1] + 1 if listed else 0
 
@@ -679,7 +701,11 @@ class Adversary:
         while True:
             await asyncio.sleep(0.5)
             m.reap()
-            for engine, size, pool in (("echo", self.cfg.workers, ECHO_POOL), ("hf", self.cfg.hf, HF_POOL)):
+            for engine, size, pool in (
+                ("echo", self.cfg.workers, ECHO_POOL),
+                ("hf", self.cfg.hf, HF_POOL),
+                ("sglang", self.cfg.sglang, SGLANG_POOL),
+            ):
                 present = {w.worker_id for w in m.current.values() if w.engine == engine and w.alive}
                 present |= {b for b in self.busy if b in pool}
                 if len(present) >= size:
@@ -751,6 +777,9 @@ class Adversary:
             m.timeline.hidden.append((v, t, time.time()))
             self.say("store dir back", version=v)
         elif ev.kind == "slow_reads":
+            if m.objstore is not None:  # (the pre-read hook reads files; a bucket's slow reads are store_lag)
+                self.say("slow reads skipped", reason="--store s3: the hook is never called for a bucket")
+                return False
             t = time.time()
             m.set_slow(p["seconds"])
             self.say("slow reads", seconds=p["seconds"], for_s=p["for_s"])
@@ -841,6 +870,10 @@ class Adversary:
             self.say("broker back")
         elif ev.kind == "delete_consumer":
             return await self.delete_consumer(p["which"])
+        elif ev.kind in ("broker_rollback", "broker_wipe", "delete_stream"):
+            from reliability import broker_store
+
+            return bool(await getattr(broker_store, ev.kind)(self, p))
         elif ev.kind == "trainer_kill":
             if self._trainer_lock.locked():  # (one trainer kill and restart at a time: never two trainers)
                 self.say("trainer kill skipped", why="another one under way")
@@ -868,6 +901,16 @@ class Adversary:
             return await self.second_client()
         elif ev.kind in ("gateway_kill", "gateway_pause"):
             return await self.gateway_fault(ev.kind, p)
+        elif ev.kind in ENGINE_KINDS:
+            return await engine_event(self, ev.kind, p)
+        elif ev.kind in ("store_truncate", "store_drop", "store_lag"):
+            from reliability.objstore import store_event
+
+            return await store_event(self, ev.kind, p)
+        elif ev.kind in ("disk_full", "disk_readonly"):
+            from reliability.disks import disk_event
+
+            return await disk_event(self, ev.kind, p)
         elif ev.kind == "publisher_kill":
             return await self.publisher_kill(p)
         elif ev.kind == "publisher_race":
@@ -1031,7 +1074,9 @@ class Adversary:
         import rollfleet
 
         report.notes["rollfleet"] = os.path.realpath(os.path.dirname(rollfleet.__file__))
-        schedule = make_schedule(cfg.seed, cfg.duration, hf=bool(cfg.hf), name=cfg.schedule)
+        schedule = make_schedule(
+            cfg.seed, cfg.duration, hf=bool(cfg.hf), name=cfg.schedule, sglang=bool(cfg.sglang), store=cfg.store
+        )
         t_start = time.monotonic()
         self.t0 = time.time()
         self.say(
@@ -1137,6 +1182,12 @@ class Adversary:
             self.say("trainer did not finish; killed")
         m.note_trainer_exit()
         self.say("trainer finished", code=m.trainer.returncode if m.trainer else None)
+        from reliability.objstore import watch_after_heal
+
+        await watch_after_heal(self)  # (--store s3: the last heal's bound watched to its end)
+        from reliability.disks import watch_after_disks
+
+        await watch_after_disks(self)  # (replicas whose disk came back, until they caught up)
 
     async def reask_all(self) -> dict[str, dict[str, Any]]:
         """A fresh client with the trainer's client_id asks ``result(key)`` for every key that was
@@ -1220,6 +1271,9 @@ class Adversary:
                     await asyncio.wait_for(part.close(), 10.0)
         await asyncio.to_thread(self.machine.close)
         await self.machine.close_links()
+        from reliability.objstore import close_object_store
+
+        await close_object_store(self)
         self.events_journal.close()
 
 
@@ -1280,9 +1334,11 @@ async def campaign(
     duration: float,
     hf_seeds: int = 0,
     named: list[tuple[str, int, float, int, int]] | None = None,
+    more: list[dict[str, Any]] | None = None,
 ) -> Any:
     """Many seeds (the last ``hf_seeds`` with an hf replica too) and the ``named`` schedules, as
-    one reliability scenario's figures (``python -m reliability``, scenario 12)."""
+    one reliability scenario's figures (``python -m reliability``, scenario 12). ``more``: further
+    runs, each a ``Config``'s fields (a bucket store, sglang engine servers, a named schedule)."""
     from reliability.common import Figures
 
     named = named or []
@@ -1303,22 +1359,19 @@ async def campaign(
     runs = []
     plan = [(None, seed, duration, 1 if i >= len(seeds) - hf_seeds else 0, 3) for i, seed in enumerate(seeds)]
     plan += [(None, seed, duration, 0, 3) for seed in fresh]
-    for schedule, seed, dur, hf, workers in [*plan, *named]:
-        cfg = Config(
-            seed=seed,
-            duration=dur,
-            hf=hf,
-            workers=workers,
-            schedule=schedule,
-            workdir=workdir / f"{schedule or 'seed'}-{seed}",
-            quiet=True,
-        )
+    runs_planned = [dict(schedule=sc, seed=se, duration=du, hf=hf, workers=w) for sc, se, du, hf, w in [*plan, *named]]
+    for fields in [*runs_planned, *(more or [])]:
+        schedule, seed = fields.get("schedule"), fields["seed"]
+        tag = "-".join(f"{k}{fields[k]}" for k in ("store", "sglang", "hf") if fields.get(k) not in (None, 0, "dir"))
+        cfg = Config(**{"workdir": workdir / f"{schedule or 'seed'}-{seed}{'-' + tag if tag else ''}", "quiet": True,
+                        **fields})  # fmt: skip
+        hf = cfg.hf
         report = await run_one(cfg)
         print_report(report)
         s = report.summary()
         runs.append(
             {
-                "seed": seed if schedule is None else f"{schedule} {seed}",
+                "seed": f"{schedule + ' ' if schedule else ''}{seed}{f' ({tag})' if tag else ''}",
                 "hf": hf,
                 "seconds": report.seconds,
                 "events": report.events,
@@ -1383,6 +1436,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load and events")
     p.add_argument("--workers", type=int, default=3, help="echo workers at the start")
     p.add_argument("--hf", type=int, default=0, help="hf workers (tiny model) besides the echo ones")
+    p.add_argument(
+        "--sglang",
+        type=int,
+        default=0,
+        help="sglang workers (at most 2), each attached to a keyed SGLang stand-in of its own; adds engine events",
+    )
+    p.add_argument(
+        "--store",
+        choices=("dir", "s3"),
+        default="dir",
+        help="the policy store: a directory, or a bucket on a local S3 API (moto) that each worker reads "
+        "through a fault proxy of its own; adds object-store events",
+    )
     p.add_argument("--no-auth", action="store_true", help="no auth config (and no rogue user)")
     p.add_argument("--schedule", default=None, help="a named schedule instead of the seed's random one")
     p.add_argument("--code", default=None, help="run this checkout's rollfleet (e.g. the code before a fix)")
@@ -1408,6 +1474,8 @@ def main(argv: list[str] | None = None) -> int:
             duration=args.duration,
             workers=args.workers,
             hf=args.hf,
+            sglang=args.sglang,
+            store=args.store,
             auth=not args.no_auth and args.schedule != "no-auth",
             code=args.code,
             schedule=args.schedule,

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reliability.engines import SGLANG_POOL, EngineServers
 from rollfleet.broker import EmbeddedBroker, free_port
 from rollfleet.runtime.processes import terminate
 from rollfleet.testing.clocks import faketime_library
@@ -102,6 +103,15 @@ class Timeline:
     # broker before and after (``latest``, the ``v.<N>`` entry's publisher).
     publishers: list[dict[str, Any]] = field(default_factory=list)
     gateways: list[GatewayProc] = field(default_factory=list)
+    engines: list[Any] = field(default_factory=list)  # engine server lives (``reliability.engines``)
+    # The broker's store lost or rolled back, or a stream or bucket deleted (``broker_store``):
+    # kind, lost_from (writes stored from then on are gone), at, back, target.
+    stores_lost: list[dict[str, Any]] = field(default_factory=list)
+    # Object-store faults (``--store s3``): kind, the worker ids whose proxy it hit, from, to, params.
+    store_faults: list[dict[str, Any]] = field(default_factory=list)
+    # A worker's own disk full or read-only (``reliability.disks``): kind, worker, its process's
+    # start, victim, from, to.
+    disk_faults: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -150,10 +160,16 @@ class Machine:
         self.gateways: dict[str, GatewayProc] = {}  # gateway name -> its live (or last) process
         self.gateways_file = self.workdir / "gateways.json"  # where the trainer finds them (name -> address)
         self.freezes = Freezes()
+        self.objstore: Any = None  # reliability.objstore.ObjectStore with ``--store s3`` (else the directory)
+        self.engines = EngineServers(self.workdir, child_env, cwd, self.timeline.engines)  # (sglang workers')
+
+    def store_arg(self) -> str:
+        """The policy store as processes are told it: the bucket's URL, or the directory."""
+        return self.objstore.url if self.objstore is not None else str(self.store)
 
     # -- the broker ----------------------------------------------------------------------------
     def users(self) -> list[str]:
-        return ["trainer", "gateway", *ECHO_POOL, *HF_POOL, ROGUE]
+        return ["trainer", "gateway", *ECHO_POOL, *HF_POOL, *SGLANG_POOL, ROGUE]
 
     def url(self, user: str | None = None) -> str:
         assert self.broker is not None
@@ -187,7 +203,7 @@ class Machine:
             return path
         from rollfleet.broker.permissions import render_config
 
-        text = render_config({self.namespace: [*ECHO_POOL, *HF_POOL, ROGUE]})
+        text = render_config({self.namespace: [*ECHO_POOL, *HF_POOL, *SGLANG_POOL, ROGUE]})
         text = text.replace("max_payload: 8MB", f"max_payload: {MAX_PAYLOAD}")
         text = text.replace("max_file_store: 100GB", "max_file_store: 4GB")
         marker = "    users: [\n"
@@ -257,7 +273,7 @@ class Machine:
             "--heartbeat",
             "0.5",
             "--store",
-            str(self.store),
+            self.store_arg(),
             "--local-dir",
             str(local),
             "--verify-live",
@@ -270,6 +286,8 @@ class Machine:
         ]
         if engine == "hf":
             common += ["--engine", "hf", "--device", "cpu", "--max-batch", "8"]
+        elif engine == "sglang":  # attached to its own keyed server (``reliability.engines``)
+            common += ["--engine", "sglang", "--sglang-url", self.engines.url(worker_id)]
         else:
             common += ["--engine", "echo", "--echo-token-latency", "0.003"]
             if keyed_echo():  # its tokens prove which weights served them (the oracle's ``served``)
@@ -285,6 +303,8 @@ class Machine:
         log = self.workdir / "logs" / f"{worker_id}.{len(self.timeline.workers)}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         env = {**CHILD_LOG_ENV, **self.child_env, "RF_ADV_SLOW_READ": str(self.slow_file)}
+        if self.objstore is not None:  # (the bucket's credentials; its own fault proxy as the endpoint)
+            env.update(self.objstore.worker_env(worker_id))
         if armed:
             env["ROLLFLEET_FAULT"] = armed
         if skew_s:
@@ -306,7 +326,7 @@ class Machine:
         ]
 
     def free_id(self, engine: str, rng: Any) -> str | None:
-        pool = HF_POOL if engine == "hf" else ECHO_POOL
+        pool = HF_POOL if engine == "hf" else SGLANG_POOL if engine == "sglang" else ECHO_POOL
         free = [w for w in pool if w not in self.current or not self.current[w].alive]
         return rng.choice(free) if free else None
 
@@ -480,6 +500,8 @@ class Machine:
         log = self.workdir / "logs" / f"publisher.{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         env = {**CHILD_LOG_ENV, **self.child_env, "ROLLFLEET_LOG_LEVEL": "warning"}
+        if self.objstore is not None:  # (publishers write to the bucket directly, as the trainer does)
+            env.update(self.objstore.env())
         if armed:
             env["ROLLFLEET_FAULT"] = armed
         cmd = [
@@ -492,7 +514,7 @@ class Machine:
             "--namespace",
             self.namespace,
             "--store",
-            str(self.store),
+            self.store_arg(),
             *args,
         ]
         return spawn(cmd, log, env=env, cwd=self.cwd)
@@ -502,6 +524,8 @@ class Machine:
         return self.store / f"weight_v{version:06d}"
 
     def hide(self, version: int) -> Path | None:
+        if self.objstore is not None:  # (a bucket's version: its index object deleted for a while)
+            return self.version_dir(version) if self.objstore.hide(version) else None
         src = self.version_dir(version)
         if not src.is_dir():
             return None
@@ -511,6 +535,9 @@ class Machine:
         return dst
 
     def unhide(self, version: int) -> None:
+        if self.objstore is not None:
+            self.objstore.unhide(version)
+            return
         src = self.hidden_dir / self.version_dir(version).name
         if src.is_dir():
             os.rename(src, self.version_dir(version))
@@ -518,6 +545,8 @@ class Machine:
     def corrupt(self, version: int, rng: Any) -> tuple[Path, bytes] | None:
         """Flip bytes in the middle of one shard of ``version`` (written as a new file, so a
         hard-linked base is never touched); returns what to restore."""
+        if self.objstore is not None:  # (a bucket's: one pinned shard object overwritten)
+            return self.objstore.corrupt(version, rng)  # type: ignore[no-any-return]
         d = self.version_dir(version)
         shards = sorted(p for p in d.glob("*.safetensors") if p.stat().st_size > 64) if d.is_dir() else []
         if not shards:
@@ -533,8 +562,10 @@ class Machine:
         os.replace(tmp, shard)
         return shard, original
 
-    @staticmethod
-    def restore(shard: Path, original: bytes) -> None:
+    def restore(self, shard: Any, original: bytes) -> None:
+        if self.objstore is not None:
+            self.objstore.restore(shard, original)
+            return
         tmp = shard.with_name(shard.name + ".adv-tmp")
         tmp.write_bytes(original)
         os.replace(tmp, shard)
@@ -546,6 +577,8 @@ class Machine:
             self.slow_file.unlink(missing_ok=True)
 
     def heal_store(self) -> None:
+        if self.objstore is not None:
+            self.objstore.heal()
         if self.hidden_dir.is_dir():
             for d in self.hidden_dir.iterdir():
                 if not (self.store / d.name).exists():
@@ -554,6 +587,7 @@ class Machine:
 
     def close(self) -> None:
         self.stop_workers()
+        self.engines.close()
         self.stop_gateways()
         if self.trainer is not None and self.trainer.poll() is None:
             terminate(self.trainer, 10.0)

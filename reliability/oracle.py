@@ -23,7 +23,8 @@ The invariants (``Oracle.checks`` counts each evaluation; each violation is one 
 - ``digest``: for every accepted result, the replica's last activation of that version before
   the result announced the digest of the trainer's weights at that version (``--verify-live``);
   a missing digest is a violation only for engines that provide one.
-- ``served``: every token of every accepted result that a keyed echo engine made (``--echo-keyed``)
+- ``served``: every token of every accepted result that a keyed echo engine made (``--echo-keyed``),
+  or an sglang worker's keyed SGLang stand-in (``--sglang N``, ``reliability.engines``),
   is the token the trainer's own weights at its span's labelled version make, recomputed from
   the prompt, the tokens before it and the seed (``reliability.truth``): a label that does not
   name the weights that really served is caught by what was served, not by what was announced.
@@ -66,7 +67,9 @@ The invariants (``Oracle.checks`` counts each evaluation; each violation is one 
   no longer than ``AVAILABLE_S`` while the trainer was asking (a call waiting, or refused), and
   no live process served for no longer than that while the run went on (broker outages, and
   ``BROKER_GRACE_S`` after each, excepted). The harness keeps the fleet at its size, so a stop
-  longer than the bound is the product's doing.
+  longer than the bound is the product's doing. A replica whose engine server is dead or frozen
+  (``--sglang``) cannot serve, whatever its registry says; once its server is back (restarted,
+  thawed, taking pauses again) it serves again within the bound (``_check_engines_back``).
 - ``cancelled``: about one new call in twelve is cancelled while queued or running; what
   ``cancel()`` says it did ("withdrawn", "stopped", "answered") is what the answers show.
 - ``answered``: an error only a worker makes (``EngineFailure``, ``Interrupted``, ...) reached the
@@ -95,6 +98,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from reliability.engines import engine_out
+
 RESOLVE_SLACK_S = 5.0  # the client's deadline grace (2 s) and its sweep, with room to spare
 STARVE_S = 10.0
 ORPHAN_S = 8.0  # the client's orphan grace (2 s), a dead replica's staleness (1.5 s), an ack-wait
@@ -108,6 +113,10 @@ RESTORED = "delivery of a re"  # (the unverified reasons of a job stored again o
 AVAILABLE_S = 15.0  # the longest stop of service a run may have (a dead fleet's 48 s of 60 fails)
 BROKER_GRACE_S = 5.0  # after a broker outage: clients and workers reconnect, workers register again
 COMMIT_SLACK_S = 0.5  # a result finished this long before its version's commit began is flagged
+# A fact the wiretap saw this long before a store loss's lost_from may still have been stored
+# after it (the tap hears a message as the broker stores it, give or take the copy's freeze).
+LOSS_MARGIN_S = 0.2
+LOST_WITH_STORE = "lost with the broker's store"  # (the unverified reasons of facts a store loss took)
 
 
 @dataclass
@@ -251,6 +260,26 @@ class Oracle:
         }
         if hasattr(weights, "adopting"):
             self.weights = weights.adopting(adopted)
+
+    def lost_with_store(self, t: float, what: str, after: float | None = None) -> dict[str, Any] | None:
+        """The store loss (``Timeline.stores_lost``) that took a fact of kind ``what`` (``results``,
+        ``claims``, ``jobs``) the wiretap saw stored at ``t``, if one did: the broker restarted on a
+        copy of its store older than ``t`` (a rollback) or on an empty one (a wipe), or that fact's
+        stream deleted, after ``t``; with ``after``, only if the fact was looked for (asked again,
+        run again) after the loss. Promises that rest on such a fact end there, and only there."""
+        for loss in getattr(self.tl, "stores_lost", None) or []:
+            if loss.get("kind") == "delete_stream" and loss.get("target") != what:
+                continue
+            if float(loss["lost_from"]) - LOSS_MARGIN_S <= t <= float(loss["at"]) and (
+                after is None or after >= float(loss["at"])
+            ):
+                return loss
+        return None
+
+    def _answer_seen_at(self, key: str, job_id: Any, fallback: float) -> float:
+        """When the wiretap first saw ``job_id``'s answer for ``key`` published (else ``fallback``)."""
+        seen = [p.t for p in self.published_by_key.get(key, []) if p.job_id == job_id]
+        return min(seen) if seen else fallback
 
     @staticmethod
     def _race_winner(f: dict[str, Any]) -> str | None:
@@ -464,11 +493,17 @@ class Oracle:
 
     def by_own_clock(self, worker: str, t: float) -> float:
         """A time a worker wrote (``finished_at``, ``activated_at``) on the harness's clock: less
-        the skew of the process of that worker whose life it falls in (``skew``)."""
-        for w in self.tl.workers:
-            skew = float(getattr(w, "skew_s", 0.0) or 0.0)
-            if skew and w.worker_id == worker and w.start <= t - skew and (w.end is None or t - skew <= w.end + 2.0):
-                return t - skew
+        the skew of the process of that worker whose life it falls in (``skew``). A life that
+        contains it exactly wins over one that ended up to 2 s before (an end noted late): else a
+        skewed process SIGKILLed and replaced at once by an unskewed one of the same id had the
+        new one's times shifted by its skew (seed 3, 30 s: results flagged as finished before
+        their version's commit)."""
+        lives = [w for w in self.tl.workers if w.worker_id == worker]
+        for grace in (0.0, 2.0):
+            for w in lives:
+                skew = float(getattr(w, "skew_s", 0.0) or 0.0)
+                if w.start <= t - skew and (w.end is None or t - skew <= w.end + grace):
+                    return t - skew
         return t
 
     def broker_down(self, t: float) -> bool:
@@ -482,6 +517,9 @@ class Oracle:
             entries[worker].append((t, status))
         starts = [w.start for w in self.tl.workers] or [0.0]
         t0 = min(starts)
+        self.engine_lives: dict[str, list[Any]] = defaultdict(list)  # worker id -> its engine server's lives
+        for es in getattr(self.tl, "engines", []) or []:
+            self.engine_lives[es.worker_id].append(es)
         t1 = max(
             [t0 + 1.0]
             + [w.end for w in self.tl.workers if w.end is not None]
@@ -506,6 +544,8 @@ class Oracle:
                     proc = self.proc_at(worker, t)
                     if proc is None or et < proc.start:
                         continue
+                    if proc.engine == "sglang" and engine_out(self.engine_lives.get(worker, []), t):
+                        continue  # (its engine server dead or frozen: it cannot serve, whatever it says)
                     free = int(status.in_flight) < int(status.capacity)
                     snap.append((worker, status.state, int(status.active_version), status.preparing_version, free))
             self.samples.append(snap)
@@ -578,6 +618,9 @@ class Oracle:
         self._check_permissions()
         self._check_answered()
         self._check_available()
+        self._check_engines_back()
+        self._check_converged()
+        self._check_disks()
         self._check_cancelled()
         self.notes.update(
             activations=len(self.activations),
@@ -832,6 +875,10 @@ class Oracle:
             unseen = self._unseen_delivery(str(job_id), min((d.t for d in seen), default=t_run), t_run)
             if worker in to:
                 self.checks["delivered"] += 1
+            elif any(self.lost_with_store(d.t, "jobs", after=t_run) for d in ran_on):
+                # That delivery's record (its count) was lost with the store: the broker counts
+                # deliveries of the job again from where its copy left them.
+                self.unverified[f"delivered: the delivery's count {LOST_WITH_STORE}"] += 1
             elif ran_on and all(d.worker is not None for d in ran_on) and not (unseen or "").startswith(RESTORED):
                 # The wiretap saw the very delivery the result ran on go to another worker (and
                 # that job was stored once, its consumer never re-declared).
@@ -922,7 +969,7 @@ class Oracle:
                 payload["prompt"],
                 seed=payload.get("seed"),
                 versions=versions,
-                keyed_replica=lambda w: engine_of.get(w) == "echo",
+                keyed_replica=lambda w: engine_of.get(w) in ("echo", "sglang"),  # (sglang: its keyed stand-in)
             )
             if not verdict.checked and not verdict.mismatches:
                 self.unverified["served: no token of it made by a keyed engine"] += 1
@@ -1002,6 +1049,12 @@ class Oracle:
                     continue
                 same = c.req == first.req
                 if c.op == "conflict" or not same:
+                    ref_seen = self._answer_seen_at(key, (ref.answer or {}).get("job_id"), ref_t) if ref else 0.0
+                    if c.is_result and ref is not None and self.lost_with_store(ref_seen, "results", after=c.t0):
+                        # The first request's job and answer were lost with the store: the key is
+                        # free again, and another request under it runs (under the key's job id).
+                        self.unverified[f"once: a key reused after its answer was {LOST_WITH_STORE}"] += 1
+                        continue
                     if c.is_result and ref is not None:
                         self.check(
                             "once",
@@ -1029,6 +1082,11 @@ class Oracle:
                 if c.t0 > ref_t + self.window - 1.0:
                     self.unverified["asked again after the duplicate window"] += 1
                     continue
+                if ref is not None and c.is_result:
+                    ref_seen = self._answer_seen_at(key, (ref.answer or {}).get("job_id"), ref_t)
+                    if self.lost_with_store(ref_seen, "results", after=c.t0):
+                        self.unverified[f"once: the first answer {LOST_WITH_STORE}"] += 1
+                        continue
                 if ref is not None and c.is_result:
                     a, b = ref.answer or {}, c.answer
                     same_answer = (a.get("job_id"), a.get("tokens")) == (b.get("job_id"), b.get("tokens"))
@@ -1062,6 +1120,10 @@ class Oracle:
                 if ref is not None and ref.answer is not None:
                     if late_resubmit:
                         self.unverified["re-ask after a second job for the key (window passed)"] += 1
+                        continue
+                    ref_seen = self._answer_seen_at(key, ref.answer.get("job_id"), ref_t)
+                    if self.lost_with_store(ref_seen, "results", after=float(r.get("t") or 0.0)):
+                        self.unverified[f"re-ask: the answer {LOST_WITH_STORE}"] += 1
                         continue
                     ok = r.get("kind") == "result" and (r.get("job_id"), r.get("tokens")) == (
                         ref.answer.get("job_id"),
@@ -1116,6 +1178,11 @@ class Oracle:
             forged_first = any(
                 r.get("ev") == "forge" and r.get("key") == c.key and r.get("outcome") == "stored" for r in self.rogue
             )
+            kept = [p for p in pub if not self.lost_with_store(p.t, "results", after=c.answered_at or deadline)]
+            if pub and not kept:
+                self.unverified[f"lost: the published answer {LOST_WITH_STORE}"] += 1
+                continue
+            pub = kept
             if pub and c.op in ("resubmit", "resume") and c.error == "ContractViolation":
                 p = pub[0]
                 self.check(
@@ -1158,6 +1225,12 @@ class Oracle:
         held = self._held_intervals(jobs, {s for s in seqs if s})
         if sum(1 for j in jobs for _ in self.deliveries_by_job.get(str(j), [])) >= self.cfg.max_deliver:
             self.unverified["stranded: delivered max_deliver times"] += 1
+            return
+        stored_at = float((c.stored or {}).get("t") or c.t0)
+        if self.lost_with_store(stored_at, "jobs", after=end):
+            # The job itself was lost (stored after the copy a rollback went back to, wiped, or its
+            # stream deleted): nothing was left to take; it is answered Expired (`resolution`).
+            self.unverified[f"stranded: the job {LOST_WITH_STORE}"] += 1
             return
         # Runs of time in which it waited, held by nobody, the broker up and a live replica able to
         # serve it; such a run counts when the fleet meanwhile was idle (a free slot) for half of
@@ -1412,6 +1485,17 @@ class Oracle:
                 # does not undo it). A hand-back (the claim deleted) the wiretap may have missed: it
                 # was away between one holder's last write and the next holder's first.
                 owners = max(spells, key=len)
+                # A holder whose claim a store loss took before the next holder claimed (written
+                # after the copy a rollback went back to, wiped, or its bucket deleted): the next
+                # found none. The at_most_once promise ends there, for that holder only.
+                kept = [
+                    o
+                    for o, nxt in zip(owners, [*owners[1:], None], strict=False)  # (owners may be empty)
+                    if nxt is None or not self.lost_with_store(o[3], "claims", after=nxt[2])
+                ]
+                if len(kept) < len(owners):
+                    self.unverified[f"twice: a holder's claim {LOST_WITH_STORE}"] += 1
+                    owners = kept
                 unseen = any(
                     a <= o2[2] and b >= o1[3] for o1, o2 in itertools.pairwise(owners) for a, b in self.tap.gaps
                 )
@@ -1431,6 +1515,20 @@ class Oracle:
                     for p in self.published_by_key.get(key or "", [])
                     if p.job_id == job_id and p.desc and not p.desc.get("forged_tokens")
                 }
+                claimed = sorted(t for k in keys for t, _, op, st in claims_by_key.get(k, []) if st == "stored")
+                finished = sorted(f for _, f in ran)
+                first_answer = min(
+                    (p.t for p in self.published_by_key.get(key or "", []) if p.job_id == job_id), default=None
+                )
+                answer_lost = first_answer is not None and self.lost_with_store(
+                    first_answer, "results", after=finished[-1] if finished else 0.0
+                )
+                claim_lost = bool(claimed) and self.lost_with_store(
+                    claimed[0], "claims", after=finished[-1] if finished else 0.0
+                )
+                if len(ran) > 1 and (claim_lost or answer_lost):
+                    self.unverified[f"twice: the first run's claim or answer {LOST_WITH_STORE}"] += 1
+                    ran = set(sorted(ran, key=lambda r: r[1])[1:])  # (the run whose claim was lost)
                 self.check(
                     "twice",
                     len(ran) <= 1,
@@ -1470,6 +1568,12 @@ class Oracle:
                     answered_by_second = any(
                         p.job_id == job_id and p.worker == d2.worker for p in self.published_by_key.get(key or "", [])
                     )
+                    if finished and self.lost_with_store(finished[0].t, "results", after=d2.t):
+                        # The first run's answer was lost with the store before the job was stored
+                        # again (a key resubmitted or reused then): not a move, a run of a key the
+                        # broker no longer knew was answered.
+                        self.unverified[f"moved: the first run's answer {LOST_WITH_STORE}"] += 1
+                        continue
                     if finished and not handed_back and (answered_by_second or not declined):
                         state = "draining (SIGTERM)" if holder.how.startswith("terminated") else "alive"
                         self.violations.append(
@@ -1589,6 +1693,12 @@ class Oracle:
                 continue
             if first is None or first.answer is None:
                 self.checks["reask-turn"] += 1
+                continue
+            opened = min((o.t0 for o in self.calls if o.sid == c.sid), default=first.t0)
+            if c.error == "UnknownSession" and self.lost_with_store(opened, "sessions", after=c.t0):
+                # The session's record was written after the copy a rollback went back to, or
+                # wiped: the broker no longer knows the session, and says so at once (typed).
+                self.unverified[f"reask-turn: the session's record {LOST_WITH_STORE}"] += 1
                 continue
             if first.error:
                 self.check(
@@ -1788,6 +1898,102 @@ class Oracle:
             f"{down[1] - self.t_first:.1f} s into the run; broker outages not counted)",
         )
 
+    def _check_engines_back(self) -> None:
+        """available, per engine event: a replica whose engine server is back (restarted, thawed,
+        taking pauses again) serves again within the bound (``reliability.engines.serves_again``):
+        a restarted server taken back as the wrong version, or a request gate left closed after a
+        refused pause, would leave it registered and serving nothing, or down for good."""
+        from reliability.engines import back_moments, serves_again
+
+        bound = self.available_s
+        for worker, lives in sorted(self.engine_lives.items()):
+            moments = back_moments(lives)
+            serving_at = [
+                self.t_first + i * SAMPLE_S
+                for i, snap in enumerate(self.samples)
+                if any(e[0] == worker and e[1] in SERVING_STATES for e in snap)
+            ]
+            delivered = sorted(d.t for d in self.tap.deliveries if d.worker == worker)
+            results = sorted(p.t for p in self.tap.published if p.worker == worker and p.kind in ("result", "chunked"))
+            for k, (back, what) in enumerate(moments):
+                proc = self.proc_at(worker, back)
+                nxt = moments[k + 1][0] if k + 1 < len(moments) else float("inf")
+                if not self._engine_quiet(worker, lives, proc, back, nxt, back + bound):
+                    self.unverified["available: an engine server back too late in the run, or disturbed again"] += 1
+                    continue
+                # Jobs delivered after it was back are judged only where a bound after the first
+                # one is quiet too; else the registry alone says whether it serves again.
+                first = next((t for t in delivered if t >= back), None)
+                quiet = first is not None and self._engine_quiet(worker, lives, proc, back, nxt, first + bound)
+                judged = delivered if quiet else []
+                ok, why = serves_again(back, bound, serving_at, judged, results)
+                self.check(
+                    "available",
+                    ok,
+                    None,
+                    f"{worker}'s engine server {what} {back - self.t_first:.1f} s into the run, but {worker} did "
+                    f"not serve again: {why}",
+                )
+
+    def _engine_quiet(self, worker: str, lives: list[Any], proc: Any, back: float, nxt: float, until: float) -> bool:
+        """Nothing else happened to the replica (``proc``, its process at ``back``), its engine server
+        or the broker from ``back`` until ``until`` (``nxt``: its server's next moment back)."""
+        return not (
+            proc is None
+            or self.proc_at(worker, until) is not proc
+            or nxt <= until
+            or any(es.end is not None and back < es.end <= until for es in lives)
+            or any(a <= until and b >= back for a, b in self.broker_out)
+            or any(a <= until and b >= back for a, b in proc.stops)
+        )
+
+    def _check_disks(self) -> None:
+        """converged, per disk fault: a replica whose own disk was full or read-only for a while
+        reaches, once it is back, the version latest then within the bound (``reliability.disks``)."""
+        from reliability.disks import judge_disks
+
+        judge_disks(self)
+
+    def _check_converged(self) -> None:
+        """converged (``--store s3``): once the object store is whole again (no proxy fault, no
+        version hidden or corrupt) for ``CONVERGE_S``, every replica process alive, unfrozen and
+        heard throughout has reached the version latest when it healed. A truncated download kept
+        in a cache, a failure never retried, a prepare stuck on a dead connection: each leaves a
+        live replica behind for good, which the calls alone may not show (the others serve)."""
+        if getattr(self.cfg, "store", "dir") != "s3":
+            return
+        from reliability.objstore import CONVERGE_S, converged_by, heal_moments
+
+        windows = [(float(f["from"]), float(f["to"])) for f in getattr(self.tl, "store_faults", []) or []]
+        windows += [(float(a), float(b)) for _, a, b in [*self.tl.hidden, *self.tl.corrupt]]
+        horizon = max((t for t, _, _ in self.tap.fleet), default=0.0)
+        heals, skipped = heal_moments(windows, horizon, CONVERGE_S)
+        if skipped:
+            self.unverified["converged: another store fault, or the run's end, within the bound"] += skipped
+        entries: dict[str, list[tuple[float, int]]] = defaultdict(list)
+        for t, worker, status in self.tap.fleet:
+            if status is not None:
+                entries[worker].append((t, int(status.active_version)))
+        for healed in heals:
+            latest, deadline = self.latest_at(healed), healed + CONVERGE_S
+            for w in self.tl.workers:
+                if w.start > healed or (w.end is not None and w.end < deadline) or w.paused_at is not None:
+                    continue  # (a process that began after it, or did not live through the bound)
+                if any(a <= deadline and b >= healed for a, b in [*w.stops, *self.broker_out]):
+                    self.unverified["converged: the replica or the broker frozen or out within the bound"] += 1
+                    continue
+                ok, shown = converged_by([e for e in entries[w.worker_id] if e[0] >= w.start], latest, deadline)
+                if ok is None:
+                    self.unverified["converged: the replica's registry unheard near the bound"] += 1
+                    continue
+                self.check(
+                    "converged",
+                    ok,
+                    w.worker_id,
+                    f"still at v{shown} {CONVERGE_S:g} s after the object store was whole again "
+                    f"({healed - self.t_first:.1f} s into the run), v{latest} committed by then",
+                )
+
     def _check_permissions(self) -> None:
         """The broker refuses nothing a legitimate process does (the rogue's refusals are the point)."""
         refused: dict[tuple[str, str], int] = defaultdict(int)
@@ -1854,6 +2060,7 @@ def save_inputs(
             "max_deliver": cfg.max_deliver,
             "duration": cfg.duration,
             "available_s": getattr(cfg, "available_s", AVAILABLE_S),
+            "store": getattr(cfg, "store", "dir"),
         },
         "timeline": {
             "workers": [
@@ -1876,6 +2083,9 @@ def save_inputs(
             "hidden": timeline.hidden,
             "corrupt": timeline.corrupt,
             "consumers_deleted": timeline.consumers_deleted,
+            "stores_lost": getattr(timeline, "stores_lost", []),
+            "store_faults": getattr(timeline, "store_faults", []),
+            "disk_faults": getattr(timeline, "disk_faults", []),
             "trainers": timeline.trainers,
             "second_clients": timeline.second_clients,
             "publishers": getattr(timeline, "publishers", []),
@@ -1883,6 +2093,7 @@ def save_inputs(
                 {"name": g.name, "start": g.start, "end": g.end, "how": g.how, "stops": g.stops, "address": g.address}
                 for g in getattr(timeline, "gateways", [])
             ],
+            "engines": [es.record() for es in getattr(timeline, "engines", [])],
         },
         "finals": finals,
         "stored": stored,
@@ -1929,10 +2140,12 @@ def load_kept(workdir: Any) -> Oracle:
     tl = SimpleNamespace(**doc["timeline"])
     tl.workers = [SimpleNamespace(**{"stops": [], "skew_s": 0.0, **w}) for w in tl.workers]
     tl.broker_paused = getattr(tl, "broker_paused", [])
+    tl.stores_lost = getattr(tl, "stores_lost", [])
     tl.commits = [tuple(c) for c in tl.commits]
     tl.consumers_deleted = [tuple(c) for c in tl.consumers_deleted]
     tl.publishers = getattr(tl, "publishers", [])
     tl.gateways = [SimpleNamespace(**g) for g in getattr(tl, "gateways", [])]
+    tl.engines = [SimpleNamespace(**{"stops": [], "refusing": [], **e}) for e in getattr(tl, "engines", [])]
     tap = SimpleNamespace(
         deliveries=[Delivery(**d) for d in tap_doc["deliveries"]],
         published=[Published(**p) for p in tap_doc["published"]],

@@ -18,6 +18,12 @@ and with what else, it happens:
 ``fault``           restart a worker armed with ``ROLLFLEET_FAULT=pause:<point>``, SIGKILL it once
                     it stops there (mid-chunk, mid-drain, mid-prepare, mid-activation, ...)
 ``broker_restart``  SIGKILL the broker, restart it on its store 0.5-3 s later
+``broker_rollback`` the broker's store copied (frozen for the copy: crash-consistent), then 1-6 s
+                    later the broker SIGKILLed and restarted 0.5-3 s later on that copy: its last
+                    writes lost, as a single node's power loss loses what was never fsynced
+``broker_wipe``     SIGKILL the broker, restart it 0.5-3 s later on an empty store (a disk replaced)
+``delete_stream``   delete one of the namespace's streams or buckets (``jobs``, ``results``,
+                    ``claims``, ``policy``, ``registry``) through the JetStream API while jobs flow
 ``delete_consumer`` delete a job consumer (``min-<v>``, ``exact-<v>``, ``replica-<id>``) through the
                     JetStream API while jobs flow
 ``trainer_kill``    SIGKILL the trainer process; it restarts under the same client_id and resumes
@@ -44,6 +50,23 @@ and with what else, it happens:
 ``gateway_kill``    SIGKILL one of the two ``rollfleet gateway`` processes the trainer sends a
                     share of its calls to (over HTTP, keyed); restarted 0.5-3 s later
 ``gateway_pause``   SIGSTOP one gateway for 1.5-5 s, then SIGCONT (its connections kept, frozen)
+``store_truncate``  (``--store s3``) every response the object store sends one worker (or all) is
+                    cut short after 0-64 KiB and its connection closed, for 1-8 s
+``store_drop``      (``--store s3``) one worker's (or every worker's) connections to the object
+                    store are reset, open and new ones, for 1-6 s
+``store_lag``       (``--store s3``) one worker's (or every worker's) object-store link adds
+                    50 ms-1 s to every chunk, for 3-10 s
+``engine_kill``     SIGKILL the engine server (the keyed SGLang stand-in) an sglang worker is
+                    attached to; restarted 0.5-3 s later on its launch checkpoint (version 0's
+                    bytes, SGLang's ``default`` label), as a supervisor restarts it
+``engine_pause_error`` the engine server answers ``/pause_generation`` with HTTP 500 for 2-8 s,
+                    while a version is published (an activation meets the refusal)
+``engine_freeze``   SIGSTOP the engine server for 1.5-5 s, then SIGCONT
+``disk_full``       a worker's disk full for 2-8 s: its process's RLIMIT_FSIZE set to 0 (``prlimit``),
+                    so no file of its may grow (its log file included); at random, or (``preparing``)
+                    with a version published meanwhile, which it must prepare on the full disk
+``disk_readonly``   a worker's ``--local-dir`` bind-mounted read-only for 2-8 s (EROFS), likewise;
+                    skipped, and said, without mount privilege (``reliability.disks``)
 ==================  ===========================================================================
 
 ``make_schedule(seed, duration)`` is a pure function: the same seed gives the same events at
@@ -51,7 +74,12 @@ the same offsets with the same parameters (the run itself is real time, so what 
 varies a little). Pauses are drawn from a stream of their own (``pauses:<seed>``), so adding
 them left every other event of a seed's schedule where it was; clock skews and link faults
 likewise (``skews:<seed>``, ``links:<seed>``), publisher faults (``publishers:<seed>``) and
-gateway faults (``gateways:<seed>``).
+gateway faults (``gateways:<seed>``); engine server faults (``engines:<seed>``) are drawn only
+with sglang workers (``--sglang N``), whose servers they attack; worker disk faults come from
+``disks:<seed>``; the broker's store rolled back or wiped and streams deleted come from
+``stores-broker:<seed>`` (``broker_stores``: rare, none in the first 12 s); object-store
+faults (``stores:<seed>``, ``object_stores``) are drawn only with
+``--store s3``, where every worker reads the bucket through a proxy of its own.
 Named schedules script a sequence of the same events.
 """
 
@@ -104,6 +132,16 @@ PUBLISHER_KILL_POINTS = (
 )
 PUBLISHER_MEAN_GAP_S = 15.0  # a kill or a race every 15 s: about one of each per 30 s
 GATEWAY_MEAN_GAP_S = 20.0  # a gateway killed or frozen every 20 s on average
+DISK_MEAN_GAP_S = 15.0  # a worker's disk full or read-only every 15 s on average
+DISK_KINDS = ("disk_full", "disk_full", "disk_readonly")
+DISK_VICTIMS = ("random", "preparing", "preparing")  # preparing: a version is published during the fault
+OBJECT_STORE_MEAN_GAP_S = 9.0  # an object-store fault (``--store s3``) every 9 s on average
+OBJECT_STORE_KINDS = ("store_truncate", "store_truncate", "store_drop", "store_lag")
+ENGINE_MEAN_GAP_S = 10.0  # an engine server killed, refusing pauses or frozen every 10 s on average
+STORES_MEAN_GAP_S = 60.0  # the broker's store lost or rolled back, or a stream deleted: rare
+STORES_FIRST_S = 12.0  # (never before the fleet has served a while)
+STORE_KINDS = ("broker_rollback", "broker_rollback", "broker_wipe", "delete_stream", "delete_stream")
+STREAM_TARGETS = ("jobs", "results", "claims", "policy", "registry")  # reliability.broker_store.DELETE_TARGETS
 
 
 @dataclass
@@ -183,10 +221,20 @@ def params_for(kind: str, rng: random.Random, hf: bool) -> dict[str, Any]:
         return {"which": rng.randrange(2), "after": round(u(0.5, 3.0), 2)}
     if kind == "gateway_pause":
         return {"which": rng.randrange(2), "for_s": round(u(1.5, 5.0), 2)}
+    if kind == "broker_rollback":
+        return {"lag_s": round(u(1.0, 6.0), 2), "down_s": round(u(0.5, 3.0), 2)}
+    if kind == "broker_wipe":
+        return {"down_s": round(u(0.5, 3.0), 2)}
+    if kind == "delete_stream":
+        return {"which": rng.choice(STREAM_TARGETS)}
+    if kind in ("disk_full", "disk_readonly"):
+        return {"victim": rng.choice(DISK_VICTIMS), "for_s": round(u(2.0, 8.0), 2)}
     return {}
 
 
-def random_schedule(seed: int, duration: float, hf: bool = False) -> list[Event]:
+def random_schedule(
+    seed: int, duration: float, hf: bool = False, sglang: bool = False, store: str = "dir"
+) -> list[Event]:
     rng = random.Random(f"schedule:{seed}")
     kinds, weights = zip(*WEIGHTS.items(), strict=True)
     events: list[Event] = []
@@ -201,7 +249,26 @@ def random_schedule(seed: int, duration: float, hf: bool = False) -> list[Event]
         t += rng.expovariate(1.0 / MEAN_GAP_S)
     more = pauses(seed, duration) + skews(seed, duration) + links(seed, duration) + publishers(seed, duration)
     more += gateways(seed, duration)
+    if sglang:  # (only where a worker has an engine server of its own to attack)
+        more += engines(seed, duration)
+    if store == "s3":  # (only where the workers read an object store through fault proxies)
+        more += object_stores(seed, duration)
+    more += disks(seed, duration)
+    more += broker_stores(seed, duration)
     return sorted(events + more, key=lambda e: e.t)
+
+
+def disks(seed: int, duration: float) -> list[Event]:
+    """A worker's own disk full or read-only for a while, from their own stream (``disks:<seed>``):
+    every other event of a seed stays where it was."""
+    rng = random.Random(f"disks:{seed}")
+    out: list[Event] = []
+    t = rng.uniform(4.0, 12.0)
+    while t < duration - 6.0:
+        kind = rng.choice(DISK_KINDS)
+        out.append(Event(round(t, 2), kind, params_for(kind, rng, False)))
+        t += rng.expovariate(1.0 / DISK_MEAN_GAP_S)
+    return out
 
 
 def publishers(seed: int, duration: float) -> list[Event]:
@@ -227,6 +294,70 @@ def gateways(seed: int, duration: float) -> list[Event]:
         kind = rng.choice(("gateway_kill", "gateway_pause"))
         out.append(Event(round(t, 2), kind, params_for(kind, rng, False)))
         t += rng.expovariate(1.0 / GATEWAY_MEAN_GAP_S)
+    return out
+
+
+def object_store_params(kind: str, rng: random.Random) -> dict[str, Any]:
+    """An object-store fault's parameters (``victim``: a worker at random, or ``all`` of them)."""
+    u = rng.uniform
+    victim = rng.choice(("random", "random", "all"))
+    if kind == "store_truncate":
+        # 0 B: closed before the status line (the client's own retries see it); 300 B: inside the
+        # headers; larger: inside a shard's body, which the reader must never take for whole.
+        return {"victim": victim, "bytes": rng.choice((0, 300, 4096, 65536)), "for_s": round(u(1.0, 8.0), 2)}
+    if kind == "store_drop":
+        return {"victim": victim, "for_s": round(u(1.0, 6.0), 2)}
+    return {"victim": victim, "seconds": round(u(0.05, 1.0), 3), "for_s": round(u(3.0, 10.0), 2)}  # store_lag
+
+
+def object_stores(seed: int, duration: float) -> list[Event]:
+    """Faults between the workers and the object store, from their own stream (``stores:<seed>``):
+    every other event of a seed stays where it was. Drawn only with ``--store s3``."""
+    rng = random.Random(f"stores:{seed}")
+    out: list[Event] = []
+    t = rng.uniform(3.0, 8.0)
+    while t < duration - 4.0:
+        kind = rng.choice(OBJECT_STORE_KINDS)
+        out.append(Event(round(t, 2), kind, object_store_params(kind, rng)))
+        t += rng.expovariate(1.0 / OBJECT_STORE_MEAN_GAP_S)
+    return out
+
+
+def engine_params(kind: str, rng: random.Random) -> dict[str, Any]:
+    """An engine event's parameters (``which``: the index among the live sglang workers)."""
+    u = rng.uniform
+    if kind == "engine_kill":
+        return {"which": rng.randrange(2), "after": round(u(0.5, 3.0), 2)}
+    if kind == "engine_pause_error":
+        return {"which": rng.randrange(2), "for_s": round(u(2.0, 8.0), 2), "publish": True}
+    return {"which": rng.randrange(2), "for_s": round(u(1.5, 5.0), 2)}  # engine_freeze
+
+
+def engines(seed: int, duration: float) -> list[Event]:
+    """Engine servers killed (and restarted on their launch checkpoint), refusing pauses, or
+    frozen, from their own stream (``engines:<seed>``): every other event of a seed stays where it
+    was. Drawn only with sglang workers (``random_schedule(..., sglang=True)``)."""
+    rng = random.Random(f"engines:{seed}")
+    out: list[Event] = []
+    t = rng.uniform(4.0, 10.0)
+    while t < duration - 4.0:
+        kind = rng.choice(("engine_kill", "engine_kill", "engine_pause_error", "engine_freeze"))
+        out.append(Event(round(t, 2), kind, engine_params(kind, rng)))
+        t += rng.expovariate(1.0 / ENGINE_MEAN_GAP_S)
+    return out
+
+
+def broker_stores(seed: int, duration: float) -> list[Event]:
+    """The broker's store rolled back or wiped, or a stream or bucket deleted, from their own
+    stream (``stores-broker:<seed>``): rare (one per minute on average, none in the first 12 s),
+    and every other event of a seed stays where it was."""
+    rng = random.Random(f"stores-broker:{seed}")
+    out: list[Event] = []
+    t = STORES_FIRST_S + rng.expovariate(1.0 / STORES_MEAN_GAP_S)
+    while t < duration - 6.0:
+        kind = rng.choice(STORE_KINDS)
+        out.append(Event(round(t, 2), kind, params_for(kind, rng, False)))
+        t += rng.expovariate(1.0 / STORES_MEAN_GAP_S)
     return out
 
 
@@ -336,6 +467,28 @@ def _publishers(duration: float, rng: random.Random, hf: bool) -> list[Event]:
     return [e for e in out if e.t < duration - 2.0]
 
 
+def _broker_stores(duration: float, rng: random.Random, hf: bool) -> list[Event]:
+    """The broker's store rolled back (its last seconds of writes lost), a stream and a bucket
+    deleted while jobs flow, then the store wiped, each with publishes around it."""
+    out = [Event(3.0, "publish"), Event(6.0, "publish"), Event(8.0, "broker_rollback", {"lag_s": 3.0, "down_s": 1.0})]
+    out += [Event(15.0, "publish"), Event(18.0, "delete_stream", {"which": rng.choice(("jobs", "results"))})]
+    out += [Event(24.0, "delete_stream", {"which": rng.choice(("claims", "policy", "registry"))})]
+    out += [Event(27.0, "publish"), Event(31.0, "broker_wipe", {"down_s": 1.0}), Event(36.0, "publish")]
+    return [e for e in out if e.t < duration - 2.0]
+
+
+def _engines(duration: float, rng: random.Random, hf: bool) -> list[Event]:
+    """(With ``--sglang 1``.) The sglang replica's server refuses pauses for 9 s while a version is
+    published (its activation fails, and is retried with a growing backoff, while the version sits
+    materialized in the replica's checkpoint directory); SIGKILLed late in that window, it comes
+    back on its launch checkpoint before the retry; later frozen, and killed again."""
+    out = [Event(3.0, "publish"), Event(6.0, "engine_pause_error", {"which": 0, "for_s": 9.0, "publish": True})]
+    out += [Event(12.5, "engine_kill", {"which": 0, "after": 0.5}), Event(20.0, "publish")]
+    out += [Event(23.0, "engine_freeze", {"which": 0, "for_s": 3.0})]
+    out += [Event(28.0, "engine_kill", {"which": 0, "after": 1.0})]
+    return [e for e in out if e.t < duration - 2.0]
+
+
 SCHEDULES: dict[str, Callable[[float, random.Random, bool], list[Event]]] = {
     "drain-flaky-mount": _drain_and_flaky_mount,
     "sessions-trainer": _sessions_and_trainer,
@@ -343,12 +496,21 @@ SCHEDULES: dict[str, Callable[[float, random.Random, bool], list[Event]]] = {
     "long-at-most-once": _long_at_most_once,
     "pauses": _pauses,
     "publishers": _publishers,
+    "engines": _engines,  # (with --sglang 1)
+    "broker-stores": _broker_stores,
 }
 
 
-def make_schedule(seed: int, duration: float, hf: bool = False, name: str | None = None) -> list[Event]:
+def make_schedule(
+    seed: int,
+    duration: float,
+    hf: bool = False,
+    name: str | None = None,
+    sglang: bool = False,
+    store: str = "dir",
+) -> list[Event]:
     if name and name in SCHEDULES:
         return SCHEDULES[name](duration, random.Random(f"schedule:{seed}"), hf)
     if name and name != "no-auth":
         raise ValueError(f"unknown schedule {name!r}; named schedules: {', '.join(SCHEDULES)}")
-    return random_schedule(seed, duration, hf)
+    return random_schedule(seed, duration, hf, sglang=sglang, store=store)

@@ -10,7 +10,7 @@ import pytest
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.topology import ensure_topology
 from rollfleet.broker.watch import watch_keys
-from rollfleet.runtime.aio import wait_event
+from rollfleet.runtime.aio import KeyedLocks, wait_event
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names
 
@@ -65,3 +65,37 @@ async def test_a_watch_cancelled_while_it_is_being_set_up_stops(tmp_path: Path) 
         await nc.close()
     finally:
         broker.stop()
+
+
+async def test_keyed_locks_serialize_one_key_and_keep_no_lock_for_keys_done_with() -> None:
+    """A gateway opens each session under its id's lock: two opens of one id never overlap, other
+    ids do not wait, and once nobody holds or waits for an id its lock is gone (a gateway that
+    served a million trajectories keeps none)."""
+    locks = KeyedLocks()
+    inside: dict[str, int] = {}
+    most: dict[str, int] = {}
+
+    async def open_session(key: str) -> None:
+        async with locks.hold(key):
+            inside[key] = inside.get(key, 0) + 1
+            most[key] = max(most.get(key, 0), inside[key])
+            await asyncio.sleep(0.01)
+            inside[key] -= 1
+
+    async def watch() -> int:  # how many ids were inside at once, at most
+        seen = 0
+        while True:
+            seen = max(seen, sum(1 for n in inside.values() if n))
+            if seen > 1:
+                return seen
+            await asyncio.sleep(0.001)
+
+    watcher = asyncio.ensure_future(watch())
+    await asyncio.gather(*(open_session(f"s{i % 50}") for i in range(200)))
+    assert set(most.values()) == {1}  # one at a time per id
+    assert await asyncio.wait_for(watcher, 1.0) > 1  # other ids did not wait for it
+    assert len(locks) == 0
+    with pytest.raises(RuntimeError):  # released also when the work under it fails
+        async with locks.hold("x"):
+            raise RuntimeError("boom")
+    assert len(locks) == 0

@@ -48,15 +48,15 @@ async def test_a_redelivery_that_claims_after_its_holder_answered_does_not_run_t
     [msg] = await sub.fetch(1, timeout=5)
     # The first run answered and released its claim just after the redelivery looked for an answer.
     looks = 0
-    real_answered = runner._answered
+    real_answered = runner.results.answered
 
     async def answered_after_the_first_look(j: RolloutJob) -> bool:
         nonlocal looks
         looks += 1
         return False if looks == 1 else await real_answered(j)
 
-    runner._answered = answered_after_the_first_look  # type: ignore[method-assign]
-    await runner.answer_failure("c", "k", EngineFailure("the first run's answer"), 1, job)
+    runner.results.answered = answered_after_the_first_look  # type: ignore[method-assign]
+    await runner.results.store_failure("c", "k", EngineFailure("the first run's answer"), 1, job)
     await runner._serve(RunningJob(msg, job), 2, time.time(), get_logger("test"))
     assert looks == 2  # looked again once the claim was taken
     assert engine.prefill_tokens == 0, "the job was generated again"

@@ -141,8 +141,8 @@ async def test_at_most_once_jobs_handed_back_unrun_are_served_not_interrupted(
         # Pull requests wait 10 s at the broker, so a's request on exact-0 outlives its activation.
         async with running_worker(nats_url, namespace, **follower(tmp_path, "a", wait_pull_s=10.0)) as a:
             await (await client.submit(long_job(3), exact_version=0)).result(10)  # exact-0 exists, and is hot
-            await wait_until(lambda: (p := a._pullers.get(("exact", 0))) is not None and p.busy, 10)
-            stale = a._pullers[("exact", 0)]
+            await wait_until(lambda: (p := a.pulling._pullers.get(("exact", 0))) is not None and p.busy, 10)
+            stale = a.pulling._pullers[("exact", 0)]
 
             async def lost() -> None:
                 return None

@@ -11,6 +11,8 @@ from pathlib import Path
 import nats
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from rollfleet.broker.retry_publish import publish_retrying
@@ -68,6 +70,30 @@ def test_json_depth_is_measured_without_recursing(text: str, depth: int) -> None
     assert depth_within(json.loads(text), depth)
     if depth:
         assert not json_depth_within(text, depth - 1) and not depth_within(json.loads(text), depth - 1)
+
+
+def _depth(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + max((_depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='[]{}"\\ab', max_size=6),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.text(alphabet='[]{}"a', max_size=3), inner, max_size=3),
+    max_leaves=12,
+)
+
+
+@given(_JSON, st.integers(0, 7))
+def test_both_depth_checks_agree_with_a_recursive_count(value: object, max_depth: int) -> None:
+    """Fast paths included (few openers in the text; a flat container): exactly depth <= bound."""
+    want = _depth(value) <= max_depth
+    assert json_depth_within(json.dumps(value), max_depth) == want
+    assert depth_within(value, max_depth) == want
 
 
 def test_load_json_refuses_deep_documents_with_the_callers_error() -> None:

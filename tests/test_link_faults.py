@@ -96,3 +96,82 @@ async def test_latency_slows_and_loses_nothing_and_a_cut_link_is_dialed_again(li
         await nc.flush(timeout=5)
     finally:
         await nc.close()
+
+
+async def test_a_truncated_link_carries_its_bytes_then_closes_and_heals(link: LinkProxy) -> None:
+    """The object-store faults (the adversary's ``--store s3``) on the same proxy: a response cut
+    short after N bytes, on connections open and new; whole again once the fault ends."""
+    async def first_line() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        try:
+            return await asyncio.wait_for(reader.readline(), 5)
+        finally:
+            writer.close()
+
+    whole = await first_line()  # the server's INFO line, a few hundred bytes
+    assert whole.startswith(b"INFO ") and whole.endswith(b"\r\n") and len(whole) > 100
+    reader, writer = await asyncio.open_connection("127.0.0.1", link.port)  # open before the fault
+    assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"INFO ")
+    cutting = asyncio.ensure_future(link.truncate(12, 2.0))
+    await asyncio.sleep(0.05)
+    fresh_reader, fresh_writer = await asyncio.open_connection("127.0.0.1", link.port)
+    got = await asyncio.wait_for(fresh_reader.read(), 5)  # until the proxy closes it
+    assert got == whole[:12]
+    fresh_writer.close()
+    writer.write(b"PING\r\n")  # the open one: its answer (PONG, 6 bytes) passes, within its 12
+    await writer.drain()
+    assert await asyncio.wait_for(reader.readline(), 5) == b"PONG\r\n"
+    writer.write(b"PING\r\nPING\r\n")  # 12 more asked, 6 left: cut after the next 6, then closed
+    await writer.drain()
+    assert await asyncio.wait_for(reader.read(), 5) == b"PONG\r\n"
+    writer.close()
+    await cutting
+    assert (await first_line()).startswith(b"INFO ")  # healed
+
+
+async def test_a_dropping_link_resets_open_and_new_connections_for_a_while(link: LinkProxy) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+    assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"INFO ")
+    dropping = asyncio.ensure_future(link.drop(1.5))
+    await asyncio.sleep(0.05)
+
+    async def read_all(r: asyncio.StreamReader) -> bytes:
+        try:
+            return await asyncio.wait_for(r.read(), 5)
+        except ConnectionResetError:
+            return b""
+
+    assert await read_all(reader) == b""  # the open one is reset
+    writer.close()
+    new_reader, new_writer = await asyncio.open_connection("127.0.0.1", link.port)
+    assert await read_all(new_reader) == b""  # a new one is reset before a byte passes
+    new_writer.close()
+    await dropping
+    healed_reader, healed_writer = await asyncio.open_connection("127.0.0.1", link.port)
+    assert (await asyncio.wait_for(healed_reader.readline(), 5)).startswith(b"INFO ")
+    healed_writer.close()
+
+
+async def test_overlapping_faults_nest_until_the_last_ends(link: LinkProxy) -> None:
+    """Two events on one proxy (a fault on one worker and one on all): the shorter ending does not
+    heal the link while the longer's window is open."""
+    long = asyncio.ensure_future(link.truncate(12, 30.0))
+    await link.truncate(1000, 0.2)
+    reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+    assert len(await asyncio.wait_for(reader.read(), 5)) == 12  # the long one still in force
+    writer.close()
+    long.cancel()
+    await asyncio.gather(long, return_exceptions=True)
+    assert link.truncate_after is None
+    long_drop = asyncio.ensure_future(link.drop(30.0))
+    await link.drop(0.2)
+    assert link.dropping
+    long_drop.cancel()
+    await asyncio.gather(long_drop, return_exceptions=True)
+    assert not link.dropping
+    lagging = asyncio.ensure_future(link.lag(0.3, 30.0))
+    await link.lag(0.1, 0.1)
+    assert link.delay_s == 0.3
+    lagging.cancel()
+    await asyncio.gather(lagging, return_exceptions=True)
+    assert link.delay_s == 0.0

@@ -712,3 +712,88 @@ def test_two_publishers_both_reporting_they_won_a_race_is_flagged(recorded: Path
     _raced(h, "trainer", codes={"trainer": 0, "perturbed": 0})
     found = h.judge()
     assert any("exited reporting success" in m for m in found.get("version", [])), found
+
+
+# -- the broker's store lost (broker_rollback, broker_wipe, delete_stream): exempt exactly what it took --
+
+
+def _lost(h: History, kind: str, lost_from: float, at: float, target: str | None = None) -> None:
+    """A store loss in the timeline (``Timeline.stores_lost``), as ``reliability.broker_store`` records one."""
+    loss = {"kind": kind, "lost_from": lost_from, "at": at, "back": at + 0.5}
+    h.doc["timeline"].setdefault("stores_lost", []).append({**loss, **({"target": target} if target else {})})
+
+
+def _reasked_result(h: History) -> tuple[str, float]:
+    """The key ``second_answer_for_a_key`` changes, and when the wiretap saw its answer published."""
+    finals = h.doc["finals"]
+    key = next(k for k, f in sorted(finals.items()) if f.get("kind") == "result")
+    seen = [float(p["t"]) for p in h.tap["published"] if p.get("job_id") == finals[key]["job_id"]]
+    assert seen, "the wiretap did not see the re-asked answer published"
+    return key, min(seen)
+
+
+@pytest.mark.timeout(240)
+def test_a_second_answer_after_the_store_lost_the_first_is_not_flagged(recorded: Path, tmp_path: Path) -> None:
+    """The broker went back to a copy of its store taken before the answer was stored (or wiped it,
+    or the results stream was deleted), so a re-ask after that gets another answer or none: the
+    promise of one answer per key ends there, by design."""
+    for i, (kind, target) in enumerate((("rollback", None), ("wipe", None), ("delete_stream", "results"))):
+        h = History(recorded, tmp_path / f"h{i}")
+        _key, seen = _reasked_result(h)
+        second_answer_for_a_key(h)
+        _lost(h, kind, 0.0 if kind != "rollback" else seen - 1.0, seen + 0.5, target)
+        assert h.judge() == {}, kind
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "window",
+    [
+        ("rollback", None, 0.5, 2.0),  # the copy was taken after the answer was stored: it survived
+        ("rollback", None, -5.0, -1.0),  # the writes lost were older than the answer
+        ("delete_stream", "claims", -5.0, 0.5),  # another stream than the results was deleted
+        ("delete_stream", "policy", -5.0, 0.5),
+    ],
+)
+def test_a_second_answer_outside_what_the_store_lost_is_flagged(
+    window: tuple[str, str | None, float, float], recorded: Path, tmp_path: Path
+) -> None:
+    kind, target, start, end = window
+    h = History(recorded, tmp_path / "h")
+    _key, seen = _reasked_result(h)
+    second_answer_for_a_key(h)
+    _lost(h, kind, seen + start, seen + end, target)
+    assert "once" in h.judge()
+
+
+def _claim_lost_then_another_holder(h: History) -> tuple[float, float]:
+    """An at_most_once job claimed by another process shortly before its (real) holder claimed it:
+    (when that other claim was written, when the real holder first claimed)."""
+    _submit, answer = _at_most_once_call(h)
+    key = claim_key(answer["job_id"])
+    first = min(float(c[0]) for c in h.tap["claims"] if c[1] == key and c[4] == "stored")
+    other = first - 1.0
+    h.tap["claims"].append([other, key, f"w8:4001-0badc1a1@{other:.3f}", "PUT", "stored"])
+    return other, first
+
+
+@pytest.mark.timeout(240)
+def test_a_claim_the_store_lost_is_not_a_second_start(recorded: Path, tmp_path: Path) -> None:
+    h = History(recorded, tmp_path / "h")
+    other, first = _claim_lost_then_another_holder(h)
+    _lost(h, "delete_stream", 0.0, (other + first) / 2, "claims")  # the claims bucket deleted between
+    assert h.judge() == {}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("which", ["lost-after-the-second-claim", "results-deleted", "rollback-copy-after-the-claim"])
+def test_a_claim_the_store_kept_is_still_a_second_start(which: str, recorded: Path, tmp_path: Path) -> None:
+    h = History(recorded, tmp_path / "h")
+    other, first = _claim_lost_then_another_holder(h)
+    if which == "lost-after-the-second-claim":
+        _lost(h, "delete_stream", 0.0, first + 0.2, "claims")
+    elif which == "results-deleted":
+        _lost(h, "delete_stream", 0.0, (other + first) / 2, "results")
+    else:
+        _lost(h, "rollback", other + 0.4, other + 0.6)  # the copy, taken after the claim, holds it
+    assert "twice" in h.judge()

@@ -17,7 +17,7 @@ from rollfleet.schemas import RolloutResult, claim_key
 from rollfleet.schemas.errors import Interrupted
 from rollfleet.testing import ProcessGroup, wait_until
 from rollfleet.trainer_client import RolloutClient, answers
-from rollfleet.workers.jobs import judge_claim, watched_after
+from rollfleet.workers.claims import judge_claim, watched_after
 from tests.helpers import payload
 
 _SLOW = ("--ack-wait", "1", "--echo-token-latency", "0.05", "--capacity", "1")

@@ -7,7 +7,21 @@ import random
 import re
 from pathlib import Path
 
-from reliability.schedule import WEIGHTS, gateways, links, params_for, pauses, publishers, skews
+from reliability.schedule import (
+    WEIGHTS,
+    broker_stores,
+    disks,
+    engine_params,
+    engines,
+    gateways,
+    links,
+    object_store_params,
+    object_stores,
+    params_for,
+    pauses,
+    publishers,
+    skews,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 COLUMNS = {  # the table's legend: a column per family of events
@@ -15,13 +29,16 @@ COLUMNS = {  # the table's legend: a column per family of events
     "P": {"pause_worker"},
     "L": {"partition", "lag", "cut_link"},
     "S": {"skew"},
-    "B": {"broker_restart", "pause_broker"},
+    "B": {"broker_restart", "pause_broker", "broker_rollback", "broker_wipe", "delete_stream"},
     "V": {"publish", "burst", "publish_hidden", "hide", "corrupt", "slow_reads"},
     "W": {"publisher_kill", "publisher_race"},
     "C": {"delete_consumer"},
     "T": {"trainer_kill", "second_client"},
     "R": {"forge", "snoop"},
     "G": {"gateway_kill", "gateway_pause"},
+    "E": {"engine_kill", "engine_pause_error", "engine_freeze"},  # (drawn only with --sglang)
+    "O": {"store_truncate", "store_drop", "store_lag"},  # (drawn only with --store s3)
+    "D": {"disk_full", "disk_readonly"},
 }
 
 
@@ -38,9 +55,14 @@ def test_every_invariant_has_a_row_and_every_event_a_column() -> None:
     header = next(line for line in table.splitlines() if line.startswith("| invariant"))
     assert [c.strip() for c in header.split("|")[3:-1]] == list(COLUMNS)
     streams = [e for seed in range(20) for e in pauses(seed, 300) + skews(seed, 300) + links(seed, 300)
-               + publishers(seed, 300) + gateways(seed, 300)]  # fmt: skip
+               + publishers(seed, 300) + gateways(seed, 300) + engines(seed, 300)
+               + object_stores(seed, 300) + disks(seed, 300) + broker_stores(seed, 300)]  # fmt: skip
     drawn = set(WEIGHTS) | {e.kind for e in streams}
     covered = set().union(*COLUMNS.values())
     assert drawn <= covered, f"events with no column: {sorted(drawn - covered)}"
     for kind in covered:  # (every column names events the schedule can make)
         assert isinstance(params_for(kind, random.Random(0), False), dict)
+    for kind in COLUMNS["E"]:
+        assert engine_params(kind, random.Random(0))
+    for kind in COLUMNS["O"]:
+        assert object_store_params(kind, random.Random(0))

@@ -318,10 +318,10 @@ async def test_a_hand_back_deletes_only_the_claim_it_still_holds(nc: nats.NATS, 
         payload=payload(), deadline=4e9, submitted_at=1.0, retry_policy="resume",
     )  # fmt: skip
     key = claim_key(job.job_id)
-    await claims.put(key, new._claim_value(job))  # taken over by the new holder
-    await old._release_claim(job, only_own=True)  # the old holder's hand-back
+    await claims.put(key, new.claims.value(job))  # taken over by the new holder
+    await old.claims.release(job, only_own=True)  # the old holder's hand-back
     held = open_claim(job.job_id, (await claims.get(key)).value)
     assert held is not None and held.worker_id == "new"
-    await new._release_claim(job, only_own=True)
+    await new.claims.release(job, only_own=True)
     with pytest.raises((nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError)):
         await claims.get(key)

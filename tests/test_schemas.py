@@ -344,3 +344,13 @@ def test_a_retry_policy_this_version_does_not_know_is_treated_as_the_strictest()
 
     assert retry_behaviour("teleport") == RETRY_BEHAVIOUR["at_most_once"]
     assert all(retry_behaviour(p) == b for p, b in RETRY_BEHAVIOUR.items())
+
+
+def test_a_claim_marked_stopped_reads_back_stopped_and_keeps_its_holder() -> None:
+    from rollfleet.schemas.names import Claim
+
+    held = Claim("w1:123-abcd", 1_700_000_000.25)
+    assert not held.stopped and Claim.decode(held.encode()) == held
+    stopped = held.as_stopped()
+    assert stopped.stopped and stopped.holder == held.holder
+    assert Claim.decode(stopped.encode()).stopped

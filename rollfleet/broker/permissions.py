@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
+from rollfleet.broker.topology import topology_streams
 from rollfleet.schemas import Names, check_token
 
 
@@ -66,6 +67,8 @@ def trainer_permissions(n: Names) -> dict[str, dict[str, list[str]]]:
                 f"{root}.client.>",
                 n.consumer_leader_advisory(s["results"]),  # a fail-over: re-request results at once
                 n.max_deliveries_advisory(s["jobs"]),  # a resumable job given up on: stored again
+                # a stream or bucket deleted: declared again, and what lived in it restored
+                *(n.stream_deleted_advisory(stream) for stream in topology_streams(n)),
             ]
         },
     }

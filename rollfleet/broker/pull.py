@@ -71,6 +71,7 @@ class PullConsumer:
         self._prefix = ""
         self._tokens = itertools.count()
         self._open: dict[str, _Open] = {}
+        self._overdue_at: float | None = None  # when every open request is past its expiry (None: not known)
         self._left = 0  # messages the open requests may still deliver
         self._idle = asyncio.Event()
         self._idle.set()
@@ -121,6 +122,7 @@ class PullConsumer:
         token = str(next(self._tokens))
         self.requested_at = now = time.monotonic()
         self._open[token] = _Open(batch, now + (wait_s or 0.0) + GRACE_S, wait_s is not None)
+        self._overdue_at = None
         self._left += batch
         self._idle.clear()
         await self._nc.publish(self._api, json.dumps(body).encode(), reply=f"{self._prefix}.{token}")
@@ -157,6 +159,7 @@ class PullConsumer:
         if status == _HEARTBEAT:
             return
         request = self._open.pop(subject.rpartition(".")[2], None)
+        self._overdue_at = None
         if request is None:
             return  # a request of an earlier inbox or already given up
         pending = _header(headers, _PENDING)
@@ -183,6 +186,7 @@ class PullConsumer:
     def _end(self) -> None:
         self._left = 0
         self._open.clear()
+        self._overdue_at = None
         if not self._idle.is_set():
             self._idle.set()
             if self.on_end is not None:
@@ -193,8 +197,11 @@ class PullConsumer:
         (e.g. in a fail-over). Give them up; the inbox is replaced before the next request."""
         if not self._left or self._cancelling is not None:
             return
-        now = time.monotonic()
-        if all(now > r.deadline for r in self._open.values()):
+        # (Read on every slot count: the latest expiry is worked out only when the open requests
+        # changed, not on each look.)
+        if self._overdue_at is None:
+            self._overdue_at = max((r.deadline for r in self._open.values()), default=0.0)
+        if time.monotonic() > self._overdue_at:
             self._spawn(self.cancel())
 
     async def cancel(self) -> None:

@@ -6,6 +6,10 @@ missing; what exists is left as it is, so a second declaration changes and loses
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from typing import Any
 
 import msgspec
@@ -21,8 +25,11 @@ from nats.js.api import (
     StreamConfig,
 )
 
+from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import ConstraintKind, Names
 from rollfleet.schemas.errors import ServiceUnavailable
+
+log = get_logger("rollfleet.broker.topology")
 
 
 class TopologyConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -294,3 +301,118 @@ async def queue_depths(js: JetStreamContext, names: Names) -> dict[tuple[Constra
         if parsed is not None and count:
             depths[parsed] = int(count)
     return depths
+
+
+# -- declaring again what the broker lost ------------------------------------------------------------
+
+# A process that declares the namespace (a trainer's client, a gateway) looks whether its streams
+# and buckets still exist when the broker says one was deleted (``Names.stream_deleted_advisory``)
+# and after every reconnect (a broker restarted on an empty or older store): never on a timer, so
+# an idle trainer costs the broker nothing. A look the broker did not answer is tried again after
+# this long, until one is answered.
+TOPOLOGY_RETRY_S = 1.0
+
+
+def topology_check_due(now: float, last_checked: float | None, poked: bool, interval_s: float | None) -> bool:
+    """Whether to look at the namespace's streams and buckets now: the first time, at once when
+    poked (a reconnect, a deletion advisory), and every ``interval_s`` only if one is given."""
+    if poked or last_checked is None:
+        return True
+    return interval_s is not None and now - last_checked >= interval_s
+
+
+def renewed_streams(before: dict[str, str | None], now: dict[str, str | None]) -> list[str]:
+    """The streams (KV buckets are streams too) that are not the ones seen before: missing now, or
+    created at another time (deleted and declared again, by this process or any other). What lived
+    in them is gone, and each process restores its own part (``on_declared``)."""
+    return sorted(name for name, created in now.items() if created is None or before.get(name, created) != created)
+
+
+def topology_streams(names: Names) -> list[str]:
+    """The stream name of every stream and KV bucket of the namespace."""
+    cfg = DEFAULT_TOPOLOGY
+    streams = [s.name or "" for s in _stream_configs(names, cfg)]
+    return streams + [f"KV_{b.bucket}" for b in _bucket_configs(names, cfg)]
+
+
+class TopologyKeeper:
+    """Keeps the namespace declared: looks when ``poke``d (a reconnect, the broker's advisory that a
+    stream of the namespace was deleted), and every ``interval_s`` if one is given, at each stream
+    and bucket, declares what is missing, and calls ``on_declared``
+    with the streams that were lost (missing, or declared again since the last look, by anyone;
+    after a reconnect, all of them: a store rolled back keeps the streams but loses their last
+    writes), so the process restores what it keeps in them (its results consumer, its keys)."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        names: Names,
+        cfg: TopologyConfig = DEFAULT_TOPOLOGY,
+        *,
+        on_declared: Callable[[list[str]], Awaitable[None]] | None = None,
+        interval_s: float | None = None,
+    ) -> None:
+        self._js, self._names, self._cfg = js, names, cfg
+        self._on_declared = on_declared
+        self.interval_s = interval_s
+        self._poked = asyncio.Event()
+        self._seen: dict[str, str | None] = {}  # stream -> its creation time, as last looked at
+        self._unrestored: set[str] = set()  # lost, and on_declared not yet through for them
+        self.redeclared: list[tuple[float, list[str]]] = []  # (wall time, streams lost): for tests and logs
+
+    def poke(self) -> None:
+        self._poked.set()
+
+    def _retry_later(self) -> None:
+        asyncio.get_running_loop().call_later(TOPOLOGY_RETRY_S, self._poked.set)
+
+    async def _look(self) -> dict[str, str | None]:
+        out: dict[str, str | None] = {}
+        for name in topology_streams(self._names):
+            try:
+                info = await self._js.stream_info(name)
+                out[name] = str(info.created)
+            except nats.js.errors.NotFoundError:
+                out[name] = None
+        return out
+
+    async def run(self) -> None:
+        last: float | None = None
+        while True:
+            now = time.monotonic()
+            if last is None:
+                wait: float | None = 0.0
+            elif self.interval_s is None:
+                wait = None  # until poked
+            else:
+                wait = max(0.0, last + self.interval_s - now)
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._poked.wait(), wait)
+            poked = self._poked.is_set()
+            self._poked.clear()
+            if not topology_check_due(time.monotonic(), last, poked, self.interval_s):
+                continue
+            first, last = last is None, time.monotonic()
+            try:
+                seen = await self._look()
+                lost = renewed_streams(self._seen, seen) if not first else []
+                if any(created is None for created in seen.values()):
+                    await ensure_topology(self._js, self._names, self._cfg)
+                    seen = await self._look()
+            except (ServiceUnavailable, nats.errors.Error, nats.js.errors.Error, OSError):
+                self._retry_later()  # the broker is away: look again shortly (a reconnect pokes too)
+                continue
+            self._seen = seen
+            if lost:
+                self.redeclared.append((time.time(), lost))
+                log.warning("namespace declared again: the broker had lost part of it", lost=lost)
+            self._unrestored |= set(lost) | (set(seen) if poked and not first else set())
+            if not self._unrestored or self._on_declared is None:
+                continue
+            try:
+                await self._on_declared(sorted(self._unrestored))
+                self._unrestored.clear()
+            except (ServiceUnavailable, nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+                # (kept: the next look restores them again, even if nothing more was lost)
+                log.warning("restoring after a lost namespace failed; trying again", error=str(exc))
+                self._retry_later()

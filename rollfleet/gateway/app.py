@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from rollfleet.gateway import protocol
 from rollfleet.gateway.chat import ChatTemplate
 from rollfleet.gateway.protocol import GatewayRequest
+from rollfleet.runtime.aio import KeyedLocks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import RolloutResult
 from rollfleet.schemas.bounded import load_json
@@ -73,8 +74,8 @@ class Gateway:
         self.default_max_staleness = default_max_staleness
         self.timeout_s = timeout_s
         self.metrics = GatewayMetrics()
-        self._cancels: set[asyncio.Task[Any]] = set()
-        self._opening: dict[str, asyncio.Lock] = {}  # one open of a session at a time
+        self._cancels: dict[str, asyncio.Task[Any]] = {}  # job id -> its cancel, while under way
+        self._opening = KeyedLocks()  # one open of a session at a time
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._measured])
@@ -142,12 +143,12 @@ class Gateway:
         """The client went away. A request without an idempotency key can never be asked for
         again: its job is cancelled in the fleet (its replica's slot freed). One with a key runs
         on, so that a retry gets its one answer."""
-        if req.idempotency_key is not None or handle.done():
-            return
+        if req.idempotency_key is not None or handle.done() or handle.job_id in self._cancels:
+            return  # (a batch's input abandoned twice, by its own wait and by the batch: one cancel)
         log.info("client gone; cancelling its job", job_id=handle.job_id)
         task = asyncio.ensure_future(handle.cancel(timeout=10.0))
-        self._cancels.add(task)
-        task.add_done_callback(self._cancels.discard)
+        self._cancels[handle.job_id] = task
+        task.add_done_callback(lambda _: self._cancels.pop(handle.job_id, None))
 
     # -- routes -----------------------------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
@@ -175,7 +176,7 @@ class Gateway:
         if key is None:
             return None
         sid = protocol.session_id_of(key)
-        async with self._opening.setdefault(sid, asyncio.Lock()):
+        async with self._opening.hold(sid):
             found = self.client.sessions.get(sid)
             if isinstance(found, Session) and not found.closed and not self.client.shared:
                 return found
@@ -229,11 +230,15 @@ class Gateway:
         if any(h in request.headers for h in protocol.SESSION_HEADERS):
             raise InvalidRequest("a batch of inputs cannot be one session's turn: send the turns one by one")
         handles: list[RolloutHandle] = []
+        waits: list[asyncio.Future[RolloutResult]] = []
         try:
             for req in reqs:
                 handles.append(await self._submit(req))
-            results = await asyncio.gather(*(self._await(r, h) for r, h in zip(reqs, handles, strict=False)))
+            waits = [asyncio.ensure_future(self._await(r, h)) for r, h in zip(reqs, handles, strict=True)]
+            results = await asyncio.gather(*waits)
         except (RollfleetError, asyncio.CancelledError):
+            for wait in waits:  # (the siblings still waiting stop waiting: nobody reads them now)
+                wait.cancel()
             for req, handle in zip(reqs, handles, strict=False):
                 self._abandoned(req, handle)
             raise

@@ -28,6 +28,7 @@ checksums agree with every final-state checksum this store publishes for that ve
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -232,12 +233,25 @@ def host_lock(local_dir: Path) -> Iterator[None]:
     with _THREAD_LOCKS_GUARD:
         tlock = _THREAD_LOCKS.setdefault(key, threading.Lock())
     with tlock:
-        fd = os.open(Path(local_dir) / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_lock(Path(local_dir) / LOCK)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)  # releases the flock
+
+
+def _open_lock(path: Path) -> int:
+    """The lock file, opened for flock. On a disk that refuses writes (remounted read-only after
+    I/O errors, or a directory made read-only) an existing one is opened read-only, which flock
+    accepts: a checkpoint already there at the version asked for is still read and served, and
+    anything that needs a write fails later, at that write, typed (``LocalDiskError``)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) or not path.is_file():
+            raise
+        return os.open(path, os.O_RDONLY)
 
 
 # -- planning ----------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -17,6 +18,29 @@ async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], timeout: float = 5.0) -
         task.cancel()
     if tasks:
         await asyncio.wait(tasks, timeout=timeout)
+
+
+class KeyedLocks:
+    """One lock per key, kept only while someone holds or waits for it: a long-lived server that
+    serializes work per session id keeps no lock for every id it ever saw."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}  # key -> (its lock, [users])
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+    @asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.setdefault(key, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._locks[key]
 
 
 async def wait_event(event: asyncio.Event, timeout: float | None) -> bool:

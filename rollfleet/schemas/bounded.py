@@ -31,6 +31,8 @@ def json_depth_within(raw: bytes | str, max_depth: int = MAX_DEPTH) -> bool:
     dropped, then strings, then innermost pairs removed one level per pass. Malformed text whose
     brackets do not pair up is left for the parser to refuse."""
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
+    if data.count(b"[") + data.count(b"{") <= max_depth:  # (no more openers than that: no deeper)
+        return True
     # Escaped backslashes, then escaped quotes, go first: every quote left delimits a string.
     marks = data.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
     # Any two quotes in a row are an empty string or the seam of two strings (whatever stood
@@ -51,6 +53,10 @@ def json_depth_within(raw: bytes | str, max_depth: int = MAX_DEPTH) -> bool:
 def depth_within(value: object, max_depth: int = MAX_DEPTH) -> bool:
     """Whether a decoded value (lists, tuples and dicts of plain data) nests at most
     ``max_depth`` deep; walked with a stack of its own, so any depth is safe to look at."""
+    if not isinstance(value, dict | list | tuple):
+        return True
+    if not any(isinstance(v, dict | list | tuple) for v in (value.values() if isinstance(value, dict) else value)):
+        return max_depth >= 1  # a flat container, the usual case (an empty ``extra``): one level
     stack: list[tuple[object, int]] = [(value, 0)]
     while stack:
         item, depth = stack.pop()

@@ -279,6 +279,19 @@ class StoreAccessDenied(PolicyError):
     code = "store_access_denied"
 
 
+class LocalDiskError(PolicyError):
+    """The replica's own disk refused a write (full, read-only, over a file size limit, failing):
+    the local checkpoint was left at its last good version, or with no marker; try again later."""
+
+    code = "local_disk_error"
+    retryable = True  # a disk that is freed, remounted or replaced takes the same write
+
+    def __init__(self, message: str = "", *, errno_name: str = "", path: str | None = None) -> None:
+        super().__init__(message)
+        self.errno_name = errno_name  # e.g. ENOSPC, EFBIG, EROFS, EACCES
+        self.path = path  # the file the write was refused for, where the OS said
+
+
 class NoServableVersion(PolicyError):
     """At start-up, no committed version at or below the latest could be materialized and verified."""
 

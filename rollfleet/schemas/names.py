@@ -81,6 +81,11 @@ class Claim(NamedTuple):
     def stopped(self) -> bool:
         return not self.holder or self.refreshed == 0.0
 
+    def as_stopped(self) -> Claim:
+        """The same claim, marked stopped (its holder is gone; the claim stays, so an
+        ``at_most_once`` job is answered ``Interrupted``, not run again)."""
+        return self._replace(refreshed=0.0)
+
     def encode(self) -> bytes:
         return f"{self.holder}@{self.refreshed:.3f}".encode() if self.refreshed else f"{self.holder}@0".encode()
 
@@ -210,6 +215,11 @@ class Names:
         """The broker's announcement that a consumer of ``stream`` has a new leader: pull
         requests held by the old one are gone (a cluster fail-over)."""
         return f"$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.{stream}.*"
+
+    @staticmethod
+    def stream_deleted_advisory(stream: str) -> str:
+        """The broker's announcement that ``stream`` (or the KV bucket it holds) was deleted."""
+        return f"$JS.EVENT.ADVISORY.STREAM.DELETED.{stream}"
 
     @staticmethod
     def max_deliveries_advisory(stream: str) -> str:

@@ -11,6 +11,14 @@ its own, so a fault on the link hits that worker alone:
 - ``lag(seconds, for_s)``: every chunk in both directions arrives this much later (latency;
   chunks in flight overlap, so the link is slower to answer, not narrower).
 - ``cut()``: every connection through the proxy is closed at once (a reset link).
+- ``truncate(after_bytes, for_s)``: for ``for_s`` seconds every connection, open or new, carries
+  at most ``after_bytes`` more bytes down (server to client) and is then closed: a response cut
+  short (an object store's body ending early; the client sees fewer bytes than announced).
+- ``drop(for_s)``: every open connection is reset, and for ``for_s`` seconds so is every new one
+  as soon as it is accepted (a peer that refuses, a load balancer with no backend).
+
+The same proxy stands between a worker and an object store (the adversary's ``--store s3``),
+where it sees HTTP as it sees NATS: bytes.
 
 The proxy is the harness's code, in the harness's process; it never parses the protocol.
 """
@@ -32,6 +40,15 @@ class _Direction:
         self.open.set()
 
 
+@dataclass
+class _Budget:
+    """What one connection may still carry down while a truncate fault is on (per fault: a new
+    fault, or a new connection, starts from the fault's full allowance)."""
+
+    epoch: int = -1
+    left: int = 0
+
+
 class LinkProxy:
     """One listening port on loopback, forwarding every connection to ``target``."""
 
@@ -43,6 +60,14 @@ class LinkProxy:
         self._server: asyncio.Server | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self.truncate_after: int | None = None  # bytes a connection may carry down while truncating
+        self._truncate_epoch = 0
+        self.dropping = False
+        self._lags: list[float] = []  # the faults in force, of each kind
+        self._truncations: list[int] = []
+        self._drops = 0
+        self.truncated = 0  # connections a truncate fault has closed (tests read it)
+        self.dropped = 0  # connections a drop fault has reset
 
     async def start(self) -> LinkProxy:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -72,12 +97,48 @@ class LinkProxy:
             for way in ways:
                 way.open.set()
 
+    # (Faults of one kind that overlap nest: the link is as bad as the worst one in force, until
+    # the last ends; the first to end does not heal it while another's window is still open.)
     async def lag(self, seconds: float, for_s: float) -> None:
-        self.delay_s = seconds
+        self._lags.append(seconds)
+        self.delay_s = max(self._lags)
         try:
             await asyncio.sleep(for_s)
         finally:
-            self.delay_s = 0.0
+            self._lags.remove(seconds)
+            self.delay_s = max(self._lags, default=0.0)
+
+    async def truncate(self, after_bytes: int, for_s: float) -> None:
+        """For ``for_s`` seconds, each connection carries at most ``after_bytes`` more bytes down
+        (counted from the fault's start, or the connection's), then is closed."""
+        limit = max(0, int(after_bytes))
+        self._truncate_epoch += 1
+        self._truncations.append(limit)
+        self.truncate_after = min(self._truncations)
+        try:
+            await asyncio.sleep(for_s)
+        finally:
+            self._truncations.remove(limit)
+            self.truncate_after = min(self._truncations, default=None)
+
+    async def drop(self, for_s: float) -> None:
+        """Reset every open connection now, and every new one for ``for_s`` seconds."""
+        self._drops += 1
+        self.dropping = True
+        self.dropped += len(self._writers) // 2  # (each connection: the client's side and the server's)
+        self.cut()
+        try:
+            await asyncio.sleep(for_s)
+        finally:
+            self._drops -= 1
+            self.dropping = self._drops > 0
+
+    def heal(self) -> None:
+        """End every lag, truncate and drop fault at once (their tasks cancelled or not)."""
+        self._lags.clear()
+        self._truncations.clear()
+        self._drops = 0
+        self.delay_s, self.truncate_after, self.dropping = 0.0, None, False
 
     def cut(self) -> None:
         for writer in list(self._writers):
@@ -89,13 +150,21 @@ class LinkProxy:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        if self.dropping:  # refused: reset before a byte passes
+            self.dropped += 1
+            with contextlib.suppress(Exception):
+                writer.transport.abort()
+            return
         self._conns.add(task)
         self._writers.add(writer)
         upstream: asyncio.StreamWriter | None = None
         try:
             up_reader, upstream = await asyncio.open_connection(*self.target)
             self._writers.add(upstream)
-            await asyncio.gather(self._pump(reader, upstream, self._up), self._pump(up_reader, writer, self._down))
+            budget = _Budget()
+            await asyncio.gather(
+                self._pump(reader, upstream, self._up), self._pump(up_reader, writer, self._down, budget)
+            )
         except (OSError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -106,9 +175,24 @@ class LinkProxy:
                         w.transport.abort()
             self._conns.discard(task)
 
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, way: _Direction) -> None:
+    def _allowed(self, budget: _Budget | None, size: int) -> int | None:
+        """How many of ``size`` bytes going down may pass now (None: all; fewer: then close)."""
+        limit = self.truncate_after
+        if budget is None or limit is None:
+            return None
+        if budget.epoch != self._truncate_epoch:
+            budget.epoch, budget.left = self._truncate_epoch, limit
+        if size < budget.left:
+            budget.left -= size
+            return None
+        return budget.left
+
+    async def _pump(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, way: _Direction, budget: _Budget | None = None
+    ) -> None:
         """Read as bytes come, deliver each chunk ``delay_s`` after it was read, in order: latency,
-        not a narrower link (chunks in flight overlap, as packets on a long link do)."""
+        not a narrower link (chunks in flight overlap, as packets on a long link do). ``budget``:
+        this is the way down, which a truncate fault cuts short."""
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
@@ -120,6 +204,13 @@ class LinkProxy:
                 if due > loop.time():
                     await asyncio.sleep(due - loop.time())
                 await way.open.wait()  # a stalled direction holds its bytes, in order
+                allowed = self._allowed(budget, len(data))
+                if allowed is not None:  # truncated: what fits, then the connection ends
+                    dst.write(data[:allowed])
+                    await dst.drain()
+                    dst.close()  # a FIN after the bytes (the abort below then discards nothing)
+                    self.truncated += 1
+                    return
                 dst.write(data)
                 await dst.drain()
 

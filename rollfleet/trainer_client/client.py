@@ -25,11 +25,13 @@ from rollfleet.broker.connection import connect
 from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
     TopologyConfig,
+    TopologyKeeper,
     declare_job_consumer,
     declare_replica_consumer,
     ensure_results_consumer,
     ensure_topology,
     given_up_seq,
+    topology_streams,
 )
 from rollfleet.runtime.aio import stop_tasks, wait_event
 from rollfleet.runtime.logs import get_logger
@@ -56,7 +58,6 @@ from rollfleet.schemas.errors import (
     Cancelled,
     ClientIdInUse,
     ContractViolation,
-    Expired,
     IdempotencyConflict,
     NoCompatibleReplica,
     RollfleetError,
@@ -74,19 +75,16 @@ from rollfleet.trainer_client.jobids import JobIds
 from rollfleet.trainer_client.lease import ClientLease
 from rollfleet.trainer_client.placement import PUBLISH_BUDGET_S, JobPlacement
 from rollfleet.trainer_client.requests import build_job, constraint_from, written_constraint
-from rollfleet.trainer_client.sessions import OpenSession, Session, expire_idle
+from rollfleet.trainer_client.restore import restore_namespace
+from rollfleet.trainer_client.sessions import OpenSession, Session
 from rollfleet.trainer_client.streaming import stream_tokens
 from rollfleet.trainer_client.versions import adopt_version, commit_version
+from rollfleet.trainer_client.watch import JobWatch
 
 log = get_logger("rollfleet.client")
 
 _BELL_INTERVAL_S = 0.05
 _CONSUMER_RECHECK_S = 600.0
-_ORPHAN_GRACE_S = 2.0  # an exact job no replica can serve is withdrawn after this long
-_PROBE_S = 1.0  # a replica that may hold an orphaned exact job is probed this often
-_STALL_AFTER_S = 1.0  # a job unanswered this long makes its subject worth a look (see _watch_stalls)
-_STALL_JOBS_PER_BELL = 4  # a woken replica pulls up to its free slots (4 by default)
-_STALL_BELLS_MAX = 64
 
 
 class RolloutClient:
@@ -110,8 +108,6 @@ class RolloutClient:
         self.topology = topology
         self.limits = limits
         self.default_timeout_s = default_timeout_s
-        self.deadline_grace_s = deadline_grace_s
-        self.fail_fast = fail_fast
         self.fleet = FleetView(self.js, names)
         self.metrics = ClientMetrics(self.client_id)
         self._lease = ClientLease(nc, self.js, names, self.client_id)
@@ -128,12 +124,12 @@ class RolloutClient:
         self._closed = False
         self._background: set[asyncio.Task[Any]] = set()
         self._bells: dict[tuple[str, int], float] = {}
-        self._probed: dict[str, float] = {}  # replica -> when an orphan check last probed it
         # Until then, a key given explicitly is looked up among the stored answers before its job
         # is stored (see _answered_before).
         self._recheck_until = time.monotonic() + topology.duplicate_window_s
         self._consumers: dict[str, float] = {}  # consumer -> until when it is known to exist
         self._sessions_bucket: KeyValue | None = None
+        self.keeper: TopologyKeeper | None = None  # declares again what the broker lost (restore.py)
         self.placement = JobPlacement(
             self.client_id,
             self.js,
@@ -148,6 +144,36 @@ class RolloutClient:
         )
         self.sessions: dict[str, OpenSession] = {}  # open sessions of this client, by id
         self._bell_inbox = ""
+        self.watch = JobWatch(
+            self._handles,
+            self.fleet,
+            self.placement,
+            self.js,
+            names,
+            deadline_grace_s=deadline_grace_s,
+            fail_fast=fail_fast,
+            sessions=lambda: self.sessions,
+            spawn=self._spawn,
+            withdraw=self._withdraw,
+            settle_stored=self._settle_stored,
+            no_replica_message=self._no_replica_message,
+            redeclare=self._redeclare,
+            ring=self._ring,
+        )
+
+    @property
+    def deadline_grace_s(self) -> float:
+        """How long past a job's deadline its answer is still waited for before ``Expired``."""
+        return self.watch.deadline_grace_s
+
+    @deadline_grace_s.setter
+    def deadline_grace_s(self, seconds: float) -> None:
+        self.watch.deadline_grace_s = seconds
+
+    @property
+    def fail_fast(self) -> bool:
+        """Whether an exact job no replica can serve any more is answered ``NoCompatibleReplica``."""
+        return self.watch.fail_fast
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -220,9 +246,19 @@ class RolloutClient:
         await self.nc.subscribe(self.names.max_deliveries_advisory(self.names.jobs_stream), cb=self._on_given_up)
         self.inbox.start(self._results_consumer, self._ids)
         self._started = True
-        self._expiry_task = asyncio.create_task(self._expire_handles(), name="deadlines")
-        self._stall_task = asyncio.create_task(self._watch_stalls(), name="stalls")
+        self._expiry_task = asyncio.create_task(self.watch.deadlines(), name="deadlines")
+        self._stall_task = asyncio.create_task(self.watch.stalls(), name="stalls")
         self._spawn(self._declare_windows())
+        self.keeper = TopologyKeeper(
+            self.js, self.names, self.topology, on_declared=lambda created: restore_namespace(self, created)
+        )
+        self._spawn(self.keeper.run())
+        for stream in topology_streams(self.names):  # (looked at again only when one is deleted)
+            await self.nc.subscribe(self.names.stream_deleted_advisory(stream), cb=self._on_stream_deleted)
+
+    async def _on_stream_deleted(self, _: Msg) -> None:
+        if self.keeper is not None:
+            self.keeper.poke()
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -520,94 +556,12 @@ class RolloutClient:
                 f"(constraint {job.constraint}); give this request its own key"
             )
 
-    # -- deadlines, orphans and stalls --------------------------------------------------------
-    async def _expire_handles(self) -> None:
-        """Fail pending handles whose deadline (plus grace) passed without a result, and (with
-        fail_fast) exact jobs that no replica can serve any more: one sweep over what is in
-        flight, four times a second, instead of a timer per job."""
-        orphaned: dict[str, float] = {}  # key -> since when no live replica can serve it
-        held: dict[str, tuple[float, bool]] = {}  # key -> (when looked, whether a holder may run it)
-        while True:
-            await asyncio.sleep(0.25)
-            cutoff = time.time() - self.deadline_grace_s
-            for handle in [h for h in self._handles.values() if h.job.deadline <= cutoff]:
-                if handle.set_error(Expired(f"no result for {handle.idempotency_key!r} by its deadline")):
-                    self._spawn(self._withdraw(handle))
-            if self.fail_fast:
-                await self._fail_orphaned(orphaned, held)
-            if self.sessions:
-                await expire_idle([s for s in self.sessions.values() if isinstance(s, Session)])
-
-    async def _fail_orphaned(self, orphaned: dict[str, float], held: dict[str, tuple[float, bool]]) -> None:
-        """An exact job that no live replica can serve any more (every one has moved past its
-        version) is never served: once that has lasted a moment, withdraw it and say so
-        (``NoCompatibleReplica``) rather than let the caller wait for its deadline. While a live
-        replica is still at the version (an activation draining its exact jobs) it may be
-        running the job: that replica is probed, and the job left to it until it has moved on
-        or is gone; then the job, queued or handed back, is withdrawn (a replica that died
-        holding it cannot answer)."""
-        now = time.monotonic()
-        pending = {
-            h.idempotency_key: h
-            for h in self._handles.values()
-            if h.job.constraint.kind == "exact" and h.replica is None and h.stream_seq is not None
-        }
-        for key in [k for k in orphaned if k not in pending]:
-            del orphaned[key]
-        for key in [k for k in held if k not in pending]:
-            del held[key]
-        for key, handle in pending.items():
-            constraint = handle.job.constraint
-            if self.fleet.compatible(constraint):
-                orphaned.pop(key, None)
-                continue
-            # (One that holds no job at all, e.g. activating away after it handed this one back,
-            # holds nothing of it: it takes no more jobs of the version it is leaving.)
-            holders = [
-                r.worker_id for r in self.fleet.replicas() if r.active_version == constraint.version and r.in_flight
-            ]
-            if holders:  # (asked of the broker at most once a second per job)
-                checked_at, may_hold = held.get(key, (0.0, True))
-                if now - checked_at >= _PROBE_S:
-                    may_hold = await self._may_hold(handle, holders)
-                    held[key] = (now, may_hold)
-                if not may_hold:
-                    holders = []
-            for worker_id in holders:  # (no responders: marked gone, and no longer a holder)
-                if now - self._probed.get(worker_id, 0.0) >= _PROBE_S:
-                    self._probed[worker_id] = now
-                    self.placement.probe(worker_id)
-            if holders or now - orphaned.setdefault(key, now) < _ORPHAN_GRACE_S:
-                continue
-            orphaned[key] = now  # look again after another grace period if it cannot be withdrawn
-            await self.placement.delete(handle)
-            # Answered just before? (A worker stores its answer before it acks.)
-            if handle.done() or await self._settle_stored(handle):
-                continue
-            self._handles.pop(key, None)
-            handle.set_error(NoCompatibleReplica(self._no_replica_message(constraint)))
-
-    async def _may_hold(self, handle: RolloutHandle, holders: list[str]) -> bool:
-        """Whether one of these replicas, at the job's version but no longer taking its jobs
-        (draining, activating away), may be running it: only if it was ever delivered, and for a
-        claimed job only if its claim names one of them. A draining replica finishing its own
-        long jobs must not keep a job it never took (or one a dead replica took) waiting."""
-        delivered = await self.placement.delivered(handle)
-        if delivered is False:
-            return False
-        if delivered is None or not handle.job.claimed:
-            return True  # delivered, or unknown (broker away, its consumer deleted): leave it be
-        try:
-            holder = await self.placement.holder(handle, strict=True)
-        except (nats.errors.Error, nats.js.errors.Error):
-            return True
-        return holder is not None and holder.worker_id in holders
-
+    # -- bells ---------------------------------------------------------------------------------
     def _ring(self, constraint: VersionConstraint, *, stalled: bool = False, fresh: bool = False) -> None:
         """Wake one replica for a job just stored on a subject outside every live replica's
         window (``FleetView.covered``: no request is surely waiting there): a core message to that
         replica alone, chosen round robin among those whose version can take it, at most one per
-        subject per interval. It may be lost; ``_watch_stalls`` rings again where jobs wait unpulled.
+        subject per interval. It may be lost; ``JobWatch.stalls`` rings again where jobs wait unpulled.
         ``fresh``: the subject's consumer may have been missing when replicas looked (they do
         not create it), so even a listened subject gets a bell."""
         if not stalled and not fresh and self.fleet.covered(constraint):
@@ -634,41 +588,6 @@ class RolloutClient:
         if parsed is not None:
             (kind, version), _ = parsed
             self._ring(VersionConstraint(kind, version), stalled=True)
-
-    async def _watch_stalls(self) -> None:
-        """Once a second, while some job has waited over a second for its answer: for each of
-        their subjects, ask the broker (one consumer look-up) whether jobs wait there with no
-        pull request waiting for them, and if so ring one replica per few of them. This covers
-        lost bells, replicas that keep a subject's jobs queued behind full slots, replicas
-        standing by (the subject's ``max_waiting`` was reached when they asked), and jobs whose
-        holder died on a subject outside every live replica's window (they are redelivered only
-        to a replica that pulls there). A consumer found
-        missing is declared again (it was deleted, or cleaned up while cached as existing).
-        Nothing pending, nothing asked: an idle client makes no request."""
-        while True:
-            await asyncio.sleep(_STALL_AFTER_S)
-            cutoff = time.time() - _STALL_AFTER_S
-            waiting = {
-                h.job.constraint
-                for h in list(self._handles.values())
-                if h.job.submitted_at < cutoff and not h.done() and h.replica is None  # (sticky: watched apart)
-            }
-            for constraint in waiting:
-                consumer = self.names.job_consumer(constraint.kind, constraint.version)
-                try:
-                    info = await self.js.consumer_info(self.names.jobs_stream, consumer)
-                except nats.js.errors.NotFoundError:
-                    await self._redeclare(constraint)
-                    continue
-                except (nats.errors.Error, nats.js.errors.Error) as exc:
-                    log.debug("stall check failed", subject=consumer, error=str(exc))
-                    continue
-                # Jobs delivered to a holder that died come back only to a replica that pulls there
-                # (after ack_wait): with no request waiting, one is rung for them too.
-                stuck = 0 if info.num_waiting else (info.num_pending or 0) + (1 if info.num_ack_pending else 0)
-                # One replica per few queued jobs (each pulls up to its free slots), bounded.
-                for _ in range(min(-(-stuck // _STALL_JOBS_PER_BELL), _STALL_BELLS_MAX)):
-                    self._ring(constraint, stalled=True)
 
     # -- sessions (sessions.host.SessionHost) -------------------------------------------------
     async def submit_turn(
@@ -947,6 +866,8 @@ class RolloutClient:
         self._recheck_until = time.monotonic() + self.topology.duplicate_window_s  # (see _answered_before)
         self.inbox.renew()  # re-request at once instead of waiting out the old one
         self.fleet.note_reconnected()
+        if self.keeper is not None:  # (the broker may be back on an empty or older store)
+            self.keeper.poke()
         self._spawn(self._check_lease())
 
     async def _check_lease(self) -> None:

@@ -98,13 +98,25 @@ class FleetView:
         self._fleet_kv = await self._js.key_value(self._names.fleet_bucket)
         self._policy_kv = await self._js.key_value(self._names.policy_bucket)
         await self.refresh()
+        self._watch()
+        return self
+
+    def _watch(self) -> None:
+        assert self._fleet_kv is not None and self._policy_kv is not None
         self._tasks = [
             asyncio.create_task(watch_keys(self._fleet_kv, ">", self._on_entry, log), name="fleet-watch"),
             asyncio.create_task(
                 watch_keys(self._policy_kv, self._names.LATEST_KEY, self._on_entry, log), name="policy-watch"
             ),
         ]
-        return self
+
+    async def rewatch(self) -> None:
+        """The registry or the policy bucket was lost and declared again: a watcher of the lost one
+        may wait for ever on a consumer that no longer exists, without an error. Watch both anew
+        and re-read them."""
+        await stop_tasks(self._tasks)
+        self._watch()
+        await self.refresh()
 
     async def close(self) -> None:
         await stop_tasks([*self._tasks, *self._background])

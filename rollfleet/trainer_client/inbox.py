@@ -182,12 +182,15 @@ class ResultsInbox:
     def deliver(self, outcome: Outcome) -> None:
         key = outcome.idempotency_key
         answer = (key, outcome.job_id)
-        if answer in self.delivered:
-            return  # one answer per job: a late duplicate is dropped
+        handle = self._handles.get(key)
+        if answer in self.delivered and handle is None:
+            return  # one answer per job: a late duplicate nobody waits for is dropped
+        # (A handle waiting for a key answered before was stored again because its stored answer
+        # is gone: the broker lost it with its store. The job id is the key's, so the new run's
+        # answer has the same (key, job id) and is the one it waits for, not a duplicate.)
         if not self._issued(outcome.job_id, key):
             log.warning("answer to a job this client never issued dropped", idempotency_key=key, job_id=outcome.job_id)
             return
-        handle = self._handles.get(key)
         if handle is not None:
             if self._settle(handle, outcome):
                 self._handles.pop(key, None)

@@ -56,6 +56,15 @@ class JobIds:
             raise ServiceUnavailable(f"cannot read the client's job id secret: {exc}") from exc
         return cls(client_id, secret)
 
+    async def restore(self, kv: KeyValue) -> None:
+        """Write this client id's secret back where the broker lost it (a store wiped, or the
+        sessions bucket deleted): a restarted trainer, or a re-ask, must recognise the ids issued
+        under it. A secret found there already (another client's) is left as it is."""
+        try:
+            await kv.create(f"c.{self._client.decode()}", self._secret)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            pass
+
     def issue(self, idempotency_key: str | None) -> str:
         """The job id for ``idempotency_key``: the same for every submission of the key by this
         client id; None: a new random id, which becomes the job's key."""

@@ -11,7 +11,10 @@ without waiting out a time-out.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from contextlib import suppress
+from typing import Literal
 
 import nats.errors
 import nats.js.errors
@@ -24,6 +27,18 @@ from rollfleet.schemas import Names
 from rollfleet.schemas.errors import ClientIdInUse
 
 _ASK_S = 1.0
+
+
+def lease_held(named: str | None, instance: str, others_answering: list[str]) -> Literal["held", "lost", "rewrite"]:
+    """Whether a client still holds its id, from what the lease key names and which other live
+    clients answer on the id's subject: another live client answering means it took over; the key
+    naming this client means held; a key lost or naming a dead holder (the broker lost or rolled
+    back its store) is written back."""
+    if others_answering:
+        return "lost"
+    if named == instance:
+        return "held"
+    return "rewrite"
 
 
 class ClientLease:
@@ -64,13 +79,58 @@ class ClientLease:
             raise ClientIdInUse(self._in_use("a client starting at the same moment")) from None
 
     async def held(self) -> bool:
-        """Whether the lease key still names this client (False after another took over)."""
+        """Whether this client still holds the id (False after another took over).
+
+        A key that no longer names this client is not proof of a take-over: the broker may have
+        lost it (a store wiped: no key) or gone back to an older copy of it (a store rolled back:
+        the key names a holder that died before). Only another live client answering on the
+        id's subject is (``lease_held``); without one, the key is written back."""
         kv = await self._js.key_value(self._names.fleet_bucket)
+        key = self._names.client_key(self._client_id)
         try:
-            entry = await kv.get(self._names.client_key(self._client_id))
+            entry = await kv.get(key)
         except nats.js.errors.KeyNotFoundError:
-            return False
-        return entry.value == self.instance.encode()
+            entry = None
+        named = None if entry is None else (entry.value or b"").decode(errors="replace")
+        others = [] if named == self.instance else await self._others_answering()
+        verdict = lease_held(named, self.instance, others)
+        if verdict != "rewrite":
+            return verdict == "held"
+        try:
+            if entry is None:
+                await kv.create(key, self.instance.encode())
+            else:
+                await kv.update(key, self.instance.encode(), last=entry.revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            # Written meanwhile: by this client's other look (a reconnect's check and the
+            # namespace's restore race), or by another client starting now.
+            try:
+                return (await kv.get(key)).value == self.instance.encode()
+            except nats.js.errors.KeyNotFoundError:
+                return False
+        return True
+
+    async def restore(self) -> None:
+        """After the broker lost the fleet bucket: the key written back (see ``held``)."""
+        if self._sub is not None:
+            await self.held()
+
+    async def _others_answering(self) -> list[str]:
+        """The instances, other than this one, that answer on the id's subject within ``_ASK_S``."""
+        inbox = self._nc.new_inbox()
+        answers: list[str] = []
+
+        async def take(msg: Msg) -> None:
+            answers.append(msg.data.decode(errors="replace"))
+
+        sub = await self._nc.subscribe(inbox, cb=take)
+        try:
+            await self._nc.publish(self._names.client_alive_subject(self._client_id), b"", reply=inbox)
+            await asyncio.sleep(_ASK_S)
+        finally:
+            with suppress(Exception):
+                await sub.unsubscribe()
+        return [a for a in answers if a != self.instance]
 
     async def _ask(self, subject: str) -> str | None:
         try:

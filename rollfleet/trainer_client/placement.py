@@ -228,7 +228,7 @@ class JobPlacement:
                 return False
             if await self._listening(claim.worker_id):
                 return False  # a process of that replica is connected (perhaps a new one)
-            await claims.update(key, claim._replace(refreshed=0.0).encode(), last=entry.revision)
+            await claims.update(key, claim.as_stopped().encode(), last=entry.revision)
             return True
         except (nats.errors.Error, nats.js.errors.Error):
             return False  # no claim (it never started), or it changed: nothing to say

@@ -26,9 +26,8 @@ broker's duplicate window.
 A job handed back unrun (a version change raced its pull, or an activation's drain ran out) has
 its claim removed and is served normally elsewhere.
 
-Answers are stored on a subject that names the job and this worker (``Names.result_subject``;
-the broker lets a worker publish only under its own id) with the message id ``h:<job>``, so a
-job has one stored answer however many replicas ran it.
+Claims are ``claims.ClaimKeeper``'s, answers ``result_store.ResultStore``'s (one stored answer
+per job however many replicas ran it); this module is the order of a job's life between them.
 
 A job is admitted (registered as running) in the same step that checks its constraint against
 the served version, so an activation that drains exact jobs sees every job that passed the
@@ -39,41 +38,32 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import time
-import uuid
 from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import nats.errors
 import nats.js.errors
-import xxhash
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from rollfleet.broker.pull import delivery_info
-from rollfleet.broker.retry_publish import publish_retrying
 from rollfleet.runtime import faults
 from rollfleet.runtime.aio import wait_event
 from rollfleet.schemas import (
-    ChunkedOutcome,
     Completion,
     JobAddress,
     Limits,
     Names,
-    RolloutFailure,
     RolloutJob,
     RolloutResult,
     check_job,
     claim_key,
     decode_job,
-    encode,
     job_address,
-    job_token,
     served_within,
 )
 from rollfleet.schemas.errors import (
@@ -87,49 +77,21 @@ from rollfleet.schemas.errors import (
     ServiceUnavailable,
     Superseded,
 )
-from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, Claim, check_token
-from rollfleet.schemas.progress import open_claim, seal_claim
+from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, check_token
+from rollfleet.workers.claims import ClaimKeeper
 from rollfleet.workers.engines import Engine, Generation
 from rollfleet.workers.engines.base import sample_seed
 from rollfleet.workers.progress_log import ProgressLog
+from rollfleet.workers.result_store import ResultStore
+from rollfleet.workers.running_job import RunningJob
 from rollfleet.workers.serving import ServedVersion
 from rollfleet.workers.worker_metrics import WorkerMetrics
 
-_RESULT_PUBLISH_BUDGET_S = 20.0  # then the job stays unacked and is redelivered
 _HEADROOM = 16 * 1024  # message size left for headers and protocol overhead
 # A job handed back waits this long before redelivery, so a pull request this worker still has
 # open on its subject does not take it straight back again and again.
 _HAND_BACK_DELAY_S = 0.2
 _HAND_BACK_CHECKPOINT_S = 2.0  # a job handed back stores its tokens so far, briefly
-
-
-ClaimVerdict = Literal["held", "stopped", "watch"]
-
-
-def judge_claim(refreshed: float, now: float, *, stale_s: float, watched_s: float, confirm_s: float) -> ClaimVerdict:
-    """Whether the holder of a claim still runs its job, judged by a replica the job was delivered to.
-
-    ``refreshed``: when the holder last wrote the claim (unix time; 0: marked stopped by a client
-    that found the holder's connection gone). ``watched_s``: how long this replica has watched the
-    claim stay unchanged while the broker answered each of its looks promptly (``watched_after``).
-    A claim old by the clock is not enough: a paused or restarting broker stops every holder's
-    refreshes too, and redelivers the job the moment it is back, before any holder could write
-    again. The holder is gone only once it has also let ``confirm_s`` of broker time, seen
-    available, pass without a refresh; until then: ``"watch"``."""
-    if refreshed == 0.0:
-        return "stopped"
-    if now - refreshed < stale_s:
-        return "held"
-    return "stopped" if watched_s >= confirm_s else "watch"
-
-
-def watched_after(watched_s: float, *, same: bool, look_s: float, since_last_s: float, slow_s: float) -> float:
-    """``watched_s`` after one more look at a claim, ``since_last_s`` after the previous one: back
-    to 0 if the claim changed (its holder wrote it) or the look took longer than ``slow_s`` (the
-    broker stalled, and the holder's refreshes with it); otherwise the time since the last look."""
-    if not same or look_s > slow_s:
-        return 0.0
-    return watched_s + since_last_s
 
 
 def _token_versions(out: Completion, default: int) -> list[int]:
@@ -140,26 +102,6 @@ def _token_versions(out: Completion, default: int) -> list[int]:
     return versions
 
 
-
-
-@dataclass(eq=False)
-class RunningJob:
-    msg: Msg
-    job: RolloutJob
-    since: float = field(default_factory=time.monotonic)  # for progress acks
-    handed_back: bool = False  # an activation's drain gave up on it: discard whatever it produced
-    cancelled: bool = False  # its trainer cancelled it: stopped, and answered with what it made
-    claimed_at: float | None = None  # when its claim was last written (claimed jobs)
-    claim_revision: int | None = None  # of our last write of the claim (resumable jobs refresh by it)
-    took_over: bool = False  # its claim was taken over from a holder that stopped
-    claim_lost: bool = False  # its claim changed under it (another replica has the job): answer nothing
-    progress: ProgressLog | None = None  # resumable jobs: its checkpoints
-    # The engine requests it runs (a resumed job runs one per unfinished sample): what is aborted.
-    request_ids: list[str] = field(default_factory=list)
-
-    async def abort(self, engine: Engine) -> None:
-        for rid in self.request_ids or [self.job.job_id]:
-            await engine.abort(rid)
 
 
 class JobRunner:
@@ -194,32 +136,27 @@ class JobRunner:
         self._metrics = metrics
         self._log = log
         self._served = served
-        self._claims = claims
         self._on_engine_down = on_engine_down  # tells the worker to stop taking jobs
         self.checkpoint_tokens = checkpoint_tokens  # a resumable job's checkpoint: every N tokens
         self.checkpoint_s = checkpoint_s  # ... or T seconds, whichever comes first
         self.resumed = 0  # resumable jobs continued from another run's tokens
         self.tokens_kept = 0
         self.tokens_regenerated = 0
-        # A claim names its holder and this process (a worker restarted under the same id is a
-        # new holder: what the old one held is not being run any more).
-        self._holder = f"{worker_id}:{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        # A claim is refreshed every ack_wait / 3 and counts as stopped when twice ack_wait old: a
-        # holder cut off from the broker for a while (a broker restart, a partition) while it runs
-        # the job is not taken for dead at the moment the broker redelivers the job (ack_wait).
-        self._claim_refresh_s = max(ack_wait_s / 3.0, 0.2)
-        self._claim_stale_s = 2 * max(ack_wait_s, 3 * self._claim_refresh_s)
-        # A resumable job's holder is taken for gone sooner (three refreshes missed, not six): a
-        # takeover of a holder that was only slow costs the tokens since its last checkpoint, never
-        # a second answer (its writes are fenced off), and a replica's death costs less waiting.
-        self._resume_stale_s = 3 * self._claim_refresh_s
-        # A claim old by the clock is judged stopped only after this long watched unchanged while
-        # the broker answered (``judge_claim``): two refreshes of a live holder, and some.
-        self._claim_confirm_s = 3 * self._claim_refresh_s
         # A job held elsewhere is handed back with this delay: a few hand-backs span a claim going
         # stale, well inside max_deliver.
         self._held_delay_s = max(ack_wait_s / 2.0, 0.5)
         self._running: dict[int, RunningJob] = {}
+        self.claims = ClaimKeeper(
+            claims,
+            worker_id=worker_id,
+            ack_wait_s=ack_wait_s,
+            log=log,
+            running=lambda: self._running.values(),
+            abort=self._spawn_abort,
+        )
+        self.results = ResultStore(
+            js, names, worker_id=worker_id, chunk_bytes=self._chunk_bytes, log=log, on_failure=self._count
+        )
         self._aborts: set[asyncio.Future[None]] = set()  # engine aborts of runs that lost their claim
         self._changed = asyncio.Event()  # set whenever a running job ends
         self._holding = asyncio.Event()  # set while a job runs: keep_alive sleeps otherwise
@@ -264,7 +201,7 @@ class JobRunner:
             address = job_address(msg.data) or JobAddress()
             if address.client_id and address.idempotency_key:
                 client_id, key = address.client_id, address.idempotency_key
-            await self.answer_failure(
+            await self.results.store_failure(
                 client_id, key, exc, attempt, job_id=address.job_id, fingerprint=address.fingerprint
             )
             await msg.term()
@@ -292,37 +229,37 @@ class JobRunner:
         if time.time() > job.deadline:
             log.info("expired before it ran")
             err = Expired("deadline passed before a worker ran it")
-            await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
+            await self.results.store_failure(job.client_id, job.idempotency_key, err, attempt, job)
             await msg.ack()
             return
         guarded = job.claimed
         # A redelivery, or a job that may have been moved (the same job, a new message), may be
         # answered already: never run it again.
-        if (attempt > 1 or guarded) and await self._answered(job):
+        if (attempt > 1 or guarded) and await self.results.answered(job):
             log.info("job already answered; acking", attempt=attempt)
             await msg.ack()
             # Its holder may have died between storing the answer and acking: what it would have
             # cleaned up then (the checkpoints, the claim) is cleaned up here, not left for 24 h.
             if job.behaviour.checkpoints:
                 await self._progress_log(job, log).roll_up_answered()
-            await self._release_claim(job)
+            await self.claims.release(job)
             return
         if guarded:
-            verdict = await self._claim(run)
-            if verdict != "held" and await self._answered(job):
+            verdict = await self.claims.claim(run)
+            if verdict != "held" and await self.results.answered(job):
                 # Its holder stored the answer and released the claim between the look above and
                 # this claim (a redelivery racing the run it duplicates, on this replica or
                 # another): the claim is ours, the job is done; never run it again.
                 log.info("job answered before its claim was taken; acking", attempt=attempt)
                 await msg.ack()
-                await self._release_claim(job)
+                await self.claims.release(job)
                 return
             if verdict == "held" and job.behaviour.checkpoints:
-                verdict = await self._await_claim(run)
-                if verdict != "held" and await self._answered(job):  # its holder finished meanwhile
+                verdict = await self.claims.await_claim(run)
+                if verdict != "held" and await self.results.answered(job):  # its holder finished meanwhile
                     log.info("job answered while its claim was awaited; acking")
                     await msg.ack()
-                    await self._release_claim(job)
+                    await self.claims.release(job)
                     return
             if verdict == "held":
                 log.info("job held by a live replica; handed back to wait for its answer")
@@ -365,7 +302,7 @@ class JobRunner:
             else:
                 log.exception("engine failed")
                 err = EngineFailure(f"engine {self._engine.name} failed: {exc}")
-            if not await self._still_holds(run):
+            if not await self.claims.still_holds(run):
                 return
             await self._answer_and_close(job, msg, err, attempt)
             return
@@ -423,10 +360,10 @@ class JobRunner:
             except RollfleetError as exc:
                 log.warning("last checkpoint not stored; leaving the job to be redelivered", error=exc.message)
                 return
-        if not await self._still_holds(run):
+        if not await self.claims.still_holds(run):
             return  # (said when the claim was found lost)
         try:
-            stored = await self._store(job.client_id, job.idempotency_key, job.job_id, result)
+            stored = await self.results.store(job.client_id, job.idempotency_key, job.job_id, result)
         except ResultUnstorable as exc:
             log.error("result cannot be stored", error=exc.message)
             await self._answer_and_close(job, msg, exc, attempt)
@@ -437,7 +374,7 @@ class JobRunner:
         await msg.ack()
         if run.progress is not None:
             await run.progress.done()
-        await self._release_claim(job)
+        await self.claims.release(job)
         self.jobs_done += 1
         self._count("cancelled" if run.cancelled else "ok")
         self._metrics.queue_wait.observe(result.queue_wait_s)
@@ -506,7 +443,7 @@ class JobRunner:
             self._names,
             job,
             worker_id=self._worker_id,
-            run=self._holder,
+            run=self.claims.holder,
             every_tokens=self.checkpoint_tokens,
             every_s=self.checkpoint_s,
             metrics=self._metrics,
@@ -619,6 +556,19 @@ class JobRunner:
             await wait_event(self._changed, 1.0)
         return time.monotonic() - t0, len(late)
 
+    async def _answer_and_close(self, job: RolloutJob, msg: Msg, err: RollfleetError, attempt: int) -> None:
+        """A job that ends here with an error: the error stored as its answer, the delivery acked,
+        its claim released (in that order: an answer is never lost to a crash between them, and
+        the claim keeps a second run away until the answer is there)."""
+        await self.results.store_failure(job.client_id, job.idempotency_key, err, attempt, job)
+        await msg.ack()
+        await self.claims.release(job)
+
+    def _spawn_abort(self, run: RunningJob) -> None:
+        task = asyncio.ensure_future(run.abort(self._engine))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
     async def _hand_back(self, run: RunningJob, log: Any) -> None:
         """Return a job unanswered, as if never run: its claim is released, the broker redelivers it."""
         log.info("handed back", constraint=str(run.job.constraint))
@@ -628,229 +578,9 @@ class JobRunner:
         if run.progress is not None:  # what it made so far is kept for the next run
             with suppress(RollfleetError):
                 await run.progress.checkpoint(_HAND_BACK_CHECKPOINT_S)
-        await self._release_claim(run.job, only_own=True)
+        await self.claims.release(run.job, only_own=True)
         with suppress(Exception):
             await run.msg.nak(delay=_HAND_BACK_DELAY_S)
-
-    # -- claims ------------------------------------------------------------------------------------
-
-    async def _claim(self, run: RunningJob) -> str:
-        """Claim a job before it starts: ``"ok"`` (ours now), ``"held"`` (a replica that refreshed
-        its claim lately runs it: leave it alone) or ``"stopped"`` (its holder stopped running it;
-        for a replayable turn the claim is ours now). A claim old by the clock is watched (the
-        delivery kept in progress) until its holder has missed refreshes while the broker answered
-        (``judge_claim``): a broker that stalled stalled every holder's refreshes too."""
-        key = claim_key(run.job.job_id)
-        try:
-            run.claim_revision = await self._claims.create(key, self._claim_value(run.job))
-            run.claimed_at = time.monotonic()
-            return "ok"
-        except nats.js.errors.KeyWrongLastSequenceError:
-            pass
-        stale_s = self._resume_stale_s if run.job.behaviour.checkpoints else self._claim_stale_s
-        watched, seen, last_look = 0.0, None, 0.0
-        give_up = time.monotonic() + 4 * stale_s  # a broker that keeps stalling: judge nothing
-        while True:
-            look = time.monotonic()
-            try:
-                entry = await self._claims.get(key)
-                claim = self._read_claim(run.job, entry.value)
-            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-                claim, entry = Claim("", 0.0), None
-            except (nats.errors.Error, TimeoutError):  # the broker did not answer: it judges nothing
-                if run.handed_back or time.monotonic() >= give_up:
-                    return "held"
-                watched, seen = 0.0, None
-                await asyncio.sleep(self._claim_refresh_s)
-                continue
-            looked = time.monotonic()
-            if self._runs_here(run):
-                return "held"
-            if entry is None or claim.holder == self._holder:
-                verdict: ClaimVerdict = "stopped"  # nobody's, or a process that is this one (not running it)
-            else:
-                watched = watched_after(
-                    watched,
-                    same=seen is not None and entry.revision == seen,
-                    look_s=looked - look,
-                    since_last_s=looked - last_look,
-                    slow_s=self._claim_refresh_s,
-                )
-                verdict = judge_claim(
-                    claim.refreshed, time.time(), stale_s=stale_s, watched_s=watched, confirm_s=self._claim_confirm_s
-                )
-            if verdict != "watch":
-                break
-            if run.handed_back or looked >= give_up:
-                return "held"
-            seen, last_look = entry.revision if entry is not None else None, looked
-            with suppress(Exception):
-                await run.msg.in_progress()
-            await asyncio.sleep(self._claim_refresh_s)
-        if verdict == "held":
-            return "held"
-        if run.job.behaviour.takeover:
-            try:  # take it over from the stopped holder (one taker wins)
-                if entry is None:
-                    run.claim_revision = await self._claims.create(key, self._claim_value(run.job))
-                else:
-                    run.claim_revision = await self._claims.update(
-                        key, self._claim_value(run.job), last=entry.revision
-                    )
-            except nats.js.errors.KeyWrongLastSequenceError:
-                return "held"
-            run.claimed_at = time.monotonic()
-            run.took_over = True
-        return "stopped"
-
-    async def _await_claim(self, run: RunningJob) -> str:
-        """A resumable job redelivered while its claim still looks fresh: keep the delivery (in
-        progress) and look again each refresh period, up to twice the time after which a holder
-        counts as gone, instead of handing it back (each hand-back spends one of the job's
-        ``max_deliver`` deliveries, and a dead holder's job would wait for the next one)."""
-        until = time.monotonic() + 2 * self._resume_stale_s
-        verdict = "held"
-        while verdict == "held" and time.monotonic() < until and not run.handed_back:
-            if self._runs_here(run):
-                break  # this replica runs it: its answer comes from there
-            with suppress(Exception):
-                await run.msg.in_progress()
-            await asyncio.sleep(self._claim_refresh_s)
-            verdict = await self._claim(run)
-        return verdict
-
-    def _runs_here(self, run: RunningJob) -> bool:
-        """Whether another delivery of the same job runs on this replica now."""
-        return any(r.job.job_id == run.job.job_id for r in self._running.values() if r is not run)
-
-    def _claim_value(self, job: RolloutJob | None = None) -> bytes:
-        claim = Claim(self._holder, time.time())
-        # A resumable job's claim is sealed with its job id, like its progress records: a claim
-        # written by someone the job was never delivered to is nobody's (``_read_claim``).
-        return seal_claim(job.job_id, claim) if job is not None and job.behaviour.checkpoints else claim.encode()
-
-    @staticmethod
-    def _read_claim(job: RolloutJob, value: bytes | None) -> Claim:
-        """A claim as its job's replicas read it; a resumable job's without its MAC (a rogue
-        write, or one marked stopped since) reads as nobody's: stopped."""
-        if not job.behaviour.checkpoints:
-            return Claim.decode(value)
-        return open_claim(job.job_id, value) or Claim("", 0.0)
-
-    async def _answer_and_close(self, job: RolloutJob, msg: Msg, err: RollfleetError, attempt: int) -> None:
-        """A job that ends here with an error: the error stored as its answer, the delivery acked,
-        its claim released (in that order: an answer is never lost to a crash between them, and
-        the claim keeps a second run away until the answer is there)."""
-        await self.answer_failure(job.client_id, job.idempotency_key, err, attempt, job)
-        await msg.ack()
-        await self._release_claim(job)
-
-    async def _release_claim(self, job: RolloutJob, *, only_own: bool = False) -> None:
-        """Answered and acked (or handed back unrun): the claim has done its work. ``only_own`` (a
-        hand-back: the job is not answered): only while the claim is still this process's, so a
-        run that lost the job unnoticed never deletes the claim of the run that has it now."""
-        if not job.claimed:
-            return
-        key = claim_key(job.job_id)
-        with suppress(Exception):
-            if not only_own:
-                await self._claims.delete(key)
-                return
-            entry = await self._claims.get(key)
-            if self._read_claim(job, entry.value).holder == self._holder:
-                await self._claims.delete(key, last=entry.revision)
-
-    async def _refresh_claims(self, now: float) -> None:
-        """A long job's claim says, every ack_wait / 3, that its holder still runs it."""
-        for run in list(self._running.values()):
-            if run.claimed_at is not None and now - run.claimed_at >= self._claim_refresh_s and not run.claim_lost:
-                run.claimed_at = now
-                if run.claim_revision is not None:
-                    await self._refresh_by_revision(run)
-                    continue
-                with suppress(Exception):
-                    await self._claims.put(claim_key(run.job.job_id), self._claim_value())
-
-    async def _refresh_by_revision(self, run: RunningJob) -> bool | None:
-        """Refresh a claim only if it is still the one this run wrote: True if so, False if it was
-        taken over, answered ``Interrupted`` or marked stopped meanwhile (this process was paused
-        or cut off too long: another replica has the job, and this run stops and answers nothing),
-        None if the broker did not answer (the next refresh tries again)."""
-        key = claim_key(run.job.job_id)
-        try:
-            run.claim_revision = await self._claims.update(key, self._claim_value(run.job), last=run.claim_revision)
-            return True
-        except nats.js.errors.KeyWrongLastSequenceError:
-            if run.job.behaviour.checkpoints:
-                return await self._reclaim_resumable(run)
-        except Exception:
-            return None
-        try:  # a write of ours whose acknowledgement was lost (the broker stalled) moved it too
-            entry = await self._claims.get(key)
-            claim: Claim | None = Claim.decode(entry.value)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            claim = None
-        except Exception:
-            return None
-        if claim is not None and claim.holder == self._holder and not claim.stopped:
-            run.claim_revision = entry.revision
-            return True
-        self._lose_claim(run)
-        return False
-
-    async def _reclaim_resumable(self, run: RunningJob) -> bool | None:
-        """A resumable job's claim changed under its run. Only the job's progress says whether
-        another run has the job (a run that takes it over stores its ``ResumeRecord`` at once, and
-        that fences this run's next write): a claim written or deleted by someone who does not know
-        the job id fences nothing, and this run writes its own back. (A taker whose record is not
-        stored yet gets its claim back the same way; the records decide which run goes on.)"""
-        key = claim_key(run.job.job_id)
-        try:
-            if run.progress is not None and await run.progress.taken_over():
-                self._lose_claim(run)
-                return False
-            try:
-                entry = await self._claims.get(key)
-            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-                run.claim_revision = await self._claims.create(key, self._claim_value(run.job))
-            else:
-                run.claim_revision = await self._claims.update(key, self._claim_value(run.job), last=entry.revision)
-        except (nats.errors.Error, RollfleetError):  # the broker away, or written again meanwhile
-            return None
-        self._log.warning("resumable job's claim rewritten by someone else; written back", job_id=run.job.job_id)
-        return True
-
-    def _lose_claim(self, run: RunningJob) -> None:
-        if run.claim_lost:
-            return
-        run.claim_lost = True
-        job = run.job
-        self._log.warning("claim lost; this run stops and answers nothing", job_id=job.job_id, key=job.idempotency_key)
-        if run.progress is not None:
-            run.progress.supersede("its claim was taken over")  # (it aborts the run's requests)
-        else:
-            self._spawn_abort(run)
-
-    def _spawn_abort(self, run: RunningJob) -> None:
-        task = asyncio.ensure_future(run.abort(self._engine))
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
-
-    async def _still_holds(self, run: RunningJob) -> bool:
-        """Just before a claimed job is answered: whether this run still holds the claim (refreshed
-        by revision, retried while the broker is away). A holder paused past the moment another
-        replica took the job over (or answered it ``Interrupted``), even past the duplicate window
-        that would drop a second answer, never stores one."""
-        if run.claim_lost:
-            return False
-        if run.claimed_at is None or run.claim_revision is None:
-            return True
-        until = time.time() + _RESULT_PUBLISH_BUDGET_S
-        while True:
-            held = await self._refresh_by_revision(run)
-            if held is not None or time.time() >= until:
-                return bool(held)
-            await asyncio.sleep(0.2)
 
     # -- answers ---------------------------------------------------------------------------------
 
@@ -867,90 +597,7 @@ class JobRunner:
                 if now - run.since >= interval:
                     with suppress(Exception):
                         await run.msg.in_progress()
-            await self._refresh_claims(now)
-
-    async def _answered(self, job: RolloutJob) -> bool:
-        """Whether an answer to this job is stored (by any replica)."""
-        subject = self._names.results_of_job(job.client_id, job.idempotency_key, job.job_id)
-        try:
-            await self._js.get_msg(self._names.results_stream, seq=1, subject=subject, next=True, direct=True)
-            return True
-        except nats.js.errors.NotFoundError:
-            return False
-
-    async def _store(
-        self, client_id: str, key: str, job_id: str | None, outcome: RolloutResult | RolloutFailure
-    ) -> bool:
-        """Store an answer; one too large for a message goes in chunks, then a ChunkedOutcome head.
-        False if the broker stayed away; ResultUnstorable if it refuses the answer for good."""
-        until = time.time() + _RESULT_PUBLISH_BUDGET_S
-        data = encode(outcome)
-        head_subject = self._names.result_subject(client_id, key, job_id, self._worker_id)
-        # One answer per job: the head's message id names the job (an undecodable job: its key).
-        head_id = f"h:{job_token(job_id)}" if job_id is not None else f"h:{key}:{self._worker_id}"
-        try:
-            if len(data) > self._chunk_bytes:
-                nonce = uuid.uuid4().hex
-                parts = [data[i : i + self._chunk_bytes] for i in range(0, len(data), self._chunk_bytes)]
-                for i, part in enumerate(parts):
-                    subject = self._names.result_chunk_subject(head_subject, nonce, i)
-                    await publish_retrying(self._js, subject, part, {HDR_MSG_ID: f"c:{nonce}:{i}"}, until=until)
-                    faults.point("worker:mid-chunks")
-                head = ChunkedOutcome(
-                    idempotency_key=key,
-                    client_id=client_id,
-                    job_id=outcome.job_id,
-                    chunks=len(parts),
-                    size=len(data),
-                    digest=xxhash.xxh3_128_hexdigest(data),
-                    nonce=nonce,
-                )
-                data = encode(head)
-            await publish_retrying(self._js, head_subject, data, {HDR_MSG_ID: head_id}, until=until)
-        except InvalidRequest as exc:
-            raise ResultUnstorable(f"the broker refuses an answer of {len(data)} bytes: {exc.message}") from exc
-        except RollfleetError as exc:
-            self._log.warning("result not stored", error=exc.message, code=exc.code)
-            return False
-        return True
-
-    async def answer_failure(
-        self,
-        client_id: str | None,
-        key: str | None,
-        error: RollfleetError,
-        attempt: int,
-        job: RolloutJob | None = None,
-        job_id: str | None = None,
-        fingerprint: str = "",
-    ) -> None:
-        """Store a typed failure as the job's answer (dropped, with a warning, if there is no
-        reply address or key to store it under). Without ``job``: the ``job_id`` and
-        ``fingerprint`` read from a job that did not decode, if any."""
-        job_id = job.job_id if job is not None else job_id
-        self._count(error.code)
-        try:
-            check_token(client_id or "", "client_id")
-        except InvalidRequest:
-            self._log.warning("no reply address; dropping", error=error.message)
-            return
-        if not key:
-            self._log.warning("no idempotency key; dropping", error=error.message)
-            return
-        failure = RolloutFailure(
-            idempotency_key=key,
-            client_id=client_id,  # type: ignore[arg-type]
-            code=error.code,
-            message=error.message,
-            retryable=error.retryable,
-            job_id=job_id,
-            worker_id=self._worker_id,
-            delivery_attempt=attempt,
-            finished_at=time.time(),
-            fingerprint=job.fingerprint if job else fingerprint,
-        )
-        with suppress(ResultUnstorable):  # a failure is small; nothing more to say if it is refused
-            await self._store(client_id, key, job_id, failure)  # type: ignore[arg-type]
+            await self.claims.refresh(now)
 
     def _count(self, outcome: str) -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1

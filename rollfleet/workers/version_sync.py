@@ -58,6 +58,7 @@ from rollfleet.broker.kv import read_latest
 from rollfleet.policy_store import CheckpointLayout, MaterializeResult
 from rollfleet.policy_store.bucket import Bucket
 from rollfleet.policy_store.digest import weights_digest
+from rollfleet.policy_store.local_disk import as_local_disk_error
 from rollfleet.policy_store.materialize import checkpoint_checksums
 from rollfleet.policy_store.remote import materialize_from, open_store, store_label
 from rollfleet.policy_store.store import list_versions
@@ -353,6 +354,11 @@ class VersionSync:
         def run() -> MaterializeResult:
             try:
                 return materialize_from(store, self.local_dir, target, pre_read_hook=self._pre_read_hook)
+            except OSError as exc:  # the replica's own disk refusing a write: typed, retried later
+                typed = as_local_disk_error(exc, str(self.local_dir))
+                if typed is None:
+                    raise
+                raise typed from exc
             finally:
                 done.set()
 

@@ -1,30 +1,11 @@
-"""The rollout worker process: its lifecycle, and deciding which jobs to pull.
+"""The rollout worker process: its lifecycle.
 
 It connects, registers, catches up with the published policy (``version_sync``), then pulls
-only jobs its live version can serve, never more than its free slots (``scheduler`` orders
-the subjects). Each pulled job runs as its own task in ``jobs.JobRunner``. SIGTERM drains:
-no new pulls, running jobs finish, the registry entry is removed.
-
-Pulling costs the broker nothing while nothing happens. The worker keeps pull requests
-waiting at the broker on the subjects work comes from: its version's window
-(``names.listened_subjects``: ``exact-w`` and the newest ``min`` subjects up to ``w``; one slot
-on each of the first ``capacity`` of them, which clients compute too, the other slots where
-work came from last, moving back after ``rebalance_s`` of quiet) and subjects it served in the
-last ``hot_s``, with long expiries
-(``wait_pull_s``) and no server heartbeats, so a job stored there is delivered to it at once,
-with no wake-up at all. Every delivery says how many jobs its consumer still holds
-(``num_pending``): more behind it makes that subject known backlog, pulled at once
-(``no_wait``), by priority and age. Work on a subject outside every replica's window arrives
-as a bell: a core message to this replica alone (``rf.<ns>.bell.<worker_id>``), rung by a
-client that chose this replica because its version can serve the subject. There is no
-periodic scan: queue depths are read once at start and after a reconnect.
-
-A subject this worker may no longer take (``served.accepts`` says no: its version moved on)
-stops being pulled at once: ``release_unaccepted`` cancels its open requests (the inbox is
-drained, so a job the broker sent before the cancel is still handled, and handed back if it
-is not allowed). The same cancel ends requests the broker may have dropped: after a
-reconnect, after a consumer leader change (a cluster fail-over), or when a client's bell says
-the broker has no request of ours waiting where we think one is.
+only jobs its live version can serve, never more than its free slots (``pulling.JobPuller``
+decides where its pull requests wait and what it fetches; ``scheduler`` orders the subjects).
+Each pulled job runs as its own task in ``jobs.JobRunner``. SIGTERM drains: no new pulls,
+running jobs finish, the registry entry is removed. The engine's health is watched locally: a
+dead or hung engine makes the replica ``down`` (taking no jobs) until it is back.
 """
 
 from __future__ import annotations
@@ -38,21 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import nats.errors
-import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from rollfleet.broker.connection import connect
-from rollfleet.broker.pull import PullConsumer, delivery_info
 from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
     TopologyConfig,
-    bind_job_consumer,
-    bind_replica_consumer,
     ensure_topology,
-    queue_depths,
 )
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
@@ -65,12 +40,13 @@ from rollfleet.schemas import (
     decode,
 )
 from rollfleet.schemas.errors import InvalidRequest
-from rollfleet.schemas.names import check_token, listened_subjects
+from rollfleet.schemas.names import check_token
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.jobs import JobRunner
+from rollfleet.workers.pulling import JobPuller
 from rollfleet.workers.registry import Registration
 from rollfleet.workers.scheduler import SubjectScheduler
-from rollfleet.workers.serving import ServedVersion, Subject
+from rollfleet.workers.serving import ServedVersion
 from rollfleet.workers.version_sync import VersionSync, announce_start
 from rollfleet.workers.worker_metrics import WorkerMetrics
 
@@ -131,23 +107,9 @@ class Worker:
         self.js: JetStreamContext | None = None
         self.registration: Registration | None = None
         self.sync: VersionSync | None = None
-        self._pullers: dict[Subject, PullConsumer] = {}
-        self._no_consumer: dict[Subject, float] = {}  # subject -> when to look for its consumer again
-        self._own: PullConsumer | None = None  # this replica's own subject (sessions' sticky turns)
-        self._own_pending = False  # a bell said a job waits there
-        self._hot: dict[Subject, float] = {}  # subject -> when work last came from it
-        self._expired_seen: dict[Subject, int] = {}  # each puller's expiry count at the last look
-        self._expired_total = 0
-        self._standby: dict[Subject, float] = {}  # subject -> until when it is left to other replicas
-        self._rebalance_at: float | None = None  # when parked slots may move (see _fill)
-        self._refusals_seen: dict[Subject, float] = {}
-        self._listen: list[Subject] = []  # _listen_subjects' last answer, and what it depended on
-        self._listen_key: tuple[int, int | None, int] | None = None
-        self._listen_at = 0.0
-        self._tidied: list[Subject] | None = None
+        self.pulling: JobPuller | None = None  # which jobs to pull, and pulling them (pulling.py)
         self._keepalive_task: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
-        self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -182,6 +144,24 @@ class Worker:
             max_message_bytes=min(self.nc.max_payload, cfg.topology.max_msg_bytes),
             checkpoint_tokens=cfg.checkpoint_tokens,
             checkpoint_s=cfg.checkpoint_s,
+        )
+        self.pulling = JobPuller(
+            self.nc,
+            self.js,
+            self.names,
+            self.served,
+            self.scheduler,
+            worker_id=cfg.worker_id,
+            capacity=cfg.capacity,
+            wait_pull_s=cfg.wait_pull_s,
+            hot_s=cfg.hot_s,
+            max_waiting_pulls=cfg.max_waiting_pulls,
+            rebalance_s=cfg.rebalance_s,
+            standby_s=cfg.standby_s,
+            log=self.log,
+            in_flight=lambda: len(self._inflight),
+            run_job=self._run_job,
+            stopping=self._stopping,
         )
         now = time.time()
         status = ReplicaStatus(
@@ -243,9 +223,9 @@ class Worker:
         )
         if self.sync is not None:
             self.sync.start(self.registration)
-        await self._scan_once()  # backlog stored before this replica existed
+        await self.pulling.scan_once()  # backlog stored before this replica existed
         self._tasks = [
-            asyncio.create_task(self._pull_loop(), name="pull-loop"),
+            asyncio.create_task(self.pulling.run(), name="pull-loop"),
             asyncio.create_task(self._report_progress(), name="progress"),
             asyncio.create_task(self._watch_engine(), name="engine-health"),
         ]
@@ -269,8 +249,8 @@ class Worker:
         """A version was activated and announced: stop pulling what it no longer allows, pull
         its subjects from here on."""
         self.metrics.active_version.set(self.version)
-        self._standby.clear()
-        self.served_changed()
+        if self.pulling is not None:
+            self.pulling.activated()
 
     # -- the engine's health ------------------------------------------------------------------
     def engine_down(self, detail: str) -> None:
@@ -284,7 +264,7 @@ class Worker:
         if self.registration is not None:
             reason = f"engine {self.engine.name} down: {detail}"
             self._spawn(self.registration.write(state="down", degraded_reason=reason))
-        self.served_changed()
+        self._served_changed()
 
     async def _engine_up(self) -> None:
         self.served.down = False
@@ -292,7 +272,7 @@ class Worker:
         self.log.info("engine back; taking jobs again", engine=self.engine.name)
         if self.registration is not None:
             await self.registration.write(state="ready", degraded_reason=None)
-        self.served_changed()
+        self._served_changed()
 
     async def _watch_engine(self) -> None:
         """Check the engine's health every ``health_s`` (a local call: an HTTP engine asks its
@@ -310,6 +290,14 @@ class Worker:
             elif self.served.down:
                 await self._engine_up()
 
+    def _served_changed(self) -> None:
+        if self.pulling is not None:
+            self.pulling.served_changed()
+
+    async def release_unaccepted(self) -> None:
+        if self.pulling is not None:
+            await self.pulling.release_unaccepted()
+
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
@@ -317,21 +305,18 @@ class Worker:
 
     def _on_reconnect(self) -> None:
         """The broker may have dropped our pull requests, bells and announcements meanwhile."""
-        for puller in self._pullers.values():
-            puller.reset()
+        if self.pulling is not None:
+            self.pulling.reconnected()
         if self.sync is not None:
             self.sync.notice(None)
         if self.registration is not None:
             self._spawn(self.registration.refresh())
-        self._standby.clear()
-        self._no_consumer.clear()
-        self._spawn(self._scan_once())
-        self._wake.set()
 
     def request_stop(self) -> None:
         """Drain: no new pulls; running jobs finish; then ``run`` returns."""
         self._stopping.set()
-        self._wake.set()
+        if self.pulling is not None:
+            self.pulling.wake()
 
     async def run(self) -> None:
         """Start, serve until asked to stop, then drain. A stop asked for while still starting
@@ -354,7 +339,8 @@ class Worker:
         if self._stopped.is_set():
             return
         self._stopping.set()
-        self._wake.set()
+        if self.pulling is not None:
+            self.pulling.wake()
         self.log.info("draining", in_flight=len(self._inflight))
         if self.registration is not None:
             await self.registration.write(state="draining")
@@ -363,9 +349,8 @@ class Worker:
         await stop_tasks(self._tasks)
         # End every open request; a job the broker sent before that still runs, so nothing is
         # left unacked (an at_most_once job must not be bounced).
-        for puller in self._pullers.values():
-            with suppress(Exception):
-                await puller.cancel()
+        if self.pulling is not None:
+            await self.pulling.cancel_all()
         deadline = time.monotonic() + self.config.drain_timeout_s
         while self._inflight and time.monotonic() < deadline:
             await asyncio.wait(list(self._inflight), timeout=0.1)
@@ -376,8 +361,9 @@ class Worker:
         await stop_tasks(list(self._background))
         if self.registration is not None:
             await self.registration.stop()
-        for puller in [*self._pullers.values(), *([self._own] if self._own is not None else [])]:
-            await puller.close()
+        if self.pulling is not None:
+            await self.pulling.stop_background()
+            await self.pulling.close()
         await self.engine.close()
         self.metrics.close()
         if self.nc is not None:
@@ -408,9 +394,9 @@ class Worker:
         self.jobs.cancel(msg.data.decode(errors="replace")[:64])
 
     async def _on_bell(self, msg: Msg) -> None:
+        assert self.pulling is not None
         if msg.data == Names.REPLICA_BELL:  # a session's turn waits on this replica's own subject
-            self._own_pending = True
-            self._wake.set()
+            self.pulling.own_pending()
             return
         ended = Names.parse_end_session(msg.data)
         if ended is not None:
@@ -420,32 +406,15 @@ class Worker:
         if parsed is None:
             return  # (a client's liveness probe, or noise)
         subject, stalled = parsed
-        if not self.served.accepts(subject):
-            return
-        self._standby.pop(subject, None)  # called in: wait there again
-        self._no_consumer.pop(subject, None)  # a job was stored there: its consumer exists now
-        puller = self._pullers.get(subject)
-        if puller is not None and puller.busy:
-            if not (stalled and puller.waiting):
-                return  # a request is waiting there: the job is (being) delivered to it already
-            # The client saw jobs there and no request waiting at the broker: ours was lost.
-            # Renewed, and the subject is known backlog from now on (not left to the next bell).
-            self._spawn(self._renew(puller))
-        if self.scheduler.note_pending(subject, time.monotonic()):
-            self._wake.set()
+        self.pulling.bell(subject, stalled)
 
     async def _on_declared(self, _: Msg) -> None:
-        """The trainer declared job consumers: those found missing are looked up again."""
-        if self._no_consumer:
-            self._no_consumer.clear()
-            self._wake.set()
+        if self.pulling is not None:
+            self.pulling.declared()
 
     async def _on_leader(self, msg: Msg) -> None:
-        """A jobs consumer has a new leader: requests held by the old one are gone."""
-        consumer = msg.subject.rpartition(".")[2]
-        for puller in list(self._pullers.values()):
-            if puller.consumer == consumer and puller.busy:
-                self._spawn(self._renew(puller))
+        if self.pulling is not None:
+            self.pulling.leader_changed(msg.subject.rpartition(".")[2])
 
     async def _on_published(self, msg: Msg) -> None:
         if self.sync is None:
@@ -457,298 +426,8 @@ class Worker:
             return
         self.sync.notice(announced.record.version)
 
-    async def _renew(self, puller: PullConsumer) -> None:
-        await puller.cancel()
-        self._wake.set()
-
-    async def _scan_once(self) -> None:
-        """One look at the queue depths (a JetStream API request): at start and after a
-        reconnect only, never periodically."""
-        assert self.js is not None
-        try:
-            depths = await queue_depths(self.js, self.names)
-        except Exception as exc:  # broker away; bells and deliveries will tell
-            self.log.debug("queue scan failed", error=str(exc))
-            return
-        now = time.monotonic()
-        if any([self.scheduler.note_pending(subject, now) for subject in depths]):
-            self._wake.set()
-
-    # -- deciding what to pull --------------------------------------------------------------
-    async def _puller(self, subject: Subject) -> PullConsumer | None:
-        """The pull consumer of a subject; None while its shared consumer does not exist: the
-        trainer creates it (with a commit, or with the first job there), workers only bind (see
-        broker_config/auth). A missing one is looked up again after a bell for the subject, an
-        activation, a reconnect or ``standby_s``: an idle replica asks the broker nothing."""
-        puller = self._pullers.get(subject)
-        if puller is not None and not puller.missing:
-            return puller
-        if time.monotonic() < self._no_consumer.get(subject, 0.0):
-            return None
-        assert self.js is not None and self.nc is not None
-        consumer = await bind_job_consumer(self.js, self.names, *subject)
-        if consumer is None:
-            self._no_consumer[subject] = time.monotonic() + self.config.standby_s
-            return None
-        self._no_consumer.pop(subject, None)
-        if puller is None:
-            puller = await PullConsumer(self.nc, self.names.jobs_stream, consumer, self._dispatch).start()
-            puller.on_end = self._wake.set
-            self._pullers[subject] = puller
-        puller.missing = False  # (set again when a request finds no consumer, 503)
-        return puller
-
-    def _free(self) -> int:
-        """Slots neither running a job nor promised to an open pull request."""
-        return self.config.capacity - len(self._inflight) - sum(p.outstanding for p in self._pullers.values())
-
-    def _listen_subjects(self, now: float) -> list[Subject]:
-        """Where work is likely to arrive, best first: this version's window (``exact-w`` and
-        the newest ``min`` subjects, see ``listened_subjects``), then subjects that delivered
-        within ``hot_s``, most recent first. Recomputed only when the version, the set of hot
-        subjects or a second has passed (it runs after every finished job)."""
-        cfg = self.config
-        key = (self.version, self.served.activating, len(self._hot))
-        if self._listen_key == key and now - self._listen_at < 1.0:
-            return self._listen
-        for subject in [s for s, t in self._hot.items() if now - t > cfg.hot_s or not self.served.accepts(s)]:
-            del self._hot[subject]
-        own = [s for s in listened_subjects(self.version) if self.served.accepts(s)]
-        recent = sorted(self._hot, key=self._hot.__getitem__, reverse=True)
-        self._listen = list(dict.fromkeys([*own, *recent]))[: max(cfg.max_waiting_pulls, len(own))]
-        self._listen_key, self._listen_at = key, now
-        return self._listen
-
-    def served_changed(self) -> None:
-        """Call after ``served`` changed what it accepts (a version moved, or ``exact-<old>``
-        closed during an activation): the pull loop's next pass, at once, cancels the open
-        requests of every subject it no longer accepts (``release_unaccepted``) and pulls the
-        newly accepted ones (whose consumers the commit declared: looked up again)."""
-        self._no_consumer.clear()
-        self._wake.set()
-
-    async def release_unaccepted(self) -> None:
-        """End, now, the open requests of every subject ``served.accepts`` no longer allows (a
-        job the broker sent before that is still handled: run if allowed, else handed back)."""
-        for subject in [s for s in self._pullers if not self.served.accepts(s)]:
-            puller = self._pullers.pop(subject)
-            await puller.cancel()
-            await puller.close()
-            self._expired_seen.pop(subject, None)
-
-    async def _pull_loop(self) -> None:
-        while not self._stopping.is_set():
-            self._wake.clear()
-            try:
-                await self._fill(time.monotonic())
-            except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
-                self.log.warning("pull failed", error=str(exc))
-                await asyncio.sleep(0.2)
-                continue
-            # Event-driven; the timer only lets hot subjects cool down and overdue requests be
-            # noticed, with no broker traffic. (A timer, not wait_for: this runs after every
-            # finished job.)
-            timeout = self.config.hot_s
-            if self._rebalance_at is not None:
-                timeout = max(0.0, min(timeout, self._rebalance_at - time.monotonic()))
-            timer = asyncio.get_running_loop().call_later(timeout, self._wake.set)
-            try:
-                await self._wake.wait()
-            finally:
-                timer.cancel()
-
-    def _standing_by(self, subject: Subject, puller: PullConsumer, now: float) -> bool:
-        """A subject whose last waiting request the broker refused (``max_waiting`` requests of
-        other replicas wait there already) is left to them until a bell for it, an activation,
-        a reconnect or ``standby_s``: the broker's work per job stays bounded by ``max_waiting``,
-        whatever the size of the fleet."""
-        if puller.refused_at > self._refusals_seen.get(subject, -1.0):
-            self._refusals_seen[subject] = puller.refused_at
-            self._standby[subject] = now + self.config.standby_s
-        until = self._standby.get(subject)
-        if until is None:
-            return False
-        if now < until:
-            return True
-        del self._standby[subject]
-        return False
-
-    async def _fill(self, now: float) -> None:
-        """Put every free slot to use: known backlog first (``no_wait`` pulls by priority and
-        age), then requests that wait on the subjects work comes from."""
-        cfg = self.config
-        await self.release_unaccepted()
-        listen = self._listen_subjects(now)
-        expired = sum(p.expired for p in self._pullers.values())
-        if expired != self._expired_total or listen is not self._tidied:
-            self._expired_total, self._tidied = expired, listen
-            await self._tidy(listen)
-        self._rebalance_at = None
-        # Sessions' turns for this replica come first, except before work that has waited
-        # aging_s or longer elsewhere: a steady stream of turns must not starve it (the turns
-        # then wait, and move to the shared subjects after their affinity wait).
-        starving = self._own_pending and self.scheduler.starving(now)
-        if self._own_pending and not starving:
-            await self._pull_own(now)
-        free = self._free()
-        if self.scheduler.has_candidates():
-            self._forget_drained_backlog(now)
-        if self.scheduler.has_candidates():
-            if free <= 0:
-                free += await self._reclaim(now)
-            free = await self._pull_backlog(free, now, listen)
-        if starving and self._own_pending:
-            await self._pull_own(now)
-        if self.scheduler.has_candidates():
-            return  # backlog left and no slot free: the next finished job pulls it
-        if free <= 0 and not any(p.waiting for p in self._pullers.values()):
-            return
-        # (A subject whose last request was refused, other replicas waiting there, is left to them.)
-        pullers = []
-        for subject in listen:
-            puller = self._pullers.get(subject)
-            if puller is None or puller.missing:
-                puller = await self._puller(subject)
-            if puller is not None and not self._standing_by(subject, puller, now):
-                pullers.append(puller)
-        if not pullers:
-            return
-        share = self._placement(pullers, cfg.capacity, now)
-        # Slots parked on a subject beyond its share come back once it has been quiet for
-        # rebalance_s (a cancel: protocol only), so they wait where work is expected. (Shares
-        # are of the whole capacity: a running job never moves another subject's slot.)
-        for puller in list(self._pullers.values()):
-            if puller.waiting and puller.outstanding > share.get(puller, 0):
-                if self._quiet(puller, now):
-                    await puller.cancel()
-        free = self._free()
-        for puller in pullers:
-            want = min(share[puller] - puller.outstanding, free)
-            if want > 0 and (puller.waiting or not puller.busy):
-                await puller.request(want, wait_s=cfg.wait_pull_s)
-                free -= want
-
-    async def _pull_own(self, now: float) -> None:
-        """Fetch what waits on this replica's own subject into free slots (taking back slots
-        parked on quiet subjects if none is free). If no slot frees up, the turns wait there
-        and their clients move them to the shared subjects after a bounded wait."""
-        free = self._free()
-        if free <= 0:
-            free += await self._reclaim(now)
-        if free <= 0 or self.served.down:
-            return
-        assert self.js is not None and self.nc is not None
-        if self._own is None or self._own.missing:  # (gone after consumer_inactive_s idle: look again)
-            consumer = await bind_replica_consumer(self.js, self.names, self.config.worker_id)
-            if consumer is None:
-                self._own_pending = False  # (the trainer creates it with the first turn)
-                return
-            if self._own is None:
-                self._own = await PullConsumer(self.nc, self.names.jobs_stream, consumer, self._dispatch).start()
-                self._own.on_end = self._wake.set
-            self._own.missing = False
-        if self._own.busy:
-            return
-        got = await self._own.fetch_now(free)
-        if got < free:
-            self._own_pending = False  # drained (more turns ring again)
-        else:
-            self._wake.set()
-
-    def _quiet(self, puller: PullConsumer, now: float) -> bool:
-        """Nothing delivered for ``rebalance_s`` (nor asked for: a new request gets its chance);
-        if not yet, the pull loop wakes when it will be."""
-        quiet_at = max(puller.last_delivery, puller.requested_at) + self.config.rebalance_s
-        if now >= quiet_at:
-            return True
-        if self._rebalance_at is None or quiet_at < self._rebalance_at:
-            self._rebalance_at = quiet_at
-        return False
-
-    def _forget_drained_backlog(self, now: float) -> None:
-        """A subject known to have backlog whose waiting request got nothing for rebalance_s has
-        none left (others took it): stop treating it as backlog."""
-        for subject in self.scheduler.order(now):
-            puller = self._pullers.get(subject)
-            if puller is not None and puller.waiting and self._quiet(puller, now):
-                self.scheduler.note_empty(subject)
-
-    def _placement(self, pullers: list[PullConsumer], slots: int, now: float) -> dict[PullConsumer, int]:
-        """Where this worker's slots should wait: one on each subject in order (the version's
-        window first), the rest on the subject that delivered within ``rebalance_s``, else on
-        the newest ``min`` subject (where most work comes)."""
-        share = dict.fromkeys(pullers, 0)
-        for puller in pullers[: max(slots, 0)]:
-            share[puller] = 1
-        rest = slots - min(max(slots, 0), len(pullers))
-        if rest > 0:
-            recent = max(pullers, key=lambda p: p.last_delivery)
-            if now - recent.last_delivery > self.config.rebalance_s:
-                recent = next((p for p in pullers if p.consumer.startswith("min-")), pullers[0])
-            share[recent] += rest
-        return share
-
-    async def _pull_backlog(self, free: int, now: float, listen: list[Subject]) -> int:
-        """Pull known backlog, best subject first; returns the slots still free."""
-        cfg = self.config
-        for subject in self.scheduler.order(now):
-            if free <= 0 or self._stopping.is_set():
-                break
-            if not self.served.accepts(subject):
-                continue
-            puller = await self._puller(subject)
-            if puller is None:  # no job was ever submitted there
-                self.scheduler.note_empty(subject)
-                continue
-            if puller.waiting or (subject in listen and not puller.busy):
-                # A waiting request takes what is queued at once, and what comes next; deliveries
-                # say when the queue is empty again (num_pending 0).
-                await puller.request(free, wait_s=cfg.wait_pull_s)
-                self.scheduler.note_served(subject, now)
-            elif not puller.busy:
-                if await puller.fetch_now(free):
-                    self.scheduler.note_served(subject, time.monotonic())
-                elif not puller.missing:  # (a missing consumer is looked up on the next pass)
-                    self.scheduler.note_empty(subject)
-            free = self._free()
-        return free
-
-    async def _reclaim(self, now: float) -> int:
-        """No slot free while backlog is known: take back slots promised to waiting requests on
-        subjects that delivered nothing for ``rebalance_s``. Returns how many came back."""
-        candidates = set(self.scheduler.order(now))
-        freed = 0
-        for subject, puller in list(self._pullers.items()):
-            held = puller.outstanding
-            if held and subject not in candidates and now - puller.last_delivery > self.config.rebalance_s:
-                await puller.cancel()
-                freed += held
-        return freed
-
-    async def _tidy(self, listen: list[Subject]) -> None:
-        """Cancel what should not wait on: requests of subjects that cooled down (their slots
-        go back to the hot ones), and overlapping requests of a subject whose older request
-        just expired (renewed as one)."""
-        keep = set(listen) | set(self.scheduler.order(time.monotonic()))
-        for subject, puller in list(self._pullers.items()):
-            expired, seen = puller.expired, self._expired_seen.get(subject, 0)
-            self._expired_seen[subject] = expired
-            if not puller.waiting:
-                continue
-            if subject not in keep or (expired != seen and puller.outstanding):
-                await puller.cancel()
-
-    def _dispatch(self, msg: Msg) -> None:
-        subject = self.names.parse_job_subject(msg.subject)
-        info = delivery_info(msg.reply)
-        if subject is not None:
-            now = time.monotonic()
-            self._hot[subject] = now
-            if info is not None and info[2] > 0:  # more queued behind it: backlog to pull now
-                if self.scheduler.note_pending(subject, now):
-                    self._wake.set()
-            elif info is not None:
-                self.scheduler.note_empty(subject)
+    def _run_job(self, msg: Msg, info: tuple[int, float, int] | None) -> None:
+        """A delivered job runs as its own task; its slot is free again when it ends."""
         assert self.jobs is not None
         task = asyncio.create_task(self.jobs.handle(msg, info))
         self._inflight.add(task)
@@ -758,7 +437,8 @@ class Worker:
 
     def _job_done(self, task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)
-        self._wake.set()
+        if self.pulling is not None:
+            self.pulling.wake()
         if not self._inflight and self.registration is not None:
             self.registration.note_busy_changed()  # idle again
 

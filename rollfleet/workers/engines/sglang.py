@@ -69,8 +69,10 @@ unknown) and the adapter's own version stands in.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -78,7 +80,7 @@ from typing import Any
 import httpx
 
 from rollfleet.schemas import Completion, RolloutPayload
-from rollfleet.schemas.errors import EngineFailure, InvalidRequest
+from rollfleet.schemas.errors import EngineFailure, InvalidRequest, RollfleetError
 from rollfleet.schemas.limits import check_payload
 from rollfleet.workers.engines.base import Generation, TokenSink, sample_seed
 from rollfleet.workers.engines.http_server import (
@@ -168,17 +170,32 @@ class SGLangEngine(HTTPServerEngine):
         attached = self.process is None
         if served != version and ((attached and checkpoint_dir is not None) or self.pull_dir is not None):
             # A server holding other weights (attached, or launched on version 0 to pull from).
-            await self.prepare_weights(checkpoint_dir, (), version)
-            await self.pause()
-            try:
-                await self.load_weights(checkpoint_dir, (), version)
-            finally:
-                await self.resume()
+            await self._first_load(checkpoint_dir, version)
         self.version = version
         if served == version:  # (a load above labelled it; else the server carries no label of ours)
             self._labelled = True
             self._loaded_dir = checkpoint_dir
         self._start_watching()
+
+    async def _first_load(self, checkpoint_dir: Path | None, version: int, every_s: float = 0.5) -> None:
+        """Load ``version`` into a server that holds other weights. A retryable refusal (a pause the
+        server answers with an error for a while, a load it cannot take yet) is asked again until
+        the startup timeout: a worker whose engine failed to start exits, and one restarted into
+        the same transient fault would only crash again and again."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            try:
+                await self.prepare_weights(checkpoint_dir, (), version)
+                await self.pause()
+                try:
+                    await self.load_weights(checkpoint_dir, (), version)
+                finally:
+                    await self.resume()
+                return
+            except RollfleetError as exc:
+                if not exc.retryable or time.monotonic() + every_s > deadline:
+                    raise
+            await asyncio.sleep(every_s)
 
     def _launch_command(self, model_path: str, version: int, port: int) -> list[str]:
         cmd = [*self.launch_cmd, "--model-path", model_path, "--host", self.host, "--port", str(port)]

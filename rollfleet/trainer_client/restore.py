@@ -1,0 +1,55 @@
+"""What a trainer's client puts back when the broker lost part of its namespace.
+
+A broker restarted on an empty store (a disk replaced), or on an older copy of it (a single
+node's power loss), or a stream or bucket deleted through the JetStream API: the
+``TopologyKeeper`` declares the lost streams and buckets again, and this restores what lived in
+them that this client owns, so the fleet comes back to service by itself:
+
+- the jobs stream: its consumers (the shared consumer of every version live replicas serve, and
+  the latest one's), and the replicas told to bind again (``consumers_declared``);
+- the results stream: this client's results consumer, its pull requests renewed;
+- the sessions bucket: this client id's job-id secret (a restarted trainer, or a re-ask, must
+  recognise the ids issued under it);
+- the fleet bucket: this client's lease key; and its watches of the registry and the policy
+  (a watcher of a lost bucket may wait for ever on a consumer that no longer exists).
+
+Jobs and answers the broker lost are not restored: a call whose job was lost is answered by its
+deadline (``Expired``) like any job nobody served, and may be submitted again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollfleet.broker.topology import ensure_results_consumer
+from rollfleet.runtime.logs import get_logger
+
+log = get_logger("rollfleet.trainer_client.restore")
+
+
+def versions_to_declare(live: list[int], latest: int | None) -> list[int]:
+    """The versions whose job consumers a re-declared jobs stream needs at once: every version a
+    live replica serves, and the latest commit (jobs for it are submitted next)."""
+    return sorted(set(live) | ({latest} if latest is not None else set()))
+
+
+async def restore_namespace(client: Any, created: list[str]) -> None:
+    """Restore this client's part of what the streams ``created`` (lost: declared again, or after
+    a reconnect, possibly rolled back) held. Each step is idempotent."""
+    names = client.names
+    client._consumers.clear()  # (every cached belief that a consumer exists is now suspect)
+    if names.results_stream in created:
+        await ensure_results_consumer(client.js, names, client.client_id, client.topology, client._instance)
+        client.inbox.renew()
+    if f"KV_{names.sessions_bucket}" in created and client._ids is not None:
+        await client._ids.restore(await client.sessions_kv())
+    if f"KV_{names.fleet_bucket}" in created and not client.shared:
+        await client._lease.restore()
+    if f"KV_{names.fleet_bucket}" in created or f"KV_{names.policy_bucket}" in created:
+        await client.fleet.rewatch()
+    if names.jobs_stream in created or f"KV_{names.fleet_bucket}" in created:
+        live = [r.active_version for r in client.fleet.replicas()]
+        for version in versions_to_declare(live, client.fleet.latest_version):
+            await client._declare_version_consumers(version)
+        await client.nc.publish(names.consumers_declared, b"")
+    log.warning("restored after the broker lost part of the namespace", created=created)

@@ -1,0 +1,161 @@
+"""The client's watch over its jobs in flight: deadlines, exact jobs nobody can serve any more,
+and subjects whose jobs wait unpulled. Two loops (``deadlines``, ``stalls``) that carry out the
+decisions of ``watch_rules`` against the broker; one sweep over what is in flight per tick
+instead of a timer per job, and nothing asked of the broker while nothing is pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+
+from rollfleet.runtime.logs import get_logger
+from rollfleet.schemas import Names, VersionConstraint
+from rollfleet.schemas.errors import Expired, NoCompatibleReplica
+from rollfleet.trainer_client.fleet import FleetView
+from rollfleet.trainer_client.handle import RolloutHandle
+from rollfleet.trainer_client.placement import JobPlacement
+from rollfleet.trainer_client.sessions import Session, expire_idle
+from rollfleet.trainer_client.watch_rules import STALL_AFTER_S, OrphanWatch, expired, stall_bells
+
+log = get_logger("rollfleet.client")
+
+_DEADLINE_TICK_S = 0.25
+
+
+class JobWatch:
+    def __init__(
+        self,
+        handles: dict[str, RolloutHandle],
+        fleet: FleetView,
+        placement: JobPlacement,
+        js: JetStreamContext,
+        names: Names,
+        *,
+        deadline_grace_s: float,
+        fail_fast: bool,
+        sessions: Callable[[], Mapping[str, Any]],
+        spawn: Callable[[Coroutine[Any, Any, Any]], None],
+        withdraw: Callable[[RolloutHandle], Awaitable[bool]],
+        settle_stored: Callable[[RolloutHandle], Awaitable[bool]],
+        no_replica_message: Callable[[VersionConstraint], str],
+        redeclare: Callable[[VersionConstraint], Awaitable[None]],
+        ring: Callable[..., None],
+    ) -> None:
+        self._handles = handles  # the client's own map of pending keys (shared, not copied)
+        self.fleet, self.placement, self._js, self._names = fleet, placement, js, names
+        self.deadline_grace_s = deadline_grace_s
+        self.fail_fast = fail_fast
+        self._sessions = sessions
+        self._spawn = spawn
+        self._withdraw = withdraw
+        self._settle_stored = settle_stored
+        self._no_replica_message = no_replica_message
+        self._redeclare = redeclare
+        self._ring = ring
+        self.orphans = OrphanWatch()
+
+    # -- deadlines and orphans -----------------------------------------------------------------
+    async def deadlines(self) -> None:
+        """Fail pending handles whose deadline (plus grace) passed without a result, and (with
+        fail_fast) exact jobs that no replica can serve any more; end idle sessions."""
+        while True:
+            await asyncio.sleep(_DEADLINE_TICK_S)
+            due = expired(((k, h.job.deadline) for k, h in self._handles.items()), time.time(), self.deadline_grace_s)
+            for key in due:
+                handle = self._handles.get(key)
+                if handle is not None and handle.set_error(Expired(f"no result for {key!r} by its deadline")):
+                    self._spawn(self._withdraw(handle))
+            if self.fail_fast:
+                await self.fail_orphaned()
+            sessions = self._sessions()
+            if sessions:
+                await expire_idle([s for s in sessions.values() if isinstance(s, Session)])
+
+    async def fail_orphaned(self) -> None:
+        """One look at every exact job still queued (not sticky): ``OrphanWatch`` decides; a job
+        withdrawn that was answered just before keeps its answer (a worker stores before it acks)."""
+        now = time.monotonic()
+        pending = {
+            key: h
+            for key, h in self._handles.items()
+            if h.job.constraint.kind == "exact" and h.replica is None and h.stream_seq is not None
+        }
+        self.orphans.keep_only(pending)
+        for key, handle in pending.items():
+            constraint = handle.job.constraint
+            servable = self.fleet.compatible(constraint)
+            holders: list[str] = []
+            if not servable:
+                # (One that holds no job at all, e.g. activating away after it handed this one
+                # back, holds nothing of it: it takes no more jobs of the version it is leaving.)
+                holders = [
+                    r.worker_id for r in self.fleet.replicas() if r.active_version == constraint.version and r.in_flight
+                ]
+                if holders and self.orphans.hold_check_due(key, now):
+                    self.orphans.checked(key, now, await self.may_hold(handle, holders))
+                if not self.orphans.may_be_held(key):
+                    holders = []
+                for worker_id in self.orphans.probes_due(holders, now):  # (no responders: marked gone)
+                    self.placement.probe(worker_id)
+            if self.orphans.verdict(key, servable=servable, holders=holders, now=now) != "withdraw":
+                continue
+            await self.placement.delete(handle)
+            if handle.done() or await self._settle_stored(handle):
+                continue
+            self._handles.pop(key, None)
+            handle.set_error(NoCompatibleReplica(self._no_replica_message(constraint)))
+
+    async def may_hold(self, handle: RolloutHandle, holders: list[str]) -> bool:
+        """Whether one of these replicas, at the job's version but no longer taking its jobs
+        (draining, activating away), may be running it: only if it was ever delivered, and for a
+        claimed job only if its claim names one of them. A draining replica finishing its own
+        long jobs must not keep a job it never took (or one a dead replica took) waiting."""
+        delivered = await self.placement.delivered(handle)
+        if delivered is False:
+            return False
+        if delivered is None or not handle.job.claimed:
+            return True  # delivered, or unknown (broker away, its consumer deleted): leave it be
+        try:
+            holder = await self.placement.holder(handle, strict=True)
+        except (nats.errors.Error, nats.js.errors.Error):
+            return True
+        return holder is not None and holder.worker_id in holders
+
+    # -- stalls --------------------------------------------------------------------------------
+    async def stalls(self) -> None:
+        """Once a second, while some job has waited over a second for its answer: for each of
+        their subjects, ask the broker (one consumer look-up) whether jobs wait there with no
+        pull request waiting for them, and if so ring replicas (``stall_bells``). This covers
+        lost bells, replicas that keep a subject's jobs queued behind full slots, replicas
+        standing by (the subject's ``max_waiting`` was reached when they asked), and jobs whose
+        holder died on a subject outside every live replica's window (they are redelivered only
+        to a replica that pulls there). A consumer found missing is declared again (it was
+        deleted, or cleaned up while cached as existing)."""
+        while True:
+            await asyncio.sleep(STALL_AFTER_S)
+            cutoff = time.time() - STALL_AFTER_S
+            waiting = {
+                h.job.constraint
+                for h in list(self._handles.values())
+                if h.job.submitted_at < cutoff and not h.done() and h.replica is None  # (sticky: watched apart)
+            }
+            for constraint in waiting:
+                consumer = self._names.job_consumer(constraint.kind, constraint.version)
+                try:
+                    info = await self._js.consumer_info(self._names.jobs_stream, consumer)
+                except nats.js.errors.NotFoundError:
+                    await self._redeclare(constraint)
+                    continue
+                except (nats.errors.Error, nats.js.errors.Error) as exc:
+                    log.debug("stall check failed", subject=consumer, error=str(exc))
+                    continue
+                bells = stall_bells(info.num_waiting or 0, info.num_pending or 0, info.num_ack_pending or 0)
+                for _ in range(bells):
+                    self._ring(constraint, stalled=True)

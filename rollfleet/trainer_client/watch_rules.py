@@ -1,0 +1,90 @@
+"""The client's watch over jobs in flight, decided without I/O: when an exact job no replica can
+serve is withdrawn, when a replica that may hold it is asked again or probed, and how many
+replicas to wake for jobs that wait unpulled. Plain data in, a decision out, time an argument;
+``watch.JobWatch`` carries the decisions out against the broker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+ORPHAN_GRACE_S = 2.0  # an exact job no replica can serve is withdrawn after this long
+PROBE_S = 1.0  # a replica that may hold an orphaned exact job is asked about (and probed) this often
+STALL_AFTER_S = 1.0  # a job unanswered this long makes its subject worth a look
+STALL_JOBS_PER_BELL = 4  # a woken replica pulls up to its free slots (4 by default)
+STALL_BELLS_MAX = 64
+
+Verdict = Literal["servable", "held", "waiting", "withdraw"]
+
+
+def expired(deadlines: Iterable[tuple[str, float]], now: float, grace_s: float) -> list[str]:
+    """The keys whose deadline (plus the client's grace) has passed at ``now`` (wall clock)."""
+    return [key for key, deadline in deadlines if deadline <= now - grace_s]
+
+
+def stall_bells(num_waiting: int, num_pending: int, num_ack_pending: int) -> int:
+    """How many replicas to ring for a subject: none while a pull request waits there (a replica
+    is already asking); else one per few jobs queued, and one for jobs delivered to a holder that
+    may have died (they come back only to a replica that pulls there), bounded."""
+    if num_waiting:
+        return 0
+    stuck = num_pending + (1 if num_ack_pending else 0)
+    return min(-(-stuck // STALL_JOBS_PER_BELL), STALL_BELLS_MAX)
+
+
+@dataclass
+class OrphanWatch:
+    """Exact jobs that no live replica can serve any more (every one has moved past the version).
+
+    Such a job is never served: once that has lasted ``grace_s`` it is withdrawn and answered
+    ``NoCompatibleReplica`` rather than left to its deadline. While a live replica is still at the
+    version with jobs in flight (an activation draining its exact jobs) it may be running the job:
+    the job is left to it until it has moved on or is gone. Whether it may hold the job is asked of
+    the broker at most once per ``probe_s`` per job (``hold_check_due``/``checked``), and each such
+    replica is probed at most once per ``probe_s`` (``probes_due``: no responders marks it gone).
+    """
+
+    grace_s: float = ORPHAN_GRACE_S
+    probe_s: float = PROBE_S
+    _since: dict[str, float] = field(default_factory=dict)  # key -> since when nobody can serve it
+    _looked: dict[str, tuple[float, bool]] = field(default_factory=dict)  # key -> (when asked, may be held)
+    _probed: dict[str, float] = field(default_factory=dict)  # replica -> when last probed
+
+    def keep_only(self, pending: Collection[str]) -> None:
+        """Forget the jobs no longer pending (answered, withdrawn, failed)."""
+        for book in (self._since, self._looked):
+            for key in [k for k in book if k not in pending]:
+                del book[key]
+
+    def hold_check_due(self, key: str, now: float) -> bool:
+        return now - self._looked.get(key, (float("-inf"), True))[0] >= self.probe_s
+
+    def checked(self, key: str, now: float, may_hold: bool) -> None:
+        self._looked[key] = (now, may_hold)
+
+    def may_be_held(self, key: str) -> bool:
+        """What the last look said (held until asked: a replica at the version may be running it)."""
+        return self._looked.get(key, (0.0, True))[1]
+
+    def probes_due(self, holders: Sequence[str], now: float) -> list[str]:
+        """The holders to probe now (each is then not probed again for ``probe_s``)."""
+        due = [w for w in holders if now - self._probed.get(w, float("-inf")) >= self.probe_s]
+        for worker_id in due:
+            self._probed[worker_id] = now
+        return due
+
+    def verdict(self, key: str, *, servable: bool, holders: Sequence[str], now: float) -> Verdict:
+        """``servable``: a live replica can serve the job's constraint; ``holders``: live replicas
+        at its version that may be running it. ``withdraw`` restarts the grace, so a job that
+        could not be withdrawn is looked at again a grace later."""
+        if servable:
+            self._since.pop(key, None)
+            return "servable"
+        if holders:
+            return "held"
+        if now - self._since.setdefault(key, now) < self.grace_s:
+            return "waiting"
+        self._since[key] = now
+        return "withdraw"

@@ -1,0 +1,299 @@
+"""A job's claim (``Names.claims_bucket``, key ``claim_key(job_id)``): taken before a claimed job
+starts (``at_most_once`` jobs, sessions' turns, exact and resumable jobs), refreshed by revision
+while it runs, released once its answer is stored and acked, and judged when a delivery finds it
+taken: its holder still runs the job (``held``), or stopped (``stopped``), or it is too soon to say
+(``watch``: a stalled broker stalls every holder's refreshes too). The rules are the pure
+``judge_claim`` and ``watched_after``; ``ClaimKeeper`` carries them out for one worker process.
+
+A claim names its holder and this process (a worker restarted under the same id is a new holder:
+what the old one held is not being run any more). A run whose claim changed under it (this process
+was paused or cut off while another replica took the job over or answered it) is told so
+(``lose``): it stops and answers nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from contextlib import suppress
+from typing import Any, Literal
+
+import nats.errors
+import nats.js.errors
+from nats.js.kv import KeyValue
+
+from rollfleet.schemas import RolloutJob, claim_key
+from rollfleet.schemas.errors import RollfleetError
+from rollfleet.schemas.names import Claim
+from rollfleet.schemas.progress import open_claim, seal_claim
+from rollfleet.workers.result_store import RESULT_PUBLISH_BUDGET_S
+from rollfleet.workers.running_job import RunningJob
+
+ClaimVerdict = Literal["held", "stopped", "watch"]
+
+
+def judge_claim(refreshed: float, now: float, *, stale_s: float, watched_s: float, confirm_s: float) -> ClaimVerdict:
+    """Whether the holder of a claim still runs its job, judged by a replica the job was delivered to.
+
+    ``refreshed``: when the holder last wrote the claim (unix time; 0: marked stopped by a client
+    that found the holder's connection gone). ``watched_s``: how long this replica has watched the
+    claim stay unchanged while the broker answered each of its looks promptly (``watched_after``).
+    A claim old by the clock is not enough: a paused or restarting broker stops every holder's
+    refreshes too, and redelivers the job the moment it is back, before any holder could write
+    again. The holder is gone only once it has also let ``confirm_s`` of broker time, seen
+    available, pass without a refresh; until then: ``"watch"``."""
+    if refreshed == 0.0:
+        return "stopped"
+    if now - refreshed < stale_s:
+        return "held"
+    return "stopped" if watched_s >= confirm_s else "watch"
+
+
+def watched_after(watched_s: float, *, same: bool, look_s: float, since_last_s: float, slow_s: float) -> float:
+    """``watched_s`` after one more look at a claim, ``since_last_s`` after the previous one: back
+    to 0 if the claim changed (its holder wrote it) or the look took longer than ``slow_s`` (the
+    broker stalled, and the holder's refreshes with it); otherwise the time since the last look."""
+    if not same or look_s > slow_s:
+        return 0.0
+    return watched_s + since_last_s
+
+
+class ClaimKeeper:
+    """The claims of the jobs one worker process runs: its holder name, the timings derived from
+    ``ack_wait``, and every read and write of the claims bucket."""
+
+    def __init__(
+        self,
+        kv: KeyValue,
+        *,
+        worker_id: str,
+        ack_wait_s: float,
+        log: Any,
+        running: Callable[[], Iterable[RunningJob]],
+        abort: Callable[[RunningJob], None],
+    ) -> None:
+        self.kv = kv
+        self._log = log
+        self._running = running  # the jobs running on this process now
+        self._abort = abort  # stop a run's engine requests (one that lost its claim)
+        self.holder = f"{worker_id}:{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # A claim is refreshed every ack_wait / 3 and counts as stopped when twice ack_wait old: a
+        # holder cut off from the broker for a while (a broker restart, a partition) while it runs
+        # the job is not taken for dead at the moment the broker redelivers the job (ack_wait).
+        self.refresh_s = max(ack_wait_s / 3.0, 0.2)
+        self.stale_s = 2 * max(ack_wait_s, 3 * self.refresh_s)
+        # A resumable job's holder is taken for gone sooner (three refreshes missed, not six): a
+        # takeover of a holder that was only slow costs the tokens since its last checkpoint, never
+        # a second answer (its writes are fenced off), and a replica's death costs less waiting.
+        self.resume_stale_s = 3 * self.refresh_s
+        # A claim old by the clock is judged stopped only after this long watched unchanged while
+        # the broker answered (``judge_claim``): two refreshes of a live holder, and some.
+        self.confirm_s = 3 * self.refresh_s
+
+    async def claim(self, run: RunningJob) -> str:
+        """Claim a job before it starts: ``"ok"`` (ours now), ``"held"`` (a replica that refreshed
+        its claim lately runs it: leave it alone) or ``"stopped"`` (its holder stopped running it;
+        for a replayable turn the claim is ours now). A claim old by the clock is watched (the
+        delivery kept in progress) until its holder has missed refreshes while the broker answered
+        (``judge_claim``): a broker that stalled stalled every holder's refreshes too."""
+        key = claim_key(run.job.job_id)
+        try:
+            run.claim_revision = await self.kv.create(key, self.value(run.job))
+            run.claimed_at = time.monotonic()
+            return "ok"
+        except nats.js.errors.KeyWrongLastSequenceError:
+            pass
+        stale_s = self.resume_stale_s if run.job.behaviour.checkpoints else self.stale_s
+        watched, seen, last_look = 0.0, None, 0.0
+        give_up = time.monotonic() + 4 * stale_s  # a broker that keeps stalling: judge nothing
+        while True:
+            look = time.monotonic()
+            try:
+                entry = await self.kv.get(key)
+                claim = self.read(run.job, entry.value)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                claim, entry = Claim("", 0.0), None
+            except (nats.errors.Error, TimeoutError):  # the broker did not answer: it judges nothing
+                if run.handed_back or time.monotonic() >= give_up:
+                    return "held"
+                watched, seen = 0.0, None
+                await asyncio.sleep(self.refresh_s)
+                continue
+            looked = time.monotonic()
+            if self.runs_here(run):
+                return "held"
+            if entry is None or claim.holder == self.holder:
+                verdict: ClaimVerdict = "stopped"  # nobody's, or a process that is this one (not running it)
+            else:
+                watched = watched_after(
+                    watched,
+                    same=seen is not None and entry.revision == seen,
+                    look_s=looked - look,
+                    since_last_s=looked - last_look,
+                    slow_s=self.refresh_s,
+                )
+                verdict = judge_claim(
+                    claim.refreshed, time.time(), stale_s=stale_s, watched_s=watched, confirm_s=self.confirm_s
+                )
+            if verdict != "watch":
+                break
+            if run.handed_back or looked >= give_up:
+                return "held"
+            seen, last_look = entry.revision if entry is not None else None, looked
+            with suppress(Exception):
+                await run.msg.in_progress()
+            await asyncio.sleep(self.refresh_s)
+        if verdict == "held":
+            return "held"
+        if run.job.behaviour.takeover:
+            try:  # take it over from the stopped holder (one taker wins)
+                if entry is None:
+                    run.claim_revision = await self.kv.create(key, self.value(run.job))
+                else:
+                    run.claim_revision = await self.kv.update(
+                        key, self.value(run.job), last=entry.revision
+                    )
+            except nats.js.errors.KeyWrongLastSequenceError:
+                return "held"
+            run.claimed_at = time.monotonic()
+            run.took_over = True
+        return "stopped"
+
+    async def await_claim(self, run: RunningJob) -> str:
+        """A resumable job redelivered while its claim still looks fresh: keep the delivery (in
+        progress) and look again each refresh period, up to twice the time after which a holder
+        counts as gone, instead of handing it back (each hand-back spends one of the job's
+        ``max_deliver`` deliveries, and a dead holder's job would wait for the next one)."""
+        until = time.monotonic() + 2 * self.resume_stale_s
+        verdict = "held"
+        while verdict == "held" and time.monotonic() < until and not run.handed_back:
+            if self.runs_here(run):
+                break  # this replica runs it: its answer comes from there
+            with suppress(Exception):
+                await run.msg.in_progress()
+            await asyncio.sleep(self.refresh_s)
+            verdict = await self.claim(run)
+        return verdict
+
+    def runs_here(self, run: RunningJob) -> bool:
+        """Whether another delivery of the same job runs on this replica now."""
+        return any(r.job.job_id == run.job.job_id for r in self._running() if r is not run)
+
+    def value(self, job: RolloutJob | None = None) -> bytes:
+        claim = Claim(self.holder, time.time())
+        # A resumable job's claim is sealed with its job id, like its progress records: a claim
+        # written by someone the job was never delivered to is nobody's (``read``).
+        return seal_claim(job.job_id, claim) if job is not None and job.behaviour.checkpoints else claim.encode()
+
+    @staticmethod
+    def read(job: RolloutJob, value: bytes | None) -> Claim:
+        """A claim as its job's replicas read it; a resumable job's without its MAC (a rogue
+        write, or one marked stopped since) reads as nobody's: stopped."""
+        if not job.behaviour.checkpoints:
+            return Claim.decode(value)
+        return open_claim(job.job_id, value) or Claim("", 0.0)
+
+    async def release(self, job: RolloutJob, *, only_own: bool = False) -> None:
+        """Answered and acked (or handed back unrun): the claim has done its work. ``only_own`` (a
+        hand-back: the job is not answered): only while the claim is still this process's, so a
+        run that lost the job unnoticed never deletes the claim of the run that has it now."""
+        if not job.claimed:
+            return
+        key = claim_key(job.job_id)
+        with suppress(Exception):
+            if not only_own:
+                await self.kv.delete(key)
+                return
+            entry = await self.kv.get(key)
+            if self.read(job, entry.value).holder == self.holder:
+                await self.kv.delete(key, last=entry.revision)
+
+    async def refresh(self, now: float) -> None:
+        """A long job's claim says, every ack_wait / 3, that its holder still runs it."""
+        for run in list(self._running()):
+            if run.claimed_at is not None and now - run.claimed_at >= self.refresh_s and not run.claim_lost:
+                run.claimed_at = now
+                if run.claim_revision is not None:
+                    await self.refresh_by_revision(run)
+                    continue
+                with suppress(Exception):
+                    await self.kv.put(claim_key(run.job.job_id), self.value())
+
+    async def refresh_by_revision(self, run: RunningJob) -> bool | None:
+        """Refresh a claim only if it is still the one this run wrote: True if so, False if it was
+        taken over, answered ``Interrupted`` or marked stopped meanwhile (this process was paused
+        or cut off too long: another replica has the job, and this run stops and answers nothing),
+        None if the broker did not answer (the next refresh tries again)."""
+        key = claim_key(run.job.job_id)
+        try:
+            run.claim_revision = await self.kv.update(key, self.value(run.job), last=run.claim_revision)
+            return True
+        except nats.js.errors.KeyWrongLastSequenceError:
+            if run.job.behaviour.checkpoints:
+                return await self.reclaim_resumable(run)
+        except Exception:
+            return None
+        try:  # a write of ours whose acknowledgement was lost (the broker stalled) moved it too
+            entry = await self.kv.get(key)
+            claim: Claim | None = Claim.decode(entry.value)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            claim = None
+        except Exception:
+            return None
+        if claim is not None and claim.holder == self.holder and not claim.stopped:
+            run.claim_revision = entry.revision
+            return True
+        self.lose(run)
+        return False
+
+    async def reclaim_resumable(self, run: RunningJob) -> bool | None:
+        """A resumable job's claim changed under its run. Only the job's progress says whether
+        another run has the job (a run that takes it over stores its ``ResumeRecord`` at once, and
+        that fences this run's next write): a claim written or deleted by someone who does not know
+        the job id fences nothing, and this run writes its own back. (A taker whose record is not
+        stored yet gets its claim back the same way; the records decide which run goes on.)"""
+        key = claim_key(run.job.job_id)
+        try:
+            if run.progress is not None and await run.progress.taken_over():
+                self.lose(run)
+                return False
+            try:
+                entry = await self.kv.get(key)
+            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+                run.claim_revision = await self.kv.create(key, self.value(run.job))
+            else:
+                run.claim_revision = await self.kv.update(key, self.value(run.job), last=entry.revision)
+        except (nats.errors.Error, RollfleetError):  # the broker away, or written again meanwhile
+            return None
+        self._log.warning("resumable job's claim rewritten by someone else; written back", job_id=run.job.job_id)
+        return True
+
+    def lose(self, run: RunningJob) -> None:
+        if run.claim_lost:
+            return
+        run.claim_lost = True
+        job = run.job
+        self._log.warning("claim lost; this run stops and answers nothing", job_id=job.job_id, key=job.idempotency_key)
+        if run.progress is not None:
+            run.progress.supersede("its claim was taken over")  # (it aborts the run's requests)
+        else:
+            self._abort(run)
+
+    async def still_holds(self, run: RunningJob) -> bool:
+        """Just before a claimed job is answered: whether this run still holds the claim (refreshed
+        by revision, retried while the broker is away). A holder paused past the moment another
+        replica took the job over (or answered it ``Interrupted``), even past the duplicate window
+        that would drop a second answer, never stores one."""
+        if run.claim_lost:
+            return False
+        if run.claimed_at is None or run.claim_revision is None:
+            return True
+        until = time.time() + RESULT_PUBLISH_BUDGET_S
+        while True:
+            held = await self.refresh_by_revision(run)
+            if held is not None or time.time() >= until:
+                return bool(held)
+            await asyncio.sleep(0.2)

@@ -1,0 +1,130 @@
+"""A job's answer on the results stream: whether one is stored (by any replica), storing one
+(in chunks when it is too large for a message), and storing a typed failure as the answer.
+
+Answers are stored on a subject that names the job and this worker (``Names.result_subject``;
+the broker lets a worker publish only under its own id) with the message id ``h:<job>``, so a
+job has one stored answer however many replicas ran it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+import nats.js.errors
+import xxhash
+from nats.js import JetStreamContext
+
+from rollfleet.broker.retry_publish import publish_retrying
+from rollfleet.runtime import faults
+from rollfleet.schemas import ChunkedOutcome, Names, RolloutFailure, RolloutJob, RolloutResult, encode, job_token
+from rollfleet.schemas.errors import InvalidRequest, ResultUnstorable, RollfleetError
+from rollfleet.schemas.names import HDR_MSG_ID, check_token
+
+RESULT_PUBLISH_BUDGET_S = 20.0  # then the job stays unacked and is redelivered
+
+
+class ResultStore:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        names: Names,
+        *,
+        worker_id: str,
+        chunk_bytes: int,
+        log: Any,
+        on_failure: Callable[[str], None] | None = None,
+    ) -> None:
+        self._js = js
+        self._on_failure = on_failure  # counts each failure stored, by its code
+        self._names = names
+        self._worker_id = worker_id
+        self._chunk_bytes = chunk_bytes
+        self._log = log
+
+    async def answered(self, job: RolloutJob) -> bool:
+        """Whether an answer to this job is stored (by any replica)."""
+        subject = self._names.results_of_job(job.client_id, job.idempotency_key, job.job_id)
+        try:
+            await self._js.get_msg(self._names.results_stream, seq=1, subject=subject, next=True, direct=True)
+            return True
+        except nats.js.errors.NotFoundError:
+            return False
+
+    async def store(
+        self, client_id: str, key: str, job_id: str | None, outcome: RolloutResult | RolloutFailure
+    ) -> bool:
+        """Store an answer; one too large for a message goes in chunks, then a ChunkedOutcome head.
+        False if the broker stayed away; ResultUnstorable if it refuses the answer for good."""
+        until = time.time() + RESULT_PUBLISH_BUDGET_S
+        data = encode(outcome)
+        head_subject = self._names.result_subject(client_id, key, job_id, self._worker_id)
+        # One answer per job: the head's message id names the job (an undecodable job: its key).
+        head_id = f"h:{job_token(job_id)}" if job_id is not None else f"h:{key}:{self._worker_id}"
+        try:
+            if len(data) > self._chunk_bytes:
+                nonce = uuid.uuid4().hex
+                parts = [data[i : i + self._chunk_bytes] for i in range(0, len(data), self._chunk_bytes)]
+                for i, part in enumerate(parts):
+                    subject = self._names.result_chunk_subject(head_subject, nonce, i)
+                    await publish_retrying(self._js, subject, part, {HDR_MSG_ID: f"c:{nonce}:{i}"}, until=until)
+                    faults.point("worker:mid-chunks")
+                head = ChunkedOutcome(
+                    idempotency_key=key,
+                    client_id=client_id,
+                    job_id=outcome.job_id,
+                    chunks=len(parts),
+                    size=len(data),
+                    digest=xxhash.xxh3_128_hexdigest(data),
+                    nonce=nonce,
+                )
+                data = encode(head)
+            await publish_retrying(self._js, head_subject, data, {HDR_MSG_ID: head_id}, until=until)
+        except InvalidRequest as exc:
+            raise ResultUnstorable(f"the broker refuses an answer of {len(data)} bytes: {exc.message}") from exc
+        except RollfleetError as exc:
+            self._log.warning("result not stored", error=exc.message, code=exc.code)
+            return False
+        return True
+
+    async def store_failure(
+        self,
+        client_id: str | None,
+        key: str | None,
+        error: RollfleetError,
+        attempt: int,
+        job: RolloutJob | None = None,
+        job_id: str | None = None,
+        fingerprint: str = "",
+    ) -> None:
+        """Store a typed failure as the job's answer (dropped, with a warning, if there is no
+        reply address or key to store it under). Without ``job``: the ``job_id`` and
+        ``fingerprint`` read from a job that did not decode, if any."""
+        job_id = job.job_id if job is not None else job_id
+        if self._on_failure is not None:
+            self._on_failure(error.code)
+        try:
+            check_token(client_id or "", "client_id")
+        except InvalidRequest:
+            self._log.warning("no reply address; dropping", error=error.message)
+            return
+        if not key:
+            self._log.warning("no idempotency key; dropping", error=error.message)
+            return
+        failure = RolloutFailure(
+            idempotency_key=key,
+            client_id=client_id,  # type: ignore[arg-type]
+            code=error.code,
+            message=error.message,
+            retryable=error.retryable,
+            job_id=job_id,
+            worker_id=self._worker_id,
+            delivery_attempt=attempt,
+            finished_at=time.time(),
+            fingerprint=job.fingerprint if job else fingerprint,
+        )
+        with suppress(ResultUnstorable):  # a failure is small; nothing more to say if it is refused
+            await self.store(client_id, key, job_id, failure)  # type: ignore[arg-type]

@@ -1,0 +1,185 @@
+"""The broker's store lost (restarted on an empty store: a disk replaced) or a stream or bucket
+deleted through the JetStream API: the trainer's client declares the namespace again, restores
+its own part of it (its results consumer, its job-id secret, its lease), and the fleet serves again
+by itself, without a process restart. Real nats-server, real workers and clients."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import nats
+import nats.aio.msg
+import nats.js.errors
+
+from rollfleet.broker import EmbeddedBroker
+from rollfleet.broker.topology import ensure_topology, renewed_streams, topology_check_due
+from rollfleet.testing import running_worker, wait_until
+from rollfleet.trainer_client import RolloutClient
+from rollfleet.trainer_client.lease import lease_held
+from rollfleet.trainer_client.restore import versions_to_declare
+from tests.helpers import payload
+
+BOUND_S = 12.0  # a deletion advisory or a reconnect pokes the keeper at once
+
+
+async def _served(client: RolloutClient, tag: int, bound: float = BOUND_S) -> str:
+    """Submit until one call is answered within ``bound`` (a call during the loss may fail)."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + bound
+    last: Exception | None = None
+    while loop.time() < until:
+        try:
+            handle = await client.submit(payload([tag]), min_version=0, timeout=4.0)
+            return (await handle.result(5)).worker_id
+        except Exception as exc:  # (ServiceUnavailable, Expired while the namespace is missing)
+            last = exc
+            await asyncio.sleep(0.3)
+    raise AssertionError(f"not served again within {bound} s: {last!r}")
+
+
+async def test_deleted_jobs_and_results_streams_are_declared_again(nats_url: str, namespace: str) -> None:
+    async with (
+        running_worker(nats_url, namespace, worker_id="w") as worker,
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        assert await _served(client, 1) == "w"
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            await js.delete_stream(client.names.jobs_stream)
+            await js.delete_stream(client.names.results_stream)
+            # Declared again at once by another process (another trainer, a gateway): this client
+            # must still see that what it kept there (its results consumer) was lost.
+            await ensure_topology(js, client.names)
+            assert await _served(client, 2) == worker.config.worker_id
+            # The client id's results consumer is back with the stream (a restarted trainer's too).
+            await js.consumer_info(client.names.results_stream, client.names.results_consumer("c"))
+        finally:
+            await nc.close()
+
+
+async def test_broker_restarted_on_an_empty_store_serves_again(tmp_path: Path, namespace: str) -> None:
+    broker = EmbeddedBroker(store_dir=tmp_path / "store").start()
+    try:
+        async with (
+            running_worker(broker.url, namespace, worker_id="w"),
+            await RolloutClient.connect(broker.url, namespace=namespace, client_id="c") as client,
+        ):
+            assert await _served(client, 1) == "w"
+            broker.kill()
+            shutil.rmtree(tmp_path / "store")  # the disk replaced: every stream, consumer, bucket gone
+            broker.start()  # same port
+            assert await _served(client, 2) == "w"
+            assert client.inbox.receiving  # the lease key the wipe took was not taken for a take-over
+            # The client id's secret is back: a restarted trainer recognises the ids issued before.
+            nc = await nats.connect(broker.url)
+            try:
+                kv = await nc.jetstream().key_value(client.names.sessions_bucket)
+                await kv.get("c.c")
+            finally:
+                await nc.close()
+    finally:
+        broker.stop()
+
+
+async def test_a_key_answered_before_the_store_was_lost_is_answered_again(tmp_path: Path, namespace: str) -> None:
+    """A key answered, then its stored answer lost with the broker's store, then submitted again:
+    its job runs again (under the key's job id) and that answer reaches the waiting handle; the
+    client's memory of answers it handed out must not drop it as a late duplicate."""
+    broker = EmbeddedBroker(store_dir=tmp_path / "store").start()
+    try:
+        async with (
+            running_worker(broker.url, namespace, worker_id="w"),
+            await RolloutClient.connect(broker.url, namespace=namespace, client_id="c") as client,
+        ):
+            first = await (await client.submit(payload([7]), min_version=0, idempotency_key="k")).result(10)
+            broker.kill()
+            shutil.rmtree(tmp_path / "store")
+            broker.start()
+            await _served(client, 2)  # (the namespace is back)
+            again = await client.submit(payload([7]), min_version=0, idempotency_key="k", timeout=6.0)
+            result = await again.result(8)
+            assert result.job_id == first.job_id  # (the key's job id)
+    finally:
+        broker.stop()
+
+
+async def test_deleted_registry_and_claims_buckets_are_declared_again(nats_url: str, namespace: str) -> None:
+    async with (
+        running_worker(nats_url, namespace, worker_id="w"),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        assert await _served(client, 1) == "w"
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            await js.delete_key_value(client.names.fleet_bucket)
+            await js.delete_key_value(client.names.claims_bucket)
+
+            async def back() -> bool:
+                try:
+                    await js.key_value(client.names.fleet_bucket)
+                    await js.key_value(client.names.claims_bucket)
+                    return True
+                except nats.js.errors.BucketNotFoundError:
+                    return False
+
+            await wait_until(back, timeout=BOUND_S)
+            # The worker's heartbeat writes its entry again, and the client's view hears it: its
+            # watch of the registry was renewed (the old one waits on a consumer that is gone).
+            await asyncio.sleep(1.0)
+            heard = client.fleet.replica("w")
+            since = heard.heartbeat_at if heard is not None else 0.0
+            await wait_until(
+                lambda: (r := client.fleet.replica("w")) is not None and r.heartbeat_at > since + 1.0, timeout=BOUND_S
+            )
+            assert await _served(client, 2) == "w"
+            assert client.inbox.receiving
+        finally:
+            await nc.close()
+
+
+async def test_a_lease_key_lost_or_rolled_back_is_not_a_take_over(nats_url: str, namespace: str) -> None:
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        kv = await client.js.key_value(client.names.fleet_bucket)
+        key, mine = client.names.client_key("c"), client._lease.instance.encode()
+        await kv.delete(key)  # lost with a wiped store
+        assert await client._lease.held()
+        assert (await kv.get(key)).value == mine  # written back
+        await kv.put(key, b"a-dead-instance")  # a store rolled back to before this client took the id
+        assert await client._lease.held()
+        assert (await kv.get(key)).value == mine
+        # Another live client answering on the id's subject: that is a take-over.
+        nc = await nats.connect(nats_url)
+        try:
+
+            async def answer(msg: nats.aio.msg.Msg) -> None:
+                await nc.publish(msg.reply, b"another-instance")
+
+            await nc.subscribe(client.names.client_alive_subject("c"), cb=answer)
+            await nc.flush()
+            await kv.put(key, b"another-instance")
+            assert not await client._lease.held()
+        finally:
+            await nc.close()
+
+
+def test_rules() -> None:
+    assert topology_check_due(10.0, None, False, 3.0)
+    assert topology_check_due(10.0, 9.9, True, 3.0)  # a reconnect: at once
+    assert not topology_check_due(10.0, 8.0, False, 3.0)
+    assert topology_check_due(11.0, 8.0, False, 3.0)
+    assert not topology_check_due(1e9, 8.0, False, None)  # no timer: an idle trainer asks nothing
+    # The lease: only another live client answering is a take-over; a lost or stale key is rewritten.
+    assert lease_held("me", "me", []) == "held"
+    assert lease_held(None, "me", []) == "rewrite"
+    assert lease_held("dead-one", "me", []) == "rewrite"
+    assert lease_held("other", "me", ["other"]) == "lost"
+    assert versions_to_declare([3, 3, 5], 6) == [3, 5, 6]
+    assert versions_to_declare([], None) == []
+    # A stream missing, or created at another time than last seen (deleted and declared again by
+    # any process), lost what it held; one seen for the first time did not.
+    before = {"A": "t1", "B": "t1", "C": "t1"}
+    assert renewed_streams(before, {"A": "t1", "B": "t2", "C": None, "D": "t1"}) == ["B", "C"]

@@ -1,0 +1,92 @@
+"""The client's watch rules (``trainer_client.watch_rules``), as pure functions: deadlines, the
+withdrawal of exact jobs nobody can serve, and how many replicas a stalled subject wakes.
+Milliseconds; the process tests (test_versions, test_pull) show the loops carry them out."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rollfleet.trainer_client.watch_rules import (
+    ORPHAN_GRACE_S,
+    STALL_BELLS_MAX,
+    STALL_JOBS_PER_BELL,
+    OrphanWatch,
+    expired,
+    stall_bells,
+)
+
+
+def test_a_deadline_passes_only_after_its_grace() -> None:
+    deadlines = [("early", 100.0), ("edge", 102.0), ("late", 102.5)]
+    assert expired(deadlines, now=104.0, grace_s=2.0) == ["early", "edge"]
+    assert expired(deadlines, now=101.9, grace_s=2.0) == []
+
+
+@given(st.integers(0, 5), st.integers(0, 10_000), st.integers(0, 50))
+def test_stall_bells_ring_one_replica_per_few_waiting_jobs_bounded(waiting: int, pending: int, acked: int) -> None:
+    bells = stall_bells(waiting, pending, acked)
+    if waiting:
+        assert bells == 0  # a replica is already asking there
+        return
+    stuck = pending + (acked > 0)
+    assert 0 <= bells <= STALL_BELLS_MAX
+    assert (bells == 0) == (stuck == 0)
+    if bells < STALL_BELLS_MAX:  # enough replicas for every job (each pulls a few), no more
+        assert (bells - 1) * STALL_JOBS_PER_BELL < stuck <= bells * STALL_JOBS_PER_BELL
+
+
+def test_an_exact_job_nobody_can_serve_is_withdrawn_after_the_grace_then_looked_at_again() -> None:
+    w = OrphanWatch()
+    assert w.verdict("k", servable=False, holders=[], now=10.0) == "waiting"
+    assert w.verdict("k", servable=False, holders=[], now=10.0 + ORPHAN_GRACE_S - 0.01) == "waiting"
+    assert w.verdict("k", servable=False, holders=[], now=10.0 + ORPHAN_GRACE_S) == "withdraw"
+    # Could not be withdrawn (the broker away): another full grace before the next try.
+    assert w.verdict("k", servable=False, holders=[], now=10.0 + ORPHAN_GRACE_S + 1.0) == "waiting"
+    assert w.verdict("k", servable=False, holders=[], now=10.0 + 2 * ORPHAN_GRACE_S) == "withdraw"
+
+
+def test_a_replica_that_can_serve_it_again_resets_the_grace() -> None:
+    w = OrphanWatch()
+    assert w.verdict("k", servable=False, holders=[], now=0.0) == "waiting"
+    assert w.verdict("k", servable=True, holders=[], now=1.5) == "servable"
+    assert w.verdict("k", servable=False, holders=[], now=2.5) == "waiting"  # counted from 2.5, not 0
+    assert w.verdict("k", servable=False, holders=[], now=2.5 + ORPHAN_GRACE_S) == "withdraw"
+
+
+def test_a_job_a_draining_replica_may_hold_waits_for_it_and_the_grace_starts_when_it_is_gone() -> None:
+    w = OrphanWatch()
+    for t in (0.0, 5.0, 30.0):  # an activation draining its exact jobs, for as long as it takes
+        assert w.verdict("k", servable=False, holders=["w1"], now=t) == "held"
+    assert w.verdict("k", servable=False, holders=[], now=31.0) == "waiting"
+    assert w.verdict("k", servable=False, holders=[], now=31.0 + ORPHAN_GRACE_S) == "withdraw"
+
+
+def test_whether_a_holder_may_hold_the_job_is_asked_at_most_once_a_probe_interval() -> None:
+    w = OrphanWatch(probe_s=1.0)
+    assert w.may_be_held("k")  # not asked yet: it may
+    assert w.hold_check_due("k", 100.0)
+    w.checked("k", 100.0, False)
+    assert not w.may_be_held("k")
+    assert not w.hold_check_due("k", 100.9)
+    assert w.hold_check_due("k", 101.0)
+    w.checked("k", 101.0, True)
+    assert w.may_be_held("k")
+
+
+def test_each_holder_is_probed_at_most_once_a_probe_interval_across_jobs() -> None:
+    w = OrphanWatch(probe_s=1.0)
+    assert w.probes_due(["w1", "w2"], 0.0) == ["w1", "w2"]
+    assert w.probes_due(["w1", "w3"], 0.5) == ["w3"]  # w1 was probed for another job just now
+    assert w.probes_due(["w1", "w2", "w3"], 1.0) == ["w1", "w2"]
+
+
+def test_jobs_no_longer_pending_are_forgotten() -> None:
+    w = OrphanWatch()
+    w.verdict("gone", servable=False, holders=[], now=0.0)
+    w.checked("gone", 0.0, False)
+    w.verdict("kept", servable=False, holders=[], now=0.0)
+    w.keep_only({"kept"})
+    assert w.may_be_held("gone")  # asked again from scratch if it ever came back
+    assert w.verdict("gone", servable=False, holders=[], now=ORPHAN_GRACE_S) == "waiting"
+    assert w.verdict("kept", servable=False, holders=[], now=ORPHAN_GRACE_S) == "withdraw"
