@@ -528,10 +528,14 @@ class Oracle:
             + [float(c.hang["t"]) for c in self.calls if c.hang]
         )
         self.t_first, self.samples = t0, []
+        # Per sample, the (worker, active version) of replicas left out for a dead or frozen engine
+        # server: not serving, but at a version they may serve again when it is back.
+        self.engine_out_samples: list[list[tuple[str, int]]] = []
         cursor = {w: 0 for w in entries}
         t = t0
         while t <= t1 + SAMPLE_S:
             snap: list[tuple[str, str, int, int | None, bool]] = []
+            out: list[tuple[str, int]] = []
             if not self.broker_down(t):
                 for worker, seq in entries.items():
                     i = cursor[worker]
@@ -545,15 +549,21 @@ class Oracle:
                     if proc is None or et < proc.start:
                         continue
                     if proc.engine == "sglang" and engine_out(self.engine_lives.get(worker, []), t):
+                        out.append((worker, int(status.active_version)))
                         continue  # (its engine server dead or frozen: it cannot serve, whatever it says)
                     free = int(status.in_flight) < int(status.capacity)
                     snap.append((worker, status.state, int(status.active_version), status.preparing_version, free))
             self.samples.append(snap)
+            self.engine_out_samples.append(out)
             t += SAMPLE_S
 
     def snapshot(self, t: float) -> list[tuple[str, str, int, int | None, bool]]:
         i = int((t - self.t_first) / SAMPLE_S)
         return self.samples[i] if 0 <= i < len(self.samples) else []
+
+    def _engine_out_at(self, t: float) -> list[tuple[str, int]]:
+        i = int((t - self.t_first) / SAMPLE_S)
+        return self.engine_out_samples[i] if 0 <= i < len(self.engine_out_samples) else []
 
     @staticmethod
     def takes(
@@ -872,7 +882,10 @@ class Oracle:
             to = {d.worker for d in seen}
             ran_on = [d for d in seen if d.attempt == desc.get("attempt")]
             t_run = self.by_own_clock(str(worker), float(desc.get("finished_at") or 0.0))
-            unseen = self._unseen_delivery(str(job_id), min((d.t for d in seen), default=t_run), t_run)
+            # (From the submit to the last thing seen of it: a consumer re-declared between the
+            # delivery the result ran on and a later one the wiretap saw counts.)
+            since = min([d.t for d in seen] + [t_run] + ([float(_call.t0)] if getattr(_call, "t0", None) else []))
+            unseen = self._unseen_delivery(str(job_id), since, max([d.t for d in seen] + [t_run]))
             if worker in to:
                 self.checks["delivered"] += 1
             elif any(self.lost_with_store(d.t, "jobs", after=t_run) for d in ran_on):
@@ -1728,6 +1741,14 @@ class Oracle:
             moved_on = all(any(e[1] in SERVING_STATES for e in snap) for snap in recent)  # a fleet, elsewhere
             if not nobody or not moved_on or self.latest_at(ta) <= pin:
                 self.checks["pinned-error"] += 1
+                continue
+            down_at_pin = any(e[2] == pin and e[1] == "down" for snap in recent for e in snap)
+            if down_at_pin or any(
+                v == pin for k in range(int(5.0 / SAMPLE_S)) for _, v in self._engine_out_at(ta - k * SAMPLE_S)
+            ):
+                # A replica at the pin whose engine server is down may serve it again once it is
+                # back: "retry" is no lie, and "hopeless" would be a guess.
+                self.unverified["pinned-error: a replica at the pin has its engine server down"] += 1
                 continue
             msg = str(c.answer.get("message", ""))
             names_pin = re.search(rf"(?<![0-9]){pin}(?![0-9])", msg) is not None and "pin" in msg.lower()

@@ -378,7 +378,9 @@ async def test_an_overtaken_tail_is_cancelled_frees_its_replica_and_comes_back(n
             batch = await loop.next_batch()
             assert batch is not None and sorted(g.prompt.prompt_token_ids for g in batch.groups) == [[10], [11]]
             await wait_until(lambda: loop.totals["waste_groups_tail"] == 1, timeout=5, what="the tail cancelled")
-            assert engine.running <= 1  # the long job stopped (at most the requeued one runs again)
+            # The long job stops (at most the requeued one runs again); the third short group
+            # may still be on the replica for a moment on a loaded host, never for 15 s.
+            await wait_until(lambda: engine.running <= 1, timeout=5, what="the cancelled tail stopped")
             assert 0 < loop.totals["waste_tokens_tail"] < 1500
             assert loop.totals["requeued"] == 1
 

@@ -229,7 +229,9 @@ async def test_a_job_whose_holder_died_outside_every_window_is_pulled_again(
             group.worker(nats_url, namespace, "w-old", "--echo-token-latency", "0.05", "--ack-wait", "1.5")
             await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=30)
             handle = await client.submit(payload(max_tokens=100), min_version=0, timeout=60)
-            await asyncio.sleep(1.0)  # running on w-old
+            # Running on w-old (said by its registry entry; a fixed sleep is outlasted by a loaded
+            # host's start-up, and the job would then be w-new's first delivery, not a redelivery).
+            await wait_until(lambda: any(r.in_flight for r in client.fleet.replicas()), timeout=30)
             async with running_worker(nats_url, namespace, version=5, worker_id="w-new", topology=topo):
                 group.kill("w-old")
                 t0 = asyncio.get_running_loop().time()

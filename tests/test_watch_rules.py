@@ -90,3 +90,18 @@ def test_jobs_no_longer_pending_are_forgotten() -> None:
     assert w.may_be_held("gone")  # asked again from scratch if it ever came back
     assert w.verdict("gone", servable=False, holders=[], now=ORPHAN_GRACE_S) == "waiting"
     assert w.verdict("kept", servable=False, holders=[], now=ORPHAN_GRACE_S) == "withdraw"
+
+
+def test_a_pinned_sessions_version_may_be_served_only_by_a_replica_that_can_still_reach_it() -> None:
+    from rollfleet.trainer_client.sessions.session import pin_may_be_served
+
+    # At the pin: serving, or its engine down (it may come back), but not stopping for good.
+    assert pin_may_be_served([("ready", 5, None)], 5, 7)
+    assert pin_may_be_served([("down", 5, None)], 5, 7)
+    assert not pin_may_be_served([("draining", 5, None)], 5, 7)
+    assert pin_may_be_served([("preparing", 4, 5)], 5, 5)
+    # Behind it: only while it is the newest commit (a replica catching up goes to the newest).
+    assert pin_may_be_served([("starting", 0, None)], 5, 5)
+    assert not pin_may_be_served([("down", 0, None), ("ready", 7, None), ("ready", 7, None)], 5, 7)
+    # Past it: never (versions only move forward).
+    assert not pin_may_be_served([("ready", 6, None), ("preparing", 6, 7)], 5, 7)

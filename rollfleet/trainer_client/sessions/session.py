@@ -334,14 +334,16 @@ class Session:
     def _check_pin_served(self, pin: int) -> None:
         """A pinned session whose version no live replica serves any more fails here, before its
         turn is spent, with an error that says so. Replicas only move forward: once every live
-        replica is past the pin it is hopeless (not retryable) unless an operator starts one held
-        at that version (``rollfleet worker --hold-version``)."""
+        replica is past the pin, or behind it while a newer version is committed (a replica
+        catching up goes to the newest), it is hopeless (not retryable) unless an operator starts
+        one held at that version (``rollfleet worker --hold-version``): ``pin_may_be_served``."""
         fleet = self._host.fleet
         if fleet.compatible(VersionConstraint("exact", pin)):
             return
         live = fleet.replicas()
-        past = [r for r in live if r.active_version > pin and (r.preparing_version or r.active_version) > pin]
-        hopeless = bool(live) and len(past) == len(live)
+        hopeless = bool(live) and not pin_may_be_served(
+            [(r.state, r.active_version, r.preparing_version) for r in live], pin, fleet.latest_version
+        )
         seen = ", ".join(f"{r.worker_id}@{r.active_version}" for r in live) or "empty"
         err = NoCompatibleReplica(
             f"session {self.session_id!r} is pinned to version {pin} (version_policy='pinned'), and no live "
@@ -517,3 +519,19 @@ async def expire_idle(sessions: list[Session]) -> None:
         if session.idle_past_ttl(now):
             log.info("session expired", session_id=session.session_id, ttl_s=session.record.ttl_s)
             await session.close()
+
+
+def pin_may_be_served(replicas: list[tuple[str, int, int | None]], pin: int, latest: int | None) -> bool:
+    """Whether a live replica (state, active version, preparing version) may yet serve a pinned
+    session's version: one at it that is not stopping (its engine down, activating: it may serve
+    it again), one preparing it, or one behind it while it is the newest commit (catching up to
+    it). A replica past it never comes back (versions only move forward), nor does one behind it
+    once a newer version is committed (a replica catching up goes to the newest)."""
+    for state, active, preparing in replicas:
+        if active == pin and state != "draining":
+            return True
+        if preparing == pin:
+            return True
+        if active < pin and (latest is None or latest <= pin):
+            return True
+    return False
