@@ -306,7 +306,14 @@ async def test_r3_streams_survive_losing_the_leader(cluster: LocalCluster, ns: s
         await js.publish(names.job_subject("min", 0), b"after", headers={"Nats-Msg-Id": "after"})
         consumer = await ensure_job_consumer(js, names, "min", 0, R3)
         sub = await js.pull_subscribe_bind(consumer, stream=names.jobs_stream)
-        jobs = await sub.fetch(2, timeout=10)
+        # The new R3 consumer answers pulls once its own leader is elected (503 until then).
+        jobs: list[Any] = []
+
+        async def pulled() -> bool:
+            jobs.extend(await sub.fetch(2 - len(jobs), timeout=2))
+            return len(jobs) == 2
+
+        await wait_until(pulled, 20, what="both jobs pulled from the new R3 consumer", interval=0.2, retry_errors=True)
         assert sorted(m.data for m in jobs) == [b"after", b"before"]
         for m in jobs:
             await m.ack_sync()
