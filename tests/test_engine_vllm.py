@@ -506,12 +506,13 @@ async def test_workers_serve_through_vllm_and_keep_the_contract_across_an_activa
         await RolloutClient.connect(nats_url, namespace=namespace, client_id="trainer") as client,
     ):
         await client.publish_policy(publisher, tensors)
-        # Heartbeats every 2 s (stale after 6 s), not the harness's 0.5 s: this process also runs
+        # Heartbeats every 5 s (stale after 15 s), not the harness's 0.5 s: this process also runs
         # the client, and vLLM's CPU build reloading while it generates can hold its event loop
-        # past 1.5 s; the client would then count the replica gone and withdraw its exact job.
+        # for seconds (past 6 s on a loaded 2-core host); the client would then count the replica
+        # gone and withdraw its exact job (NoCompatibleReplica, with the replica "ready" at v).
         async with running_worker(
             nats_url, namespace, worker_id="v0", engine=engine, store_dir=store, local_dir=tmp_path / "local",
-            capacity=6, exact_drain_s=60, heartbeat_s=2.0,
+            capacity=6, exact_drain_s=60, heartbeat_s=5.0,
         ) as worker:  # fmt: skip
             await client.wait_for_version(0, replicas=1, timeout=60)
             new, spanning, v = tensors, [], 0
