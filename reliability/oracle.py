@@ -276,9 +276,13 @@ class Oracle:
                 return loss
         return None
 
-    def _answer_seen_at(self, key: str, job_id: Any, fallback: float) -> float:
-        """When the wiretap first saw ``job_id``'s answer for ``key`` published (else ``fallback``)."""
-        seen = [p.t for p in self.published_by_key.get(key, []) if p.job_id == job_id]
+    def _answer_seen_at(self, job_id: Any, fallback: float) -> float:
+        """When the wiretap first saw ``job_id``'s answer published (else ``fallback``). By job id,
+        not by key: a job id names one client's job, while the answers filed under a key are only
+        those of the client whose key it first was (a key the trainer also sent over a gateway has
+        its other answers elsewhere), and falling back to when the job was stored would date the
+        answer seconds early."""
+        seen = [p.t for p in self.published_by_job.get(job_id, [])] if job_id else []
         return min(seen) if seen else fallback
 
     @staticmethod
@@ -375,6 +379,10 @@ class Oracle:
             if d.key and self._owned(d.key, d.client_id):
                 self.deliveries_by_key[d.key].append(d)
         self.published_by_key: dict[str, list[Any]] = defaultdict(list)
+        self.published_by_job: dict[str, list[Any]] = defaultdict(list)
+        for p in self.tap.published:
+            if p.job_id:
+                self.published_by_job[p.job_id].append(p)
         parse = getattr(self.names, "parse_result_subject", None)
         for p in self.tap.published:
             parsed = parse(p.subject) if parse is not None and p.subject else None
@@ -1062,7 +1070,7 @@ class Oracle:
                     continue
                 same = c.req == first.req
                 if c.op == "conflict" or not same:
-                    ref_seen = self._answer_seen_at(key, (ref.answer or {}).get("job_id"), ref_t) if ref else 0.0
+                    ref_seen = self._answer_seen_at((ref.answer or {}).get("job_id"), ref_t) if ref else 0.0
                     if c.is_result and ref is not None and self.lost_with_store(ref_seen, "results", after=c.t0):
                         # The first request's job and answer were lost with the store: the key is
                         # free again, and another request under it runs (under the key's job id).
@@ -1096,7 +1104,7 @@ class Oracle:
                     self.unverified["asked again after the duplicate window"] += 1
                     continue
                 if ref is not None and c.is_result:
-                    ref_seen = self._answer_seen_at(key, (ref.answer or {}).get("job_id"), ref_t)
+                    ref_seen = self._answer_seen_at((ref.answer or {}).get("job_id"), ref_t)
                     if self.lost_with_store(ref_seen, "results", after=c.t0):
                         self.unverified[f"once: the first answer {LOST_WITH_STORE}"] += 1
                         continue
@@ -1134,7 +1142,7 @@ class Oracle:
                     if late_resubmit:
                         self.unverified["re-ask after a second job for the key (window passed)"] += 1
                         continue
-                    ref_seen = self._answer_seen_at(key, ref.answer.get("job_id"), ref_t)
+                    ref_seen = self._answer_seen_at(ref.answer.get("job_id"), ref_t)
                     if self.lost_with_store(ref_seen, "results", after=float(r.get("t") or 0.0)):
                         self.unverified[f"re-ask: the answer {LOST_WITH_STORE}"] += 1
                         continue
