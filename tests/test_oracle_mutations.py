@@ -737,7 +737,8 @@ def test_a_second_answer_after_the_store_lost_the_first_is_not_flagged(recorded:
     """The broker went back to a copy of its store taken before the answer was stored (or wiped it,
     or the results stream was deleted), so a re-ask after that gets another answer or none: the
     promise of one answer per key ends there, by design."""
-    cases = [(kind, target, False) for kind, target in (("rollback", None), ("wipe", None), ("delete_stream", "results"))]
+    losses = (("rollback", None), ("wipe", None), ("delete_stream", "results"))
+    cases = [(kind, target, False) for kind, target in losses]
     # The answer published under another client's subject than the key's first caller (a key the
     # trainer also sent over a gateway): it is dated by its job id all the same, not by when the
     # job was stored, seconds earlier, which would put it before the rollback's copy.
@@ -749,7 +750,8 @@ def test_a_second_answer_after_the_store_lost_the_first_is_not_flagged(recorded:
             job = h.doc["finals"][key]["job_id"]
             for p in h.tap["published"]:
                 if p.get("job_id") == job:
-                    head, client, rest = p["subject"].split(".results.")[0], *p["subject"].split(".results.")[1].split(".", 1)
+                    head, tail = p["subject"].split(".results.", 1)
+                    client, rest = tail.split(".", 1)
                     p["subject"] = f"{head}.results.{client}-elsewhere.{rest}"
         second_answer_for_a_key(h)
         _lost(h, kind, 0.0 if kind != "rollback" else seen - 1.0, seen + 0.5, target)

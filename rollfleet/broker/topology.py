@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from contextlib import suppress
 from typing import Any
 
 import msgspec
@@ -313,12 +312,10 @@ async def queue_depths(js: JetStreamContext, names: Names) -> dict[tuple[Constra
 TOPOLOGY_RETRY_S = 1.0
 
 
-def topology_check_due(now: float, last_checked: float | None, poked: bool, interval_s: float | None) -> bool:
-    """Whether to look at the namespace's streams and buckets now: the first time, at once when
-    poked (a reconnect, a deletion advisory), and every ``interval_s`` only if one is given."""
-    if poked or last_checked is None:
-        return True
-    return interval_s is not None and now - last_checked >= interval_s
+def topology_check_due(last_checked: float | None, poked: bool) -> bool:
+    """Whether to look at the namespace's streams and buckets now: the first time, and at once
+    when poked (a reconnect, a deletion advisory); never on a timer."""
+    return poked or last_checked is None
 
 
 def renewed_streams(before: dict[str, str | None], now: dict[str, str | None]) -> list[str]:
@@ -337,8 +334,8 @@ def topology_streams(names: Names) -> list[str]:
 
 class TopologyKeeper:
     """Keeps the namespace declared: looks when ``poke``d (a reconnect, the broker's advisory that a
-    stream of the namespace was deleted), and every ``interval_s`` if one is given, at each stream
-    and bucket, declares what is missing, and calls ``on_declared``
+    stream of the namespace was deleted) at each stream and bucket, declares what is missing, and
+    calls ``on_declared``
     with the streams that were lost (missing, or declared again since the last look, by anyone;
     after a reconnect, all of them: a store rolled back keeps the streams but loses their last
     writes), so the process restores what it keeps in them (its results consumer, its keys)."""
@@ -350,11 +347,9 @@ class TopologyKeeper:
         cfg: TopologyConfig = DEFAULT_TOPOLOGY,
         *,
         on_declared: Callable[[list[str]], Awaitable[None]] | None = None,
-        interval_s: float | None = None,
     ) -> None:
         self._js, self._names, self._cfg = js, names, cfg
         self._on_declared = on_declared
-        self.interval_s = interval_s
         self._poked = asyncio.Event()
         self._seen: dict[str, str | None] = {}  # stream -> its creation time, as last looked at
         self._unrestored: set[str] = set()  # lost, and on_declared not yet through for them
@@ -379,18 +374,11 @@ class TopologyKeeper:
     async def run(self) -> None:
         last: float | None = None
         while True:
-            now = time.monotonic()
-            if last is None:
-                wait: float | None = 0.0
-            elif self.interval_s is None:
-                wait = None  # until poked
-            else:
-                wait = max(0.0, last + self.interval_s - now)
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._poked.wait(), wait)
+            if last is not None:
+                await self._poked.wait()
             poked = self._poked.is_set()
             self._poked.clear()
-            if not topology_check_due(time.monotonic(), last, poked, self.interval_s):
+            if not topology_check_due(last, poked):
                 continue
             first, last = last is None, time.monotonic()
             try:

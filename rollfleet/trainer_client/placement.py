@@ -107,6 +107,12 @@ class JobPlacement:
         acks); whether it was removed."""
         if handle.stream_seq is None:
             return False
+        # A sequence names this job only until the broker goes back to an older copy of its store,
+        # which hands the sequences after the copy's end to new jobs: what lies there is removed
+        # only if it is this job (a withdrawal after a rollback must not take another's job).
+        found = await self.job_at(handle.stream_seq)
+        if found is None or found[0].job_id != handle.job_id:
+            return False
         try:
             return bool(await self._js.delete_msg(self._names.jobs_stream, handle.stream_seq))
         except Exception:  # already taken (acked and removed) or broker away
