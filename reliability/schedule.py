@@ -247,54 +247,11 @@ def random_schedule(
         trainer_kills += kind == "trainer_kill"
         events.append(Event(round(t, 2), kind, params_for(kind, rng, hf)))
         t += rng.expovariate(1.0 / MEAN_GAP_S)
-    more = pauses(seed, duration) + skews(seed, duration) + links(seed, duration) + publishers(seed, duration)
-    more += gateways(seed, duration)
-    if sglang:  # (only where a worker has an engine server of its own to attack)
-        more += engines(seed, duration)
-    if store == "s3":  # (only where the workers read an object store through fault proxies)
-        more += object_stores(seed, duration)
-    more += disks(seed, duration)
-    more += broker_stores(seed, duration)
+    more: list[Event] = []
+    for stream in STREAMS:
+        if stream.only is None or (stream.only == "sglang" and sglang) or (stream.only == "s3" and store == "s3"):
+            more += stream.draw(seed, duration)
     return sorted(events + more, key=lambda e: e.t)
-
-
-def disks(seed: int, duration: float) -> list[Event]:
-    """A worker's own disk full or read-only for a while, from their own stream (``disks:<seed>``):
-    every other event of a seed stays where it was."""
-    rng = random.Random(f"disks:{seed}")
-    out: list[Event] = []
-    t = rng.uniform(4.0, 12.0)
-    while t < duration - 6.0:
-        kind = rng.choice(DISK_KINDS)
-        out.append(Event(round(t, 2), kind, params_for(kind, rng, False)))
-        t += rng.expovariate(1.0 / DISK_MEAN_GAP_S)
-    return out
-
-
-def publishers(seed: int, duration: float) -> list[Event]:
-    """Publisher processes SIGKILLed mid-publication, or racing for one version, from their own
-    stream (``publishers:<seed>``): every other event of a seed stays where it was."""
-    rng = random.Random(f"publishers:{seed}")
-    out: list[Event] = []
-    t = rng.uniform(5.0, 15.0)
-    while t < duration - 6.0:
-        kind = rng.choice(("publisher_kill", "publisher_race"))
-        out.append(Event(round(t, 2), kind, params_for(kind, rng, False)))
-        t += rng.expovariate(1.0 / PUBLISHER_MEAN_GAP_S)
-    return out
-
-
-def gateways(seed: int, duration: float) -> list[Event]:
-    """Gateway processes SIGKILLed (and restarted) or frozen, from their own stream
-    (``gateways:<seed>``): every other event of a seed stays where it was."""
-    rng = random.Random(f"gateways:{seed}")
-    out: list[Event] = []
-    t = rng.uniform(3.0, 12.0)
-    while t < duration - 4.0:
-        kind = rng.choice(("gateway_kill", "gateway_pause"))
-        out.append(Event(round(t, 2), kind, params_for(kind, rng, False)))
-        t += rng.expovariate(1.0 / GATEWAY_MEAN_GAP_S)
-    return out
 
 
 def object_store_params(kind: str, rng: random.Random) -> dict[str, Any]:
@@ -310,19 +267,6 @@ def object_store_params(kind: str, rng: random.Random) -> dict[str, Any]:
     return {"victim": victim, "seconds": round(u(0.05, 1.0), 3), "for_s": round(u(3.0, 10.0), 2)}  # store_lag
 
 
-def object_stores(seed: int, duration: float) -> list[Event]:
-    """Faults between the workers and the object store, from their own stream (``stores:<seed>``):
-    every other event of a seed stays where it was. Drawn only with ``--store s3``."""
-    rng = random.Random(f"stores:{seed}")
-    out: list[Event] = []
-    t = rng.uniform(3.0, 8.0)
-    while t < duration - 4.0:
-        kind = rng.choice(OBJECT_STORE_KINDS)
-        out.append(Event(round(t, 2), kind, object_store_params(kind, rng)))
-        t += rng.expovariate(1.0 / OBJECT_STORE_MEAN_GAP_S)
-    return out
-
-
 def engine_params(kind: str, rng: random.Random) -> dict[str, Any]:
     """An engine event's parameters (``which``: the index among the live sglang workers)."""
     u = rng.uniform
@@ -333,68 +277,108 @@ def engine_params(kind: str, rng: random.Random) -> dict[str, Any]:
     return {"which": rng.randrange(2), "for_s": round(u(1.5, 5.0), 2)}  # engine_freeze
 
 
-def engines(seed: int, duration: float) -> list[Event]:
-    """Engine servers killed (and restarted on their launch checkpoint), refusing pauses, or
-    frozen, from their own stream (``engines:<seed>``): every other event of a seed stays where it
-    was. Drawn only with sglang workers (``random_schedule(..., sglang=True)``)."""
-    rng = random.Random(f"engines:{seed}")
-    out: list[Event] = []
-    t = rng.uniform(4.0, 10.0)
-    while t < duration - 4.0:
-        kind = rng.choice(("engine_kill", "engine_kill", "engine_pause_error", "engine_freeze"))
-        out.append(Event(round(t, 2), kind, engine_params(kind, rng)))
-        t += rng.expovariate(1.0 / ENGINE_MEAN_GAP_S)
-    return out
+def _params(kind: str, rng: random.Random) -> dict[str, Any]:
+    return params_for(kind, rng, False)
 
 
-def broker_stores(seed: int, duration: float) -> list[Event]:
-    """The broker's store rolled back or wiped, or a stream or bucket deleted, from their own
-    stream (``stores-broker:<seed>``): rare (one per minute on average, none in the first 12 s),
-    and every other event of a seed stays where it was."""
-    rng = random.Random(f"stores-broker:{seed}")
-    out: list[Event] = []
-    t = STORES_FIRST_S + rng.expovariate(1.0 / STORES_MEAN_GAP_S)
-    while t < duration - 6.0:
-        kind = rng.choice(STORE_KINDS)
-        out.append(Event(round(t, 2), kind, params_for(kind, rng, False)))
-        t += rng.expovariate(1.0 / STORES_MEAN_GAP_S)
-    return out
+@dataclass(frozen=True)
+class EventStream:
+    """Events of a few kinds drawn from a random stream of their own (``<name>:<seed>``), so that
+    adding a stream (or a kind to one) leaves every other event of a seed where it was: the first
+    at ``first(rng, duration)``, then one every ``mean_gap_s`` on average (exponential gaps) or,
+    with ``gap``, as it draws; none in the last ``margin_s``. ``only``: drawn only in that mode
+    (``sglang``: where a worker has an engine server of its own to attack; ``s3``: where workers
+    read an object store through fault proxies)."""
+
+    name: str
+    kinds: tuple[str, ...]
+    first: Callable[[random.Random, float], float]
+    margin_s: float
+    mean_gap_s: float = 0.0
+    gap: Callable[[random.Random], float] | None = None
+    params: Callable[[str, random.Random], dict[str, Any]] = _params
+    only: str | None = None
+
+    def draw(self, seed: int, duration: float) -> list[Event]:
+        rng = random.Random(f"{self.name}:{seed}")
+        out: list[Event] = []
+        t = self.first(rng, duration)
+        while t < duration - self.margin_s:
+            kind = self.kinds[0] if len(self.kinds) == 1 else rng.choice(self.kinds)
+            out.append(Event(round(t, 2), kind, self.params(kind, rng)))
+            t += self.gap(rng) if self.gap is not None else rng.expovariate(1.0 / self.mean_gap_s)
+        return out
 
 
-def links(seed: int, duration: float) -> list[Event]:
-    """Faults on one worker's link to the broker, from their own stream (``links:<seed>``)."""
-    rng = random.Random(f"links:{seed}")
-    out: list[Event] = []
-    t = rng.uniform(4.0, 12.0)
-    while t < duration - 4.0:
-        kind = rng.choice(("partition", "partition", "lag", "cut_link"))
-        out.append(Event(round(t, 2), kind, params_for(kind, rng, False)))
-        t += rng.expovariate(1.0 / 14.0)
-    return out
+def _uniform(lo: float, hi: float) -> Callable[[random.Random, float], float]:
+    return lambda rng, _duration: rng.uniform(lo, hi)
 
 
-def skews(seed: int, duration: float) -> list[Event]:
-    """Workers restarted with skewed clocks, from their own stream: one in the first half of a
-    run, another per further 60 s."""
-    rng = random.Random(f"skews:{seed}")
-    out: list[Event] = []
-    t = rng.uniform(3.0, max(3.5, duration / 2))
-    while t < duration - 6.0:
-        out.append(Event(round(t, 2), "skew", params_for("skew", rng, False)))
-        t += rng.uniform(45.0, 75.0)
-    return out
-
-
-def pauses(seed: int, duration: float) -> list[Event]:
-    """Worker and broker pauses, from their own stream (the seed's other events stay as they were)."""
-    rng = random.Random(f"pauses:{seed}")
-    out: list[Event] = []
-    t = rng.uniform(4.0, 10.0)
-    while t < duration - 4.0:
-        kind = rng.choice(("pause_worker", "pause_worker", "pause_broker"))
-        out.append(Event(round(t, 2), kind, params_for(kind, rng, False)))
-        t += rng.expovariate(1.0 / PAUSE_MEAN_GAP_S)
-    return out
+# The seed's side streams, in the order they are drawn (each from its own random stream).
+STREAMS: tuple[EventStream, ...] = (
+    # Worker and broker pauses (SIGSTOP/SIGCONT).
+    EventStream(
+        "pauses", ("pause_worker", "pause_worker", "pause_broker"), _uniform(4.0, 10.0), 4.0, PAUSE_MEAN_GAP_S
+    ),
+    # Workers restarted with skewed clocks: one in the first half of a run, another per further 60 s.
+    EventStream(
+        "skews",
+        ("skew",),
+        lambda rng, duration: rng.uniform(3.0, max(3.5, duration / 2)),
+        6.0,
+        gap=lambda rng: rng.uniform(45.0, 75.0),
+    ),
+    # Faults on one worker's link to the broker.
+    EventStream("links", ("partition", "partition", "lag", "cut_link"), _uniform(4.0, 12.0), 4.0, 14.0),
+    # Publisher processes SIGKILLed mid-publication, or racing for one version.
+    EventStream(
+        "publishers", ("publisher_kill", "publisher_race"), _uniform(5.0, 15.0), 6.0, PUBLISHER_MEAN_GAP_S
+    ),
+    # Gateway processes SIGKILLed (and restarted) or frozen.
+    EventStream("gateways", ("gateway_kill", "gateway_pause"), _uniform(3.0, 12.0), 4.0, GATEWAY_MEAN_GAP_S),
+    # Engine servers killed (restarted on their launch checkpoint), refusing pauses, or frozen.
+    EventStream(
+        "engines",
+        ("engine_kill", "engine_kill", "engine_pause_error", "engine_freeze"),
+        _uniform(4.0, 10.0),
+        4.0,
+        ENGINE_MEAN_GAP_S,
+        params=engine_params,
+        only="sglang",
+    ),
+    # Faults between the workers and the object store.
+    EventStream(
+        "stores",
+        OBJECT_STORE_KINDS,
+        _uniform(3.0, 8.0),
+        4.0,
+        OBJECT_STORE_MEAN_GAP_S,
+        params=object_store_params,
+        only="s3",
+    ),
+    # A worker's own disk full or read-only for a while.
+    EventStream("disks", DISK_KINDS, _uniform(4.0, 12.0), 6.0, DISK_MEAN_GAP_S),
+    # The broker's store rolled back or wiped, or a stream or bucket deleted: rare (one per minute
+    # on average), and never before the fleet has served a while.
+    EventStream(
+        "stores-broker",
+        STORE_KINDS,
+        lambda rng, _duration: STORES_FIRST_S + rng.expovariate(1.0 / STORES_MEAN_GAP_S),
+        6.0,
+        STORES_MEAN_GAP_S,
+    ),
+)
+STREAM_BY_NAME = {s.name: s for s in STREAMS}
+# Each stream by the name its events go by (``pauses(seed, duration)``: that seed's pauses).
+pauses = STREAM_BY_NAME["pauses"].draw
+skews = STREAM_BY_NAME["skews"].draw
+links = STREAM_BY_NAME["links"].draw
+publishers = STREAM_BY_NAME["publishers"].draw
+gateways = STREAM_BY_NAME["gateways"].draw
+engines = STREAM_BY_NAME["engines"].draw
+object_stores = STREAM_BY_NAME["stores"].draw
+disks = STREAM_BY_NAME["disks"].draw
+broker_stores = STREAM_BY_NAME["stores-broker"].draw
 
 
 # -- named schedules: scripted sequences of the same events ------------------------------------------
