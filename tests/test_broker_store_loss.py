@@ -187,6 +187,32 @@ async def test_a_withdrawal_after_a_rollback_removes_only_its_own_job(nats_url: 
         assert found is not None and found[0].job_id == other.job_id
 
 
+async def test_a_sticky_turn_lost_with_the_store_moves_to_the_shared_subject(
+    nats_url: str, namespace: str
+) -> None:
+    """A turn whose job the broker's store lost (a wipe just after it was stored) is no longer on
+    its replica's subject: it cannot be withdrawn, yet it is not answered. It must still move to
+    the shared subject (stored again, the same job), or it waits out its deadline while no replica
+    could ever take it (the adversary's broker-stores seed 2: a pinned session's turn sent at the
+    wipe, answered only at its deadline)."""
+    async with (
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+        running_worker(
+            nats_url, namespace, worker_id="busy", capacity=1, engine=EchoEngine(latency_s=600), drain_timeout_s=1.0
+        ),
+    ):
+        await client.submit(payload([1]), min_version=0, timeout=300.0)  # keeps the one slot busy
+        turn = await client.submit(payload([2]), min_version=0, timeout=300.0)
+        assert turn.stream_seq is not None
+        await client.js.delete_msg(client.names.jobs_stream, turn.stream_seq)  # lost with the store
+        turn.replica = "busy"  # (as a sticky turn: on the replica's own subject)
+        lost_at = turn.stream_seq
+        assert await client.placement.move_to_shared(turn)
+        assert turn.replica is None and turn.stream_seq != lost_at
+        found = await client.placement.job_at(turn.stream_seq)
+        assert found is not None and found[0].job_id == turn.job_id  # the same job, stored again
+
+
 async def test_deleted_registry_and_claims_buckets_are_declared_again(nats_url: str, namespace: str) -> None:
     async with (
         running_worker(nats_url, namespace, worker_id="w"),

@@ -141,6 +141,7 @@ class RolloutClient:
             declare_replica=self._redeclare_replica,
             ring=lambda constraint: self._ring(constraint, fresh=True),
             forget=lambda key: self._handles.pop(key, None) and None,
+            settle_stored=self._settle_stored,
         )
         self.sessions: dict[str, OpenSession] = {}  # open sessions of this client, by id
         self._bell_inbox = ""

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from typing import Any
+from typing import Any, Literal
 
 import nats.errors
 import nats.js.errors
@@ -32,6 +32,8 @@ from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
 
 log = get_logger("rollfleet.client")
+
+Withdrawal = Literal["removed", "gone", "unknown"]  # what withdrawing a stored job did
 
 PUBLISH_BUDGET_S = 30.0  # how long storing a job keeps trying while the broker recovers
 _LISTENING_S = 0.25  # a live replica lets a probe go unanswered this long
@@ -51,6 +53,7 @@ class JobPlacement:
         declare_replica: Callable[[str], Awaitable[bool]],
         ring: Callable[[VersionConstraint], None],
         forget: Callable[[str], None],
+        settle_stored: Callable[[RolloutHandle], Awaitable[bool]] | None = None,
     ) -> None:
         self.client_id = client_id
         self.fleet = fleet
@@ -60,6 +63,7 @@ class JobPlacement:
         self._declare_replica = declare_replica  # a replica's own consumer, declared again
         self._ring = ring  # a replica rung for a job just stored on a shared subject
         self._forget = forget  # the client stops waiting for a key (its handle failed here)
+        self._settle_stored = settle_stored  # the handle settled with its stored answer, if one is stored
         self._claims_bucket: KeyValue | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self.probe_reply = ""  # where "no responders" to a probe comes back (set by the client)
@@ -102,21 +106,49 @@ class JobPlacement:
             return None
         return await self.store(handle, subject, f"{msg_id}-{uuid.uuid4().hex[:12]}"), None
 
-    async def delete(self, handle: RolloutHandle) -> bool:
-        """Remove the stored job (queued, or held by a worker that will find it gone when it
-        acks); whether it was removed."""
+    async def withdraw(self, handle: RolloutHandle) -> Withdrawal:
+        """Remove the stored job (queued, or held by a worker that will find it gone when it acks):
+        ``removed``; ``gone`` if its own job no longer lies where it was stored (taken and
+        acknowledged, so answered, or lost with the broker's store); ``unknown`` if the broker did
+        not answer (or the handle was never stored)."""
         if handle.stream_seq is None:
-            return False
+            return "unknown"
+        try:
+            raw = await self._js.get_msg(self._names.jobs_stream, handle.stream_seq)
+        except nats.js.errors.NotFoundError:
+            return "gone"
+        except (nats.errors.Error, nats.js.errors.Error):
+            return "unknown"
         # A sequence names this job only until the broker goes back to an older copy of its store,
         # which hands the sequences after the copy's end to new jobs: what lies there is removed
         # only if it is this job (a withdrawal after a rollback must not take another's job).
-        found = await self.job_at(handle.stream_seq)
-        if found is None or found[0].job_id != handle.job_id:
-            return False
         try:
-            return bool(await self._js.delete_msg(self._names.jobs_stream, handle.stream_seq))
-        except Exception:  # already taken (acked and removed) or broker away
+            if decode(raw.data or b"", RolloutJob, what="stored job").job_id != handle.job_id:
+                return "gone"
+        except RollfleetError:
+            return "gone"
+        try:
+            return "removed" if await self._js.delete_msg(self._names.jobs_stream, handle.stream_seq) else "gone"
+        except nats.js.errors.NotFoundError:  # taken (acknowledged and removed) just now
+            return "gone"
+        except (nats.errors.Error, nats.js.errors.Error):
+            return "unknown"
+
+    async def delete(self, handle: RolloutHandle) -> bool:
+        """``withdraw``: whether this call removed the job."""
+        return await self.withdraw(handle) == "removed"
+
+    async def _free_to_store_again(self, handle: RolloutHandle) -> bool:
+        """Whether the job may be stored again elsewhere: this call withdrew it, or it is gone
+        unanswered (lost with the broker's store: a turn that waits for it would wait out its
+        deadline). Gone because a worker answered it (a worker stores its answer before it
+        acknowledges), the stored answer settles the handle here instead."""
+        outcome = await self.withdraw(handle)
+        if outcome == "removed":
+            return True
+        if outcome == "unknown" or handle.done():
             return False
+        return not (self._settle_stored is not None and await self._settle_stored(handle))
 
     async def taken(self, handle: RolloutHandle) -> bool:
         """Whether a worker was ever delivered the job where it is stored now (False while the
@@ -153,8 +185,9 @@ class JobPlacement:
     async def move_to_shared(self, handle: RolloutHandle) -> bool:
         """Withdraw a turn from its replica's own subject and store the same job (the same bytes,
         so the same job id: one answer wherever it runs) on the shared subject of its constraint;
-        False if it could not be withdrawn (already answered). If it cannot be stored again, the
-        handle fails with that (retryable) error."""
+        False if it could not be withdrawn (already answered, or the broker did not answer). A job
+        lost with the broker's store is stored again all the same. If it cannot be stored again,
+        the handle fails with that (retryable) error."""
         if handle.replica is None or handle.done():
             return False
         constraint = handle.job.constraint
@@ -162,17 +195,18 @@ class JobPlacement:
             await self._declare_shared(constraint)  # before the withdrawal: nothing to lose yet
         except RollfleetError:
             return False  # left where it is; the watch tries again
-        if not await self.delete(handle):
+        if not await self._free_to_store_again(handle):
             return False
         handle.replica = None
         return await self._store_again(handle, self._names.job_subject(constraint.kind, constraint.version))
 
     async def requeue(self, handle: RolloutHandle) -> bool:
         """Store the job (the same bytes) again on the shared subject it lies on, withdrawing the
-        copy a dead holder was delivered; False if it could not be withdrawn (it was answered)."""
+        copy a dead holder was delivered (or none, if the broker's store lost it); False if it
+        could not be withdrawn (it was answered, or the broker did not answer)."""
         if handle.replica is not None or handle.done() or handle.subject is None:
             return False
-        if not await self.delete(handle):
+        if not await self._free_to_store_again(handle):
             return False
         return await self._store_again(handle, handle.subject)
 

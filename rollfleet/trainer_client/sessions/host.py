@@ -42,7 +42,8 @@ class TurnPlacement(Protocol):
 
     async def move_to_shared(self, handle: RolloutHandle) -> bool:
         """Withdraw the job from its replica's own subject and store it, as is, on the shared
-        subject of its constraint; False if it could not be withdrawn (it was answered)."""
+        subject of its constraint (also when the broker's store lost it); False if it could not be
+        withdrawn (it was answered, or the broker did not answer)."""
         ...
 
     def probe(self, worker_id: str) -> None:
@@ -56,7 +57,8 @@ class TurnPlacement(Protocol):
 
     async def requeue(self, handle: RolloutHandle) -> bool:
         """Store the job (the same bytes) again on the shared subject it lies on, withdrawing the
-        copy a dead holder was delivered; False if it could not be withdrawn (it was answered)."""
+        copy a dead holder was delivered (or none, if the broker's store lost it); False if it
+        could not be withdrawn (it was answered, or the broker did not answer)."""
         ...
 
     async def holder_stopped(self, handle: RolloutHandle, worker_id: str | None = None) -> bool:
