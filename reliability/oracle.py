@@ -276,6 +276,16 @@ class Oracle:
                 return loss
         return None
 
+    def _lost_during(self, t0: float, t1: float, what: str) -> bool:
+        """Whether a store loss (``lost_with_store``) took facts of kind ``what`` stored at some
+        moment of [t0, t1]: its lost window overlaps it."""
+        for loss in getattr(self.tl, "stores_lost", None) or []:
+            if loss.get("kind") == "delete_stream" and loss.get("target") != what:
+                continue
+            if float(loss["lost_from"]) - LOSS_MARGIN_S <= t1 and t0 <= float(loss["at"]):
+                return True
+        return False
+
     def _answer_seen_at(self, job_id: Any, fallback: float) -> float:
         """When the wiretap first saw ``job_id``'s answer published (else ``fallback``). By job id,
         not by key: a job id names one client's job, while the answers filed under a key are only
@@ -835,6 +845,11 @@ class Oracle:
                 continue
             won, codes = self._race_winner(f), f.get("codes") or {}
             claimed = sorted(who for who, code in codes.items() if code == 0)
+            if claimed and won is None and self._lost_during(float(f["t_start"]), float(f["t_end"]), "policy"):
+                # The winner's commit may have been lost with the broker's store (a rollback to a
+                # copy taken before it, a wipe, the policy bucket deleted): the promise ends there.
+                self.unverified[f"publisher race: the commit {LOST_WITH_STORE}"] += 1
+                continue
             ok = len(claimed) <= 1 and (not claimed or claimed[0] == won)
             self.check(
                 "version",
@@ -892,15 +907,30 @@ class Oracle:
             t_run = self.by_own_clock(str(worker), float(desc.get("finished_at") or 0.0))
             # (From the submit to the last thing seen of it: a consumer re-declared between the
             # delivery the result ran on and a later one the wiretap saw counts.)
-            since = min([d.t for d in seen] + [t_run] + ([float(_call.t0)] if getattr(_call, "t0", None) else []))
+            # (And from the first time any incarnation of the trainer stored this job: a restarted
+            # trainer's call follows a job stored before it, whose first deliveries count.)
+            stored_at = [float(c.stored["t"]) for c in self.calls if c.stored and c.stored.get("job_id") == job_id]
+            since = min(
+                [d.t for d in seen]
+                + [t_run]
+                + ([float(_call.t0)] if getattr(_call, "t0", None) else [])
+                + [t for t in stored_at if t]
+            )
             unseen = self._unseen_delivery(str(job_id), since, max([d.t for d in seen] + [t_run]))
             if worker in to:
                 self.checks["delivered"] += 1
-            elif any(self.lost_with_store(d.t, "jobs", after=t_run) for d in ran_on):
+            elif any(self.lost_with_store(d.t, "jobs", after=t_run) for d in ran_on) or (
+                ran_on and self._count_lost_between(t_run, min(d.t for d in ran_on))
+            ):
                 # That delivery's record (its count) was lost with the store: the broker counts
                 # deliveries of the job again from where its copy left them.
                 self.unverified[f"delivered: the delivery's count {LOST_WITH_STORE}"] += 1
-            elif ran_on and all(d.worker is not None for d in ran_on) and not (unseen or "").startswith(RESTORED):
+            elif (
+                ran_on
+                and all(d.worker is not None for d in ran_on)
+                and not (unseen or "").startswith(RESTORED)
+                and self._every_copy_seen(str(job_id), ran_on, seen)
+            ):
                 # The wiretap saw the very delivery the result ran on go to another worker (and
                 # that job was stored once, its consumer never re-declared).
                 self.check(
@@ -1440,6 +1470,24 @@ class Oracle:
                     "gaps) does not add up to its answer",
                 )
 
+    def _count_lost_between(self, t_run: float, t_seen: float) -> bool:
+        """Whether the broker lost the jobs' delivery counts (went back to a copy of its store from
+        before the run that finished at ``t_run``, or lost it whole) before the delivery seen at
+        ``t_seen``: that one is counted again from where the copy left off, so it may carry the
+        same number as the delivery the result ran on."""
+        loss = self.lost_with_store(t_run, "jobs")
+        return loss is not None and float(loss["at"]) <= t_seen
+
+    def _every_copy_seen(self, job_id: str, ran_on: list[Any], seen: list[Any]) -> bool:
+        """Whether ``ran_on`` (the deliveries with the result's attempt number) covers every stored
+        copy of the job: each copy (a message of its own: stored again by a restarted trainer, or
+        moved) counts its deliveries from 1, and the result does not say which copy it ran on."""
+        copies = {d.stream_seq for d in seen} | {
+            c.stored.get("stream_seq") for c in self.calls if c.stored and c.stored.get("job_id") == job_id
+        }
+        copies.discard(None)
+        return {d.stream_seq for d in ran_on} >= copies
+
     def _unseen_delivery(self, job_id: str, t0: float, t1: float, attempt: Any = None) -> str | None:
         """Why the wiretap may have missed a delivery of ``job_id`` between t0 and t1 (None: it saw
         them all). ``delivered`` and ``resumed`` both count such a case as unverified."""
@@ -1453,9 +1501,16 @@ class Oracle:
             return "delivery not seen by the wiretap (disconnected)"
         if not seen or any(d.worker is None for d in seen):
             return "delivery not seen by the wiretap"
-        attempts = {int(d.attempt) for d in seen if d.attempt is not None}
-        last = max([*attempts, int(attempt or 0)])
-        if set(range(1, last + 1)) - attempts:
+        # Each stored copy of the job (a message of its own) counts its deliveries from 1: one
+        # copy's attempts seen say nothing of another's.
+        by_copy: dict[Any, set[int]] = defaultdict(set)
+        for d in seen:
+            if d.attempt is not None:
+                by_copy[d.stream_seq].add(int(d.attempt))
+        for attempts in by_copy.values():
+            if set(range(1, max(attempts) + 1)) - attempts:
+                return "delivery not seen by the wiretap"
+        if attempt is not None and len(by_copy) == 1 and int(attempt) > max(next(iter(by_copy.values()))):
             return "delivery not seen by the wiretap"
         return None
 

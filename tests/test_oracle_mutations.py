@@ -714,6 +714,69 @@ def test_two_publishers_both_reporting_they_won_a_race_is_flagged(recorded: Path
     assert any("exited reporting success" in m for m in found.get("version", [])), found
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("lost", [True, False])
+def test_a_race_whose_commit_the_store_lost_is_not_a_false_success(lost: bool, recorded: Path, tmp_path: Path) -> None:
+    """The perturbed publisher committed v<N> and exited 0, then the broker went back to a copy of
+    its store from before the commit: the KV names neither contender. Not judged then (the
+    promise ends with the store); without the loss, the same facts are a false success."""
+    h = History(recorded, tmp_path / "h")
+    version = _raced(h, "perturbed")
+    race = h.doc["timeline"]["publishers"][0]
+    race.update(entry_publisher=None, latest_after=version - 1)
+    if lost:
+        _lost(h, "rollback", float(race["t_start"]) - 1.0, float(race["t_end"]) + 0.5)
+    false_success = [m for m in h.judge().get("version", []) if "exited reporting success" in m]
+    assert bool(false_success) is not lost, false_success
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("first_copy_seen", [False, True])
+def test_a_result_of_a_job_stored_twice_is_judged_per_copy(
+    first_copy_seen: bool, recorded: Path, tmp_path: Path
+) -> None:
+    """A restarted trainer stored the same job again: a second message, whose deliveries count
+    from 1 again. The wiretap saw the second copy's first delivery go to another worker, and the
+    first copy's second one, but missed the first copy's first: the result (attempt 1) may have
+    run on that one, so it is not judged (seed 101 of the campaign of 2026-12-04 was flagged so).
+    Seen going elsewhere too, it is flagged."""
+    h = History(recorded, tmp_path / "h")
+    _submit, answer = _once_delivered(h, "replayable", convert=True)
+    first = next(d for d in h.tap["deliveries"] if d["job_id"] == answer["job_id"])
+    other = next(d["worker"] for d in h.tap["deliveries"] if d["worker"] not in (None, answer["worker_id"]))
+    h.tap["deliveries"].remove(first)
+    h.tap["deliveries"].append({**first, "stream_seq": first["stream_seq"] + 100_000, "worker": other})
+    # The first copy was seen delivered again later (a second attempt), its first delivery not.
+    h.tap["deliveries"].append({**first, "worker": other, "attempt": 2, "t": first["t"] + 1.0})
+    if first_copy_seen:
+        h.tap["deliveries"].append({**first, "worker": other})
+    h.tap["stored_jobs"][answer["job_id"]] = 2
+    flagged = [m for m in h.judge().get("delivered", []) if answer["job_id"] in m]
+    assert bool(flagged) is first_copy_seen, flagged
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("rolled_back", [True, False])
+def test_a_delivery_counted_again_after_a_rollback_is_not_flagged(
+    rolled_back: bool, recorded: Path, tmp_path: Path
+) -> None:
+    """The result ran on a delivery (attempt 1) the wiretap missed; the broker then went back to a
+    copy of its store from before that delivery, and delivered the job again as attempt 1 to
+    another worker (seed 123 of the campaign of 2026-12-04, with the bucket store). Without the
+    rollback, two first deliveries to two workers are flagged."""
+    h = History(recorded, tmp_path / "h")
+    _submit, answer = _once_delivered(h, "replayable", convert=True)
+    first = next(d for d in h.tap["deliveries"] if d["job_id"] == answer["job_id"])
+    other = next(d["worker"] for d in h.tap["deliveries"] if d["worker"] not in (None, answer["worker_id"]))
+    finished = float(answer["finished_at"])
+    h.tap["deliveries"].remove(first)
+    h.tap["deliveries"].append({**first, "worker": other, "t": finished + 3.0})
+    if rolled_back:
+        _lost(h, "rollback", float(first["t"]) - 0.5, finished + 1.0)
+    flagged = [m for m in h.judge().get("delivered", []) if answer["job_id"] in m]
+    assert bool(flagged) is not rolled_back, flagged
+
+
 # -- the broker's store lost (broker_rollback, broker_wipe, delete_stream): exempt exactly what it took --
 
 

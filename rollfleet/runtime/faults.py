@@ -2,7 +2,8 @@
 
 ``ROLLFLEET_FAULT=kill:<point>`` SIGKILLs the process at ``<point>``;
 ``ROLLFLEET_FAULT=pause:<point>`` prints ``PAUSED <point>`` on stdout and sleeps there until
-the test kills it. Real processes die for real, so the tests exercise the broker's redelivery
+the test kills it; ``ROLLFLEET_FAULT=raise:<point>`` raises ``InjectedFault`` there (an error
+nothing around it expected: a defect). Real processes die for real, so the tests exercise the broker's redelivery
 and the store's recovery, not a simulation of them. Unset (production), a point costs one
 dict lookup. These are test faults only; the storage hooks of object-store mounts are
 ``policy_store.hooks``.
@@ -41,7 +42,11 @@ POINTS = {
     "worker:after-materialize": "a version is materialized (local marker moved), not yet staged on the engine",
     "worker:mid-drain": "activating: exact jobs of the old version may still run, none handed back yet",
 }
-ACTIONS = ("kill", "pause")
+ACTIONS = ("kill", "pause", "raise")
+
+
+class InjectedFault(RuntimeError):
+    """Raised at a point by ``ROLLFLEET_FAULT=raise:<point>``: stands for an unexpected error."""
 
 
 def point(name: str) -> None:
@@ -56,6 +61,8 @@ def point(name: str) -> None:
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "raise":
+        raise InjectedFault(f"fault injected at {name}")
     sys.stdout.write(f"PAUSED {name}\n")
     sys.stdout.flush()
     while True:

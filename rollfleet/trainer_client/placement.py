@@ -146,9 +146,12 @@ class JobPlacement:
         outcome = await self.withdraw(handle)
         if outcome == "removed":
             return True
-        if outcome == "unknown" or handle.done():
+        if outcome == "unknown" or handle.done() or self._settle_stored is None:
             return False
-        return not (self._settle_stored is not None and await self._settle_stored(handle))
+        try:
+            return not await self._settle_stored(handle)
+        except (nats.errors.Error, nats.js.errors.Error, RollfleetError):
+            return False  # the broker did not answer: the next look decides
 
     async def taken(self, handle: RolloutHandle) -> bool:
         """Whether a worker was ever delivered the job where it is stored now (False while the

@@ -179,6 +179,20 @@ class JobRunner:
                 self._spawn_abort(run)
 
     async def handle(self, msg: Msg, delivery: tuple[int, float, int] | None = None) -> None:
+        """Run one delivered job to its answer (or hand it back). An error nothing here expected
+        (a defect, a broker error no step caught) is logged and the job handed back at once: left
+        unacknowledged, it would come back only after ``ack_wait``, past most deadlines."""
+        try:
+            await self._handle(msg, delivery)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._log.exception("handling a job failed; handed back", subject=msg.subject, error=repr(exc))
+            self._count("failed")
+            with suppress(Exception):
+                await msg.nak(delay=_HAND_BACK_DELAY_S)
+
+    async def _handle(self, msg: Msg, delivery: tuple[int, float, int] | None = None) -> None:
         faults.point("worker:job-delivered")
         headers = msg.headers or {}
         client_id = headers.get(HDR_CLIENT_ID)
@@ -368,8 +382,9 @@ class JobRunner:
             log.error("result cannot be stored", error=exc.message)
             await self._answer_and_close(job, msg, exc, attempt)
             return
-        if not stored:
-            return  # broker away: leave the job unacked (and claimed) so it is redelivered
+        if not stored:  # broker away: leave the job unacked (and claimed) so it is redelivered
+            log.warning("answer not stored (the broker did not take it); the job is left to be redelivered")
+            return
         faults.point("worker:after-result-before-ack")
         await msg.ack()
         if run.progress is not None:
