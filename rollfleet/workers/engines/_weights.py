@@ -137,7 +137,7 @@ def stage(
     differ from ``live`` (``mode="scatter"``: little memory, the pause scatters them in place).
 
     Runs while the engine serves: it only reads the live parameters. On CUDA the uploads run
-    on ``stream`` (a side stream), synchronised before returning.
+    on ``stream`` (a side stream) from pinned memory, synchronised before returning.
     """
     if mode not in ("swap", "scatter"):
         raise ValueError(f"stage mode must be 'swap' or 'scatter', got {mode!r}")
@@ -151,8 +151,13 @@ def stage(
             if target.data_ptr() in seen:  # tied names: one parameter, staged once
                 continue
             seen.add(target.data_ptr())
-            # A copy of its own: the checkpoint's files change in place on the next version.
-            dev = cpu_tensor.to(device=device, dtype=target.dtype, copy=True).reshape(target.shape)
+            # A copy of its own: the checkpoint's files change in place on the next version. On
+            # CUDA the upload goes through pinned (page-locked) memory: a copy from pageable
+            # memory stops the serving thread's decode steps for as long as it runs (an H200
+            # made 0 steps in 1.24 s of uploading a 4B model's tensors, 10 in 1.86 s pinned).
+            src = cpu_tensor.pin_memory() if device.type == "cuda" else cpu_tensor
+            dev = src.to(device=device, dtype=target.dtype, copy=True, non_blocking=src.is_pinned())
+            dev = dev.reshape(target.shape)
             new_bits, old_bits = bits(dev), bits(target)
             if mode == "swap" and target.is_contiguous():
                 if not torch.equal(new_bits, old_bits):  # no index list needed to swap
