@@ -267,24 +267,28 @@ class Oracle:
         copy of its store older than ``t`` (a rollback) or on an empty one (a wipe), or that fact's
         stream deleted, after ``t``; with ``after``, only if the fact was looked for (asked again,
         run again) after the loss. Promises that rest on such a fact end there, and only there."""
-        for loss in getattr(self.tl, "stores_lost", None) or []:
-            if loss.get("kind") == "delete_stream" and loss.get("target") != what:
-                continue
+        for loss in self._losses_of(what):
             if float(loss["lost_from"]) - LOSS_MARGIN_S <= t <= float(loss["at"]) and (
                 after is None or after >= float(loss["at"])
             ):
                 return loss
         return None
 
+    def _losses_of(self, what: str) -> list[dict[str, Any]]:
+        """The store losses (``Timeline.stores_lost``) that take facts of kind ``what``: every
+        rollback and wipe, and a deletion of that stream."""
+        return [
+            loss
+            for loss in getattr(self.tl, "stores_lost", None) or []
+            if loss.get("kind") != "delete_stream" or loss.get("target") == what
+        ]
+
     def _lost_during(self, t0: float, t1: float, what: str) -> bool:
         """Whether a store loss (``lost_with_store``) took facts of kind ``what`` stored at some
         moment of [t0, t1]: its lost window overlaps it."""
-        for loss in getattr(self.tl, "stores_lost", None) or []:
-            if loss.get("kind") == "delete_stream" and loss.get("target") != what:
-                continue
-            if float(loss["lost_from"]) - LOSS_MARGIN_S <= t1 and t0 <= float(loss["at"]):
-                return True
-        return False
+        return any(
+            float(loss["lost_from"]) - LOSS_MARGIN_S <= t1 and t0 <= float(loss["at"]) for loss in self._losses_of(what)
+        )
 
     def _answer_seen_at(self, job_id: Any, fallback: float) -> float:
         """When the wiretap first saw ``job_id``'s answer published (else ``fallback``). By job id,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 from pathlib import Path
+from typing import Any
 
 import nats
 import nats.aio.msg
@@ -42,6 +43,14 @@ async def _served(client: RolloutClient, tag: int, bound: float = BOUND_S) -> st
             last = exc
             await asyncio.sleep(0.3)
     raise AssertionError(f"not served again within {bound} s: {last!r}")
+
+
+def _busy_worker(url: str, namespace: str, worker_id: str) -> Any:
+    """A replica with one slot, which it keeps for ten minutes with the first job it takes (it
+    drains for a second only when stopped): jobs stored after that one stay queued."""
+    return running_worker(
+        url, namespace, worker_id=worker_id, capacity=1, engine=EchoEngine(latency_s=600), drain_timeout_s=1.0
+    )
 
 
 async def test_deleted_jobs_and_results_streams_are_declared_again(nats_url: str, namespace: str) -> None:
@@ -124,14 +133,7 @@ async def test_consumers_a_rollback_left_past_their_streams_end_serve_new_jobs(t
     try:
         async with (
             await RolloutClient.connect(broker.url, namespace=namespace, client_id="c") as client,
-            running_worker(
-                broker.url,
-                namespace,
-                worker_id="slow",
-                capacity=1,
-                engine=EchoEngine(latency_s=600),
-                drain_timeout_s=1.0,
-            ),
+            _busy_worker(broker.url, namespace, "slow"),
         ):
             # A job taken and still running when the store is copied: the consumer waits for its ack.
             await client.submit(payload([1]), min_version=0, timeout=300.0)
@@ -173,9 +175,7 @@ async def test_a_withdrawal_after_a_rollback_removes_only_its_own_job(nats_url: 
     job must leave the other job where it is."""
     async with (
         await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
-        running_worker(
-            nats_url, namespace, worker_id="busy", capacity=1, engine=EchoEngine(latency_s=600), drain_timeout_s=1.0
-        ),
+        _busy_worker(nats_url, namespace, "busy"),
     ):
         await client.submit(payload([1]), min_version=0, timeout=300.0)  # keeps the one slot busy
         lost = await client.submit(payload([2]), min_version=0, timeout=300.0)
@@ -197,9 +197,7 @@ async def test_a_sticky_turn_lost_with_the_store_moves_to_the_shared_subject(
     wipe, answered only at its deadline)."""
     async with (
         await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
-        running_worker(
-            nats_url, namespace, worker_id="busy", capacity=1, engine=EchoEngine(latency_s=600), drain_timeout_s=1.0
-        ),
+        _busy_worker(nats_url, namespace, "busy"),
     ):
         await client.submit(payload([1]), min_version=0, timeout=300.0)  # keeps the one slot busy
         turn = await client.submit(payload([2]), min_version=0, timeout=300.0)

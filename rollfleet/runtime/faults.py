@@ -3,8 +3,8 @@
 ``ROLLFLEET_FAULT=kill:<point>`` SIGKILLs the process at ``<point>``;
 ``ROLLFLEET_FAULT=pause:<point>`` prints ``PAUSED <point>`` on stdout and sleeps there until
 the test kills it; ``ROLLFLEET_FAULT=raise:<point>`` raises ``InjectedFault`` there (an error
-nothing around it expected: a defect). Real processes die for real, so the tests exercise the broker's redelivery
-and the store's recovery, not a simulation of them. Unset (production), a point costs one
+nothing around it expected: a defect). Real processes die for real, so the tests exercise the
+broker's redelivery and the store's recovery, not a simulation of them. Unset (production), a point costs one
 dict lookup. These are test faults only; the storage hooks of object-store mounts are
 ``policy_store.hooks``.
 """

@@ -75,11 +75,16 @@ class JobPlacement:
         until = min(handle.job.deadline, time.time() + PUBLISH_BUDGET_S)
         return await publish_retrying(self._js, subject, handle.data, headers, until=until)
 
+    async def _read_job(self, seq: int) -> tuple[RolloutJob, bytes, str]:
+        """The job stored at ``seq`` of the jobs stream; raises ``NotFoundError`` if nothing lies
+        there, a broker error if it did not answer, ``RollfleetError`` if the bytes are no job."""
+        raw = await self._js.get_msg(self._names.jobs_stream, seq)
+        return decode(raw.data or b"", RolloutJob, what="stored job"), raw.data or b"", raw.subject or ""
+
     async def job_at(self, seq: int) -> tuple[RolloutJob, bytes, str] | None:
         """The job stored at ``seq`` of the jobs stream, if it is still there."""
         try:
-            raw = await self._js.get_msg(self._names.jobs_stream, seq)
-            return decode(raw.data or b"", RolloutJob, what="stored job"), raw.data or b"", raw.subject or ""
+            return await self._read_job(seq)
         except (nats.errors.Error, nats.js.errors.Error, RollfleetError):
             return None
 
@@ -113,20 +118,16 @@ class JobPlacement:
         not answer (or the handle was never stored)."""
         if handle.stream_seq is None:
             return "unknown"
-        try:
-            raw = await self._js.get_msg(self._names.jobs_stream, handle.stream_seq)
-        except nats.js.errors.NotFoundError:
-            return "gone"
-        except (nats.errors.Error, nats.js.errors.Error):
-            return "unknown"
         # A sequence names this job only until the broker goes back to an older copy of its store,
         # which hands the sequences after the copy's end to new jobs: what lies there is removed
         # only if it is this job (a withdrawal after a rollback must not take another's job).
         try:
-            if decode(raw.data or b"", RolloutJob, what="stored job").job_id != handle.job_id:
+            if (await self._read_job(handle.stream_seq))[0].job_id != handle.job_id:
                 return "gone"
-        except RollfleetError:
+        except (nats.js.errors.NotFoundError, RollfleetError):  # nothing there, or not a job
             return "gone"
+        except (nats.errors.Error, nats.js.errors.Error):
+            return "unknown"
         try:
             return "removed" if await self._js.delete_msg(self._names.jobs_stream, handle.stream_seq) else "gone"
         except nats.js.errors.NotFoundError:  # taken (acknowledged and removed) just now
