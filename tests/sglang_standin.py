@@ -109,12 +109,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+class _KeepAliveHandler(_Handler):
+    """HTTP/1.1: the connection stays open after an answer, as uvicorn's does (SGLang, vLLM)."""
+
+    protocol_version = "HTTP/1.1"
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, addr: tuple[str, int], state: StandinState) -> None:
-        super().__init__(addr, _Handler)
+    def __init__(self, addr: tuple[str, int], state: StandinState, keep_alive: bool = False) -> None:
+        super().__init__(addr, _KeepAliveHandler if keep_alive else _Handler)
         self.state = state
 
 
@@ -350,9 +356,9 @@ _ROUTES = {
 class SGLangStandin:
     """Runs the stand-in on a free loopback port in a background thread."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, **state: Any) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, keep_alive: bool = False, **state: Any) -> None:
         self.state = StandinState(**state)
-        self._server = _Server((host, port), self.state)
+        self._server = _Server((host, port), self.state, keep_alive)
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, name="sglang-standin", daemon=True
         )

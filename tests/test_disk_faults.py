@@ -26,7 +26,7 @@ from policy_helpers import make_checkpoint
 
 from reliability.disks import can_mount, disk_verdict, mount_readonly, unmount
 from rollfleet.policy_store.local_disk import as_local_disk_error, is_local_disk_failure
-from rollfleet.policy_store.materialize import read_marker
+from rollfleet.policy_store.materialize import STAGING, materialize, read_marker
 from rollfleet.testing import start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from tests.helpers import payload
@@ -225,3 +225,25 @@ def test_the_converged_rule_for_a_disk_fault() -> None:
         assert disk_verdict(fault, (0.0, None), stuck, 4, horizon=200.0, **windows)[0] == "unverified"
     old = {"disturbed": [], "damaged": [(10.0, 20.0)]}  # a store fault long before: its backoff is over
     assert disk_verdict(fault, (0.0, None), stuck, 4, horizon=200.0, **old)[0] == "violation"
+
+
+@pytest.mark.skipif(not can_mount(), reason="needs mount privilege")
+def test_a_seed_onto_a_read_only_disk_with_a_leftover_staging_copy_says_the_disk_refused(tmp_path: Path) -> None:
+    """A staging copy an interrupted seed left behind cannot be removed from a read-only disk: the
+    seed fails with that refusal (typed as the local disk's), not with "File exists" from making
+    the staging directory again (untyped: the replica could not say its disk was at fault)."""
+    t = make_checkpoint(tmp_path / "base")
+    store, local = tmp_path / "store", tmp_path / "local"
+    PolicyPublisher(store, tmp_path / "base").publish(t)
+    (local / STAGING).mkdir(parents=True)
+    (local / STAGING / "model.safetensors").write_bytes(b"half a copy")
+    mount_readonly(local / STAGING)  # (the rest of the disk, its lock file among it, stays writable)
+    try:
+        with pytest.raises(OSError) as caught:
+            materialize(local, store, 0)
+    finally:
+        unmount(local / STAGING)
+    typed = as_local_disk_error(caught.value, str(local))
+    assert typed is not None and typed.errno_name == "EROFS", caught.value
+    assert materialize(local, store, 0).version == 0  # the disk back: the leftover is replaced
+    assert not (local / STAGING).exists() and read_marker(local) == 0

@@ -109,6 +109,74 @@ async def test_generate_sends_sglang_request_and_reads_output(engine: SGLangEngi
     assert (gen.version_start, gen.version_end, gen.prompt_tokens) == (0, 0, 3)
 
 
+class KeepAliveCloser:
+    """A loopback proxy in front of a keep-alive server that closes a connection, unanswered, when
+    a second request arrives on it: what uvicorn does when its keep-alive timer fires as a request
+    comes in (the timer fires late when the server's loop was held, by a reload, say)."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self._upstream = (host, int(port))
+        self.connections = 0
+        self.closed_on_reuse = 0
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> KeepAliveCloser:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        ur, uw = await asyncio.open_connection(*self._upstream)
+        answered = False
+
+        async def down() -> None:
+            nonlocal answered
+            while data := await ur.read(65536):
+                answered = True
+                cw.write(data)
+                await cw.drain()
+
+        relay = asyncio.ensure_future(down())
+        try:
+            while data := await cr.read(65536):
+                if answered:  # a second request on this connection: closed unanswered
+                    self.closed_on_reuse += 1
+                    break
+                uw.write(data)
+                await uw.drain()
+        finally:
+            relay.cancel()
+            for w in (cw, uw):
+                w.close()
+
+
+async def test_a_connection_the_server_closes_on_reuse_fails_no_request() -> None:
+    """Each request goes on a fresh connection: a kept-alive one that the server closes as the next
+    request arrives (vLLM's uvicorn after a long reload) failed that request with ReadError."""
+    with SGLangStandin(weight_version="0", keep_alive=True) as standin:
+        async with KeepAliveCloser(standin.url) as proxy:
+            eng = SGLangEngine(url=proxy.url)
+            await eng.start(None, 0)
+            try:
+                for i in range(4):
+                    gen = await eng.generate(f"req-{i}", payload(max_tokens=3))
+                    assert gen.outputs[0].token_ids == [12, 13, 14]
+                    assert (await eng.health()).ok
+            finally:
+                await eng.close()
+            assert proxy.closed_on_reuse == 0 and proxy.connections >= 8
+
+
 async def test_n_samples_go_as_a_batch_with_one_rid_and_seed_each(engine: SGLangEngine, standin: SGLangStandin) -> None:
     gen = await engine.generate(
         "r", RolloutPayload(prompt_token_ids=PROMPT, n=3, sampling=SamplingParams(max_tokens=2, seed=10, top_k=5))

@@ -578,7 +578,12 @@ def _seed(state: _Local, src: Path, version: int, hook: Hook | None) -> tuple[li
         raise CorruptArtifact(f"{src.name} is a delta, not a full version to seed from")
     local = state.root
     staging = local / STAGING
-    shutil.rmtree(staging, ignore_errors=True)
+    # A leftover of an interrupted seed is removed, and a failure to remove it is the error raised
+    # (a read-only disk, say): ignored, it came back as "File exists" from the mkdir below.
+    try:
+        shutil.rmtree(staging)
+    except FileNotFoundError:
+        pass
     staging.mkdir()
     wire = 0
     files = []

@@ -56,10 +56,13 @@ from rollfleet.schemas import Completion, VersionSpan
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest
 from rollfleet.workers.engines.base import Engine, EngineHealth, Generation
 
-# An idle connection is dropped well before the server's own keep-alive timeout (uvicorn's 5 s,
-# for vLLM and SGLang alike): reusing one the server is closing at that moment fails the request
-# with "server disconnected", which reads as the engine going down.
-_POOL_LIMITS = httpx.Limits(keepalive_expiry=2.0)
+# Every request goes on a fresh connection. A kept-alive one can be closed by the server just as a
+# request goes out on it (uvicorn's keep-alive timer, 5 s for vLLM and SGLang alike, fires when
+# the server's event loop comes back from a long reload, ahead of the bytes already waiting), and
+# the request then fails with ReadError, which reads as the engine failing it: no expiry on the
+# client's side closes that race, whose clock is the server's. On loopback a connection costs
+# about a tenth of a millisecond; a generation costs far more.
+_POOL_LIMITS = httpx.Limits(max_keepalive_connections=0)
 SESSIONS_REMEMBERED = 65_536  # sessions whose last salt is remembered (oldest forgotten first)
 
 
