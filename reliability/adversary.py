@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reliability.cluster_nodes import NODE_KINDS
 from reliability.engines import ENGINE_KINDS, SGLANG_POOL, engine_event
 from reliability.journal import Journal, describe_error, describe_result
 from reliability.machine import ECHO_POOL, GATEWAY_CLIENT, GATEWAYS, HF_POOL, ROGUE, Machine, WorkerProc
@@ -61,6 +62,7 @@ class Config:
     hf: int = 0
     sglang: int = 0  # sglang workers, each attached to a keyed engine server of its own (engine events)
     store: str = "dir"  # "s3": the policy store in a bucket (moto), each worker reading it through a fault proxy
+    cluster: bool = False  # a 3-node cluster with R3 streams, and node events (``reliability.cluster_nodes``)
     auth: bool = True
     code: str | None = None  # another checkout's rollfleet (e.g. the code before a fix)
     schedule: str | None = None  # a named schedule instead of the seed's random one
@@ -81,6 +83,8 @@ class Config:
             parts.append(f"--sglang {self.sglang}")
         if self.store != "dir":
             parts.append(f"--store {self.store}")
+        if self.cluster:
+            parts.append("--cluster")
         if self.workers != 3:
             parts.append(f"--workers {self.workers}")
         if not self.auth:
@@ -159,7 +163,13 @@ class Adversary:
         paths = [os.environ.get("RF_ADV_SHIM") or str(REPO), os.environ.get("PYTHONPATH", "")]
         self.child_env = {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         self.machine = Machine(
-            workdir, namespace=NAMESPACE, seed=cfg.seed, auth=cfg.auth, child_env=self.child_env, cwd=_child_cwd()
+            workdir,
+            namespace=NAMESPACE,
+            seed=cfg.seed,
+            auth=cfg.auth,
+            child_env=self.child_env,
+            cwd=_child_cwd(),
+            cluster=cfg.cluster,
         )
         self.admin: Any = None
         self.publisher: Any = None
@@ -173,6 +183,7 @@ class Adversary:
         self.busy: set[str] = set()  # worker ids an event is working on
         self.incarnation = 0
         self._trainer_lock = asyncio.Lock()
+        self.node_out: str | None = None  # (``--cluster``) the node a node event has out now
         self.tasks: set[asyncio.Task[Any]] = set()
         self.injected: dict[str, int] = {}
         self.skipped: dict[str, int] = {}
@@ -218,17 +229,26 @@ class Adversary:
             await start_object_store(self, [u for u in m.users() if u not in ("trainer", "gateway", ROGUE)])
         self.say("broker", url=m.broker.url if m.broker else "", auth=cfg.auth, monitor=m.monitor_port)
         self.topology = TopologyConfig(
-            ack_wait_s=cfg.ack_wait, duplicate_window_s=cfg.duplicate_window, max_deliver=cfg.max_deliver
+            ack_wait_s=cfg.ack_wait,
+            duplicate_window_s=cfg.duplicate_window,
+            max_deliver=cfg.max_deliver,
+            replicas=3 if cfg.cluster else 1,
         )
         self.admin = await RolloutClient.connect(
             m.url("trainer"), namespace=NAMESPACE, client_id="adversary", topology=self.topology, fail_fast=False
         )
+        if m.cluster is not None:  # (the node events mean something only if every stream is R3)
+            info = await self.admin.js.stream_info(self.names.jobs_stream)
+            replicas = info.config.num_replicas
+            self.say("cluster", replicas=replicas, leader=info.cluster.leader if info.cluster else None)
+            if replicas != 3:
+                raise RuntimeError(f"the jobs stream has {replicas} replicas on the cluster, not 3")
         for name in GATEWAYS:  # (once the namespace is declared: their start-ups overlap the rest of the setup)
             m.start_gateway(name)
         self.publisher = PolicyPublisher(m.store_arg(), base, keyframe_every=6, keep_last=None)
         await self.publish("setup")
         tap_user = ("tap", m.passwords["tap"]) if cfg.auth else (None, None)
-        self.tap = await Tap(m.url(), self.names, m.monitor_port, user=tap_user[0], password=tap_user[1]).start()
+        self.tap = await Tap(m.url(), self.names, m.monitor_ports, user=tap_user[0], password=tap_user[1]).start()
         rogue_user = (ROGUE, m.passwords[ROGUE]) if cfg.auth else (None, None)
         self.rogue = await Rogue(
             m.url(),
@@ -294,6 +314,7 @@ class Adversary:
             str(self.cfg.duplicate_window),
             "--prepare-timeout",
             "8",
+            *self.replicas_args("--replicas"),
         ]
         wp = self.machine.start_worker(wid, engine, extra, armed=armed, skew_s=skew_s)
         self.say(
@@ -306,6 +327,51 @@ class Adversary:
             **({"skew_s": skew_s} if skew_s else {}),
         )
         return wp
+
+    async def node_event(self, kind: str, p: dict[str, Any]) -> bool:
+        """A node killed, frozen or cut off (a single broker's restart or pause, on a cluster, is
+        a node's): one node at a time, the jobs stream's leader or one at random."""
+        m = self.machine
+        assert m.cluster is not None
+        if kind == "node_cut" and m.cluster.cut_unavailable:
+            self.say("node_cut skipped", reason=m.cluster.cut_unavailable)
+            return False
+        if self.node_out is not None:
+            self.say(f"{kind} skipped", reason=f"node {self.node_out} is out: one at a time keeps a quorum")
+            return False
+        leader = None
+        if p.get("which", "random") == "leader":
+            with contextlib.suppress(Exception):
+                info = await asyncio.wait_for(self.admin.js.stream_info(self.names.jobs_stream), 2.0)
+                leader = m.cluster.by_server_name(info.cluster.leader if info.cluster else None)
+        name = m.cluster.pick(self.rng, leader, set())
+        if name is None:
+            self.say(f"{kind} skipped", reason="no live node")
+            return False
+        self.node_out = name
+        try:
+            is_leader = name == leader
+            if kind in ("node_kill", "broker_restart"):
+                down_s = float(p.get("down_s", 2.0))
+                self.say("node SIGKILL", node=name, leader=is_leader, down_s=down_s)
+                await m.kill_node(name, down_s, is_leader)
+                self.say("node back", node=name)
+            elif kind in ("node_pause", "pause_broker"):
+                self.say("node SIGSTOP", node=name, leader=is_leader, for_s=p["for_s"])
+                await m.pause_node(name, p["for_s"], is_leader)
+                self.say("node SIGCONT", node=name)
+            else:
+                self.say("node cut off", node=name, leader=is_leader, for_s=p["for_s"])
+                await m.cut_node(name, p["for_s"], is_leader)
+                self.say("node joined again", node=name)
+        finally:
+            self.node_out = None
+        return True
+
+    def replicas_args(self, flag: str = "--stream-replicas") -> list[str]:
+        """On a cluster, every process declares what it finds missing as R3 (a stream deleted and
+        declared again by whoever notices first stays R3)."""
+        return [flag, "3"] if self.cfg.cluster else []
 
     def start_trainer(self, duration: float) -> None:
         cfg = self.cfg
@@ -328,6 +394,7 @@ class Adversary:
             str(cfg.max_deliver),
             "--gateways",
             str(self.machine.gateways_file),
+            *self.replicas_args(),
         ]
         proc = self.machine.start_trainer(self.incarnation, args)
         self.say("trainer start", incarnation=self.incarnation, pid=proc.pid, duration=round(duration, 1))
@@ -489,6 +556,7 @@ class Adversary:
             str(self.cfg.duplicate_window),
             "--max-deliver",
             str(self.cfg.max_deliver),
+            *self.replicas_args(),
         ]
         if perturb is not None:
             args += ["--perturb", str(perturb)]
@@ -858,6 +926,11 @@ class Adversary:
                 self.start_worker(wp.worker_id, wp.engine, skew_s=p["skew_s"])
             finally:
                 self.busy.discard(wp.worker_id)
+        elif m.cluster is not None and ev.kind in ("pause_broker", "broker_restart", *NODE_KINDS):
+            return await self.node_event(ev.kind, p)
+        elif m.cluster is not None and ev.kind in ("broker_rollback", "broker_wipe"):
+            self.say(f"{ev.kind} skipped", reason="a single broker's store fault (a cluster's nodes: node events)")
+            return False
         elif ev.kind == "pause_broker":
             if m.broker is None or not m.broker.alive():
                 return False
@@ -1075,7 +1148,13 @@ class Adversary:
 
         report.notes["rollfleet"] = os.path.realpath(os.path.dirname(rollfleet.__file__))
         schedule = make_schedule(
-            cfg.seed, cfg.duration, hf=bool(cfg.hf), name=cfg.schedule, sglang=bool(cfg.sglang), store=cfg.store
+            cfg.seed,
+            cfg.duration,
+            hf=bool(cfg.hf),
+            name=cfg.schedule,
+            sglang=bool(cfg.sglang),
+            store=cfg.store,
+            cluster=cfg.cluster,
         )
         t_start = time.monotonic()
         self.t0 = time.time()
@@ -1106,7 +1185,7 @@ class Adversary:
 
             stored = await self.tap.stored_answers()
             activations = await self.tap.stored_activations()
-            log_lines = (self.workdir / "nats.log").read_text(errors="replace").splitlines()
+            log_lines = self.machine.broker_log().splitlines()
             broker_log = "\n".join(line for line in log_lines if "Violation" in line)
             with contextlib.suppress(Exception):
                 save_inputs(
@@ -1158,7 +1237,11 @@ class Adversary:
         for task in list(self.tasks):
             task.cancel()
         m.heal_store()
-        if m.broker is not None and not m.broker.alive():
+        if m.cluster is not None:
+            for name, node in m.cluster.nodes.items():
+                if not node.alive():
+                    m.cluster.start_node(name)
+        elif m.broker is not None and not m.broker.alive():
             m.broker.start()
         m.reap()
         while len(m.alive_workers("echo")) < 2:
@@ -1362,7 +1445,8 @@ async def campaign(
     runs_planned = [dict(schedule=sc, seed=se, duration=du, hf=hf, workers=w) for sc, se, du, hf, w in [*plan, *named]]
     for fields in [*runs_planned, *(more or [])]:
         schedule, seed = fields.get("schedule"), fields["seed"]
-        tag = "-".join(f"{k}{fields[k]}" for k in ("store", "sglang", "hf") if fields.get(k) not in (None, 0, "dir"))
+        modes = ("store", "sglang", "hf", "cluster")
+        tag = "-".join(f"{k}{fields[k]}" for k in modes if fields.get(k) not in (None, 0, "dir", False))
         cfg = Config(**{"workdir": workdir / f"{schedule or 'seed'}-{seed}{'-' + tag if tag else ''}", "quiet": True,
                         **fields})  # fmt: skip
         hf = cfg.hf
@@ -1449,6 +1533,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the policy store: a directory, or a bucket on a local S3 API (moto) that each worker reads "
         "through a fault proxy of its own; adds object-store events",
     )
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="the broker as a 3-node cluster with R3 streams; adds node events (killed, frozen, cut off)",
+    )
     p.add_argument("--no-auth", action="store_true", help="no auth config (and no rogue user)")
     p.add_argument("--schedule", default=None, help="a named schedule instead of the seed's random one")
     p.add_argument("--code", default=None, help="run this checkout's rollfleet (e.g. the code before a fix)")
@@ -1476,6 +1565,7 @@ def main(argv: list[str] | None = None) -> int:
             hf=args.hf,
             sglang=args.sglang,
             store=args.store,
+            cluster=args.cluster,
             auth=not args.no_auth and args.schedule != "no-auth",
             code=args.code,
             schedule=args.schedule,

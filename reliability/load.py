@@ -91,6 +91,7 @@ _COVER = (
     ("replayable", "exact"),
 )
 
+
 class Load:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -229,8 +230,7 @@ class Load:
         try:
             outcome = await handle.cancel(timeout=CANCEL_WAIT_S)
         except Exception as exc:  # a cancel that raises is a finding too
-            self.log({"ev": "cancel", "rid": rid, "key": key, "t_asked": t, "outcome": "raised",
-                      **describe_error(exc)})
+            self.log({"ev": "cancel", "rid": rid, "key": key, "t_asked": t, "outcome": "raised", **describe_error(exc)})
             return
         self.log({"ev": "cancel", "rid": rid, "key": key, "t_asked": t, "outcome": outcome})
 
@@ -424,8 +424,18 @@ class Load:
         key = f"{sid}/{index}"
         op = "turn" if turn is None else "reask-turn"
         rid = self.rid()
-        self.log({"ev": "turn", "rid": rid, "op": op, "sid": sid, "turn": index, "key": key, "payload": spec,
-                  "timeout": timeout})
+        self.log(
+            {
+                "ev": "turn",
+                "rid": rid,
+                "op": op,
+                "sid": sid,
+                "turn": index,
+                "key": key,
+                "payload": spec,
+                "timeout": timeout,
+            }
+        )
         t0 = time.time()
         # Asking a turn again is what a user does without a time-out: it must come back by itself.
         bound = timeout + HANG_SLACK_S if turn is None else REASK_BOUND_S
@@ -585,7 +595,12 @@ class Load:
         from rollfleet.trainer_client import RolloutClient
 
         a = self.args
-        topo = TopologyConfig(ack_wait_s=a.ack_wait, duplicate_window_s=a.duplicate_window, max_deliver=a.max_deliver)
+        topo = TopologyConfig(
+            ack_wait_s=a.ack_wait,
+            duplicate_window_s=a.duplicate_window,
+            max_deliver=a.max_deliver,
+            replicas=a.stream_replicas,
+        )
         url = os.environ.get("RF_ADV_TRAINER_URL", a.nats)
         self.log({"ev": "start", "pid": os.getpid()})
         self.client = await RolloutClient.connect(
@@ -671,6 +686,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=30.0)
     p.add_argument("--sessions", type=int, default=3, help="sessions running at once")
     p.add_argument("--ack-wait", type=float, default=2.0)
+    p.add_argument("--stream-replicas", type=int, default=1, help="3 on a 3-node cluster")
     p.add_argument("--duplicate-window", type=float, default=15.0)
     p.add_argument("--max-deliver", type=int, default=10)
     p.add_argument("--gateways", default=None, help="a JSON file of gateway addresses (name -> http://HOST:PORT)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reliability.cluster_nodes import NodeCluster
 from reliability.engines import SGLANG_POOL, EngineServers
 from rollfleet.broker import EmbeddedBroker, free_port
 from rollfleet.runtime.processes import terminate
@@ -112,6 +114,9 @@ class Timeline:
     # A worker's own disk full or read-only (``reliability.disks``): kind, worker, its process's
     # start, victim, from, to.
     disk_faults: list[dict[str, Any]] = field(default_factory=list)
+    # A cluster node killed, frozen or cut off (``--cluster``, ``reliability.cluster_nodes``):
+    # kind, node, from, to, leader (whether it led the jobs stream when hit).
+    node_faults: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -139,8 +144,20 @@ class Freezes:
 
 
 class Machine:
-    def __init__(self, workdir: Path, *, namespace: str, seed: int, auth: bool, child_env: dict[str, str], cwd: Path):
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        namespace: str,
+        seed: int,
+        auth: bool,
+        child_env: dict[str, str],
+        cwd: Path,
+        cluster: bool = False,
+    ):
         self.workdir = Path(workdir)
+        self.cluster_mode = cluster
+        self.cluster: NodeCluster | None = None  # (``cluster``: three nodes; ``broker`` is the first)
         self.namespace = namespace
         self.seed = seed
         self.auth = auth
@@ -173,6 +190,8 @@ class Machine:
 
     def url(self, user: str | None = None) -> str:
         assert self.broker is not None
+        if self.cluster is not None:
+            return self.cluster.url(user, self.passwords[user] if user and self.auth else None)
         if not self.auth or user is None:
             return self.broker.url
         return self.broker.url.replace("nats://", f"nats://{user}:{self.passwords[user]}@")
@@ -194,7 +213,8 @@ class Machine:
         if link is None:
             return url
         assert self.broker is not None
-        return url.replace(f":{self.broker.port}", f":{link.port}")
+        # (on a cluster, only the first node's address: the worker may fail over to the others)
+        return re.sub(rf":{self.broker.port}(?=,|$)", f":{link.port}", url)
 
     def _config(self) -> Path:
         path = self.workdir / "nats.conf"
@@ -228,6 +248,11 @@ class Machine:
         return f"      {{ user: gateway, password: ${password_variable('gateway')}, permissions: {perms} }}\n"
 
     def start_broker(self) -> EmbeddedBroker:
+        if self.cluster_mode:
+            self.cluster = NodeCluster(self.workdir, self._config()).start()
+            self.broker = self.cluster.first
+            self.monitor_port = self.cluster.first.http_port
+            return self.broker
         self.monitor_port = free_port()
         self.broker = EmbeddedBroker(
             store_dir=self.workdir / "nats",
@@ -592,8 +617,62 @@ class Machine:
         if self.trainer is not None and self.trainer.poll() is None:
             terminate(self.trainer, 10.0)
         self.note_trainer_exit()
-        if self.broker is not None:
+        if self.cluster is not None:
+            self.cluster.stop()
+        elif self.broker is not None:
             self.broker.stop()
+
+    @property
+    def monitor_ports(self) -> list[int]:
+        return self.cluster.monitor_ports if self.cluster is not None else [self.monitor_port]
+
+    def broker_log(self) -> str:
+        """What the broker (every node of a cluster) wrote to its log."""
+        if self.cluster is not None:
+            return self.cluster.logs()
+        try:
+            return (self.workdir / "nats.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    # -- a cluster's nodes (``--cluster``) -------------------------------------------------------
+    def _node_fault(self, kind: str, name: str, t0: float, leader: bool) -> None:
+        fault = {"kind": kind, "node": name, "from": t0, "to": time.time(), "leader": leader}
+        self.timeline.node_faults.append(fault)
+
+    async def kill_node(self, name: str, down_s: float, leader: bool) -> None:
+        """SIGKILL one node, and start it again on its store after ``down_s``."""
+        assert self.cluster is not None
+        t0 = time.time()
+        self.cluster.nodes[name].kill()
+        try:
+            await asyncio.sleep(down_s)
+        finally:
+            self.cluster.start_node(name)  # (from the main thread: tied to the thread that starts it)
+            self._node_fault("node_kill", name, t0, leader)
+
+    async def pause_node(self, name: str, for_s: float, leader: bool) -> None:
+        """SIGSTOP one node for ``for_s``, then SIGCONT."""
+        assert self.cluster is not None
+        proc, t0 = self.cluster.nodes[name].proc, time.time()
+        assert proc is not None
+        self.freezes.stop(proc)
+        try:
+            await asyncio.sleep(for_s)
+        finally:
+            self.freezes.cont(proc)
+            self._node_fault("node_pause", name, t0, leader)
+
+    async def cut_node(self, name: str, for_s: float, leader: bool) -> None:
+        """Cut one node off from the other two for ``for_s`` (its clients stay connected to it)."""
+        assert self.cluster is not None
+        t0 = time.time()
+        self.cluster.cut_off(name)
+        try:
+            await asyncio.sleep(for_s)
+        finally:
+            self.cluster.heal(name)
+            self._node_fault("node_cut", name, t0, leader)
 
     def cleanup(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)

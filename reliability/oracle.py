@@ -248,8 +248,12 @@ class Oracle:
         self.ack_wait = float(cfg.ack_wait)
         self.window = float(cfg.duplicate_window)
         # The broker is out while it is down (SIGKILLed, restarting) or frozen (SIGSTOP): a frozen
-        # broker keeps its store, but nothing passes through it meanwhile.
-        self.broker_out = [*timeline.broker_down, *getattr(timeline, "broker_paused", [])]
+        # broker keeps its store, but nothing passes through it meanwhile. On a cluster, while a
+        # node is killed, frozen or cut off: its clients fail over and the Raft groups it led
+        # elect again, so service may stop for that long (the grace after it, as for a broker's);
+        # every other promise holds throughout.
+        nodes_out = [[f["from"], f["to"]] for f in getattr(timeline, "node_faults", []) or []]
+        self.broker_out = [*timeline.broker_down, *getattr(timeline, "broker_paused", []), *nodes_out]
         self.available_s = float(getattr(cfg, "available_s", AVAILABLE_S))
         self.publisher_faults = list(getattr(timeline, "publishers", []) or [])
         # The trainer's truth follows the winners of publisher races, as the policy KV names them.
@@ -1281,7 +1285,7 @@ class Oracle:
         if sum(1 for j in jobs for _ in self.deliveries_by_job.get(str(j), [])) >= self.cfg.max_deliver:
             self.unverified["stranded: delivered max_deliver times"] += 1
             return
-        stored_at = float((c.stored or {}).get("t") or c.t0)
+        stored_at = self._first_stored(c)
         if self.lost_with_store(stored_at, "jobs", after=end):
             # The job itself was lost (stored after the copy a rollback went back to, wiped, or its
             # stream deleted): nothing was left to take; it is answered Expired (`resolution`).
@@ -1335,6 +1339,23 @@ class Oracle:
             f"while live replicas able to serve {kind}:{v} sat idle or served newer jobs; answered {outcome}",
             hint,
         )
+
+    def _first_stored(self, c: Call) -> float:
+        """When the job the call waited on was stored: a resubmit answered with the pending handle
+        stores nothing, its job is the one stored (and delivered) at that sequence before (seed 3
+        of a campaign: a resubmit after a wipe was taken for a job stored after the wipe)."""
+        stored = c.stored or {}
+        at = float(stored.get("t") or c.t0)
+        job, seq = stored.get("job_id"), stored.get("stream_seq")
+        if not job or not seq:
+            return at
+        delivered = [d.t for d in self.deliveries_by_job.get(str(job), []) if d.stream_seq == seq]
+        asked = [
+            float(o.stored["t"])
+            for o in self.by_key.get(c.key, [])
+            if o.stored and o.stored.get("job_id") == job and o.stored.get("stream_seq") == seq and o.stored.get("t")
+        ]
+        return min([at, *delivered, *asked])
 
     def _turn_constraint(self, c: Call) -> tuple[str, int] | None:
         """The strictest constraint the turn may have had (for liveness checks: the fewest
@@ -1653,6 +1674,23 @@ class Oracle:
                         # again (a key resubmitted or reused then): not a move, a run of a key the
                         # broker no longer knew was answered.
                         self.unverified[f"moved: the first run's answer {LOST_WITH_STORE}"] += 1
+                        continue
+                    # A taker that said nothing on its copy, claimed nothing and answered nothing,
+                    # its process stopped at a fault point or dead by the time the broker would have
+                    # redelivered, never ran it: it was gone before it could (seed 11: delivered to
+                    # a replica held at a fault point, SIGKILLed 0.06 s later).
+                    taker = self.proc_at(d2.worker, d2.t)
+                    claimed_by_second = any(
+                        st == "stored"
+                        and op.upper() == "PUT"
+                        and (value or "").startswith(f"{d2.worker}:")
+                        and t >= d2.t
+                        for k in ({job_id} | ({claim_key(job_id)} if claim_key else set()))
+                        for t, value, op, st in claims_by_key.get(k, [])
+                    )
+                    gone = taker is None or (taker.end is not None and taker.end < d2.t + self.ack_wait)
+                    if finished and not second and not answered_by_second and not claimed_by_second and gone:
+                        self.unverified["moved: the copy's taker gone before it said or claimed anything"] += 1
                         continue
                     if finished and not handed_back and (answered_by_second or not declined):
                         state = "draining (SIGTERM)" if holder.how.startswith("terminated") else "alive"
@@ -2174,6 +2212,7 @@ def save_inputs(
             "stores_lost": getattr(timeline, "stores_lost", []),
             "store_faults": getattr(timeline, "store_faults", []),
             "disk_faults": getattr(timeline, "disk_faults", []),
+            "node_faults": getattr(timeline, "node_faults", []),
             "trainers": timeline.trainers,
             "second_clients": timeline.second_clients,
             "publishers": getattr(timeline, "publishers", []),

@@ -42,7 +42,10 @@ async def cmd_publish(args: argparse.Namespace) -> int:
         from rollfleet.broker.topology import TopologyConfig
 
         topology["topology"] = TopologyConfig(
-            ack_wait_s=args.ack_wait, duplicate_window_s=args.duplicate_window, max_deliver=args.max_deliver
+            ack_wait_s=args.ack_wait,
+            duplicate_window_s=args.duplicate_window,
+            max_deliver=args.max_deliver,
+            replicas=args.stream_replicas,
         )
     async with await RolloutClient.connect(
         args.nats, namespace=args.namespace, client_id=args.client_id, fail_fast=False, **topology
@@ -230,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ack-wait", type=float, default=None, help="the fleet's topology (default: rollfleet's)")
     p.add_argument("--duplicate-window", type=float, default=600.0)
     p.add_argument("--max-deliver", type=int, default=10)
+    p.add_argument("--stream-replicas", type=int, default=1, help="3 on a 3-node cluster")
     p = sub.choices["trainer"]
     p.add_argument("--phase", choices=["first", "resume"], required=True)
     p.add_argument("--journal", required=True)

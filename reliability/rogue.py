@@ -76,7 +76,7 @@ class Rogue:
             self.log({"ev": "refused", "error": text[:300]})
 
         opts: dict[str, Any] = dict(
-            servers=[self.url],
+            servers=self.url.split(","),
             name=f"rollfleet-worker-{self.worker_id}",
             allow_reconnect=True,
             max_reconnect_attempts=-1,

@@ -92,6 +92,7 @@ ADVERSARY_MORE: list[dict[str, object]] = [
     {"seed": 8080, "duration": 60.0, "sglang": 1},
     {"schedule": "engines", "seed": 1, "duration": 35.0, "sglang": 1},
     {"schedule": "broker-stores", "seed": 2, "duration": 45.0},
+    {"seed": 5, "duration": 60.0, "cluster": True},  # a 3-node cluster: nodes killed, frozen, cut off
 ]
 
 
@@ -315,6 +316,7 @@ the campaign whose figures are above, draw fresh seeds too and print them first)
     python -m reliability.adversary --seed 1234 --duration 60            # one seed, replayed
     python -m reliability.adversary --seed 1234 --duration 60 --hf 1     # plus an hf replica
     python -m reliability.adversary --schedule drain-flaky-mount --seed 5 --duration 35 --hf 1 --workers 2
+    python -m reliability.adversary --seed 1234 --cluster                 # a 3-node cluster, node events
     python -m reliability.adversary --seed 1234 --code ../other-checkout # another tree's rollfleet
     python -m reliability.oracle WORKDIR                                  # judge a kept run again
 

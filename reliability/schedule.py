@@ -67,6 +67,11 @@ and with what else, it happens:
                     with a version published meanwhile, which it must prepare on the full disk
 ``disk_readonly``   a worker's ``--local-dir`` bind-mounted read-only for 2-8 s (EROFS), likewise;
                     skipped, and said, without mount privilege (``reliability.disks``)
+``node_kill``       (``--cluster``) SIGKILL one node of the 3-node cluster (the jobs stream's leader
+                    2 times in 3), started again on its store 0.5-6 s later
+``node_pause``      (``--cluster``) SIGSTOP one node for 2-10 s, then SIGCONT
+``node_cut``        (``--cluster``) one node cut off from the other two for 2-10 s, its clients still
+                    connected to it (``reliability.cluster_nodes``; needs root and iptables)
 ==================  ===========================================================================
 
 ``make_schedule(seed, duration)`` is a pure function: the same seed gives the same events at
@@ -142,6 +147,8 @@ STORES_MEAN_GAP_S = 60.0  # the broker's store lost or rolled back, or a stream 
 STORES_FIRST_S = 12.0  # (never before the fleet has served a while)
 STORE_KINDS = ("broker_rollback", "broker_rollback", "broker_wipe", "delete_stream", "delete_stream")
 STREAM_TARGETS = ("jobs", "results", "claims", "policy", "registry")  # reliability.broker_store.DELETE_TARGETS
+NODES_MEAN_GAP_S = 12.0  # (``--cluster``) a node killed, frozen or cut off every 12 s on average
+NODE_EVENT_KINDS = ("node_kill", "node_pause", "node_cut", "node_cut")  # reliability.cluster_nodes.NODE_KINDS
 
 
 @dataclass
@@ -233,7 +240,7 @@ def params_for(kind: str, rng: random.Random, hf: bool) -> dict[str, Any]:
 
 
 def random_schedule(
-    seed: int, duration: float, hf: bool = False, sglang: bool = False, store: str = "dir"
+    seed: int, duration: float, hf: bool = False, sglang: bool = False, store: str = "dir", cluster: bool = False
 ) -> list[Event]:
     rng = random.Random(f"schedule:{seed}")
     kinds, weights = zip(*WEIGHTS.items(), strict=True)
@@ -249,7 +256,7 @@ def random_schedule(
         t += rng.expovariate(1.0 / MEAN_GAP_S)
     more: list[Event] = []
     for stream in STREAMS:
-        if stream.only is None or (stream.only == "sglang" and sglang) or (stream.only == "s3" and store == "s3"):
+        if stream.drawn(sglang, store, cluster):
             more += stream.draw(seed, duration)
     return sorted(events + more, key=lambda e: e.t)
 
@@ -277,6 +284,14 @@ def engine_params(kind: str, rng: random.Random) -> dict[str, Any]:
     return {"which": rng.randrange(2), "for_s": round(u(1.5, 5.0), 2)}  # engine_freeze
 
 
+def node_params(kind: str, rng: random.Random) -> dict[str, Any]:
+    """A node event's parameters (``which``: the jobs stream's leader, or a node at random)."""
+    which = rng.choice(("leader", "leader", "random"))
+    if kind == "node_kill":
+        return {"which": which, "down_s": round(rng.uniform(0.5, 6.0), 2)}
+    return {"which": which, "for_s": round(rng.uniform(2.0, 10.0), 2)}
+
+
 def _params(kind: str, rng: random.Random) -> dict[str, Any]:
     return params_for(kind, rng, False)
 
@@ -288,7 +303,7 @@ class EventStream:
     at ``first(rng, duration)``, then one every ``mean_gap_s`` on average (exponential gaps) or,
     with ``gap``, as it draws; none in the last ``margin_s``. ``only``: drawn only in that mode
     (``sglang``: where a worker has an engine server of its own to attack; ``s3``: where workers
-    read an object store through fault proxies)."""
+    read an object store through fault proxies; ``cluster``: where the broker is three nodes)."""
 
     name: str
     kinds: tuple[str, ...]
@@ -298,6 +313,10 @@ class EventStream:
     gap: Callable[[random.Random], float] | None = None
     params: Callable[[str, random.Random], dict[str, Any]] = _params
     only: str | None = None
+
+    def drawn(self, sglang: bool, store: str, cluster: bool) -> bool:
+        """Whether a run in this mode draws this stream."""
+        return self.only is None or {"sglang": sglang, "s3": store == "s3", "cluster": cluster}[self.only]
 
     def draw(self, seed: int, duration: float) -> list[Event]:
         rng = random.Random(f"{self.name}:{seed}")
@@ -317,9 +336,7 @@ def _uniform(lo: float, hi: float) -> Callable[[random.Random, float], float]:
 # The seed's side streams, in the order they are drawn (each from its own random stream).
 STREAMS: tuple[EventStream, ...] = (
     # Worker and broker pauses (SIGSTOP/SIGCONT).
-    EventStream(
-        "pauses", ("pause_worker", "pause_worker", "pause_broker"), _uniform(4.0, 10.0), 4.0, PAUSE_MEAN_GAP_S
-    ),
+    EventStream("pauses", ("pause_worker", "pause_worker", "pause_broker"), _uniform(4.0, 10.0), 4.0, PAUSE_MEAN_GAP_S),
     # Workers restarted with skewed clocks: one in the first half of a run, another per further 60 s.
     EventStream(
         "skews",
@@ -331,9 +348,7 @@ STREAMS: tuple[EventStream, ...] = (
     # Faults on one worker's link to the broker.
     EventStream("links", ("partition", "partition", "lag", "cut_link"), _uniform(4.0, 12.0), 4.0, 14.0),
     # Publisher processes SIGKILLed mid-publication, or racing for one version.
-    EventStream(
-        "publishers", ("publisher_kill", "publisher_race"), _uniform(5.0, 15.0), 6.0, PUBLISHER_MEAN_GAP_S
-    ),
+    EventStream("publishers", ("publisher_kill", "publisher_race"), _uniform(5.0, 15.0), 6.0, PUBLISHER_MEAN_GAP_S),
     # Gateway processes SIGKILLed (and restarted) or frozen.
     EventStream("gateways", ("gateway_kill", "gateway_pause"), _uniform(3.0, 12.0), 4.0, GATEWAY_MEAN_GAP_S),
     # Engine servers killed (restarted on their launch checkpoint), refusing pauses, or frozen.
@@ -367,6 +382,11 @@ STREAMS: tuple[EventStream, ...] = (
         6.0,
         STORES_MEAN_GAP_S,
     ),
+    # A cluster's node killed, frozen or cut off from the other two (the leader of the jobs
+    # stream more often than not).
+    EventStream(
+        "nodes", NODE_EVENT_KINDS, _uniform(5.0, 10.0), 6.0, NODES_MEAN_GAP_S, params=node_params, only="cluster"
+    ),
 )
 STREAM_BY_NAME = {s.name: s for s in STREAMS}
 # Each stream by the name its events go by (``pauses(seed, duration)``: that seed's pauses).
@@ -379,6 +399,7 @@ engines = STREAM_BY_NAME["engines"].draw
 object_stores = STREAM_BY_NAME["stores"].draw
 disks = STREAM_BY_NAME["disks"].draw
 broker_stores = STREAM_BY_NAME["stores-broker"].draw
+nodes = STREAM_BY_NAME["nodes"].draw
 
 
 # -- named schedules: scripted sequences of the same events ------------------------------------------
@@ -492,9 +513,10 @@ def make_schedule(
     name: str | None = None,
     sglang: bool = False,
     store: str = "dir",
+    cluster: bool = False,
 ) -> list[Event]:
     if name and name in SCHEDULES:
         return SCHEDULES[name](duration, random.Random(f"schedule:{seed}"), hf)
     if name and name != "no-auth":
         raise ValueError(f"unknown schedule {name!r}; named schedules: {', '.join(SCHEDULES)}")
-    return random_schedule(seed, duration, hf, sglang=sglang, store=store)
+    return random_schedule(seed, duration, hf, sglang=sglang, store=store, cluster=cluster)

@@ -94,14 +94,15 @@ class Tap:
         self,
         url: str,
         names: Any,
-        monitor_port: int,
+        monitor_ports: int | list[int],
         *,
         user: str | None = None,
         password: str | None = None,
     ) -> None:
         self.url = url
         self.names = names
-        self.monitor_port = monitor_port
+        # One port per broker node: a cluster's /connz shows only the connections of its own node.
+        self.monitor_ports = [monitor_ports] if isinstance(monitor_ports, int) else list(monitor_ports)
         self.user, self.password = user, password
         self.nc: Any = None
         self.deliveries: list[Delivery] = []
@@ -148,7 +149,7 @@ class Tap:
             pass
 
         opts: dict[str, Any] = dict(
-            servers=[self.url],
+            servers=self.url.split(","),
             name="adversary-tap",
             allow_reconnect=True,
             max_reconnect_attempts=-1,
@@ -183,14 +184,26 @@ class Tap:
                 await self.nc.close()
 
     # -- attribution ---------------------------------------------------------------------------
-    def _connz(self) -> dict[str, Any]:
-        url = f"http://127.0.0.1:{self.monitor_port}/connz?subs=1&limit=4096"
-        with urllib.request.urlopen(url, timeout=3) as resp:
+    def _connz_of(self, port: int) -> dict[str, Any]:
+        url = f"http://127.0.0.1:{port}/connz?subs=1&limit=4096"
+        with urllib.request.urlopen(url, timeout=3 if len(self.monitor_ports) == 1 else 1) as resp:
             return json.loads(resp.read())
+
+    async def _connz(self) -> tuple[dict[str, Any], bool]:
+        """Every node's connections, and whether every node answered (a node killed or frozen
+        does not: its connections are then unknown, not gone)."""
+        docs = await asyncio.gather(
+            *(asyncio.to_thread(self._connz_of, port) for port in self.monitor_ports), return_exceptions=True
+        )
+        answered = [d for d in docs if isinstance(d, dict)]
+        if not answered:
+            raise next(d for d in docs if isinstance(d, BaseException))
+        connections = [c for d in answered for c in d.get("connections") or []]
+        return {"connections": connections}, len(answered) == len(docs)
 
     async def poll_once(self) -> None:
         try:
-            doc = await asyncio.to_thread(self._connz)
+            doc, complete = await self._connz()
         except Exception:
             self.poll_errors += 1
             return
@@ -213,6 +226,8 @@ class Tap:
         for sub, worker in held.items():
             await self._mirror(sub, worker, confirmed=True)
         for sub, m in list(self._mirrors.items()):
+            if not complete:
+                break  # (a node that did not answer may hold it)
             if sub not in held and now - m[2] > 0.3:  # the worker let it go: so does the tap, at once
                 del self._mirrors[sub]
                 with contextlib.suppress(Exception):

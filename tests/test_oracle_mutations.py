@@ -881,3 +881,72 @@ def test_a_claim_the_store_kept_is_still_a_second_start(which: str, recorded: Pa
     else:
         _lost(h, "rollback", other + 0.4, other + 0.6)  # the copy, taken after the claim, holds it
     assert "twice" in h.judge()
+
+
+def _stored_again_and_delivered_elsewhere(h: History, taker_lives_s: float | None) -> str:
+    """A result's job stored again (a sticky turn moved off its replica) and the copy delivered to
+    another replica, w7, 0.1 s after the holder took the job and before it finished it; w7 says
+    nothing on the copy, claims nothing and answers nothing. Its process ends ``taker_lives_s``
+    after the delivery (SIGKILLed at a fault point, say), or lives on (None). The job's id."""
+    _submit, answer = _once_delivered(h, "replayable", convert=True)
+    first = next(d for d in h.tap["deliveries"] if d["job_id"] == answer["job_id"])
+    at = float(first["t"]) + 0.1
+    h.doc["timeline"]["workers"].append(
+        {
+            "worker_id": "w7",
+            "engine": "echo",
+            "start": at - 5.0,
+            "end": None if taker_lives_s is None else at + taker_lives_s,
+            "paused_at": None,
+            "how": "running" if taker_lives_s is None else "killed",
+            "armed": None,
+            "stops": [],
+            "skew_s": 0.0,
+        }
+    )
+    copy = {**first, "t": at, "stream_seq": first["stream_seq"] + 100_000, "worker": "w7", "ack": first["ack"] + "x"}
+    h.tap["deliveries"].append(copy)
+    h.tap["stored_jobs"][answer["job_id"]] = 2
+    return str(answer["job_id"])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("taker_lives_s", [0.06, None])
+def test_a_moved_copy_whose_taker_died_before_a_word_is_not_a_second_run(
+    taker_lives_s: float | None, recorded: Path, tmp_path: Path
+) -> None:
+    """Seed 11 of a campaign: a turn moved off its frozen replica was delivered to a replica held at
+    a fault point and SIGKILLed 0.06 s later, which said nothing on it, claimed nothing and answered
+    nothing; the first holder finished it. Nothing ran it twice. The same silent taker alive on,
+    past the broker's ack wait, is still judged to have run it."""
+    h = History(recorded, tmp_path / "h")
+    job = _stored_again_and_delivered_elsewhere(h, taker_lives_s)
+    moved = [m for m in h.judge().get("moved", []) if job in m]
+    assert bool(moved) is (taker_lives_s is None), moved
+
+
+@pytest.mark.timeout(240)
+def test_a_resubmit_answered_with_the_pending_handle_is_a_job_the_store_lost(recorded: Path, tmp_path: Path) -> None:
+    """Seed 3 of a campaign: a key asked again after the broker's store was wiped got the pending
+    handle back (the job stored and delivered before the wipe, the same sequence): that job was
+    lost with the store, and it is answered Expired by design, not stranded."""
+    h = History(recorded, tmp_path / "h")
+    submit, answer = _once_delivered(h, "replayable", convert=True)
+    stored = next(r for r in h.trainer if r.get("ev") == "stored" and r["rid"] == submit["rid"])
+    wiped = float(stored["t"]) + 0.5
+    deadline = stored["deadline"] = float(stored["t"]) + 30.0  # (long enough to wait past STARVE_S)
+    again = {**submit, "rid": submit["rid"] + "-again", "op": "resubmit", "t": wiped + 1.0}
+    h.trainer += [again, {**stored, "rid": again["rid"], "op": "resubmit", "t0": wiped + 1.0, "t": wiped + 1.0}]
+    # Nobody ran it: the stored job and its answer went with the wipe; every call for the key expired.
+    h.tap["published"] = [p for p in h.tap["published"] if p.get("job_id") != answer["job_id"]]
+    h.doc["finals"].pop(answer["key"], None)
+    for r in (answer, {"rid": again["rid"], "key": answer["key"], "t0": wiped + 1.0, "inc": answer["inc"]}):
+        expired = {"ev": "answer", "op": "resubmit", **r, "t": deadline + 0.5}
+        _error(expired, "Expired", "expired")
+        if r is answer:
+            answer.clear()
+            answer.update(expired)
+        else:
+            h.trainer.append(expired)
+    _lost(h, "wipe", 0.0, wiped)
+    assert "stranded" not in h.judge()

@@ -1,0 +1,117 @@
+"""The adversary's three-node cluster and its node faults (``reliability.cluster_nodes``).
+
+The schedule's node events are drawn only for a cluster, from a stream of their own, so every
+other event of a seed stays where it was. A node cut off really loses its peers (its route
+packets dropped by iptables, matched by the uid it runs under) while it keeps running, and
+joins them again when healed; a node SIGKILLed and started again on its store catches up. An
+R3 stream keeps a leader on the majority side throughout: what the adversary's runs build on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import nats
+import pytest
+
+from reliability.cluster_nodes import NODE_KINDS, ClusterNode, NodeCluster, cut_rules, why_no_cut
+from reliability.schedule import NODE_EVENT_KINDS, make_schedule
+from rollfleet.testing import wait_until
+
+
+def test_node_events_are_drawn_only_for_a_cluster_and_leave_every_other_event_in_place() -> None:
+    for seed in (1, 5, 19, 256):
+        single = make_schedule(seed, 60.0)
+        cluster = make_schedule(seed, 60.0, cluster=True)
+        assert not [e for e in single if e.kind in NODE_KINDS]
+        nodes = [e for e in cluster if e.kind in NODE_KINDS]
+        assert nodes and {e.kind for e in nodes} <= set(NODE_EVENT_KINDS)
+        assert [e for e in cluster if e.kind not in NODE_KINDS] == single
+        for e in nodes:
+            assert e.params["which"] in ("leader", "random")
+            assert 0.5 <= e.params.get("down_s", e.params.get("for_s", 0.0)) <= 10.0
+
+
+def test_a_cut_drops_only_the_route_packets_the_node_sends() -> None:
+    def node(name: str, uid: int, route: int) -> ClusterNode:
+        return ClusterNode(store_dir=Path("/x"), name=name, uid=uid, route_port=route)
+
+    a, b, c = node("a", 7001, 6001), node("b", 7002, 6002), node("c", 7003, 6003)
+    rules = [" ".join(r) for r in cut_rules(b, [a, c])]
+    assert rules == [
+        "OUTPUT -o lo -p tcp -m owner --uid-owner 7002 -m multiport --dports 6001,6003 "
+        "-m comment --comment rollfleet-adversary -j DROP",
+        "OUTPUT -o lo -p tcp -m owner --uid-owner 7002 --sport 6002 -m comment --comment rollfleet-adversary -j DROP",
+    ]
+
+
+def _routes(node: ClusterNode) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.http_port}/routez", timeout=2) as resp:
+        return int(json.loads(resp.read())["num_routes"])
+
+
+async def _leader(js: object, stream: str, timeout: float = 30.0, not_on: str | None = None) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            info = await asyncio.wait_for(js.stream_info(stream), 2.0)  # type: ignore[attr-defined]
+            leader = info.cluster.leader if info.cluster else None
+            if leader and leader != not_on:
+                return str(leader)
+        except Exception:
+            pass
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no leader of {stream} (other than {not_on}) within {timeout:g} s")
+
+
+@pytest.mark.skipif(why_no_cut() is not None, reason=f"node cuts unavailable: {why_no_cut()}")
+async def test_a_cut_node_loses_its_peers_and_a_killed_one_comes_back(tmp_path: Path) -> None:
+    conf = tmp_path / "nats.conf"
+    conf.write_text("max_payload: 1MB\njetstream { max_file_store: 1GB }\n")
+    cluster = await asyncio.to_thread(NodeCluster(tmp_path, conf).start)
+    nc = None
+    try:
+        nc = await nats.connect(cluster.url().split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        js = nc.jetstream()
+        await js.add_stream(name="S", subjects=["s.>"], num_replicas=3)
+        leader = cluster.by_server_name(await _leader(js, "S"))
+        assert leader is not None
+        before = {name: _routes(node) for name, node in cluster.nodes.items()}
+        assert all(before.values()), before
+
+        cluster.cut_off(leader)  # (the stream's leader: the others elect one among themselves)
+        assert cluster.nodes[leader].alive()
+        others = [n for n in cluster.nodes if n != leader]
+        # (asked of the majority side: a client of the cut node hears nothing from the others)
+        majority = await nats.connect(cluster.nodes[others[0]].url)
+        try:
+            new = await _leader(majority.jetstream(), "S", timeout=40.0, not_on=f"rf-node-{leader}")
+        finally:
+            await majority.close()
+        assert cluster.by_server_name(new) in others
+        cluster.heal(leader)
+        await wait_until(lambda: _routes(cluster.nodes[leader]) >= before[leader], 40.0, what="joined again")
+
+        victim = cluster.by_server_name(new)
+        assert victim is not None
+        cluster.nodes[victim].kill()
+        assert not cluster.nodes[victim].alive()
+        await _leader(js, "S", timeout=40.0, not_on=new)
+        await js.publish("s.1", b"while a node is down")
+        await asyncio.to_thread(cluster.start_node, victim)  # on its store: it catches up
+
+        async def caught_up() -> bool:
+            info = await js.stream_info("S")
+            peers = (info.cluster.replicas or []) if info.cluster else []
+            return len(peers) == 2 and all(p.current for p in peers) and info.state.messages == 1
+
+        await wait_until(caught_up, 40.0, what="the restarted node caught up", interval=0.3, retry_errors=True)
+    finally:
+        if nc is not None:
+            await nc.close()
+        cluster.stop()
+    assert not cluster.cut  # (every rule removed)
