@@ -1,12 +1,16 @@
 """The client's watch rules (``trainer_client.watch_rules``), as pure functions: deadlines, the
-withdrawal of exact jobs nobody can serve, and how many replicas a stalled subject wakes.
+withdrawal of exact jobs nobody can serve, how many replicas a stalled subject wakes, and what
+a withdrawn job does next (``trainer_client.placement_rules``).
 Milliseconds; the process tests (test_versions, test_pull) show the loops carry them out."""
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rollfleet.trainer_client.placement_rules import after_withdrawal
 from rollfleet.trainer_client.watch_rules import (
     ORPHAN_GRACE_S,
     STALL_BELLS_MAX,
@@ -105,3 +109,17 @@ def test_a_pinned_sessions_version_may_be_served_only_by_a_replica_that_can_stil
     assert not pin_may_be_served([("down", 0, None), ("ready", 7, None), ("ready", 7, None)], 5, 7)
     # Past it: never (versions only move forward).
     assert not pin_may_be_served([("ready", 6, None), ("preparing", 6, 7)], 5, 7)
+
+
+def test_a_withdrawn_job_is_stored_again_only_when_it_was_removed_or_lost_unanswered() -> None:
+    """Every case of ``after_withdrawal``: removed by this call, stored again; gone (answered, or
+    lost with the broker's store), ask whether it was answered first; not known, or the handle
+    settled meanwhile, or no way to ask, left where it is."""
+    for outcome, settled, can_ask in itertools.product(("removed", "gone", "unknown"), (False, True), (False, True)):
+        decision = after_withdrawal(outcome, settled, can_ask)  # type: ignore[arg-type]
+        if outcome == "removed":
+            assert decision == "store_again"
+        elif outcome == "gone" and not settled and can_ask:
+            assert decision == "ask_if_answered"
+        else:
+            assert decision == "leave", (outcome, settled, can_ask)

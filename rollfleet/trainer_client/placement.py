@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from typing import Any, Literal
+from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -30,10 +30,10 @@ from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
 from rollfleet.trainer_client.client_metrics import ClientMetrics
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
+from rollfleet.trainer_client.placement_rules import Withdrawal, after_withdrawal
 
 log = get_logger("rollfleet.client")
 
-Withdrawal = Literal["removed", "gone", "unknown"]  # what withdrawing a stored job did
 
 PUBLISH_BUDGET_S = 30.0  # how long storing a job keeps trying while the broker recovers
 _LISTENING_S = 0.25  # a live replica lets a probe go unanswered this long
@@ -144,11 +144,10 @@ class JobPlacement:
         unanswered (lost with the broker's store: a turn that waits for it would wait out its
         deadline). Gone because a worker answered it (a worker stores its answer before it
         acknowledges), the stored answer settles the handle here instead."""
-        outcome = await self.withdraw(handle)
-        if outcome == "removed":
-            return True
-        if outcome == "unknown" or handle.done() or self._settle_stored is None:
-            return False
+        decision = after_withdrawal(await self.withdraw(handle), handle.done(), self._settle_stored is not None)
+        if decision != "ask_if_answered":
+            return decision == "store_again"
+        assert self._settle_stored is not None
         try:
             return not await self._settle_stored(handle)
         except (nats.errors.Error, nats.js.errors.Error, RollfleetError):
