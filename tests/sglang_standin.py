@@ -25,15 +25,16 @@ launch flags: ``python tests/sglang_standin.py --model-path P --port N``.
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from sglang_contract import api_types, check_request
+
+from rollfleet.testing.json_http import JsonServer
 
 
 @dataclass
@@ -71,57 +72,13 @@ class StandinState:
         return [c.body for c in self.calls if c.path == path]
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-
-    def log_message(self, format: str, *args: Any) -> None:  # quiet
-        return
-
-    def do_GET(self) -> None:
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:
-        self._dispatch("POST")
-
-    def _dispatch(self, method: str) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
-        try:
-            body = json.loads(raw) if raw else None
-        except ValueError:
-            return self._send(400, {"error": {"message": "body is not JSON"}})
-        state = self.server.state
-        path = self.path.split("?")[0]
-        with state.cond:
-            state.calls.append(Call(method, path, body))
-        route = _ROUTES.get((method, path)) or _ROUTES.get(("*", path))
-        if route is None:
-            return self._send(404, {"detail": "Not Found"})
-        status, payload = route(state, body or {})
-        self._send(status, payload)
-
-    def _send(self, status: int, payload: Any) -> None:
-        data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "text/plain" if isinstance(payload, str) else "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-
-class _KeepAliveHandler(_Handler):
-    """HTTP/1.1: the connection stays open after an answer, as uvicorn's does (SGLang, vLLM)."""
-
-    protocol_version = "HTTP/1.1"
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, addr: tuple[str, int], state: StandinState, keep_alive: bool = False) -> None:
-        super().__init__(addr, _KeepAliveHandler if keep_alive else _Handler)
-        self.state = state
+def _answer(state: StandinState, method: str, path: str, body: Any) -> tuple[int, Any]:
+    with state.cond:
+        state.calls.append(Call(method, path, body))
+    route = _ROUTES.get((method, path)) or _ROUTES.get(("*", path))
+    if route is None:
+        return 404, {"detail": "Not Found"}
+    return route(state, body or {})
 
 
 # -- routes -------------------------------------------------------------------------------------
@@ -358,7 +315,7 @@ class SGLangStandin:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, keep_alive: bool = False, **state: Any) -> None:
         self.state = StandinState(**state)
-        self._server = _Server((host, port), self.state, keep_alive)
+        self._server = JsonServer((host, port), partial(_answer, self.state), keep_alive)
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, name="sglang-standin", daemon=True
         )
@@ -389,9 +346,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--weight-version", default="default")
     args, _ = parser.parse_known_args()
-    server = _Server(
-        (args.host, args.port), StandinState(model_path=args.model_path, weight_version=args.weight_version)
-    )
+    state = StandinState(model_path=args.model_path, weight_version=args.weight_version)
+    server = JsonServer((args.host, args.port), partial(_answer, state))
     server.serve_forever()
 
 

@@ -27,14 +27,14 @@ Fault hooks (for the machine adversary; not SGLang's): ``POST /_fault/pause_erro
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from rollfleet.testing.json_http import JsonServer
 from rollfleet.workers.engines.keyed import VOCAB, context_state, keyed_token, weights_key
 
 
@@ -248,47 +248,11 @@ _ROUTES = {
 }
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-
-    def log_message(self, format: str, *args: Any) -> None:  # quiet
-        return
-
-    def do_GET(self) -> None:
-        self._dispatch()
-
-    def do_POST(self) -> None:
-        self._dispatch()
-
-    def _dispatch(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
-        try:
-            body = json.loads(raw) if raw else None
-        except ValueError:
-            return self._send(400, {"error": {"message": "body is not JSON"}})
-        route = _ROUTES.get(self.path.split("?")[0])
-        if route is None:
-            return self._send(404, {"detail": "Not Found"})
-        status, payload = route(self.server.state, body if isinstance(body, dict | list) else {})
-        self._send(status, payload)
-
-    def _send(self, status: int, payload: Any) -> None:
-        data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "text/plain" if isinstance(payload, str) else "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, addr: tuple[str, int], state: KeyedState) -> None:
-        super().__init__(addr, _Handler)
-        self.state = state
+def _answer(state: KeyedState, method: str, path: str, body: Any) -> tuple[int, Any]:
+    route = _ROUTES.get(path)
+    if route is None:
+        return 404, {"detail": "Not Found"}
+    return route(state, body if isinstance(body, dict | list) else {})
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -306,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         weight_version=args.weight_version,
         token_delay_s=args.token_delay,
     )
-    server = _Server((args.host, args.port), state)
+    server = JsonServer((args.host, args.port), partial(_answer, state))
     print(f"sglang-keyed on http://{args.host}:{server.server_address[1]}", flush=True)
     server.serve_forever(poll_interval=0.05)
 
