@@ -195,18 +195,17 @@ class NodeCluster:
         return rng.choice(free) if free else None
 
     def cut_off(self, name: str) -> None:
-        node = self.nodes[name]
-        others = [n for n in self.nodes.values() if n.name != name]
-        for rule in cut_rules(node, others):
-            subprocess.run(["iptables", "-A", *rule], check=True, capture_output=True)
+        self._rules(name, "-A")
         self.cut.add(name)
 
     def heal(self, name: str) -> None:
-        node = self.nodes[name]
-        others = [n for n in self.nodes.values() if n.name != name]
-        for rule in cut_rules(node, others):
-            subprocess.run(["iptables", "-D", *rule], check=False, capture_output=True)
+        self._rules(name, "-D")  # (a rule already gone is no error: heal may run twice)
         self.cut.discard(name)
+
+    def _rules(self, name: str, action: str) -> None:
+        others = [n for n in self.nodes.values() if n.name != name]
+        for rule in cut_rules(self.nodes[name], others):
+            subprocess.run(["iptables", action, *rule], check=action == "-A", capture_output=True)
 
     def logs(self) -> str:
         parts = []

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -636,43 +637,44 @@ class Machine:
             return ""
 
     # -- a cluster's nodes (``--cluster``) -------------------------------------------------------
-    def _node_fault(self, kind: str, name: str, t0: float, leader: bool) -> None:
-        fault = {"kind": kind, "node": name, "from": t0, "to": time.time(), "leader": leader}
-        self.timeline.node_faults.append(fault)
-
     async def kill_node(self, name: str, down_s: float, leader: bool) -> None:
         """SIGKILL one node, and start it again on its store after ``down_s``."""
         assert self.cluster is not None
-        t0 = time.time()
-        self.cluster.nodes[name].kill()
-        try:
-            await asyncio.sleep(down_s)
-        finally:
-            self.cluster.start_node(name)  # (from the main thread: tied to the thread that starts it)
-            self._node_fault("node_kill", name, t0, leader)
+        cluster = self.cluster
+        # (started again from the main thread: a node is tied to the thread that starts it)
+        await self._node_fault(
+            "node_kill", name, down_s, leader, cluster.nodes[name].kill, lambda: cluster.start_node(name)
+        )
 
     async def pause_node(self, name: str, for_s: float, leader: bool) -> None:
         """SIGSTOP one node for ``for_s``, then SIGCONT."""
         assert self.cluster is not None
-        proc, t0 = self.cluster.nodes[name].proc, time.time()
+        proc = self.cluster.nodes[name].proc
         assert proc is not None
-        self.freezes.stop(proc)
-        try:
-            await asyncio.sleep(for_s)
-        finally:
-            self.freezes.cont(proc)
-            self._node_fault("node_pause", name, t0, leader)
+        await self._node_fault(
+            "node_pause", name, for_s, leader, lambda: self.freezes.stop(proc), lambda: self.freezes.cont(proc)
+        )
 
     async def cut_node(self, name: str, for_s: float, leader: bool) -> None:
         """Cut one node off from the other two for ``for_s`` (its clients stay connected to it)."""
         assert self.cluster is not None
+        cluster = self.cluster
+        await self._node_fault(
+            "node_cut", name, for_s, leader, lambda: cluster.cut_off(name), lambda: cluster.heal(name)
+        )
+
+    async def _node_fault(
+        self, kind: str, name: str, seconds: float, leader: bool, begin: Callable[[], None], end: Callable[[], None]
+    ) -> None:
+        """One node's fault: ``begin`` it, and ``end`` it ``seconds`` later whatever happens meanwhile."""
         t0 = time.time()
-        self.cluster.cut_off(name)
+        begin()
         try:
-            await asyncio.sleep(for_s)
+            await asyncio.sleep(seconds)
         finally:
-            self.cluster.heal(name)
-            self._node_fault("node_cut", name, t0, leader)
+            end()
+            fault = {"kind": kind, "node": name, "from": t0, "to": time.time(), "leader": leader}
+            self.timeline.node_faults.append(fault)
 
     def cleanup(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)
