@@ -280,6 +280,49 @@ def token_broker(tmp_path: Path, secrets_env: None) -> Iterator[EmbeddedBroker]:
         broker.stop()
 
 
+async def test_a_worker_started_while_its_namespace_is_lost_waits_for_the_trainer(
+    perm_broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """A broker back on a store that lost the jobs stream: a worker (re)started before a trainer
+    declared it again waits for it, then serves. It used to try to declare it itself, which its
+    permissions refuse (a violation in the broker's log), and exit (campaign seed 3)."""
+    from rollfleet.broker.topology import _bucket_configs, _stream_configs
+
+    trainer_url, worker_url = with_user(perm_broker.url, TRAINER), with_user(perm_broker.url, WORKER)
+    names, cfg = Names(NS), TopologyConfig()
+    tnc = await nats.connect(trainer_url, inbox_prefix=names.inbox_prefix("trainer"))
+    try:  # the namespace but its jobs stream (what a store loss leaves; a trainer may not delete)
+        tjs = tnc.jetstream()
+        for scfg in _stream_configs(names, cfg):
+            if scfg.name != names.jobs_stream:
+                await tjs.add_stream(scfg)
+        for kcfg in _bucket_configs(names, cfg):
+            await tjs.create_key_value(kcfg)
+    finally:
+        await tnc.close()
+    worker = start_worker_process(worker_url, NS, "w1", *ECHO_V0, log_path=tmp_path / "worker.log")
+    try:
+        await asyncio.sleep(2.0)
+        assert worker.poll() is None, (tmp_path / "worker.log").read_text(errors="replace")[-2000:]
+        from rollfleet.schemas import RolloutPayload, SamplingParams
+        from rollfleet.trainer_client import RolloutClient
+
+        # A trainer's client declares what is missing, and the worker goes on.
+        async with await RolloutClient.connect(trainer_url, namespace=NS, client_id="trainer-0") as client:
+            payload = RolloutPayload(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4))
+
+            async def round_trip() -> Any:
+                return await asyncio.wait_for(await client.submit(payload, min_version=0), 10)
+
+            result = await wait_until(round_trip, 30, what="a round trip", interval=0.5, retry_errors=True)
+            assert result.version_start == 0 and result.outputs
+    finally:
+        code = terminate(worker, 15)
+    assert code == 0
+    log = (tmp_path / "nats.log").read_text(errors="replace")
+    assert "violation" not in log.lower(), [line for line in log.splitlines() if "iolation" in line]
+
+
 async def test_token_auth(token_broker: EmbeddedBroker) -> None:
     token = TEST_SECRETS["ROLLFLEET_TOKEN"]
     await refused_connect(token_broker.url)

@@ -10,6 +10,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rollfleet.broker.topology import topology_step
 from rollfleet.trainer_client.placement_rules import after_withdrawal
 from rollfleet.trainer_client.watch_rules import (
     ORPHAN_GRACE_S,
@@ -123,3 +124,12 @@ def test_a_withdrawn_job_is_stored_again_only_when_it_was_removed_or_lost_unansw
             assert decision == "ask_if_answered"
         else:
             assert decision == "leave", (outcome, settled, can_ask)
+
+
+def test_a_starting_worker_declares_only_a_namespace_never_declared_or_long_lost() -> None:
+    assert topology_step(0, 8, 0.0, False, 30.0) == "ready"
+    assert topology_step(8, 8, 0.0, False, 30.0) == "declare"  # a bare broker: the worker came first
+    assert topology_step(1, 8, 0.0, False, 30.0) == "wait"  # lost with the store: a trainer declares it
+    assert topology_step(1, 8, 29.9, False, 30.0) == "wait"
+    assert topology_step(1, 8, 30.0, False, 30.0) == "declare"
+    assert topology_step(8, 8, 60.0, True, 30.0) == "wait"  # tried and refused: a trainer must

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import nats.js.errors
@@ -226,6 +226,73 @@ async def ensure_topology(js: JetStreamContext, names: Names, cfg: TopologyConfi
     return created
 
 
+# A worker that finds part of its namespace missing (lost with the broker's store) waits this long
+# for a trainer to declare it again before it tries itself: under the generated permissions a
+# worker may not declare (the broker refuses and logs a violation), and a trainer's client
+# declares what was lost within a second or two of noticing.
+WORKER_DECLARE_AFTER_S = 30.0
+
+TopologyStep = Literal["ready", "declare", "wait"]
+
+
+def topology_step(missing: int, total: int, waited_s: float, tried: bool, declare_after_s: float) -> TopologyStep:
+    """A starting worker's next step: ``ready`` when nothing is missing; ``declare`` (once) when
+    the namespace was never declared (all of it missing: a bare broker where the worker came
+    first) or part of it has been missing for ``declare_after_s``; else ``wait`` for a trainer."""
+    if missing == 0:
+        return "ready"
+    if not tried and (missing == total or waited_s >= declare_after_s):
+        return "declare"
+    return "wait"
+
+
+async def wait_for_topology(
+    js: JetStreamContext,
+    names: Names,
+    cfg: TopologyConfig = DEFAULT_TOPOLOGY,
+    *,
+    declare_after_s: float = WORKER_DECLARE_AFTER_S,
+    poll_s: float = 0.2,
+) -> None:
+    """A worker's start: the namespace's streams and buckets exist (``topology_step``). A worker
+    refused the declaration (it may not, under the generated permissions) waits for a trainer
+    (``rollfleet declare``, or a trainer's client) instead of exiting."""
+    t0 = time.monotonic()
+    tried = said = False
+    while True:
+        try:
+            times = await stream_creation_times(js, names)
+        except nats.errors.Error as exc:
+            raise ServiceUnavailable(f"cannot read the topology of namespace {names.namespace!r}: {exc}") from exc
+        missing = [name for name, created in times.items() if created is None]
+        step = topology_step(len(missing), len(times), time.monotonic() - t0, tried, declare_after_s)
+        if step == "ready":
+            return
+        if step == "declare":
+            tried = True
+            try:
+                await ensure_topology(js, names, cfg)
+                continue
+            except ServiceUnavailable as exc:
+                log.warning("could not declare the namespace; waiting for a trainer to", error=str(exc))
+        elif not said:
+            log.info("waiting for a trainer to declare the namespace again", missing=missing)
+            said = True
+        await asyncio.sleep(poll_s)
+
+
+async def stream_creation_times(js: JetStreamContext, names: Names) -> dict[str, str | None]:
+    """Each stream and bucket of the namespace -> when it was created (None: missing)."""
+    out: dict[str, str | None] = {}
+    for name in topology_streams(names):
+        try:
+            info = await js.stream_info(name)
+            out[name] = str(info.created)
+        except nats.js.errors.NotFoundError:
+            out[name] = None
+    return out
+
+
 async def ensure_job_consumer(
     js: JetStreamContext, names: Names, kind: ConstraintKind, version: int, cfg: TopologyConfig = DEFAULT_TOPOLOGY
 ) -> str:
@@ -362,14 +429,7 @@ class TopologyKeeper:
         asyncio.get_running_loop().call_later(TOPOLOGY_RETRY_S, self._poked.set)
 
     async def _look(self) -> dict[str, str | None]:
-        out: dict[str, str | None] = {}
-        for name in topology_streams(self._names):
-            try:
-                info = await self._js.stream_info(name)
-                out[name] = str(info.created)
-            except nats.js.errors.NotFoundError:
-                out[name] = None
-        return out
+        return await stream_creation_times(self._js, self._names)
 
     async def run(self) -> None:
         last: float | None = None

@@ -27,7 +27,7 @@ from rollfleet.broker.connection import connect
 from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
     TopologyConfig,
-    ensure_topology,
+    wait_for_topology,
 )
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
@@ -128,7 +128,8 @@ class Worker:
             **cfg.connect_options,
         )
         self.js = self.nc.jetstream()
-        await ensure_topology(self.js, self.names, cfg.topology)
+        # (a trainer declares the namespace: a worker started while it is missing waits for it)
+        await wait_for_topology(self.js, self.names, cfg.topology)
         self.jobs = JobRunner(
             self.js,
             self.names,
