@@ -1410,10 +1410,20 @@ class Oracle:
             v = want[1]
             deadline = c.deadline or c.t0
             end = c.answered_at or (float(c.hang["t"]) if c.hang else deadline)
+            # A job its holder runs is not orphaned, whatever the holder's state: a draining
+            # replica finishes what it holds (campaign seed 11: held for 23.9 s through a drain).
+            mine = (c.stored or {}).get("job_id")
+            seen = [d for d in self.deliveries_by_key.get(c.key, []) if mine is None or d.job_id == mine]
+            seqs = {d.stream_seq for d in seen} | {(c.stored or {}).get("stream_seq")}
+            held = self._held_intervals({d.job_id for d in seen}, {s for s in seqs if s})
             left: float | None = None
             t = c.t0
             while t <= min(end, deadline):
-                if any(self.takes(e, "exact", v, promised=True) for e in self.snapshot(t)) or self.broker_down(t):
+                if (
+                    any(self.takes(e, "exact", v, promised=True) for e in self.snapshot(t))
+                    or self.broker_down(t)
+                    or any(a <= t <= b for a, b in held)
+                ):
                     left = None
                 elif left is None:
                     left = t

@@ -950,3 +950,57 @@ def test_a_resubmit_answered_with_the_pending_handle_is_a_job_the_store_lost(rec
             h.trainer.append(expired)
     _lost(h, "wipe", 0.0, wiped)
     assert "stranded" not in h.judge()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("holder_seen", [True, False])
+def test_an_exact_job_its_holder_runs_past_its_versions_last_replica_is_not_orphaned(
+    holder_seen: bool, recorded: Path, tmp_path: Path
+) -> None:
+    """Campaign seed 11: an exact job delivered to a replica that then drained (SIGTERM), finishing
+    it 23.9 s later while no replica took jobs at its version any more. A job its holder runs is
+    not orphaned. With no holder seen, the same history is: nobody could serve it, and its answer
+    came long after the client's orphan grace."""
+    h = History(recorded, tmp_path / "h")
+    calls = h.calls()
+    keys = [c["key"] for c in calls.values()]
+    alive_to_end = {w["worker_id"] for w in h.doc["timeline"]["workers"] if w["end"] is None}
+    found = None
+    for r in h.answers():
+        req = calls[r["rid"]].get("req") or {}
+        seen = [d for d in h.tap["deliveries"] if d["job_id"] == r["job_id"]]
+        if (
+            req.get("kind") == "exact"
+            and r.get("spans")
+            and keys.count(r["key"]) == 1
+            and r["key"] not in h.cancelled
+            and not r.get("client")
+            and len(seen) == 1
+            and seen[0]["worker"] in alive_to_end
+        ):
+            found = (r, seen[0])
+            break
+    assert found is not None, "the recorded run has no exact answer delivered once to a replica alive to the end"
+    answer, delivery = found
+    t0 = float(delivery["t"])
+    late = t0 + 12.0  # past the orphan bound (8 s) after every replica stopped taking jobs
+    # From just after the delivery every replica drains: none takes a job at the job's version.
+    last: dict[str, Any] = {}
+    for t, w, status in sorted(h.tap["fleet"], key=lambda f: f[0]):
+        if status and t <= t0:
+            last[w] = status
+    h.tap["fleet"] = [f for f in h.tap["fleet"] if f[0] <= t0]
+    h.tap["fleet"] += [[t0 + 0.1, w, {**status, "state": "draining"}] for w, status in last.items()]
+    stored = next(r for r in h.trainer if r.get("ev") == "stored" and r["rid"] == answer["rid"])
+    stored["deadline"] = late + 30.0
+    answer["t"] = late
+    for p in h.tap["published"]:
+        if p.get("job_id") == answer["job_id"]:
+            p["t"] = late - 0.05
+    if holder_seen:  # it acked progress as it ran, and the job when it stored the answer
+        h.tap["acks"][delivery["ack"]] = [[t0 + 0.3 * i, "+WPI"] for i in range(1, 40)] + [[late, "+ACK"]]
+    else:
+        h.tap["deliveries"].remove(delivery)
+        h.tap["acks"].pop(delivery["ack"], None)
+    orphaned = [m for m in h.judge().get("orphan", []) if f"exact v{answer['version_start']}" in m]
+    assert bool(orphaned) is not holder_seen, orphaned
