@@ -911,18 +911,21 @@ def _stored_again_and_delivered_elsewhere(h: History, taker_lives_s: float | Non
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("taker_lives_s", [0.06, None])
-def test_a_moved_copy_whose_taker_died_before_a_word_is_not_a_second_run(
-    taker_lives_s: float | None, recorded: Path, tmp_path: Path
+@pytest.mark.parametrize("taker", ["killed at once", "silent", "claimed it"])
+def test_a_moved_copy_whose_taker_never_claimed_it_is_not_a_second_run(
+    taker: str, recorded: Path, tmp_path: Path
 ) -> None:
-    """Seed 11 of a campaign: a turn moved off its frozen replica was delivered to a replica held at
-    a fault point and SIGKILLed 0.06 s later, which said nothing on it, claimed nothing and answered
-    nothing; the first holder finished it. Nothing ran it twice. The same silent taker alive on,
-    past the broker's ack wait, is still judged to have run it."""
+    """Campaign seeds 11 and 64: a turn moved off its frozen (or cut off) replica was delivered to a
+    replica held at a fault point, which said nothing on it, claimed nothing and answered nothing;
+    the first holder finished it. Nothing ran it twice, whether the taker was SIGKILLed 0.06 s
+    later or lived on. A taker that claimed the copy (a job is claimed before it runs) ran it."""
     h = History(recorded, tmp_path / "h")
-    job = _stored_again_and_delivered_elsewhere(h, taker_lives_s)
+    job = _stored_again_and_delivered_elsewhere(h, 0.06 if taker == "killed at once" else None)
+    if taker == "claimed it":
+        at = max(float(d["t"]) for d in h.tap["deliveries"] if d["job_id"] == job) + 0.05
+        h.tap["claims"].append([at, claim_key(job), f"w7:4007-0badc1a7@{at:.3f}", "PUT", "stored"])
     moved = [m for m in h.judge().get("moved", []) if job in m]
-    assert bool(moved) is (taker_lives_s is None), moved
+    assert bool(moved) is (taker == "claimed it"), moved
 
 
 @pytest.mark.timeout(240)
