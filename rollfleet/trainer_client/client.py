@@ -781,7 +781,7 @@ class RolloutClient:
 
     async def commit_version(self, record: VersionRecord) -> None:
         """Make a written version visible to the fleet (create ``v.<N>``, CAS ``latest``, announce)."""
-        await self._declare_version_consumers(record.version)  # before replicas hear of it
+        await self.declare_version_consumers(record.version)  # before replicas hear of it
         await commit_version(self.js, self.names, record)
         self.fleet.note_committed(record.version)
 
@@ -789,10 +789,24 @@ class RolloutClient:
         """Verify and commit a version directory written by another publisher, without re-encoding."""
         record = await adopt_version(self.js, self.names, Path(store_dir), Path(version_dir))
         self.fleet.note_committed(record.version)
-        await self._declare_version_consumers(record.version)  # (adopt verifies, then commits)
+        await self.declare_version_consumers(record.version)  # (adopt verifies, then commits)
         return record
 
-    async def _declare_version_consumers(self, version: int) -> None:
+    # -- what restoring a lost namespace needs (``restore.RestoreHost``) ----------------------------
+    def forget_consumers(self) -> None:
+        self._consumers.clear()
+
+    async def restore_results_consumer(self) -> None:
+        await ensure_results_consumer(self.js, self.names, self.client_id, self.topology, self._instance)
+        self.inbox.renew()
+
+    async def restore_job_ids(self) -> None:
+        await self._ids.restore(await self.sessions_kv())
+
+    async def restore_lease(self) -> None:
+        await self._lease.restore()
+
+    async def declare_version_consumers(self, version: int) -> None:
         """A version's job consumers (its replicas' listened subjects), declared by the trainer
         before replicas look for them: workers only bind. Replicas that found one missing are
         told to look again (one core message)."""
@@ -813,7 +827,7 @@ class RolloutClient:
         while True:
             changed = self.fleet.changed()
             for version in sorted({r.active_version for r in self.fleet.replicas()} - declared):
-                await self._declare_version_consumers(version)
+                await self.declare_version_consumers(version)
                 declared.add(version)
             await changed.wait()
 

@@ -19,12 +19,40 @@ deadline (``Expired``) like any job nobody served, and may be submitted again.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
-from rollfleet.broker.topology import ensure_results_consumer
+from nats.aio.client import Client as NATS
+
 from rollfleet.runtime.logs import get_logger
+from rollfleet.schemas import Names
+from rollfleet.trainer_client.fleet import FleetView
 
 log = get_logger("rollfleet.trainer_client.restore")
+
+
+class RestoreHost(Protocol):
+    """What restoring needs of the client whose part of the namespace it puts back
+    (``RolloutClient`` is one); each step idempotent."""
+
+    names: Names
+    nc: NATS
+    fleet: FleetView
+    shared: bool
+
+    def forget_consumers(self) -> None:
+        """Every cached belief that a consumer exists is dropped (each is looked up again)."""
+
+    async def restore_results_consumer(self) -> None:
+        """This client's results consumer declared again, and its pull requests renewed."""
+
+    async def restore_job_ids(self) -> None:
+        """This client id's job-id secret written back to the sessions bucket."""
+
+    async def restore_lease(self) -> None:
+        """This client's lease key written back to the fleet bucket."""
+
+    async def declare_version_consumers(self, version: int) -> None:
+        """A version's job consumers declared (replicas told to bind again)."""
 
 
 def versions_to_declare(live: list[int], latest: int | None) -> list[int]:
@@ -33,24 +61,23 @@ def versions_to_declare(live: list[int], latest: int | None) -> list[int]:
     return sorted(set(live) | ({latest} if latest is not None else set()))
 
 
-async def restore_namespace(client: Any, created: list[str]) -> None:
+async def restore_namespace(client: RestoreHost, created: list[str]) -> None:
     """Restore this client's part of what the streams ``created`` (lost: declared again, or after
     a reconnect, possibly rolled back) held. Each step is idempotent."""
     names = client.names
-    client._consumers.clear()  # (every cached belief that a consumer exists is now suspect)
+    client.forget_consumers()
     if names.results_stream in created:
-        await ensure_results_consumer(client.js, names, client.client_id, client.topology, client._instance)
-        client.inbox.renew()
-    if f"KV_{names.sessions_bucket}" in created and client._ids is not None:
-        await client._ids.restore(await client.sessions_kv())
+        await client.restore_results_consumer()
+    if f"KV_{names.sessions_bucket}" in created:
+        await client.restore_job_ids()
     if f"KV_{names.fleet_bucket}" in created and not client.shared:
-        await client._lease.restore()
+        await client.restore_lease()
     if f"KV_{names.fleet_bucket}" in created or f"KV_{names.policy_bucket}" in created:
         await client.fleet.rewatch()
     if names.jobs_stream in created or f"KV_{names.fleet_bucket}" in created:
         live = [r.active_version for r in client.fleet.replicas()]
         for version in versions_to_declare(live, client.fleet.latest_version):
-            await client._declare_version_consumers(version)
+            await client.declare_version_consumers(version)
         await client.nc.publish(names.consumers_declared, b"")
     # (After every reconnect this runs for all of them, as a precaution: a warning only says what
     # ``TopologyKeeper`` found lost.)
