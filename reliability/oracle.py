@@ -1079,9 +1079,17 @@ class Oracle:
         return None
 
     def _stored_failure(self, key: str, code: str | None, before: float) -> bool:
-        return any(
-            p.kind in ("failure", "chunked") and p.code == code and p.t <= before + 0.5
-            for p in self.published_by_key.get(key, [])
+        return self._stored_failure_at(key, code, before) is not None
+
+    def _stored_failure_at(self, key: str, code: str | None, before: float) -> float | None:
+        """When the first failure answer with ``code`` was stored for ``key`` (by ``before``)."""
+        return min(
+            (
+                p.t
+                for p in self.published_by_key.get(key, [])
+                if p.kind in ("failure", "chunked") and p.code == code and p.t <= before + 0.5
+            ),
+            default=None,
         )
 
     def _check_once(self) -> None:
@@ -1196,9 +1204,19 @@ class Oracle:
                         f"{label} returned {got} {r.get('job_id') or ''}, the trainer was "
                         f"answered job {ref.answer.get('job_id')}",
                     )
-                elif first.error and self._stored_failure(
-                    key, (first.answer or {}).get("code"), first.answered_at or 0.0
+                elif (
+                    first.error
+                    and (
+                        stored_at := self._stored_failure_at(
+                            key, (first.answer or {}).get("code"), first.answered_at or 0.0
+                        )
+                    )
+                    is not None
                 ):
+                    if self.lost_with_store(stored_at, "results", after=float(r.get("t") or 0.0)):
+                        # (campaign seed 2718: an Interrupted answer stored before a wipe)
+                        self.unverified[f"re-ask: the answer {LOST_WITH_STORE}"] += 1
+                        continue
                     got = r.get("cls") or r.get("kind")
                     self.check(
                         "once",
@@ -1999,6 +2017,10 @@ class Oracle:
                 if began <= end:  # (begun before the call: a resubmit of a job already running)
                     end = max(c.t0, began)
                     moments.append(end)
+            elif c.stored is not None and (loss := self.lost_with_store(self._first_stored(c), "jobs", after=end)):
+                # Its job was lost with the broker's store: from then on it waits on nothing, and
+                # is answered Expired by its deadline by design (campaign seed 2718).
+                end = min(end, float(loss["at"]))
             wanted.append((c.t0, max(c.t0, end)))
         moments += [float(c.answer["t"]) for c in served if c.answer]
         moments += [

@@ -1007,3 +1007,56 @@ def test_an_exact_job_its_holder_runs_past_its_versions_last_replica_is_not_orph
         h.tap["acks"].pop(delivery["ack"], None)
     orphaned = [m for m in h.judge().get("orphan", []) if f"exact v{answer['version_start']}" in m]
     assert bool(orphaned) is not holder_seen, orphaned
+
+
+def _answered_interrupted_then_asked_again(h: History) -> tuple[str, float]:
+    """A call answered ``Interrupted`` (stored as the key's failure answer), and a fresh client's
+    re-ask at the end that found nothing stored: (its key, when the failure was stored)."""
+    _submit, answer = _once_delivered(h, "replayable", convert=True)
+    key, job = answer["key"], answer["job_id"]
+    stored = min(float(p["t"]) for p in h.tap["published"] if p.get("job_id") == job)
+    h.tap["published"] = [p for p in h.tap["published"] if p.get("job_id") != job]
+    h.tap["published"].append(
+        {"t": stored, "subject": f"rf.adv.results.trainer.x.{job}.w1", "kind": "failure", "key": key,
+         "job_id": job, "worker": "w1", "digest": "0" * 16, "code": "interrupted"}
+    )  # fmt: skip
+    _error(answer, "Interrupted", "interrupted")
+    h.doc["finals"][key] = {"kind": "timeout", "t": float(h.doc["finals"].get(key, {}).get("t") or stored + 5.0)}
+    return key, stored
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("wiped", [True, False])
+def test_a_failure_answer_the_store_lost_is_not_a_second_answer(wiped: bool, recorded: Path, tmp_path: Path) -> None:
+    """Campaign seed 2718: a call answered Interrupted, its stored failure answer then lost with a
+    wipe of the broker's store; the fresh client's re-ask at the end found nothing. The promise of
+    one answer per key ends with the store that held it. Without the wipe, it is a second answer."""
+    h = History(recorded, tmp_path / "h")
+    key, stored = _answered_interrupted_then_asked_again(h)
+    assert key in h.doc["finals"]
+    if wiped:
+        _lost(h, "wipe", 0.0, stored + 0.2)
+    once = [m for m in h.judge().get("once", []) if "returned timeout" in m]
+    assert bool(once) is not wiped, once
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("lost", [True, False])
+def test_a_call_whose_job_the_store_lost_is_not_unserved_asking(lost: bool, recorded: Path, tmp_path: Path) -> None:
+    """Campaign seed 2718: two calls whose jobs were lost when the jobs stream was deleted waited,
+    by design, for their deadlines (answered Expired a minute later) while the fleet idled: that is
+    no stop of service. A call whose job the store kept, waiting as long unserved, is one."""
+    h = History(recorded, tmp_path / "h")
+    submit, answer = _once_delivered(h, "replayable", convert=True)
+    stored = next(r for r in h.trainer if r.get("ev") == "stored" and r["rid"] == submit["rid"])
+    end = max(float(r["t"]) for r in h.trainer) + 30.0  # long after the run's last answer
+    stored["deadline"] = end - 0.5
+    h.tap["published"] = [p for p in h.tap["published"] if p.get("job_id") != answer["job_id"]]
+    h.tap["deliveries"] = [d for d in h.tap["deliveries"] if d["job_id"] != answer["job_id"]]
+    h.doc["finals"].pop(answer["key"], None)
+    _error(answer, "Expired", "expired")
+    answer["t"] = end
+    if lost:
+        _lost(h, "delete_stream", 0.0, float(stored["t"]) + 0.5, "jobs")
+    unserved = [m for m in h.judge().get("available", []) if "nothing was served" in m]
+    assert bool(unserved) is not lost, unserved
