@@ -1603,6 +1603,9 @@ class Oracle:
                         holder, _, refreshed = (value or "").rpartition("@")
                         if refreshed in ("0", "0.000"):  # marked stopped (its holder gone): nobody starts it
                             continue
+                        # (a resumable job's claim is sealed, ``<holder>#<mac>``, and the MAC changes
+                        # with every refresh: the holder is the part before it; campaign seed 778)
+                        holder = holder.split("#", 1)[0]
                         worker = re.match(r"[A-Za-z0-9_-]+", holder or value or "")
                         wid = worker.group(0) if worker else value
                         proc = self.proc_at(wid, t) or self._proc_ended_near(wid, t)

@@ -1065,3 +1065,19 @@ def test_a_call_whose_job_the_store_lost_is_not_unserved_asking(lost: bool, reco
         _lost(h, "delete_stream", 0.0, float(stored["t"]) + 0.5, "jobs")
     unserved = [m for m in h.judge().get("available", []) if "nothing was served" in m]
     assert bool(unserved) is not lost, unserved
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sealed_claims_refreshed_by_one_process_are_one_holder(processes: int, recorded: Path, tmp_path: Path) -> None:
+    """Campaign seed 778: a resumable job's claim is sealed (``<holder>#<mac>@<time>``) and its MAC
+    changes with every refresh; one process refreshing it is one holder, not two. Two processes
+    sealing claims of the job with no hand-back between started it twice."""
+    h = History(recorded, tmp_path / "h")
+    _submit, answer = _at_most_once_call(h, convert=True)
+    key, t = claim_key(answer["job_id"]), max(float(c[0]) for c in h.tap["claims"]) + 1.0
+    holders = ["w8:4001-0badc1a1", "w8:4001-0badc1a1" if processes == 1 else "w9:4002-0badc1a2"]
+    for i, (holder, mac) in enumerate(zip(holders, ("6e0c7a", "d41f09"), strict=True)):
+        h.tap["claims"].append([t + i, key, f"{holder}#{mac}@{t + i:.3f}", "PUT", "stored"])
+    twice = [m for m in h.judge().get("twice", []) if answer["job_id"] in m]
+    assert bool(twice) is (processes == 2), twice
