@@ -185,6 +185,15 @@ def _versions(desc: dict[str, Any]) -> list[int]:
     return sorted(vs)
 
 
+def refused_at_a_pin(answer: dict[str, Any] | None) -> bool:
+    """Whether a pinned session's refused turn was refused at its pin: a turn refused while the pin
+    was being chosen (the session's record, as the trainer journaled it, has no version yet) was
+    not. Whether a replica comes to a version its constraint allows is then the fleet's to say,
+    and the turn asked again may be served (campaign drain-flaky-mount seed 1: 1.26 s later)."""
+    session = (answer or {}).get("session")
+    return not isinstance(session, dict) or session.get("last_version") is not None
+
+
 def unserved_stretches(
     wanted: list[tuple[float, float]],
     served: list[float],
@@ -1868,6 +1877,9 @@ class Oracle:
                 continue
             opened = self.sessions.get(c.sid, {})
             if opened.get("policy") != "pinned" or "pin" not in opened:
+                continue
+            if not refused_at_a_pin(c.answer):
+                self.checks["pinned-error"] += 1
                 continue
             pin, ta = int(opened["pin"]), float(c.answer["t"])  # type: ignore[index]
             recent = [self.snapshot(ta - k * SAMPLE_S) for k in range(int(5.0 / SAMPLE_S))]

@@ -32,7 +32,7 @@ import pytest
 
 from reliability.adversary import Adversary, Config, Report, print_report, run_one
 from reliability.journal import tokens_digest
-from reliability.oracle import judge_kept, load_kept, unserved_stretches
+from reliability.oracle import judge_kept, load_kept, refused_at_a_pin, unserved_stretches
 from reliability.schedule import Event
 from rollfleet.schemas.names import claim_key
 
@@ -53,6 +53,13 @@ def test_unserved_stretches_measure_asking_without_service() -> None:
     assert unserved_stretches([], [1.0]) == []
     # An outage the run injected is not counted (overlapping outages once).
     assert unserved_stretches([(0.0, 10.0)], [], [(2.0, 5.0), (4.0, 6.0)]) == [(0.0, 10.0, 6.0)]
+
+
+def test_a_pinned_sessions_refusal_is_judged_only_once_a_turn_has_pinned_it() -> None:
+    assert refused_at_a_pin({"session": {"last_version": 6, "replica": "w2", "next_turn": 1}})
+    assert not refused_at_a_pin({"session": {"last_version": None, "replica": None, "next_turn": 0}})
+    assert refused_at_a_pin({"cls": "NoCompatibleReplica"})  # (a journal that says nothing: judged)
+    assert refused_at_a_pin(None)
 
 
 def test_a_run_that_injected_or_judged_nothing_fails() -> None:
