@@ -769,6 +769,7 @@ class Adversary:
         while True:
             await asyncio.sleep(0.5)
             m.reap()
+            self.keep_gateways(short_since)
             for engine, size, pool in (
                 ("echo", self.cfg.workers, ECHO_POOL),
                 ("hf", self.cfg.hf, HF_POOL),
@@ -814,6 +815,28 @@ class Adversary:
                     self.start_worker(wid, engine)
                     self.say("fleet kept at size", worker=wid, previous=before.how if before else None)
                 short_since.pop(engine, None)
+
+    def keep_gateways(self, short_since: dict[str, float]) -> None:
+        """A gateway that exited on its own (no event has it) is started again after
+        ``KEEP_AFTER_S``, as a restart policy would (an exit at start, the broker not ready, left
+        the HTTP path dead for the rest of a run: campaign seed 8, ``--cluster``)."""
+        m = self.machine
+        for name in GATEWAYS:
+            gp = m.gateways.get(name)
+            if gp is None or gp.alive or name in self.busy:
+                short_since.pop(f"gateway:{name}", None)
+                continue
+            since = short_since.setdefault(f"gateway:{name}", time.monotonic())
+            if time.monotonic() - since < KEEP_AFTER_S:
+                continue
+            short_since.pop(f"gateway:{name}", None)
+            if gp.end is None:
+                gp.end, gp.how = time.time(), f"exited {gp.proc.returncode}"
+                m.write_gateways()
+            fresh = m.start_gateway(name)
+            self.kept.append({"t": round(time.time() - self.t0, 2), "gateway": name, "previous": gp.how})
+            self.say("gateways kept", gateway=name, previous=gp.how, pid=fresh.proc.pid)
+            self.spawn(m.gateway_listening(fresh))
 
     # -- the events -------------------------------------------------------------------------------
     async def run_event(self, ev: Event) -> bool:

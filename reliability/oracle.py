@@ -1815,6 +1815,13 @@ class Oracle:
 
     def _check_second_clients(self) -> None:
         for r in self.tl.second_clients:
+            t = float(r.get("t") or 0.0)
+            out = any(a - 1.0 <= t <= b + BROKER_GRACE_S for a, b in self.broker_out)
+            if r.get("cls") == "ServiceUnavailable" and out:
+                # The broker (a cluster's node) was out: "try again" is the truthful answer, and no
+                # second client was let in (campaign seed 313, ``--cluster``, a node cut off).
+                self.unverified["second-client: the broker was out"] += 1
+                continue
             self.check(
                 "second-client",
                 r.get("cls") == "ClientIdInUse" or not r.get("trainer_alive", True),

@@ -5,6 +5,7 @@ paused, not the holder) is not judged gone."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.schemas import RolloutResult, claim_key
-from rollfleet.schemas.errors import Interrupted
+from rollfleet.schemas.errors import Expired, Interrupted
 from rollfleet.testing import ProcessGroup, wait_until
 from rollfleet.trainer_client import RolloutClient, answers
 from rollfleet.workers.claims import judge_claim, watched_after
@@ -152,5 +153,46 @@ async def test_a_paused_holder_of_a_sticky_turn_never_answers_it_once_moved(
                 w1 = client.fleet.replica("w1")
                 assert w1 is not None and w1.jobs_done == 1  # the first turn only
                 assert group.log_events("w1", "claim lost; this run stops and answers nothing")
+    finally:
+        group.close()
+
+
+async def test_a_deadline_passing_while_the_broker_is_frozen_is_answered_at_once(
+    broker: EmbeddedBroker, namespace: str, tmp_path: Path
+) -> None:
+    """A job whose deadline passes while the broker is frozen is answered ``Expired`` then, not
+    once the broker answers again: the client's sweeps that ask the broker (an idle session closed
+    here, whose record is deleted) run beside the deadlines, which need no broker. They held the
+    deadlines up for as long as their requests took to time out (campaign seed 313, --cluster:
+    a turn answered 7 s after its deadline while a node was cut off)."""
+    assert broker.proc is not None
+    group = ProcessGroup(tmp_path)
+    try:
+        group.worker(broker.url, namespace, "a", "--engine", "echo", "--version", "0")
+        async with await RolloutClient.connect(
+            broker.url, namespace=namespace, client_id="c", fail_fast=False
+        ) as client:
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=30)
+            for sid in ("s1", "s2", "s3"):  # each closed in turn, each close waiting on the broker
+                await client.session(sid, ttl=0.5).generate(payload(max_tokens=2))  # (idle from now on)
+            waiting = await client.submit(payload(), exact_version=7, timeout=2.0)  # nobody serves v7
+            answered: list[str] = []
+
+            async def watch() -> None:
+                with contextlib.suppress(Exception):
+                    await waiting.result(30)
+                answered.append("answered")
+
+            watcher = asyncio.create_task(watch())
+            broker.proc.send_signal(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(9.0)  # its deadline and grace pass (4 s), the sessions' ttl too
+                answered.append("broker back")
+            finally:
+                broker.proc.send_signal(signal.SIGCONT)
+            with pytest.raises(Expired):
+                await waiting.result(10)
+            await watcher
+            assert answered == ["answered", "broker back"], answered
     finally:
         group.close()

@@ -325,3 +325,42 @@ async def test_a_hand_back_deletes_only_the_claim_it_still_holds(nc: nats.NATS, 
     await new.claims.release(job, only_own=True)
     with pytest.raises((nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError)):
         await claims.get(key)
+
+
+async def test_a_stream_whose_progress_the_broker_will_not_follow_comes_whole_from_the_answer(
+    tmp_path: Path,
+) -> None:
+    """The broker does not make the stream's consumer (here it refuses the trainer that consumer
+    outright; in a cluster electing, or a node cut off, its request times out: campaign seed 313,
+    ``--cluster``, raised a raw ``nats.errors.TimeoutError`` out of ``client.stream``). The stream
+    still ends with the result's tokens, whole, from the answer."""
+    ns = "tsf"
+    progress = Names(ns).progress_stream
+    conf = tmp_path / "nats.conf"
+    conf.write_text(
+        "jetstream { max_file_store: 20GB }\n"  # (the jobs stream reserves its max_bytes, 4 GiB)
+        "accounts { A { jetstream: enabled, users: [\n"
+        '  { user: trainer, password: t, permissions: { publish: { allow: [">"], deny: [\n'
+        f'    "$JS.API.CONSUMER.CREATE.{progress}", "$JS.API.CONSUMER.CREATE.{progress}.>" ] }}}} }}\n'
+        "  { user: worker, password: w }\n"
+        "] } }\n"
+    )
+    broker = EmbeddedBroker(store_dir=tmp_path / "store", config=conf, log_file=tmp_path / "nats.log").start()
+    a = None
+    try:
+        url = broker.url
+        a = _start(url.replace("nats://", "nats://worker:w@"), ns, "a", tmp_path, "--echo-token-latency", "0.005")
+        async with await RolloutClient.connect(
+            url.replace("nats://", "nats://trainer:t@"), namespace=ns, client_id="c", topology=TOPO
+        ) as client:
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=20)
+            handle = await client.submit(payload(max_tokens=60), min_version=0, retry_policy="resume", timeout=60)
+            chunks = [c async for c in client.stream(handle)]
+            result = await handle.result(30)
+            assert _joined_once(chunks, 1) == [result.outputs[0].token_ids]
+            assert [(c.start, len(c.token_ids)) for c in chunks] == [(0, 60)]  # all from the answer
+        assert "Violation" in (tmp_path / "nats.log").read_text(errors="replace")  # (it was refused)
+    finally:
+        if a is not None:
+            terminate(a, 10.0)
+        broker.stop()

@@ -542,9 +542,16 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     def started(port: int) -> None:
         print(f"rollfleet gateway on http://{args.host}:{port} (namespace {args.namespace})", flush=True)
 
-    async with await RolloutClient.connect(
-        args.nats, namespace=args.namespace, client_id=args.client_id, shared=True, **_conn_options(args)
-    ) as client:
+    from rollfleet.runtime.startup import until_ready
+
+    # (a server: started while the broker is not ready, a cluster electing, it tries again)
+    client = await until_ready(
+        lambda: RolloutClient.connect(
+            args.nats, namespace=args.namespace, client_id=args.client_id, shared=True, **_conn_options(args)
+        ),
+        what="connect",
+    )
+    async with client:
         with contextlib.suppress(asyncio.CancelledError):
             await serve(
                 client, args.host, args.port, started=started, model_name=args.model_name, api_key=args.api_key,

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import suppress
 from typing import Any
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
@@ -41,12 +42,17 @@ async def stream_tokens(js: JetStreamContext, names: Names, handle: RolloutHandl
         async def on_record(msg: Msg) -> None:
             records.put_nowait(msg)
 
-        sub = await js.subscribe(
-            names.progress_subject(job.client_id, job.job_id),
-            stream=names.progress_stream,
-            cb=on_record,
-            ordered_consumer=True,
-        )
+        try:
+            sub = await js.subscribe(
+                names.progress_subject(job.client_id, job.job_id),
+                stream=names.progress_stream,
+                cb=on_record,
+                ordered_consumer=True,
+            )
+        except nats.errors.Error as exc:
+            # The broker did not make the consumer (a cluster electing, a node cut off): the stream
+            # comes from the answer alone, whole, which the checkpoints would only have preceded.
+            log.warning("progress not followed; the answer carries the tokens", job_id=job.job_id, error=repr(exc))
     answered = asyncio.ensure_future(asyncio.shield(handle.result()))
     try:
         while sub is not None and not replay.done:

@@ -29,6 +29,20 @@ log = get_logger("rollfleet.client")
 _DEADLINE_TICK_S = 0.25
 
 
+def _sweep(sweeps: dict[str, asyncio.Task[None]], name: str, run: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Start ``run`` unless the last one of that name is still running."""
+    task = sweeps.get(name)
+    if task is not None and not task.done():
+        return
+    task = sweeps[name] = asyncio.create_task(run(), name=f"sweep-{name}")
+    task.add_done_callback(_said_if_failed)
+
+
+def _said_if_failed(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("a sweep of the jobs in flight failed", sweep=task.get_name(), error=repr(task.exception()))
+
+
 class JobWatch:
     def __init__(
         self,
@@ -65,18 +79,28 @@ class JobWatch:
     async def deadlines(self) -> None:
         """Fail pending handles whose deadline (plus grace) passed without a result, and (with
         fail_fast) exact jobs that no replica can serve any more; end idle sessions."""
-        while True:
-            await asyncio.sleep(_DEADLINE_TICK_S)
-            due = expired(((k, h.job.deadline) for k, h in self._handles.items()), time.time(), self.deadline_grace_s)
-            for key in due:
-                handle = self._handles.get(key)
-                if handle is not None and handle.set_error(Expired(f"no result for {key!r} by its deadline")):
-                    self._spawn(self._withdraw(handle))
-            if self.fail_fast:
-                await self.fail_orphaned()
-            sessions = self._sessions()
-            if sessions:
-                await expire_idle([s for s in sessions.values() if isinstance(s, Session)])
+        # The sweeps that ask the broker run beside the deadlines, one of each at a time: a broker
+        # that does not answer (frozen, a cluster's node cut off) held up every Expired answer for
+        # as long as its requests took to time out (7 s late in campaign seed 313, --cluster).
+        sweeps: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                await asyncio.sleep(_DEADLINE_TICK_S)
+                now = time.time()
+                due = expired(((k, h.job.deadline) for k, h in self._handles.items()), now, self.deadline_grace_s)
+                for key in due:
+                    handle = self._handles.get(key)
+                    if handle is not None and handle.set_error(Expired(f"no result for {key!r} by its deadline")):
+                        self._spawn(self._withdraw(handle))
+                if self.fail_fast:
+                    _sweep(sweeps, "orphans", self.fail_orphaned)
+                sessions = self._sessions()
+                if sessions:
+                    idle = [s for s in sessions.values() if isinstance(s, Session)]
+                    _sweep(sweeps, "sessions", lambda idle=idle: expire_idle(idle))
+        finally:
+            for task in sweeps.values():
+                task.cancel()
 
     async def fail_orphaned(self) -> None:
         """One look at every exact job still queued (not sticky): ``OrphanWatch`` decides; a job

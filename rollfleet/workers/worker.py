@@ -31,6 +31,7 @@ from rollfleet.broker.topology import (
 )
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
+from rollfleet.runtime.startup import until_ready
 from rollfleet.schemas import (
     DEFAULT_LIMITS,
     Limits,
@@ -128,8 +129,9 @@ class Worker:
             **cfg.connect_options,
         )
         self.js = self.nc.jetstream()
-        # (a trainer declares the namespace: a worker started while it is missing waits for it)
-        await wait_for_topology(self.js, self.names, cfg.topology)
+        # (a trainer declares the namespace: a worker started while it is missing waits for it, and
+        # one started while the broker is not ready, a cluster electing, tries again)
+        await until_ready(lambda: wait_for_topology(self.js, self.names, cfg.topology), what="namespace")
         self.jobs = JobRunner(
             self.js,
             self.names,

@@ -1,0 +1,45 @@
+"""A server process's start against a broker that is not ready yet: a cluster electing a leader
+(JetStream answers 503, "temporarily unavailable"), a node cut off from its peers, a broker
+restarting. A worker or a gateway tries its start again while the error is retryable, within a
+bound, instead of exiting at the first refusal (a supervisor would restart it into the same
+refusal; without one it stayed down). A person's one-off command still fails at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from rollfleet.runtime.logs import get_logger
+from rollfleet.schemas.errors import RollfleetError
+
+T = TypeVar("T")
+
+STARTUP_WAIT_S = 60.0  # how long a start is tried again while the broker is not ready
+RETRY_PAUSE_S = 0.5
+
+log = get_logger("rollfleet.startup")
+
+
+def try_again(retryable: bool, elapsed_s: float, bound_s: float) -> bool:
+    """Whether a start that failed with an error (``retryable`` as the error says) is tried again."""
+    return retryable and elapsed_s < bound_s
+
+
+async def until_ready(
+    attempt: Callable[[], Awaitable[T]], *, what: str, bound_s: float = STARTUP_WAIT_S, pause_s: float = RETRY_PAUSE_S
+) -> T:
+    """``attempt()``'s result, tried again while it fails with a retryable error for ``bound_s``."""
+    t0 = time.monotonic()
+    said = False
+    while True:
+        try:
+            return await attempt()
+        except RollfleetError as exc:
+            if not try_again(exc.retryable, time.monotonic() - t0, bound_s):
+                raise
+            if not said:
+                log.warning("the broker is not ready; trying again", step=what, error=str(exc), for_s=bound_s)
+                said = True
+        await asyncio.sleep(pause_s)

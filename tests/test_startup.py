@@ -1,0 +1,76 @@
+"""A server process started while the broker is not ready tries again instead of exiting.
+
+A cluster electing a leader answers JetStream requests with 503, and a node cut off from its peers
+answers none (campaign seed 8, `--cluster`: both gateways, started during a node cut, exited with
+"JetStream system temporarily unavailable", and the HTTP path stayed dead for 45 s). Here the
+broker answers no JetStream request at first (a nats-server without JetStream), then is replaced on
+the same port by one with it: the worker and the gateway started meanwhile wait, then serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+from pathlib import Path
+
+import httpx
+
+from rollfleet.broker import EmbeddedBroker, check_server_binary, free_port
+from rollfleet.broker.server import wait_for_port
+from rollfleet.runtime.processes import terminate
+from rollfleet.runtime.startup import try_again
+from rollfleet.testing import ProcessGroup, start_worker_process, wait_until
+from rollfleet.testing.processes import rollfleet_command
+from rollfleet.trainer_client import RolloutClient
+from tests.helpers import payload
+
+
+def test_a_start_is_tried_again_only_for_a_retryable_error_within_the_bound() -> None:
+    assert try_again(True, 0.0, 60.0) and try_again(True, 59.9, 60.0)
+    assert not try_again(True, 60.0, 60.0)
+    assert not try_again(False, 0.0, 60.0)  # (wrong credentials, a bad argument: at once)
+
+
+async def test_a_worker_and_a_gateway_started_before_jetstream_is_ready_wait_then_serve(tmp_path: Path) -> None:
+    port, ns = free_port(), "tstart"
+    url = f"nats://127.0.0.1:{port}"
+    bare = subprocess.Popen(
+        [str(check_server_binary()), "-a", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    broker: EmbeddedBroker | None = None
+    worker = start_worker_process(url, ns, "w1", "--engine", "echo", "--version", "0", log_path=tmp_path / "w1.log")
+    procs = ProcessGroup(tmp_path)
+    try:
+        wait_for_port("127.0.0.1", port, 10.0, bare)
+        gateway = procs.spawn("gateway", rollfleet_command("gateway", "--nats", url, "-n", ns, "--port", "0"))
+        await asyncio.sleep(3.0)  # every JetStream request refused meanwhile: no responders
+        assert worker.poll() is None, (tmp_path / "w1.log").read_text(errors="replace")[-1500:]
+        assert gateway.poll() is None, procs.tail("gateway", 1500)
+        terminate(bare, 5.0)
+        broker = EmbeddedBroker(store_dir=tmp_path / "store", port=port, log_file=tmp_path / "nats.log").start()
+
+        def listening() -> str | None:
+            m = re.search(r"rollfleet gateway on (http://\S+)", procs.tail("gateway", 100_000))
+            return m.group(1) if m else None
+
+        address = await wait_until(listening, 60.0, what="the gateway listening", interval=0.2)
+        async with await RolloutClient.connect(url, namespace=ns, client_id="trainer") as client:
+            result = await wait_until(
+                lambda: asyncio.wait_for(client.submit(payload(), min_version=0), 5.0),
+                30.0,
+                what="a job submitted",
+                retry_errors=True,
+            )
+            assert (await result.result(20)).version_start == 0  # the worker serves
+        async with httpx.AsyncClient(base_url=address, timeout=20.0) as http:
+            r = await http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
+        assert r.status_code == 200, r.text  # the gateway serves
+    finally:
+        terminate(worker, 10.0)
+        procs.close()
+        terminate(bare, 5.0)
+        if broker is not None:
+            broker.stop()
