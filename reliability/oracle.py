@@ -1656,20 +1656,26 @@ class Oracle:
                     for p in self.published_by_key.get(key or "", [])
                     if p.job_id == job_id and p.desc and not p.desc.get("forged_tokens")
                 }
+                # A run whose answer, or whose claim, a store loss took before the next run ended
+                # freed the key for that one: each such run is set aside, however many losses
+                # came in turn (campaign broker-stores seed 3: the results stream deleted, then a
+                # wipe; three runs, each after the last one's answer was lost).
+                answers = {
+                    (p.worker, round(float((p.desc or {}).get("finished_at", 0)), 2)): p.t
+                    for p in self.published_by_key.get(key or "", [])
+                    if p.job_id == job_id and p.desc
+                }
                 claimed = sorted(t for k in keys for t, _, op, st in claims_by_key.get(k, []) if st == "stored")
-                finished = sorted(f for _, f in ran)
-                first_answer = min(
-                    (p.t for p in self.published_by_key.get(key or "", []) if p.job_id == job_id), default=None
-                )
-                answer_lost = first_answer is not None and self.lost_with_store(
-                    first_answer, "results", after=finished[-1] if finished else 0.0
-                )
-                claim_lost = bool(claimed) and self.lost_with_store(
-                    claimed[0], "claims", after=finished[-1] if finished else 0.0
-                )
-                if len(ran) > 1 and (claim_lost or answer_lost):
-                    self.unverified[f"twice: the first run's claim or answer {LOST_WITH_STORE}"] += 1
-                    ran = set(sorted(ran, key=lambda r: r[1])[1:])  # (the run whose claim was lost)
+                runs = sorted(ran, key=lambda r: r[1])
+                freed = [
+                    run
+                    for run, nxt in itertools.pairwise(runs)
+                    if self.lost_with_store(answers.get(run, run[1]), "results", after=nxt[1])
+                    or any(self.lost_with_store(t, "claims", after=nxt[1]) for t in claimed if t <= run[1] + 0.5)
+                ]
+                if freed:
+                    self.unverified[f"twice: an earlier run's claim or answer {LOST_WITH_STORE}"] += len(freed)
+                    ran = ran - set(freed)
                 self.check(
                     "twice",
                     len(ran) <= 1,
