@@ -1092,3 +1092,25 @@ def test_sealed_claims_refreshed_by_one_process_are_one_holder(processes: int, r
         h.tap["claims"].append([t + i, key, f"{holder}#{mac}@{t + i:.3f}", "PUT", "stored"])
     twice = [m for m in h.judge().get("twice", []) if answer["job_id"] in m]
     assert bool(twice) is (processes == 2), twice
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("losses", [2, 1])
+def test_runs_each_after_a_store_loss_took_the_last_ones_answer_are_not_twice(
+    losses: int, recorded: Path, tmp_path: Path
+) -> None:
+    """Campaign broker-stores seed 3: an at_most_once key asked again after the results stream was
+    deleted ran again, and again after a wipe: three runs, each after the last one's answer was
+    lost. With the second loss missing, the second and third runs are two runs of one job."""
+    h = History(recorded, tmp_path / "h")
+    _submit, answer = _at_most_once_call(h, convert=True)
+    first = next(p for p in h.tap["published"] if p.get("job_id") == answer["job_id"] and p.get("desc"))
+    t = float(first["t"])
+    for i, worker in enumerate(("w8", "w9"), start=1):
+        at = t + 10.0 * i
+        h.tap["published"].append({**first, "t": at, "worker": worker, "desc": {**first["desc"], "finished_at": at}})
+    _lost(h, "delete_stream", 0.0, t + 5.0, "results")
+    if losses == 2:
+        _lost(h, "wipe", 0.0, t + 15.0)
+    twice = [m for m in h.judge().get("twice", []) if answer["job_id"] in m and "generated" in m]
+    assert bool(twice) is (losses == 1), twice
