@@ -101,7 +101,13 @@ async def test_a_cut_node_loses_its_peers_and_a_killed_one_comes_back(tmp_path: 
         cluster.nodes[victim].kill()
         assert not cluster.nodes[victim].alive()
         await _leader(js, "S", timeout=40.0, not_on=new)
-        await js.publish("s.1", b"while a node is down")
+        await wait_until(  # (the client may be failing over from the node just killed)
+            lambda: js.publish("s.1", b"while a node is down", headers={"Nats-Msg-Id": "one"}, timeout=5.0),
+            40.0,
+            what="a write while a node is down",
+            interval=0.3,
+            retry_errors=True,
+        )
         await asyncio.to_thread(cluster.start_node, victim)  # on its store: it catches up
 
         async def caught_up() -> bool:

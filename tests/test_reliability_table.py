@@ -15,6 +15,8 @@ from reliability.schedule import (
     engines,
     gateways,
     links,
+    node_params,
+    nodes,
     object_store_params,
     object_stores,
     params_for,
@@ -39,6 +41,7 @@ COLUMNS = {  # the table's legend: a column per family of events
     "E": {"engine_kill", "engine_pause_error", "engine_freeze"},  # (drawn only with --sglang)
     "O": {"store_truncate", "store_drop", "store_lag"},  # (drawn only with --store s3)
     "D": {"disk_full", "disk_readonly"},
+    "N": {"node_kill", "node_pause", "node_cut"},  # (drawn only with --cluster)
 }
 
 
@@ -56,7 +59,8 @@ def test_every_invariant_has_a_row_and_every_event_a_column() -> None:
     assert [c.strip() for c in header.split("|")[3:-1]] == list(COLUMNS)
     streams = [e for seed in range(20) for e in pauses(seed, 300) + skews(seed, 300) + links(seed, 300)
                + publishers(seed, 300) + gateways(seed, 300) + engines(seed, 300)
-               + object_stores(seed, 300) + disks(seed, 300) + broker_stores(seed, 300)]  # fmt: skip
+               + object_stores(seed, 300) + disks(seed, 300) + broker_stores(seed, 300)
+               + nodes(seed, 300)]  # fmt: skip
     drawn = set(WEIGHTS) | {e.kind for e in streams}
     covered = set().union(*COLUMNS.values())
     assert drawn <= covered, f"events with no column: {sorted(drawn - covered)}"
@@ -66,3 +70,5 @@ def test_every_invariant_has_a_row_and_every_event_a_column() -> None:
         assert engine_params(kind, random.Random(0))
     for kind in COLUMNS["O"]:
         assert object_store_params(kind, random.Random(0))
+    for kind in COLUMNS["N"]:
+        assert node_params(kind, random.Random(0))["which"] in ("leader", "random")

@@ -18,8 +18,8 @@ import httpx
 
 from rollfleet.broker import EmbeddedBroker, check_server_binary, free_port
 from rollfleet.broker.server import wait_for_port
+from rollfleet.broker.startup import try_again
 from rollfleet.runtime.processes import terminate
-from rollfleet.runtime.startup import try_again
 from rollfleet.testing import ProcessGroup, start_worker_process, wait_until
 from rollfleet.testing.processes import rollfleet_command
 from rollfleet.trainer_client import RolloutClient

@@ -542,7 +542,7 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     def started(port: int) -> None:
         print(f"rollfleet gateway on http://{args.host}:{port} (namespace {args.namespace})", flush=True)
 
-    from rollfleet.runtime.startup import until_ready
+    from rollfleet.broker.startup import until_ready
 
     # (a server: started while the broker is not ready, a cluster electing, it tries again)
     client = await until_ready(

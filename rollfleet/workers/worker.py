@@ -24,6 +24,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 from rollfleet.broker.connection import connect
+from rollfleet.broker.startup import until_ready
 from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
     TopologyConfig,
@@ -31,7 +32,6 @@ from rollfleet.broker.topology import (
 )
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
-from rollfleet.runtime.startup import until_ready
 from rollfleet.schemas import (
     DEFAULT_LIMITS,
     Limits,

@@ -19,7 +19,7 @@ T = TypeVar("T")
 STARTUP_WAIT_S = 60.0  # how long a start is tried again while the broker is not ready
 RETRY_PAUSE_S = 0.5
 
-log = get_logger("rollfleet.startup")
+log = get_logger("rollfleet.broker.startup")
 
 
 def try_again(retryable: bool, elapsed_s: float, bound_s: float) -> bool:
