@@ -51,6 +51,8 @@ def test_follow(
     assert follow(latest, served, failed, now, held=held) == expected
 
 
-def test_fallback_versions_are_older_ones_newest_first() -> None:
-    assert fallback_versions([0, 3, 1, 5, 3], 4) == [3, 1, 0]
-    assert fallback_versions([4], 4) == []
+def test_fallback_versions_are_older_committed_ones_newest_first() -> None:
+    assert fallback_versions([0, 3, 1, 5, 3], 4, committed=[0, 1, 3, 5]) == [3, 1, 0]
+    assert fallback_versions([4], 4, committed=[4]) == []
+    # v3's directory is complete, but its publisher was killed before the commit: never served
+    assert fallback_versions([0, 1, 2, 3], 4, committed=[0, 1, 2]) == [2, 1, 0]

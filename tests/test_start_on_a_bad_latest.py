@@ -56,10 +56,11 @@ async def announced(client: RolloutClient) -> list[VersionActivated]:
     return out
 
 
-def test_fallback_versions_are_every_older_version_in_the_store_newest_first() -> None:
-    assert fallback_versions([0, 1, 2, 3, 5], 3) == [2, 1, 0]
-    assert fallback_versions([4, 5, 6], 6) == [5, 4]  # older ones retired: not there to try
-    assert fallback_versions([0], 0) == []
+def test_fallback_versions_are_every_older_committed_version_in_the_store_newest_first() -> None:
+    assert fallback_versions([0, 1, 2, 3, 5], 3, committed=[0, 1, 2, 3, 5]) == [2, 1, 0]
+    assert fallback_versions([4, 5, 6], 6, committed=range(7)) == [5, 4]  # older ones retired
+    assert fallback_versions([0], 0, committed=[0]) == []
+    assert fallback_versions([0, 1, 2], 3, committed=[0, 1]) == [1, 0]  # v2 never committed
 
 
 async def test_a_worker_started_on_a_corrupt_latest_serves_the_last_good_version_degraded(
@@ -106,6 +107,48 @@ async def test_a_worker_started_on_a_corrupt_latest_serves_the_last_good_version
             terminate(proc, 10.0)
 
 
+async def test_a_worker_never_falls_back_to_a_version_that_was_never_committed(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """Campaign seed 8 (``--cluster``) replayed: a publisher killed between creating ``v.<N>`` and
+    moving ``latest`` left v2 whole in the store, with its record, but never committed; the
+    trainer went on to commit v3, whose directory could not be read when a replica started. The
+    replica fell back to the newest directory below v3, v2, and labelled its samples v2: a version
+    the fleet never committed. It falls back to v1, the newest committed one."""
+    from rollfleet.schemas import Names, encode
+
+    t = make_checkpoint(tmp_path / "base")
+    store = tmp_path / "store"
+    publisher = PolicyPublisher(store, tmp_path / "base", keyframe_every=10)
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        await client.publish_policy(publisher, t)  # v0
+        await client.publish_policy(publisher, bump(t))  # v1
+        v1 = digest_of(t)
+        orphan = publisher.publish(bump(t))  # v2, written; its publisher "dies" after v.2's create
+        kv = await client.js.key_value(Names(namespace).policy_bucket)
+        await kv.create(Names(namespace).version_key(2), encode(orphan))
+        record = publisher.publish(bump(t))  # v3, committed by the publisher that went on
+        damage(store / record.path)
+        await client.commit_version(record)
+        proc = start_worker_process(
+            nats_url, namespace, "w1", "--engine", "echo", "--store", str(store),
+            "--local-dir", str(tmp_path / "local"), "--verify-live", log_path=tmp_path / "w1.log",
+        )  # fmt: skip
+        try:
+
+            def started() -> bool:
+                assert proc.poll() is None, f"the worker exited with {proc.returncode}"
+                return any(r.state in ("ready", "degraded") for r in client.fleet.replicas())
+
+            await wait_until(started, timeout=30)
+            [entry] = client.fleet.replicas()
+            assert entry.state == "degraded" and entry.active_version == 1, entry
+            [at_start] = [a for a in await announced(client) if a.at_start]
+            assert at_start.version == 1 and at_start.weights_digest == v1
+        finally:
+            terminate(proc, 10.0)
+
+
 async def test_a_worker_that_can_serve_no_version_exits_with_a_typed_error(
     nats_url: str, namespace: str, tmp_path: Path
 ) -> None:
@@ -126,4 +169,3 @@ async def test_a_worker_that_can_serve_no_version_exits_with_a_typed_error(
             terminate(proc, 5.0)
         assert code == 2
         assert "no committed version at or below 0 can be served" in log.read_text()
-

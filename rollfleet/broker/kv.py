@@ -9,6 +9,7 @@ import asyncio
 from contextlib import suppress
 from typing import Any
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
@@ -63,15 +64,28 @@ async def read_replicas(fleet_kv: KeyValue, timeout: float = 10.0) -> dict[str, 
     return replicas
 
 
-async def advance_latest(policy_kv: KeyValue, names: Names, record: VersionRecord) -> None:
+async def advance_latest(policy_kv: KeyValue, names: Names, record: VersionRecord) -> VersionRecord:
     """The commit boundary: create ``v.<N>`` (fails if another publisher got there first), then
     compare-and-set ``latest`` to N (fails if ``latest`` is already N or newer)."""
     try:
-        await policy_kv.create(names.version_key(record.version), encode(record))
+        revision = await policy_kv.create(names.version_key(record.version), encode(record))
     except nats.js.errors.KeyWrongLastSequenceError as exc:
         raise VersionConflict(f"version {record.version} was already committed by another publisher") from exc
     faults.point("commit:before-cas")
     await move_latest(policy_kv, names, record.version)
+    return await mark_committed(policy_kv, names, record, revision)
+
+
+async def mark_committed(policy_kv: KeyValue, names: Names, record: VersionRecord, revision: int) -> VersionRecord:
+    """Say in ``v.<N>`` that ``latest`` reached N (after the compare-and-set); the record so
+    marked. Lost (a publisher killed first), the version is only never a fallback: ``latest``
+    itself says it is committed."""
+    marked = msgspec.structs.replace(record, committed=True)
+    try:
+        await policy_kv.update(names.version_key(record.version), encode(marked), last=revision)
+    except nats.js.errors.KeyWrongLastSequenceError:
+        pass  # (marked already, by the same publisher finishing its commit)
+    return marked
 
 
 async def move_latest(policy_kv: KeyValue, names: Names, version: int) -> None:

@@ -46,6 +46,8 @@ def retry_behaviour(policy: str) -> RetryBehaviour:
     """A policy's behaviour; one this version does not know (a newer peer's) is treated as the
     strictest, at_most_once: never started twice."""
     return RETRY_BEHAVIOUR.get(policy, RETRY_BEHAVIOUR["at_most_once"])
+
+
 VersionPolicy = Literal["pinned", "monotonic", "free"]  # how a session's turns choose versions
 ConstraintKind = Literal["min", "exact"]
 FinishReason = Literal["stop", "length", "abort"]
@@ -412,6 +414,10 @@ class VersionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
     seconds: float = 0.0
     created_at: float = 0.0
     publisher: str = ""
+    # Set once ``latest`` has reached this version (``broker.kv.advance_latest``): the record is
+    # created before that compare-and-set, so a publisher killed between the two leaves a record
+    # of a version that was never committed. Only a committed version is ever served.
+    committed: bool = False
 
 
 class VersionPublished(msgspec.Struct, tag="published", kw_only=True):

@@ -776,14 +776,14 @@ class RolloutClient:
         The first call records the base checkpoint as version 0 and commits that.
         """
         record = await asyncio.to_thread(publisher.publish, named_tensors)
-        await self.commit_version(record)
-        return record
+        return await self.commit_version(record)
 
-    async def commit_version(self, record: VersionRecord) -> None:
+    async def commit_version(self, record: VersionRecord) -> VersionRecord:
         """Make a written version visible to the fleet (create ``v.<N>``, CAS ``latest``, announce)."""
         await self.declare_version_consumers(record.version)  # before replicas hear of it
-        await commit_version(self.js, self.names, record)
+        record = await commit_version(self.js, self.names, record)
         self.fleet.note_committed(record.version)
+        return record
 
     async def adopt_version(self, store_dir: str | Path, version_dir: str | Path) -> VersionRecord:
         """Verify and commit a version directory written by another publisher, without re-encoding."""

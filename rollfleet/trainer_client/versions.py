@@ -13,7 +13,7 @@ from pathlib import Path
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from rollfleet.broker.kv import advance_latest, move_latest, read_latest
+from rollfleet.broker.kv import advance_latest, mark_committed, move_latest, read_latest
 from rollfleet.policy_store import verify_version_dir
 from rollfleet.policy_store.store import version_dir_name
 from rollfleet.runtime import faults
@@ -21,11 +21,13 @@ from rollfleet.schemas import Names, VersionPublished, VersionRecord, decode, en
 from rollfleet.schemas.errors import CorruptArtifact, HostileName, VersionConflict
 
 
-async def commit_version(js: JetStreamContext, names: Names, record: VersionRecord) -> None:
-    """Make a written version visible to the fleet: the KV commit, then the announcement."""
-    await advance_latest(await js.key_value(names.policy_bucket), names, record)
+async def commit_version(js: JetStreamContext, names: Names, record: VersionRecord) -> VersionRecord:
+    """Make a written version visible to the fleet: the KV commit, then the announcement; the
+    record as committed."""
+    record = await advance_latest(await js.key_value(names.policy_bucket), names, record)
     faults.point("commit:before-announce")
     await js.publish(names.versions_published, encode(VersionPublished(record=record)))
+    return record
 
 
 async def commit_or_finish(js: JetStreamContext, names: Names, record: VersionRecord) -> bool:
@@ -48,6 +50,7 @@ async def commit_or_finish(js: JetStreamContext, names: Names, record: VersionRe
         if latest is not None and latest >= record.version:
             return False
         await move_latest(kv, names, record.version)
+        held = await mark_committed(kv, names, held, entry.revision)
         await js.publish(names.versions_published, encode(VersionPublished(record=held)))
         return True
 
@@ -65,5 +68,4 @@ async def adopt_version(js: JetStreamContext, names: Names, store_dir: Path, sou
         raise CorruptArtifact(
             f"{source.name} holds version {record.version}; expected {version_dir_name(record.version)}"
         )
-    await commit_version(js, names, record)
-    return record
+    return await commit_version(js, names, record)

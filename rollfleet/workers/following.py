@@ -62,7 +62,9 @@ def follow(latest: int | None, served: int, failed: FailedVersion | None, now: f
     return FollowDecision(latest)
 
 
-def fallback_versions(present: Iterable[int], latest: int) -> list[int]:
+def fallback_versions(present: Iterable[int], latest: int, committed: Iterable[int]) -> list[int]:
     """The versions a replica that cannot serve ``latest`` at start-up tries instead, newest first:
-    every one in the store below it (a retired one is not there to try)."""
-    return sorted({v for v in present if v < latest}, reverse=True)
+    every one in the store below it (a retired one is not there to try) whose record says it was
+    committed. A directory alone is not a version: a publisher killed before its commit leaves a
+    complete one (and its record, without the mark) that the fleet must never serve."""
+    return sorted({v for v in present if v < latest} & set(committed), reverse=True)

@@ -51,6 +51,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import nats.errors
+import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
@@ -65,7 +67,7 @@ from rollfleet.policy_store.store import list_versions
 from rollfleet.runtime import faults
 from rollfleet.runtime.aio import in_daemon_thread, stop_tasks
 from rollfleet.runtime.logs import get_logger
-from rollfleet.schemas import Names, VersionActivated, encode
+from rollfleet.schemas import Names, VersionActivated, VersionRecord, decode, encode
 from rollfleet.schemas.errors import NoServableVersion, PolicyError, PrepareTimeout, RollfleetError
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.following import FailedVersion, after_failure, fallback_versions, follow
@@ -170,6 +172,15 @@ class VersionSync:
         )
         return result
 
+    async def _committed(self, version: int) -> bool:
+        """Whether ``v.<version>`` says the version was committed (unknown, unreadable: no)."""
+        assert self._kv is not None
+        try:
+            entry = await self._kv.get(self._names.version_key(version))
+            return decode(entry.value or b"", VersionRecord, what="version record").committed
+        except (nats.errors.Error, nats.js.errors.Error, RollfleetError):
+            return False
+
     async def _fall_back(self, latest: int, error: PolicyError | OSError) -> MaterializeResult:
         """The newest version below ``latest`` that materializes and verifies, to serve degraded;
         ``NoServableVersion`` when there is none."""
@@ -185,7 +196,8 @@ class VersionSync:
         except (PolicyError, OSError) as exc:
             self.log.error("listing the store failed", error=str(exc))
             present = []
-        for version in fallback_versions(present, latest):
+        committed = [v for v in present if v < latest and await self._committed(v)]
+        for version in fallback_versions(present, latest, committed):
             try:
                 result = await self._materialize(version)
             except (PolicyError, OSError) as exc:
@@ -226,8 +238,12 @@ class VersionSync:
     def _fail(self, version: int) -> None:
         """``version`` failed here: the follow loop tries it again after a backoff (``following``)."""
         self._failed = after_failure(self._failed, version, time.monotonic())
-        self.log.info("version failed here; retried later", version=version, failures=self._failed.failures,
-                      retry_in_s=round(self._failed.retry_at - time.monotonic(), 3))
+        self.log.info(
+            "version failed here; retried later",
+            version=version,
+            failures=self._failed.failures,
+            retry_in_s=round(self._failed.retry_at - time.monotonic(), 3),
+        )
         if self._tasks:
             self._wake_at(self._failed.retry_at)
 
