@@ -5,6 +5,7 @@ typed error, only when no version can be served."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ import xxhash
 from policy_helpers import make_checkpoint
 
 from rollfleet.policy_store.digest import weights_digest
-from rollfleet.schemas import VersionActivated, decode
+from rollfleet.schemas import ReplicaStatus, VersionActivated, decode
 from rollfleet.testing import start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from rollfleet.workers.following import fallback_versions
@@ -56,6 +57,25 @@ async def announced(client: RolloutClient) -> list[VersionActivated]:
     return out
 
 
+def start_replica(nats_url: str, namespace: str, store: Path, tmp_path: Path) -> subprocess.Popen[bytes]:
+    return start_worker_process(
+        nats_url, namespace, "w1", "--engine", "echo", "--store", str(store),
+        "--local-dir", str(tmp_path / "local"), "--verify-live", log_path=tmp_path / "w1.log",
+    )  # fmt: skip
+
+
+async def started_entry(client: RolloutClient, proc: subprocess.Popen[bytes]) -> ReplicaStatus:
+    """The one replica's registry entry once it serves (ready or degraded); fails if it exited."""
+
+    def started() -> bool:
+        assert proc.poll() is None, f"the worker exited with {proc.returncode}"
+        return any(r.state in ("ready", "degraded") for r in client.fleet.replicas())
+
+    await wait_until(started, timeout=30)
+    [entry] = client.fleet.replicas()
+    return entry
+
+
 def test_fallback_versions_are_every_older_committed_version_in_the_store_newest_first() -> None:
     assert fallback_versions([0, 1, 2, 3, 5], 3, committed=[0, 1, 2, 3, 5]) == [2, 1, 0]
     assert fallback_versions([4, 5, 6], 6, committed=range(7)) == [5, 4]  # older ones retired
@@ -77,18 +97,9 @@ async def test_a_worker_started_on_a_corrupt_latest_serves_the_last_good_version
         v2 = digest_of(t)
         damage(store / record.path)
         await client.commit_version(record)  # the latest commit is corrupt
-        proc = start_worker_process(
-            nats_url, namespace, "w1", "--engine", "echo", "--store", str(store),
-            "--local-dir", str(tmp_path / "local"), "--verify-live", log_path=tmp_path / "w1.log",
-        )  # fmt: skip
+        proc = start_replica(nats_url, namespace, store, tmp_path)
         try:
-
-            def started() -> bool:
-                assert proc.poll() is None, f"the worker exited with {proc.returncode}"
-                return any(r.state in ("ready", "degraded") for r in client.fleet.replicas())
-
-            await wait_until(started, timeout=30)
-            [entry] = client.fleet.replicas()
+            entry = await started_entry(client, proc)
             assert entry.state == "degraded" and entry.active_version == 1
             assert "version 2" in (entry.degraded_reason or "")
             [at_start] = [a for a in await announced(client) if a.at_start]
@@ -130,18 +141,9 @@ async def test_a_worker_never_falls_back_to_a_version_that_was_never_committed(
         record = publisher.publish(bump(t))  # v3, committed by the publisher that went on
         damage(store / record.path)
         await client.commit_version(record)
-        proc = start_worker_process(
-            nats_url, namespace, "w1", "--engine", "echo", "--store", str(store),
-            "--local-dir", str(tmp_path / "local"), "--verify-live", log_path=tmp_path / "w1.log",
-        )  # fmt: skip
+        proc = start_replica(nats_url, namespace, store, tmp_path)
         try:
-
-            def started() -> bool:
-                assert proc.poll() is None, f"the worker exited with {proc.returncode}"
-                return any(r.state in ("ready", "degraded") for r in client.fleet.replicas())
-
-            await wait_until(started, timeout=30)
-            [entry] = client.fleet.replicas()
+            entry = await started_entry(client, proc)
             assert entry.state == "degraded" and entry.active_version == 1, entry
             [at_start] = [a for a in await announced(client) if a.at_start]
             assert at_start.version == 1 and at_start.weights_digest == v1
