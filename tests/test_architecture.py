@@ -7,6 +7,7 @@ Imports are read from the source (``ast``), including those inside functions and
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 from collections import defaultdict
 from pathlib import Path
 
@@ -34,8 +35,16 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _parse(source: str) -> ast.Module:
+    """``ast.parse`` on a thread of its own: CPython 3.11.7 (fixed in 3.11.8) miscounts the AST
+    constructor's recursion depth in a thread where a ``RecursionError`` was caught before (the
+    deep-nesting tests, run earlier in the same process), and raises ``SystemError``."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(ast.parse, source).result()
+
+
 def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
+    tree = _parse(path.read_text())
     found: set[str] = set()
     package = _module(path) if path.name == "__init__.py" else _module(path).rpartition(".")[0]
     for node in ast.walk(tree):
