@@ -126,12 +126,8 @@ class NodeCluster:
         self.cut: set[str] = set()
 
     def start(self, timeout: float = 60.0) -> NodeCluster:
-        from rollfleet.broker.server import wait_for_port
-
-        for node in self.nodes.values():
-            self.start_node(node.name, wait=False)
-        for node in self.nodes.values():
-            wait_for_port(node.host, node.port, 30.0, node.proc)
+        for node in self.nodes.values():  # (a node listens for clients before its peers are up)
+            self.start_node(node.name)
         self.wait_ready(timeout)
         return self
 
@@ -152,25 +148,15 @@ class NodeCluster:
         except (OSError, ValueError):
             return None
 
-    def start_node(self, name: str, wait: bool = True) -> None:
+    def start_node(self, name: str) -> None:
+        """Start one node on its store (handed to its uid), as an ``EmbeddedBroker`` starts."""
         node = self.nodes[name]
         node.store_dir = Path(node.store_dir)
         node.store_dir.mkdir(parents=True, exist_ok=True)
         if node.uid is not None:
             for path in [node.store_dir, *node.store_dir.rglob("*")]:
                 os.lchown(path, node.uid, node.uid)
-        if wait:
-            node.start(timeout=30.0)
-            return
-        out = open(node.log_file or self.workdir / f"nats-{name}.log", "ab")
-        try:
-            from rollfleet.runtime.processes import die_with_parent
-
-            node.proc = subprocess.Popen(
-                node.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
-            )
-        finally:
-            out.close()
+        node.start(timeout=30.0)
 
     @property
     def first(self) -> ClusterNode:
