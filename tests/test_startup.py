@@ -58,6 +58,8 @@ async def test_a_worker_and_a_gateway_started_before_jetstream_is_ready_wait_the
 
         address = await wait_until(listening, 60.0, what="the gateway listening", interval=0.2)
         async with await RolloutClient.connect(url, namespace=ns, client_id="trainer") as client:
+            # (the worker registers once its start got through: the gateway may be up first)
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, 60.0, what="the worker registered")
             result = await wait_until(
                 lambda: asyncio.wait_for(client.submit(payload(), min_version=0), 5.0),
                 30.0,
