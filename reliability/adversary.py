@@ -243,6 +243,14 @@ class Adversary:
             self.say("cluster", replicas=replicas, leader=info.cluster.leader if info.cluster else None)
             if replicas != 3:
                 raise RuntimeError(f"the jobs stream has {replicas} replicas on the cluster, not 3")
+        # A gateway declares what it finds lost as the fleet does: the same ack-wait, window, replicas.
+        m.gateway_args = [
+            "--ack-wait",
+            str(cfg.ack_wait),
+            "--duplicate-window",
+            str(cfg.duplicate_window),
+            *self.replicas_args("--replicas"),
+        ]
         for name in GATEWAYS:  # (once the namespace is declared: their start-ups overlap the rest of the setup)
             m.start_gateway(name)
         self.publisher = PolicyPublisher(m.store_arg(), base, keyframe_every=6, keep_last=None)

@@ -43,6 +43,12 @@ GATEWAY_CLIENT = "gateway"  # the client id every gateway shares (``--client-id`
 GATEWAY_TIMEOUT_S = 20.0  # a gateway's ``--timeout``: a job it stores has this long to be answered
 
 
+def _log_level(default: str) -> dict[str, str]:
+    """A child's log level: ``default``, or ``RF_ADV_LOG_LEVEL`` when set (``debug`` to trace a
+    replayed run; the judged facts do not come from these logs)."""
+    return {"ROLLFLEET_LOG_LEVEL": os.environ.get("RF_ADV_LOG_LEVEL") or default}
+
+
 def keyed_echo() -> bool:
     """Whether the rollfleet under test has the keyed echo engine (``--code`` may run an older tree)."""
     import importlib.util
@@ -165,6 +171,7 @@ class Machine:
         self.child_env = child_env
         self.cwd = cwd
         self.timeline = Timeline()
+        self.gateway_args: list[str] = []  # the fleet's topology flags (set once it is known)
         self.store = self.workdir / "store"
         self.hidden_dir = self.workdir / "hidden"
         self.slow_file = self.workdir / "slow-read"
@@ -328,7 +335,7 @@ class Machine:
         self.worker_args[worker_id] = extra
         log = self.workdir / "logs" / f"{worker_id}.{len(self.timeline.workers)}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        env = {**CHILD_LOG_ENV, **self.child_env, "RF_ADV_SLOW_READ": str(self.slow_file)}
+        env = {**CHILD_LOG_ENV, **self.child_env, "RF_ADV_SLOW_READ": str(self.slow_file), **_log_level("info")}
         if self.objstore is not None:  # (the bucket's credentials; its own fault proxy as the endpoint)
             env.update(self.objstore.worker_env(worker_id))
         if armed:
@@ -430,10 +437,10 @@ class Machine:
         assert old is None or not old.alive, f"{name} is running"
         log = self.workdir / "logs" / f"gateway-{name}.{len(self.timeline.gateways)}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        env = {**CHILD_LOG_ENV, **self.child_env, "ROLLFLEET_LOG_LEVEL": "warning"}
+        env = {**CHILD_LOG_ENV, **self.child_env, **_log_level("warning")}
         cmd = [sys.executable, "-m", "rollfleet", "gateway", "--nats", self.url("gateway"), "--namespace",
                self.namespace, "--port", "0", "--client-id", GATEWAY_CLIENT,
-               "--timeout", f"{GATEWAY_TIMEOUT_S:g}"]  # fmt: skip
+               "--timeout", f"{GATEWAY_TIMEOUT_S:g}", *self.gateway_args]  # fmt: skip
         gp = GatewayProc(name, spawn(cmd, log, env=env, cwd=self.cwd), log, time.time())
         self.timeline.gateways.append(gp)
         self.gateways[name] = gp
@@ -492,7 +499,7 @@ class Machine:
     def start_trainer(self, incarnation: int, args: list[str]) -> subprocess.Popen[bytes]:
         log = self.workdir / "logs" / f"trainer.{incarnation}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        env = {**self.child_env, "RF_ADV_TRAINER_URL": self.url("trainer"), "ROLLFLEET_LOG_LEVEL": "warning"}
+        env = {**self.child_env, "RF_ADV_TRAINER_URL": self.url("trainer"), **_log_level("warning")}
         cmd = [
             sys.executable,
             "-m",
@@ -525,7 +532,7 @@ class Machine:
         """A publisher process (``reliability.procs publish``), as the trainer's user."""
         log = self.workdir / "logs" / f"publisher.{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        env = {**CHILD_LOG_ENV, **self.child_env, "ROLLFLEET_LOG_LEVEL": "warning"}
+        env = {**CHILD_LOG_ENV, **self.child_env, **_log_level("warning")}
         if self.objstore is not None:  # (publishers write to the bucket directly, as the trainer does)
             env.update(self.objstore.env())
         if armed:

@@ -488,8 +488,16 @@ class Oracle:
             if seen and c.stored is None:
                 d = seen[0]
                 # The call is due by its job's deadline, or by its own when it came after the job (a
-                # key asked again: the gateway's answer for the call, the job's long stored).
+                # key asked again: the gateway's answer for the call, the job's long stored). A try
+                # that found no job for the key (lost with the broker's store, or past the duplicate
+                # window) stored it again with a deadline of its own: the call is due by the last
+                # such copy's (campaign seed 778).
                 due = [getattr(d, "deadline", 0.0) or 0.0]
+                due += [
+                    float(getattr(o, "deadline", 0.0) or 0.0)
+                    for o in seen[1:]
+                    if any(float(a["t_sent"]) <= float(o.submitted_at or 0.0) <= float(a["t"]) for a in c.attempts)
+                ]
                 due += [float(a["t_sent"]) + float((c.req or {}).get("timeout") or 0.0) for a in c.attempts[:1]]
                 c.stored = {"ev": "stored", "rid": c.rid, "key": c.key, "job_id": d.job_id,
                             "deadline": max(due) or None, "constraint": list(d.constraint or ()),
@@ -708,6 +716,11 @@ class Oracle:
                     self.unverified["cut short by the trainer's SIGKILL"] += 1
                     continue
                 self.check("resolution", False, c.key, f"{c.op} call {c.rid} was never resolved (no answer, no hang)")
+                continue
+            if c.hang is not None and c.attempts and c.deadline is not None and c.hang["t"] < c.deadline:
+                # Over HTTP the caller gave up before the gateway's deadline for the copy its last
+                # tries stored: nothing the gateway promised was due yet.
+                self.unverified["resolution: the HTTP caller gave up before the gateway's deadline"] += 1
                 continue
             if c.hang is not None:
                 self.check(
@@ -1253,6 +1266,8 @@ class Oracle:
                 continue  # answered before: a re-ask that disagrees is the `once` check's
             # lost: a worker published the answer in time
             gave_up = min(deadline, (c.answered_at or deadline) + 0.5)
+            if c.hang is not None:  # (a caller that stopped waiting hears nothing published after)
+                gave_up = min(gave_up, float(c.hang["t"]))
             pub = [
                 p
                 for p in self.published_by_key.get(c.key, [])
@@ -1402,6 +1417,18 @@ class Oracle:
             states.append(((c.answer or {}).get("session") or {}).get("last_version"))
             floor = max([floor, *(int(v) for v in states if v is not None)])
         return "min", floor
+
+    def _held_moments(self, c: Call, end: float) -> list[float]:
+        """Moments, every ``SAMPLE_S``, at which a live holder held ``c``'s job before ``end``."""
+        seen = self.deliveries_by_key.get(c.key, [])
+        seqs = {d.stream_seq for d in seen} | {(c.stored or {}).get("stream_seq")}
+        out: list[float] = []
+        for a, b in self._held_intervals({d.job_id for d in seen}, {s for s in seqs if s}):
+            t, stop = max(a, c.t0), min(b, end)
+            while t <= stop:
+                out.append(t)
+                t += SAMPLE_S
+        return out
 
     def _held_intervals(self, job_ids: set[Any], seqs: set[int]) -> list[tuple[float, float]]:
         out = []
@@ -2049,6 +2076,10 @@ class Oracle:
                 # Its job was lost with the broker's store: from then on it waits on nothing, and
                 # is answered Expired by its deadline by design (campaign seed 2718).
                 end = min(end, float(loss["at"]))
+            if not c.is_result:
+                # A live holder running it is service too, even if the run never finished (campaign
+                # seed 313: a 7,860-token job run for 11 s by a replica SIGTERMed, then killed).
+                moments += self._held_moments(c, end)
             wanted.append((c.t0, max(c.t0, end)))
         moments += [float(c.answer["t"]) for c in served if c.answer]
         moments += [

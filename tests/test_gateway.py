@@ -296,14 +296,41 @@ async def test_a_client_that_leaves_without_a_key_has_its_job_cancelled(nats_url
         await wait_until(lambda: engine.running == 0, timeout=10, what="the job stopped in the fleet")
 
 
-async def gateway_process(procs: ProcessGroup, name: str, url: str, namespace: str) -> str:
+async def gateway_process(procs: ProcessGroup, name: str, url: str, namespace: str, *args: str) -> str:
     """A ``rollfleet gateway`` process on a free port (its default, shared client id): its address."""
-    procs.spawn(name, rollfleet_command("gateway", "--nats", url, "-n", namespace, "--port", "0"))
+    procs.spawn(name, rollfleet_command("gateway", "--nats", url, "-n", namespace, "--port", "0", *args))
     log = procs.log(name)
     await wait_until(lambda: "rollfleet gateway on" in (log.read_text() if log.exists() else ""), timeout=30,
                      what=f"{name} listening")  # fmt: skip
     line = next(x for x in log.read_text().splitlines() if "rollfleet gateway on" in x)
     return line.split()[3]
+
+
+async def test_a_gateway_declares_a_lost_job_consumer_with_the_fleets_topology(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """A job consumer the gateway finds missing (deleted, or lost with the broker's store) is
+    declared again with the fleet's ``--ack-wait``, not the default 30 s: a holder's death is
+    then redelivered as fast as the fleet's own consumers redeliver it (with the default, a job
+    whose holder died waited out its deadline)."""
+    procs = ProcessGroup(tmp_path)
+    try:
+        procs.worker(nats_url, namespace, "w")
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="watch") as watch:
+            await watch.wait_for_version(0, replicas=1, timeout=30)
+            consumer = watch.names.job_consumer("min", 0)
+            with contextlib.suppress(Exception):  # (whoever declared it, with whatever settings)
+                await watch.js.delete_consumer(watch.names.jobs_stream, consumer)
+            address = await gateway_process(procs, "gw", nats_url, namespace, "--ack-wait", "2.5")
+            body = {"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 3},
+                    "weight_version": {"min_required_version": 0}}  # fmt: skip
+            async with httpx.AsyncClient(timeout=30) as http:
+                answer = await http.post(f"{address}/generate", json=body, headers={"Idempotency-Key": "topo-1"})
+            assert answer.status_code == 200, answer.text
+            info = await watch.js.consumer_info(watch.names.jobs_stream, consumer)
+    finally:
+        procs.close()
+    assert info.config.ack_wait == 2.5
 
 
 async def test_a_gateway_killed_mid_request_loses_nothing_a_keyed_retry_cannot_get(

@@ -264,6 +264,23 @@ def test_a_job_built_with_its_payload_encoded_once_is_the_job_workers_decode() -
     assert RolloutJob.__struct_fields__ == RolloutJobWire.__struct_fields__  # same order: same bytes
 
 
+def test_a_timeout_counts_from_when_the_caller_asked_not_from_when_the_job_is_built() -> None:
+    """A session's turn reads the broker before its job is built (seconds, while the broker is
+    frozen): its ``timeout`` counts from the call, so the caller is answered by then."""
+    import time
+
+    from tests.helpers import built_job
+
+    payload = RolloutPayload(prompt_token_ids=[1], sampling=SamplingParams(max_tokens=2))
+    asked = time.time() - 5.0
+    job, _ = built_job(payload, VersionConstraint("min", 0), "min:0", timeout=8.0, asked_at=asked)
+    assert job.deadline == asked + 8.0
+    fresh, _ = built_job(payload, VersionConstraint("min", 0), "min:0", timeout=8.0)
+    assert fresh.deadline > asked + 8.0 + 4.0  # without it: from now
+    late, _ = built_job(payload, VersionConstraint("min", 0), "min:0", timeout=3.0, asked_at=asked)
+    assert late.deadline < time.time()  # already past: answered Expired at once, not 3 s from now
+
+
 def test_a_worker_decides_what_to_do_with_a_job_of_another_schema() -> None:
     """``decode_job``: a job of a newer schema is refused (UnsupportedSchema, naming the schema and
     the fields it cannot decode) even when it decodes; a value unknown at this schema is plain

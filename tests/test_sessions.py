@@ -595,7 +595,7 @@ async def test_a_resumed_pinned_session_keeps_the_pin_of_the_turn_its_dead_clien
             # What generate() does for turn 0, short of saving the session afterwards (A dies then).
             handle = await a.submit_turn(
                 first, VersionConstraint("exact", 0), written=s._written(), key=s.turn_key(0), timeout=None,
-                retry_policy="replayable", session_id=sid, replica=None,
+                retry_policy="replayable", session_id=sid, replica=None, asked_at=time.time(),
             )  # fmt: skip
             assert (await handle.result(10)).version_end == 0
             a.sessions.pop(sid, None)  # (A's handle is gone with it; its close would delete the record)

@@ -10,6 +10,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
+from rollfleet.broker.connection import logs_in
 from rollfleet.broker.topology import topology_step
 from rollfleet.trainer_client.placement_rules import after_withdrawal
 from rollfleet.trainer_client.watch_rules import (
@@ -133,3 +134,11 @@ def test_a_starting_worker_declares_only_a_namespace_never_declared_or_long_lost
     assert topology_step(1, 8, 29.9, False, 30.0) == "wait"
     assert topology_step(1, 8, 30.0, False, 30.0) == "declare"
     assert topology_step(8, 8, 60.0, True, 30.0) == "wait"  # tried and refused: a trainer must
+    # A worker logged in as a user gives a trainer a moment first: all of it missing may be a
+    # wiped broker, and its own declaration would be refused (campaign seed 3).
+    assert topology_step(8, 8, 4.9, False, 30.0, 5.0) == "wait"
+    assert topology_step(8, 8, 5.0, False, 30.0, 5.0) == "declare"
+    assert topology_step(1, 8, 5.0, False, 30.0, 5.0) == "wait"
+    # Who logs in: a user in the URL (of any server of a cluster's list), a token, a creds file.
+    assert logs_in("nats://a:4222,nats://w3:pw@b:4222", {}) and logs_in("nats://a:4222", {"token": "t"})
+    assert logs_in("nats://a:4222", {"creds_file": "/x.creds"}) and not logs_in("nats://a:4222,nats://b:4222", {})

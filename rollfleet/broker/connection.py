@@ -11,7 +11,7 @@ import nats
 from nats.aio.client import Client as NATS
 
 from rollfleet.runtime.logs import get_logger
-from rollfleet.runtime.secrets import redact_url, redact_urls
+from rollfleet.runtime.secrets import has_secrets, redact_url, redact_urls
 from rollfleet.schemas.errors import AuthorizationError, ServiceUnavailable
 
 log = get_logger("rollfleet.broker.connection")
@@ -22,6 +22,13 @@ log = get_logger("rollfleet.broker.connection")
 # for up to six minutes. One small PING every 5 s per connection is the whole cost.
 PING_INTERVAL_S = 5.0
 MAX_OUTSTANDING_PINGS = 3
+
+
+def logs_in(url: str, options: dict[str, Any]) -> bool:
+    """Whether a connection to ``url`` with ``options`` (``connect``'s) logs in as somebody: a
+    user or token in a server's URL, or a token, user or credentials file among the options."""
+    in_url = any(has_secrets(server.strip()) for server in url.split(",") if server.strip())
+    return in_url or any(options.get(k) for k in ("token", "user", "creds_file"))
 
 
 async def connect(

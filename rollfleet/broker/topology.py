@@ -231,17 +231,26 @@ async def ensure_topology(js: JetStreamContext, names: Names, cfg: TopologyConfi
 # worker may not declare (the broker refuses and logs a violation), and a trainer's client
 # declares what was lost within a second or two of noticing.
 WORKER_DECLARE_AFTER_S = 30.0
+# All of it missing is a bare broker where the worker came first, or a broker that lost its whole
+# store (a wipe): a worker that logs in as a user (the generated permissions) waits this long for
+# a trainer before it tries, so a wipe costs no refused declaration; an anonymous one (a bare
+# local broker) declares at once.
+WORKER_DECLARE_BARE_AFTER_S = 5.0
 
 TopologyStep = Literal["ready", "declare", "wait"]
 
 
-def topology_step(missing: int, total: int, waited_s: float, tried: bool, declare_after_s: float) -> TopologyStep:
+def topology_step(
+    missing: int, total: int, waited_s: float, tried: bool, declare_after_s: float, bare_after_s: float = 0.0
+) -> TopologyStep:
     """A starting worker's next step: ``ready`` when nothing is missing; ``declare`` (once) when
-    the namespace was never declared (all of it missing: a bare broker where the worker came
-    first) or part of it has been missing for ``declare_after_s``; else ``wait`` for a trainer."""
+    all of it has been missing for ``bare_after_s`` (a bare broker where the worker came first,
+    or a wiped one no trainer has declared again yet) or part of it for ``declare_after_s``;
+    else ``wait`` for a trainer."""
     if missing == 0:
         return "ready"
-    if not tried and (missing == total or waited_s >= declare_after_s):
+    bare = missing == total and waited_s >= bare_after_s
+    if not tried and (bare or waited_s >= declare_after_s):
         return "declare"
     return "wait"
 
@@ -252,6 +261,7 @@ async def wait_for_topology(
     cfg: TopologyConfig = DEFAULT_TOPOLOGY,
     *,
     declare_after_s: float = WORKER_DECLARE_AFTER_S,
+    bare_after_s: float = 0.0,
     poll_s: float = 0.2,
 ) -> None:
     """A worker's start: the namespace's streams and buckets exist (``topology_step``). A worker
@@ -265,7 +275,7 @@ async def wait_for_topology(
         except nats.errors.Error as exc:
             raise ServiceUnavailable(f"cannot read the topology of namespace {names.namespace!r}: {exc}") from exc
         missing = [name for name, created in times.items() if created is None]
-        step = topology_step(len(missing), len(times), time.monotonic() - t0, tried, declare_after_s)
+        step = topology_step(len(missing), len(times), time.monotonic() - t0, tried, declare_after_s, bare_after_s)
         if step == "ready":
             return
         if step == "declare":

@@ -325,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the gateways' client id: any number of live gateways may share it (a key retried through any of them "
         "is one job, answered once)",
     )
+    _add_topology(p)  # (what it declares again after a loss must be the fleet's, not the defaults)
     p.add_argument("--model-name", default="rollfleet", help="the model name /v1/models reports")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may wait for its answer")
     p.add_argument(
@@ -547,7 +548,12 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
     # (a server: started while the broker is not ready, a cluster electing, it tries again)
     client = await until_ready(
         lambda: RolloutClient.connect(
-            args.nats, namespace=args.namespace, client_id=args.client_id, shared=True, **_conn_options(args)
+            args.nats,
+            namespace=args.namespace,
+            client_id=args.client_id,
+            shared=True,
+            topology=_topology(args),
+            **_conn_options(args),
         ),
         what="connect",
     )

@@ -340,9 +340,11 @@ class RolloutClient:
         retry_policy: RetryPolicy,
         session_id: str | None,
         replica: str | None = None,
+        asked_at: float | None = None,
     ) -> RolloutHandle:
         """``submit`` with the constraint resolved; ``replica``: store the job on that replica's own
-        subject (a session's sticky turn) instead of the constraint's shared one."""
+        subject (a session's sticky turn) instead of the constraint's shared one; ``asked_at``: when
+        the caller asked (its ``timeout`` counts from then)."""
         job, data = build_job(
             payload,
             client_id=self.client_id,
@@ -358,6 +360,7 @@ class RolloutClient:
             limits=self.limits,
             max_timeout_s=self.topology.claims_ttl_s,
             job_id=self._ids.issue(idempotency_key if isinstance(idempotency_key, str) else None),
+            asked_at=asked_at,
         )
         key = job.idempotency_key
         existing = self._handles.get(key)
@@ -575,6 +578,7 @@ class RolloutClient:
         if target is None:
             return  # nobody serves it yet; a replica activating the version pulls it then
         self._bells[key] = now
+        log.debug("bell rung", kind=constraint.kind, version=constraint.version, stalled=stalled, to=target.worker_id)
         data = self.names.bell_payload(constraint.kind, constraint.version, stalled=stalled)
         reply = f"{self._bell_inbox}.{constraint.kind}.{constraint.version}{'.stalled' if stalled else ''}"
         self._spawn(self.nc.publish(self.names.bell_subject(target.worker_id), data, reply=reply))
@@ -602,6 +606,7 @@ class RolloutClient:
         retry_policy: RetryPolicy,
         session_id: str,
         replica: str | None,
+        asked_at: float,
     ) -> RolloutHandle:
         """A session's turn: a job under the turn's key, on ``replica``'s own subject if given."""
         return await self._submit(
@@ -614,6 +619,7 @@ class RolloutClient:
             retry_policy=retry_policy,
             session_id=session_id,
             replica=replica,
+            asked_at=asked_at,
         )
 
     async def end_session(self, replica: str, session_id: str) -> None:

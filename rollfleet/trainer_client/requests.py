@@ -93,10 +93,12 @@ def build_job(
     limits: Limits,
     max_timeout_s: float | None = None,
     job_id: str | None = None,
+    asked_at: float | None = None,
 ) -> tuple[RolloutJob, bytes]:
     """The job and its wire bytes, or ``InvalidRequest`` naming what is wrong. ``written``: the
     constraint as the caller wrote it (see ``written_constraint``); ``max_timeout_s``: the
-    longest an ``at_most_once`` job may wait (its claim must outlive it)."""
+    longest an ``at_most_once`` job may wait (its claim must outlive it); ``asked_at``: when the
+    caller asked, where that was before this call (a ``timeout`` counts from then)."""
     if not isinstance(payload, RolloutPayload):
         raise InvalidRequest(f"payload must be a RolloutPayload, got {type(payload).__name__}")
     if retry_policy not in RETRY_POLICIES:
@@ -107,7 +109,7 @@ def build_job(
         raise InvalidRequest(f"idempotency_key must have 1..{limits.max_key_chars} characters")
     if session_id is not None:
         check_token(session_id, "session_id")  # type: ignore[arg-type]
-    now = time.time()
+    now = time.time() if asked_at is None else asked_at
     if deadline is not None and timeout is not None:
         raise InvalidRequest("give deadline or timeout, not both")
     if deadline is not None:

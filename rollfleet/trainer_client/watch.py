@@ -181,5 +181,13 @@ class JobWatch:
                     log.debug("stall check failed", subject=consumer, error=str(exc))
                     continue
                 bells = stall_bells(info.num_waiting or 0, info.num_pending or 0, info.num_ack_pending or 0)
+                log.debug(
+                    "stall check",
+                    subject=consumer,
+                    num_waiting=info.num_waiting,
+                    num_pending=info.num_pending,
+                    num_ack_pending=info.num_ack_pending,
+                    bells=bells,
+                )
                 for _ in range(bells):
                     self._ring(constraint, stalled=True)

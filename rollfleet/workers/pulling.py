@@ -113,11 +113,20 @@ class JobPuller:
     def bell(self, subject: Subject, stalled: bool) -> None:
         """A client rang for work on ``subject`` (``stalled``: it saw jobs there and no request of
         ours waiting at the broker)."""
-        if not self.served.accepts(subject):
+        accepted = self.served.accepts(subject)
+        puller = self._pullers.get(subject)
+        self._log.debug(
+            "bell",
+            subject=str(subject),
+            stalled=stalled,
+            accepted=accepted,
+            busy=puller is not None and puller.busy,
+            waiting=puller is not None and puller.waiting,
+        )
+        if not accepted:
             return
         self._standby.pop(subject, None)  # called in: wait there again
         self._no_consumer.pop(subject, None)  # a job was stored there: its consumer exists now
-        puller = self._pullers.get(subject)
         if puller is not None and puller.busy:
             if not (stalled and puller.waiting):
                 return  # a request is waiting there: the job is (being) delivered to it already
@@ -415,10 +424,14 @@ class JobPuller:
                 await puller.request(free, wait_s=self.wait_pull_s)
                 self.scheduler.note_served(subject, now)
             elif not puller.busy:
-                if await puller.fetch_now(free):
+                fetched = await puller.fetch_now(free)
+                self._log.debug("backlog fetched", subject=str(subject), fetched=fetched, missing=puller.missing)
+                if fetched:
                     self.scheduler.note_served(subject, time.monotonic())
                 elif not puller.missing:  # (a missing consumer is looked up on the next pass)
                     self.scheduler.note_empty(subject)
+            else:
+                self._log.debug("backlog left to a busy request", subject=str(subject))
             free = self._free()
         return free
 

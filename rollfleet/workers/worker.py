@@ -23,10 +23,11 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from rollfleet.broker.connection import connect
+from rollfleet.broker.connection import connect, logs_in
 from rollfleet.broker.startup import until_ready
 from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
+    WORKER_DECLARE_BARE_AFTER_S,
     TopologyConfig,
     wait_for_topology,
 )
@@ -131,7 +132,10 @@ class Worker:
         self.js = self.nc.jetstream()
         # (a trainer declares the namespace: a worker started while it is missing waits for it, and
         # one started while the broker is not ready, a cluster electing, tries again)
-        await until_ready(lambda: wait_for_topology(self.js, self.names, cfg.topology), what="namespace")
+        bare_after_s = WORKER_DECLARE_BARE_AFTER_S if logs_in(cfg.nats_url, cfg.connect_options) else 0.0
+        await until_ready(
+            lambda: wait_for_topology(self.js, self.names, cfg.topology, bare_after_s=bare_after_s), what="namespace"
+        )
         self.jobs = JobRunner(
             self.js,
             self.names,

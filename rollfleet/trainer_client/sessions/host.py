@@ -97,6 +97,7 @@ class SessionHost(Protocol):
         retry_policy: RetryPolicy,
         session_id: str,
         replica: str | None,
+        asked_at: float,
     ) -> RolloutHandle: ...
 
     async def result(self, idempotency_key: str, timeout: float | None = None) -> RolloutResult: ...

@@ -243,7 +243,9 @@ class Session:
     ) -> RolloutResult:
         """Run the next turn (its prompt: the whole context so far) and return its result, or
         raise its typed error. ``turn``: an earlier turn's index returns that turn's answer (a
-        retry: its result, or its error again); a later one is ``SessionConflict``."""
+        retry: its result, or its error again); a later one is ``SessionConflict``. ``timeout``
+        counts from this call (the session's own broker reads before the job is stored use it too)."""
+        asked_at = time.time()
         if not self._opened:
             await self.open()
         if self._closed:
@@ -275,6 +277,7 @@ class Session:
                 retry_policy=self._record.retry_policy,
                 session_id=self.session_id,
                 replica=sticky,
+                asked_at=asked_at,
             )
             spent = handle.stored  # a job was stored under the key: this turn is answered once
             if spent:
