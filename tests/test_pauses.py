@@ -196,3 +196,42 @@ async def test_a_deadline_passing_while_the_broker_is_frozen_is_answered_at_once
             assert answered == ["answered", "broker back"], answered
     finally:
         group.close()
+
+
+async def test_a_turn_expiring_while_the_broker_is_frozen_is_answered_without_waiting_for_its_save(
+    broker: EmbeddedBroker, namespace: str, tmp_path: Path
+) -> None:
+    """A session's turn answered ``Expired`` while the broker is frozen raises then: saving the
+    session's record after it waits at most a second past the deadline, not for the broker's
+    request to time out (campaign seed 313, --cluster: two turns answered 7-8 s late, each
+    behind its record's save while a node was cut off)."""
+    assert broker.proc is not None
+    group = ProcessGroup(tmp_path)
+    try:
+        group.worker(broker.url, namespace, "a", "--engine", "echo", "--version", "0")
+        async with await RolloutClient.connect(
+            broker.url, namespace=namespace, client_id="c", fail_fast=False
+        ) as client:
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=30)
+            session = await client.session("frozen", exact_version=7, version_policy="free").open()  # nobody: v7
+            answered: list[str] = []
+
+            async def turn() -> None:
+                with pytest.raises(Expired):
+                    await session.generate(payload(max_tokens=2), timeout=1.0)
+                answered.append("answered")
+
+            turning = asyncio.create_task(turn())
+            await wait_until(lambda: session.next_turn == 1, timeout=10, what="the turn stored")
+            broker.proc.send_signal(signal.SIGSTOP)
+            try:
+                # Its deadline and the client's grace pass (3 s), then its save: 1 s at most, where
+                # the broker's request would time out after 5 s (8 s, after the broker is back).
+                await asyncio.sleep(7.0)
+                answered.append("broker back")
+            finally:
+                broker.proc.send_signal(signal.SIGCONT)
+            await turning
+            assert answered == ["answered", "broker back"], answered
+    finally:
+        group.close()

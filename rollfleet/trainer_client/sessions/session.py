@@ -29,6 +29,7 @@ bounds what a replica keeps if no one tells it).
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 import uuid
@@ -69,6 +70,8 @@ from rollfleet.trainer_client.sessions.sticky import await_turn
 log = get_logger("rollfleet.sessions")
 
 POLICIES = ("pinned", "monotonic", "free")
+# A turn answered at its deadline still gets this long to save the session's record.
+SAVE_GRACE_S = 1.0
 _FAILURES_KEPT = 16  # turn failures remembered in the record (asked again, they raise again)
 
 
@@ -267,6 +270,7 @@ class Session:
         previous, sticky = self._record.replica, self._sticky(constraint)
         self._running, self._heading = nxt, sticky  # (no await between: the next burst's choice sees it)
         spent = False
+        due: float | None = None  # the turn's deadline, once its job is built
         try:
             handle = await self._host.submit_turn(
                 payload,
@@ -279,7 +283,7 @@ class Session:
                 replica=sticky,
                 asked_at=asked_at,
             )
-            spent = handle.stored  # a job was stored under the key: this turn is answered once
+            spent, due = handle.stored, handle.job.deadline  # stored: this turn is answered once
             if spent:
                 self._record.next_turn = nxt + 1
                 self._record.touched_at = time.time()
@@ -302,7 +306,7 @@ class Session:
         finally:
             self._running = self._heading = None
             if spent:
-                await self._save()
+                await self._save(due)
         self._answered(nxt, result, previous)
         return result
 
@@ -450,19 +454,24 @@ class Session:
                 del self._host.sessions[self.session_id]
             raise UnknownSession(f"session {self.session_id!r} was closed (or expired) elsewhere")
 
-    async def _save(self) -> None:
+    async def _save(self, due: float | None = None) -> None:
         """Store the record after a turn, only over the revision this handle last saw: a record
         deleted by a close elsewhere stays deleted. A result is not lost if this fails (it is in
-        the results stream under the turn's key)."""
+        the results stream under the turn's key). ``due``: the turn's deadline; the save waits at
+        most until then (or ``SAVE_GRACE_S``), so a broker that does not answer never holds the
+        turn's answer back from its caller past the deadline."""
         if self._kv is None or self._closed or self._revision is None:
             return
         key = self._host.names.session_key(self.session_id)
+        wait = None if due is None else max(SAVE_GRACE_S, due - time.time())
         try:
-            self._revision = await self._kv.update(key, encode(self._record), last=self._revision)
+            self._revision = await asyncio.wait_for(
+                self._kv.update(key, encode(self._record), last=self._revision), wait
+            )
         except nats.js.errors.KeyWrongLastSequenceError:
             await self._save_over_newer(key)
-        except Exception as exc:
-            log.warning("session record not stored", session_id=self.session_id, error=str(exc))
+        except Exception as exc:  # (a timeout too: the next save, over a newer revision, merges)
+            log.warning("session record not stored", session_id=self.session_id, error=str(exc) or type(exc).__name__)
 
     async def _save_over_newer(self, key: str) -> None:
         """The record changed since this handle saw it: closed elsewhere (then this handle is
