@@ -1283,7 +1283,17 @@ class Oracle:
             if pub and not kept:
                 self.unverified[f"lost: the published answer {LOST_WITH_STORE}"] += 1
                 continue
-            pub = kept
+            # An answer on the wire that the results stream does not hold at the end, and that no
+            # store loss took, was never stored: no stream leader took it (campaign seed 17,
+            # --cluster: four publishes during a leader's death, none acknowledged, the worker
+            # left the job to be redelivered as it should).
+            full = self.idem.get(c.key, c.key)  # (a turn's key in the stream names its incarnation)
+            in_stream = {str(e.get("job_id")) for k in {c.key, full} for e in self.stored.get(k, [])}
+            taken = [p for p in kept if str(p.job_id) in in_stream or self._lost_during(p.t, p.t, "results")]
+            if kept and not taken:
+                self.unverified["lost: the published answer never stored (no acknowledgement)"] += 1
+                continue
+            pub = taken
             if pub and c.op in ("resubmit", "resume") and c.error == "ContractViolation":
                 p = pub[0]
                 self.check(

@@ -313,6 +313,43 @@ def second_answer_for_a_gateway_key(h: History) -> None:
     h.flagged = "another-job"
 
 
+def gateway_call_hangs_past_its_deadline(h: History) -> None:
+    """A call over HTTP the trainer was answered is left unanswered instead, its caller giving up
+    15 s past every copy's deadline: the caller giving up early is unverified, this is a hang."""
+    r = _gateway_answer(h)
+    due = max([float(r["t0"]) + 20.0, *(float(d.get("deadline") or 0) for d in h.tap["deliveries"] if d["key"] == r["key"])])
+    keep = {k: r[k] for k in ("rid", "op", "key", "t0", "client", "inc") if k in r}
+    r.clear()
+    r.update(keep, ev="hang", tries=3, t=due + 15.0)
+    for other in [o for o in h.trainer if o.get("ev") == "http_attempt" and o.get("rid") == keep["rid"]]:
+        other["t"] = min(float(other["t"]), due + 15.0)
+
+
+def _stored_answer_of_a_plain_call(h: History) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A plain trainer call answered with a result that the results stream holds at the end, and
+    its ``stored`` record (its deadline)."""
+    stored = {r["rid"]: r for r in h.trainer if r.get("ev") == "stored"}
+    for r in h.answers():
+        if r.get("client") or r.get("sid") or r["key"] in h.cancelled or r["rid"] not in stored:
+            continue
+        if any(e.get("job_id") == r.get("job_id") for e in h.doc["stored"].get(r["key"], [])):
+            return r, stored[r["rid"]]
+    raise AssertionError("the recorded run has no plain result its results stream still holds")
+
+
+def expired_though_its_answer_was_stored(h: History, never_stored: bool = False) -> None:
+    """A call whose answer a worker stored before its deadline is answered ``Expired`` at the
+    deadline instead (``lost``); with ``never_stored``, the stream does not hold that answer at
+    the end either (no stream leader took it), which is no violation."""
+    r, stored = _stored_answer_of_a_plain_call(h)
+    key, deadline = r["key"], float(stored["deadline"])
+    _error(r, "Expired", "expired")
+    r["t"] = deadline
+    h.doc["finals"].pop(key, None)  # (the re-ask's agreement is the `once` check's)
+    if never_stored:
+        h.doc["stored"].pop(key, None)
+
+
 MUTATIONS: dict[str, tuple[Callable[[History], None], str]] = {
     "refuse-everything": (refuse_everything, "available"),
     "no-calls": (no_calls, "available"),
@@ -325,6 +362,8 @@ MUTATIONS: dict[str, tuple[Callable[[History], None], str]] = {
     "claimed-by-two-processes": (claimed_by_two_processes, "twice"),
     "gateway-answer-one-version-off": (gateway_answer_one_version_off, "served"),
     "second-answer-for-a-gateway-key": (second_answer_for_a_gateway_key, "once"),
+    "gateway-call-hangs-past-its-deadline": (gateway_call_hangs_past_its_deadline, "resolution"),
+    "expired-though-its-answer-was-stored": (expired_though_its_answer_was_stored, "lost"),
     "reversed-tokens": (partial(swap_tokens, reverse=True), "served"),
     "interrupted-though-a-frozen-holder-finished": (interrupted_though_a_frozen_holder_finished, "twice"),
     "interrupted-though-a-frozen-holder-finished (converted call)": (
@@ -513,6 +552,7 @@ FINE: dict[str, Callable[[History], None]] = {
     "interrupted-then-a-later-job": interrupted_then_a_later_job,
     "interrupted-then-a-later-job (converted call)": partial(interrupted_then_a_later_job, convert=True),
     "resumed-delivery-the-tap-missed": resumed_delivery_the_tap_missed,
+    "expired-its-answer-never-stored": partial(expired_though_its_answer_was_stored, never_stored=True),
 }
 
 
