@@ -317,7 +317,8 @@ def gateway_call_hangs_past_its_deadline(h: History) -> None:
     """A call over HTTP the trainer was answered is left unanswered instead, its caller giving up
     15 s past every copy's deadline: the caller giving up early is unverified, this is a hang."""
     r = _gateway_answer(h)
-    due = max([float(r["t0"]) + 20.0, *(float(d.get("deadline") or 0) for d in h.tap["deliveries"] if d["key"] == r["key"])])
+    copies = [float(d.get("deadline") or 0) for d in h.tap["deliveries"] if d["key"] == r["key"]]
+    due = max([float(r["t0"]) + 20.0, *copies])
     keep = {k: r[k] for k in ("rid", "op", "key", "t0", "client", "inc") if k in r}
     r.clear()
     r.update(keep, ev="hang", tries=3, t=due + 15.0)
