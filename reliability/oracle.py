@@ -1287,9 +1287,11 @@ class Oracle:
             # store loss took, was never stored: no stream leader took it (campaign seed 17,
             # --cluster: four publishes during a leader's death, none acknowledged, the worker
             # left the job to be redelivered as it should).
-            full = self.idem.get(c.key, c.key)  # (a turn's key in the stream names its incarnation)
-            in_stream = {str(e.get("job_id")) for k in {c.key, full} for e in self.stored.get(k, [])}
-            taken = [p for p in kept if str(p.job_id) in in_stream or self._lost_during(p.t, p.t, "results")]
+            # (By the message's digest: a failure stored later for the same job is another answer.
+            # A turn's key in the stream names its incarnation.)
+            full = self.idem.get(c.key, c.key)
+            in_stream = {str(e.get("digest")) for k in {c.key, full} for e in self.stored.get(k, [])}
+            taken = [p for p in kept if p.digest in in_stream or self._lost_during(p.t, p.t, "results")]
             if kept and not taken:
                 self.unverified["lost: the published answer never stored (no acknowledgement)"] += 1
                 continue

@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import signal
 import subprocess
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -157,6 +159,21 @@ async def test_a_paused_holder_of_a_sticky_turn_never_answers_it_once_moved(
         group.close()
 
 
+@asynccontextmanager
+async def _one_replica(broker: EmbeddedBroker, namespace: str, tmp_path: Path) -> AsyncIterator[RolloutClient]:
+    """A client (``fail_fast`` off) of a fleet of one echo replica at v0, once it is registered."""
+    group = ProcessGroup(tmp_path)
+    try:
+        group.worker(broker.url, namespace, "a", "--engine", "echo", "--version", "0")
+        async with await RolloutClient.connect(
+            broker.url, namespace=namespace, client_id="c", fail_fast=False
+        ) as client:
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=30)
+            yield client
+    finally:
+        group.close()
+
+
 async def test_a_deadline_passing_while_the_broker_is_frozen_is_answered_at_once(
     broker: EmbeddedBroker, namespace: str, tmp_path: Path
 ) -> None:
@@ -166,36 +183,28 @@ async def test_a_deadline_passing_while_the_broker_is_frozen_is_answered_at_once
     deadlines up for as long as their requests took to time out (campaign seed 313, --cluster:
     a turn answered 7 s after its deadline while a node was cut off)."""
     assert broker.proc is not None
-    group = ProcessGroup(tmp_path)
-    try:
-        group.worker(broker.url, namespace, "a", "--engine", "echo", "--version", "0")
-        async with await RolloutClient.connect(
-            broker.url, namespace=namespace, client_id="c", fail_fast=False
-        ) as client:
-            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=30)
-            for sid in ("s1", "s2", "s3"):  # each closed in turn, each close waiting on the broker
-                await client.session(sid, ttl=0.5).generate(payload(max_tokens=2))  # (idle from now on)
-            waiting = await client.submit(payload(), exact_version=7, timeout=2.0)  # nobody serves v7
-            answered: list[str] = []
+    async with _one_replica(broker, namespace, tmp_path) as client:
+        for sid in ("s1", "s2", "s3"):  # each closed in turn, each close waiting on the broker
+            await client.session(sid, ttl=0.5).generate(payload(max_tokens=2))  # (idle from now on)
+        waiting = await client.submit(payload(), exact_version=7, timeout=2.0)  # nobody serves v7
+        answered: list[str] = []
 
-            async def watch() -> None:
-                with contextlib.suppress(Exception):
-                    await waiting.result(30)
-                answered.append("answered")
+        async def watch() -> None:
+            with contextlib.suppress(Exception):
+                await waiting.result(30)
+            answered.append("answered")
 
-            watcher = asyncio.create_task(watch())
-            broker.proc.send_signal(signal.SIGSTOP)
-            try:
-                await asyncio.sleep(9.0)  # its deadline and grace pass (4 s), the sessions' ttl too
-                answered.append("broker back")
-            finally:
-                broker.proc.send_signal(signal.SIGCONT)
-            with pytest.raises(Expired):
-                await waiting.result(10)
-            await watcher
-            assert answered == ["answered", "broker back"], answered
-    finally:
-        group.close()
+        watcher = asyncio.create_task(watch())
+        broker.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(9.0)  # its deadline and grace pass (4 s), the sessions' ttl too
+            answered.append("broker back")
+        finally:
+            broker.proc.send_signal(signal.SIGCONT)
+        with pytest.raises(Expired):
+            await waiting.result(10)
+        await watcher
+        assert answered == ["answered", "broker back"], answered
 
 
 async def test_a_turn_expiring_while_the_broker_is_frozen_is_answered_without_waiting_for_its_save(
@@ -206,32 +215,24 @@ async def test_a_turn_expiring_while_the_broker_is_frozen_is_answered_without_wa
     request to time out (campaign seed 313, --cluster: two turns answered 7-8 s late, each
     behind its record's save while a node was cut off)."""
     assert broker.proc is not None
-    group = ProcessGroup(tmp_path)
-    try:
-        group.worker(broker.url, namespace, "a", "--engine", "echo", "--version", "0")
-        async with await RolloutClient.connect(
-            broker.url, namespace=namespace, client_id="c", fail_fast=False
-        ) as client:
-            await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=30)
-            session = await client.session("frozen", exact_version=7, version_policy="free").open()  # nobody: v7
-            answered: list[str] = []
+    async with _one_replica(broker, namespace, tmp_path) as client:
+        session = await client.session("frozen", exact_version=7, version_policy="free").open()  # nobody: v7
+        answered: list[str] = []
 
-            async def turn() -> None:
-                with pytest.raises(Expired):
-                    await session.generate(payload(max_tokens=2), timeout=1.0)
-                answered.append("answered")
+        async def turn() -> None:
+            with pytest.raises(Expired):
+                await session.generate(payload(max_tokens=2), timeout=1.0)
+            answered.append("answered")
 
-            turning = asyncio.create_task(turn())
-            await wait_until(lambda: session.next_turn == 1, timeout=10, what="the turn stored")
-            broker.proc.send_signal(signal.SIGSTOP)
-            try:
-                # Its deadline and the client's grace pass (3 s), then its save: 1 s at most, where
-                # the broker's request would time out after 5 s (8 s, after the broker is back).
-                await asyncio.sleep(7.0)
-                answered.append("broker back")
-            finally:
-                broker.proc.send_signal(signal.SIGCONT)
-            await turning
-            assert answered == ["answered", "broker back"], answered
-    finally:
-        group.close()
+        turning = asyncio.create_task(turn())
+        await wait_until(lambda: session.next_turn == 1, timeout=10, what="the turn stored")
+        broker.proc.send_signal(signal.SIGSTOP)
+        try:
+            # Its deadline and the client's grace pass (3 s), then its save: 1 s at most, where
+            # the broker's request would time out after 5 s (8 s, after the broker is back).
+            await asyncio.sleep(7.0)
+            answered.append("broker back")
+        finally:
+            broker.proc.send_signal(signal.SIGCONT)
+        await turning
+        assert answered == ["answered", "broker back"], answered

@@ -1,17 +1,20 @@
 """One live client per client_id: two would split its durable results between them.
 
 A client answers on ``Names.client_alive_subject(client_id)`` while it lives. A new client
-first asks there: an answer means the id is in use (``ClientIdInUse``). No answer means the
-previous holder is gone; the new one writes its instance id to the key ``client.<id>`` of the
-fleet bucket (compare-and-set against the revision it read before asking), having started to
-answer first: of clients starting at the same moment only one goes on. The broker drops a dead
-client's subscription with its connection, so a restarted trainer takes over at once,
-without waiting out a time-out.
+first asks there: an answer means the id is in use (``ClientIdInUse``). When the key
+``client.<id>`` of the fleet bucket names another instance, a silent holder may be reconnecting
+(its subscription comes back with its connection), so it is asked again for
+``RECONNECT_GRACE_S`` (``takeover_wait_s``). No answer then means the previous holder is gone;
+the new one writes its instance id to the key (compare-and-set against the revision it read
+before asking), having started to answer first: of clients starting at the same moment only one
+goes on. The broker drops a dead client's subscription with its connection, so a restarted
+trainer takes over within that grace, without waiting out a lease's time-out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from contextlib import suppress
 from typing import Literal
@@ -27,6 +30,17 @@ from rollfleet.schemas import Names
 from rollfleet.schemas.errors import ClientIdInUse
 
 _ASK_S = 1.0
+# A key naming another instance that does not answer: dead, or reconnecting (the broker restarted,
+# or its link dropped: its subscription comes back with its connection). It is asked again for
+# this long before the id is taken over (campaign seed 126: a second client took a live trainer's
+# id 50 ms before the trainer's reconnect completed).
+RECONNECT_GRACE_S = 2.0
+
+
+def takeover_wait_s(named: str | None, instance: str) -> float:
+    """How long a starting client keeps asking a silent holder before taking its id: none when no
+    key names anyone else (a fresh id, or this instance), else ``RECONNECT_GRACE_S``."""
+    return 0.0 if named is None or named == instance else RECONNECT_GRACE_S
 
 
 def lease_held(named: str | None, instance: str, others_answering: list[str]) -> Literal["held", "lost", "rewrite"]:
@@ -61,10 +75,15 @@ class ClientLease:
         kv = await self._js.key_value(self._names.fleet_bucket)
         key = self._names.client_key(self._client_id)
         try:
-            seen: int | None = (await kv.get(key)).revision
+            entry = await kv.get(key)
+            seen: int | None = entry.revision
+            named = (entry.value or b"").decode(errors="replace") or None
         except nats.js.errors.KeyNotFoundError:
-            seen = None
+            seen, named = None, None
         holder = await self._ask(subject)
+        wait = takeover_wait_s(named, self.instance)
+        if holder is None and wait > 0:
+            holder = await self._ask_until(subject, time.monotonic() + wait)
         if holder is not None:
             raise ClientIdInUse(self._in_use(holder))
         self._sub = await self._nc.subscribe(subject, cb=self._answer)
@@ -132,6 +151,15 @@ class ClientLease:
                 await sub.unsubscribe()
         return [a for a in answers if a != self.instance]
 
+    async def _ask_until(self, subject: str, until: float) -> str | None:
+        """Ask again, every half second, until somebody answers or ``until`` passes."""
+        while time.monotonic() < until:
+            await asyncio.sleep(0.5)
+            holder = await self._ask(subject)
+            if holder is not None:
+                return holder
+        return None
+
     async def _ask(self, subject: str) -> str | None:
         try:
             reply = await self._nc.request(subject, b"", timeout=_ASK_S)
@@ -150,9 +178,16 @@ class ClientLease:
         )
 
     async def release(self) -> None:
+        """Stop answering, and remove the key if it still names this instance: the next client
+        with the id then takes it at once (only a holder that died costs ``RECONNECT_GRACE_S``)."""
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
             except Exception:  # the connection may already be closed
                 pass
             self._sub = None
+            with suppress(Exception):  # (best effort: a key left behind costs the next one the grace)
+                kv = await self._js.key_value(self._names.fleet_bucket)
+                entry = await kv.get(self._names.client_key(self._client_id))
+                if entry.value == self.instance.encode():
+                    await kv.delete(entry.key, last=entry.revision)
