@@ -666,6 +666,13 @@ def _kill_fact(version: int, point: str, t_start: float, t_end: float, committed
     }
 
 
+def _finished(h: History, answer: dict[str, Any]) -> float:
+    """When ``answer`` was finished, on the harness's clock: its first publication the wiretap saw
+    (its own ``finished_at`` is the worker's clock, which a ``skew`` event moves by up to 2 s)."""
+    seen = [float(p["t"]) for p in h.tap["published"] if p.get("job_id") == answer["job_id"]]
+    return min(seen) if seen else float(answer["finished_at"])
+
+
 def _killed_publisher(h: History, point: str, *, started_after_s: float | None = None) -> dict[str, Any]:
     """A publisher of the version after the run's last commit SIGKILLed at ``point`` (the KV read
     right after: ``latest`` at N only past the CAS); a min answer relabelled with that version.
@@ -673,7 +680,7 @@ def _killed_publisher(h: History, point: str, *, started_after_s: float | None =
     commits = h.doc["timeline"]["commits"]
     version = max(int(c[0]) for c in commits) + 1
     submit, answer = _keyed_answer(h, "min")
-    finished = float(answer["finished_at"])
+    finished = _finished(h, answer)
     t_start = finished - 1.0 if started_after_s is None else finished + started_after_s
     t_end = max([float(r["t"]) for r in h.trainer if "t" in r] + [t_start]) + 30.0  # (after every constraint)
     fact = _kill_fact(version, point, t_start, t_end, committed=point == "commit:before-announce")
@@ -820,7 +827,7 @@ def test_a_delivery_counted_again_after_a_rollback_is_not_flagged(
     _submit, answer = _once_delivered(h, "replayable", convert=True)
     first = next(d for d in h.tap["deliveries"] if d["job_id"] == answer["job_id"])
     other = next(d["worker"] for d in h.tap["deliveries"] if d["worker"] not in (None, answer["worker_id"]))
-    finished = float(answer["finished_at"])
+    finished = _finished(h, answer)
     h.tap["deliveries"].remove(first)
     h.tap["deliveries"].append({**first, "worker": other, "t": finished + 3.0})
     if rolled_back:
