@@ -271,29 +271,33 @@ async def test_a_restarted_trainer_resubmitting_the_same_request_after_a_commit_
 async def test_an_at_most_once_job_outliving_its_claims_lifetime_is_never_run_twice(
     nats_url: str, namespace: str, tmp_path: Path
 ) -> None:
-    """The claims bucket keeps a claim for claims_ttl_s (6 s here). A time-out longer than that
+    """The claims bucket keeps a claim for claims_ttl_s (8 s here). A time-out longer than that
     is refused at submit; a job running longer keeps its claim fresh, so a claims' lifetime
     after it was first claimed, mid-way through a 50 s run, it is still claimed. Its worker is
     SIGKILLed then (its trainer is gone too, so nobody withdraws it): redelivered, the job is
     answered by the other replica without being run again."""
-    topo = TopologyConfig(ack_wait_s=1.0, claims_ttl_s=6.0)
+    topo = TopologyConfig(ack_wait_s=1.0, claims_ttl_s=8.0)
     a = start_worker_process(
         nats_url, namespace, "a", "--ack-wait", "1", "--echo-token-latency", "0.05", log_path=tmp_path / "a.log"
     )
     try:
         async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=topo) as client:
-            with pytest.raises(InvalidRequest, match="at most 6 s"):
-                await client.submit(payload(), min_version=0, retry_policy="at_most_once", timeout=10)
+            with pytest.raises(InvalidRequest, match="at most 8 s"):
+                await client.submit(payload(), min_version=0, retry_policy="at_most_once", timeout=12)
             await wait_until(lambda: len(client.fleet.replicas()) == 1, timeout=30)
+            # A job answered first: the subject's consumer exists and the worker pulls there, so
+            # the job below starts within its deadline however loaded the host (else it is
+            # answered Expired unrun, and never claimed).
+            await (await client.submit(payload(), min_version=0)).result(30)
             handle = await client.submit(  # a 50 s run: still running when it is killed, however slow the host
-                payload(max_tokens=1000), min_version=0, retry_policy="at_most_once", idempotency_key="once", timeout=6
+                payload(max_tokens=1000), min_version=0, retry_policy="at_most_once", idempotency_key="once", timeout=8
             )
             job_id = handle.job_id
         async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="obs", topology=topo) as obs:
             claims = await obs.js.key_value(obs.names.claims_bucket)
             # (from when it was claimed, not from the submit: a loaded host may start it late)
-            await wait_until(lambda: claims.get(claim_key(job_id)), 6, what="the job claimed", retry_errors=True)
-            await asyncio.sleep(7.0)  # past the claims' lifetime, mid-run
+            await wait_until(lambda: claims.get(claim_key(job_id)), 8, what="the job claimed", retry_errors=True)
+            await asyncio.sleep(9.0)  # past the claims' lifetime, mid-run
             held = await claims.get(claim_key(job_id))
             assert (held.value or b"").startswith(b"a:"), held.value  # refreshed, not expired
         a.send_signal(signal.SIGKILL)
