@@ -43,6 +43,11 @@ def takeover_wait_s(named: str | None, instance: str) -> float:
     return 0.0 if named is None or named == instance else RECONNECT_GRACE_S
 
 
+def _named(value: bytes | None) -> str | None:
+    """The instance a lease key's value names (None: empty)."""
+    return (value or b"").decode(errors="replace") or None
+
+
 def lease_held(named: str | None, instance: str, others_answering: list[str]) -> Literal["held", "lost", "rewrite"]:
     """Whether a client still holds its id, from what the lease key names and which other live
     clients answer on the id's subject: another live client answering means it took over; the key
@@ -76,8 +81,7 @@ class ClientLease:
         key = self._names.client_key(self._client_id)
         try:
             entry = await kv.get(key)
-            seen: int | None = entry.revision
-            named = (entry.value or b"").decode(errors="replace") or None
+            seen, named = entry.revision, _named(entry.value)
         except nats.js.errors.KeyNotFoundError:
             seen, named = None, None
         holder = await self._ask(subject)
@@ -110,7 +114,7 @@ class ClientLease:
             entry = await kv.get(key)
         except nats.js.errors.KeyNotFoundError:
             entry = None
-        named = None if entry is None else (entry.value or b"").decode(errors="replace")
+        named = None if entry is None else _named(entry.value)
         others = [] if named == self.instance else await self._others_answering()
         verdict = lease_held(named, self.instance, others)
         if verdict != "rewrite":

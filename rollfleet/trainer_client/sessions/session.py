@@ -464,14 +464,17 @@ class Session:
             return
         key = self._host.names.session_key(self.session_id)
         wait = None if due is None else max(SAVE_GRACE_S, due - time.time())
+        try:  # (the whole save, merge included, is bounded: a timeout's next save merges)
+            await asyncio.wait_for(self._store(key), wait)
+        except Exception as exc:
+            log.warning("session record not stored", session_id=self.session_id, error=str(exc) or type(exc).__name__)
+
+    async def _store(self, key: str) -> None:
+        assert self._kv is not None
         try:
-            self._revision = await asyncio.wait_for(
-                self._kv.update(key, encode(self._record), last=self._revision), wait
-            )
+            self._revision = await self._kv.update(key, encode(self._record), last=self._revision)
         except nats.js.errors.KeyWrongLastSequenceError:
             await self._save_over_newer(key)
-        except Exception as exc:  # (a timeout too: the next save, over a newer revision, merges)
-            log.warning("session record not stored", session_id=self.session_id, error=str(exc) or type(exc).__name__)
 
     async def _save_over_newer(self, key: str) -> None:
         """The record changed since this handle saw it: closed elsewhere (then this handle is
