@@ -15,11 +15,15 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import nats.errors
+import nats.js.errors
+import pytest
 
 from rollfleet.broker import EmbeddedBroker, check_server_binary, free_port
 from rollfleet.broker.server import wait_for_port
-from rollfleet.broker.startup import try_again
+from rollfleet.broker.startup import not_ready, try_again, until_ready
 from rollfleet.runtime.processes import terminate
+from rollfleet.schemas.errors import InvalidRequest, ServiceUnavailable
 from rollfleet.testing import ProcessGroup, start_worker_process, wait_until
 from rollfleet.testing.processes import rollfleet_command
 from rollfleet.trainer_client import RolloutClient
@@ -30,6 +34,45 @@ def test_a_start_is_tried_again_only_for_a_retryable_error_within_the_bound() ->
     assert try_again(True, 0.0, 60.0) and try_again(True, 59.9, 60.0)
     assert not try_again(True, 60.0, 60.0)
     assert not try_again(False, 0.0, 60.0)  # (wrong credentials, a bad argument: at once)
+
+
+async def test_a_start_step_meeting_a_stalled_broker_is_tried_again_not_raised_raw() -> None:
+    # CI: a gateway started while its new broker was slow exited on nats' own time-out from a
+    # read after the namespace's (the fleet view's policy read), which no start tried again, and
+    # never listened. Each raw "not ready" error of a start's step is a retryable one.
+    raised = [
+        nats.errors.TimeoutError(),
+        nats.errors.NoRespondersError(),
+        nats.js.errors.ServiceUnavailableError(),
+        nats.errors.ConnectionClosedError(),
+    ]
+    tries: list[int] = []
+
+    async def flaky() -> str:
+        tries.append(1)
+        if raised:
+            raise raised.pop(0)
+        return "started"
+
+    assert await until_ready(flaky, what="test", pause_s=0.0) == "started"
+    assert len(tries) == 5
+
+    async def broken() -> str:
+        tries.append(1)
+        raise ValueError("a defect, not a broker")
+
+    tries.clear()
+    with pytest.raises(ValueError):  # (not the broker's: at once)
+        await until_ready(broken, what="test", pause_s=0.0)
+    assert len(tries) == 1
+
+    async def stalled() -> str:
+        raise nats.errors.TimeoutError()
+
+    with pytest.raises(ServiceUnavailable) as caught:  # past the bound: typed, with its cause
+        await until_ready(stalled, what="the fleet view", bound_s=0.05, pause_s=0.01)
+    assert caught.value.retryable and isinstance(caught.value.__cause__, nats.errors.TimeoutError)
+    assert not_ready(InvalidRequest("bad"), "x") is None and not_ready(KeyError("k"), "x") is None
 
 
 async def test_a_worker_and_a_gateway_started_before_jetstream_is_ready_wait_then_serve(tmp_path: Path) -> None:

@@ -11,8 +11,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+import nats.errors
+import nats.js.errors
+
 from rollfleet.runtime.logs import get_logger
-from rollfleet.schemas.errors import RollfleetError
+from rollfleet.schemas.errors import RollfleetError, ServiceUnavailable
 
 T = TypeVar("T")
 
@@ -20,6 +23,31 @@ STARTUP_WAIT_S = 60.0  # how long a start is tried again while the broker is not
 RETRY_PAUSE_S = 0.5
 
 log = get_logger("rollfleet.broker.startup")
+
+
+# What a broker that is not ready (stalled, restarting, electing, its store wiped meanwhile) raises
+# from a step that does not translate its errors: nothing answered in time, nobody listens, the
+# connection is gone or coming back, 503, a stream or bucket lost between two reads.
+_NOT_READY = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+    nats.errors.NoServersError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NotFoundError,
+)
+
+
+def not_ready(exc: BaseException, what: str) -> RollfleetError | None:
+    """``exc`` as a typed error if it says only that the broker is not ready (a retryable
+    ``ServiceUnavailable``), else None. Without it a start whose reads met a broker stalled for
+    longer than a request's time-out raised nats' own error, which nobody tried again: the process
+    exited (a gateway started while its new broker stalled never listened)."""
+    if isinstance(exc, _NOT_READY):
+        return ServiceUnavailable(f"the broker is not ready ({what}): {type(exc).__name__}: {exc}")
+    return None
 
 
 def try_again(retryable: bool, elapsed_s: float, bound_s: float) -> bool:
@@ -36,9 +64,14 @@ async def until_ready(
     while True:
         try:
             return await attempt()
-        except RollfleetError as exc:
-            if not try_again(exc.retryable, time.monotonic() - t0, bound_s):
+        except Exception as raw:
+            exc = raw if isinstance(raw, RollfleetError) else not_ready(raw, what)
+            if exc is None:
                 raise
+            if not try_again(exc.retryable, time.monotonic() - t0, bound_s):
+                if exc is raw:
+                    raise
+                raise exc from raw
             if not said:
                 log.warning("the broker is not ready; trying again", step=what, error=str(exc), for_s=bound_s)
                 said = True

@@ -105,7 +105,8 @@ class LinkProxy:
         try:
             await asyncio.sleep(for_s)
         finally:
-            self._lags.remove(seconds)
+            if seconds in self._lags:  # (heal() may have cleared it meanwhile)
+                self._lags.remove(seconds)
             self.delay_s = max(self._lags, default=0.0)
 
     async def truncate(self, after_bytes: int, for_s: float) -> None:
@@ -118,7 +119,8 @@ class LinkProxy:
         try:
             await asyncio.sleep(for_s)
         finally:
-            self._truncations.remove(limit)
+            if limit in self._truncations:  # (heal() may have cleared it meanwhile)
+                self._truncations.remove(limit)
             self.truncate_after = min(self._truncations, default=None)
 
     async def drop(self, for_s: float) -> None:

@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from rollfleet.broker.connection import connect
+from rollfleet.broker.startup import not_ready
 from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
     TopologyConfig,
@@ -122,6 +123,8 @@ class RolloutClient:
         )
         self._started = False
         self._closed = False
+        self._expiry_task: asyncio.Task[None] | None = None
+        self._stall_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._bells: dict[tuple[str, int], float] = {}
         # Until then, a key given explicitly is looked up among the stored answers before its job
@@ -224,10 +227,24 @@ class RolloutClient:
         hooks.append(client._on_reconnect)
         try:
             await client._start()
-        except BaseException:
-            await nc.close()
+        except BaseException as exc:
+            await client._abandon()
+            typed = not_ready(exc, "the client's start")
+            if typed is not None:  # (a stalled broker: typed, retryable; the gateway tries again)
+                raise typed from exc
             raise
         return client
+
+    async def _abandon(self) -> None:
+        """A start that failed part-way: stop what it started and close the connection. Its tasks
+        would otherwise live on, on a closed connection, beside the next attempt's."""
+        self._closed = True
+        await self.inbox.stop()
+        watches = [t for t in (self._expiry_task, self._stall_task) if t is not None]
+        await stop_tasks([*watches, *self._background])
+        await self.fleet.close()
+        with suppress(Exception):
+            await self.nc.close()
 
     async def _start(self) -> None:
         await ensure_topology(self.js, self.names, self.topology)
@@ -273,7 +290,7 @@ class RolloutClient:
         self._closed = True
         if self._started:
             await self.inbox.stop()
-            await stop_tasks([self._expiry_task, self._stall_task, *self._background])
+            await stop_tasks([t for t in (self._expiry_task, self._stall_task) if t is not None] + [*self._background])
         await self.fleet.close()
         if self.shared:
             with suppress(Exception):  # (else the broker removes it once idle)

@@ -131,7 +131,8 @@ class Worker:
         )
         self.js = self.nc.jetstream()
         # (a trainer declares the namespace: a worker started while it is missing waits for it, and
-        # one started while the broker is not ready, a cluster electing, tries again)
+        # one started while the broker is not ready, a cluster electing, tries again; so does each
+        # broker read of the start below, should the broker stall meanwhile)
         bare_after_s = WORKER_DECLARE_BARE_AFTER_S if logs_in(cfg.nats_url, cfg.connect_options) else 0.0
         await until_ready(
             lambda: wait_for_topology(self.js, self.names, cfg.topology, bare_after_s=bare_after_s), what="namespace"
@@ -146,7 +147,7 @@ class Worker:
             metrics=self.metrics,
             log=self.log,
             served=self.served,
-            claims=await self.js.key_value(self.names.claims_bucket),
+            claims=await until_ready(lambda: self.js.key_value(self.names.claims_bucket), what="claims"),
             on_engine_down=self.engine_down,
             max_message_bytes=min(self.nc.max_payload, cfg.topology.max_msg_bytes),
             checkpoint_tokens=cfg.checkpoint_tokens,
@@ -186,7 +187,7 @@ class Worker:
             port = self.metrics.serve(cfg.metrics_port)
             status.metrics_url = f"http://{os.uname().nodename}:{port}/metrics"
         self.registration = Registration(self.js, self.names, status, refresh=self._refresh_status, nc=self.nc)
-        await self.registration.start()
+        await until_ready(self.registration.start, what="registry")
         if cfg.store_dir is not None or cfg.follow_versions:
             # A new or restarted replica catches up before it registers as ready.
             self.sync = VersionSync(
@@ -209,7 +210,8 @@ class Worker:
                 store_endpoint=cfg.store_endpoint,
             )
             await self.nc.subscribe(self.names.versions_published, cb=self._on_published)
-            caught_up = await self.sync.catch_up(cfg.catch_up_wait_s, self.registration)
+            sync = self.sync
+            caught_up = await until_ready(lambda: sync.catch_up(cfg.catch_up_wait_s, self.registration), what="policy")
             self.served.version = caught_up.version
             await self.engine.start(self.sync.local_dir if cfg.store_dir is not None else None, self.served.version)
             if cfg.verify_live:
