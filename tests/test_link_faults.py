@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import nats.errors
 import pytest
 
 from rollfleet.broker import EmbeddedBroker
@@ -58,6 +59,42 @@ async def test_a_short_stall_is_lived_through_in_order(link: LinkProxy) -> None:
         await stalled
         await wait_until(lambda: len(got) == 20, 5, what="the held messages delivered")
         assert got == [str(i).encode() for i in range(20)] and reconnected == []
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("given_up_by", ["time-out", "cancelled caller"])
+async def test_a_flush_given_up_during_a_stall_leaves_the_connection_reading(link: LinkProxy, given_up_by: str) -> None:
+    # nats-py's read loop ended on the late PONG of a flush given up on (InvalidStateError): the
+    # connection looked connected and read nothing until the ping bound redialed it (20 s). A
+    # worker's pull request gives up its drain so while a broker is paused (a paused broker's
+    # replicas stayed deaf 13 s after it resumed).
+    reconnected: list[float] = []
+    nc = await connect(f"nats://127.0.0.1:{link.port}", name="t", initial_timeout=10,
+                       reconnect_hooks=[lambda: reconnected.append(time.monotonic())])
+    got: list[bytes] = []
+    try:
+        async def on_msg(msg: Any) -> None:
+            got.append(msg.data)
+
+        await nc.subscribe("s", cb=on_msg)
+        await nc.flush()
+        stalled = asyncio.ensure_future(link.stall("down", 1.0))
+        await asyncio.sleep(0.05)
+        if given_up_by == "time-out":
+            with pytest.raises(nats.errors.TimeoutError):
+                await nc.flush(timeout=0.2)
+        else:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(nc.flush(timeout=5), 0.2)
+        await stalled  # its PONG comes down now
+        await asyncio.sleep(0.2)
+        for i in range(3):
+            await nc.publish("s", str(i).encode())
+        # Read on the same connection within a second, not after a redial 20 s on.
+        await wait_until(lambda: len(got) == 3, 3, what="messages read after the stall")
+        answer = await nc.request("$JS.API.INFO", b"", timeout=3)
+        assert answer.data and reconnected == [] and nc.is_connected
     finally:
         await nc.close()
 

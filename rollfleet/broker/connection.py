@@ -7,7 +7,6 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
-import nats
 from nats.aio.client import Client as NATS
 
 from rollfleet.runtime.logs import get_logger
@@ -22,6 +21,26 @@ log = get_logger("rollfleet.broker.connection")
 # for up to six minutes. One small PING every 5 s per connection is the whole cost.
 PING_INTERVAL_S = 5.0
 MAX_OUTSTANDING_PINGS = 3
+
+
+class _Client(NATS):
+    """nats-py's client with one defect of its own worked around (nats-py 2.16).
+
+    A ``flush()`` (or ``sub.drain()``, which flushes) given up on, by its time-out or by a
+    cancelled caller, leaves its PING's future cancelled in the queue of PONGs awaited. When that
+    PONG arrives, nats-py sets the future's result, which raises ``InvalidStateError``; its read
+    loop logs "encountered error" and ends. The connection then reads nothing, though it looks
+    connected, until the ping bound (about 20 s) gives it up and dials again. Our pull requests
+    give up a drain after a few seconds while a broker is paused, so every pause longer than
+    that left the replicas deaf for up to 20 s after it ended."""
+
+    async def _process_pong(self) -> None:
+        if self._pongs:
+            future = self._pongs.pop(0)  # (the oldest PING's: PONGs come back in order)
+            if not future.done():
+                future.set_result(True)
+            self._pongs_received += 1
+            self._pings_outstanding = 0
 
 
 def logs_in(url: str, options: dict[str, Any]) -> bool:
@@ -110,7 +129,8 @@ async def connect(
         await on_error(exc)
 
     opts["error_cb"] = on_error_first
-    attempt = asyncio.ensure_future(nats.connect(**opts))
+    client = _Client()
+    attempt = asyncio.ensure_future(client.connect(**opts))
     try:
         done, _ = await asyncio.wait({attempt, refused}, timeout=initial_timeout, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:  # e.g. a worker stopped while still connecting
@@ -118,7 +138,8 @@ async def connect(
         raise
     if attempt in done:
         try:
-            conn["nc"] = attempt.result()
+            attempt.result()
+            conn["nc"] = client
         except Exception as exc:  # nats raises several unrelated types here
             # (from None: the chained exception's text and traceback may carry the URL as given)
             raise ServiceUnavailable(f"cannot connect to NATS at {shown}: {redact_urls(str(exc))}") from None
