@@ -249,6 +249,8 @@ class Adversary:
             str(cfg.ack_wait),
             "--duplicate-window",
             str(cfg.duplicate_window),
+            "--max-deliver",
+            str(cfg.max_deliver),
             *self.replicas_args("--replicas"),
         ]
         for name in GATEWAYS:  # (once the namespace is declared: their start-ups overlap the rest of the setup)
@@ -320,6 +322,8 @@ class Adversary:
             str(self.cfg.ack_wait),
             "--duplicate-window",
             str(self.cfg.duplicate_window),
+            "--max-deliver",
+            str(self.cfg.max_deliver),
             "--prepare-timeout",
             "8",
             *self.replicas_args("--replicas"),
@@ -1216,6 +1220,7 @@ class Adversary:
 
             stored = await self.tap.stored_answers()
             activations = await self.tap.stored_activations()
+            await self.tap.described()
             log_lines = self.machine.broker_log().splitlines()
             broker_log = "\n".join(line for line in log_lines if "Violation" in line)
             with contextlib.suppress(Exception):

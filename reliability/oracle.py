@@ -435,12 +435,19 @@ class Oracle:
         committed = [(t_done, v, t_start) for v, t_start, t_done in self.tl.commits]
         self.uncommitted: dict[int, str] = {}  # a publisher fault's version the KV shows never committed
         self.commit_unknown: set[int] = set()
+        self.commit_lost: set[int] = set()  # one the KV may have held, then lost with the broker's store
         for f in self.publisher_faults:
             v, ok = int(f["version"]), self._fault_committed(f)
             if ok:
                 committed.append((float(f["t_end"]), v, float(f["t_start"])))
             elif ok is None:
                 self.commit_unknown.add(v)
+            elif self._lost_during(float(f["t_start"]), float(f["t_end"]), "policy"):
+                # The KV read after the fault shows it uncommitted, but the broker went back to an
+                # older copy of its store (or lost it) while the publisher ran: a commit made in
+                # between, which replicas may have activated and served, was lost with it (campaign
+                # 8, seed 21: a racer committed v16 50 ms before a rollback to a copy 1.25 s older).
+                self.commit_lost.add(v)
             else:
                 how = (
                     f"its publisher SIGKILLed at {f.get('point')}"
@@ -669,6 +676,7 @@ class Oracle:
         self._check_reask_turns()
         self._check_activation_digests()
         self._check_permissions()
+        self._check_topology()
         self._check_answered()
         self._check_available()
         self._check_engines_back()
@@ -844,6 +852,9 @@ class Oracle:
             vs = _versions(desc)
             if any(v in self.commit_unknown for v in vs):
                 self.unverified["version: the policy KV could not be read after a publisher fault"] += 1
+                continue
+            if any(v in self.commit_lost and v not in self.commit_started for v in vs):
+                self.unverified[f"version: a commit by a publisher under fault {LOST_WITH_STORE}"] += 1
                 continue
             never = [v for v in vs if v not in self.commit_started]
             if never:
@@ -2238,6 +2249,31 @@ class Oracle:
                 )
             )
 
+    def _check_topology(self) -> None:
+        """Every stream of the namespace and every jobs consumer the broker created, whoever declared
+        it and whenever (a lost one declared again), has the fleet's settings, as the broker itself
+        describes it (the tap's ``declared``). A gateway once declared a lost consumer with its own
+        30 s ack-wait: a dead holder's job then waited past its deadline (``stranded``)."""
+        fleet = FleetTopology(
+            ack_wait=float(self.cfg.ack_wait),
+            max_deliver=int(self.cfg.max_deliver),
+            duplicate_window=float(self.cfg.duplicate_window),
+            replicas=int(getattr(self.cfg, "replicas", 3 if getattr(self.cfg, "cluster", False) else 1)),
+        )
+        windowed = {self.names.jobs_stream, self.names.results_stream}
+        for t, kind, name, settings in getattr(self.tap, "declared", []):
+            if settings is None:
+                self.unverified["a creation the broker could not describe (gone, or the broker away)"] += 1
+                continue
+            wrong = topology_mismatches(kind, settings, fleet, windowed=name in windowed)
+            self.check(
+                "topology",
+                not wrong,
+                name,
+                f"the broker created {kind} {name} at {t:.3f} with {'; '.join(wrong)}",
+                defect="a process declared with settings other than the fleet's",
+            )
+
     def _check_activation_digests(self) -> None:
         bad: dict[tuple[str, int], tuple[str, str]] = {}
         for a in self.activations:
@@ -2259,6 +2295,37 @@ class Oracle:
 
 
 TRAINER = "trainer"
+
+
+@dataclass(frozen=True)
+class FleetTopology:
+    """The settings every process of the run was given (the harness's flags, not any process's word)."""
+
+    ack_wait: float
+    max_deliver: int
+    duplicate_window: float
+    replicas: int
+
+
+def topology_mismatches(kind: str, settings: dict[str, Any], fleet: FleetTopology, *, windowed: bool) -> list[str]:
+    """How a created stream or jobs consumer (``settings`` as the broker describes it) differs from
+    the fleet's topology; empty when it does not. A consumer's replicas of 0 follow its stream's."""
+    wrong: list[str] = []
+
+    def differs(field: str, got: Any, want: Any) -> None:
+        if got is None or abs(float(got) - float(want)) > 1e-6:
+            wrong.append(f"{field} {got} (the fleet's: {want})")
+
+    if kind == "consumer":
+        differs("ack_wait", settings.get("ack_wait"), fleet.ack_wait)
+        differs("max_deliver", settings.get("max_deliver"), fleet.max_deliver)
+        if settings.get("num_replicas") not in (None, 0):
+            differs("num_replicas", settings.get("num_replicas"), fleet.replicas)
+    else:
+        differs("num_replicas", settings.get("num_replicas") or 1, fleet.replicas)
+        if windowed:
+            differs("duplicate_window", settings.get("duplicate_window"), fleet.duplicate_window)
+    return wrong
 
 
 # -- judging a kept run again (``python -m reliability.oracle WORKDIR``) ---------------------------------
@@ -2285,6 +2352,7 @@ def save_inputs(
             "ack_wait": cfg.ack_wait,
             "duplicate_window": cfg.duplicate_window,
             "max_deliver": cfg.max_deliver,
+            "replicas": 3 if getattr(cfg, "cluster", False) else 1,
             "duration": cfg.duration,
             "available_s": getattr(cfg, "available_s", AVAILABLE_S),
             "store": getattr(cfg, "store", "dir"),
@@ -2382,6 +2450,7 @@ def load_kept(workdir: Any) -> Oracle:
         stored_jobs=tap_doc.get("stored_jobs", {}),
         fleet=[(t, w, msgspec.convert(s, ReplicaStatus) if s else None) for t, w, s in tap_doc["fleet"]],
         gaps=tap_doc["gaps"],
+        declared=tap_doc.get("declared", []),
     )
     return Oracle(
         cfg=cfg,

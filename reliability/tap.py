@@ -16,7 +16,10 @@ anyone on a broker without auth) subscribes to:
 - every results subject: each answer as published (before the results stream deduplicates
   it), chunks reassembled and checked against their head;
 - the jobs stream's ack subjects: acks, naks (hand-backs), progress, terms, per delivery;
-- version announcements, the fleet registry's writes and the claims bucket's writes.
+- version announcements, the fleet registry's writes and the claims bucket's writes;
+- the broker's advisories of every stream and jobs consumer it creates, each then described by
+  the broker itself (``stream_info``, ``consumer_info``): the settings a declaration really got,
+  whoever declared it (a gateway once declared the fleet's consumers with its own defaults).
 
 It also records when it was disconnected (a broker restart): what happened then is
 unverifiable, never a finding. Nothing here judges; ``oracle`` does.
@@ -122,6 +125,10 @@ class Tap:
         self.claims: list[list[Any]] = []
         self._claim_replies: dict[str, int] = {}
         self.gaps: list[list[float]] = []  # [disconnected, reconnected]
+        # [t, "stream" | "consumer", name, settings | None]: what the broker says it created (None:
+        # gone, or the broker away, before it could be read)
+        self.declared: list[list[Any]] = []
+        self._describing: set[asyncio.Task[None]] = set()
         self.subs_seen: dict[str, tuple[str, str]] = {}  # subscription subject -> (connection name, user)
         self.unresolved = 0
         self._chunks: dict[str, list[tuple[float, bytes]]] = defaultdict(list)
@@ -170,11 +177,66 @@ class Tap:
         await self.nc.subscribe(n.events_wildcard, cb=self._on_version, pending_msgs_limit=-1)
         await self.nc.subscribe(f"$KV.{n.fleet_bucket}.>", cb=self._on_fleet, pending_msgs_limit=-1)
         await self.nc.subscribe(f"$KV.{n.claims_bucket}.>", cb=self._on_claim, pending_msgs_limit=-1)
+        await self.nc.subscribe("$JS.EVENT.ADVISORY.STREAM.CREATED.*", cb=self._on_stream_created)
+        await self.nc.subscribe(
+            f"$JS.EVENT.ADVISORY.CONSUMER.CREATED.{n.jobs_stream}.*", cb=self._on_consumer_created
+        )
         await self.nc.flush()
+        await self._describe_existing()
         self._poll_task = asyncio.create_task(self._poll_connz())
         return self
 
+    # -- what the broker created -----------------------------------------------------------
+    def _namespace_streams(self) -> set[str]:
+        n = self.names
+        streams = {n.jobs_stream, n.results_stream, n.events_stream, n.progress_stream}
+        buckets = {n.policy_bucket, n.claims_bucket, n.sessions_bucket, n.fleet_bucket}
+        return streams | {f"KV_{b}" for b in buckets}
+
+    async def _describe_existing(self) -> None:
+        """What the namespace already had when the tap started (declared before it listened)."""
+        js = self.nc.jetstream()
+        for stream in sorted(self._namespace_streams()):
+            await self._describe("stream", stream, None)
+        with contextlib.suppress(Exception):
+            for info in await js.consumers_info(self.names.jobs_stream):
+                self._record("consumer", info.name, _consumer_settings(info.config))
+
+    async def _on_stream_created(self, msg: Any) -> None:
+        stream = msg.subject.rsplit(".", 1)[-1]
+        if stream in self._namespace_streams():
+            self._spawn_describe("stream", stream, None)
+
+    async def _on_consumer_created(self, msg: Any) -> None:
+        self._spawn_describe("consumer", self.names.jobs_stream, msg.subject.rsplit(".", 1)[-1])
+
+    def _spawn_describe(self, kind: str, stream: str, consumer: str | None) -> None:
+        task = asyncio.ensure_future(self._describe(kind, stream, consumer))
+        self._describing.add(task)
+        task.add_done_callback(self._describing.discard)
+
+    async def _describe(self, kind: str, stream: str, consumer: str | None) -> None:
+        js = self.nc.jetstream()
+        name = consumer or stream
+        try:
+            if consumer is None:
+                info = await js.stream_info(stream)
+                self._record(kind, name, _stream_settings(info.config))
+            else:
+                self._record(kind, name, _consumer_settings((await js.consumer_info(stream, consumer)).config))
+        except Exception:  # deleted meanwhile, or the broker away: unverifiable, never a finding
+            self._record(kind, name, None)
+
+    def _record(self, kind: str, name: str, settings: dict[str, Any] | None) -> None:
+        self.declared.append([time.time(), kind, name, settings])
+
+    async def described(self) -> None:
+        """Every creation seen so far described (before the oracle reads ``declared``)."""
+        if self._describing:
+            await asyncio.wait(list(self._describing), timeout=5.0)
+
     async def close(self) -> None:
+        await self.described()
         if self._poll_task is not None:
             self._poll_task.cancel()
             with contextlib.suppress(BaseException):
@@ -517,11 +579,20 @@ class Tap:
             "claims": self.claims,
             "stored_jobs": self.stored_jobs,
             "gaps": self.gaps,
+            "declared": self.declared,
             "tapped": sorted(self._tapped),
             "nuid_owner": self.nuid_owner,
         }
         with open(path, "w") as f:
             json.dump(doc, f, default=str)
+
+
+def _stream_settings(config: Any) -> dict[str, Any]:
+    return {"num_replicas": config.num_replicas, "duplicate_window": config.duplicate_window}
+
+
+def _consumer_settings(config: Any) -> dict[str, Any]:
+    return {"ack_wait": config.ack_wait, "max_deliver": config.max_deliver, "num_replicas": config.num_replicas}
 
 
 def _plain(obj: Any) -> Any:

@@ -310,8 +310,8 @@ async def test_a_gateway_declares_a_lost_job_consumer_with_the_fleets_topology(
     nats_url: str, namespace: str, tmp_path: Path
 ) -> None:
     """A job consumer the gateway finds missing (deleted, or lost with the broker's store) is
-    declared again with the fleet's ``--ack-wait``, not the default 30 s: a holder's death is
-    then redelivered as fast as the fleet's own consumers redeliver it (with the default, a job
+    declared again with the fleet's ``--ack-wait`` (and ``--max-deliver``), not the default 30 s:
+    a holder's death is then redelivered as fast as the fleet's own consumers redeliver it (with the default, a job
     whose holder died waited out its deadline)."""
     procs = ProcessGroup(tmp_path)
     try:
@@ -321,7 +321,9 @@ async def test_a_gateway_declares_a_lost_job_consumer_with_the_fleets_topology(
             consumer = watch.names.job_consumer("min", 0)
             with contextlib.suppress(Exception):  # (whoever declared it, with whatever settings)
                 await watch.js.delete_consumer(watch.names.jobs_stream, consumer)
-            address = await gateway_process(procs, "gw", nats_url, namespace, "--ack-wait", "2.5")
+            address = await gateway_process(
+                procs, "gw", nats_url, namespace, "--ack-wait", "2.5", "--max-deliver", "7"
+            )
             body = {"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 3},
                     "weight_version": {"min_required_version": 0}}  # fmt: skip
             async with httpx.AsyncClient(timeout=30) as http:
@@ -330,7 +332,7 @@ async def test_a_gateway_declares_a_lost_job_consumer_with_the_fleets_topology(
             info = await watch.js.consumer_info(watch.names.jobs_stream, consumer)
     finally:
         procs.close()
-    assert info.config.ack_wait == 2.5
+    assert info.config.ack_wait == 2.5 and info.config.max_deliver == 7
 
 
 async def test_a_gateway_killed_mid_request_loses_nothing_a_keyed_retry_cannot_get(

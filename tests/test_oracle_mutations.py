@@ -32,7 +32,14 @@ import pytest
 
 from reliability.adversary import Adversary, Config, Report, print_report, run_one
 from reliability.journal import tokens_digest
-from reliability.oracle import judge_kept, load_kept, refused_at_a_pin, unserved_stretches
+from reliability.oracle import (
+    FleetTopology,
+    judge_kept,
+    load_kept,
+    refused_at_a_pin,
+    topology_mismatches,
+    unserved_stretches,
+)
 from reliability.schedule import Event
 from rollfleet.schemas.names import claim_key
 
@@ -53,6 +60,27 @@ def test_unserved_stretches_measure_asking_without_service() -> None:
     assert unserved_stretches([], [1.0]) == []
     # An outage the run injected is not counted (overlapping outages once).
     assert unserved_stretches([(0.0, 10.0)], [], [(2.0, 5.0), (4.0, 6.0)]) == [(0.0, 10.0, 6.0)]
+
+
+def test_a_creation_is_judged_against_the_fleets_topology() -> None:
+    fleet = FleetTopology(ack_wait=2.0, max_deliver=10, duplicate_window=15.0, replicas=1)
+    r3 = FleetTopology(ack_wait=2.0, max_deliver=10, duplicate_window=15.0, replicas=3)
+
+    def consumer(ack_wait: float, replicas: int, of: FleetTopology = fleet) -> list[str]:
+        settings = {"ack_wait": ack_wait, "max_deliver": 10, "num_replicas": replicas}
+        return topology_mismatches("consumer", settings, of, windowed=False)
+
+    def stream(replicas: int, window: float, windowed: bool, of: FleetTopology = fleet) -> list[str]:
+        settings = {"num_replicas": replicas, "duplicate_window": window}
+        return topology_mismatches("stream", settings, of, windowed=windowed)
+
+    assert consumer(2.0, 0) == []
+    assert consumer(30.0, 0) == ["ack_wait 30.0 (the fleet's: 2.0)"]
+    assert stream(1, 15.0, True) == [] and stream(1, 120.0, False) == []  # (progress: a window of its own)
+    assert stream(1, 600.0, True)
+    assert stream(1, 15.0, True, r3)  # an R1 stream on the cluster
+    assert consumer(2.0, 0, r3) == [] and consumer(2.0, 1, r3)  # (0: its stream's replicas)
+    assert topology_mismatches("consumer", {"max_deliver": 10}, fleet, windowed=False)  # (unknown: not the fleet's)
 
 
 def test_a_pinned_sessions_refusal_is_judged_only_once_a_turn_has_pinned_it() -> None:
@@ -207,6 +235,23 @@ def dead_fleet(h: History) -> None:
     for w in h.doc["timeline"]["workers"]:
         w["end"] = max(float(w["start"]) + 0.5, min(float(w["end"] or 1e18), t_trainer + 2.0))
         w["how"] = "exited 2"
+
+
+def consumer_declared_with_the_default_ack_wait(h: History) -> None:
+    """A jobs consumer the broker created (a gateway declaring a lost one) with nats' and our
+    default 30 s ack-wait, not the fleet's: a dead holder's job then waits 30 s."""
+    created = [d for d in h.tap["declared"] if d[1] == "consumer" and d[3] is not None]
+    assert created, "the recorded run saw no jobs consumer created"
+    created[-1][3]["ack_wait"] = 30.0
+    h.flagged = created[-1][2]
+
+
+def jobs_stream_declared_with_its_declarers_window(h: History) -> None:
+    """The jobs stream created again (after a wipe) with a window of its declarer's own."""
+    jobs = [d for d in h.tap["declared"] if d[1] == "stream" and d[2].endswith("JOBS") and d[3] is not None]
+    assert jobs, "the recorded run saw no jobs stream"
+    jobs[-1][3]["duplicate_window"] = 600.0
+    h.flagged = jobs[-1][2]
 
 
 def swap_tokens(h: History, reverse: bool = False) -> None:
@@ -366,6 +411,8 @@ MUTATIONS: dict[str, tuple[Callable[[History], None], str]] = {
     "gateway-call-hangs-past-its-deadline": (gateway_call_hangs_past_its_deadline, "resolution"),
     "expired-though-its-answer-was-stored": (expired_though_its_answer_was_stored, "lost"),
     "reversed-tokens": (partial(swap_tokens, reverse=True), "served"),
+    "consumer-declared-with-the-default-ack-wait": (consumer_declared_with_the_default_ack_wait, "topology"),
+    "jobs-stream-declared-with-its-declarers-window": (jobs_stream_declared_with_its_declarers_window, "topology"),
     "interrupted-though-a-frozen-holder-finished": (interrupted_though_a_frozen_holder_finished, "twice"),
     "interrupted-though-a-frozen-holder-finished (converted call)": (
         partial(interrupted_though_a_frozen_holder_finished, convert=True),
@@ -399,6 +446,8 @@ def test_checks_are_counted_once_per_judged_fact(recorded: Path) -> None:
     assert oracle.tap.deliveries and oracle.broker_log  # (deliveries and log lines once inflated these)
     assert oracle.checks["rogue"] == 1
     assert oracle.checks["permissions"] == 1
+    described = [d for d in oracle.tap.declared if d[3] is not None]
+    assert oracle.checks["topology"] == len(described) > 0  # one per creation the broker described
     resumed = {
         (c.key, (c.answer or {}).get("job_id"))
         for c in oracle.calls
@@ -742,6 +791,28 @@ def test_a_result_labelled_with_a_version_never_committed_is_flagged(
     assert never, f"a result labelled v{fact['version']} (publisher killed at {point}) not flagged: {found}"
     assert point in never[0]
     assert set(found) == {"version"}, found  # (its tokens are those v{N}'s bytes make: nothing else tells)
+
+
+@pytest.mark.timeout(240)
+def test_a_commit_a_broker_rollback_may_have_taken_is_unverified_not_never_committed(
+    recorded: Path, tmp_path: Path
+) -> None:
+    """Campaign 8, seed 21: a racer committed v16, replicas activated and served it, and 50 ms
+    later the broker went back to a copy of its store 1.25 s older; the KV read after the race
+    showed v15. A result labelled with a version whose publisher ran while the broker lost its
+    store is unverified (the commit is a fact the store took), never ``never committed``; its
+    tokens are still recomputed (``served``)."""
+    h = History(recorded, tmp_path / "h")
+    fact = _killed_publisher(h, "commit:before-announce")
+    fact["latest_after"] = fact["version"] - 1  # (the KV as read after the rollback)
+    t = float(fact["t_start"]) + 0.5
+    h.doc["timeline"]["stores_lost"] = [{"kind": "rollback", "lost_from": t - 1.25, "at": t, "back": t + 1.5}]
+    found = h.judge()
+    assert not [m for m in found.get("version", []) if "never committed" in m], found
+    assert "served" not in found, found
+    oracle = load_kept(h.dir)
+    oracle.judge()
+    assert any("lost with the broker's store" in k and k.startswith("version") for k in oracle.unverified)
 
 
 @pytest.mark.timeout(240)

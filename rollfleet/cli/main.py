@@ -75,6 +75,8 @@ def _topology(args: argparse.Namespace) -> Any:
         fields["duplicate_window_s"] = args.duplicate_window
     if getattr(args, "max_msg_bytes", None):
         fields["max_msg_bytes"] = args.max_msg_bytes
+    if getattr(args, "max_deliver", None):
+        fields["max_deliver"] = args.max_deliver
     return TopologyConfig(**fields)
 
 
@@ -82,6 +84,7 @@ def _add_topology(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=None, help="stream replicas (3 on a 3-node cluster)")
     p.add_argument("--ack-wait", type=float, default=None, help="seconds before an unacked job is redelivered")
     p.add_argument("--duplicate-window", type=float, default=None, help="idempotency window in seconds")
+    p.add_argument("--max-deliver", type=int, default=None, help="deliveries of a job before the broker gives it up")
     p.add_argument(
         "--max-msg-bytes", type=int, default=None, help="largest stored message; larger answers go in chunks"
     )
