@@ -37,6 +37,25 @@ async def test_workers_register_and_heartbeat(nats_url: str, namespace: str) -> 
     await wait_until(lambda: not client.fleet.replicas(), timeout=5)  # clean exit deregisters
 
 
+async def test_a_replica_turning_full_or_freeing_a_slot_says_so_between_heartbeats(
+    nats_url: str, namespace: str
+) -> None:
+    # Clients ring the bells of replicas with a free slot first (``FleetView.bell_target``): the
+    # registry must show a replica full within a second, not at its next heartbeat.
+    async with (
+        running_worker(nats_url, namespace, version=0, worker_id="full", capacity=2, heartbeat_s=60.0) as worker,
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        worker.engine.latency_s = 4.0
+        short = await client.submit(payload(), min_version=0, idempotency_key="short")
+        await wait_until(lambda: client.fleet.replicas()[0].in_flight == 1, timeout=3)
+        long = await client.submit(payload(), min_version=0, idempotency_key="long")
+        await wait_until(lambda: client.fleet.replicas()[0].in_flight == 2, timeout=3, what="shown full")
+        await short.result(10)
+        await wait_until(lambda: client.fleet.replicas()[0].in_flight == 1, timeout=3, what="a slot shown free")
+        await long.result(10)
+
+
 async def test_dead_worker_goes_stale_and_client_fails_fast(nats_url: str, namespace: str) -> None:
     """The promise: a replica that dies without deregistering stops counting as compatible
     within 3 heartbeat intervals (at least 1 s) of its last registry refresh."""

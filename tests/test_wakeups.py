@@ -12,11 +12,25 @@ import msgspec
 from nats.aio.msg import Msg
 
 from rollfleet.broker.topology import TopologyConfig
-from rollfleet.schemas import VersionConstraint
+from rollfleet.schemas import ReplicaStatus, VersionConstraint
 from rollfleet.schemas.names import LISTENED_MIN_VERSIONS
 from rollfleet.testing import ProcessGroup, running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient
+from rollfleet.trainer_client.fleet import with_room_first
 from tests.helpers import CountingEcho, payload
+
+
+def test_a_bell_goes_to_a_replica_with_a_free_slot_where_one_has_any() -> None:
+    def replica(name: str, in_flight: int) -> ReplicaStatus:
+        return ReplicaStatus(
+            worker_id=name, state="ready", active_version=3, engine="echo", capacity=2,
+            in_flight=in_flight, heartbeat_at=0.0, heartbeat_interval_s=1.0, started_at=0.0,
+        )  # fmt: skip
+
+    full, busy, idle = replica("a", 2), replica("b", 1), replica("c", 0)
+    assert with_room_first([full, busy, idle]) == [busy, idle]
+    assert with_room_first([full]) == [full]  # (all full: rung all the same, one frees a slot first)
+    assert with_room_first([]) == []
 
 
 async def _bells(client: RolloutClient) -> list[Msg]:

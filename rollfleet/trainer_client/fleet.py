@@ -74,6 +74,14 @@ class _Index:
         return cls(live, until, pullers, listened)
 
 
+def with_room_first(fit: list[ReplicaStatus]) -> list[ReplicaStatus]:
+    """Of the replicas that may take a job, those the registry shows with a free slot, else all
+    of them. A replica with every slot taken has no pull request open: a bell rung there wakes
+    nothing that can take the job, and the job waits for the next stall check's bell."""
+    room = [r for r in fit if r.in_flight < r.capacity]
+    return room or fit
+
+
 def _first_at_or_above(pullers: list[ReplicaStatus], version: int) -> int:
     """Index of the first replica (sorted by active version) at ``version`` or above."""
     return bisect.bisect_left(pullers, version, key=lambda r: r.active_version)
@@ -153,18 +161,20 @@ class FleetView:
         return (constraint.kind, constraint.version) in self._current().listened
 
     def bell_target(self, constraint: VersionConstraint) -> ReplicaStatus | None:
-        """The next live replica, round robin, whose active version can take the job now."""
+        """The next live replica, round robin, whose active version can take the job now (one with a
+        free slot, where the registry shows any: ``with_room_first``)."""
         index = self._current()
         pullers = index.pullers
         if constraint.kind == "exact":
             fit = [r for r in pullers if r.takes_now(constraint)]  # (not one activating away from it)
         else:  # sorted by version: those from the first at or above it
             fit = pullers[_first_at_or_above(pullers, constraint.version) :]
-        if not fit:
+        pool = with_room_first(fit)
+        if not pool:
             return None
         # (Kept across index rebuilds: a rebuild must not send every bell to the first replica.)
         turn = self._turns.setdefault((constraint.kind, constraint.version), itertools.count())
-        return fit[next(turn) % len(fit)]
+        return pool[next(turn) % len(pool)]
 
     def mark_gone(self, worker_id: str) -> None:
         """The broker says nobody listens on this replica's bell: it is gone (its next registry

@@ -441,15 +441,17 @@ class Worker:
         task = asyncio.create_task(self.jobs.handle(msg, info))
         self._inflight.add(task)
         task.add_done_callback(self._job_done)
-        if len(self._inflight) == 1 and self.registration is not None:
-            self.registration.note_busy_changed()  # turned busy: `status` shows it within a second
+        # Turned busy, or full: `status` shows it within a second, and clients ring the bells of
+        # replicas with a free slot first (``FleetView.bell_target``).
+        if len(self._inflight) in (1, self.config.capacity) and self.registration is not None:
+            self.registration.note_busy_changed()
 
     def _job_done(self, task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)
         if self.pulling is not None:
             self.pulling.wake()
-        if not self._inflight and self.registration is not None:
-            self.registration.note_busy_changed()  # idle again
+        if len(self._inflight) in (0, self.config.capacity - 1) and self.registration is not None:
+            self.registration.note_busy_changed()  # idle again, or a slot free again
 
     async def _report_progress(self) -> None:
         """An info line per interval for operators (per-job lines are at debug level)."""
