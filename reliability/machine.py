@@ -599,6 +599,12 @@ class Machine:
         if self.objstore is not None:
             self.objstore.restore(shard, original)
             return
+        shard = Path(shard)
+        if not shard.parent.is_dir():
+            # Its version's directory was hidden meanwhile (a ``hide`` event overlapping the
+            # corruption): restore it there, or the hide brings the corrupted shard back for good
+            # (campaign 8, seed 707: v15 stayed corrupt, every later version unreachable).
+            shard = self.hidden_dir / shard.parent.name / shard.name
         tmp = shard.with_name(shard.name + ".adv-tmp")
         tmp.write_bytes(original)
         os.replace(tmp, shard)

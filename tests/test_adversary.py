@@ -78,3 +78,23 @@ async def test_a_drained_worker_is_recorded_as_drained_even_if_reaped_first(tmp_
     m.reap()  # before the drain's own poll sees it
     await drain
     assert wp.how == "terminated"
+
+
+def test_a_corruption_restored_while_its_version_is_hidden_comes_back_whole(tmp_path: Path) -> None:
+    # Campaign 8, seed 707: a shard corrupted for 6.19 s, its version's directory hidden 2.65 s in
+    # for 5.2 s; the restore found no directory, and the unhide brought the corrupted shard back
+    # for good (every later version unreachable). The faults compose: the store ends whole.
+    import random
+
+    m = Machine(tmp_path, namespace="adv", seed=1, auth=False, child_env={}, cwd=tmp_path)
+    d = m.version_dir(15)
+    d.mkdir(parents=True)
+    whole = bytes(range(256)) * 16
+    (d / "model-00000-of-00001.safetensors").write_bytes(whole)
+    corrupted = m.corrupt(15, random.Random(1))
+    assert corrupted is not None and (d / "model-00000-of-00001.safetensors").read_bytes() != whole
+    assert m.hide(15) is not None and not d.exists()
+    m.restore(*corrupted)
+    m.unhide(15)
+    assert (d / "model-00000-of-00001.safetensors").read_bytes() == whole
+    assert not list(d.glob("*.adv-tmp"))
