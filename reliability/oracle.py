@@ -1786,6 +1786,15 @@ class Oracle:
                     if finished and not second and not answered_by_second and not claimed_by_second:
                         self.unverified["moved: the copy's taker said, claimed and answered nothing"] += 1
                         continue
+                    # A taker that acked progress first (it holds the copy while it asks whether the
+                    # first holder lives), then handed it back, having claimed and answered nothing,
+                    # ran nothing either: a job of this kind is claimed before it runs (campaign 8,
+                    # seed 4096: +WPI, then -NAK 0.67 s later, "job held by a live replica").
+                    declined = declined or (
+                        not claimed_by_second
+                        and not answered_by_second
+                        and any(k in ("-NAK", "+TERM", "+ACK") for _, k in second)
+                    )
                     if finished and not handed_back and (answered_by_second or not declined):
                         state = "draining (SIGTERM)" if holder.how.startswith("terminated") else "alive"
                         self.violations.append(

@@ -793,6 +793,48 @@ def test_a_result_labelled_with_a_version_never_committed_is_flagged(
     assert set(found) == {"version"}, found  # (its tokens are those v{N}'s bytes make: nothing else tells)
 
 
+def _moved_copy(h: History, second_acks: list[str]) -> str:
+    """A job one replica ran and answered, stored again meanwhile (a client moved it) and delivered
+    to another replica, which said ``second_acks`` on its copy (0.004 s, then 0.6 s, after it)
+    and claimed and answered nothing: the job's id."""
+    out = [(a, b) for a, b in h.doc["timeline"]["broker_down"] + h.doc["timeline"].get("broker_paused", [])]
+    workers = {d["worker"] for d in h.tap["deliveries"] if d["worker"]}
+    by_job: dict[str, list[dict[str, Any]]] = {}
+    for d in h.tap["deliveries"]:
+        by_job.setdefault(str(d["job_id"]), []).append(d)
+    for p in sorted(h.tap["published"], key=lambda p: p["t"]):
+        ds = by_job.get(str(p.get("job_id")), [])
+        if p.get("kind") != "result" or len(ds) != 1 or ds[0]["worker"] != p.get("worker"):
+            continue
+        d1, t2 = ds[0], (ds[0]["t"] + p["t"]) / 2
+        other = sorted(workers - {d1["worker"]})
+        if p["t"] - d1["t"] < 0.8 or not other or any(a <= p["t"] + 1 and b >= d1["t"] - 1 for a, b in out):
+            continue
+        tokens = d1["ack"].split(".")  # $JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<...>
+        tokens[5] = str(int(tokens[5]) + 100000)
+        ack = ".".join(tokens)
+        h.tap["deliveries"].append({**d1, "t": t2, "worker": other[0], "stream_seq": int(d1["stream_seq"]) + 100000,
+                                    "ack": ack, "inbox": d1["inbox"] + "-copy", "attempt": 1})  # fmt: skip
+        h.tap["acks"][ack] = [[t2 + 0.004 + 0.596 * i, k] for i, k in enumerate(second_acks)]
+        return str(d1["job_id"])
+    raise AssertionError("the recorded run has no answer to build a moved copy of")
+
+
+@pytest.mark.timeout(240)
+def test_a_moved_copy_acked_in_progress_then_handed_back_was_not_run_twice(recorded: Path, tmp_path: Path) -> None:
+    """Campaign 8, seed 4096: the copy's taker acked progress (+WPI) while it asked whether the
+    first holder lived, then handed the copy back (-NAK), claiming and answering nothing: it ran
+    nothing. Without the hand-back, the same history is a double run (``moved``)."""
+    h = History(recorded, tmp_path / "fine")
+    job = _moved_copy(h, ["+WPI", "-NAK"])
+    found = h.judge()
+    assert not [m for m in found.get("moved", []) if job in m], found
+    h = History(recorded, tmp_path / "bad")
+    job = _moved_copy(h, ["+WPI"])
+    found = h.judge()
+    assert [m for m in found.get("moved", []) if job in m], found
+
+
 @pytest.mark.timeout(240)
 def test_a_commit_a_broker_rollback_may_have_taken_is_unverified_not_never_committed(
     recorded: Path, tmp_path: Path
