@@ -74,6 +74,15 @@ async def test_a_start_step_meeting_a_stalled_broker_is_tried_again_not_raised_r
     assert caught.value.retryable and isinstance(caught.value.__cause__, nats.errors.TimeoutError)
     assert not_ready(InvalidRequest("bad"), "x") is None and not_ready(KeyError("k"), "x") is None
 
+    async def answered() -> str:  # a step whose own typed error is its answer (no version to serve)
+        tries.append(1)
+        raise ServiceUnavailable("no version can be served here")
+
+    tries.clear()
+    with pytest.raises(ServiceUnavailable):
+        await until_ready(answered, what="policy", pause_s=0.0, typed=False)
+    assert len(tries) == 1
+
 
 async def test_a_worker_and_a_gateway_started_before_jetstream_is_ready_wait_then_serve(tmp_path: Path) -> None:
     port, ns = free_port(), "tstart"

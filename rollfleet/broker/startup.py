@@ -56,16 +56,26 @@ def try_again(retryable: bool, elapsed_s: float, bound_s: float) -> bool:
 
 
 async def until_ready(
-    attempt: Callable[[], Awaitable[T]], *, what: str, bound_s: float = STARTUP_WAIT_S, pause_s: float = RETRY_PAUSE_S
+    attempt: Callable[[], Awaitable[T]],
+    *,
+    what: str,
+    bound_s: float = STARTUP_WAIT_S,
+    pause_s: float = RETRY_PAUSE_S,
+    typed: bool = True,
 ) -> T:
-    """``attempt()``'s result, tried again while it fails with a retryable error for ``bound_s``."""
+    """``attempt()``'s result, tried again while it fails with a retryable error for ``bound_s``.
+    ``typed=False``: only nats' own "not ready" errors are tried again; the step's own typed
+    errors are its answer (a worker that can serve no version exits with that error at once)."""
     t0 = time.monotonic()
     said = False
     while True:
         try:
             return await attempt()
         except Exception as raw:
-            exc = raw if isinstance(raw, RollfleetError) else not_ready(raw, what)
+            if isinstance(raw, RollfleetError):
+                exc: RollfleetError | None = raw if typed else None
+            else:
+                exc = not_ready(raw, what)
             if exc is None:
                 raise
             if not try_again(exc.retryable, time.monotonic() - t0, bound_s):

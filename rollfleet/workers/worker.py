@@ -147,7 +147,7 @@ class Worker:
             metrics=self.metrics,
             log=self.log,
             served=self.served,
-            claims=await until_ready(lambda: self.js.key_value(self.names.claims_bucket), what="claims"),
+            claims=await until_ready(lambda: self.js.key_value(self.names.claims_bucket), what="claims", typed=False),
             on_engine_down=self.engine_down,
             max_message_bytes=min(self.nc.max_payload, cfg.topology.max_msg_bytes),
             checkpoint_tokens=cfg.checkpoint_tokens,
@@ -187,7 +187,7 @@ class Worker:
             port = self.metrics.serve(cfg.metrics_port)
             status.metrics_url = f"http://{os.uname().nodename}:{port}/metrics"
         self.registration = Registration(self.js, self.names, status, refresh=self._refresh_status, nc=self.nc)
-        await until_ready(self.registration.start, what="registry")
+        await until_ready(self.registration.start, what="registry", typed=False)
         if cfg.store_dir is not None or cfg.follow_versions:
             # A new or restarted replica catches up before it registers as ready.
             self.sync = VersionSync(
@@ -211,7 +211,9 @@ class Worker:
             )
             await self.nc.subscribe(self.names.versions_published, cb=self._on_published)
             sync = self.sync
-            caught_up = await until_ready(lambda: sync.catch_up(cfg.catch_up_wait_s, self.registration), what="policy")
+            caught_up = await until_ready(
+                lambda: sync.catch_up(cfg.catch_up_wait_s, self.registration), what="policy", typed=False
+            )
             self.served.version = caught_up.version
             await self.engine.start(self.sync.local_dir if cfg.store_dir is not None else None, self.served.version)
             if cfg.verify_live:

@@ -50,9 +50,10 @@ class TurnPlacement(Protocol):
         """Ask whether the replica's connection is alive (no responders: it is marked gone)."""
         ...
 
-    async def holder(self, handle: RolloutHandle) -> Claim | None:
+    async def holder(self, handle: RolloutHandle, *, strict: bool = False) -> Claim | None:
         """The handle's job's claim, naming the process holding it; None when it is not claimed
-        (or its claim is marked stopped)."""
+        (or its claim is marked stopped). ``strict``: a broker error is raised, not taken for
+        "unclaimed"."""
         ...
 
     async def requeue(self, handle: RolloutHandle) -> bool:

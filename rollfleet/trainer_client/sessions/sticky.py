@@ -10,7 +10,13 @@ shared subject of its constraint, as the same job (one answer wherever it runs),
   takes the moved turn runs it (``replayable``) or answers ``Interrupted`` (``at_most_once``)
   at once instead of waiting out the claim;
 - the replica is live and at a version that cannot serve the turn (it activated a newer one:
-  an exact turn it held was drained or handed back before that).
+  an exact turn it held was drained or handed back before that);
+- the replica was delivered the turn but holds no claim on it past ``affinity_wait_s``: it
+  handed it back (it was not at the turn's version yet) and has not taken it again. Its pull
+  request on its own subject may be gone (a cluster's consumer leader moved while its link was
+  stalled; campaign 8, seed 103: an exact turn waited 15.8 s on a live, idle replica's subject
+  and expired). A turn that runs is claimed first, so an unclaimed one runs nowhere; moved, it
+  is on a shared subject, where the stall watch rings replicas for what waits unpulled.
 
 A turn the replica has taken is never moved while the replica is draining or activating: a
 draining replica finishes what it holds, an activating one drains its exact jobs first (a
@@ -27,7 +33,7 @@ from __future__ import annotations
 import time
 from contextlib import suppress
 
-from rollfleet.schemas import RolloutResult
+from rollfleet.schemas import ReplicaStatus, RolloutResult, VersionConstraint
 from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.sessions.host import TurnPlacement
 
@@ -41,7 +47,9 @@ async def await_turn(host: TurnPlacement, handle: RolloutHandle, wait_s: float) 
     storing it again when the process holding it is gone."""
     started = time.monotonic()
     taken = False
-    probe_at = started + PROBE_S
+    held: bool | None = None  # whether a process claims the turn (None: not looked at)
+    unclaimed_looks = 0  # consecutive looks, a second apart, that found it delivered and unclaimed
+    probe_at = claim_at = started + PROBE_S
     while True:
         with suppress(TimeoutError):
             return await handle.result(timeout=POLL_S)
@@ -54,7 +62,14 @@ async def await_turn(host: TurnPlacement, handle: RolloutHandle, wait_s: float) 
             continue
         if not taken:
             taken = await host.taken(handle)
-        reason = _reason(host, handle, replica, taken, now - started >= wait_s)
+        waited = now - started >= wait_s
+        if taken and waited and now >= claim_at:
+            claim_at = now + PROBE_S
+            held = await _claimed(host, handle)
+            unclaimed_looks = unclaimed_looks + 1 if held is False else 0
+        # (Two looks a second apart: a replica claims a turn within moments of its delivery.)
+        held_now = False if unclaimed_looks >= 2 else (None if held is False else held)
+        reason = move_reason(host.fleet.replica(replica), handle.job.constraint, taken, held_now, waited)
         if reason is not None:
             if reason == "replica_gone" and taken:
                 await host.holder_stopped(handle, replica)
@@ -82,14 +97,26 @@ async def _requeue_if_holder_gone(host: TurnPlacement, handle: RolloutHandle) ->
         host.metrics.affinity_fallbacks.labels(client_id=host.client_id, reason="holder_gone").inc()
 
 
-def _reason(host: TurnPlacement, handle: RolloutHandle, replica: str, taken: bool, waited: bool) -> str | None:
-    """Why the turn must move now, or None while it stays."""
-    status = host.fleet.replica(replica)
+async def _claimed(host: TurnPlacement, handle: RolloutHandle) -> bool | None:
+    """Whether a process claims the turn now (None: the broker did not say)."""
+    try:
+        return await host.holder(handle, strict=True) is not None
+    except Exception:  # (the broker away: the next look decides)
+        return None
+
+
+def move_reason(
+    status: ReplicaStatus | None, constraint: VersionConstraint, taken: bool, held: bool | None, waited: bool
+) -> str | None:
+    """Why a sticky turn must move off its replica now, or None while it stays. ``status``: the
+    replica's registry entry; ``taken``: it was delivered the turn; ``held``: a process claims
+    the turn (None: not known); ``waited``: the turn has waited ``affinity_wait_s``."""
     if status is None or not status.is_live():
         return "replica_gone"
-    constraint = handle.job.constraint
     if status.takes_now(constraint):
-        return "not_taken_in_time" if not taken and waited else None
+        if not taken:
+            return "not_taken_in_time" if waited else None
+        return "handed_back" if waited and held is False else None
     if status.state in _LEAVING:
         return None if taken else "replica_leaving"
     return "replica_incompatible"  # live at a version that cannot serve it: it holds nothing of it
