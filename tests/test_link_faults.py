@@ -39,17 +39,24 @@ async def test_the_product_gives_a_silent_link_up_within_its_ping_bound(link: Li
         await nc.close()
 
 
-async def test_a_short_stall_is_lived_through_in_order(link: LinkProxy) -> None:
+async def _listening(link: LinkProxy) -> tuple[Any, list[bytes], list[float]]:
+    """A connection through ``link`` subscribed to ``s``: it, what it received, when it reconnected."""
     reconnected: list[float] = []
     nc = await connect(f"nats://127.0.0.1:{link.port}", name="t", initial_timeout=10,
                        reconnect_hooks=[lambda: reconnected.append(time.monotonic())])
     got: list[bytes] = []
-    try:
-        async def on_msg(msg: Any) -> None:
-            got.append(msg.data)
 
-        await nc.subscribe("s", cb=on_msg)
-        await nc.flush()
+    async def on_msg(msg: Any) -> None:
+        got.append(msg.data)
+
+    await nc.subscribe("s", cb=on_msg)
+    await nc.flush()
+    return nc, got, reconnected
+
+
+async def test_a_short_stall_is_lived_through_in_order(link: LinkProxy) -> None:
+    nc, got, reconnected = await _listening(link)
+    try:
         stalled = asyncio.ensure_future(link.stall("down", 2.0))
         await asyncio.sleep(0.1)
         for i in range(20):
@@ -69,16 +76,8 @@ async def test_a_flush_given_up_during_a_stall_leaves_the_connection_reading(lin
     # connection looked connected and read nothing until the ping bound redialed it (20 s). A
     # worker's pull request gives up its drain so while a broker is paused (a paused broker's
     # replicas stayed deaf 13 s after it resumed).
-    reconnected: list[float] = []
-    nc = await connect(f"nats://127.0.0.1:{link.port}", name="t", initial_timeout=10,
-                       reconnect_hooks=[lambda: reconnected.append(time.monotonic())])
-    got: list[bytes] = []
+    nc, got, reconnected = await _listening(link)
     try:
-        async def on_msg(msg: Any) -> None:
-            got.append(msg.data)
-
-        await nc.subscribe("s", cb=on_msg)
-        await nc.flush()
         stalled = asyncio.ensure_future(link.stall("down", 1.0))
         await asyncio.sleep(0.05)
         if given_up_by == "time-out":
