@@ -1742,6 +1742,13 @@ class Oracle:
                     continue
                 self.checks["moved"] += 1  # (counted once judged, not before the skip above)
                 acks = self.tap.acks.get(d1.ack, [])
+                if d2.stream_seq != d1.stream_seq and abs((d2.submitted_at or 0.0) - (d1.submitted_at or 0.0)) > 1e-6:
+                    # Not a move (a move stores the same bytes): the key submitted again, a new job
+                    # under the same id, after the duplicate window (a restarted trainer asking its
+                    # fixed key again while the first job still ran, campaign 9 seed 64). Whether
+                    # the key was answered once is ``once``'s to judge.
+                    self.unverified["moved: the key submitted again, not moved"] += 1
+                    continue
                 if d2.stream_seq != d1.stream_seq:
                     # The job was stored again (a client moved it) while the first replica had it:
                     # a double run if that replica finished it.
@@ -1783,6 +1790,14 @@ class Oracle:
                         for k in ({job_id} | ({claim_key(job_id)} if claim_key else set()))
                         for t, value, op, st in claims_by_key.get(k, [])
                     )
+                    if finished and self._lost_during(d2.t, finished[0].t, "claims"):
+                        # The broker went back to an older store (or lost it) while the copy ran:
+                        # the copy's claim and answer may be gone with it, and the job delivered
+                        # again; the first holder running it then is the broker's redelivery, not
+                        # a move (campaign 9, seed 389: a rollback took the second taker's claim
+                        # and answer, and the first holder ran the job once more).
+                        self.unverified[f"moved: the copy's claim or answer {LOST_WITH_STORE}"] += 1
+                        continue
                     if finished and not second and not answered_by_second and not claimed_by_second:
                         self.unverified["moved: the copy's taker said, claimed and answered nothing"] += 1
                         continue

@@ -25,6 +25,25 @@ def _result(*finishes: str) -> RolloutResult:
     )  # fmt: skip
 
 
+async def test_an_engine_abort_reaches_only_a_request_generating_now() -> None:
+    # Campaign 9, seed 389: an activation's drain aborted a resumable job's run before its engine
+    # request began; the echo engine kept the mark, and the job's next run on that replica was
+    # aborted at once and answered with an empty "abort" sample. Real engines ignore such an id.
+    from rollfleet.workers.engines.echo import EchoEngine
+
+    engine = EchoEngine(per_token_s=0.01)
+    await engine.abort("job-1")  # nothing runs under that id
+    out = await engine.generate("job-1", payload(max_tokens=5))
+    assert [c.finish_reason for c in out.outputs] == ["length"] and len(out.outputs[0].token_ids) == 5
+    running = asyncio.ensure_future(engine.generate("job-1", payload(max_tokens=500)))
+    await asyncio.sleep(0.05)
+    await engine.abort("job-1")  # generating now: stopped where it is
+    out = await running
+    assert out.outputs[0].finish_reason == "abort" and 0 < len(out.outputs[0].token_ids) < 500
+    out = await engine.generate("job-1", payload(max_tokens=5))  # the mark ended with that request
+    assert out.outputs[0].finish_reason == "length"
+
+
 def test_only_a_job_removed_before_any_delivery_needs_no_stop() -> None:
     assert not must_stop(delivered=False, removed=True)
     assert must_stop(delivered=True, removed=True)  # running: deleted from the queue, still running

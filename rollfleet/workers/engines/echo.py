@@ -59,6 +59,7 @@ class EchoEngine(Engine):
         self._running = asyncio.Event()
         self._running.set()
         self._aborted: set[str] = set()
+        self._active: set[str] = set()  # the requests generating now (what an abort can reach)
         self._closed = False
         self._weights: dict[str, bytes] = {}  # every tensor's bytes, when started on a checkpoint
         self.keyed = keyed
@@ -75,6 +76,16 @@ class EchoEngine(Engine):
 
     async def generate(
         self, request_id: str, payload: RolloutPayload, session_id: str | None = None, sink: TokenSink | None = None
+    ) -> Generation:
+        self._active.add(request_id)
+        try:
+            return await self._generate(request_id, payload, session_id, sink)
+        finally:
+            self._active.discard(request_id)
+            self._aborted.discard(request_id)
+
+    async def _generate(
+        self, request_id: str, payload: RolloutPayload, session_id: str | None, sink: TokenSink | None
     ) -> Generation:
         await self._running.wait()
         prompt = self.prompt_ids(payload)
@@ -151,7 +162,6 @@ class EchoEngine(Engine):
                     weight_versions=version_spans(versions),
                 )
             )
-        self._aborted.discard(request_id)
         return outputs
 
     def _finish(
@@ -223,7 +233,11 @@ class EchoEngine(Engine):
         self._running.set()
 
     async def abort(self, request_id: str) -> None:
-        self._aborted.add(request_id)
+        # Only a request generating now, as real engines do: a mark left for one that ended (or
+        # had not begun) aborted the next run of the same job on this replica at once, and a
+        # resumable job was answered with an empty "abort" sample (campaign 9, seed 389).
+        if request_id in self._active:
+            self._aborted.add(request_id)
 
     async def health(self) -> EngineHealth:
         return EngineHealth(ok=not self._closed, detail="echo")
