@@ -793,10 +793,12 @@ def test_a_result_labelled_with_a_version_never_committed_is_flagged(
     assert set(found) == {"version"}, found  # (its tokens are those v{N}'s bytes make: nothing else tells)
 
 
-def _moved_copy(h: History, second_acks: list[str]) -> str:
+def _moved_copy(h: History, second_acks: list[str], *, resubmitted: bool = False, lost: bool = False) -> str:
     """A job one replica ran and answered, stored again meanwhile (a client moved it) and delivered
     to another replica, which said ``second_acks`` on its copy (0.004 s, then 0.6 s, after it)
-    and claimed and answered nothing: the job's id."""
+    and claimed and answered nothing: the job's id. ``resubmitted``: the copy is a new submission
+    of the key (other bytes), not a move; ``lost``: the broker went back to an older store while
+    the copy ran."""
     out = [(a, b) for a, b in h.doc["timeline"]["broker_down"] + h.doc["timeline"].get("broker_paused", [])]
     workers = {d["worker"] for d in h.tap["deliveries"] if d["worker"]}
     by_job: dict[str, list[dict[str, Any]]] = {}
@@ -816,6 +818,12 @@ def _moved_copy(h: History, second_acks: list[str]) -> str:
         h.tap["deliveries"].append({**d1, "t": t2, "worker": other[0], "stream_seq": int(d1["stream_seq"]) + 100000,
                                     "ack": ack, "inbox": d1["inbox"] + "-copy", "attempt": 1})  # fmt: skip
         h.tap["acks"][ack] = [[t2 + 0.004 + 0.596 * i, k] for i, k in enumerate(second_acks)]
+        if resubmitted:
+            h.tap["deliveries"][-1]["submitted_at"] = float(d1["submitted_at"] or d1["t"]) + 16.0
+        if lost:
+            h.doc["timeline"]["stores_lost"] = [
+                {"kind": "rollback", "lost_from": t2 - 0.5, "at": t2 + 0.1, "back": t2 + 0.3}
+            ]
         return str(d1["job_id"])
     raise AssertionError("the recorded run has no answer to build a moved copy of")
 
@@ -833,6 +841,18 @@ def test_a_moved_copy_acked_in_progress_then_handed_back_was_not_run_twice(recor
     job = _moved_copy(h, ["+WPI"])
     found = h.judge()
     assert [m for m in found.get("moved", []) if job in m], found
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("why", ["resubmitted", "lost"])
+def test_a_second_run_that_is_not_a_move_is_not_flagged_as_one(why: str, recorded: Path, tmp_path: Path) -> None:
+    """Campaign 9: seed 64, a restarted trainer asked its key again past the duplicate window while
+    the first job ran (other bytes, the same id); seed 389, a rollback took the copy's claim and
+    answer and the broker delivered the job again. Neither is a client's move."""
+    h = History(recorded, tmp_path / "h")
+    job = _moved_copy(h, ["+WPI"], resubmitted=why == "resubmitted", lost=why == "lost")
+    found = h.judge()
+    assert not [m for m in found.get("moved", []) if job in m], found
 
 
 @pytest.mark.timeout(240)
