@@ -396,3 +396,37 @@ async def test_a_job_stored_again_under_a_move_id_an_earlier_process_used_is_not
         assert handle.stream_seq not in (None, earlier.seq)
         found = await client.placement.job_at(handle.stream_seq)
         assert found is not None and found[0].job_id == handle.job_id
+
+
+def test_a_withdrawn_key_stays_bound_to_its_request_for_the_window() -> None:
+    from rollfleet.trainer_client.withdrawn import WithdrawnKeys
+
+    keys = WithdrawnKeys(window_s=10.0)
+    keys.note("k", "request-1", now=100.0)
+    assert keys.conflicts("k", "request-2", now=105.0)
+    assert not keys.conflicts("k", "request-1", now=105.0)  # asked again: the same request
+    assert not keys.conflicts("other", "request-2", now=105.0)
+    assert not keys.conflicts("k", "request-2", now=110.0) and len(keys) == 0  # past the window
+
+
+async def test_a_different_request_under_a_withdrawn_jobs_key_is_a_conflict(nats_url: str, namespace: str) -> None:
+    # Campaign 10, seed 73: a key's job was withdrawn unanswered; within the duplicate window a
+    # different request under the key found no job to compare with, was stored in its place and
+    # ran, and the first request, asked again, was refused as the conflict.
+    engine = CountingEcho(latency_s=3.0)
+    async with (
+        running_worker(nats_url, namespace, version=0, worker_id="busy", capacity=1, engine=engine),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        client.deadline_grace_s = 0.2
+        blocker = await client.submit(payload(), min_version=0, idempotency_key="blocker")
+        await wait_until(lambda: len(engine.calls) == 1)
+        first = await client.submit(payload([7, 8]), min_version=0, timeout=0.3, idempotency_key="k")
+        with pytest.raises(Expired):
+            await first.result(10)
+        await wait_until(lambda: len(client.placement.withdrawn) == 1, what="the expired job withdrawn")
+        with pytest.raises(IdempotencyConflict):
+            await client.submit(payload([9, 9]), min_version=0, idempotency_key="k")
+        again = await client.submit(payload([7, 8]), min_version=0, timeout=20, idempotency_key="k")
+        await blocker.result(10)
+        assert (await again.result(20)).outputs  # the first request, asked again, runs

@@ -145,6 +145,7 @@ class RolloutClient:
             ring=lambda constraint: self._ring(constraint, fresh=True),
             forget=lambda key: self._handles.pop(key, None) and None,
             settle_stored=self._settle_stored,
+            duplicate_window_s=topology.duplicate_window_s,
         )
         self.sessions: dict[str, OpenSession] = {}  # open sessions of this client, by id
         self._bell_inbox = ""
@@ -384,6 +385,8 @@ class RolloutClient:
         if existing is not None:
             self._check_same_request(existing.job, job.fingerprint)
             return existing
+        if self.placement.withdrawn.conflicts(key, job.fingerprint, time.monotonic()):
+            raise self._conflict(key)  # (its job was withdrawn; the key stays its request's)
         handle = RolloutHandle(job, data, self._cancel)
         if self._settle_unclaimed(handle):
             return handle  # the answer came before we asked again (trainer restart)

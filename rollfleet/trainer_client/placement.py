@@ -31,6 +31,7 @@ from rollfleet.trainer_client.client_metrics import ClientMetrics
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.placement_rules import Withdrawal, after_withdrawal
+from rollfleet.trainer_client.withdrawn import WithdrawnKeys
 
 log = get_logger("rollfleet.client")
 
@@ -54,6 +55,7 @@ class JobPlacement:
         ring: Callable[[VersionConstraint], None],
         forget: Callable[[str], None],
         settle_stored: Callable[[RolloutHandle], Awaitable[bool]] | None = None,
+        duplicate_window_s: float = 600.0,
     ) -> None:
         self.client_id = client_id
         self.fleet = fleet
@@ -67,6 +69,7 @@ class JobPlacement:
         self._claims_bucket: KeyValue | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self.probe_reply = ""  # where "no responders" to a probe comes back (set by the client)
+        self.withdrawn = WithdrawnKeys(duplicate_window_s)  # keys still bound to a withdrawn request
 
     # -- storing, reading, withdrawing ----------------------------------------------------------
     async def store(self, handle: RolloutHandle, subject: str, msg_id: str) -> Any:
@@ -136,8 +139,12 @@ class JobPlacement:
             return "unknown"
 
     async def delete(self, handle: RolloutHandle) -> bool:
-        """``withdraw``: whether this call removed the job."""
-        return await self.withdraw(handle) == "removed"
+        """``withdraw``: whether this call removed the job. A key whose job is withdrawn stays
+        bound to its request for the duplicate window (``WithdrawnKeys``)."""
+        removed = await self.withdraw(handle) == "removed"
+        if removed:
+            self.withdrawn.note(handle.idempotency_key, handle.job.fingerprint, time.monotonic())
+        return removed
 
     async def _free_to_store_again(self, handle: RolloutHandle) -> bool:
         """Whether the job may be stored again elsewhere: this call withdrew it, or it is gone
