@@ -119,8 +119,13 @@ async def delete_stream(adv: Any, p: dict[str, Any]) -> bool:
     except Exception as exc:
         adv.say("stream deletion failed", target=name, error=repr(exc)[:160])
         return False
+    # (Lost: what the stream held when the deletion took effect, which is when the call returned,
+    # not when it was made: a node paused meanwhile held it up 0.93 s, and the claims written
+    # then were lost with it; campaign 10, seed 41.)
+    done = time.time()
     adv.machine.timeline.stores_lost.append(
-        {"kind": "delete_stream", "target": p["which"], "name": name, "lost_from": 0.0, "at": t, "back": t}
-    )
+        {"kind": "delete_stream", "target": p["which"], "name": name, "lost_from": 0.0, "at": done, "back": done,
+         "asked": t}
+    )  # fmt: skip
     adv.say("stream deleted", target=p["which"], name=name)
     return True

@@ -281,7 +281,9 @@ class Oracle:
         stream deleted, after ``t``; with ``after``, only if the fact was looked for (asked again,
         run again) after the loss. Promises that rest on such a fact end there, and only there."""
         for loss in self._losses_of(what):
-            if float(loss["lost_from"]) - LOSS_MARGIN_S <= t <= float(loss["at"]) and (
+            # (the tap hears a write as the broker acknowledges it: one stored just before the
+            # loss may be heard just after)
+            if float(loss["lost_from"]) - LOSS_MARGIN_S <= t <= float(loss["at"]) + LOSS_MARGIN_S and (
                 after is None or after >= float(loss["at"])
             ):
                 return loss

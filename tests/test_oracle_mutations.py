@@ -1305,3 +1305,19 @@ def test_runs_each_after_a_store_loss_took_the_last_ones_answer_are_not_twice(
         _lost(h, "wipe", 0.0, t + 15.0)
     twice = [m for m in h.judge().get("twice", []) if answer["job_id"] in m and "generated" in m]
     assert bool(twice) is (losses == 1), twice
+
+
+def test_a_write_heard_just_after_a_loss_took_effect_was_lost_with_it(recorded: Path) -> None:
+    """Campaign 10, seed 41 (``--cluster``): the claims bucket's deletion waited 0.93 s on a paused
+    node; the holder's claim writes of that time were heard as it took effect. The loss counts from
+    when the deletion returned (``broker_store.delete_stream``), and a write heard within
+    ``LOSS_MARGIN_S`` after it was stored before it."""
+    from reliability.oracle import LOSS_MARGIN_S
+
+    oracle = load_kept(recorded)
+    at = 1000.0
+    oracle.tl.stores_lost = [{"kind": "delete_stream", "target": "claims", "lost_from": 0.0, "at": at, "back": at}]
+    assert oracle.lost_with_store(at - 5.0, "claims") is not None
+    assert oracle.lost_with_store(at + LOSS_MARGIN_S / 2, "claims") is not None
+    assert oracle.lost_with_store(at + 1.0, "claims") is None  # written to the bucket declared again
+    assert oracle.lost_with_store(at - 5.0, "results") is None  # another stream's facts
