@@ -773,8 +773,11 @@ class RolloutClient:
         if handle.done():
             return "answered"
         key = handle.idempotency_key
-        delivered = await self.placement.delivered(handle)
         removed = await self.placement.delete(handle)  # (queued or running: never delivered again)
+        # Asked after the removal, not before: a delivery between the two looks (campaign 10,
+        # seed 6803: "withdrawn", yet the replica it reached ran and answered it) is seen, and
+        # none can follow a removal (the consumer counts a delivery as it sends it).
+        delivered = await self.placement.delivered(handle)
         if not cancelling.must_stop(delivered, removed):
             self._handles.pop(key, None)
             handle.set_error(Cancelled(f"{key!r} withdrawn before a replica took it"))
