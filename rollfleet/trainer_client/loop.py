@@ -484,8 +484,14 @@ class RolloutLoop:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a sample could not be produced: the group fails whole
-            self._in_flight.pop(flight.no, None)
-            await self._fail(flight, exc)
+            # In flight until it is counted failed or re-queued: ``_fail`` first cancels the rest
+            # of the group (seconds), and a loop that saw nothing in flight meanwhile ended with
+            # that group counted nowhere (``make test`` under load, the requeue case).
+            try:
+                await self._fail(flight, exc)
+            finally:
+                self._in_flight.pop(flight.no, None)
+                self._wake.set()
             return
         self._in_flight.pop(flight.no, None)
         if cfg.dynamic_sampling and loop_rules.uninformative(group.rewards):
