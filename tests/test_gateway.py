@@ -21,10 +21,11 @@ import openai
 import pytest
 from sglang_contract import api_types
 
+from rollfleet.broker.connection import connect
 from rollfleet.broker.topology import DEFAULT_TOPOLOGY, TopologyConfig
 from rollfleet.gateway import protocol
 from rollfleet.gateway.app import serve
-from rollfleet.schemas import Completion, RolloutResult, VersionSpan
+from rollfleet.schemas import Completion, Names, RolloutResult, VersionSpan
 from rollfleet.schemas.errors import Expired, InvalidRequest, NoCompatibleReplica
 from rollfleet.testing import ProcessGroup, running_worker, wait_until
 from rollfleet.testing.processes import rollfleet_command
@@ -311,27 +312,31 @@ async def test_a_gateway_declares_a_lost_job_consumer_with_the_fleets_topology(
 ) -> None:
     """A job consumer the gateway finds missing (deleted, or lost with the broker's store) is
     declared again with the fleet's ``--ack-wait`` (and ``--max-deliver``), not the default 30 s:
-    a holder's death is then redelivered as fast as the fleet's own consumers redeliver it (with the default, a job
-    whose holder died waited out its deadline)."""
+    a holder's death is then redelivered as fast as the fleet's own consumers redeliver it (with
+    the default, a job whose holder died waited out its deadline)."""
+    names = Names(namespace)
+    consumer = names.job_consumer("min", 0)
     procs = ProcessGroup(tmp_path)
+    nc = await connect(nats_url, name="topology-check")
     try:
         procs.worker(nats_url, namespace, "w")
+        # (Closed before the consumer is deleted: a client keeps the subjects of live replicas'
+        # versions declared, with its own topology, and could declare it again first.)
         async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="watch") as watch:
             await watch.wait_for_version(0, replicas=1, timeout=30)
-            consumer = watch.names.job_consumer("min", 0)
-            with contextlib.suppress(Exception):  # (whoever declared it, with whatever settings)
-                await watch.js.delete_consumer(watch.names.jobs_stream, consumer)
-            address = await gateway_process(
-                procs, "gw", nats_url, namespace, "--ack-wait", "2.5", "--max-deliver", "7"
-            )
-            body = {"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 3},
-                    "weight_version": {"min_required_version": 0}}  # fmt: skip
-            async with httpx.AsyncClient(timeout=30) as http:
-                answer = await http.post(f"{address}/generate", json=body, headers={"Idempotency-Key": "topo-1"})
-            assert answer.status_code == 200, answer.text
-            info = await watch.js.consumer_info(watch.names.jobs_stream, consumer)
+        js = nc.jetstream()
+        with contextlib.suppress(Exception):  # (whoever declared it, with whatever settings)
+            await js.delete_consumer(names.jobs_stream, consumer)
+        address = await gateway_process(procs, "gw", nats_url, namespace, "--ack-wait", "2.5", "--max-deliver", "7")
+        body = {"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 3},
+                "weight_version": {"min_required_version": 0}}  # fmt: skip
+        async with httpx.AsyncClient(timeout=30) as http:
+            answer = await http.post(f"{address}/generate", json=body, headers={"Idempotency-Key": "topo-1"})
+        assert answer.status_code == 200, answer.text
+        info = await js.consumer_info(names.jobs_stream, consumer)
     finally:
         procs.close()
+        await nc.close()
     assert info.config.ack_wait == 2.5 and info.config.max_deliver == 7
 
 
