@@ -75,6 +75,11 @@ class Config:
     keep: bool = False
     quiet: bool = False
 
+    @property
+    def replicas(self) -> int:
+        """Stream replicas every process of the run declares: R3 on the cluster."""
+        return 3 if self.cluster else 1
+
     def replay(self) -> str:
         parts = [f"python -m reliability.adversary --seed {self.seed} --duration {self.duration:g}"]
         if self.hf:
@@ -232,7 +237,7 @@ class Adversary:
             ack_wait_s=cfg.ack_wait,
             duplicate_window_s=cfg.duplicate_window,
             max_deliver=cfg.max_deliver,
-            replicas=3 if cfg.cluster else 1,
+            replicas=cfg.replicas,
         )
         self.admin = await RolloutClient.connect(
             m.url("trainer"), namespace=NAMESPACE, client_id="adversary", topology=self.topology, fail_fast=False
@@ -383,7 +388,7 @@ class Adversary:
     def replicas_args(self, flag: str = "--stream-replicas") -> list[str]:
         """On a cluster, every process declares what it finds missing as R3 (a stream deleted and
         declared again by whoever notices first stays R3)."""
-        return [flag, "3"] if self.cfg.cluster else []
+        return [flag, str(self.cfg.replicas)] if self.cfg.replicas > 1 else []
 
     def start_trainer(self, duration: float) -> None:
         cfg = self.cfg

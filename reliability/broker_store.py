@@ -110,7 +110,6 @@ async def delete_stream(adv: Any, p: dict[str, Any]) -> bool:
     attr, is_bucket = DELETE_TARGETS[p["which"]]
     name = getattr(adv.names, attr)
     js = adv.tap.nc.jetstream(timeout=5)
-    t = time.time()
     try:
         if is_bucket:
             await js.delete_key_value(name)
@@ -124,8 +123,7 @@ async def delete_stream(adv: Any, p: dict[str, Any]) -> bool:
     # then were lost with it; campaign 10, seed 41.)
     done = time.time()
     adv.machine.timeline.stores_lost.append(
-        {"kind": "delete_stream", "target": p["which"], "name": name, "lost_from": 0.0, "at": done, "back": done,
-         "asked": t}
-    )  # fmt: skip
+        {"kind": "delete_stream", "target": p["which"], "name": name, "lost_from": 0.0, "at": done, "back": done}
+    )
     adv.say("stream deleted", target=p["which"], name=name)
     return True

@@ -2284,7 +2284,7 @@ class Oracle:
             ack_wait=float(self.cfg.ack_wait),
             max_deliver=int(self.cfg.max_deliver),
             duplicate_window=float(self.cfg.duplicate_window),
-            replicas=int(getattr(self.cfg, "replicas", 3 if getattr(self.cfg, "cluster", False) else 1)),
+            replicas=int(getattr(self.cfg, "replicas", 1)),  # (a run kept before it was saved: one node)
         )
         windowed = {self.names.jobs_stream, self.names.results_stream}
         for t, kind, name, settings in getattr(self.tap, "declared", []):
@@ -2378,7 +2378,7 @@ def save_inputs(
             "ack_wait": cfg.ack_wait,
             "duplicate_window": cfg.duplicate_window,
             "max_deliver": cfg.max_deliver,
-            "replicas": 3 if getattr(cfg, "cluster", False) else 1,
+            "replicas": cfg.replicas,
             "duration": cfg.duration,
             "available_s": getattr(cfg, "available_s", AVAILABLE_S),
             "store": getattr(cfg, "store", "dir"),

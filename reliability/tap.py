@@ -39,6 +39,7 @@ from typing import Any
 import xxhash
 
 from reliability.journal import FORGED_TOKEN, describe_result
+from rollfleet.broker.topology import topology_streams
 
 WORKER_CONN_PREFIX = "rollfleet-worker-"
 
@@ -187,45 +188,39 @@ class Tap:
         return self
 
     # -- what the broker created -----------------------------------------------------------
-    def _namespace_streams(self) -> set[str]:
-        n = self.names
-        streams = {n.jobs_stream, n.results_stream, n.events_stream, n.progress_stream}
-        buckets = {n.policy_bucket, n.claims_bucket, n.sessions_bucket, n.fleet_bucket}
-        return streams | {f"KV_{b}" for b in buckets}
-
     async def _describe_existing(self) -> None:
         """What the namespace already had when the tap started (declared before it listened)."""
-        js = self.nc.jetstream()
-        for stream in sorted(self._namespace_streams()):
-            await self._describe("stream", stream, None)
+        for stream in topology_streams(self.names):
+            await self._describe(stream)
         with contextlib.suppress(Exception):
-            for info in await js.consumers_info(self.names.jobs_stream):
+            for info in await self.nc.jetstream().consumers_info(self.names.jobs_stream):
                 self._record("consumer", info.name, _consumer_settings(info.config))
 
     async def _on_stream_created(self, msg: Any) -> None:
         stream = msg.subject.rsplit(".", 1)[-1]
-        if stream in self._namespace_streams():
-            self._spawn_describe("stream", stream, None)
+        if stream in topology_streams(self.names):
+            self._spawn_describe(stream)
 
     async def _on_consumer_created(self, msg: Any) -> None:
-        self._spawn_describe("consumer", self.names.jobs_stream, msg.subject.rsplit(".", 1)[-1])
+        self._spawn_describe(self.names.jobs_stream, msg.subject.rsplit(".", 1)[-1])
 
-    def _spawn_describe(self, kind: str, stream: str, consumer: str | None) -> None:
-        task = asyncio.ensure_future(self._describe(kind, stream, consumer))
+    def _spawn_describe(self, stream: str, consumer: str | None = None) -> None:
+        task = asyncio.ensure_future(self._describe(stream, consumer))
         self._describing.add(task)
         task.add_done_callback(self._describing.discard)
 
-    async def _describe(self, kind: str, stream: str, consumer: str | None) -> None:
+    async def _describe(self, stream: str, consumer: str | None = None) -> None:
+        """Record ``stream`` (or its ``consumer``) as the broker describes it now."""
         js = self.nc.jetstream()
-        name = consumer or stream
+        kind, name = ("stream", stream) if consumer is None else ("consumer", consumer)
         try:
             if consumer is None:
-                info = await js.stream_info(stream)
-                self._record(kind, name, _stream_settings(info.config))
+                settings = _stream_settings((await js.stream_info(stream)).config)
             else:
-                self._record(kind, name, _consumer_settings((await js.consumer_info(stream, consumer)).config))
+                settings = _consumer_settings((await js.consumer_info(stream, consumer)).config)
         except Exception:  # deleted meanwhile, or the broker away: unverifiable, never a finding
-            self._record(kind, name, None)
+            settings = None
+        self._record(kind, name, settings)
 
     def _record(self, kind: str, name: str, settings: dict[str, Any] | None) -> None:
         self.declared.append([time.time(), kind, name, settings])

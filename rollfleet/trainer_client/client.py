@@ -240,12 +240,16 @@ class RolloutClient:
         """A start that failed part-way: stop what it started and close the connection. Its tasks
         would otherwise live on, on a closed connection, beside the next attempt's."""
         self._closed = True
-        await self.inbox.stop()
-        watches = [t for t in (self._expiry_task, self._stall_task) if t is not None]
-        await stop_tasks([*watches, *self._background])
+        await self._stop_tasks()
         await self.fleet.close()
         with suppress(Exception):
             await self.nc.close()
+
+    async def _stop_tasks(self) -> None:
+        """Stop receiving answers and every task the start began (those it got to)."""
+        await self.inbox.stop()
+        watches = [t for t in (self._expiry_task, self._stall_task) if t is not None]
+        await stop_tasks([*watches, *self._background])
 
     async def _start(self) -> None:
         await ensure_topology(self.js, self.names, self.topology)
@@ -290,8 +294,7 @@ class RolloutClient:
             return
         self._closed = True
         if self._started:
-            await self.inbox.stop()
-            await stop_tasks([t for t in (self._expiry_task, self._stall_task) if t is not None] + [*self._background])
+            await self._stop_tasks()
         await self.fleet.close()
         if self.shared:
             with suppress(Exception):  # (else the broker removes it once idle)

@@ -39,6 +39,7 @@ from rollfleet.trainer_client.sessions.host import TurnPlacement
 
 POLL_S = 0.2  # how often the watch looks at the replica
 PROBE_S = 1.0  # a replica holding a sticky turn is probed this often (no responders: gone)
+UNCLAIMED_LOOKS = 2  # looks a second apart that find a delivered turn unclaimed before it moves
 _LEAVING = ("draining", "activating")  # finishing what it holds before it stops or moves on
 
 
@@ -47,7 +48,6 @@ async def await_turn(host: TurnPlacement, handle: RolloutHandle, wait_s: float) 
     storing it again when the process holding it is gone."""
     started = time.monotonic()
     taken = False
-    held: bool | None = None  # whether a process claims the turn (None: not looked at)
     unclaimed_looks = 0  # consecutive looks, a second apart, that found it delivered and unclaimed
     probe_at = claim_at = started + PROBE_S
     while True:
@@ -65,11 +65,8 @@ async def await_turn(host: TurnPlacement, handle: RolloutHandle, wait_s: float) 
         waited = now - started >= wait_s
         if taken and waited and now >= claim_at:
             claim_at = now + PROBE_S
-            held = await _claimed(host, handle)
-            unclaimed_looks = unclaimed_looks + 1 if held is False else 0
-        # (Two looks a second apart: a replica claims a turn within moments of its delivery.)
-        held_now = False if unclaimed_looks >= 2 else (None if held is False else held)
-        reason = move_reason(host.fleet.replica(replica), handle.job.constraint, taken, held_now, waited)
+            unclaimed_looks = unclaimed_looks + 1 if await _claimed(host, handle) is False else 0
+        reason = move_reason(host.fleet.replica(replica), handle.job.constraint, taken, unclaimed_looks, waited)
         if reason is not None:
             if reason == "replica_gone" and taken:
                 await host.holder_stopped(handle, replica)
@@ -106,17 +103,19 @@ async def _claimed(host: TurnPlacement, handle: RolloutHandle) -> bool | None:
 
 
 def move_reason(
-    status: ReplicaStatus | None, constraint: VersionConstraint, taken: bool, held: bool | None, waited: bool
+    status: ReplicaStatus | None, constraint: VersionConstraint, taken: bool, unclaimed_looks: int, waited: bool
 ) -> str | None:
     """Why a sticky turn must move off its replica now, or None while it stays. ``status``: the
-    replica's registry entry; ``taken``: it was delivered the turn; ``held``: a process claims
-    the turn (None: not known); ``waited``: the turn has waited ``affinity_wait_s``."""
+    replica's registry entry; ``taken``: it was delivered the turn; ``unclaimed_looks``: looks in
+    a row, a second apart, that found no process claiming it (a broker that did not say starts
+    the count again); ``waited``: the turn has waited ``affinity_wait_s``. Unclaimed at
+    ``UNCLAIMED_LOOKS`` looks is handed back: a replica claims a turn moments after its delivery."""
     if status is None or not status.is_live():
         return "replica_gone"
     if status.takes_now(constraint):
         if not taken:
             return "not_taken_in_time" if waited else None
-        return "handed_back" if waited and held is False else None
+        return "handed_back" if waited and unclaimed_looks >= UNCLAIMED_LOOKS else None
     if status.state in _LEAVING:
         return None if taken else "replica_leaving"
     return "replica_incompatible"  # live at a version that cannot serve it: it holds nothing of it
