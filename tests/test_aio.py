@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.topology import ensure_topology
 from rollfleet.broker.watch import watch_keys
-from rollfleet.runtime.aio import KeyedLocks, wait_event
+from rollfleet.runtime.aio import KeyedLocks, cancel_until_done, stop_tasks, wait_event
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names
 
@@ -35,6 +36,33 @@ async def test_a_cancellation_that_lands_as_the_event_is_set_stops_the_loop() ->
         if not done:  # (what wait_event prevents: a second cancel is needed)
             task.cancel()
             await asyncio.wait([task], timeout=1.0)
+
+
+async def _wait_for_a_first_commit(answers: list[asyncio.Future[None]]) -> None:
+    while True:  # like VersionSync.catch_up: a request, a pause, a request ...
+        answers.append(asyncio.get_running_loop().create_future())
+        await asyncio.wait_for(answers[-1], 10.0)
+        await asyncio.sleep(0.01)
+
+
+async def test_a_start_whose_request_swallowed_its_cancel_is_stopped_all_the_same() -> None:
+    """make test run H: a worker SIGTERMed while it waited for a first commit ran on for 10 s. Its
+    read of the policy bucket (a nats request: asyncio.wait_for) got its answer in the turn its
+    cancel landed, returned it, and the wait went on polling. ``cancel_until_done`` cancels again."""
+    once = (lambda t: stop_tasks([t], 0.5), False)
+    again = (lambda t: cancel_until_done(t, 2.0, every_s=0.1), True)
+    for stop, stops in (again, once):
+        answers: list[asyncio.Future[None]] = []
+        task = asyncio.ensure_future(_wait_for_a_first_commit(answers))
+        await asyncio.sleep(0.01)
+        answers[-1].set_result(None)  # the broker's answer and the cancel, in one turn of the loop
+        await stop(task)
+        if sys.version_info < (3, 12):  # (3.12's wait_for no longer swallows it)
+            assert task.done() == stops
+        assert not stops or task.done()
+        task.cancel()
+        await asyncio.wait([task], timeout=1.0)
+        assert task.done()
 
 
 async def test_wait_event_says_whether_the_event_was_set() -> None:

@@ -5,6 +5,7 @@ claim is then free, and without a second look the job would be generated again."
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import nats
@@ -13,6 +14,7 @@ import pytest
 from rollfleet.broker.topology import TopologyConfig, ensure_topology
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import DEFAULT_LIMITS, EngineFailure, Names, RolloutJob, VersionConstraint, claim_key, encode
+from rollfleet.workers.claims import ClaimKeeper
 from rollfleet.workers.engines.echo import EchoEngine
 from rollfleet.workers.jobs import JobRunner, RunningJob
 from rollfleet.workers.serving import ServedVersion
@@ -64,3 +66,33 @@ async def test_a_redelivery_that_claims_after_its_holder_answered_does_not_run_t
         await claims.get(claim_key(job.job_id))  # the claim taken for nothing is released
     with pytest.raises(nats.errors.TimeoutError):
         await sub.fetch(1, timeout=2.5)  # acked: never delivered again
+
+
+async def test_an_at_most_once_holder_paused_past_its_claim_never_stores_an_answer_beside_interrupted(
+    nc: nats.NATS, namespace: str
+) -> None:
+    """Campaign 10, seed 6803: a replica judged an at_most_once job's paused holder stopped and
+    answered it ``Interrupted``; the holder woke, refreshed its claim before that answer's release
+    and stored its own answer too (dropped by the broker as a duplicate), believing the job
+    answered. The verdict must be written over the claim it judged, so the holder finds it gone."""
+    js, names = nc.jetstream(), Names(namespace)
+    await ensure_topology(js, names, TopologyConfig(ack_wait_s=0.3))
+    kv = await js.key_value(names.claims_bucket)
+    job = RolloutJob(
+        job_id="job-2", idempotency_key="k2", client_id="c", constraint=VersionConstraint("min", 0),
+        payload=payload(), deadline=time.time() + 60, submitted_at=time.time(), retry_policy="at_most_once",
+    )  # fmt: skip
+    subject = names.job_subject("min", 0)
+    await js.publish(subject, encode(job))
+    sub = await js.pull_subscribe(subject, durable="t-fence", stream=names.jobs_stream)
+    [msg] = await sub.fetch(1, timeout=5)
+    first, second = RunningJob(msg, job), RunningJob(msg, job)
+    log = get_logger("test")
+    holder = ClaimKeeper(kv, worker_id="w2", ack_wait_s=0.3, log=log, running=lambda: [first], abort=lambda r: None)
+    taker = ClaimKeeper(kv, worker_id="w6", ack_wait_s=0.3, log=log, running=lambda: [second], abort=lambda r: None)
+    assert await holder.claim(first) == "ok"
+    await asyncio.sleep(holder.stale_s + 0.2)  # the holder is frozen: no refresh
+    assert await taker.claim(second) == "stopped"  # (the taker answers Interrupted now)
+    # The holder wakes with its generation done and asks whether it may store its answer.
+    assert not await holder.still_holds(first)
+    assert first.claim_lost

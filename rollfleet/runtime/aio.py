@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -18,6 +19,22 @@ async def stop_tasks(tasks: Iterable[asyncio.Task[Any]], timeout: float = 5.0) -
         task.cancel()
     if tasks:
         await asyncio.wait(tasks, timeout=timeout)
+
+
+async def cancel_until_done(task: asyncio.Task[Any], timeout: float, every_s: float = 0.5) -> bool:
+    """Cancel ``task`` and wait up to ``timeout`` for it to end, cancelling it again every
+    ``every_s`` while it runs: Python 3.11's ``asyncio.wait_for`` (under every nats-py request)
+    swallows a cancel that lands as its answer arrives (CPython gh-86296), and a task that loops
+    on requests then runs on as if never cancelled. For a task with no cleanup that must finish
+    once cancelled (a start abandoned). True if it ended."""
+    until = time.monotonic() + timeout
+    while not task.done():
+        left = until - time.monotonic()
+        if left <= 0:
+            return False
+        task.cancel()
+        await asyncio.wait([task], timeout=min(every_s, left))
+    return True
 
 
 class KeyedLocks:

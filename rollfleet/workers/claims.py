@@ -148,16 +148,22 @@ class ClaimKeeper:
             await asyncio.sleep(self.refresh_s)
         if verdict == "held":
             return "held"
+        # The claim is written over the revision judged, whatever the job's policy: a holder that
+        # was only paused or cut off and refreshes it first keeps the job (this delivery is handed
+        # back), and one that refreshes after finds it gone and answers nothing. Without the write,
+        # an at_most_once job's holder could refresh and store its answer between this verdict and
+        # the ``Interrupted`` stored for it, and believe the job answered while its caller was told
+        # otherwise (campaign 10, seed 6803).
+        try:  # (one taker wins)
+            if entry is None:
+                run.claim_revision = await self.kv.create(key, self.value(run.job))
+            else:
+                run.claim_revision = await self.kv.update(key, self.value(run.job), last=entry.revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return "held"
+        except (nats.errors.Error, TimeoutError):  # unknown whether it was written: judge nothing
+            return "held"
         if run.job.behaviour.takeover:
-            try:  # take it over from the stopped holder (one taker wins)
-                if entry is None:
-                    run.claim_revision = await self.kv.create(key, self.value(run.job))
-                else:
-                    run.claim_revision = await self.kv.update(
-                        key, self.value(run.job), last=entry.revision
-                    )
-            except nats.js.errors.KeyWrongLastSequenceError:
-                return "held"
             run.claimed_at = time.monotonic()
             run.took_over = True
         return "stopped"

@@ -31,7 +31,7 @@ from rollfleet.broker.topology import (
     TopologyConfig,
     wait_for_topology,
 )
-from rollfleet.runtime.aio import stop_tasks
+from rollfleet.runtime.aio import cancel_until_done, stop_tasks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
     DEFAULT_LIMITS,
@@ -338,7 +338,7 @@ class Worker:
             await asyncio.wait({starting, stop_asked}, return_when=asyncio.FIRST_COMPLETED)
             if not starting.done():
                 self.log.info("stop asked while starting; not starting")
-                await stop_tasks([starting], timeout=10.0)
+                await cancel_until_done(starting, timeout=10.0)
             else:
                 starting.result()  # a failed start raises here
                 await self._stopping.wait()
