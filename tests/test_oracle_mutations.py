@@ -459,27 +459,38 @@ def test_checks_are_counted_once_per_judged_fact(recorded: Path) -> None:
 # -- histories that are fine, which the oracle once flagged ---------------------------------------------
 
 
-def _call_of(h: History, retry: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _call_of(h: History, retry: str, once: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """A plain call with that retry policy, its key asked once and not cancelled, answered with a
-    result: (its submit, its answer)."""
+    result: (its submit, its answer). ``once``: its job delivered once (seen), to the replica that
+    answered it, and run there whole (a resumable job resumed after a kill has two deliveries and
+    spans by two replicas: make test run I picked one, and its mutation judged the other's span)."""
     calls = h.calls()
     keys = [c["key"] for c in calls.values()]
     for r in h.answers():
         req = calls[r["rid"]].get("req") or {}
         if req.get("retry") == retry and r.get("spans") and keys.count(r["key"]) == 1 and r["key"] not in h.cancelled:
+            if once and not _delivered_once_to_its_answerer(h, r):
+                continue
             return calls[r["rid"]], r
     raise AssertionError(f"the recorded run has no {retry} answer")
 
 
-def _once_delivered(h: History, retry: str, convert: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A call with ``retry`` as ``_call_of`` finds it; a short run under load may have answered
+def _delivered_once_to_its_answerer(h: History, r: dict[str, Any]) -> bool:
+    seen = [d for d in h.tap["deliveries"] if d["job_id"] == r["job_id"]]
+    return len(seen) == 1 and seen[0]["worker"] == r["worker_id"] and seen[0].get("attempt") == 1
+
+
+def _once_delivered(
+    h: History, retry: str, convert: bool = False, once: bool = False
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A call with ``retry`` as ``_call_of`` finds it (``once`` passed on); a short run under load may have answered
     none: then a replayable call whose job was delivered once, to the replica that answered it
     whole, becomes one (its request and its delivery say ``retry``; nothing else differs for one
     delivery, since a replayable job takes no claim and keeps no checkpoint, and neither is
     judged for a job that one replica ran once)."""
     try:
         if not convert:
-            return _call_of(h, retry)
+            return _call_of(h, retry, once=once)
     except AssertionError:
         pass
     calls = h.calls()
@@ -495,12 +506,15 @@ def _once_delivered(h: History, retry: str, convert: bool = False) -> tuple[dict
             and keys.count(r["key"]) == 1
             and r["key"] not in h.cancelled
             and whole
-            and len(seen) == 1
-            and seen[0]["worker"] == r["worker_id"]
-            and seen[0].get("attempt") == 1
+            and _delivered_once_to_its_answerer(h, r)
             and not r.get("client")  # (the trainer's own key: these histories store under its client id)
         ):
             req["retry"] = seen[0]["retry"] = retry
+            if retry == "resume":  # a resumable run names the replica of each span (a replayable one: None)
+                named = [[r["worker_id"]] * len(spans) for spans in r["spans"]]
+                for desc in (r, h.doc["finals"].get(r.get("idem_key") or r["key"])):
+                    if desc and desc.get("job_id") == r["job_id"]:
+                        desc["replicas"] = named
             return submit, r
     raise AssertionError(f"the recorded run has no {retry} answer, nor a replayable one delivered once")
 
@@ -563,7 +577,7 @@ def interrupted_then_a_later_job(h: History, convert: bool = False) -> None:
 def resumed_delivery_the_tap_missed(h: History) -> None:
     """A resumable job's first delivery went to another replica (seen); its second, to the replica
     that made every token and answered, the wiretap missed (it mirrored that inbox too late)."""
-    _submit, answer = _once_delivered(h, "resume")
+    _submit, answer = _once_delivered(h, "resume", once=True)
     job = answer["job_id"]
     other = next(w for w in ("w1", "w2", "w3", "w4") if w != answer["worker_id"])
     for d in h.tap["deliveries"]:
