@@ -148,17 +148,23 @@ class ClaimKeeper:
             await asyncio.sleep(self.refresh_s)
         if verdict == "held":
             return "held"
-        # The claim is written over the revision judged, whatever the job's policy: a holder that
-        # was only paused or cut off and refreshes it first keeps the job (this delivery is handed
-        # back), and one that refreshes after finds it gone and answers nothing. Without the write,
-        # an at_most_once job's holder could refresh and store its answer between this verdict and
-        # the ``Interrupted`` stored for it, and believe the job answered while its caller was told
-        # otherwise (campaign 10, seed 6803).
-        try:  # (one taker wins)
+        # The verdict is written over the claim revision judged, whatever the job's policy: a
+        # holder that was only paused or cut off and refreshes first keeps the job (this delivery
+        # is handed back), and one that refreshes after finds its claim gone and answers nothing.
+        # Without the write, an at_most_once job's holder could refresh and store its answer
+        # between this verdict and the ``Interrupted`` stored for it, and believe the job answered
+        # while its caller was told otherwise (campaign 10, seed 6803). A policy that takes nothing
+        # over writes the judged claim marked stopped, as a client does for a holder it found
+        # gone: nobody starts the job from here.
+        if run.job.behaviour.takeover:
+            value = self.value(run.job)
+        else:
+            value = (claim if entry is not None else Claim(self.holder, 0.0)).as_stopped().encode()
+        try:  # (one verdict wins)
             if entry is None:
-                run.claim_revision = await self.kv.create(key, self.value(run.job))
+                run.claim_revision = await self.kv.create(key, value)
             else:
-                run.claim_revision = await self.kv.update(key, self.value(run.job), last=entry.revision)
+                run.claim_revision = await self.kv.update(key, value, last=entry.revision)
         except nats.js.errors.KeyWrongLastSequenceError:
             return "held"
         except (nats.errors.Error, TimeoutError):  # unknown whether it was written: judge nothing
