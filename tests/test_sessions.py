@@ -612,6 +612,38 @@ async def test_a_resumed_pinned_session_keeps_the_pin_of_the_turn_its_dead_clien
     assert (second.version_start, second.version_end, second.worker_id) == (0, 0, "held")
 
 
+async def test_a_resumed_session_whose_record_lost_a_stored_turn_moves_past_it(nats_url: str, namespace: str) -> None:
+    """Client A stores turn 0 and its record never says so (A killed before saving; or the save
+    lost with a broker store rolled back: campaign 12, seed 167). Client B resumes at turn 0 and
+    asks it with another prompt: the index is taken, so B gets a SessionConflict naming it, the
+    session moves past it, turn 0 asked again returns A's answer, and B's next turn is turn 1."""
+    engine = CountingEcho()
+    async with running_worker(nats_url, namespace, worker_id="a", engine=engine):
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as a:
+            s = await a.session(min_version=0).open()
+            sid = s.session_id
+            handle = await a.submit_turn(
+                turn_payload([1, 2]), VersionConstraint("min", 0), written=s._written(), key=s.turn_key(0),
+                timeout=None, retry_policy="replayable", session_id=sid, replica=None, asked_at=time.time(),
+            )  # fmt: skip
+            first = await handle.result(10)
+            a.sessions.pop(sid, None)  # (A's handle is gone with it; its close would delete the record)
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as b:
+            resumed = await b.resume_session(sid)
+            assert resumed.next_turn == 0  # A never saved it
+            with pytest.raises(SessionConflict) as caught:
+                await resumed.generate(turn_payload([7, 7, 7]), timeout=10)
+            assert "turn 0" in caught.value.message and "generate(turn=0)" in caught.value.message
+            assert resumed.next_turn == 1
+            again = await resumed.generate(turn_payload([7, 7, 7]), turn=0, timeout=10)
+            assert again.job_id == first.job_id and again.outputs == first.outputs
+            second = await resumed.generate(turn_payload([7, 7, 7]), timeout=10)
+            assert second.idempotency_key == resumed.turn_key(1)
+            assert len(engine.calls) == 2  # turn 0 was never generated again
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as c:
+            assert (await c.resume_session(sid)).next_turn == 2  # the record says so now
+
+
 async def test_a_session_closed_through_another_handle_stays_closed(nats_url: str, namespace: str) -> None:
     """Handle B (a resume of the same id) closes the session while handle A has a turn running:
     A's turn is answered, but its save does not bring the record back, and A's next turn is

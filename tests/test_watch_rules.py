@@ -106,6 +106,11 @@ def test_a_pinned_sessions_version_may_be_served_only_by_a_replica_that_can_stil
     assert pin_may_be_served([("down", 5, None)], 5, 7)
     assert not pin_may_be_served([("draining", 5, None)], 5, 7)
     assert pin_may_be_served([("preparing", 4, 5)], 5, 5)
+    # At it and preparing a newer one: a failed prepare keeps it there; once activating the newer
+    # one (prepared, no more exact jobs for the pin) it is leaving for good.
+    assert pin_may_be_served([("preparing", 5, 7)], 5, 7)
+    assert not pin_may_be_served([("activating", 5, 7)], 5, 7)
+    assert pin_may_be_served([("activating", 4, 5)], 5, 5)  # activating the pin itself
     # Behind it: only while it is the newest commit (a replica catching up goes to the newest).
     assert pin_may_be_served([("starting", 0, None)], 5, 5)
     assert not pin_may_be_served([("down", 0, None), ("ready", 7, None), ("ready", 7, None)], 5, 7)

@@ -122,7 +122,8 @@ class UnknownSession(RollfleetError):
 
 
 class SessionConflict(RollfleetError):
-    """The session exists with other settings, or the turn is out of order."""
+    """The session exists with other settings, or the turn is out of order, or its index was
+    already asked with another prompt (by a handle whose record of it this one never read)."""
 
     code = "session_conflict"
     retryable = False

@@ -56,6 +56,7 @@ from rollfleet.schemas import (
 )
 from rollfleet.schemas.errors import (
     Expired,
+    IdempotencyConflict,
     InvalidRequest,
     NoCompatibleReplica,
     RollfleetError,
@@ -296,6 +297,20 @@ class Session:
                 # may be the one a dead client stored, pinned to the newest version of its moment
                 # (its pin was never saved); this handle's own guess yields to it.
                 self._record.last_version = result.version_end
+        except IdempotencyConflict as exc:
+            # A turn's key is the session's own (``turn_key``): another request under it means this
+            # index was stored by another handle of this incarnation whose record of it this one
+            # never read (its save lost with a broker store rolled back, or its client killed
+            # before saving; campaign 12, seed 167). The index is taken, not failed: its own answer
+            # is what ``generate(turn=nxt)`` returns, and the caller's next turn is the one after.
+            self._record.next_turn = max(self._record.next_turn, nxt + 1)
+            self._record.touched_at = time.time()
+            spent = True
+            raise SessionConflict(
+                f"turn {nxt} of session {self.session_id!r} was already asked with another prompt (by another "
+                f"handle of this session, or by a client before a restart whose record of it was lost); "
+                f"generate(turn={nxt}) returns its answer, and the next turn is {nxt + 1}"
+            ) from exc
         except RollfleetError as exc:
             explained = self._explained(exc)
             if spent:
@@ -538,12 +553,15 @@ async def expire_idle(sessions: list[Session]) -> None:
 
 def pin_may_be_served(replicas: list[tuple[str, int, int | None]], pin: int, latest: int | None) -> bool:
     """Whether a live replica (state, active version, preparing version) may yet serve a pinned
-    session's version: one at it that is not stopping (its engine down, activating: it may serve
-    it again), one preparing it, or one behind it while it is the newest commit (catching up to
-    it). A replica past it never comes back (versions only move forward), nor does one behind it
-    once a newer version is committed (a replica catching up goes to the newest)."""
+    session's version: one at it that is neither stopping nor activating a newer one (its engine
+    down, or preparing: a failed prepare keeps it at the pin), one preparing it, or one behind it
+    while it is the newest commit (catching up to it). A replica past it never comes back
+    (versions only move forward), nor does one behind it once a newer version is committed (a
+    replica catching up goes to the newest), nor one at it that is activating a newer version
+    (it has prepared it and takes no more exact jobs for the pin: only a failing engine load would
+    leave it there, a guess no caller should wait on; campaign 12, seed 211)."""
     for state, active, preparing in replicas:
-        if active == pin and state != "draining":
+        if active == pin and state not in ("draining", "activating"):
             return True
         if preparing == pin:
             return True
