@@ -64,6 +64,7 @@ from rollfleet.schemas.errors import (
     SessionConflict,
     UnknownSession,
 )
+from rollfleet.schemas.messages import refuses_while_activating
 from rollfleet.trainer_client.requests import constraint_from, written_constraint
 from rollfleet.trainer_client.sessions.host import SessionHost
 from rollfleet.trainer_client.sessions.sticky import await_turn
@@ -561,7 +562,9 @@ def pin_may_be_served(replicas: list[tuple[str, int, int | None]], pin: int, lat
     (it has prepared it and takes no more exact jobs for the pin: only a failing engine load would
     leave it there, a guess no caller should wait on; campaign 12, seed 211)."""
     for state, active, preparing in replicas:
-        if active == pin and state not in ("draining", "activating"):
+        # (a pinned turn is an exact job: the rule for those while activating is the replicas' own)
+        leaving = state == "draining" or (state == "activating" and refuses_while_activating("exact"))
+        if active == pin and not leaving:
             return True
         if preparing == pin:
             return True
