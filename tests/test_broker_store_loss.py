@@ -168,6 +168,33 @@ async def test_consumers_a_rollback_left_past_their_streams_end_serve_new_jobs(t
         broker.stop()
 
 
+async def test_a_submit_while_the_broker_restarts_waits_for_it_to_declare_the_subjects_consumer(
+    tmp_path: Path, namespace: str
+) -> None:
+    """After a reconnect the client looks up every consumer again (the broker may have come back on
+    an older store). A submit made while the broker is away, longer than one request waits (5 s),
+    must wait for it as storing the job does, not fail at the first unanswered look-up (as CI
+    found: "cannot create the consumer of min:0: nats: timeout" just after a restart)."""
+    store = tmp_path / "store"
+    broker = EmbeddedBroker(store_dir=store).start()
+    try:
+        async with (
+            await RolloutClient.connect(broker.url, namespace=namespace, client_id="c") as client,
+            running_worker(broker.url, namespace, worker_id="w"),
+        ):
+            assert (await (await client.submit(payload([1]), min_version=0, timeout=30.0)).result(30)).worker_id == "w"
+            broker.stop()
+            client.forget_consumers()  # (as restoring after the reconnect does)
+            submitting = asyncio.create_task(client.submit(payload([2]), min_version=0, timeout=60.0))
+            await asyncio.sleep(6.5)  # past the first look-up's wait
+            assert not submitting.done(), submitting.exception()
+            broker.start()
+            handle = await asyncio.wait_for(submitting, 40)
+            assert (await handle.result(30)).worker_id == "w"
+    finally:
+        broker.stop()
+
+
 async def test_a_withdrawal_after_a_rollback_removes_only_its_own_job(nats_url: str, namespace: str) -> None:
     """A broker gone back to an older copy of its store hands the sequences past the copy's end to
     new jobs, so a handle from before may hold a sequence where another job lies now (as the

@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
+from rollfleet.broker.retry_call import backoff_s
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas.bounded import load_json
 from rollfleet.schemas.errors import Fenced, InvalidRequest, ServiceUnavailable
@@ -155,5 +156,5 @@ async def publish_retrying(
             if time.time() >= until:
                 raise ServiceUnavailable(f"cannot store the message on {subject}: {exc}") from exc
             log.debug("publish failed; retrying", subject=subject, attempt=attempt, error=str(exc))
-            await asyncio.sleep(min(0.1 * 2**attempt, 1.0))
+            await asyncio.sleep(backoff_s(attempt))
             attempt += 1

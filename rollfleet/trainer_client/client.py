@@ -22,6 +22,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from rollfleet.broker.connection import connect
+from rollfleet.broker.retry_call import call_retrying
 from rollfleet.broker.startup import not_ready
 from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
@@ -395,10 +396,13 @@ class RolloutClient:
             return handle  # the answer came before we asked again (trainer restart)
         if idempotency_key is not None and await self._answered_before(handle):
             return handle
+        until = min(handle.job.deadline, time.time() + PUBLISH_BUDGET_S)  # (as storing it waits)
         if self.fail_fast and replica is None and not self.fleet.compatible(constraint):
-            try:
-                await self.fleet.refresh()  # the view may lag a replica that just registered
-            except Exception as exc:  # broker unreachable: a retryable error, never a raw one
+            try:  # the view may lag a replica that just registered
+                await call_retrying(self.fleet.refresh, until=until, what="read the fleet registry")
+            except RollfleetError:
+                raise
+            except Exception as exc:  # (a forged record): a retryable error, never a raw one
                 raise ServiceUnavailable(f"cannot read the fleet registry: {exc}") from exc
             if not self.fleet.compatible(constraint):
                 # An answer already stored for this key wins: resubmitting is always safe.
@@ -415,10 +419,10 @@ class RolloutClient:
         try:
             if replica is None:
                 subject = self.names.job_subject(constraint.kind, constraint.version)
-                fresh = await self._ensure_consumer(constraint)
+                fresh = await self._ensure_consumer(constraint, until)
             else:
                 subject = self.names.replica_job_subject(replica)
-                await self._ensure_replica_consumer(replica)
+                await self._ensure_replica_consumer(replica, until)
             ack = await self.placement.store(handle, subject, key)
         except RollfleetError:
             self._handles.pop(key, None)
@@ -471,20 +475,15 @@ class RolloutClient:
     async def _stored_answer(self, handle: RolloutHandle) -> Outcome | None:
         """The oldest stored answer to the handle's request, asked until the broker answers (as
         storing the job would be); ServiceUnavailable once that has taken the publish budget."""
-        until = min(handle.job.deadline, time.time() + PUBLISH_BUDGET_S)
         key = handle.idempotency_key
-        while True:
-            try:
-                found = await answers.first_answer(
-                    self.js, self.names, self.client_id, key, handle.job.fingerprint, self._accepts(handle), strict=True
-                )
-                return None if found is None else found[1]
-            except (nats.errors.Error, nats.js.errors.Error) as exc:
-                if time.time() >= until:
-                    raise ServiceUnavailable(
-                        f"cannot look up the stored answers of {key!r}: {type(exc).__name__}"
-                    ) from exc
-                await asyncio.sleep(0.1)
+        found = await call_retrying(
+            lambda: answers.first_answer(
+                self.js, self.names, self.client_id, key, handle.job.fingerprint, self._accepts(handle), strict=True
+            ),
+            until=min(handle.job.deadline, time.time() + PUBLISH_BUDGET_S),
+            what=f"look up the stored answers of {key!r}",
+        )
+        return None if found is None else found[1]
 
     async def _adopt(self, handle: RolloutHandle, seq: int) -> bool:
         """A resubmission within the duplicate window stored nothing: the key's job is the one
@@ -518,33 +517,43 @@ class RolloutClient:
         handle.adopt(job, data, subject, seq, self.names.parse_replica_job_subject(subject))
         return True
 
-    async def _ensure_consumer(self, constraint: VersionConstraint) -> bool:
+    async def _ensure_consumer(self, constraint: VersionConstraint, until: float | None = None) -> bool:
         """The subject's shared consumer exists before its first job is stored: the trainer
         creates it (workers only bind; they may not change how jobs are delivered). True when
         this call created it: replicas may have found it missing before."""
         kind, version = constraint.kind, constraint.version
         return await self._declared(
-            str(constraint), lambda: declare_job_consumer(self.js, self.names, kind, version, self.topology)
+            str(constraint), lambda: declare_job_consumer(self.js, self.names, kind, version, self.topology), until
         )
 
-    async def _ensure_replica_consumer(self, worker_id: str) -> bool:
+    async def _ensure_replica_consumer(self, worker_id: str, until: float | None = None) -> bool:
         """A replica's own consumer, created by the trainer with the first turn sent there."""
         return await self._declared(
-            f"replica {worker_id}", lambda: declare_replica_consumer(self.js, self.names, worker_id, self.topology)
+            f"replica {worker_id}",
+            lambda: declare_replica_consumer(self.js, self.names, worker_id, self.topology),
+            until,
         )
 
-    async def _declared(self, what: str, declare: Callable[[], Awaitable[bool]]) -> bool:
+    async def _declared(self, what: str, declare: Callable[[], Awaitable[bool]], until: float | None = None) -> bool:
         """Run ``declare`` unless it ran for ``what`` lately; whether it created the consumer.
         Looked at again now and then (an idle consumer is removed after consumer_inactive_s), and
-        at once when one is found missing (``_redeclare``)."""
+        at once when one is found missing (``_redeclare``). Asked again while the broker recovers,
+        until ``until`` (unix time; by default the publish budget), as storing the job would be.
+        An attempt that failed may have created the consumer unanswered, so the result is then
+        True: replicas are told once too often, never once too few."""
         if time.monotonic() < self._consumers.get(what, 0.0):
             return False
-        try:
-            created = await declare()
-        except (nats.errors.Error, nats.js.errors.Error) as exc:
-            raise ServiceUnavailable(f"cannot create the consumer of {what}: {exc}") from exc
+        attempts = 0
+
+        async def attempt() -> bool:
+            nonlocal attempts
+            attempts += 1
+            return await declare()
+
+        deadline = time.time() + PUBLISH_BUDGET_S if until is None else until
+        created = await call_retrying(attempt, until=deadline, what=f"create the consumer of {what}")
         self._consumers[what] = time.monotonic() + _CONSUMER_RECHECK_S
-        return created
+        return created or attempts > 1
 
     async def _redeclare_replica(self, worker_id: str) -> bool:
         """A replica's own consumer found missing: declared again (the cached belief dropped)."""

@@ -1,0 +1,62 @@
+"""A broker call asked again while the broker recovers (a restart, a pause, a leader election).
+
+A request sent while the connection redials is held and sent after it; one the broker took while
+it was recovering its streams may go unanswered. Each of those is a timeout, and one more
+attempt a moment later succeeds: a caller that gave up at the first would fail a request that
+waiting a few seconds would have served (a submit just after a broker restart, as CI found).
+Only what may pass is retried; a refusal (a bad request, a closed connection) is raised at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import nats.errors
+import nats.js.errors
+
+from rollfleet.runtime.logs import get_logger
+from rollfleet.schemas.errors import ServiceUnavailable
+
+log = get_logger("rollfleet.broker.retry_call")
+
+T = TypeVar("T")
+
+# What a broker that is restarting, paused, electing a leader or not yet running JetStream answers.
+TRANSIENT: tuple[type[BaseException], ...] = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.StaleConnectionError,
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.ServerError,
+    nats.js.errors.NoStreamResponseError,
+    asyncio.TimeoutError,
+    OSError,
+)
+
+
+def backoff_s(attempt: int) -> float:
+    """The pause before retry ``attempt`` (0 first): short at first, at most a second."""
+    return min(0.1 * 2**attempt, 1.0)
+
+
+async def call_retrying(call: Callable[[], Awaitable[T]], *, until: float, what: str) -> T:
+    """``call()``'s result, asked again after each transient failure until ``until`` (unix time)
+    has passed; then, or at once for any other broker error, ``ServiceUnavailable("cannot
+    {what}: ...")``. The call must be safe to repeat (a look-up, or a create that first looks)."""
+    attempt = 0
+    while True:
+        try:
+            return await call()
+        except TRANSIENT as exc:
+            if time.time() >= until:
+                raise ServiceUnavailable(f"cannot {what}: {type(exc).__name__}") from exc
+            log.debug("broker call failed; retrying", what=what, attempt=attempt, error=type(exc).__name__)
+            await asyncio.sleep(backoff_s(attempt))
+            attempt += 1
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            raise ServiceUnavailable(f"cannot {what}: {exc}") from exc
