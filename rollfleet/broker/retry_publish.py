@@ -30,7 +30,7 @@ ATTEMPT_S = 1.5
 _MAX_ACK_BYTES = 64 * 1024  # an acknowledgement is a few dozen bytes; an error one a few hundred
 # The broker's refusal of a conditional write (JSStreamWrongLastSequenceErrF): the only one
 # rollfleet acts on, read by its code, never by its text.
-_WRONG_LAST_SEQUENCE = 10071
+WRONG_LAST_SEQUENCE = 10071
 _EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 _SWEEP_S = 0.25  # an attempt gives up between ATTEMPT_S and ATTEMPT_S + this
 
@@ -107,7 +107,7 @@ class _AckedPublisher:
             raise _Retry(exc.message) from None
         if ack.error is not None:
             description = ack.error.get("description", ack.error)
-            if ack.error.get("err_code") == _WRONG_LAST_SEQUENCE:
+            if ack.error.get("err_code") == WRONG_LAST_SEQUENCE:
                 expected = headers.get(_EXPECTED_LAST_SUBJECT_SEQ)
                 raise Fenced(
                     f"broker refused the conditional write on {subject}: {description}",

@@ -20,12 +20,12 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
 
+from rollfleet.broker.claims_bucket import ClaimsBucket
 from rollfleet.broker.retry_publish import publish_retrying
 from rollfleet.runtime.logs import get_logger
-from rollfleet.schemas import Claim, Names, RolloutJob, VersionConstraint, claim_key, decode
-from rollfleet.schemas.errors import RollfleetError
+from rollfleet.schemas import Claim, Names, RolloutJob, VersionConstraint, decode
+from rollfleet.schemas.errors import Fenced, RollfleetError
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
 from rollfleet.trainer_client.client_metrics import ClientMetrics
 from rollfleet.trainer_client.fleet import FleetView
@@ -66,7 +66,7 @@ class JobPlacement:
         self._ring = ring  # a replica rung for a job just stored on a shared subject
         self._forget = forget  # the client stops waiting for a key (its handle failed here)
         self._settle_stored = settle_stored  # the handle settled with its stored answer, if one is stored
-        self._claims_bucket: KeyValue | None = None
+        self._claims_bucket: ClaimsBucket | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self.probe_reply = ""  # where "no responders" to a probe comes back (set by the client)
         self.withdrawn = WithdrawnKeys(duplicate_window_s)  # keys still bound to a withdrawn request
@@ -245,21 +245,21 @@ class JobPlacement:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _claims(self) -> KeyValue:
+    async def _claims(self) -> ClaimsBucket:
         if self._claims_bucket is None:
-            self._claims_bucket = await self._js.key_value(self._names.claims_bucket)
+            self._claims_bucket = ClaimsBucket(await self._js.key_value(self._names.claims_bucket))
         return self._claims_bucket
 
     async def holder(self, handle: RolloutHandle, *, strict: bool = False) -> Claim | None:
         """The job's claim, naming the process holding it; None if unclaimed or marked stopped
         (``strict``: a broker error is raised, not taken for "unclaimed")."""
         try:
-            entry = await (await self._claims()).get(claim_key(handle.job_id))
-        except nats.js.errors.KeyNotFoundError:
-            return None
+            entry = await (await self._claims()).get(handle.job_id)
         except (nats.errors.Error, nats.js.errors.Error):
             if strict:
                 raise
+            return None
+        if entry is None:
             return None
         claim = Claim.decode(entry.value)
         return None if claim.stopped else claim
@@ -271,17 +271,18 @@ class JobPlacement:
         is gone now, and only over the claim as read before asking."""
         try:
             claims = await self._claims()
-            key = claim_key(handle.job_id)
-            entry = await claims.get(key)
+            entry = await claims.get(handle.job_id)
+            if entry is None:
+                return False  # no claim: it never started
             claim = Claim.decode(entry.value)
             if claim.stopped or (worker_id is not None and claim.worker_id != worker_id):
                 return False
             if await self._listening(claim.worker_id):
                 return False  # a process of that replica is connected (perhaps a new one)
-            await claims.update(key, claim.as_stopped().encode(), last=entry.revision)
+            await claims.mark_stopped(handle.job_id, claim, entry.revision)
             return True
-        except (nats.errors.Error, nats.js.errors.Error):
-            return False  # no claim (it never started), or it changed: nothing to say
+        except (Fenced, nats.errors.Error, nats.js.errors.Error):
+            return False  # it changed since (one verdict wins), or the broker did not say: nothing to say
 
     async def _listening(self, worker_id: str) -> bool:
         """Whether some process listens on the replica's bell now (the broker answers "no

@@ -25,8 +25,9 @@ import nats.errors
 import nats.js.errors
 from nats.js.kv import KeyValue
 
-from rollfleet.schemas import RolloutJob, claim_key
-from rollfleet.schemas.errors import RollfleetError
+from rollfleet.broker.claims_bucket import ClaimsBucket
+from rollfleet.schemas import RolloutJob
+from rollfleet.schemas.errors import Fenced, RollfleetError
 from rollfleet.schemas.names import Claim
 from rollfleet.schemas.progress import open_claim, seal_claim
 from rollfleet.workers.result_store import RESULT_PUBLISH_BUDGET_S
@@ -75,7 +76,7 @@ class ClaimKeeper:
         running: Callable[[], Iterable[RunningJob]],
         abort: Callable[[RunningJob], None],
     ) -> None:
-        self.kv = kv
+        self.bucket = ClaimsBucket(kv)
         self._log = log
         self._running = running  # the jobs running on this process now
         self._abort = abort  # stop a run's engine requests (one that lost its claim)
@@ -99,12 +100,12 @@ class ClaimKeeper:
         for a replayable turn the claim is ours now). A claim old by the clock is watched (the
         delivery kept in progress) until its holder has missed refreshes while the broker answered
         (``judge_claim``): a broker that stalled stalled every holder's refreshes too."""
-        key = claim_key(run.job.job_id)
+        job_id = run.job.job_id
         try:
-            run.claim_revision = await self.kv.create(key, self.value(run.job))
+            run.claim_revision = await self.bucket.create(job_id, self.value(run.job))
             run.claimed_at = time.monotonic()
             return "ok"
-        except nats.js.errors.KeyWrongLastSequenceError:
+        except Fenced:
             pass
         stale_s = self.resume_stale_s if run.job.behaviour.checkpoints else self.stale_s
         watched, seen, last_look = 0.0, None, 0.0
@@ -112,10 +113,8 @@ class ClaimKeeper:
         while True:
             look = time.monotonic()
             try:
-                entry = await self.kv.get(key)
-                claim = self.read(run.job, entry.value)
-            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-                claim, entry = Claim("", 0.0), None
+                entry = await self.bucket.get(job_id)
+                claim = self.read(run.job, entry.value) if entry is not None else Claim("", 0.0)
             except (nats.errors.Error, TimeoutError):  # the broker did not answer: it judges nothing
                 if run.handed_back or time.monotonic() >= give_up:
                     return "held"
@@ -161,11 +160,8 @@ class ClaimKeeper:
         else:
             value = (claim if entry is not None else Claim(self.holder, 0.0)).as_stopped().encode()
         try:  # (one verdict wins)
-            if entry is None:
-                run.claim_revision = await self.kv.create(key, value)
-            else:
-                run.claim_revision = await self.kv.update(key, value, last=entry.revision)
-        except nats.js.errors.KeyWrongLastSequenceError:
+            run.claim_revision = await self.bucket.write(job_id, value, None if entry is None else entry.revision)
+        except Fenced:
             return "held"
         except (nats.errors.Error, TimeoutError):  # unknown whether it was written: judge nothing
             return "held"
@@ -214,14 +210,13 @@ class ClaimKeeper:
         run that lost the job unnoticed never deletes the claim of the run that has it now."""
         if not job.claimed:
             return
-        key = claim_key(job.job_id)
         with suppress(Exception):
             if not only_own:
-                await self.kv.delete(key)
+                await self.bucket.delete(job.job_id)
                 return
-            entry = await self.kv.get(key)
-            if self.read(job, entry.value).holder == self.holder:
-                await self.kv.delete(key, last=entry.revision)
+            entry = await self.bucket.get(job.job_id)
+            if entry is not None and self.read(job, entry.value).holder == self.holder:
+                await self.bucket.delete(job.job_id, entry.revision)
 
     async def refresh(self, now: float) -> None:
         """A long job's claim says, every ack_wait / 3, that its holder still runs it."""
@@ -232,30 +227,30 @@ class ClaimKeeper:
                     await self.refresh_by_revision(run)
                     continue
                 with suppress(Exception):
-                    await self.kv.put(claim_key(run.job.job_id), self.value())
+                    await self.bucket.put(run.job.job_id, self.value())
 
     async def refresh_by_revision(self, run: RunningJob) -> bool | None:
         """Refresh a claim only if it is still the one this run wrote: True if so, False if it was
         taken over, answered ``Interrupted`` or marked stopped meanwhile (this process was paused
         or cut off too long: another replica has the job, and this run stops and answers nothing),
         None if the broker did not answer (the next refresh tries again)."""
-        key = claim_key(run.job.job_id)
+        job_id, revision = run.job.job_id, run.claim_revision
+        if revision is None:  # (not claimed by revision: nothing to compare with)
+            return None
         try:
-            run.claim_revision = await self.kv.update(key, self.value(run.job), last=run.claim_revision)
+            run.claim_revision = await self.bucket.replace(job_id, self.value(run.job), revision)
             return True
-        except nats.js.errors.KeyWrongLastSequenceError:
+        except Fenced:
             if run.job.behaviour.checkpoints:
                 return await self.reclaim_resumable(run)
         except Exception:
             return None
         try:  # a write of ours whose acknowledgement was lost (the broker stalled) moved it too
-            entry = await self.kv.get(key)
-            claim: Claim | None = Claim.decode(entry.value)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            claim = None
+            entry = await self.bucket.get(job_id)
+            claim = None if entry is None else Claim.decode(entry.value)
         except Exception:
             return None
-        if claim is not None and claim.holder == self.holder and not claim.stopped:
+        if entry is not None and claim is not None and claim.holder == self.holder and not claim.stopped:
             run.claim_revision = entry.revision
             return True
         self.lose(run)
@@ -267,17 +262,14 @@ class ClaimKeeper:
         that fences this run's next write): a claim written or deleted by someone who does not know
         the job id fences nothing, and this run writes its own back. (A taker whose record is not
         stored yet gets its claim back the same way; the records decide which run goes on.)"""
-        key = claim_key(run.job.job_id)
+        job_id = run.job.job_id
         try:
             if run.progress is not None and await run.progress.taken_over():
                 self.lose(run)
                 return False
-            try:
-                entry = await self.kv.get(key)
-            except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-                run.claim_revision = await self.kv.create(key, self.value(run.job))
-            else:
-                run.claim_revision = await self.kv.update(key, self.value(run.job), last=entry.revision)
+            entry = await self.bucket.get(job_id)
+            revision = None if entry is None else entry.revision
+            run.claim_revision = await self.bucket.write(job_id, self.value(run.job), revision)
         except (nats.errors.Error, RollfleetError):  # the broker away, or written again meanwhile
             return None
         self._log.warning("resumable job's claim rewritten by someone else; written back", job_id=run.job.job_id)
