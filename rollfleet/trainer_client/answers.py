@@ -25,6 +25,7 @@ import nats.js.errors
 import xxhash
 from nats.js import JetStreamContext
 
+from rollfleet.broker.stream_reads import stored_on
 from rollfleet.schemas import ChunkedOutcome, Names, Outcome, StoredOutcome, decode_outcome, job_token, key_token
 from rollfleet.schemas.errors import InvalidRequest
 
@@ -94,18 +95,16 @@ async def stored(
     """The authentic answers stored for a key, oldest first (unreadable or forged ones are
     skipped). Ends quietly when the broker is away (the consumer still delivers them later);
     ``strict``: a broker that does not answer is raised, never taken for "nothing stored"."""
-    subject = names.results_of_key(client_id, key)
-    seq = 1
-    for _ in range(_MAX_HEADS):
+    heads = stored_on(js, names.results_stream, names.results_of_key(client_id, key), limit=_MAX_HEADS)
+    while True:
         try:
-            raw = await js.get_msg(names.results_stream, seq=seq, subject=subject, next=True, direct=True)
-        except nats.js.errors.NotFoundError:
+            raw = await anext(heads)
+        except StopAsyncIteration:
             return
         except (nats.errors.Error, nats.js.errors.Error):
             if strict:
                 raise
             return
-        seq = (raw.seq or seq) + 1
         try:
             outcome = await whole(js, names, raw.subject or "", decode_outcome(raw.data or b""))
         except (InvalidRequest, nats.errors.Error, nats.js.errors.Error):

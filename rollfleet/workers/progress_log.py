@@ -27,10 +27,10 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
 from typing import Any
 
-import nats.js.errors
 from nats.js import JetStreamContext
 
 from rollfleet.broker.retry_publish import publish_retrying
+from rollfleet.broker.stream_reads import stored_on
 from rollfleet.runtime.aio import wait_event
 from rollfleet.schemas import Completion, Names, RolloutJob, VersionSpan, decode, encode
 from rollfleet.schemas.errors import CorruptCheckpoint, Fenced, InvalidRequest, RollfleetError, Superseded
@@ -150,16 +150,8 @@ class ProgressLog(TokenSink):
         """The job's records on the subject from ``from_seq`` on, in order (a ``CorruptCheckpoint``
         for one of the job's that does not decode); ``last_seq`` follows every message read.
         Messages that are not the job's (no valid MAC) are skipped, counted and logged."""
-        seq = from_seq
-        while True:
-            try:
-                msg = await self._js.get_msg(
-                    self._names.progress_stream, seq=seq, subject=self.subject, next=True, direct=True
-                )
-            except nats.js.errors.NotFoundError:
-                return
-            seq = int(msg.seq) + 1
-            self.last_seq = int(msg.seq)
+        async for msg in stored_on(self._js, self._names.progress_stream, self.subject, from_seq):
+            self.last_seq = int(msg.seq or self.last_seq)
             data = msg.data or b""
             if not sealed(self.job.job_id, data, msg.headers):
                 why = "no valid MAC for this job (written by someone it was not delivered to, or damaged)"

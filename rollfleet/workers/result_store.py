@@ -14,11 +14,11 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-import nats.js.errors
 import xxhash
 from nats.js import JetStreamContext
 
 from rollfleet.broker.retry_publish import publish_retrying
+from rollfleet.broker.stream_reads import next_stored
 from rollfleet.runtime import faults
 from rollfleet.schemas import ChunkedOutcome, Names, RolloutFailure, RolloutJob, RolloutResult, encode, job_token
 from rollfleet.schemas.errors import InvalidRequest, ResultUnstorable, RollfleetError
@@ -48,11 +48,7 @@ class ResultStore:
     async def answered(self, job: RolloutJob) -> bool:
         """Whether an answer to this job is stored (by any replica)."""
         subject = self._names.results_of_job(job.client_id, job.idempotency_key, job.job_id)
-        try:
-            await self._js.get_msg(self._names.results_stream, seq=1, subject=subject, next=True, direct=True)
-            return True
-        except nats.js.errors.NotFoundError:
-            return False
+        return await next_stored(self._js, self._names.results_stream, subject) is not None
 
     async def store(
         self, client_id: str, key: str, job_id: str | None, outcome: RolloutResult | RolloutFailure
