@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -28,8 +28,6 @@ from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
     TopologyConfig,
     TopologyKeeper,
-    declare_job_consumer,
-    declare_replica_consumer,
     ensure_results_consumer,
     ensure_topology,
     given_up_seq,
@@ -65,11 +63,11 @@ from rollfleet.schemas.errors import (
     RollfleetError,
     ServiceUnavailable,
 )
-from rollfleet.schemas.names import listened_subjects
 from rollfleet.schemas.progress import TokenChunk
 from rollfleet.trainer_client import answers, cancelling
 from rollfleet.trainer_client.cancelling import CancelOutcome
 from rollfleet.trainer_client.client_metrics import ClientMetrics
+from rollfleet.trainer_client.consumers import JobConsumers
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.inbox import ResultsInbox
@@ -86,7 +84,6 @@ from rollfleet.trainer_client.watch import JobWatch
 log = get_logger("rollfleet.client")
 
 _BELL_INTERVAL_S = 0.05
-_CONSUMER_RECHECK_S = 600.0
 
 
 class RolloutClient:
@@ -131,7 +128,7 @@ class RolloutClient:
         # Until then, a key given explicitly is looked up among the stored answers before its job
         # is stored (see _answered_before).
         self._recheck_until = time.monotonic() + topology.duplicate_window_s
-        self._consumers: dict[str, float] = {}  # consumer -> until when it is known to exist
+        self.consumers = JobConsumers(self.js, nc, names, topology, ring=lambda c: self._ring(c, fresh=True))
         self._sessions_bucket: KeyValue | None = None
         self.keeper: TopologyKeeper | None = None  # declares again what the broker lost (restore.py)
         self.placement = JobPlacement(
@@ -141,8 +138,8 @@ class RolloutClient:
             names,
             self.fleet,
             self.metrics,
-            declare_shared=self._ensure_consumer,
-            declare_replica=self._redeclare_replica,
+            declare_shared=self.consumers.shared,
+            declare_replica=self.consumers.replica_again,
             ring=lambda constraint: self._ring(constraint, fresh=True),
             forget=lambda key: self._handles.pop(key, None) and None,
             settle_stored=self._settle_stored,
@@ -163,7 +160,7 @@ class RolloutClient:
             withdraw=self._withdraw,
             settle_stored=self._settle_stored,
             no_replica_message=self._no_replica_message,
-            redeclare=self._redeclare,
+            redeclare=self.consumers.shared_again,
             ring=self._ring,
         )
 
@@ -272,7 +269,7 @@ class RolloutClient:
         self._started = True
         self._expiry_task = asyncio.create_task(self.watch.deadlines(), name="deadlines")
         self._stall_task = asyncio.create_task(self.watch.stalls(), name="stalls")
-        self._spawn(self._declare_windows())
+        self._spawn(self.consumers.follow(self.fleet))
         self.keeper = TopologyKeeper(
             self.js, self.names, self.topology, on_declared=lambda created: restore_namespace(self, created)
         )
@@ -419,10 +416,10 @@ class RolloutClient:
         try:
             if replica is None:
                 subject = self.names.job_subject(constraint.kind, constraint.version)
-                fresh = await self._ensure_consumer(constraint, until)
+                fresh = await self.consumers.shared(constraint, until)
             else:
                 subject = self.names.replica_job_subject(replica)
-                await self._ensure_replica_consumer(replica, until)
+                await self.consumers.replica(replica, until)
             ack = await self.placement.store(handle, subject, key)
         except RollfleetError:
             self._handles.pop(key, None)
@@ -497,7 +494,7 @@ class RolloutClient:
                 return False
             moved = f"{key}#1"  # where a moved turn of an earlier process went
             subject = self.names.job_subject(handle.job.constraint.kind, handle.job.constraint.version)
-            await self._ensure_consumer(handle.job.constraint)
+            await self.consumers.shared(handle.job.constraint)
             stored = await self.placement.store_where_it_lies(
                 handle, subject, moved, answered=lambda: self._settle_stored(handle)
             )
@@ -516,62 +513,6 @@ class RolloutClient:
             return False
         handle.adopt(job, data, subject, seq, self.names.parse_replica_job_subject(subject))
         return True
-
-    async def _ensure_consumer(self, constraint: VersionConstraint, until: float | None = None) -> bool:
-        """The subject's shared consumer exists before its first job is stored: the trainer
-        creates it (workers only bind; they may not change how jobs are delivered). True when
-        this call created it: replicas may have found it missing before."""
-        kind, version = constraint.kind, constraint.version
-        return await self._declared(
-            str(constraint), lambda: declare_job_consumer(self.js, self.names, kind, version, self.topology), until
-        )
-
-    async def _ensure_replica_consumer(self, worker_id: str, until: float | None = None) -> bool:
-        """A replica's own consumer, created by the trainer with the first turn sent there."""
-        return await self._declared(
-            f"replica {worker_id}",
-            lambda: declare_replica_consumer(self.js, self.names, worker_id, self.topology),
-            until,
-        )
-
-    async def _declared(self, what: str, declare: Callable[[], Awaitable[bool]], until: float | None = None) -> bool:
-        """Run ``declare`` unless it ran for ``what`` lately; whether it created the consumer.
-        Looked at again now and then (an idle consumer is removed after consumer_inactive_s), and
-        at once when one is found missing (``_redeclare``). Asked again while the broker recovers,
-        until ``until`` (unix time; by default the publish budget), as storing the job would be.
-        An attempt that failed may have created the consumer unanswered, so the result is then
-        True: replicas are told once too often, never once too few."""
-        if time.monotonic() < self._consumers.get(what, 0.0):
-            return False
-        attempts = 0
-
-        async def attempt() -> bool:
-            nonlocal attempts
-            attempts += 1
-            return await declare()
-
-        deadline = time.time() + PUBLISH_BUDGET_S if until is None else until
-        created = await call_retrying(attempt, until=deadline, what=f"create the consumer of {what}")
-        self._consumers[what] = time.monotonic() + _CONSUMER_RECHECK_S
-        return created or attempts > 1
-
-    async def _redeclare_replica(self, worker_id: str) -> bool:
-        """A replica's own consumer found missing: declared again (the cached belief dropped)."""
-        self._consumers.pop(f"replica {worker_id}", None)
-        return await self._ensure_replica_consumer(worker_id)
-
-    async def _redeclare(self, constraint: VersionConstraint) -> None:
-        """A subject's consumer vanished (deleted, or cleaned up while this client believed it
-        existed): create it again, tell replicas to look again, and ring one."""
-        self._consumers.pop(str(constraint), None)
-        try:
-            if await self._ensure_consumer(constraint):
-                log.warning("job consumer was missing; declared it again", subject=str(constraint))
-                await self.nc.publish(self.names.consumers_declared, b"")
-        except (RollfleetError, nats.errors.Error) as exc:
-            log.debug("declaring a missing job consumer failed", subject=str(constraint), error=str(exc))
-            return
-        self._ring(constraint, fresh=True)
 
     async def sessions_kv(self) -> KeyValue:
         """The sessions bucket, looked up once per client."""
@@ -835,7 +776,7 @@ class RolloutClient:
 
     # -- what restoring a lost namespace needs (``restore.RestoreHost``) ----------------------------
     def forget_consumers(self) -> None:
-        self._consumers.clear()
+        self.consumers.forget()
 
     async def restore_results_consumer(self) -> None:
         await ensure_results_consumer(self.js, self.names, self.client_id, self.topology, self._instance)
@@ -848,29 +789,7 @@ class RolloutClient:
         await self._lease.restore()
 
     async def declare_version_consumers(self, version: int) -> None:
-        """A version's job consumers (its replicas' listened subjects), declared by the trainer
-        before replicas look for them: workers only bind. Replicas that found one missing are
-        told to look again (one core message)."""
-        created = False
-        for kind, v in listened_subjects(version):
-            try:
-                created |= await self._ensure_consumer(VersionConstraint(kind, v))
-            except RollfleetError as exc:  # a submit there creates it later
-                log.debug("declaring job consumer failed", version=v, error=exc.message)
-        if created:
-            with suppress(Exception):
-                await self.nc.publish(self.names.consumers_declared, b"")
-
-    async def _declare_windows(self) -> None:
-        """Keep the listened subjects of every version some live replica serves declared (a
-        replica at a fixed version, or one that started before any commit)."""
-        declared: set[int] = set()
-        while True:
-            changed = self.fleet.changed()
-            for version in sorted({r.active_version for r in self.fleet.replicas()} - declared):
-                await self.declare_version_consumers(version)
-                declared.add(version)
-            await changed.wait()
+        await self.consumers.version(version)
 
     async def wait_for_version(
         self, version: int, *, replicas: int | None = None, fraction: float | None = None, timeout: float = 120.0
