@@ -14,6 +14,7 @@ from typing import TypeVar
 import nats.errors
 import nats.js.errors
 
+from rollfleet.broker.retry_call import TRANSIENT
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas.errors import RollfleetError, ServiceUnavailable
 
@@ -26,16 +27,13 @@ log = get_logger("rollfleet.broker.startup")
 
 
 # What a broker that is not ready (stalled, restarting, electing, its store wiped meanwhile) raises
-# from a step that does not translate its errors: nothing answered in time, nobody listens, the
-# connection is gone or coming back, 503, a stream or bucket lost between two reads.
+# from a step that does not translate its errors: what any call meets while the broker recovers
+# (``retry_call.TRANSIENT``), and, at a start, a connection not made yet or given up, and a
+# stream or bucket lost between two reads.
 _NOT_READY = (
-    nats.errors.TimeoutError,
-    nats.errors.NoRespondersError,
+    *TRANSIENT,
     nats.errors.ConnectionClosedError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.StaleConnectionError,
     nats.errors.NoServersError,
-    nats.js.errors.ServiceUnavailableError,
     nats.js.errors.NotFoundError,
 )
 
