@@ -119,6 +119,7 @@ class RolloutClient:
         self.shared = shared
         self._instance = self._lease.instance if shared else None
         self._handles: dict[str, RolloutHandle] = {}
+        self._cancel_handle = self._cancel  # one bound method for every handle, not one each
         self.inbox = ResultsInbox(
             nc, self.js, names, self._handles, lambda h, o: self._settle(h, o, issued=True), shared=shared
         )
@@ -391,7 +392,7 @@ class RolloutClient:
             return existing
         if self.placement.withdrawn.conflicts(key, job.fingerprint, time.monotonic()):
             raise self._conflict(key)  # (its job was withdrawn; the key stays its request's)
-        handle = RolloutHandle(job, data, self._cancel)
+        handle = RolloutHandle(job, data, self._cancel_handle)
         if self._settle_unclaimed(handle):
             return handle  # the answer came before we asked again (trainer restart)
         if idempotency_key is not None and await self._answered_before(handle):
@@ -419,7 +420,8 @@ class RolloutClient:
         try:
             if replica is None:
                 subject = self.names.job_subject(constraint.kind, constraint.version)
-                fresh = await self._ensure_consumer(constraint, until)
+                # (Declared lately, as on almost every submit: known without a coroutine and a closure.)
+                fresh = False if self._known(str(constraint)) else await self._ensure_consumer(constraint, until)
             else:
                 subject = self.names.replica_job_subject(replica)
                 await self._ensure_replica_consumer(replica, until)
@@ -541,7 +543,7 @@ class RolloutClient:
         until ``until`` (unix time; by default the publish budget), as storing the job would be.
         An attempt that failed may have created the consumer unanswered, so the result is then
         True: replicas are told once too often, never once too few."""
-        if time.monotonic() < self._consumers.get(what, 0.0):
+        if self._known(what):
             return False
         attempts = 0
 
@@ -554,6 +556,10 @@ class RolloutClient:
         created = await call_retrying(attempt, until=deadline, what=f"create the consumer of {what}")
         self._consumers[what] = time.monotonic() + _CONSUMER_RECHECK_S
         return created or attempts > 1
+
+    def _known(self, what: str) -> bool:
+        """Whether ``_declared`` ran for ``what`` lately (it is not run again until then)."""
+        return time.monotonic() < self._consumers.get(what, 0.0)
 
     async def _redeclare_replica(self, worker_id: str) -> bool:
         """A replica's own consumer found missing: declared again (the cached belief dropped)."""

@@ -40,7 +40,8 @@ RETRY_POLICIES: tuple[str, ...] = get_args(RetryPolicy)
 
 def whole_number(name: str, value: object, low: int = 0) -> int:
     """``value`` as an int in ``[low, 2**63)``; bools, floats and strings are refused, not coerced."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    # (A plain int, as nearly always, skips the ABC check: bool is a type of its own.)
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         raise InvalidRequest(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     if not low <= int(value) <= _MAX_VERSION:
         raise InvalidRequest(f"{name} must be in [{low}, 2**63), got {value}")

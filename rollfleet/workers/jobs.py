@@ -200,7 +200,6 @@ class JobRunner:
         if delivery is None:  # (the worker passes what it already read off the ack subject)
             delivery = delivery_info(msg.reply)
         attempt, stored_at = (delivery[0], delivery[1]) if delivery is not None else (1, time.time())
-        log = self._log.bind(idempotency_key=key, attempt=attempt)
         try:
             job = decode_job(msg.data, max_bytes=self._limits.max_job_bytes)
             check_job(job, self._limits)
@@ -209,6 +208,7 @@ class JobRunner:
                 raise InvalidRequest(f"job constraint {job.constraint} does not match its subject {msg.subject}")
             check_token(job.client_id, "client_id")
         except InvalidRequest as exc:
+            log = self._log.bind(idempotency_key=key, attempt=attempt)
             log.warning("invalid job", error=exc.message, code=exc.code)
             # Answered under the job's own id and fingerprint wherever they can be read (a job of
             # a newer schema, a value this worker does not know): its caller accepts nothing else.
@@ -220,7 +220,11 @@ class JobRunner:
             )
             await msg.term()
             return
-        log = log.bind(job_id=job.job_id, idempotency_key=job.idempotency_key, version=self._served.version)
+        # One logger per job, bound once (the same fields, in the same order, as binding the
+        # delivery's key and attempt first, then the job's key, id and version).
+        log = self._log.bind(
+            idempotency_key=job.idempotency_key, attempt=attempt, job_id=job.job_id, version=self._served.version
+        )
         # Check and admit in one step (no await between): a draining activation sees this job.
         if not self._served.allows(job.constraint):
             log.debug("handed back unrun", constraint=str(job.constraint))
