@@ -36,7 +36,7 @@ from rollfleet.broker.topology import (
     topology_streams,
 )
 from rollfleet.runtime.aio import stop_tasks, wait_event
-from rollfleet.runtime.logs import get_logger
+from rollfleet.runtime.logs import debug_enabled, get_logger
 from rollfleet.schemas import (
     DEFAULT_LIMITS,
     Limits,
@@ -84,6 +84,7 @@ from rollfleet.trainer_client.versions import adopt_version, commit_version
 from rollfleet.trainer_client.watch import JobWatch
 
 log = get_logger("rollfleet.client")
+_DEBUG = debug_enabled(log)  # (fixed with the logger: the per-job debug line's fields are built only then)
 
 _BELL_INTERVAL_S = 0.05
 _CONSUMER_RECHECK_S = 600.0
@@ -439,7 +440,8 @@ class RolloutClient:
         else:  # (no responders to it: the replica is gone, and the sticky watch moves the job)
             bell = self.names.bell_subject(handle.replica)
             self._spawn(self.nc.publish(bell, Names.REPLICA_BELL, reply=f"{self._bell_inbox}.r"))
-        log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
+        if _DEBUG:
+            log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
         return handle
 
     def _settle_unclaimed(self, handle: RolloutHandle) -> bool:

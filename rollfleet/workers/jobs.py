@@ -53,6 +53,7 @@ from nats.js.kv import KeyValue
 from rollfleet.broker.pull import delivery_info
 from rollfleet.runtime import faults
 from rollfleet.runtime.aio import wait_event
+from rollfleet.runtime.logs import debug_enabled
 from rollfleet.schemas import (
     Completion,
     JobAddress,
@@ -135,6 +136,7 @@ class JobRunner:
         self._chunk_bytes = max(1024, max_message_bytes - _HEADROOM)
         self._metrics = metrics
         self._log = log
+        self._debug = debug_enabled(log)  # per-job debug lines' fields are worked out only then
         self._served = served
         self._on_engine_down = on_engine_down  # tells the worker to stop taking jobs
         self.checkpoint_tokens = checkpoint_tokens  # a resumable job's checkpoint: every N tokens
@@ -398,13 +400,14 @@ class JobRunner:
         self._count("cancelled" if run.cancelled else "ok")
         self._metrics.queue_wait.observe(result.queue_wait_s)
         self._metrics.generation.observe(result.generation_s)
-        log.debug(
-            "job done",
-            version_start=result.version_start,
-            version_end=result.version_end,
-            generation_s=round(result.generation_s, 4),
-            queue_wait_s=round(result.queue_wait_s, 4),
-        )
+        if self._debug:
+            log.debug(
+                "job done",
+                version_start=result.version_start,
+                version_end=result.version_end,
+                generation_s=round(result.generation_s, 4),
+                queue_wait_s=round(result.queue_wait_s, 4),
+            )
 
     async def _generate_resumable(self, run: RunningJob, log: Any) -> Generation | None:
         """Generate a ``resume`` job from where its earlier runs stopped, checkpointing as it goes
