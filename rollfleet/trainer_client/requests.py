@@ -57,8 +57,8 @@ def seconds(name: str, value: object) -> float:
 def constraint_from(
     min_version: object, exact_version: object, max_staleness: object, latest: int | None
 ) -> VersionConstraint:
-    given = [x is not None for x in (min_version, exact_version, max_staleness)]
-    if sum(given) != 1:
+    given = (min_version is not None) + (exact_version is not None) + (max_staleness is not None)
+    if given != 1:
         raise InvalidRequest("give exactly one of min_version, exact_version or max_staleness")
     if exact_version is not None:
         return VersionConstraint("exact", whole_number("exact_version", exact_version))
