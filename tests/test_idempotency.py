@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -379,6 +380,27 @@ def test_a_key_has_one_job_id_per_client_id_and_a_keyless_job_a_new_one_each_tim
     assert not other.issued(ids.issue("k"), "k")
     keyless = ids.issue(None)
     assert keyless != ids.issue(None) and ids.issued(keyless, keyless)
+
+
+def test_keyless_job_ids_never_repeat_across_nonce_blocks_or_a_fork() -> None:
+    """Keyless jobs' nonces are cut from blocks of OS randomness: every one is new, over several
+    blocks, and a forked child does not hand out the parent's next ones."""
+    ids = JobIds("c", b"s" * 32)
+    issued = [ids.issue(None) for _ in range(3 * 512 + 7)]  # (512 nonces a block)
+    assert len(set(issued)) == len(issued) and all(ids.issued(i, i) for i in issued)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: its next id, to the parent
+        try:
+            os.write(write, ids.issue(None).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    with os.fdopen(read, "rb") as pipe:
+        from_child = pipe.read().decode()
+    assert ids.issued(from_child, from_child) and from_child != ids.issue(None)
+    assert from_child not in issued
 
 
 async def test_a_job_stored_again_under_a_move_id_an_earlier_process_used_is_not_lost(

@@ -60,6 +60,7 @@ class _AckedPublisher:
         self._waiting: dict[str, tuple[asyncio.Future[Msg], float]] = {}  # token -> (future, deadline)
         self._sweeper: asyncio.Task[None] | None = None
         self._started: asyncio.Future[None] | None = None
+        self.started = False  # its reply subscription is in place
 
     async def start(self) -> None:
         if self._started is None:
@@ -71,6 +72,7 @@ class _AckedPublisher:
                 self._started = None
                 raise
             self._started.set_result(None)
+            self.started = True
         await self._started
 
     async def _on_reply(self, msg: Msg) -> None:
@@ -132,6 +134,13 @@ async def _publisher(js: JetStreamContext) -> _AckedPublisher:
     return publisher
 
 
+def _started_publisher(js: JetStreamContext) -> _AckedPublisher | None:
+    """The connection's publisher if it has started (every publish after the first): no
+    coroutines to find it."""
+    publisher = _publishers.get(js._nc)
+    return publisher if publisher is not None and publisher.started else None
+
+
 async def publish_retrying(
     js: JetStreamContext, subject: str, data: bytes, headers: dict[str, str], *, until: float
 ) -> PubAck:
@@ -146,7 +155,7 @@ async def publish_retrying(
     attempt = 0
     while True:
         try:
-            publisher = await _publisher(js)
+            publisher = _started_publisher(js) or await _publisher(js)
             return await publisher.publish(subject, data, headers, ATTEMPT_S)
         except InvalidRequest:
             raise

@@ -79,6 +79,14 @@ def get_logger(name: str, **bound: object) -> structlog.typing.FilteringBoundLog
     return structlog.get_logger(name).bind(**bound)
 
 
+def debug_enabled(logger: object) -> bool:
+    """Whether ``logger`` writes debug lines, for a hot path that builds a debug line's fields only
+    then. A structlog logger's level is fixed when it is made (its class filters); one that
+    cannot say is taken to write them."""
+    enabled = getattr(logger, "is_enabled_for", None)
+    return enabled is None or bool(enabled(logging.DEBUG))
+
+
 def configure_default() -> None:
     """Library default: warnings and up, unless the application configured structlog itself."""
     if not structlog.is_configured():

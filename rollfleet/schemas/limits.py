@@ -48,7 +48,7 @@ def check_payload(payload: RolloutPayload, limits: Limits = DEFAULT_LIMITS) -> N
         raise InvalidRequest(f"top_p must be in (0, 1], got {s.top_p}")
     if s.top_k < 0:
         raise InvalidRequest(f"top_k must be >= 0, got {s.top_k}")
-    if any(t < 0 for t in s.stop_token_ids):
+    if s.stop_token_ids and min(s.stop_token_ids) < 0:  # (as the prompt's: no generator per job)
         raise InvalidRequest("stop_token_ids must be non-negative")
     if not 1 <= payload.n <= limits.max_samples:
         raise InvalidRequest(f"n must be in [1, {limits.max_samples}], got {payload.n}")

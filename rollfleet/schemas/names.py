@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -112,18 +112,23 @@ def _parse_constraint(prefix: str, subject: str) -> tuple[ConstraintKind, int] |
 @dataclass(frozen=True)
 class Names:
     namespace: str
+    # Derived from the namespace in __post_init__ (not compared, hashed or shown).
+    _up: str = field(init=False, repr=False, compare=False)
+    _root: str = field(init=False, repr=False, compare=False)
+    _results_prefix: str = field(init=False, repr=False, compare=False)
+    _jobs_prefix: str = field(init=False, repr=False, compare=False)
+    _chunk_dots: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not _NAMESPACE.match(self.namespace):
             raise InvalidRequest(f"namespace must match {_NAMESPACE.pattern}, got {self.namespace!r}")
-
-    @property
-    def _up(self) -> str:
-        return self.namespace.upper()
-
-    @property
-    def _root(self) -> str:
-        return f"rf.{self.namespace}"
+        # Worked out once (the namespace never changes): every job and answer builds or reads
+        # subjects from them.
+        object.__setattr__(self, "_up", self.namespace.upper())
+        object.__setattr__(self, "_root", f"rf.{self.namespace}")
+        object.__setattr__(self, "_results_prefix", f"rf.{self.namespace}.results.")
+        object.__setattr__(self, "_jobs_prefix", f"rf.{self.namespace}.jobs.")
+        object.__setattr__(self, "_chunk_dots", self._root.count(".") + 7)
 
     # -- jobs --------------------------------------------------------------------------------
     @property
@@ -142,7 +147,7 @@ class Names:
 
     def parse_job_subject(self, subject: str) -> tuple[ConstraintKind, int] | None:
         """``(kind, version)`` of a jobs subject; None for anything else."""
-        return _parse_constraint(f"{self._root}.jobs.", subject)
+        return _parse_constraint(self._jobs_prefix, subject)
 
     def bell_subject(self, worker_id: str) -> str:
         """One replica's wake-up: a core-NATS message that names a jobs subject with work on it.
@@ -266,7 +271,7 @@ class Names:
     def parse_result_subject(self, subject: str) -> tuple[str, str, str, str] | None:
         """``(client_id, key token, job token, worker_id)`` of an answer head's subject; None for
         anything else (a chunk, or a subject outside the results)."""
-        prefix = f"{self._root}.results."
+        prefix = self._results_prefix
         if not subject.startswith(prefix):
             return None
         parts = subject[len(prefix) :].split(".")
@@ -275,7 +280,7 @@ class Names:
         return parts[0], parts[1], parts[2], parts[3]
 
     def is_result_chunk(self, subject: str) -> bool:
-        return subject.startswith(f"{self._root}.results.") and subject.count(".") == self._root.count(".") + 7
+        return subject.startswith(self._results_prefix) and subject.count(".") == self._chunk_dots
 
     def results_filter(self, client_id: str) -> str:
         return f"{self._root}.results.{check_token(client_id, 'client_id')}.>"

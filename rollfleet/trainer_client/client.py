@@ -34,7 +34,7 @@ from rollfleet.broker.topology import (
     topology_streams,
 )
 from rollfleet.runtime.aio import stop_tasks, wait_event
-from rollfleet.runtime.logs import get_logger
+from rollfleet.runtime.logs import debug_enabled, get_logger
 from rollfleet.schemas import (
     DEFAULT_LIMITS,
     Limits,
@@ -82,6 +82,7 @@ from rollfleet.trainer_client.versions import adopt_version, commit_version
 from rollfleet.trainer_client.watch import JobWatch
 
 log = get_logger("rollfleet.client")
+_DEBUG = debug_enabled(log)  # (fixed with the logger: the per-job debug line's fields are built only then)
 
 _BELL_INTERVAL_S = 0.05
 
@@ -116,6 +117,7 @@ class RolloutClient:
         self.shared = shared
         self._instance = self._lease.instance if shared else None
         self._handles: dict[str, RolloutHandle] = {}
+        self._cancel_handle = self._cancel  # one bound method for every handle, not one each
         self.inbox = ResultsInbox(
             nc, self.js, names, self._handles, lambda h, o: self._settle(h, o, issued=True), shared=shared
         )
@@ -388,7 +390,7 @@ class RolloutClient:
             return existing
         if self.placement.withdrawn.conflicts(key, job.fingerprint, time.monotonic()):
             raise self._conflict(key)  # (its job was withdrawn; the key stays its request's)
-        handle = RolloutHandle(job, data, self._cancel)
+        handle = RolloutHandle(job, data, self._cancel_handle)
         if self._settle_unclaimed(handle):
             return handle  # the answer came before we asked again (trainer restart)
         if idempotency_key is not None and await self._answered_before(handle):
@@ -416,7 +418,9 @@ class RolloutClient:
         try:
             if replica is None:
                 subject = self.names.job_subject(constraint.kind, constraint.version)
-                fresh = await self.consumers.shared(constraint, until)
+                # (Declared lately, as on almost every submit: known without a coroutine and a closure.)
+                known = self.consumers.known(str(constraint))
+                fresh = False if known else await self.consumers.shared(constraint, until)
             else:
                 subject = self.names.replica_job_subject(replica)
                 await self.consumers.replica(replica, until)
@@ -434,7 +438,8 @@ class RolloutClient:
         else:  # (no responders to it: the replica is gone, and the sticky watch moves the job)
             bell = self.names.bell_subject(handle.replica)
             self._spawn(self.nc.publish(bell, Names.REPLICA_BELL, reply=f"{self._bell_inbox}.r"))
-        log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
+        if _DEBUG:
+            log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
         return handle
 
     def _settle_unclaimed(self, handle: RolloutHandle) -> bool:

@@ -109,12 +109,17 @@ class JobConsumers:
                 declared.add(version)
             await changed.wait()
 
+    def known(self, what: str) -> bool:
+        """Whether ``what`` (``str(constraint)``, or ``"replica <id>"``) was declared lately: it
+        is not looked up again until then."""
+        return time.monotonic() < self._known.get(what, 0.0)
+
     async def _declared(self, what: str, declare: Callable[[], Awaitable[bool]], until: float | None) -> bool:
         """Run ``declare`` unless it ran for ``what`` lately; whether it created the consumer.
         Asked again while the broker recovers, until ``until`` (unix time; by default the publish
         budget). An attempt that failed may have created the consumer unanswered, so the result
         is then True: replicas are told once too often, never once too few."""
-        if time.monotonic() < self._known.get(what, 0.0):
+        if self.known(what):
             return False
         attempts = 0
 

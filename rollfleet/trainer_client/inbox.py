@@ -137,7 +137,11 @@ class ResultsInbox:
             return
         try:
             stored = decode_outcome(msg.data)
-            outcome = await answers.whole(self._js, self._names, subject, stored)
+            # (Most answers are whole: only a chunked one is read back, with no coroutine for the rest.)
+            if isinstance(stored, ChunkedOutcome):
+                outcome = await answers.whole(self._js, self._names, subject, stored)
+            else:
+                outcome = stored
         except RollfleetError as exc:
             log.warning("undecodable result dropped", error=exc.message, subject=subject)
         except (nats.errors.Error, nats.js.errors.Error) as exc:  # chunks unreadable now: redelivered later

@@ -40,7 +40,8 @@ RETRY_POLICIES: tuple[str, ...] = get_args(RetryPolicy)
 
 def whole_number(name: str, value: object, low: int = 0) -> int:
     """``value`` as an int in ``[low, 2**63)``; bools, floats and strings are refused, not coerced."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    # (A plain int, as nearly always, skips the ABC check: bool is a type of its own.)
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         raise InvalidRequest(f"{name} must be an integer, got {type(value).__name__} {value!r}")
     if not low <= int(value) <= _MAX_VERSION:
         raise InvalidRequest(f"{name} must be in [{low}, 2**63), got {value}")
@@ -56,8 +57,8 @@ def seconds(name: str, value: object) -> float:
 def constraint_from(
     min_version: object, exact_version: object, max_staleness: object, latest: int | None
 ) -> VersionConstraint:
-    given = [x is not None for x in (min_version, exact_version, max_staleness)]
-    if sum(given) != 1:
+    given = (min_version is not None) + (exact_version is not None) + (max_staleness is not None)
+    if given != 1:
         raise InvalidRequest("give exactly one of min_version, exact_version or max_staleness")
     if exact_version is not None:
         return VersionConstraint("exact", whole_number("exact_version", exact_version))

@@ -53,6 +53,7 @@ from nats.js.kv import KeyValue
 from rollfleet.broker.pull import delivery_info
 from rollfleet.runtime import faults
 from rollfleet.runtime.aio import wait_event
+from rollfleet.runtime.logs import debug_enabled
 from rollfleet.schemas import (
     Completion,
     JobAddress,
@@ -135,6 +136,7 @@ class JobRunner:
         self._chunk_bytes = max(1024, max_message_bytes - _HEADROOM)
         self._metrics = metrics
         self._log = log
+        self._debug = debug_enabled(log)  # per-job debug lines' fields are worked out only then
         self._served = served
         self._on_engine_down = on_engine_down  # tells the worker to stop taking jobs
         self.checkpoint_tokens = checkpoint_tokens  # a resumable job's checkpoint: every N tokens
@@ -200,7 +202,6 @@ class JobRunner:
         if delivery is None:  # (the worker passes what it already read off the ack subject)
             delivery = delivery_info(msg.reply)
         attempt, stored_at = (delivery[0], delivery[1]) if delivery is not None else (1, time.time())
-        log = self._log.bind(idempotency_key=key, attempt=attempt)
         try:
             job = decode_job(msg.data, max_bytes=self._limits.max_job_bytes)
             check_job(job, self._limits)
@@ -209,6 +210,7 @@ class JobRunner:
                 raise InvalidRequest(f"job constraint {job.constraint} does not match its subject {msg.subject}")
             check_token(job.client_id, "client_id")
         except InvalidRequest as exc:
+            log = self._log.bind(idempotency_key=key, attempt=attempt)
             log.warning("invalid job", error=exc.message, code=exc.code)
             # Answered under the job's own id and fingerprint wherever they can be read (a job of
             # a newer schema, a value this worker does not know): its caller accepts nothing else.
@@ -220,7 +222,11 @@ class JobRunner:
             )
             await msg.term()
             return
-        log = log.bind(job_id=job.job_id, idempotency_key=job.idempotency_key, version=self._served.version)
+        # One logger per job, bound once (the same fields, in the same order, as binding the
+        # delivery's key and attempt first, then the job's key, id and version).
+        log = self._log.bind(
+            idempotency_key=job.idempotency_key, attempt=attempt, job_id=job.job_id, version=self._served.version
+        )
         # Check and admit in one step (no await between): a draining activation sees this job.
         if not self._served.allows(job.constraint):
             log.debug("handed back unrun", constraint=str(job.constraint))
@@ -394,13 +400,14 @@ class JobRunner:
         self._count("cancelled" if run.cancelled else "ok")
         self._metrics.queue_wait.observe(result.queue_wait_s)
         self._metrics.generation.observe(result.generation_s)
-        log.debug(
-            "job done",
-            version_start=result.version_start,
-            version_end=result.version_end,
-            generation_s=round(result.generation_s, 4),
-            queue_wait_s=round(result.queue_wait_s, 4),
-        )
+        if self._debug:
+            log.debug(
+                "job done",
+                version_start=result.version_start,
+                version_end=result.version_end,
+                generation_s=round(result.generation_s, 4),
+                queue_wait_s=round(result.queue_wait_s, 4),
+            )
 
     async def _generate_resumable(self, run: RunningJob, log: Any) -> Generation | None:
         """Generate a ``resume`` job from where its earlier runs stopped, checkpointing as it goes

@@ -38,6 +38,7 @@ from nats.js import JetStreamContext
 
 from rollfleet.broker.pull import PullConsumer, delivery_info
 from rollfleet.broker.topology import bind_job_consumer, bind_replica_consumer, queue_depths
+from rollfleet.runtime.logs import debug_enabled
 from rollfleet.schemas import Names
 from rollfleet.schemas.names import listened_subjects
 from rollfleet.workers.scheduler import SubjectScheduler
@@ -80,6 +81,7 @@ class JobPuller:
         self.rebalance_s = rebalance_s
         self.standby_s = standby_s
         self._log = log
+        self._debug = debug_enabled(log)  # per-pass debug lines' fields are worked out only then
         self._in_flight = in_flight  # jobs running now (each holds a slot)
         self._run_job = run_job
         self._stopping = stopping
@@ -425,13 +427,15 @@ class JobPuller:
                 self.scheduler.note_served(subject, now)
             elif not puller.busy:
                 fetched = await puller.fetch_now(free)
-                self._log.debug("backlog fetched", subject=str(subject), fetched=fetched, missing=puller.missing)
+                if self._debug:
+                    self._log.debug("backlog fetched", subject=str(subject), fetched=fetched, missing=puller.missing)
                 if fetched:
                     self.scheduler.note_served(subject, time.monotonic())
                 elif not puller.missing:  # (a missing consumer is looked up on the next pass)
                     self.scheduler.note_empty(subject)
             else:
-                self._log.debug("backlog left to a busy request", subject=str(subject))
+                if self._debug:
+                    self._log.debug("backlog left to a busy request", subject=str(subject))
             free = self._free()
         return free
 
