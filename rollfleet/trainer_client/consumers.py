@@ -89,9 +89,10 @@ class JobConsumers:
         """A version's job consumers (its replicas' listened subjects), declared before replicas
         look for them. Replicas that found one missing are told to look again (one core message)."""
         created = False
+        until = time.time() + PUBLISH_BUDGET_S  # (one wait for the broker, not one per subject)
         for kind, v in listened_subjects(version):
             try:
-                created |= await self.shared(VersionConstraint(kind, v))
+                created |= await self.shared(VersionConstraint(kind, v), until)
             except RollfleetError as exc:  # a submit there creates it later
                 log.debug("declaring job consumer failed", version=v, error=exc.message)
         if created:
