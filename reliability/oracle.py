@@ -1924,6 +1924,19 @@ class Oracle:
                 self.unverified["cut short by the trainer's SIGKILL"] += 1
                 continue
             first = firsts.get((c.sid, c.turn))
+            if first is not None and first.answer is not None:
+                answered = first.answered_at or first.t0
+                if first.error:
+                    stored_at = self._stored_failure_at(first.key, first.answer.get("code"), answered)
+                else:
+                    stored_at = self._answer_seen_at(first.answer.get("job_id"), answered)
+                if stored_at is not None and self.lost_with_store(stored_at, "results", after=c.t0):
+                    # The turn's answer was stored after the copy a rollback went back to (or
+                    # wiped): it is not there to return. Its job, back in the stream, runs again
+                    # (or, at_most_once, is answered Interrupted), or waits for a replica at its
+                    # version (campaign 14, seed 167: the session's record lost the turn too).
+                    self.unverified[f"reask-turn: the answer {LOST_WITH_STORE}"] += 1
+                    continue
             if c.hang is not None or (c.answer or {}).get("untyped"):
                 got = "still waiting" if c.hang else f"raised {c.answer.get('cls')}"
                 had = (first.error or "a result") if first else "?"
