@@ -118,8 +118,8 @@ async def test_stalled_subject_is_rung_again(nats_url: str, namespace: str) -> N
         await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
     ):
         await wait_until(lambda: len(client.fleet.replicas()) == 1)
-        ring = client._ring
-        client._ring = lambda constraint, stalled=False, **_: ring(constraint, stalled=True) if stalled else None  # type: ignore[method-assign]
+        ring = client.bells.ring
+        client.bells.ring = lambda constraint, stalled=False, **_: ring(constraint, stalled=True) if stalled else None  # type: ignore[method-assign]
         handle = await client.submit(payload(), min_version=0)  # its bell is "lost"
         result = await handle.result(10)
         assert result.worker_id == "a"

@@ -65,6 +65,7 @@ from rollfleet.schemas.errors import (
 )
 from rollfleet.schemas.progress import TokenChunk
 from rollfleet.trainer_client import answers, cancelling
+from rollfleet.trainer_client.bells import Bells
 from rollfleet.trainer_client.cancelling import CancelOutcome
 from rollfleet.trainer_client.client_metrics import ClientMetrics
 from rollfleet.trainer_client.consumers import JobConsumers
@@ -84,7 +85,6 @@ from rollfleet.trainer_client.watch import JobWatch
 log = get_logger("rollfleet.client")
 _DEBUG = debug_enabled(log)  # (fixed with the logger: the per-job debug line's fields are built only then)
 
-_BELL_INTERVAL_S = 0.05
 
 
 class RolloutClient:
@@ -126,11 +126,11 @@ class RolloutClient:
         self._expiry_task: asyncio.Task[None] | None = None
         self._stall_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
-        self._bells: dict[tuple[str, int], float] = {}
         # Until then, a key given explicitly is looked up among the stored answers before its job
         # is stored (see _answered_before).
         self._recheck_until = time.monotonic() + topology.duplicate_window_s
-        self.consumers = JobConsumers(self.js, nc, names, topology, ring=lambda c: self._ring(c, fresh=True))
+        self.bells = Bells(nc, names, self.fleet, self._spawn)
+        self.consumers = JobConsumers(self.js, nc, names, topology, ring=lambda c: self.bells.ring(c, fresh=True))
         self._sessions_bucket: KeyValue | None = None
         self.keeper: TopologyKeeper | None = None  # declares again what the broker lost (restore.py)
         self.placement = JobPlacement(
@@ -142,13 +142,12 @@ class RolloutClient:
             self.metrics,
             declare_shared=self.consumers.shared,
             declare_replica=self.consumers.replica_again,
-            ring=lambda constraint: self._ring(constraint, fresh=True),
+            ring=lambda constraint: self.bells.ring(constraint, fresh=True),
             forget=lambda key: self._handles.pop(key, None) and None,
             settle_stored=self._settle_stored,
             duplicate_window_s=topology.duplicate_window_s,
         )
         self.sessions: dict[str, OpenSession] = {}  # open sessions of this client, by id
-        self._bell_inbox = ""
         self.watch = JobWatch(
             self._handles,
             self.fleet,
@@ -163,7 +162,7 @@ class RolloutClient:
             settle_stored=self._settle_stored,
             no_replica_message=self._no_replica_message,
             redeclare=self.consumers.shared_again,
-            ring=self._ring,
+            ring=self.bells.ring,
         )
 
     @property
@@ -261,9 +260,8 @@ class RolloutClient:
         )
         await self.fleet.start()
         # A bell rung at a replica that is gone comes back as "no responders" on this inbox.
-        self._bell_inbox = self.nc.new_inbox()
-        self.placement.probe_reply = f"{self._bell_inbox}.p"
-        await self.nc.subscribe(self._bell_inbox + ".>", cb=self._on_bell_unanswered)
+        await self.bells.start()
+        self.placement.probe_reply = self.bells.probe_reply
         advisory = self.names.consumer_leader_advisory(self.names.results_stream)
         await self.nc.subscribe(advisory, cb=self._on_results_leader)
         await self.nc.subscribe(self.names.max_deliveries_advisory(self.names.jobs_stream), cb=self._on_given_up)
@@ -434,10 +432,9 @@ class RolloutClient:
         elif not await self._adopt(handle, ack.seq):
             return handle  # settled: answered before, or the key answers another request
         if handle.replica is None:
-            self._ring(handle.job.constraint, fresh=replica is None and fresh)
-        else:  # (no responders to it: the replica is gone, and the sticky watch moves the job)
-            bell = self.names.bell_subject(handle.replica)
-            self._spawn(self.nc.publish(bell, Names.REPLICA_BELL, reply=f"{self._bell_inbox}.r"))
+            self.bells.ring(handle.job.constraint, fresh=replica is None and fresh)
+        else:
+            self.bells.ring_replica(handle.replica)
         if _DEBUG:
             log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
         return handle
@@ -537,40 +534,6 @@ class RolloutClient:
                 f"idempotency key {job.idempotency_key!r} is already used for a different request "
                 f"(constraint {job.constraint}); give this request its own key"
             )
-
-    # -- bells ---------------------------------------------------------------------------------
-    def _ring(self, constraint: VersionConstraint, *, stalled: bool = False, fresh: bool = False) -> None:
-        """Wake one replica for a job just stored on a subject outside every live replica's
-        window (``FleetView.covered``: no request is surely waiting there): a core message to that
-        replica alone, chosen round robin among those whose version can take it, at most one per
-        subject per interval. It may be lost; ``JobWatch.stalls`` rings again where jobs wait unpulled.
-        ``fresh``: the subject's consumer may have been missing when replicas looked (they do
-        not create it), so even a listened subject gets a bell."""
-        if not stalled and not fresh and self.fleet.covered(constraint):
-            return
-        key = (constraint.kind, constraint.version)
-        now = time.monotonic()
-        if not stalled and now - self._bells.get(key, 0.0) < _BELL_INTERVAL_S:
-            return
-        target = self.fleet.bell_target(constraint)
-        if target is None:
-            return  # nobody serves it yet; a replica activating the version pulls it then
-        self._bells[key] = now
-        log.debug("bell rung", kind=constraint.kind, version=constraint.version, stalled=stalled, to=target.worker_id)
-        data = self.names.bell_payload(constraint.kind, constraint.version, stalled=stalled)
-        reply = f"{self._bell_inbox}.{constraint.kind}.{constraint.version}{'.stalled' if stalled else ''}"
-        self._spawn(self.nc.publish(self.names.bell_subject(target.worker_id), data, reply=reply))
-
-    async def _on_bell_unanswered(self, msg: Msg) -> None:
-        """No responders for a bell: that replica is gone. Drop it and ring the next one."""
-        headers = msg.headers or {}
-        if headers.get("Status") != "503":
-            return
-        self.fleet.mark_gone(headers.get("Nats-Subject", "").rpartition(".")[2])
-        parsed = self.names.parse_bell_payload(msg.subject[len(self._bell_inbox) + 1 :].encode())
-        if parsed is not None:
-            (kind, version), _ = parsed
-            self._ring(VersionConstraint(kind, version), stalled=True)
 
     # -- sessions (sessions.host.SessionHost) -------------------------------------------------
     async def submit_turn(
