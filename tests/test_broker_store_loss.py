@@ -20,6 +20,7 @@ from rollfleet.broker.topology import (
     renewed_streams,
     topology_check_due,
 )
+from rollfleet.schemas.errors import Expired
 from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient
 from rollfleet.trainer_client.lease import lease_held
@@ -43,6 +44,26 @@ async def _served(client: RolloutClient, tag: int, bound: float = BOUND_S) -> st
             last = exc
             await asyncio.sleep(0.3)
     raise AssertionError(f"not served again within {bound} s: {last!r}")
+
+
+async def _answered_by(client: RolloutClient, handle: Any, worker_id: str, timeout: float) -> None:
+    """The handle's answer came from ``worker_id``; if none came, fail with what the broker says of
+    the job's subject (what a run that failed here once, unreproduced, did not leave behind)."""
+    try:
+        result = await handle.result(timeout)
+    except Expired as exc:
+        consumer = client.names.job_consumer(handle.job.constraint.kind, handle.job.constraint.version)
+        try:
+            info = await client.js.consumer_info(client.names.jobs_stream, consumer)
+            seen = (
+                f"waiting={info.num_waiting} pending={info.num_pending} ack_pending={info.num_ack_pending} "
+                f"delivered={info.delivered} ack_floor={info.ack_floor} stored at seq {handle.stream_seq}"
+            )
+        except Exception as info_exc:  # (the diagnosis only)
+            seen = f"consumer info failed: {info_exc!r}"
+        fleet = [(r.worker_id, r.active_version, r.state) for r in client.fleet.replicas()]
+        raise AssertionError(f"{exc!r}; {consumer}: {seen}; fleet {fleet}") from exc
+    assert result.worker_id == worker_id
 
 
 def _busy_worker(url: str, namespace: str, worker_id: str) -> Any:
@@ -150,7 +171,7 @@ async def test_consumers_a_rollback_left_past_their_streams_end_serve_new_jobs(t
             async with running_worker(broker.url, namespace, worker_id="w"):
                 for tag in range(2, 8):  # the consumer's delivered sequence moves past the early end
                     handle = await client.submit(payload([tag]), min_version=0, timeout=20.0)
-                    assert (await handle.result(25)).worker_id == "w"
+                    await _answered_by(client, handle, "w", 25)
                 broker.stop()
                 shutil.copytree(store, tmp_path / "late", symlinks=True)
                 # The early copy's messages with the late copy's consumer states: a lost unflushed tail.
@@ -163,7 +184,7 @@ async def test_consumers_a_rollback_left_past_their_streams_end_serve_new_jobs(t
                 broker.start()
                 # One job, asked once: the consumer left past the end would skip it.
                 handle = await client.submit(payload([8]), min_version=0, timeout=15.0)
-                assert (await handle.result(18)).worker_id == "w"
+                await _answered_by(client, handle, "w", 18)
     finally:
         broker.stop()
 
