@@ -89,9 +89,12 @@ async def test_a_version_materialized_but_never_activated_is_not_left_half_loade
     v1 = _bumped(v0, T, 1)
     v2 = _bumped(v1, V, 2)
     v3 = _bumped(v2, U, 3)
+    # The exact job must outlast v1's preparation, or v1 is activated at once and the drain this
+    # test is about never happens: the echo's 120 tokens take 2.4 s; the hf engine decodes faster
+    # than it prepares a version under a loaded suite, so it gets more (a run saw 120 end first).
     long_exact = RolloutPayload(
         prompt_token_ids=[5, 6, 7, 8],
-        sampling=SamplingParams(max_tokens=120, temperature=1.0, seed=1),
+        sampling=SamplingParams(max_tokens=120 if engine_kind == "echo" else 480, temperature=1.0, seed=1),
         extra={"ignore_eos": True},
     )
     async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="trainer") as client:
