@@ -34,8 +34,7 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     nats.js.errors.ServiceUnavailableError,
     nats.js.errors.ServerError,
     nats.js.errors.NoStreamResponseError,
-    asyncio.TimeoutError,
-    OSError,
+    OSError,  # (TimeoutError, asyncio's too, is one)
 )
 
 

@@ -96,21 +96,17 @@ async def stored(
     skipped). Ends quietly when the broker is away (the consumer still delivers them later);
     ``strict``: a broker that does not answer is raised, never taken for "nothing stored"."""
     heads = stored_on(js, names.results_stream, names.results_of_key(client_id, key), limit=_MAX_HEADS)
-    while True:
-        try:
-            raw = await anext(heads)
-        except StopAsyncIteration:
-            return
-        except (nats.errors.Error, nats.js.errors.Error):
-            if strict:
-                raise
-            return
-        try:
-            outcome = await whole(js, names, raw.subject or "", decode_outcome(raw.data or b""))
-        except (InvalidRequest, nats.errors.Error, nats.js.errors.Error):
-            continue
-        if authentic(names, raw.subject or "", outcome):
-            yield raw.subject or "", outcome
+    try:
+        async for raw in heads:
+            try:
+                outcome = await whole(js, names, raw.subject or "", decode_outcome(raw.data or b""))
+            except (InvalidRequest, nats.errors.Error, nats.js.errors.Error):
+                continue
+            if authentic(names, raw.subject or "", outcome):
+                yield raw.subject or "", outcome
+    except (nats.errors.Error, nats.js.errors.Error):  # (the look-up itself: whole's are caught above)
+        if strict:
+            raise
 
 
 async def first_answer(

@@ -155,12 +155,14 @@ class ClaimKeeper:
         # while its caller was told otherwise (campaign 10, seed 6803). A policy that takes nothing
         # over writes the judged claim marked stopped, as a client does for a holder it found
         # gone: nobody starts the job from here.
-        if run.job.behaviour.takeover:
-            value = self.value(run.job)
-        else:
-            value = (claim if entry is not None else Claim(self.holder, 0.0)).as_stopped().encode()
         try:  # (one verdict wins)
-            run.claim_revision = await self.bucket.write(job_id, value, None if entry is None else entry.revision)
+            if run.job.behaviour.takeover:
+                revision = None if entry is None else entry.revision
+                run.claim_revision = await self.bucket.write(job_id, self.value(run.job), revision)
+            elif entry is None:
+                run.claim_revision = await self.bucket.create(job_id, Claim(self.holder, 0.0).as_stopped().encode())
+            else:
+                run.claim_revision = await self.bucket.mark_stopped(job_id, claim, entry.revision)
         except Fenced:
             return "held"
         except (nats.errors.Error, TimeoutError):  # unknown whether it was written: judge nothing
