@@ -27,7 +27,8 @@ A job handed back unrun (a version change raced its pull, or an activation's dra
 its claim removed and is served normally elsewhere.
 
 Claims are ``claims.ClaimKeeper``'s, answers ``result_store.ResultStore``'s (one stored answer
-per job however many replicas ran it); this module is the order of a job's life between them.
+per job however many replicas ran it), a resumable job's tokens ``resumable_run.ResumableGenerator``'s;
+this module is the order of a job's life between them.
 
 A job is admitted (registered as running) in the same step that checks its constraint against
 the served version, so an activation that drains exact jobs sees every job that passed the
@@ -43,9 +44,6 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-import msgspec
-import nats.errors
-import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
@@ -55,7 +53,6 @@ from rollfleet.runtime import faults
 from rollfleet.runtime.aio import wait_event
 from rollfleet.runtime.logs import debug_enabled
 from rollfleet.schemas import (
-    Completion,
     JobAddress,
     Limits,
     Names,
@@ -75,15 +72,13 @@ from rollfleet.schemas.errors import (
     InvalidRequest,
     ResultUnstorable,
     RollfleetError,
-    ServiceUnavailable,
     Superseded,
 )
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, check_token
 from rollfleet.workers.claims import ClaimKeeper
-from rollfleet.workers.engines import Engine, Generation
-from rollfleet.workers.engines.base import sample_seed
-from rollfleet.workers.progress_log import ProgressLog
+from rollfleet.workers.engines import Engine
 from rollfleet.workers.result_store import ResultStore
+from rollfleet.workers.resumable_run import ResumableGenerator
 from rollfleet.workers.running_job import RunningJob
 from rollfleet.workers.serving import ServedVersion
 from rollfleet.workers.worker_metrics import WorkerMetrics
@@ -93,16 +88,6 @@ _HEADROOM = 16 * 1024  # message size left for headers and protocol overhead
 # open on its subject does not take it straight back again and again.
 _HAND_BACK_DELAY_S = 0.2
 _HAND_BACK_CHECKPOINT_S = 2.0  # a job handed back stores its tokens so far, briefly
-
-
-def _token_versions(out: Completion, default: int) -> list[int]:
-    """The version of each token of a completion, from its spans (``default`` where it has none)."""
-    versions = [default] * len(out.token_ids)
-    for span in out.weight_versions:
-        versions[span.start : span.end] = [span.version] * (span.end - span.start)
-    return versions
-
-
 
 
 class JobRunner:
@@ -139,11 +124,6 @@ class JobRunner:
         self._debug = debug_enabled(log)  # per-job debug lines' fields are worked out only then
         self._served = served
         self._on_engine_down = on_engine_down  # tells the worker to stop taking jobs
-        self.checkpoint_tokens = checkpoint_tokens  # a resumable job's checkpoint: every N tokens
-        self.checkpoint_s = checkpoint_s  # ... or T seconds, whichever comes first
-        self.resumed = 0  # resumable jobs continued from another run's tokens
-        self.tokens_kept = 0
-        self.tokens_regenerated = 0
         # A job held elsewhere is handed back with this delay: a few hand-backs span a claim going
         # stale, well inside max_deliver.
         self._held_delay_s = max(ack_wait_s / 2.0, 0.5)
@@ -158,6 +138,19 @@ class JobRunner:
         )
         self.results = ResultStore(
             js, names, worker_id=worker_id, chunk_bytes=self._chunk_bytes, log=log, on_failure=self._count
+        )
+        self.resumable = ResumableGenerator(
+            js,
+            names,
+            engine,
+            worker_id=worker_id,
+            holder=self.claims.holder,
+            served=served,
+            metrics=metrics,
+            max_record_bytes=self._chunk_bytes + _HEADROOM,
+            hand_back=self._hand_back,
+            checkpoint_tokens=checkpoint_tokens,
+            checkpoint_s=checkpoint_s,
         )
         self._aborts: set[asyncio.Future[None]] = set()  # engine aborts of runs that lost their claim
         self._changed = asyncio.Event()  # set whenever a running job ends
@@ -261,7 +254,7 @@ class JobRunner:
             # Its holder may have died between storing the answer and acking: what it would have
             # cleaned up then (the checkpoints, the claim) is cleaned up here, not left for 24 h.
             if job.behaviour.checkpoints:
-                await self._progress_log(job, log).roll_up_answered()
+                await self.resumable.progress_log(job, log).roll_up_answered()
             await self.claims.release(job)
             return
         if guarded:
@@ -306,7 +299,7 @@ class JobRunner:
         started = time.time()
         try:
             if job.behaviour.checkpoints:
-                generation = await self._generate_resumable(run, log)
+                generation = await self.resumable.generate(run, log)
                 if generation is None:
                     return  # another run has the job now: nothing of this one is stored
             else:
@@ -408,124 +401,6 @@ class JobRunner:
                 generation_s=round(result.generation_s, 4),
                 queue_wait_s=round(result.queue_wait_s, 4),
             )
-
-    async def _generate_resumable(self, run: RunningJob, log: Any) -> Generation | None:
-        """Generate a ``resume`` job from where its earlier runs stopped, checkpointing as it goes
-        (``workers.progress``). None when another run took the job over meanwhile."""
-        job, engine = run.job, self._engine
-        plog = self._progress_log(job, log, on_superseded=lambda: asyncio.ensure_future(run.abort(engine)))
-        prompt = engine.prompt_ids(job.payload)
-        try:
-            await plog.open(took_over=run.took_over, can_continue=prompt is not None)
-        except Superseded:
-            log.warning("job taken over by another run before this one started")
-            return None
-        except (nats.errors.Error, TimeoutError, ServiceUnavailable) as exc:  # the broker, not the job
-            log.warning("cannot read the job's progress; handing it back", error=str(exc))
-            await self._hand_back(run, log)
-            return None
-        run.progress = plog
-        if plog.reason is not None:
-            log.warning("stored progress not usable; generating from the first token", reason=plog.reason)
-            self.tokens_regenerated += plog.regenerated_tokens
-            self._metrics.tokens_regenerated.inc(plog.regenerated_tokens)
-        if plog.kept_tokens or plog.resumes:
-            kept = [len(s.token_ids) for s in plog.samples]
-            log.info("resuming", kept_tokens=plog.kept_tokens, runs_before=plog.resumes, kept=kept)
-            self.resumed += 1
-            self.tokens_kept += plog.kept_tokens
-            self._metrics.resumed_jobs.inc()
-            self._metrics.tokens_kept.inc(plog.kept_tokens)
-        writer = asyncio.create_task(plog.keep_writing())
-        try:
-            fresh = not any(s.token_ids or s.finish for s in plog.samples)
-            if fresh and engine.streams_tokens:
-                run.request_ids = [job.job_id]
-                generation = await engine.generate(job.job_id, job.payload, job.session_id, sink=plog)
-                prompt_tokens = generation.prompt_tokens
-            else:
-                prompt_tokens = await self._continue(run, plog, prompt)
-        finally:
-            plog.stop()
-            await writer
-        if plog.superseded:
-            log.warning("job taken over by another run; discarding this run's generation")
-            return None
-        v_start, v_end = plog.version_bounds(self._served.version)
-        want_text = job.payload.prompt_text is not None
-        return Generation(
-            plog.completions(engine.detokenize if want_text else None), v_start, v_end, prompt_tokens=prompt_tokens
-        )
-
-    def _progress_log(
-        self, job: RolloutJob, log: Any, on_superseded: Callable[[], object] | None = None
-    ) -> ProgressLog:
-        return ProgressLog(
-            self._js,
-            self._names,
-            job,
-            worker_id=self._worker_id,
-            run=self.claims.holder,
-            every_tokens=self.checkpoint_tokens,
-            every_s=self.checkpoint_s,
-            metrics=self._metrics,
-            log=log,
-            max_record_bytes=self._chunk_bytes + _HEADROOM,  # a record is one message
-            on_superseded=on_superseded,
-        )
-
-    async def _continue(self, run: RunningJob, plog: ProgressLog, prompt: list[int] | None) -> int:
-        """Generate every unfinished sample on from its kept tokens, each as its own request
-        (the prompt and its tokens so far prefilled). An engine that does not stream its tokens
-        runs them in segments of ``checkpoint_tokens``, a checkpoint after each."""
-        job, engine = run.job, self._engine
-        payload = job.payload
-        streams = engine.streams_tokens
-        segment = plog.every_tokens if not streams else None
-        run.request_ids = [f"{job.job_id}.{i}" for i in range(len(plog.samples))]
-
-        async def one(i: int) -> None:
-            sample = plog.samples[i]
-            while sample.finish is None and not plog.superseded and not run.handed_back and not run.cancelled:
-                left = plog.max_tokens - len(sample.token_ids)
-                if left <= 0:
-                    plog.finished(i, "length")
-                    break
-                take = left if segment is None else min(segment, left)
-                # Alone, sample i keeps its own random stream (not sample 0's of a request of one).
-                sampling = msgspec.structs.replace(payload.sampling, seed=sample_seed(payload.sampling.seed, i))
-                if prompt is not None:
-                    part = msgspec.structs.replace(
-                        payload,
-                        prompt_token_ids=prompt + sample.token_ids,
-                        prompt_text=None,
-                        n=1,
-                        sampling=msgspec.structs.replace(sampling, max_tokens=take),
-                    )
-                elif not sample.token_ids:  # a text prompt the engine cannot tokenize: one request
-                    part = msgspec.structs.replace(payload, n=1, sampling=sampling)
-                    take = left
-                else:
-                    raise InvalidRequest("cannot continue a text prompt on an engine that cannot tokenize it")
-                sink = plog.for_sample(i) if streams else None
-                gen = await engine.generate(run.request_ids[i], part, job.session_id, sink=sink)
-                out = gen.outputs[0]
-                if not streams:
-                    versions = _token_versions(out, gen.version_end)
-                    lps = out.logprobs or [0.0] * len(out.token_ids)
-                    for tok, lp, v in zip(out.token_ids, lps, versions, strict=False):
-                        plog.token(i, tok, lp, v)
-                finish = out.finish_reason
-                if finish == "abort":
-                    break
-                if finish == "length" and len(out.token_ids) >= take and len(sample.token_ids) < plog.max_tokens:
-                    if not streams:
-                        await plog.checkpoint()  # a segment done: its tokens are kept
-                    continue  # the segment's end, not the sample's
-                plog.finished(i, finish)
-
-        await asyncio.gather(*(one(i) for i in range(len(plog.samples))))
-        return len(prompt) if prompt is not None else 0
 
     async def _engine_died(self, run: RunningJob, exc: BaseException, attempt: int, log: Any) -> bool:
         """A generation failed because the engine is down (its server died or hangs), not because of

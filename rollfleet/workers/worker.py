@@ -391,9 +391,9 @@ class Worker:
         status.in_flight = len(self._inflight)
         status.jobs_done = self.jobs_done
         if self.jobs is not None:
-            status.resumed = self.jobs.resumed
-            status.tokens_kept = self.jobs.tokens_kept
-            status.tokens_regenerated = self.jobs.tokens_regenerated
+            status.resumed = self.jobs.resumable.resumed
+            status.tokens_kept = self.jobs.resumable.tokens_kept
+            status.tokens_regenerated = self.jobs.resumable.tokens_regenerated
         stats = self.engine.session_cache_stats()
         status.sessions = stats.entries if stats is not None else 0
         self.metrics.sessions.set(status.sessions)
