@@ -1,5 +1,5 @@
 import sys
 
-from reliability.run import main
+from reliability.scenarios.run import main
 
 sys.exit(main())

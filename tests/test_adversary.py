@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from reliability.adversary import Adversary, Config, print_report, run_one
-from reliability.machine import Machine, WorkerProc
+from reliability.adversary.machine import Machine, WorkerProc
+from reliability.adversary.run import Adversary, Config, print_report, run_one
 from rollfleet.testing import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

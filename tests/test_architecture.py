@@ -1,17 +1,24 @@
 """The map in docs/architecture.md, checked: which rooms may import which, and no import cycles.
 
 Imports are read from the source (``ast``), including those inside functions and those under
-``if TYPE_CHECKING:`` (a type-only import is a dependency a reader has to follow too).
+``if TYPE_CHECKING:`` (a type-only import is a dependency a reader has to follow too). For the
+rooms of ``reliability/`` a module named whole in a string is one too: a child process's
+(``-m reliability.adversary.load``) or a worker's hook (``reliability.adversary.hooks:slow_read``);
+not for cycles, since a process that starts another imports nothing of it.
 """
 
 from __future__ import annotations
 
 import ast
 import concurrent.futures
+import re
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "rollfleet"
+RELIABILITY = PACKAGE.parent / "reliability"
 
 # room -> rooms it may import (besides itself). From the map: schemas is the contract everyone
 # reads; runtime imports nothing of ours; trainer_client and workers never import each other.
@@ -29,6 +36,15 @@ ALLOWED = {
     "testing": {"schemas", "runtime", "broker", "policy_store", "models", "trainer_client", "workers", "cli"},
 }
 
+# reliability/'s rooms: the numbered scenarios (``python -m reliability``, its ``__main__``) and the
+# machine adversary with its oracle. The scenarios import the adversary (scenario 12 runs its
+# campaign, scenario 4 SIGKILLs its publisher process); the adversary imports nothing of theirs.
+RELIABILITY_ALLOWED = {
+    "__main__": {"scenarios"},
+    "scenarios": {"adversary"},
+    "adversary": set(),
+}
+
 
 def _module(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -43,29 +59,35 @@ def _parse(source: str) -> ast.Module:
         return pool.submit(ast.parse, source).result()
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, named: bool = False) -> set[str]:
+    """The modules ``path`` imports; with ``named``, also those its strings name (reliability/)."""
     tree = _parse(path.read_text())
+    root = _module(path).partition(".")[0]
     found: set[str] = set()
     package = _module(path) if path.name == "__init__.py" else _module(path).rpartition(".")[0]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("rollfleet")}
+            found |= {a.name for a in node.names if a.name.startswith(root)}
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(up + ([base] if base else []))
-            if base.startswith("rollfleet"):
+            if base.startswith(root):
                 found.add(base)
                 found |= {f"{base}.{a.name}" for a in node.names}
+        elif named and isinstance(node, ast.Constant) and isinstance(node.value, str):
+            name = node.value.partition(":")[0]
+            if re.fullmatch(rf"{root}(\.\w+)+", name):
+                found.add(name)
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    files = {_module(p): p for p in PACKAGE.rglob("*.py")}
+def _graph(package: Path = PACKAGE, named: bool = False) -> dict[str, set[str]]:
+    files = {_module(p): p for p in package.rglob("*.py")}
     graph: dict[str, set[str]] = defaultdict(set)
     for name, path in files.items():
-        graph[name] |= {m for m in _imports(path) if m in files and m != name}
+        graph[name] |= {m for m in _imports(path, named) if m in files and m != name}
     return graph
 
 
@@ -87,11 +109,26 @@ def test_rooms_import_only_what_the_map_allows() -> None:
     assert not wrong, wrong
 
 
-def test_there_are_no_import_cycles_between_modules() -> None:
+def test_reliability_rooms_import_only_what_the_map_allows() -> None:
+    graph = _graph(RELIABILITY, named=True)
+    unplaced = sorted(m for m in graph if m != "reliability" and _room(m) not in RELIABILITY_ALLOWED)
+    assert not unplaced, f"modules of reliability/ in no room: {unplaced}"
+    wrong = []
+    for module, deps in graph.items():
+        room = _room(module)
+        for dep in deps:
+            other = _room(dep)
+            if other and other != room and other not in RELIABILITY_ALLOWED.get(room, set()):
+                wrong.append(f"{module} -> {dep}")
+    assert not wrong, wrong
+
+
+@pytest.mark.parametrize("package", [PACKAGE, RELIABILITY], ids=lambda p: p.name)
+def test_there_are_no_import_cycles_between_modules(package: Path) -> None:
     """Package ``__init__`` modules re-export their rooms, so edges into them are followed to the
     submodule they name when that is what is imported; a cycle through a package's own
     ``__init__`` (a submodule importing its package) is reported too."""
-    graph = _graph()
+    graph = _graph(package)
     state: dict[str, int] = {}
     cycles: list[list[str]] = []
 

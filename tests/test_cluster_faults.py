@@ -1,4 +1,4 @@
-"""The adversary's three-node cluster and its node faults (``reliability.cluster_nodes``).
+"""The adversary's three-node cluster and its node faults (``reliability.adversary.cluster_nodes``).
 
 The schedule's node events are drawn only for a cluster, from a stream of their own, so every
 other event of a seed stays where it was. A node cut off really loses its peers (its route
@@ -18,8 +18,8 @@ from pathlib import Path
 import nats
 import pytest
 
-from reliability.cluster_nodes import NODE_KINDS, ClusterNode, NodeCluster, cut_rules, why_no_cut
-from reliability.schedule import NODE_EVENT_KINDS, make_schedule
+from reliability.adversary.cluster_nodes import NODE_KINDS, ClusterNode, NodeCluster, cut_rules, why_no_cut
+from reliability.adversary.schedule import NODE_EVENT_KINDS, make_schedule
 from rollfleet.testing import wait_until
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reliability.truth import recompute, tensors_key
+from reliability.adversary.truth import recompute, tensors_key
 from rollfleet.schemas import RolloutPayload, SamplingParams
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.testing.weights import tensors_at, write_base_checkpoint

@@ -1,12 +1,12 @@
-"""The engine server events of the machine adversary (``reliability.engines``): drawn from their
+"""The engine server events of the machine adversary (``reliability.adversary.engines``): drawn from their
 own stream only with sglang workers, and what the oracle reads of them (pure; milliseconds)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from reliability.engines import back_moments, engine_out, serves_again
-from reliability.schedule import engines, make_schedule
+from reliability.adversary.engines import back_moments, engine_out, serves_again
+from reliability.adversary.schedule import engines, make_schedule
 
 
 def test_engine_events_come_only_with_sglang_workers_and_leave_every_other_event_in_place() -> None:

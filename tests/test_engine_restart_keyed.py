@@ -2,7 +2,7 @@
 
 The server is the keyed stand-in (``rollfleet.testing.sglang_keyed``): its tokens are a function
 of the tensor bytes it loaded, so each answer is checked token by token against the trainer's own
-tensors at the version the answer is labelled with (``reliability.truth``'s key, computed here
+tensors at the version the answer is labelled with (``reliability.adversary.truth``'s key, computed here
 from the tensors, never from the server or the checkpoint). A real process, SIGKILLed and started
 again on its launch checkpoint, as its supervisor would (a few seconds).
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from reliability.trainer_weights import TrainerWeights
-from reliability.truth import tensors_key
+from reliability.adversary.trainer_weights import TrainerWeights
+from reliability.adversary.truth import tensors_key
 from rollfleet.policy_store import materialize
 from rollfleet.schemas import RolloutPayload, SamplingParams
 from rollfleet.schemas.errors import EngineFailure

@@ -22,7 +22,7 @@ import openai
 import pytest
 from sglang_contract import api_types
 
-from reliability.truth import recompute, tensors_key
+from reliability.adversary.truth import recompute, tensors_key
 from rollfleet.broker import free_port
 from rollfleet.gateway import protocol
 from rollfleet.gateway.chat import ChatTemplate, ChatTemplateError

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reliability.truth import recompute, tensors_key
+from reliability.adversary.truth import recompute, tensors_key
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.schemas import RolloutPayload, SamplingParams
 from rollfleet.schemas.errors import InvalidRequest

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from reliability.machine import Freezes
+from reliability.adversary.machine import Freezes
 
 
 def _state(pid: int) -> str:

@@ -30,9 +30,8 @@ from typing import Any
 
 import pytest
 
-from reliability.adversary import Adversary, Config, Report, print_report, run_one
-from reliability.journal import tokens_digest
-from reliability.oracle import (
+from reliability.adversary.journal import tokens_digest
+from reliability.adversary.oracle import (
     FleetTopology,
     judge_kept,
     load_kept,
@@ -40,7 +39,8 @@ from reliability.oracle import (
     topology_mismatches,
     unserved_stretches,
 )
-from reliability.schedule import Event
+from reliability.adversary.run import Adversary, Config, Report, print_report, run_one
+from reliability.adversary.schedule import Event
 from rollfleet.schemas.names import claim_key
 
 RUN_S = 10.0
@@ -645,8 +645,8 @@ def test_an_answer_no_stream_leader_took_is_not_lost(recorded: Path, tmp_path: P
 def test_publisher_faults_come_from_a_stream_of_their_own() -> None:
     """Adding publisher faults left every other event of a seed where it was; about one kill and
     one race per 30 s; their kill points are scenario 4's."""
-    from reliability.policy import PUBLISH_POINTS
-    from reliability.schedule import PUBLISHER_KILL_POINTS, links, pauses, publishers, random_schedule, skews
+    from reliability.adversary.schedule import PUBLISHER_KILL_POINTS, links, pauses, publishers, random_schedule, skews
+    from reliability.scenarios.policy import PUBLISH_POINTS
 
     assert set(PUBLISHER_KILL_POINTS) == set(PUBLISH_POINTS)
     kinds = ("publisher_kill", "publisher_race")
@@ -661,8 +661,8 @@ def test_publisher_faults_come_from_a_stream_of_their_own() -> None:
 
 
 def test_a_race_won_by_the_perturbed_copy_becomes_the_trainers_lineage(tmp_path: Path) -> None:
-    from reliability.trainer_weights import TrainerWeights
-    from reliability.truth import tensors_key
+    from reliability.adversary.trainer_weights import TrainerWeights
+    from reliability.adversary.truth import tensors_key
     from rollfleet.testing.weights import write_base_checkpoint
 
     w = TrainerWeights(write_base_checkpoint(tmp_path / "base"), SEED)
@@ -700,8 +700,8 @@ def _keyed_answer(h: History, *kinds: str) -> tuple[dict[str, Any], dict[str, An
 def _relabel(h: History, submit: dict[str, Any], answer: dict[str, Any], version: int) -> None:
     """Every copy of the answer labelled ``version``, with the tokens the trainer's bytes at that
     version make (a consistent lie: only a rule about which versions exist can tell)."""
-    from reliability.trainer_weights import TrainerWeights
-    from reliability.truth import tensors_key
+    from reliability.adversary.trainer_weights import TrainerWeights
+    from reliability.adversary.truth import tensors_key
     from rollfleet.workers.engines.keyed import VOCAB, keyed_tokens
 
     payload = submit["req"]["payload"]
@@ -1003,7 +1003,8 @@ def test_a_delivery_counted_again_after_a_rollback_is_not_flagged(
 
 
 def _lost(h: History, kind: str, lost_from: float, at: float, target: str | None = None) -> None:
-    """A store loss in the timeline (``Timeline.stores_lost``), as ``reliability.broker_store`` records one."""
+    """A store loss in the timeline (``Timeline.stores_lost``), as ``reliability.adversary.broker_store``
+    records one."""
     loss = {"kind": kind, "lost_from": lost_from, "at": at, "back": at + 0.5}
     h.doc["timeline"].setdefault("stores_lost", []).append({**loss, **({"target": target} if target else {})})
 
@@ -1334,7 +1335,7 @@ def test_a_write_heard_just_after_a_loss_took_effect_was_lost_with_it(recorded: 
     node; the holder's claim writes of that time were heard as it took effect. The loss counts from
     when the deletion returned (``broker_store.delete_stream``), and a write heard within
     ``LOSS_MARGIN_S`` after it was stored before it."""
-    from reliability.oracle import LOSS_MARGIN_S
+    from reliability.adversary.oracle import LOSS_MARGIN_S
 
     oracle = load_kept(recorded)
     at = 1000.0

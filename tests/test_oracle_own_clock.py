@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from reliability.oracle import Oracle
+from reliability.adversary.oracle import Oracle
 
 
 def proc(start: float, end: float | None, skew_s: float = 0.0) -> SimpleNamespace:

@@ -9,7 +9,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from reliability.oracle import LOST_WITH_STORE, Oracle
+from reliability.adversary.oracle import LOST_WITH_STORE, Oracle
 from rollfleet.schemas import Names
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from reliability.contract import exact_pins
+from reliability.scenarios.contract import exact_pins
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from reliability import fuzz
+from reliability.scenarios import fuzz
 
 EXAMPLES = 200
 

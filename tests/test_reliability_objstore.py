@@ -7,8 +7,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from reliability.objstore import CONVERGE_S, converged_by, heal_moments
-from reliability.schedule import make_schedule, object_stores
+from reliability.adversary.objstore import CONVERGE_S, converged_by, heal_moments
+from reliability.adversary.schedule import make_schedule, object_stores
 
 
 def test_store_events_are_drawn_only_in_s3_mode_and_move_nothing_else() -> None:
@@ -42,7 +42,7 @@ def test_converged_by_passes_a_replica_that_caught_up_and_flags_one_left_behind(
 def _oracle(fleet: list[tuple[float, str, int]], store: str = "s3") -> Any:
     """An oracle over a made-up history: one replica process w1 alive from 0 to 200, v5 committed
     at 50, a store fault from 40 to 60, the registry heard as ``fleet`` (time, worker, version)."""
-    from reliability.oracle import Oracle
+    from reliability.adversary.oracle import Oracle
 
     tl = SimpleNamespace(
         workers=[SimpleNamespace(worker_id="w1", start=0.0, end=200.0, paused_at=None, stops=[], engine="echo")],

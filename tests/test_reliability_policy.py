@@ -1,5 +1,5 @@
 """Reliability scenarios 4-7 (CI sizes): publisher kills, a replica killed mid-apply, corrupt
-deltas, a trainer restart. Real processes, real SIGKILLs; see ``reliability/policy.py``."""
+deltas, a trainer restart. Real processes, real SIGKILLs; see ``reliability/scenarios/policy.py``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from reliability.policy import corrupt_deltas, publisher_kills, replica_killed_mid_apply, trainer_restart
+from reliability.scenarios.policy import corrupt_deltas, publisher_kills, replica_killed_mid_apply, trainer_restart
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

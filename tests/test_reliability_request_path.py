@@ -1,7 +1,7 @@
 """Reliability scenarios 1-3 (CI sizes): worker kills, a broker restart, a cluster node loss.
 
 Each drives the real system (nats-server, `rollfleet worker` processes, SIGKILL) through the
-scenario functions in ``reliability/``; ``make reliability`` runs the same ones larger.
+scenario functions in ``reliability/scenarios/``; ``make reliability`` runs the same ones larger.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from reliability.request_path import broker_restart, cluster_node_loss, worker_kills
+from reliability.scenarios.request_path import broker_restart, cluster_node_loss, worker_kills
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from reliability.security import hostile_versions, tls_end_to_end, token_end_to_end
+from reliability.scenarios.security import hostile_versions, tls_end_to_end, token_end_to_end
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from reliability.sessions import sessions_under_kills
+from reliability.scenarios.sessions import sessions_under_kills
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

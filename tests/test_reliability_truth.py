@@ -2,7 +2,7 @@
 
 A ``rollfleet worker --engine echo --echo-keyed`` process follows a real policy store to v1
 (a delta on v0); its real answers are recomputed token by token from the trainer's own v1
-tensors (``reliability.truth``), and differ from what v0's make. The same real answers,
+tensors (``reliability.adversary.truth``), and differ from what v0's make. The same real answers,
 mutated as a lying fleet would serve them (a label one version off, the tokens of two answers
 swapped), are flagged, by the truth check and by the oracle that wires it in.
 """
@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from reliability.journal import describe_result
-from reliability.oracle import Oracle
-from reliability.trainer_weights import TrainerWeights
-from reliability.truth import Truth, recompute
+from reliability.adversary.journal import describe_result
+from reliability.adversary.oracle import Oracle
+from reliability.adversary.trainer_weights import TrainerWeights
+from reliability.adversary.truth import Truth, recompute
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.runtime.processes import terminate
 from rollfleet.schemas import Names, RolloutPayload, SamplingParams

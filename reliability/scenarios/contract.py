@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reliability.common import REPO, Figures, Ledger, gather_outcomes, read_activations, start_broker
+from reliability.scenarios.common import REPO, Figures, Ledger, gather_outcomes, read_activations, start_broker
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams, served_within
 from rollfleet.schemas.errors import RollfleetError
 from rollfleet.testing import ProcessGroup, tensors_at, write_base_checkpoint

@@ -66,12 +66,12 @@ and with what else, it happens:
                     so no file of its may grow (its log file included); at random, or (``preparing``)
                     with a version published meanwhile, which it must prepare on the full disk
 ``disk_readonly``   a worker's ``--local-dir`` bind-mounted read-only for 2-8 s (EROFS), likewise;
-                    skipped, and said, without mount privilege (``reliability.disks``)
+                    skipped, and said, without mount privilege (``reliability.adversary.disks``)
 ``node_kill``       (``--cluster``) SIGKILL one node of the 3-node cluster (the jobs stream's leader
                     2 times in 3), started again on its store 0.5-6 s later
 ``node_pause``      (``--cluster``) SIGSTOP one node for 2-10 s, then SIGCONT
 ``node_cut``        (``--cluster``) one node cut off from the other two for 2-10 s, its clients still
-                    connected to it (``reliability.cluster_nodes``; needs root and iptables)
+                    connected to it (``reliability.adversary.cluster_nodes``; needs root and iptables)
 ==================  ===========================================================================
 
 ``make_schedule(seed, duration)`` is a pure function: the same seed gives the same events at
@@ -126,7 +126,7 @@ KILL_VICTIMS = ("random", "random", "random", "session", "exact", "large", "long
 PAUSE_VICTIMS = ("random", "session", "session-long", "exact", "large", "long")
 PAUSE_MEAN_GAP_S = 12.0
 TERM_VICTIMS = ("random", "session", "session-long", "exact")
-# Where a publisher process is SIGKILLed (reliability.policy.PUBLISH_POINTS, scenario 4); the last
+# Where a publisher process is SIGKILLed (reliability.scenarios.policy.PUBLISH_POINTS, scenario 4); the last
 # is past the commit boundary (``latest`` moved): that version IS committed, the others are not.
 PUBLISHER_KILL_POINTS = (
     "publish:after-shard",
@@ -146,9 +146,9 @@ ENGINE_MEAN_GAP_S = 10.0  # an engine server killed, refusing pauses or frozen e
 STORES_MEAN_GAP_S = 60.0  # the broker's store lost or rolled back, or a stream deleted: rare
 STORES_FIRST_S = 12.0  # (never before the fleet has served a while)
 STORE_KINDS = ("broker_rollback", "broker_rollback", "broker_wipe", "delete_stream", "delete_stream")
-STREAM_TARGETS = ("jobs", "results", "claims", "policy", "registry")  # reliability.broker_store.DELETE_TARGETS
+STREAM_TARGETS = ("jobs", "results", "claims", "policy", "registry")  # broker_store.DELETE_TARGETS
 NODES_MEAN_GAP_S = 12.0  # (``--cluster``) a node killed, frozen or cut off every 12 s on average
-NODE_EVENT_KINDS = ("node_kill", "node_pause", "node_cut", "node_cut")  # reliability.cluster_nodes.NODE_KINDS
+NODE_EVENT_KINDS = ("node_kill", "node_pause", "node_cut", "node_cut")  # cluster_nodes.NODE_KINDS
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.schemas import Names, RolloutPayload, SamplingParams, VersionActivated, decode_event
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BROKER_CONFIG = REPO / "broker_config"
 
 

@@ -24,9 +24,9 @@ The invariants (``Oracle.checks`` counts each evaluation; each violation is one 
   the result announced the digest of the trainer's weights at that version (``--verify-live``);
   a missing digest is a violation only for engines that provide one.
 - ``served``: every token of every accepted result that a keyed echo engine made (``--echo-keyed``),
-  or an sglang worker's keyed SGLang stand-in (``--sglang N``, ``reliability.engines``),
+  or an sglang worker's keyed SGLang stand-in (``--sglang N``, ``reliability.adversary.engines``),
   is the token the trainer's own weights at its span's labelled version make, recomputed from
-  the prompt, the tokens before it and the seed (``reliability.truth``): a label that does not
+  the prompt, the tokens before it and the seed (``reliability.adversary.truth``): a label that does not
   name the weights that really served is caught by what was served, not by what was announced.
   One check per accepted answer; tokens of hf engines are not recomputed. When a publisher race
   was won by the perturbed contender (the policy KV's ``v.<N>`` names it), the trainer's truth
@@ -98,7 +98,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from reliability.engines import engine_out
+from reliability.adversary.engines import engine_out
 
 RESOLVE_SLACK_S = 5.0  # the client's deadline grace (2 s) and its sweep, with room to spare
 STARVE_S = 10.0
@@ -463,7 +463,7 @@ class Oracle:
             self.commit_started[v] = min(t_start, self.commit_started.get(v, float("inf")))
         # Acks by stream sequence: a holder's progress acks show it holds a job even where the
         # wiretap missed the delivery itself.
-        from reliability.tap import parse_ack
+        from reliability.adversary.tap import parse_ack
 
         self.acks_by_seq: dict[int, list[tuple[float, str]]] = defaultdict(list)
         for subject, acks in self.tap.acks.items():
@@ -1021,7 +1021,7 @@ class Oracle:
     def _check_served(self) -> None:
         """served: each accepted answer's tokens are what its labelled versions' weights make."""
         try:
-            from reliability.truth import Truth
+            from reliability.adversary.truth import Truth
         except ImportError:  # a rollfleet without keyed echo (``--code``): its workers ran unkeyed
             self.unverified["served: this rollfleet has no keyed echo engine"] += 1
             return
@@ -2177,10 +2177,10 @@ class Oracle:
 
     def _check_engines_back(self) -> None:
         """available, per engine event: a replica whose engine server is back (restarted, thawed,
-        taking pauses again) serves again within the bound (``reliability.engines.serves_again``):
+        taking pauses again) serves again within the bound (``reliability.adversary.engines.serves_again``):
         a restarted server taken back as the wrong version, or a request gate left closed after a
         refused pause, would leave it registered and serving nothing, or down for good."""
-        from reliability.engines import back_moments, serves_again
+        from reliability.adversary.engines import back_moments, serves_again
 
         bound = self.available_s
         for worker, lives in sorted(self.engine_lives.items()):
@@ -2226,8 +2226,8 @@ class Oracle:
 
     def _check_disks(self) -> None:
         """converged, per disk fault: a replica whose own disk was full or read-only for a while
-        reaches, once it is back, the version latest then within the bound (``reliability.disks``)."""
-        from reliability.disks import judge_disks
+        reaches, once it is back, the version latest then within the bound (``reliability.adversary.disks``)."""
+        from reliability.adversary.disks import judge_disks
 
         judge_disks(self)
 
@@ -2239,7 +2239,7 @@ class Oracle:
         live replica behind for good, which the calls alone may not show (the others serve)."""
         if getattr(self.cfg, "store", "dir") != "s3":
             return
-        from reliability.objstore import CONVERGE_S, converged_by, heal_moments
+        from reliability.adversary.objstore import CONVERGE_S, converged_by, heal_moments
 
         windows = [(float(f["from"]), float(f["to"])) for f in getattr(self.tl, "store_faults", []) or []]
         windows += [(float(a), float(b)) for _, a, b in [*self.tl.hidden, *self.tl.corrupt]]
@@ -2367,7 +2367,7 @@ def topology_mismatches(kind: str, settings: dict[str, Any], fleet: FleetTopolog
     return wrong
 
 
-# -- judging a kept run again (``python -m reliability.oracle WORKDIR``) ---------------------------------
+# -- judging a kept run again (``python -m reliability.adversary.oracle WORKDIR``) -----------------------
 
 
 def save_inputs(
@@ -2463,9 +2463,9 @@ def load_kept(workdir: Any) -> Oracle:
 
     import msgspec
 
-    from reliability.journal import Journal
-    from reliability.tap import Delivery, Published
-    from reliability.trainer_weights import TrainerWeights
+    from reliability.adversary.journal import Journal
+    from reliability.adversary.tap import Delivery, Published
+    from reliability.adversary.trainer_weights import TrainerWeights
     from rollfleet.schemas import Names, ReplicaStatus, VersionActivated
 
     wd = Path(workdir)

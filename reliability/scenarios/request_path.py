@@ -10,7 +10,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reliability.common import BROKER_CONFIG, REPO, Figures, Ledger, gather_outcomes, job_payload, max_gap, start_broker
+from reliability.scenarios.common import (
+    BROKER_CONFIG,
+    REPO,
+    Figures,
+    Ledger,
+    gather_outcomes,
+    job_payload,
+    max_gap,
+    start_broker,
+)
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.runtime import faults
 from rollfleet.schemas.errors import NoCompatibleReplica

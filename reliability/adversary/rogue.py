@@ -27,8 +27,8 @@ import random
 import time
 from typing import Any
 
-from reliability.journal import FORGED_TOKEN, Journal
-from reliability.tap import parse_ack
+from reliability.adversary.journal import FORGED_TOKEN, Journal
+from reliability.adversary.tap import parse_ack
 
 
 class Rogue:

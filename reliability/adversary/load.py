@@ -1,6 +1,6 @@
 """The adversary's trainer: a real training-loop process that SIGKILL may hit at any moment.
 
-``python -m reliability.load --nats URL --namespace NS --journal PATH --seed S --duration D
+``python -m reliability.adversary.load --nats URL --namespace NS --journal PATH --seed S --duration D
 --incarnation N`` submits, for ``D`` seconds, a seeded mix of rollout jobs (exact, min and
 max_staleness constraints; replayable, at_most_once and resume; small and large, chunked, answers;
 fresh keys, colliding keys such as ``k``, ``k:1``, ``k/0``, ``sample``, ``sample:0``;
@@ -30,7 +30,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from reliability.journal import FORGED_TOKEN, Journal, describe_error, describe_result, tokens_digest
+from reliability.adversary.journal import FORGED_TOKEN, Journal, describe_error, describe_result, tokens_digest
 
 HANG_SLACK_S = 15.0  # a wait this long past the deadline is journaled as a hang and abandoned
 SUBMIT_BOUND_S = 45.0  # submit itself retries for up to 30 s while the broker is away
@@ -316,7 +316,7 @@ class Load:
             key = self.gw_rng.choice(sorted(self.gw_submitted))
             self.spawn(self.http_call(key, self.gw_submitted[key], "resubmit"))
             return
-        from reliability.machine import GATEWAY_TIMEOUT_S
+        from reliability.adversary.machine import GATEWAY_TIMEOUT_S
 
         self.gw_n += 1
         key = f"http-{self.inc}-{self.gw_n}"
@@ -340,7 +340,7 @@ class Load:
         answer converted to the fields ``describe_result`` writes, is journaled."""
         import aiohttp
 
-        from reliability.machine import GATEWAY_CLIENT
+        from reliability.adversary.machine import GATEWAY_CLIENT
 
         rid = self.rid()
         self.log({"ev": "submit", "rid": rid, "op": op, "key": key, "req": req, "client": GATEWAY_CLIENT,
@@ -676,7 +676,7 @@ def http_answer(status: int, data: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m reliability.load")
+    p = argparse.ArgumentParser(prog="python -m reliability.adversary.load")
     p.add_argument("--nats", required=True)
     p.add_argument("--namespace", required=True)
     p.add_argument("--client-id", default="trainer")

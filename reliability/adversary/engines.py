@@ -7,7 +7,7 @@ SGLang stand-in (``rollfleet.testing.sglang_keyed``), launched on the trainer's 
 loaded, so the oracle's ``served`` recomputes every one of them from the trainer's weights, as
 it does the keyed echo workers'.
 
-The events (``reliability.schedule.engines``, stream ``engines:<seed>``, drawn only with such a
+The events (``reliability.adversary.schedule.engines``, stream ``engines:<seed>``, drawn only with such a
 worker):
 
 - ``engine_kill``: SIGKILL the server, start it again ``after`` s later on its launch checkpoint

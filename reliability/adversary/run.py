@@ -8,15 +8,16 @@ processes, with an independent oracle judging every run (issue 19).
 
 One run: a nats-server with the generated auth config (a user per worker id, a rogue worker
 user among them, a privileged wiretap), ``rollfleet worker`` processes following a policy
-store with ``--verify-live``, a trainer process (``reliability.load``) submitting a seeded mix
-of jobs and sessions, the rogue (``reliability.rogue``) and the tap (``reliability.tap``);
-publisher processes (``reliability.procs publish``) for the versions it SIGKILLs mid-publication
-or races for, the policy KV read raw before and after each (``Timeline.publishers``).
-The seed fixes the schedule of events (``reliability.schedule``), printed first, one JSON line
-per event as it is injected. The harness keeps the fleet at its size (``keep_fleet``: a worker
-that is killed and not restarted by its event, or that exits on its own, is started again).
-At the end the oracle (``reliability.oracle``) checks every answer; a run with violations
-prints them, its seed and the one-line command that replays it, and a JSON summary line last
+store with ``--verify-live``, a trainer process (``reliability.adversary.load``) submitting a
+seeded mix of jobs and sessions, the rogue (``reliability.adversary.rogue``) and the tap
+(``reliability.adversary.tap``); publisher processes (``reliability.adversary.publisher``) for
+the versions it SIGKILLs mid-publication or races for, the policy KV read raw before and after
+each (``Timeline.publishers``). The seed fixes the schedule of events
+(``reliability.adversary.schedule``), printed first, one JSON line per event as it is injected.
+The harness keeps the fleet at its size (``keep_fleet``: a worker that is killed and not
+restarted by its event, or that exits on its own, is started again). At the end the oracle
+(``reliability.adversary.oracle``) checks every answer; a run with violations prints them, its
+seed and the one-line command that replays it, and a JSON summary line last
 (``"violations": 0`` when it passed). Exit code 1 on violations.
 """
 
@@ -38,15 +39,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reliability.cluster_nodes import NODE_KINDS
-from reliability.engines import ENGINE_KINDS, SGLANG_POOL, engine_event
-from reliability.journal import Journal, describe_error, describe_result
-from reliability.machine import ECHO_POOL, GATEWAY_CLIENT, GATEWAYS, HF_POOL, ROGUE, Machine, WorkerProc
-from reliability.oracle import AVAILABLE_S
-from reliability.schedule import Event, make_schedule
+from reliability.adversary.cluster_nodes import NODE_KINDS
+from reliability.adversary.engines import ENGINE_KINDS, SGLANG_POOL, engine_event
+from reliability.adversary.journal import Journal, describe_error, describe_result
+from reliability.adversary.machine import ECHO_POOL, GATEWAY_CLIENT, GATEWAYS, HF_POOL, ROGUE, Machine, WorkerProc
+from reliability.adversary.oracle import AVAILABLE_S
+from reliability.adversary.schedule import Event, make_schedule
 from rollfleet.testing.clocks import faketime_library
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "adv"
 TRAINER_ID = "trainer"
 FAULT_WAIT_S = 25.0
@@ -62,7 +63,7 @@ class Config:
     hf: int = 0
     sglang: int = 0  # sglang workers, each attached to a keyed engine server of its own (engine events)
     store: str = "dir"  # "s3": the policy store in a bucket (moto), each worker reading it through a fault proxy
-    cluster: bool = False  # a 3-node cluster with R3 streams, and node events (``reliability.cluster_nodes``)
+    cluster: bool = False  # a 3-node cluster with R3 streams, and node events (``reliability.adversary.cluster_nodes``)
     auth: bool = True
     code: str | None = None  # another checkout's rollfleet (e.g. the code before a fix)
     schedule: str | None = None  # a named schedule instead of the seed's random one
@@ -207,9 +208,9 @@ class Adversary:
 
     # -- set-up ------------------------------------------------------------------------------
     async def setup(self) -> None:
-        from reliability.rogue import Rogue
-        from reliability.tap import Tap
-        from reliability.trainer_weights import TrainerWeights
+        from reliability.adversary.rogue import Rogue
+        from reliability.adversary.tap import Tap
+        from reliability.adversary.trainer_weights import TrainerWeights
         from rollfleet.broker.topology import TopologyConfig
         from rollfleet.schemas import Names
         from rollfleet.trainer_client import PolicyPublisher, RolloutClient
@@ -229,7 +230,7 @@ class Adversary:
         m.start_broker()
         await m.start_links([*ECHO_POOL, *HF_POOL])  # each worker dials the broker through its own link
         if cfg.store == "s3":  # (moto, and each worker reading the bucket through a fault proxy of its own)
-            from reliability.objstore import start_object_store
+            from reliability.adversary.objstore import start_object_store
 
             await start_object_store(self, [u for u in m.users() if u not in ("trainer", "gateway", ROGUE)])
         self.say("broker", url=m.broker.url if m.broker else "", auth=cfg.auth, monitor=m.monitor_port)
@@ -298,7 +299,7 @@ class Adversary:
             self.say("gateway start", gateway=name, pid=gp.proc.pid, address=gp.address)
         self.say("fleet ready", workers=sorted(m.current))
         # Answers stored before the trainer asks: keys a trainer is likely to use.
-        from reliability.load import family_keys, key_families
+        from reliability.adversary.load import family_keys, key_families
 
         # Some seeds' rogue forges nothing at first and copies nothing: what it cannot do then
         # shows the other defects in the clear.
@@ -984,7 +985,7 @@ class Adversary:
         elif ev.kind == "delete_consumer":
             return await self.delete_consumer(p["which"])
         elif ev.kind in ("broker_rollback", "broker_wipe", "delete_stream"):
-            from reliability import broker_store
+            from reliability.adversary import broker_store
 
             return bool(await getattr(broker_store, ev.kind)(self, p))
         elif ev.kind == "trainer_kill":
@@ -1017,11 +1018,11 @@ class Adversary:
         elif ev.kind in ENGINE_KINDS:
             return await engine_event(self, ev.kind, p)
         elif ev.kind in ("store_truncate", "store_drop", "store_lag"):
-            from reliability.objstore import store_event
+            from reliability.adversary.objstore import store_event
 
             return await store_event(self, ev.kind, p)
         elif ev.kind in ("disk_full", "disk_readonly"):
-            from reliability.disks import disk_event
+            from reliability.adversary.disks import disk_event
 
             return await disk_event(self, ev.kind, p)
         elif ev.kind == "publisher_kill":
@@ -1033,7 +1034,7 @@ class Adversary:
             await self.rogue.snoop(p["for_s"])
             self.say("rogue stopped snooping", read=self.rogue.snooped)
         elif ev.kind == "forge":
-            from reliability.load import family_keys, key_families
+            from reliability.adversary.load import family_keys, key_families
 
             keys = [k for b in key_families(self.cfg.seed) for k in family_keys(b)]
             seen = [d.key for d in self.tap.deliveries if d.key and d.key.startswith("job-")]
@@ -1221,7 +1222,7 @@ class Adversary:
             await self.settle()
             finals = await self.reask_all()
             report.notes.update(await self.collect_notes())
-            from reliability.oracle import Oracle, save_inputs
+            from reliability.adversary.oracle import Oracle, save_inputs
 
             stored = await self.tap.stored_answers()
             activations = await self.tap.stored_activations()
@@ -1306,10 +1307,10 @@ class Adversary:
             self.say("trainer did not finish; killed")
         m.note_trainer_exit()
         self.say("trainer finished", code=m.trainer.returncode if m.trainer else None)
-        from reliability.objstore import watch_after_heal
+        from reliability.adversary.objstore import watch_after_heal
 
         await watch_after_heal(self)  # (--store s3: the last heal's bound watched to its end)
-        from reliability.disks import watch_after_disks
+        from reliability.adversary.disks import watch_after_disks
 
         await watch_after_disks(self)  # (replicas whose disk came back, until they caught up)
 
@@ -1395,7 +1396,7 @@ class Adversary:
                     await asyncio.wait_for(part.close(), 10.0)
         await asyncio.to_thread(self.machine.close)
         await self.machine.close_links()
-        from reliability.objstore import close_object_store
+        from reliability.adversary.objstore import close_object_store
 
         await close_object_store(self)
         self.events_journal.close()
@@ -1439,104 +1440,6 @@ async def run_one(cfg: Config) -> Report:
     if report.passed and not cfg.keep:
         adversary.machine.cleanup()
     return report
-
-
-# The named schedules a long campaign runs too: (schedule, seed, duration, hf workers, echo workers).
-NAMED_RUNS = [
-    ("drain-flaky-mount", 5, 35.0, 1, 2),
-    ("sessions-trainer", 7, 35.0, 0, 3),
-    ("chunks-consumers", 8, 35.0, 0, 3),
-    ("long-at-most-once", 9, 60.0, 0, 3),
-    ("pauses", 11, 40.0, 0, 3),
-    ("publishers", 5, 45.0, 0, 3),
-]
-
-
-async def campaign(
-    workdir: Path,
-    seeds: list[int],
-    duration: float,
-    hf_seeds: int = 0,
-    named: list[tuple[str, int, float, int, int]] | None = None,
-    more: list[dict[str, Any]] | None = None,
-) -> Any:
-    """Many seeds (the last ``hf_seeds`` with an hf replica too) and the ``named`` schedules, as
-    one reliability scenario's figures (``python -m reliability``, scenario 12). ``more``: further
-    runs, each a ``Config``'s fields (a bucket store, sglang engine servers, a named schedule)."""
-    from reliability.common import Figures
-
-    named = named or []
-    # `make reliability` adds fresh seeds (RF_ADV_FRESH_SEEDS=<n>) to the fixed ones, printed
-    # here and in every run's line, so each can be replayed.
-    fresh = [secrets.randbelow(10**6) for _ in range(int(os.environ.get("RF_ADV_FRESH_SEEDS") or 0))]
-    if fresh:
-        print(f"adversary fresh seeds: {', '.join(map(str, fresh))}", flush=True)
-    fig = Figures(
-        "12",
-        "The machine adversary: random faults composed at random moments, an independent oracle",
-        {"seeds": len(seeds) + len(fresh), "duration_s": duration, "hf_seeds": hf_seeds, "named_schedules": len(named)},
-    )
-    t0 = time.monotonic()
-    checks: dict[str, int] = {}
-    events: dict[str, int] = {}
-    unverified: dict[str, int] = {}
-    runs = []
-    plan = [(None, seed, duration, 1 if i >= len(seeds) - hf_seeds else 0, 3) for i, seed in enumerate(seeds)]
-    plan += [(None, seed, duration, 0, 3) for seed in fresh]
-    runs_planned = [dict(schedule=sc, seed=se, duration=du, hf=hf, workers=w) for sc, se, du, hf, w in [*plan, *named]]
-    for fields in [*runs_planned, *(more or [])]:
-        schedule, seed = fields.get("schedule"), fields["seed"]
-        modes = ("store", "sglang", "hf", "cluster")
-        tag = "-".join(f"{k}{fields[k]}" for k in modes if fields.get(k) not in (None, 0, "dir", False))
-        cfg = Config(**{"workdir": workdir / f"{schedule or 'seed'}-{seed}{'-' + tag if tag else ''}", "quiet": True,
-                        **fields})  # fmt: skip
-        hf = cfg.hf
-        report = await run_one(cfg)
-        print_report(report)
-        s = report.summary()
-        runs.append(
-            {
-                "seed": f"{schedule + ' ' if schedule else ''}{seed}{f' ({tag})' if tag else ''}",
-                "hf": hf,
-                "seconds": report.seconds,
-                "events": report.events,
-                "checks": s["checks"],
-                "violations": s["violations"],
-            }
-        )
-        for k, v in report.checks.items():
-            checks[k] = checks.get(k, 0) + v
-        for k, v in report.events_by_kind.items():
-            events[k] = events.get(k, 0) + v
-        for k, v in report.unverified.items():
-            unverified[k] = unverified.get(k, 0) + v
-        fig.submitted += int(report.notes.get("calls", 0))
-        fig.completed += int(report.notes.get("results_accepted", 0))
-        fig.failed += sum((report.notes.get("errors_by_class") or {}).values())
-        fig.faults += report.events
-        fig.versions_published += int(report.notes.get("versions_committed", 0))
-        fig.versions_activated += int(report.notes.get("activations", 0))
-        for v in report.violations:
-            fig.problems.append(f"seed {seed}: {v.line()}  (replay: {cfg.replay()})")
-            hang = v.check == "resolution" and "unanswered" in v.message
-            fig.lost += v.check in ("lost", "stranded", "orphan") or hang
-            fig.duplicated += v.check in ("once", "twice", "moved")
-        if report.crashed:
-            fig.problems.append(f"seed {seed}: crashed: {report.crashed}  (replay: {cfg.replay()})")
-        if report.vacuous:
-            fig.problems.append(f"seed {seed}: {report.vacuous}  (replay: {cfg.replay()})")
-    fig.notes["runs"] = len(runs)
-    fig.notes["events injected"] = sum(events.values())
-    fig.notes["events by kind"] = events
-    fig.notes["invariant checks"] = sum(checks.values())
-    fig.notes["checks by invariant"] = checks
-    fig.notes["violations"] = len(fig.problems)
-    fig.notes["not verifiable (counted, not violations)"] = unverified
-    fig.notes["runs (seed, seconds, events, checks, violations)"] = [
-        (r["seed"], r["seconds"], r["events"], r["checks"], r["violations"]) for r in runs
-    ]
-    fig.seconds = time.monotonic() - t0
-    return fig
 
 
 def print_report(report: Report) -> None:

@@ -21,7 +21,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reliability.common import Figures, job_payload
+from reliability.scenarios.common import Figures, job_payload
 from rollfleet.schemas import (
     ReplicaStatus,
     RolloutJob,

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reliability.common import REPO, Figures, Ledger, read_activations, start_broker
+from reliability.scenarios.common import REPO, Figures, Ledger, read_activations, start_broker
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams
 from rollfleet.schemas.errors import Interrupted, NoCompatibleReplica, RollfleetError
 from rollfleet.testing import ProcessGroup, tensors_at, write_base_checkpoint

@@ -4,7 +4,7 @@ A nats-server run with the auth config ``rollfleet permissions`` generates (one 
 worker id, the rogue among them; plus a privileged ``tap`` user for the oracle's wiretap) and
 a small ``max_payload``, so that ordinary answers are stored in chunks; real ``rollfleet
 worker`` processes (echo, optionally hf) that follow a real policy store; the trainer process
-(``reliability.load``); and the store itself, whose version directories can vanish for a while
+(``reliability.adversary.load``); and the store itself, whose version directories can vanish for a while
 or carry a corrupt shard. Every process start, stop, pause and death, every broker outage and
 every commit is written to ``timeline`` with wall-clock times: the oracle reads that, never
 the project's own counters.
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reliability.cluster_nodes import NodeCluster
-from reliability.engines import SGLANG_POOL, EngineServers
+from reliability.adversary.cluster_nodes import NodeCluster
+from reliability.adversary.engines import SGLANG_POOL, EngineServers
 from rollfleet.broker import EmbeddedBroker, free_port
 from rollfleet.runtime.processes import terminate
 from rollfleet.testing.clocks import faketime_library
@@ -112,16 +112,16 @@ class Timeline:
     # broker before and after (``latest``, the ``v.<N>`` entry's publisher).
     publishers: list[dict[str, Any]] = field(default_factory=list)
     gateways: list[GatewayProc] = field(default_factory=list)
-    engines: list[Any] = field(default_factory=list)  # engine server lives (``reliability.engines``)
+    engines: list[Any] = field(default_factory=list)  # engine server lives (``reliability.adversary.engines``)
     # The broker's store lost or rolled back, or a stream or bucket deleted (``broker_store``):
     # kind, lost_from (writes stored from then on are gone), at, back, target.
     stores_lost: list[dict[str, Any]] = field(default_factory=list)
     # Object-store faults (``--store s3``): kind, the worker ids whose proxy it hit, from, to, params.
     store_faults: list[dict[str, Any]] = field(default_factory=list)
-    # A worker's own disk full or read-only (``reliability.disks``): kind, worker, its process's
+    # A worker's own disk full or read-only (``reliability.adversary.disks``): kind, worker, its process's
     # start, victim, from, to.
     disk_faults: list[dict[str, Any]] = field(default_factory=list)
-    # A cluster node killed, frozen or cut off (``--cluster``, ``reliability.cluster_nodes``):
+    # A cluster node killed, frozen or cut off (``--cluster``, ``reliability.adversary.cluster_nodes``):
     # kind, node, from, to, leader (whether it led the jobs stream when hit).
     node_faults: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -185,7 +185,7 @@ class Machine:
         self.gateways: dict[str, GatewayProc] = {}  # gateway name -> its live (or last) process
         self.gateways_file = self.workdir / "gateways.json"  # where the trainer finds them (name -> address)
         self.freezes = Freezes()
-        self.objstore: Any = None  # reliability.objstore.ObjectStore with ``--store s3`` (else the directory)
+        self.objstore: Any = None  # reliability.adversary.objstore.ObjectStore with ``--store s3`` (else the directory)
         self.engines = EngineServers(self.workdir, child_env, cwd, self.timeline.engines)  # (sglang workers')
 
     def store_arg(self) -> str:
@@ -315,11 +315,11 @@ class Machine:
             "--catch-up-wait",
             "60",
             "--pre-read-hook",
-            "reliability.hooks:slow_read",
+            "reliability.adversary.hooks:slow_read",
         ]
         if engine == "hf":
             common += ["--engine", "hf", "--device", "cpu", "--max-batch", "8"]
-        elif engine == "sglang":  # attached to its own keyed server (``reliability.engines``)
+        elif engine == "sglang":  # attached to its own keyed server (``reliability.adversary.engines``)
             common += ["--engine", "sglang", "--sglang-url", self.engines.url(worker_id)]
         else:
             common += ["--engine", "echo", "--echo-token-latency", "0.003"]
@@ -503,7 +503,7 @@ class Machine:
         cmd = [
             sys.executable,
             "-m",
-            "reliability.load",
+            "reliability.adversary.load",
             "--nats",
             self.url(),
             "--namespace",
@@ -529,7 +529,7 @@ class Machine:
             self.timeline.trainers[-1].update(end=time.time(), how=f"exited {self.trainer.returncode}")
 
     def start_publisher(self, name: str, args: list[str], armed: str | None = None) -> subprocess.Popen[bytes]:
-        """A publisher process (``reliability.procs publish``), as the trainer's user."""
+        """A publisher process (``reliability.adversary.publisher``), as the trainer's user."""
         log = self.workdir / "logs" / f"publisher.{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         env = {**CHILD_LOG_ENV, **self.child_env, **_log_level("warning")}
@@ -540,8 +540,7 @@ class Machine:
         cmd = [
             sys.executable,
             "-m",
-            "reliability.procs",
-            "publish",
+            "reliability.adversary.publisher",
             "--nats",
             self.url("trainer"),
             "--namespace",

@@ -38,7 +38,7 @@ from typing import Any
 
 import xxhash
 
-from reliability.journal import FORGED_TOKEN, describe_result
+from reliability.adversary.journal import FORGED_TOKEN, describe_result
 from rollfleet.broker.topology import topology_streams
 
 WORKER_CONN_PREFIX = "rollfleet-worker-"

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reliability.common import REPO, Figures, Ledger, job_payload, read_activations, start_broker
+from reliability.scenarios.common import REPO, Figures, Ledger, job_payload, read_activations, start_broker
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.policy_store import list_versions, read_marker, verify_version_dir
 from rollfleet.policy_store.digest import weights_digest
@@ -69,7 +69,7 @@ async def publisher_kills(workdir: Path, points: tuple[str, ...] = PUBLISH_POINT
     uncommitted: set[int] = set()
     try:
         async with await RolloutClient.connect(broker.url, namespace=ns, client_id="observer") as client:
-            first = procs.module("publish-0", "reliability.procs", "publish", *pub_args, "--count", "2")
+            first = procs.module("publish-0", "reliability.adversary.publisher", *pub_args, "--count", "2")
             code = await asyncio.to_thread(first.wait, 60)
             fig.expect(code == 0, f"the first publication failed: {procs.tail('publish-0')}")
             committed += [0, 1]
@@ -81,7 +81,7 @@ async def publisher_kills(workdir: Path, points: tuple[str, ...] = PUBLISH_POINT
                 assert before is not None
                 env = faults.env("pause", point)
                 name = f"killed-{n}"
-                procs.module(name, "reliability.procs", "publish", *pub_args, env=env)
+                procs.module(name, "reliability.adversary.publisher", *pub_args, env=env)
                 paused = await procs.wait_log(name, f"PAUSED {point}", 30)
                 if not fig.expect(paused, f"{point}: the publisher never reached the point: {procs.tail(name)}"):
                     continue
@@ -100,7 +100,7 @@ async def publisher_kills(workdir: Path, points: tuple[str, ...] = PUBLISH_POINT
                         uncommitted.add(before + 1)
                 # The next publication, by a fresh process, succeeds and the fleet follows it.
                 nxt = f"next-{n}"
-                code = await asyncio.to_thread(procs.module(nxt, "reliability.procs", "publish", *pub_args).wait, 60)
+                code = await asyncio.to_thread(procs.module(nxt, "reliability.adversary.publisher", *pub_args).wait, 60)
                 if not fig.expect(code == 0, f"{point}: the next publication failed: {procs.tail(nxt)}"):
                     continue
                 version = json.loads(procs.tail(nxt).strip().splitlines()[-1])["published"][0]
@@ -402,7 +402,7 @@ async def trainer_restart(workdir: Path, jobs: int = 60, workers: int = 2) -> Fi
         topo = TopologyConfig(ack_wait_s=2.0)
         async with await RolloutClient.connect(broker.url, namespace=ns, client_id="observer", topology=topo):
             pass
-        first = procs.module("trainer-first", "reliability.procs", "trainer", *args, "--phase", "first")
+        first = procs.module("trainer-first", "reliability.scenarios.procs", *args, "--phase", "first")
         ok = await wait_until(
             lambda: (workdir / "store" / "weight_v000000").exists(), 30, retry_errors=True, default=False
         )
@@ -412,7 +412,7 @@ async def trainer_restart(workdir: Path, jobs: int = 60, workers: int = 2) -> Fi
                          "--catch-up-wait", "10", "--echo-latency", "0.2", "--capacity", "2")  # fmt: skip
 
         def consumed() -> int:
-            from reliability.procs import Journal
+            from reliability.scenarios.procs import Journal
 
             return len(Journal.read(journal)["C"])
 
@@ -424,7 +424,7 @@ async def trainer_restart(workdir: Path, jobs: int = 60, workers: int = 2) -> Fi
         fig.faults = 1
         t_kill = time.monotonic()
         await asyncio.sleep(0.5)  # results keep arriving for the dead trainer meanwhile
-        resumed = procs.module("trainer-resumed", "reliability.procs", "trainer", *args, "--phase", "resume")
+        resumed = procs.module("trainer-resumed", "reliability.scenarios.procs", *args, "--phase", "resume")
         code = await asyncio.to_thread(resumed.wait, 120)
         tail = procs.tail("trainer-resumed")
         if fig.expect(code == 0, f"the restarted trainer failed: {tail}"):

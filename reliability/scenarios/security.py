@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reliability.common import BROKER_CONFIG, REPO, Figures, job_payload, start_broker
+from reliability.scenarios.common import BROKER_CONFIG, REPO, Figures, job_payload, start_broker
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.policy_store.store import read_record
 from rollfleet.schemas.errors import RollfleetError

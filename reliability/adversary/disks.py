@@ -206,7 +206,7 @@ def disk_verdict(
     lengthen the backoff)."""
     healed = float(fault["to"])
     deadline = healed + bound
-    from reliability.objstore import converged_by
+    from reliability.adversary.objstore import converged_by
 
     ok, shown = converged_by(seen, latest, deadline)
     if ok:  # (at latest by the deadline: whatever came after, it did not stay behind)

@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from reliability import adversary, contract, fuzz, policy, request_path, security, sessions
-from reliability.common import REPO, Figures
+from reliability.scenarios import contract, fuzz, machine_adversary, policy, request_path, security, sessions
+from reliability.scenarios.common import REPO, Figures
 
 Scenario = Callable[[Path], Awaitable[Figures]]
 
@@ -70,12 +70,12 @@ def scenarios(quick: bool) -> list[tuple[str, Scenario]]:
         ),
         (
             "12",
-            lambda d: adversary.campaign(
+            lambda d: machine_adversary.campaign(
                 d,
                 seeds=ADVERSARY_SEEDS[:2] if q else ADVERSARY_SEEDS,
                 duration=30.0 if q else 60.0,
                 hf_seeds=0 if q else 2,
-                named=[] if q else adversary.NAMED_RUNS,
+                named=[] if q else machine_adversary.NAMED_RUNS,
                 more=[] if q else ADVERSARY_MORE,
             ),
         ),
@@ -309,7 +309,7 @@ FOOTER = """
 
 Scenarios 1-11 try the schedules their authors thought of. Scenario 12 composes ordinary
 events at random moments instead, against real processes, and an independent oracle judges
-every run (`reliability/adversary.py`; CI runs two fixed seeds of 30 s each in
+every run (`reliability/adversary/run.py`; CI runs two fixed seeds of 30 s each in
 `tests/test_adversary.py`, so a CI failure replays exactly; `make adversary` and `make reliability`,
 the campaign whose figures are above, draw fresh seeds too and print them first).
 
@@ -318,7 +318,7 @@ the campaign whose figures are above, draw fresh seeds too and print them first)
     python -m reliability.adversary --schedule drain-flaky-mount --seed 5 --duration 35 --hf 1 --workers 2
     python -m reliability.adversary --seed 1234 --cluster                 # a 3-node cluster, node events
     python -m reliability.adversary --seed 1234 --code ../other-checkout # another tree's rollfleet
-    python -m reliability.oracle WORKDIR                                  # judge a kept run again
+    python -m reliability.adversary.oracle WORKDIR                      # judge a kept run again
 
 A failing run prints each violation, its seed and the one-line command that replays it (the
 seed fixes the schedule of events and the trainer's requests; the run is real time, so what
@@ -329,13 +329,13 @@ every process's log.
 per worker id; a small `max_payload`, so ordinary answers are stored in chunks), keyed echo
 `rollfleet worker` processes (optionally hf ones on a tiny model) following a policy store with
 `--verify-live`, short exact drains and a pre-read hook, and a trainer *process*
-(`reliability/load.py`) that submits exact, min and max_staleness jobs, replayable and
+(`reliability/adversary/load.py`) that submits exact, min and max_staleness jobs, replayable and
 at_most_once, small and chunked, under fresh keys and colliding ones (`k`, `k:1`, `k/0`,
 `sample`, `sample:0`, ...), resubmits the same request and reuses keys for other requests,
 and runs pinned, monotonic and free sessions (a failed turn is asked again with
 `generate(turn=k)`); every request and answer is journaled before and after.
 
-**The events** (`reliability/schedule.py`): publishes, bursts, a version committed while its
+**The events** (`reliability/adversary/schedule.py`): publishes, bursts, a version committed while its
 directory is missing from the store, a committed directory that disappears for a while, a
 corrupt shard, slow reads; SIGKILL of a worker at random or of the one holding a session
 turn, an exact job, a chunked answer or an at_most_once job older than its claim; SIGTERM
@@ -352,8 +352,8 @@ id; and a rogue worker, a legitimate worker user of the namespace, that subscrib
 worker inbox for a while and stores forged answers (before the trainer asks, with an empty
 fingerprint; and copies of the job ids and fingerprints it read).
 
-**The oracle** (`reliability/oracle.py`) never reads the project's counters. Its eyes are
-a wiretap (`reliability/tap.py`: a privileged user that mirrors each worker inbox it learns
+**The oracle** (`reliability/adversary/oracle.py`) never reads the project's counters. Its eyes are
+a wiretap (`reliability/adversary/tap.py`: a privileged user that mirrors each worker inbox it learns
 from the broker's `/connz` and from the pull requests it hears, and drops the mirror when the
 worker does, since a subscription left on a worker's inbox keeps a cancelled pull request
 alive at the broker and jobs go into the void; answers as published, acks, claims, registry
@@ -365,7 +365,7 @@ version equal to the trainer's (a missing digest counts for engines that give on
 token the echo workers made equal to what the trainer's own weights at its span's labelled
 version make (`served`: the workers run `--echo-keyed`, whose tokens are a function of the
 tensor bytes they loaded, the context and the seed; the oracle keys the trainer's tensors with
-its own code, `reliability/truth.py`, and recomputes each token, so a label that does not name
+its own code, `reliability/adversary/truth.py`, and recomputes each token, so a label that does not name
 the weights that served is caught by the tokens, not by what the replica announced); the
 result's job delivered to the worker it names; no forged answer accepted, and no key
 decided by one; one answer per key across resubmits, a restarted trainer and the re-ask, and

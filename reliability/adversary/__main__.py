@@ -1,0 +1,5 @@
+import sys
+
+from reliability.adversary.run import main
+
+sys.exit(main())
