@@ -51,7 +51,7 @@ async def _answered_by(client: RolloutClient, handle: Any, worker_id: str, timeo
     the job's subject (what a run that failed here once, unreproduced, did not leave behind)."""
     try:
         result = await handle.result(timeout)
-    except Expired as exc:
+    except (Expired, TimeoutError) as exc:  # (its deadline, or the wait's)
         consumer = client.names.job_consumer(handle.job.constraint.kind, handle.job.constraint.version)
         try:
             info = await client.js.consumer_info(client.names.jobs_stream, consumer)
@@ -61,8 +61,16 @@ async def _answered_by(client: RolloutClient, handle: Any, worker_id: str, timeo
             )
         except Exception as info_exc:  # (the diagnosis only)
             seen = f"consumer info failed: {info_exc!r}"
+        try:  # (an answer stored but never delivered to this client would show here)
+            info = await client.js.consumer_info(client.names.results_stream, client._results_consumer)
+            results = (
+                f"waiting={info.num_waiting} pending={info.num_pending} ack_pending={info.num_ack_pending} "
+                f"delivered={info.delivered}"
+            )
+        except Exception as info_exc:  # (the diagnosis only)
+            results = f"consumer info failed: {info_exc!r}"
         fleet = [(r.worker_id, r.active_version, r.state) for r in client.fleet.replicas()]
-        raise AssertionError(f"{exc!r}; {consumer}: {seen}; fleet {fleet}") from exc
+        raise AssertionError(f"{exc!r}; {consumer}: {seen}; results: {results}; fleet {fleet}") from exc
     assert result.worker_id == worker_id
 
 
@@ -211,7 +219,7 @@ async def test_a_submit_while_the_broker_restarts_waits_for_it_to_declare_the_su
             assert not submitting.done(), submitting.exception()
             broker.start()
             handle = await asyncio.wait_for(submitting, 40)
-            assert (await handle.result(30)).worker_id == "w"
+            await _answered_by(client, handle, "w", 30)
     finally:
         broker.stop()
 

@@ -4,14 +4,19 @@ while the broker restarts relies on; the restart itself: test_broker_store_loss.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from pathlib import Path
 
 import nats.errors
 import nats.js.errors
 import pytest
 
+from rollfleet.broker import EmbeddedBroker
+from rollfleet.broker.connection import connect
 from rollfleet.broker.retry_call import backoff_s, call_retrying
 from rollfleet.schemas.errors import ServiceUnavailable
+from rollfleet.testing import wait_until
 
 
 async def test_an_unanswered_call_is_asked_again_until_it_is_answered() -> None:
@@ -53,3 +58,37 @@ async def test_a_refusal_is_raised_at_once() -> None:
     with pytest.raises(ServiceUnavailable):
         await call_retrying(call, until=time.time() + 30, what="look")
     assert tries == 1
+
+
+async def test_a_call_left_unanswered_by_a_restarted_broker_is_asked_again_at_the_reconnect(tmp_path: Path) -> None:
+    """A request the broker took before it restarted is never answered. Asked again only at its
+    time-out, a submit just after a restart waited that long (5 s); here the time-out is 60 s and
+    the call must be asked again as soon as the connection is back, and answered then."""
+    broker = EmbeddedBroker(store_dir=tmp_path / "store").start()
+    try:
+        nc = await connect(broker.url, name="t")
+        try:
+
+            async def silent(_: object) -> None:  # (heard, never answered)
+                return None
+
+            await nc.subscribe("silent", cb=silent)
+            tries = 0
+
+            async def call() -> str:
+                nonlocal tries
+                tries += 1
+                if tries == 1:  # taken by the broker, never answered (its server goes away)
+                    await nc.request("silent", b"", timeout=60)
+                return "answered"
+
+            calling = asyncio.create_task(call_retrying(call, until=time.time() + 120, what="look", nc=nc))
+            await wait_until(lambda: tries == 1, 10, what="the first attempt sent")
+            broker.stop()
+            broker.start()
+            assert await asyncio.wait_for(calling, 40) == "answered"
+            assert tries == 2
+        finally:
+            await nc.close()
+    finally:
+        broker.stop()

@@ -254,3 +254,30 @@ async def test_a_job_whose_holder_died_outside_every_window_is_pulled_again(
                 assert asyncio.get_running_loop().time() - t0 < 15.0
     finally:
         group.close()
+
+
+async def test_a_pass_of_the_pull_loop_that_a_defect_ends_does_not_end_pulling(nats_url: str, namespace: str) -> None:
+    """An error nothing in the pull loop expected (a defect) is logged and the loop goes on: a
+    loop that ended would leave the replica registered ready, taking no job, with nothing said."""
+    async with (
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+        running_worker(nats_url, namespace, worker_id="w") as worker,
+    ):
+        assert (await (await client.submit(payload([1]), min_version=0, timeout=30)).result(30)).worker_id == "w"
+        pulling = worker.pulling
+        assert pulling is not None
+        fill = pulling._fill
+        failed: list[float] = []
+
+        async def failing_once(now: float) -> None:
+            if not failed:
+                failed.append(now)
+                raise RuntimeError("a defect in a pass")
+            await fill(now)
+
+        pulling._fill = failing_once  # type: ignore[method-assign]
+        pulling.wake()
+        await wait_until(lambda: pulling.loop_failures == 1, 10, what="the failed pass")
+        for tag in range(2, 5):  # served after it, by the same loop
+            assert (await (await client.submit(payload([tag]), min_version=0, timeout=30)).result(30)).worker_id == "w"
+        assert failed and pulling.loop_failures == 1

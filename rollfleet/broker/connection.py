@@ -34,6 +34,21 @@ class _Client(NATS):
     give up a drain after a few seconds while a broker is paused, so every pause longer than
     that left the replicas deaf for up to 20 s after it ended."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._redial = asyncio.Event()  # set (and replaced) at each reconnect
+
+    def redialed(self) -> asyncio.Event:
+        """An event set at the next reconnect. A request sent before it (or held while the
+        connection was down) may never be answered: the server it went to is gone, or the broker
+        restarted and dropped it. Waiting out its time-out (5 s) then costs a caller that many
+        seconds after a broker restart; one that watches this asks again at once."""
+        return self._redial
+
+    def note_redialed(self) -> None:
+        self._redial.set()
+        self._redial = asyncio.Event()
+
     async def _process_pong(self) -> None:
         if self._pongs:
             future = self._pongs.pop(0)  # (the oldest PING's: PONGs come back in order)
@@ -92,6 +107,9 @@ async def connect(
 
     async def on_reconnect() -> None:
         log.info("nats reconnected", client=name)
+        nc = conn.get("nc")
+        if isinstance(nc, _Client):
+            nc.note_redialed()
         for hook in reconnect_hooks:
             hook()
 

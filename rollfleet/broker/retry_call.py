@@ -43,14 +43,43 @@ def backoff_s(attempt: int) -> float:
     return min(0.1 * 2**attempt, 1.0)
 
 
-async def call_retrying(call: Callable[[], Awaitable[T]], *, until: float, what: str) -> T:
+class Redialed(Exception):
+    """The connection dialed the broker again while a call waited for its answer."""
+
+
+async def _attempt(call: Callable[[], Awaitable[T]], redialed: asyncio.Event | None) -> T:
+    """One call, given up (``Redialed``) if the connection reconnects before it is answered."""
+    if redialed is None:
+        return await call()
+    answer = asyncio.ensure_future(call())
+    redial = asyncio.ensure_future(redialed.wait())
+    try:
+        await asyncio.wait({answer, redial}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        redial.cancel()
+        if not answer.done():
+            answer.cancel()  # (an idempotent call: asked again at once)
+    if not answer.done():
+        raise Redialed()
+    return answer.result()
+
+
+async def call_retrying(call: Callable[[], Awaitable[T]], *, until: float, what: str, nc: object = None) -> T:
     """``call()``'s result, asked again after each transient failure until ``until`` (unix time)
     has passed; then, or at once for any other broker error, ``ServiceUnavailable("cannot
-    {what}: ...")``. The call must be safe to repeat (a look-up, or a create that first looks)."""
+    {what}: ...")``. The call must be safe to repeat (a look-up, or a create that first looks).
+    With ``nc`` (rollfleet's connection), a call still unanswered when the connection dials the
+    broker again is asked again at once, not after its time-out."""
+    watch = getattr(nc, "redialed", None)
     attempt = 0
     while True:
         try:
-            return await call()
+            return await _attempt(call, watch() if watch is not None else None)
+        except Redialed as exc:
+            if time.time() >= until:
+                raise ServiceUnavailable(f"cannot {what}: the connection dialed the broker again") from exc
+            log.debug("broker call asked again after a reconnect", what=what, attempt=attempt)
+            attempt += 1
         except TRANSIENT as exc:
             if time.time() >= until:
                 raise ServiceUnavailable(f"cannot {what}: {type(exc).__name__}") from exc

@@ -86,7 +86,6 @@ log = get_logger("rollfleet.client")
 _DEBUG = debug_enabled(log)  # (fixed with the logger: the per-job debug line's fields are built only then)
 
 
-
 class RolloutClient:
     def __init__(
         self,
@@ -396,7 +395,7 @@ class RolloutClient:
         until = min(handle.job.deadline, time.time() + PUBLISH_BUDGET_S)  # (as storing it waits)
         if self.fail_fast and replica is None and not self.fleet.compatible(constraint):
             try:  # the view may lag a replica that just registered
-                await call_retrying(self.fleet.refresh, until=until, what="read the fleet registry")
+                await call_retrying(self.fleet.refresh, until=until, what="read the fleet registry", nc=self.nc)
             except RollfleetError:
                 raise
             except Exception as exc:  # (a forged record): a retryable error, never a raw one
@@ -481,6 +480,7 @@ class RolloutClient:
             ),
             until=min(handle.job.deadline, time.time() + PUBLISH_BUDGET_S),
             what=f"look up the stored answers of {key!r}",
+            nc=self.nc,
         )
         return None if found is None else found[1]
 

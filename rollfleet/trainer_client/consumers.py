@@ -130,6 +130,6 @@ class JobConsumers:
             return await declare()
 
         deadline = time.time() + PUBLISH_BUDGET_S if until is None else until
-        created = await call_retrying(attempt, until=deadline, what=f"create the consumer of {what}")
+        created = await call_retrying(attempt, until=deadline, what=f"create the consumer of {what}", nc=self._nc)
         self._known[what] = time.monotonic() + RECHECK_S
         return created or attempts > 1

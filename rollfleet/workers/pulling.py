@@ -98,6 +98,7 @@ class JobPuller:
         self._listen: list[Subject] = []  # _listen_subjects' last answer, and what it depended on
         self._listen_key: tuple[int, int | None, int] | None = None
         self._listen_at = 0.0
+        self.loop_failures = 0  # passes of the pull loop that a defect ended (logged as errors)
         self._tidied: list[Subject] | None = None
         self._wake = asyncio.Event()
         self._background: set[asyncio.Task[Any]] = set()
@@ -266,6 +267,13 @@ class JobPuller:
                 await self._fill(time.monotonic())
             except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
                 self._log.warning("pull failed", error=str(exc))
+                await asyncio.sleep(0.2)
+                continue
+            except Exception as exc:  # a defect: said loudly, and the replica goes on pulling
+                # (A pull loop that ended would leave a replica registered ready that takes no
+                # job, with nothing said until it stopped.)
+                self._log.exception("pull loop failed; pulling again", error=repr(exc))
+                self.loop_failures += 1
                 await asyncio.sleep(0.2)
                 continue
             # Event-driven; the timer only lets hot subjects cool down and overdue requests be
