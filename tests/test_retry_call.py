@@ -14,7 +14,8 @@ import pytest
 
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.connection import connect
-from rollfleet.broker.retry_call import backoff_s, call_retrying
+from rollfleet.broker.retry_call import call_retrying
+from rollfleet.runtime.backoff import backoff_s
 from rollfleet.schemas.errors import ServiceUnavailable
 from rollfleet.testing import wait_until
 

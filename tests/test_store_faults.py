@@ -107,3 +107,19 @@ async def test_a_dropped_or_lagging_link_costs_time_not_bytes(
     assert local_digest(local) == expected_digest(1)
     await asyncio.gather(dropping, lagging)
     assert proxy.dropped > 0
+
+
+async def test_a_listing_whose_link_stays_down_longer_than_the_clients_retries_is_asked_again(
+    server: s3.S3Server, proxy: LinkProxy, tmp_path: Path
+) -> None:
+    """obstore asks a listing's page again for about 2 s of resets, then fails it; under load a
+    1 s drop once outlasted that (CI: ``StoreUnavailable ... GenericError`` from ``objects()``).
+    A listing is asked again, whole, for ``LIST_PATIENCE_S``: a 4 s drop costs time only."""
+    url = publish(server, tmp_path, 1)
+    dropping = asyncio.ensure_future(proxy.drop(4.0))
+    await asyncio.sleep(0.05)
+    listed = await asyncio.to_thread(through(url, proxy).objects)
+    await dropping
+    assert proxy.dropped >= 2  # (reset more than once: asked again past a single failure)
+    assert listed == await asyncio.to_thread(Bucket(url).objects)  # the bucket's listing, whole
+    assert sorted(listed) == [0, 1]

@@ -17,6 +17,7 @@ from typing import TypeVar
 import nats.errors
 import nats.js.errors
 
+from rollfleet.runtime.backoff import backoff_s
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas.errors import ServiceUnavailable
 
@@ -36,11 +37,6 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     nats.js.errors.NoStreamResponseError,
     OSError,  # (TimeoutError, asyncio's too, is one)
 )
-
-
-def backoff_s(attempt: int) -> float:
-    """The pause before retry ``attempt`` (0 first): short at first, at most a second."""
-    return min(0.1 * 2**attempt, 1.0)
 
 
 class Redialed(Exception):

@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
-from rollfleet.broker.retry_call import backoff_s
+from rollfleet.runtime.backoff import backoff_s
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas.bounded import load_json
 from rollfleet.schemas.errors import Fenced, InvalidRequest, ServiceUnavailable

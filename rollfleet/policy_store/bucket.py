@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import re
 import secrets
 import shutil
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,6 +56,7 @@ from urllib.parse import urlparse
 from rollfleet.policy_store.formats import new_hasher, valid_checksum
 from rollfleet.policy_store.store import dir_version, version_dir_name
 from rollfleet.runtime import faults
+from rollfleet.runtime.backoff import backoff_s
 from rollfleet.runtime.secrets import has_secrets, redact_url, redact_urls
 from rollfleet.schemas.errors import (
     ChecksumMismatch,
@@ -72,6 +75,7 @@ _URLISH = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/")
 SEGMENT_BYTES = 128 << 20  # one ranged, streamed GET
 STEP_BYTES = 8 << 20  # progress journaled this often within a segment
 DEFAULT_CONNECTIONS = 8
+LIST_PATIENCE_S = 15.0  # a listing whose link keeps failing is asked again for this long
 PARTIAL_PREFIX = ".partial-"
 _JOURNAL = ".progress"
 OBJECTS_KEY = "rollfleet_objects"  # in a bucket index's metadata: the objects the version is made of
@@ -304,7 +308,20 @@ class Bucket:
                     if name == INDEX_FILE:
                         tags[v] = _tag(meta)
 
-        self._call("", walk)
+        # A listing is one request per page and obstore does not ask a page again once its link
+        # was reset for longer than its own retries cover (about 2 s): the listing is asked again,
+        # whole, for up to LIST_PATIENCE_S (a replica catching up through a flaky link).
+        until = time.monotonic() + LIST_PATIENCE_S
+        for attempt in itertools.count():
+            out.clear()
+            tags.clear()
+            try:
+                self._call("", walk)
+                break
+            except StoreUnavailable:
+                if time.monotonic() >= until:
+                    raise
+                time.sleep(backoff_s(attempt))
         for v in [v for v in self._indexes if version is None or v == version]:
             if v not in tags or tags[v] is None or tags[v] != self._indexes[v].tag:
                 del self._indexes[v]  # unpublished, or replaced by another publication of the number
