@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import overload
 
 from rollfleet.schemas import Completion, RolloutPayload
-from rollfleet.workers.engines.sessions import SessionCacheStats
+from rollfleet.workers.engines.session_cache import SessionCacheStats
 
 
 @overload

@@ -27,7 +27,7 @@ from rollfleet.schemas import Completion, RolloutPayload, VersionSpan, version_s
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.workers.engines.base import Engine, EngineHealth, Generation, TokenSink
 from rollfleet.workers.engines.keyed import VOCAB, context_state, keyed_token, keyed_tokens, weights_key
-from rollfleet.workers.engines.sessions import DEFAULT_TTL_S, Branch, Lookup, SessionCache, SessionCacheStats
+from rollfleet.workers.engines.session_cache import DEFAULT_TTL_S, Branch, Lookup, SessionCache, SessionCacheStats
 
 _TOKEN_BYTES = 4
 

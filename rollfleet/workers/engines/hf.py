@@ -49,7 +49,7 @@ from rollfleet.schemas.limits import check_payload
 from rollfleet.workers.engines import _kvrows, _weights
 from rollfleet.workers.engines._sampling import fresh_seed, make_generator, sample_token
 from rollfleet.workers.engines.base import Engine, EngineHealth, Generation, TokenSink, sample_seed
-from rollfleet.workers.engines.sessions import (
+from rollfleet.workers.engines.session_cache import (
     DEFAULT_MAX_BYTES,
     DEFAULT_TTL_S,
     Branch,
