@@ -112,6 +112,7 @@ WORKER_ERRORS = ("EngineFailure", "Interrupted", "ResultUnstorable", "Superseded
 RESTORED = "delivery of a re"  # (the unverified reasons of a job stored again or a consumer declared again)
 AVAILABLE_S = 15.0  # the longest stop of service a run may have (a dead fleet's 48 s of 60 fails)
 BROKER_GRACE_S = 5.0  # after a broker outage: clients and workers reconnect, workers register again
+ALIVE_GRACE_S = 0.5  # what a process published reaches the wiretap this soon after its end is noted
 COMMIT_SLACK_S = 0.5  # a result finished this long before its version's commit began is flagged
 # A fact the wiretap saw this long before a store loss's lost_from may still have been stored
 # after it (the tap hears a message as the broker stores it, give or take the copy's freeze).
@@ -313,6 +314,11 @@ class Oracle:
         answer seconds early."""
         seen = [p.t for p in self.published_by_job.get(job_id, [])] if job_id else []
         return min(seen) if seen else fallback
+
+    def _published_at(self, desc: dict[str, Any]) -> float | None:
+        """When the wiretap first saw this answer's job answered (None: never seen)."""
+        seen = self._answer_seen_at(desc.get("job_id"), -1.0)
+        return seen if seen >= 0.0 else None
 
     @staticmethod
     def _race_winner(f: dict[str, Any]) -> str | None:
@@ -543,14 +549,20 @@ class Oracle:
                 return w
         return None
 
-    def by_own_clock(self, worker: str, t: float) -> float:
+    def by_own_clock(self, worker: str, t: float, seen: float | None = None) -> float:
         """A time a worker wrote (``finished_at``, ``activated_at``) on the harness's clock: less
         the skew of the process of that worker whose life it falls in (``skew``). A life that
         contains it exactly wins over one that ended up to 2 s before (an end noted late): else a
         skewed process SIGKILLed and replaced at once by an unskewed one of the same id had the
         new one's times shifted by its skew (seed 3, 30 s: results flagged as finished before
-        their version's commit)."""
+        their version's commit). ``seen``: when the wiretap saw what the time stamps (an answer
+        published); only a life alive then can have written it. Both lives can contain the time
+        exactly (a skewed process ended, an unskewed one started under its id within the skew:
+        campaign 15, seed 1409, an answer of the new life dated by the old one's skew)."""
         lives = [w for w in self.tl.workers if w.worker_id == worker]
+        if seen is not None:
+            alive = [w for w in lives if w.start <= seen and (w.end is None or seen <= w.end + ALIVE_GRACE_S)]
+            lives = alive or lives
         for grace in (0.0, 2.0):
             for w in lives:
                 skew = float(getattr(w, "skew_s", 0.0) or 0.0)
@@ -870,7 +882,9 @@ class Oracle:
                     f"(job {desc.get('job_id')})",
                 )
                 continue
-            finished = self.by_own_clock(str(desc.get("worker_id")), float(desc.get("finished_at") or 0.0))
+            finished = self.by_own_clock(
+                str(desc.get("worker_id")), float(desc.get("finished_at") or 0.0), self._published_at(desc)
+            )
             early = [v for v in vs if finished and self.commit_started[v] > finished + COMMIT_SLACK_S]
             self.check(
                 "version",
@@ -947,7 +961,7 @@ class Oracle:
             seen = self.deliveries_by_job.get(str(job_id), [])
             to = {d.worker for d in seen}
             ran_on = [d for d in seen if d.attempt == desc.get("attempt")]
-            t_run = self.by_own_clock(str(worker), float(desc.get("finished_at") or 0.0))
+            t_run = self.by_own_clock(str(worker), float(desc.get("finished_at") or 0.0), self._published_at(desc))
             # (From the submit to the last thing seen of it: a consumer re-declared between the
             # delivery the result ran on and a later one the wiretap saw counts.)
             # (And from the first time any incarnation of the trainer stored this job: a restarted
@@ -1533,7 +1547,7 @@ class Oracle:
             seen = self.deliveries_by_job.get(job_id, [])
             delivered = {d.worker for d in seen}
             t0 = call.t0 if call is not None else min((d.t for d in seen), default=0.0)
-            t_run = self.by_own_clock(worker, float(desc.get("finished_at") or t0))
+            t_run = self.by_own_clock(worker, float(desc.get("finished_at") or t0), self._published_at(desc))
             unseen = self._unseen_delivery(job_id, t0, t_run, desc.get("attempt"))
             problems: list[str] = []  # one judged fact per result: the first thing wrong with it
             others = 0
