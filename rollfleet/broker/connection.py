@@ -107,9 +107,7 @@ async def connect(
 
     async def on_reconnect() -> None:
         log.info("nats reconnected", client=name)
-        nc = conn.get("nc")
-        if isinstance(nc, _Client):
-            nc.note_redialed()
+        client.note_redialed()
         for hook in reconnect_hooks:
             hook()
 

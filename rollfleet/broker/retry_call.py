@@ -16,6 +16,7 @@ from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client as NATS
 
 from rollfleet.runtime.backoff import backoff_s
 from rollfleet.runtime.logs import get_logger
@@ -60,27 +61,23 @@ async def _attempt(call: Callable[[], Awaitable[T]], redialed: asyncio.Event | N
     return answer.result()
 
 
-async def call_retrying(call: Callable[[], Awaitable[T]], *, until: float, what: str, nc: object = None) -> T:
+async def call_retrying(call: Callable[[], Awaitable[T]], *, until: float, what: str, nc: NATS | None = None) -> T:
     """``call()``'s result, asked again after each transient failure until ``until`` (unix time)
     has passed; then, or at once for any other broker error, ``ServiceUnavailable("cannot
     {what}: ...")``. The call must be safe to repeat (a look-up, or a create that first looks).
     With ``nc`` (rollfleet's connection), a call still unanswered when the connection dials the
     broker again is asked again at once, not after its time-out."""
-    watch = getattr(nc, "redialed", None)
+    watch = getattr(nc, "redialed", None)  # (rollfleet's client has it; nats-py's own has not)
     attempt = 0
     while True:
         try:
             return await _attempt(call, watch() if watch is not None else None)
-        except Redialed as exc:
-            if time.time() >= until:
-                raise ServiceUnavailable(f"cannot {what}: the connection dialed the broker again") from exc
-            log.debug("broker call asked again after a reconnect", what=what, attempt=attempt)
-            attempt += 1
-        except TRANSIENT as exc:
+        except (Redialed, *TRANSIENT) as exc:
             if time.time() >= until:
                 raise ServiceUnavailable(f"cannot {what}: {type(exc).__name__}") from exc
             log.debug("broker call failed; retrying", what=what, attempt=attempt, error=type(exc).__name__)
-            await asyncio.sleep(backoff_s(attempt))
+            if not isinstance(exc, Redialed):  # (a reconnect: the broker is back, ask at once)
+                await asyncio.sleep(backoff_s(attempt))
             attempt += 1
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise ServiceUnavailable(f"cannot {what}: {exc}") from exc

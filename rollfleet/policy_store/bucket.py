@@ -50,7 +50,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from rollfleet.policy_store.formats import new_hasher, valid_checksum
@@ -75,7 +75,8 @@ _URLISH = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/")
 SEGMENT_BYTES = 128 << 20  # one ranged, streamed GET
 STEP_BYTES = 8 << 20  # progress journaled this often within a segment
 DEFAULT_CONNECTIONS = 8
-LIST_PATIENCE_S = 15.0  # a listing whose link keeps failing is asked again for this long
+T = TypeVar("T")
+READ_PATIENCE_S = 15.0  # an idempotent read whose link keeps failing is asked again for this long
 PARTIAL_PREFIX = ".partial-"
 _JOURNAL = ".progress"
 OBJECTS_KEY = "rollfleet_objects"  # in a bucket index's metadata: the objects the version is made of
@@ -277,6 +278,21 @@ class Bucket:
     def __repr__(self) -> str:
         return f"Bucket({self.url!r})"
 
+    def _patiently(self, read: Callable[[], T]) -> T:
+        """An idempotent read (a listing, a small object) asked again, whole, while the store is
+        unreachable, for up to READ_PATIENCE_S: obstore asks a request again for only about 2 s of
+        reset connections, and a replica catching up through a flaky link would fail its try.
+        (Ranged downloads resume on their own; writes are never asked again blindly.)"""
+        until = time.monotonic() + READ_PATIENCE_S
+        for attempt in itertools.count():
+            try:
+                return read()
+            except StoreUnavailable:
+                if time.monotonic() >= until:
+                    raise
+                time.sleep(backoff_s(attempt))
+        raise AssertionError("unreachable")  # (itertools.count never ends)
+
     def _call(self, where: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
             return fn(self._store, *args, **kwargs)
@@ -308,20 +324,12 @@ class Bucket:
                     if name == INDEX_FILE:
                         tags[v] = _tag(meta)
 
-        # A listing is one request per page and obstore does not ask a page again once its link
-        # was reset for longer than its own retries cover (about 2 s): the listing is asked again,
-        # whole, for up to LIST_PATIENCE_S (a replica catching up through a flaky link).
-        until = time.monotonic() + LIST_PATIENCE_S
-        for attempt in itertools.count():
+        def listing() -> None:
             out.clear()
             tags.clear()
-            try:
-                self._call("", walk)
-                break
-            except StoreUnavailable:
-                if time.monotonic() >= until:
-                    raise
-                time.sleep(backoff_s(attempt))
+            self._call("", walk)
+
+        self._patiently(listing)
         for v in [v for v in self._indexes if version is None or v == version]:
             if v not in tags or tags[v] is None or tags[v] != self._indexes[v].tag:
                 del self._indexes[v]  # unpublished, or replaced by another publication of the number
@@ -336,13 +344,17 @@ class Bucket:
         import obstore
 
         key = f"{version_dir_name(version)}/{check_name(name, 'file name')}"
-        try:
-            got = self._call(key, obstore.get, key)
-        except VersionNotFound:
-            return None
-        if int(got.meta["size"]) > limit:  # judged before the body is read
-            raise CorruptArtifact(f"{self.url}/{key} is over its {limit} byte limit")
-        return bytes(self._call(key, lambda _store: got.bytes())), _tag(got.meta)
+
+        def get() -> tuple[bytes, str | None] | None:
+            try:
+                got = self._call(key, obstore.get, key)
+            except VersionNotFound:
+                return None
+            if int(got.meta["size"]) > limit:  # judged before the body is read
+                raise CorruptArtifact(f"{self.url}/{key} is over its {limit} byte limit")
+            return bytes(self._call(key, lambda _store: got.bytes())), _tag(got.meta)
+
+        return self._patiently(get)
 
     def _indexed(self, version: int) -> _Indexed:
         if version not in self._indexes:
