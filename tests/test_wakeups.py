@@ -266,7 +266,8 @@ async def test_a_pass_of_the_pull_loop_that_a_defect_ends_does_not_end_pulling(n
     loop that ended would leave the replica registered ready, taking no job, with nothing said."""
     async with (
         await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
-        running_worker(nats_url, namespace, worker_id="w") as worker,
+        # (One slot: each job after the failed pass needs a pull request only a live loop makes.)
+        running_worker(nats_url, namespace, worker_id="w", capacity=1) as worker,
     ):
         assert (await (await client.submit(payload([1]), min_version=0, timeout=30)).result(30)).worker_id == "w"
         pulling = worker.pulling
@@ -283,6 +284,6 @@ async def test_a_pass_of_the_pull_loop_that_a_defect_ends_does_not_end_pulling(n
         pulling._fill = failing_once  # type: ignore[method-assign]
         pulling.wake()
         await wait_until(lambda: pulling.loop_failures == 1, 10, what="the failed pass")
-        for tag in range(2, 5):  # served after it, by the same loop
-            assert (await (await client.submit(payload([tag]), min_version=0, timeout=30)).result(30)).worker_id == "w"
+        for tag in range(2, 5):  # served after it, one request at a time, by the same loop
+            assert (await (await client.submit(payload([tag]), min_version=0, timeout=30)).result(15)).worker_id == "w"
         assert failed and pulling.loop_failures == 1
