@@ -42,8 +42,6 @@ from rollfleet.schemas import (
     Outcome,
     ReplicaStatus,
     RetryPolicy,
-    RolloutFailure,
-    RolloutJob,
     RolloutPayload,
     RolloutResult,
     VersionConstraint,
@@ -51,14 +49,10 @@ from rollfleet.schemas import (
     VersionRecord,
     check_token,
     claim_key,
-    error_from_code,
-    served_within,
 )
 from rollfleet.schemas.errors import (
     Cancelled,
     ClientIdInUse,
-    ContractViolation,
-    IdempotencyConflict,
     NoCompatibleReplica,
     RollfleetError,
     ServiceUnavailable,
@@ -78,6 +72,7 @@ from rollfleet.trainer_client.placement import PUBLISH_BUDGET_S, JobPlacement
 from rollfleet.trainer_client.requests import build_job, constraint_from, written_constraint
 from rollfleet.trainer_client.restore import restore_namespace
 from rollfleet.trainer_client.sessions import OpenSession, Session
+from rollfleet.trainer_client.settling import Settler, check_same_request, conflict
 from rollfleet.trainer_client.streaming import stream_tokens
 from rollfleet.trainer_client.versions import adopt_version, commit_version
 from rollfleet.trainer_client.watch import JobWatch
@@ -117,8 +112,10 @@ class RolloutClient:
         self._instance = self._lease.instance if shared else None
         self._handles: dict[str, RolloutHandle] = {}
         self._cancel_handle = self._cancel  # one bound method for every handle, not one each
+        self.settler = Settler(self.js, names, self.client_id, self._handles, self.metrics, lambda: self.latest_version)
+        settle = self.settler.settle
         self.inbox = ResultsInbox(
-            nc, self.js, names, self._handles, lambda h, o: self._settle(h, o, issued=True), shared=shared
+            nc, self.js, names, self._handles, lambda h, o: settle(h, o, issued=True), shared=shared
         )
         self._started = False
         self._closed = False
@@ -143,7 +140,7 @@ class RolloutClient:
             declare_replica=self.consumers.replica_again,
             ring=lambda constraint: self.bells.ring(constraint, fresh=True),
             forget=lambda key: self._handles.pop(key, None) and None,
-            settle_stored=self._settle_stored,
+            settle_stored=self.settler.settle_stored,
             duplicate_window_s=topology.duplicate_window_s,
         )
         self.sessions: dict[str, OpenSession] = {}  # open sessions of this client, by id
@@ -158,7 +155,7 @@ class RolloutClient:
             sessions=lambda: self.sessions,
             spawn=self._spawn,
             withdraw=self._withdraw,
-            settle_stored=self._settle_stored,
+            settle_stored=self.settler.settle_stored,
             no_replica_message=self._no_replica_message,
             redeclare=self.consumers.shared_again,
             ring=self.bells.ring,
@@ -253,7 +250,7 @@ class RolloutClient:
         await ensure_topology(self.js, self.names, self.topology)
         if not self.shared:
             await self._lease.acquire()  # one live client per client_id, or ClientIdInUse
-        self._ids = await JobIds.load(await self.sessions_kv(), self.client_id)
+        self._ids = self.settler.ids = await JobIds.load(await self.sessions_kv(), self.client_id)
         self._results_consumer = await ensure_results_consumer(
             self.js, self.names, self.client_id, self.topology, self._instance
         )
@@ -383,10 +380,10 @@ class RolloutClient:
         key = job.idempotency_key
         existing = self._handles.get(key)
         if existing is not None:
-            self._check_same_request(existing.job, job.fingerprint)
+            check_same_request(existing.job, job.fingerprint)
             return existing
         if self.placement.withdrawn.conflicts(key, job.fingerprint, time.monotonic()):
-            raise self._conflict(key)  # (its job was withdrawn; the key stays its request's)
+            raise conflict(key)  # (its job was withdrawn; the key stays its request's)
         handle = RolloutHandle(job, data, self._cancel_handle)
         if self._settle_unclaimed(handle):
             return handle  # the answer came before we asked again (trainer restart)
@@ -402,7 +399,7 @@ class RolloutClient:
                 raise ServiceUnavailable(f"cannot read the fleet registry: {exc}") from exc
             if not self.fleet.compatible(constraint):
                 # An answer already stored for this key wins: resubmitting is always safe.
-                if idempotency_key is not None and await self._settle_stored(handle):
+                if idempotency_key is not None and await self.settler.settle_stored(handle):
                     handle.stored = True
                 else:
                     handle.set_error(NoCompatibleReplica(self._no_replica_message(constraint)))
@@ -442,7 +439,7 @@ class RolloutClient:
         """Settle the handle with an answer for its key that arrived while no handle waited for it
         (before a restarted trainer asked again, or while ``_submit`` awaited a look-up)."""
         unclaimed = self.inbox.take(handle.idempotency_key)
-        if unclaimed is None or not self._settle(handle, unclaimed):
+        if unclaimed is None or not self.settler.settle(handle, unclaimed):
             return False
         handle.stored = True
         return True
@@ -468,15 +465,16 @@ class RolloutClient:
             return False
         self._handles.pop(handle.idempotency_key, None)
         handle.stored = True
-        return self._settle(handle, found)
+        return self.settler.settle(handle, found)
 
     async def _stored_answer(self, handle: RolloutHandle) -> Outcome | None:
         """The oldest stored answer to the handle's request, asked until the broker answers (as
         storing the job would be); ServiceUnavailable once that has taken the publish budget."""
         key = handle.idempotency_key
+        accepts = self.settler.accepts(handle)
         found = await call_retrying(
             lambda: answers.first_answer(
-                self.js, self.names, self.client_id, key, handle.job.fingerprint, self._accepts(handle), strict=True
+                self.js, self.names, self.client_id, key, handle.job.fingerprint, accepts, strict=True
             ),
             until=min(handle.job.deadline, time.time() + PUBLISH_BUDGET_S),
             what=f"look up the stored answers of {key!r}",
@@ -492,13 +490,13 @@ class RolloutClient:
         key = handle.idempotency_key
         found = await self.placement.job_at(seq)
         if found is None:  # gone: an answer stored first, or withdrawn (expired, moved)
-            if await self._settle_stored(handle):
+            if await self.settler.settle_stored(handle):
                 return False
             moved = f"{key}#1"  # where a moved turn of an earlier process went
             subject = self.names.job_subject(handle.job.constraint.kind, handle.job.constraint.version)
             await self.consumers.shared(handle.job.constraint)
             stored = await self.placement.store_where_it_lies(
-                handle, subject, moved, answered=lambda: self._settle_stored(handle)
+                handle, subject, moved, answered=lambda: self.settler.settle_stored(handle)
             )
             if stored is None:
                 return False
@@ -511,7 +509,7 @@ class RolloutClient:
         job, data, subject = found
         if job.fingerprint != handle.job.fingerprint:
             self._handles.pop(key, None)
-            handle.set_error(self._conflict(key))
+            handle.set_error(conflict(key))
             return False
         handle.adopt(job, data, subject, seq, self.names.parse_replica_job_subject(subject))
         return True
@@ -522,20 +520,6 @@ class RolloutClient:
             self._sessions_bucket = await self.js.key_value(self.names.sessions_bucket)
         return self._sessions_bucket
 
-    def _conflict(self, key: str) -> IdempotencyConflict:
-        return IdempotencyConflict(
-            f"idempotency key {key!r} is already used for a different request; give this request its own key"
-        )
-
-    @staticmethod
-    def _check_same_request(job: RolloutJob, fingerprint: str) -> None:
-        if job.fingerprint != fingerprint:
-            raise IdempotencyConflict(
-                f"idempotency key {job.idempotency_key!r} is already used for a different request "
-                f"(constraint {job.constraint}); give this request its own key"
-            )
-
-    # -- sessions (sessions.host.SessionHost) -------------------------------------------------
     async def submit_turn(
         self,
         payload: RolloutPayload,
@@ -607,83 +591,7 @@ class RolloutClient:
         live = {r.worker_id: f"{r.state}@{r.active_version}" for r in self.fleet.replicas()}
         return f"no live replica is at, or preparing, a version allowed by {constraint}; fleet: {live or 'empty'}"
 
-    # -- answers ------------------------------------------------------------------------------
-    def _settle(self, handle: RolloutHandle, outcome: Outcome, *, issued: bool = False) -> bool:
-        """Hand ``outcome`` to the caller if it answers this request (``answers.judge``) and keeps
-        its constraint; False (the handle left waiting) if it answers nothing of ours. ``issued``:
-        its job id is known to be one this client issued for the key (checked by the caller)."""
-        verdict = answers.judge(outcome, handle.job.fingerprint, _ANY_JOB if issued else self._accepts(handle))
-        if verdict == "foreign":
-            log.warning(
-                "answer that does not answer this request ignored",
-                idempotency_key=handle.idempotency_key,
-                job_id=outcome.job_id,
-                worker_id=outcome.worker_id,
-            )
-            return False
-        if verdict == "conflict":
-            handle.set_error(self._conflict(handle.idempotency_key))
-            return True
-        if isinstance(outcome, RolloutFailure):
-            handle.set_error(error_from_code(outcome.code, outcome.message, outcome.retryable))
-            return True
-        # Judged against the constraint it was asked under: the job it answers may be a copy of
-        # the request stored before, under the key's one job id (a resubmission of
-        # ``max_staleness=1``, or of a pinned session's turn, resolves to another version later;
-        # the fingerprint has already matched the request as written).
-        asked = outcome.constraint or handle.job.constraint
-        if not self._within_constraint(outcome, asked):
-            handle.set_error(
-                ContractViolation(
-                    f"result for {handle.idempotency_key!r} was served at versions {outcome.version_start}.."
-                    f"{outcome.version_end}, outside {asked}; it was not used"
-                )
-            )
-            return True
-        self._attach_staleness(outcome)
-        handle.set_result(outcome)
-        return True
-
-    async def _settle_stored(self, handle: RolloutHandle) -> bool:
-        """Settle the handle with the answer stored for its request, if there is one (the oldest:
-        the one every re-ask returns)."""
-        found = await answers.first_answer(
-            self.js, self.names, self.client_id, handle.idempotency_key, handle.job.fingerprint, self._accepts(handle)
-        )
-        if found is None:
-            return False
-        self._handles.pop(handle.idempotency_key, None)
-        return self._settle(handle, found[1])
-
-    def _accepts(self, handle: RolloutHandle) -> answers.JobFilter:
-        """The job ids whose answers answer ``handle``: any this client id issued for its key
-        (``JobIds``): its own job, or the one stored under the key before (by this process or one
-        before a restart), whose answer may arrive before the resubmission has found that job."""
-        key = handle.idempotency_key
-        return lambda job_id: self._ids.issued(job_id, key)
-
-    def _within_constraint(self, result: RolloutResult, constraint: VersionConstraint | None) -> bool:
-        """Defence in depth: every result is checked against the constraint it was asked for."""
-        constraint = constraint or result.constraint
-        if constraint is None or served_within(constraint, result):
-            return True
-        self.metrics.contract_violations.inc()
-        log.error(
-            "contract violation: result outside its constraint, not handed to the caller",
-            idempotency_key=result.idempotency_key,
-            constraint=str(constraint),
-            version_start=result.version_start,
-            version_end=result.version_end,
-            worker_id=result.worker_id,
-        )
-        return False
-
-    def _attach_staleness(self, result: RolloutResult) -> None:
-        latest = self.latest_version
-        if latest is not None:
-            # Measured from the oldest policy that produced any of its tokens.
-            result.staleness = max(0, latest - result.version_start)
-
+    # -- withdrawing and cancelling -----------------------------------------------------------
     async def _withdraw(self, handle: RolloutHandle) -> bool:
         self._handles.pop(handle.idempotency_key, None)
         return await self.placement.delete(handle)
@@ -782,7 +690,7 @@ class RolloutClient:
         unclaimed = self.inbox.unclaimed
         if idempotency_key not in unclaimed:
             # Delivered to an earlier process that died before using it: read it back.
-            mine = lambda job_id: self._ids.issued(job_id, idempotency_key)  # noqa: E731
+            mine = self.settler.issued(idempotency_key)
             found = await answers.first_answer(self.js, self.names, self.client_id, idempotency_key, None, mine)
             if found is not None:
                 unclaimed.setdefault(idempotency_key, found[1])
@@ -793,13 +701,7 @@ class RolloutClient:
             if remaining <= 0:
                 raise TimeoutError(f"no result for {idempotency_key!r} within {wait:g} s")
             await wait_event(self.inbox.arrived, remaining)
-        outcome = unclaimed.pop(idempotency_key)
-        if isinstance(outcome, RolloutFailure):
-            raise error_from_code(outcome.code, outcome.message, outcome.retryable)
-        if not self._within_constraint(outcome, None):  # checked against the constraint it carries
-            raise ContractViolation(f"result for {idempotency_key!r} was served outside {outcome.constraint}")
-        self._attach_staleness(outcome)
-        return outcome
+        return self.settler.deliver(idempotency_key, unclaimed.pop(idempotency_key))
 
     def unclaimed(self) -> dict[str, Outcome]:
         """Results that arrived for keys this process did not submit (e.g. before a restart)."""
@@ -854,7 +756,3 @@ class RolloutClient:
     @observe.setter
     def observe(self, fn: Callable[[Outcome, int | None], None] | None) -> None:
         self.inbox.observe = fn
-
-
-def _ANY_JOB(job_id: str | None) -> bool:
-    return True
