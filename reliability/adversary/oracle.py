@@ -2523,4 +2523,6 @@ def load_kept(workdir: Any) -> Oracle:
 if __name__ == "__main__":
     import sys
 
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m reliability.adversary.oracle <kept run directory>  (judges it again)")
     sys.exit(1 if judge_kept(sys.argv[1]) else 0)

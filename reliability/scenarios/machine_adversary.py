@@ -1,4 +1,5 @@
-"""Scenario 12: the machine adversary's campaign (``reliability.adversary``) as one scenario's figures.
+"""Scenario 12: the machine adversary's campaign (``reliability.adversary``) as one scenario's figures,
+and the campaign's plan (its fixed seeds, named schedules and further runs), kept in this one place.
 
 Many seeds and named schedules, each one run of the adversary judged by its oracle; their
 reports summed into the suite's ``Figures`` (``python -m reliability``, ``make reliability``).
@@ -15,6 +16,18 @@ from typing import Any
 from reliability.adversary.run import Config, print_report, run_one
 from reliability.scenarios.common import Figures
 
+# The long campaign's seeds (fixed, so the page's figures can be reproduced run by run).
+SEEDS = [19, 1905, 7, 42, 101, 2024, 31337, 4242, 8080, 99, 123, 777]
+# Runs with the components the default machine does not start: the policy store in a bucket
+# behind fault proxies, sglang replicas behind keyed engine servers, and the store-loss schedule.
+MORE_RUNS: list[dict[str, object]] = [
+    {"seed": 31337, "duration": 60.0, "store": "s3"},
+    {"seed": 4242, "duration": 60.0, "store": "s3", "sglang": 1},
+    {"seed": 8080, "duration": 60.0, "sglang": 1},
+    {"schedule": "engines", "seed": 1, "duration": 35.0, "sglang": 1},
+    {"schedule": "broker-stores", "seed": 2, "duration": 45.0},
+    {"seed": 5, "duration": 60.0, "cluster": True},  # a 3-node cluster: nodes killed, frozen, cut off
+]
 # The named schedules a long campaign runs too: (schedule, seed, duration, hf workers, echo workers).
 NAMED_RUNS = [
     ("drain-flaky-mount", 5, 35.0, 1, 2),

@@ -72,28 +72,14 @@ def scenarios(quick: bool) -> list[tuple[str, Scenario]]:
             "12",
             lambda d: machine_adversary.campaign(
                 d,
-                seeds=ADVERSARY_SEEDS[:2] if q else ADVERSARY_SEEDS,
+                seeds=machine_adversary.SEEDS[:2] if q else machine_adversary.SEEDS,
                 duration=30.0 if q else 60.0,
                 hf_seeds=0 if q else 2,
                 named=[] if q else machine_adversary.NAMED_RUNS,
-                more=[] if q else ADVERSARY_MORE,
+                more=[] if q else machine_adversary.MORE_RUNS,
             ),
         ),
     ]
-
-
-# The long campaign's seeds (fixed, so the page's figures can be reproduced run by run).
-ADVERSARY_SEEDS = [19, 1905, 7, 42, 101, 2024, 31337, 4242, 8080, 99, 123, 777]
-# Runs with the components the default machine does not start: the policy store in a bucket
-# behind fault proxies, sglang replicas behind keyed engine servers, and the store-loss schedule.
-ADVERSARY_MORE: list[dict[str, object]] = [
-    {"seed": 31337, "duration": 60.0, "store": "s3"},
-    {"seed": 4242, "duration": 60.0, "store": "s3", "sglang": 1},
-    {"seed": 8080, "duration": 60.0, "sglang": 1},
-    {"schedule": "engines", "seed": 1, "duration": 35.0, "sglang": 1},
-    {"schedule": "broker-stores", "seed": 2, "duration": 45.0},
-    {"seed": 5, "duration": 60.0, "cluster": True},  # a 3-node cluster: nodes killed, frozen, cut off
-]
 
 
 async def run_all(quick: bool, only: set[str] | None) -> list[Figures]:
