@@ -49,11 +49,19 @@ class InjectedFault(RuntimeError):
     """Raised at a point by ``ROLLFLEET_FAULT=raise:<point>``: stands for an unexpected error."""
 
 
+# The environment's own mapping, read without ``os.environ.get``'s key encoding and the KeyError
+# it raises and catches for an unset variable (a worker passes two points per job). It is the
+# mapping ``os.environ`` writes through to, so a fault armed while the process runs is seen.
+_ENVIRON = getattr(os.environ, "_data", None)
+_KEY: object = os.environ.encodekey(ENV) if _ENVIRON is not None else ENV  # type: ignore[attr-defined]
+
+
 def point(name: str) -> None:
     """Kill or pause here if ``ROLLFLEET_FAULT`` names this point."""
-    spec = os.environ.get(ENV)
-    if not spec:
+    raw = _ENVIRON.get(_KEY) if _ENVIRON is not None else os.environ.get(ENV)
+    if not raw:
         return
+    spec = os.environ.get(ENV) or ""
     action, _, where = spec.partition(":")
     if action not in ACTIONS or where not in POINTS:
         raise ValueError(f"{ENV}={spec!r}: expected <{'|'.join(ACTIONS)}>:<point>, points: {', '.join(POINTS)}")
