@@ -147,8 +147,10 @@ class RollfleetSystem:
         tmp: Path,
         *,
         worker_log_level: str | None = None,
+        wrap: Callable[[list[str]], list[str]] = list,
     ) -> None:
         self.url, self.layout, self.tmp = url, layout, tmp
+        self.wrap = wrap  # a worker's command line as run (a diagnostic may run it under a counter)
         self.env = {"ROLLFLEET_LOG_LEVEL": worker_log_level} if worker_log_level else {}
         self.namespace = "rp" + uuid.uuid4().hex[:8]
         self.procs: list[Any] = []
@@ -159,7 +161,7 @@ class RollfleetSystem:
         if self.layout == "proc":
             for i in range(WORKERS):
                 args = ("--engine", "echo", "--capacity", str(CAPACITY))
-                cmd = worker_command(self.url, self.namespace, f"echo-{i}", *args)
+                cmd = self.wrap(worker_command(self.url, self.namespace, f"echo-{i}", *args))
                 self.procs.append(spawn(cmd, self.tmp / f"{self.namespace}-echo-{i}.log", env=self.env, cwd=REPO))
         else:
             for i in range(WORKERS):
@@ -193,8 +195,17 @@ class RollfleetSystem:
 
 
 class BaselineSystem:
-    def __init__(self, url: str, layout: str, tmp: Path, job_bytes: int, result_bytes: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        layout: str,
+        tmp: Path,
+        job_bytes: int,
+        result_bytes: int,
+        wrap: Callable[[list[str]], list[str]] = list,
+    ) -> None:
         self.url, self.layout, self.tmp = url, layout, tmp
+        self.wrap = wrap
         self.job_bytes, self.result_bytes = job_bytes, result_bytes
         ns = "bl" + uuid.uuid4().hex[:8]
         self.jobs_stream, self.results_stream = f"{ns.upper()}_JOBS", f"{ns.upper()}_RESULTS"
@@ -268,7 +279,7 @@ class BaselineSystem:
                 cmd = [sys.executable, "-m", "benchmarks._fleet", "baseline-worker", "--nats", self.url]
                 cmd += ["--stream", args[1], "--consumer", args[2], "--capacity", str(CAPACITY)]
                 cmd += ["--result-bytes", str(self.result_bytes), "--results-prefix", self.results_prefix]
-                self.procs.append(spawn(cmd, self.tmp / f"baseline-{i}.log", cwd=REPO))
+                self.procs.append(spawn(self.wrap(cmd), self.tmp / f"baseline-{i}.log", cwd=REPO))
         else:
             self.tasks = [asyncio.create_task(baseline_worker(*args, self.stop)) for _ in range(WORKERS)]
         self.body = os.urandom(self.job_bytes)
