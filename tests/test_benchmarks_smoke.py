@@ -4,7 +4,9 @@ benchmarks measure, they do not fail CI on a figure."""
 from __future__ import annotations
 
 import importlib
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -159,3 +161,28 @@ def test_loop_quick() -> None:
     rows = _run("loop")
     _check(rows, {"loop/throughput", "loop/waste", "loop/trainer-wait", "loop/cancel-running"})
     assert all(isinstance(r.met, bool) for r in rows if r.target)
+
+
+def test_the_request_path_account_times_each_contract_step() -> None:
+    from benchmarks.request_path_account import contract_work
+
+    work = contract_work()
+    assert set(work) == {"client", "workers", "engine"}
+    for steps in work.values():
+        assert steps and all(math.isfinite(us) and 0 < us < 10_000 for us in steps.values()), steps
+
+
+@pytest.mark.long  # (a diagnostic: both systems, timed and counted, at tiny sizes)
+def test_the_request_path_account_counts_calls_in_every_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import request_path_account as account
+
+    monkeypatch.setattr(account, "RESULTS", tmp_path)
+    assert account.main(["--jobs", "300", "--rounds", "1", "--counted-jobs", "200"]) == 0
+    doc = (tmp_path / "request_path_account.md").read_text()
+    assert "| workers: Python-level calls |" in doc
+    calls = json.loads((tmp_path / "request_path_account.json").read_text())["calls"]
+    for side in ("client", "workers"):
+        ours, base = calls[side]["python_calls_per_job"]
+        assert ours > 50 and base > 50, calls[side]  # counted in the worker processes too, not only here
