@@ -24,6 +24,7 @@ ratios: >= 0.9x the baseline's jobs/s, CPU per job (all processes) <= 1.3x, p50 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import os
 import statistics
@@ -42,6 +43,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolic
 from benchmarks._fleet import REPO, PullStream, baseline_worker, machine_load, percentile
 from benchmarks.report import Row
 from rollfleet.schemas import (
+    DEFAULT_LIMITS,
     Completion,
     RolloutJob,
     RolloutPayload,
@@ -52,6 +54,7 @@ from rollfleet.schemas import (
 )
 from rollfleet.testing import check_alive, cpu_seconds, spawn, stop_all, temp_broker, wait_until, worker_command
 from rollfleet.trainer_client import RolloutClient
+from rollfleet.trainer_client.requests import build_job
 from rollfleet.workers.engines.echo import EchoEngine
 from rollfleet.workers.worker import Worker, WorkerConfig
 
@@ -64,25 +67,33 @@ BASELINE = "minimal nats-py loop"
 JobFn = Callable[[], Awaitable[None]]
 
 
-def message_sizes() -> tuple[int, int]:
-    """Encoded sizes of a rollfleet job and its echo result: the baseline sends opaque bytes of these sizes."""
-    now = time.time()
-    key = uuid.uuid4().hex
-    job = RolloutJob(
-        job_id=uuid.uuid4().hex,
-        idempotency_key=key,
+def sample_job() -> tuple[RolloutJob, bytes]:
+    """A job as ``RolloutClient.submit`` builds it for this benchmark's payload, and its wire bytes."""
+    return build_job(
+        PAYLOAD,
         client_id="bench",
         constraint=VersionConstraint("min", 0),
-        payload=PAYLOAD,
-        deadline=now + 600,
-        submitted_at=now,
+        written="min:0",
+        idempotency_key=None,
+        deadline=None,
+        timeout=None,
+        default_timeout_s=600.0,
+        retry_policy="replayable",
+        session_id=None,
         trainer_version=0,
+        limits=DEFAULT_LIMITS,
+        max_timeout_s=None,
+        job_id=uuid.uuid4().hex,
     )
-    result = RolloutResult(
+
+
+def echo_result(job: RolloutJob, outputs: list[Completion], finished_at: float) -> RolloutResult:
+    """The answer a worker labels for ``job`` (the fields ``JobRunner`` fills for an echo run)."""
+    return RolloutResult(
         job_id=job.job_id,
-        idempotency_key=key,
-        client_id="bench",
-        outputs=[Completion(token_ids=list(range(MAX_TOKENS)), finish_reason="length", logprobs=[0.0] * MAX_TOKENS)],
+        idempotency_key=job.idempotency_key,
+        client_id=job.client_id,
+        outputs=outputs,
         version_start=0,
         version_end=0,
         worker_id="echo-0",
@@ -90,10 +101,21 @@ def message_sizes() -> tuple[int, int]:
         queue_wait_s=0.001,
         generation_s=0.0001,
         delivery_attempt=1,
-        finished_at=now,
+        finished_at=finished_at,
         prompt_tokens=PROMPT_TOKENS,
+        fingerprint=job.fingerprint,
+        constraint=job.constraint,
     )
-    return len(encode(job)), len(encode(result))
+
+
+def message_sizes() -> tuple[int, int]:
+    """Encoded sizes of a rollfleet job and its echo result as they travel: the baseline sends
+    opaque bytes of these sizes."""
+    job, data = sample_job()
+    # The echo engine's own outputs (generated on a loop of their own: this may run inside one).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        generation = pool.submit(asyncio.run, EchoEngine().generate(job.job_id, job.payload)).result()
+    return len(data), len(encode(echo_result(job, generation.outputs, time.time())))
 
 
 # -- measuring any system --------------------------------------------------------------------

@@ -242,23 +242,7 @@ def contract_work() -> dict[str, dict[str, float]]:
     now = time.time()
 
     def answer() -> RolloutResult:
-        return RolloutResult(
-            job_id=job.job_id,
-            idempotency_key=job.idempotency_key,
-            client_id=job.client_id,
-            outputs=generation.outputs,
-            version_start=generation.version_start,
-            version_end=generation.version_end,
-            worker_id="echo-0",
-            engine="echo",
-            queue_wait_s=0.001,
-            generation_s=0.0001,
-            delivery_attempt=1,
-            finished_at=now,
-            prompt_tokens=generation.prompt_tokens,
-            fingerprint=job.fingerprint,
-            constraint=job.constraint,
-        )
+        return rp.echo_result(job, generation.outputs, now)
 
     result = answer()
     result_data = encode(result)
