@@ -20,7 +20,7 @@ from rollfleet.schemas import RolloutResult, claim_key
 from rollfleet.schemas.errors import Expired, Interrupted
 from rollfleet.testing import ProcessGroup, wait_until
 from rollfleet.trainer_client import RolloutClient, answers
-from rollfleet.workers.claims import judge_claim, watched_after
+from rollfleet.workers.claims import ClaimWatch, judge_claim, verdict_write, watched_after
 from tests.helpers import payload
 
 _SLOW = ("--ack-wait", "1", "--echo-token-latency", "0.05", "--capacity", "1")
@@ -74,6 +74,55 @@ def test_watching_counts_only_time_the_broker_answered_and_the_claim_stood_still
     assert watched_after(0.9, same=False, look_s=0.01, since_last_s=0.3, slow_s=0.3) == 0.0
     # A look the broker answered late: it stalled, and the holder's refreshes with it.
     assert watched_after(0.9, same=True, look_s=2.0, since_last_s=2.3, slow_s=0.3) == 0.0
+
+
+def _watch() -> ClaimWatch:
+    return ClaimWatch(stale_s=2.0, confirm_s=1.0, slow_s=0.3, give_up_at=100.0)
+
+
+def test_a_delivery_judges_a_held_claim_stopped_only_after_watching_it_stand_still() -> None:
+    watch, old = _watch(), 1000.0 - 5.0  # written 5 s ago: old by the clock
+    looks = [
+        (t, watch.judge(7, old, anybody_else=True, asked=t - 0.01, answered=t, now=1000.0))
+        for t in (10.0, 10.3, 10.6, 10.9, 11.2)
+    ]
+    # The first look only starts the watch; then 0.3 s per look the broker answered promptly.
+    assert [v for _, v in looks] == ["watch", "watch", "watch", "watch", "stopped"]
+    assert watch.watched == pytest.approx(1.2)
+
+
+def test_a_claim_that_moves_or_a_broker_that_stalls_or_stays_silent_starts_the_watch_over() -> None:
+    watch = _watch()
+    judge = watch.judge
+    assert judge(7, 995.0, anybody_else=True, asked=9.99, answered=10.0, now=1000.0) == "watch"
+    assert judge(7, 995.0, anybody_else=True, asked=10.29, answered=10.3, now=1000.0) == "watch"
+    assert watch.watched == pytest.approx(0.3)
+    assert judge(8, 995.0, anybody_else=True, asked=10.59, answered=10.6, now=1000.0) == "watch"  # it moved
+    assert watch.watched == 0.0
+    assert judge(8, 995.0, anybody_else=True, asked=10.89, answered=10.9, now=1000.0) == "watch"
+    assert judge(8, 995.0, anybody_else=True, asked=10.9, answered=12.9, now=1000.0) == "watch"  # a 2 s look
+    assert watch.watched == 0.0
+    assert judge(8, 995.0, anybody_else=True, asked=13.19, answered=13.2, now=1000.0) == "watch"
+    watch.unanswered()  # a look the broker never answered
+    assert (watch.watched, watch.seen) == (0.0, None)
+    assert judge(8, 995.0, anybody_else=True, asked=13.49, answered=13.5, now=1000.0) == "watch"
+    assert watch.watched == 0.0  # (the first look after silence only starts it again)
+
+
+def test_a_fresh_claim_is_held_and_one_that_is_nobodys_or_this_processs_is_stopped() -> None:
+    assert _watch().judge(7, 999.5, anybody_else=True, asked=9.99, answered=10.0, now=1000.0) == "held"
+    assert _watch().judge(None, 0.0, anybody_else=True, asked=9.99, answered=10.0, now=1000.0) == "stopped"
+    assert _watch().judge(7, 999.5, anybody_else=False, asked=9.99, answered=10.0, now=1000.0) == "stopped"
+    assert _watch().judge(7, 0.0, anybody_else=True, asked=9.99, answered=10.0, now=1000.0) == "stopped"  # marked
+    watch = _watch()
+    assert not watch.given_up(99.9) and watch.given_up(100.0)
+
+
+def test_a_stopped_verdict_is_written_as_a_takeover_or_marked_on_the_claim_judged() -> None:
+    assert verdict_write(takeover=True, exists=True) == "take_over"
+    assert verdict_write(takeover=True, exists=False) == "take_over"
+    assert verdict_write(takeover=False, exists=True) == "mark_stopped"
+    assert verdict_write(takeover=False, exists=False) == "create_stopped"
 
 
 # -- the processes --------------------------------------------------------------------------------

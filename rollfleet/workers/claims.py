@@ -2,8 +2,10 @@
 starts (``at_most_once`` jobs, sessions' turns, exact and resumable jobs), refreshed by revision
 while it runs, released once its answer is stored and acked, and judged when a delivery finds it
 taken: its holder still runs the job (``held``), or stopped (``stopped``), or it is too soon to say
-(``watch``: a stalled broker stalls every holder's refreshes too). The rules are the pure
-``judge_claim`` and ``watched_after``; ``ClaimKeeper`` carries them out for one worker process.
+(``watch``: a stalled broker stalls every holder's refreshes too). The rules are pure:
+``judge_claim`` and ``watched_after`` for one look, ``ClaimWatch`` for a delivery's looks in turn,
+``verdict_write`` for how a verdict is written; ``ClaimKeeper`` carries them out for one worker
+process.
 
 A claim names its holder and this process (a worker restarted under the same id is a new holder:
 what the old one held is not being run any more). A run whose claim changed under it (this process
@@ -19,6 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from contextlib import suppress
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import nats.errors
@@ -60,6 +63,64 @@ def watched_after(watched_s: float, *, same: bool, look_s: float, since_last_s: 
     if not same or look_s > slow_s:
         return 0.0
     return watched_s + since_last_s
+
+
+@dataclass
+class ClaimWatch:
+    """One delivery's looks at a claim that another process holds, judged as they come: the
+    pure state of ``ClaimKeeper.claim``'s loop (times are arguments; nothing here reads a clock
+    or the broker). ``stale_s``/``confirm_s``: as ``judge_claim``'s; ``slow_s``: a look answered
+    later than this says the broker stalled (``watched_after``); ``give_up_at``: a monotonic time
+    past which a broker that keeps stalling gets no verdict from this delivery."""
+
+    stale_s: float
+    confirm_s: float
+    slow_s: float
+    give_up_at: float
+    watched: float = 0.0  # seconds the claim stood still while the broker answered
+    seen: int | None = None  # the revision of the previous look
+    last_look: float = 0.0  # when the previous look was answered
+
+    def judge(
+        self, revision: int | None, refreshed: float, *, anybody_else: bool, asked: float, answered: float, now: float
+    ) -> ClaimVerdict:
+        """The verdict of one look, asked at ``asked`` and answered at ``answered`` (monotonic):
+        the claim at ``revision`` (None: there is none), last written at ``refreshed`` (unix
+        time; ``now`` is unix time too). A claim that is nobody's, or this process's own (a
+        process that is not running the job), is ``stopped``."""
+        if revision is None or not anybody_else:
+            return "stopped"
+        self.watched = watched_after(
+            self.watched,
+            same=self.seen is not None and revision == self.seen,
+            look_s=answered - asked,
+            since_last_s=answered - self.last_look,
+            slow_s=self.slow_s,
+        )
+        verdict = judge_claim(refreshed, now, stale_s=self.stale_s, watched_s=self.watched, confirm_s=self.confirm_s)
+        if verdict == "watch":
+            self.seen, self.last_look = revision, answered
+        return verdict
+
+    def unanswered(self) -> None:
+        """A look the broker did not answer: what was watched counts for nothing."""
+        self.watched, self.seen = 0.0, None
+
+    def given_up(self, now: float) -> bool:
+        return now >= self.give_up_at
+
+
+VerdictWrite = Literal["take_over", "create_stopped", "mark_stopped"]
+
+
+def verdict_write(takeover: bool, exists: bool) -> VerdictWrite:
+    """How a ``stopped`` verdict is written over the claim judged (so that one verdict wins, and a
+    holder that was only paused finds it when it refreshes): a policy that takes a job over writes
+    its own claim; any other marks the judged claim stopped, or creates one marked stopped where
+    there was none, so that nobody starts the job from here."""
+    if takeover:
+        return "take_over"
+    return "mark_stopped" if exists else "create_stopped"
 
 
 class ClaimKeeper:
@@ -108,40 +169,34 @@ class ClaimKeeper:
         except Fenced:
             pass
         stale_s = self.resume_stale_s if run.job.behaviour.checkpoints else self.stale_s
-        watched, seen, last_look = 0.0, None, 0.0
-        give_up = time.monotonic() + 4 * stale_s  # a broker that keeps stalling: judge nothing
+        # (A broker that keeps stalling past four stale periods: this delivery judges nothing.)
+        watch = ClaimWatch(stale_s, self.confirm_s, self.refresh_s, give_up_at=time.monotonic() + 4 * stale_s)
         while True:
-            look = time.monotonic()
+            asked = time.monotonic()
             try:
                 entry = await self.bucket.get(job_id)
                 claim = self.read(run.job, entry.value) if entry is not None else Claim("", 0.0)
             except (nats.errors.Error, TimeoutError):  # the broker did not answer: it judges nothing
-                if run.handed_back or time.monotonic() >= give_up:
+                if run.handed_back or watch.given_up(time.monotonic()):
                     return "held"
-                watched, seen = 0.0, None
+                watch.unanswered()
                 await asyncio.sleep(self.refresh_s)
                 continue
-            looked = time.monotonic()
+            answered = time.monotonic()
             if self.runs_here(run):
                 return "held"
-            if entry is None or claim.holder == self.holder:
-                verdict: ClaimVerdict = "stopped"  # nobody's, or a process that is this one (not running it)
-            else:
-                watched = watched_after(
-                    watched,
-                    same=seen is not None and entry.revision == seen,
-                    look_s=looked - look,
-                    since_last_s=looked - last_look,
-                    slow_s=self.refresh_s,
-                )
-                verdict = judge_claim(
-                    claim.refreshed, time.time(), stale_s=stale_s, watched_s=watched, confirm_s=self.confirm_s
-                )
+            verdict = watch.judge(
+                None if entry is None else entry.revision,
+                claim.refreshed,
+                anybody_else=claim.holder != self.holder,
+                asked=asked,
+                answered=answered,
+                now=time.time(),
+            )
             if verdict != "watch":
                 break
-            if run.handed_back or looked >= give_up:
+            if run.handed_back or watch.given_up(answered):
                 return "held"
-            seen, last_look = entry.revision if entry is not None else None, looked
             with suppress(Exception):
                 await run.msg.in_progress()
             await asyncio.sleep(self.refresh_s)
@@ -155,13 +210,15 @@ class ClaimKeeper:
         # while its caller was told otherwise (campaign 10, seed 6803). A policy that takes nothing
         # over writes the judged claim marked stopped, as a client does for a holder it found
         # gone: nobody starts the job from here.
+        write = verdict_write(run.job.behaviour.takeover, entry is not None)
         try:  # (one verdict wins)
-            if run.job.behaviour.takeover:
+            if write == "take_over":
                 revision = None if entry is None else entry.revision
                 run.claim_revision = await self.bucket.write(job_id, self.value(run.job), revision)
-            elif entry is None:
+            elif write == "create_stopped":
                 run.claim_revision = await self.bucket.create(job_id, Claim(self.holder, 0.0).as_stopped().encode())
             else:
+                assert entry is not None
                 run.claim_revision = await self.bucket.mark_stopped(job_id, claim, entry.revision)
         except Fenced:
             return "held"
