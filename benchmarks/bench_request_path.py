@@ -67,7 +67,7 @@ BASELINE = "minimal nats-py loop"
 JobFn = Callable[[], Awaitable[None]]
 
 
-def sample_job() -> tuple[RolloutJob, bytes]:
+def sample_job(job_id: str | None = None) -> tuple[RolloutJob, bytes]:
     """A job as ``RolloutClient.submit`` builds it for this benchmark's payload, and its wire bytes."""
     return build_job(
         PAYLOAD,
@@ -83,7 +83,7 @@ def sample_job() -> tuple[RolloutJob, bytes]:
         trainer_version=0,
         limits=DEFAULT_LIMITS,
         max_timeout_s=None,
-        job_id=uuid.uuid4().hex,
+        job_id=job_id or uuid.uuid4().hex,
     )
 
 

@@ -211,29 +211,17 @@ def contract_work() -> dict[str, dict[str, float]]:
     from rollfleet.schemas.names import check_token
     from rollfleet.trainer_client import answers
     from rollfleet.trainer_client.jobids import JobIds
-    from rollfleet.trainer_client.requests import build_job, constraint_from, written_constraint
+    from rollfleet.trainer_client.requests import constraint_from, written_constraint
     from rollfleet.workers.engines.echo import EchoEngine
     from rollfleet.workers.serving import ServedVersion
 
     names, ids = Names("bench"), JobIds("bench", b"s" * 32)
 
-    def request() -> tuple[Any, bytes]:
-        return build_job(
-            rp.PAYLOAD,
-            client_id="bench",
-            constraint=constraint_from(0, None, None, 0),
-            written=written_constraint(0, None, None),
-            idempotency_key=None,
-            deadline=None,
-            timeout=None,
-            default_timeout_s=600.0,
-            retry_policy="replayable",
-            session_id=None,
-            trainer_version=0,
-            limits=DEFAULT_LIMITS,
-            max_timeout_s=None,
-            job_id=ids.issue(None),
-        )
+    issued = ids.issue(None)
+
+    def request() -> tuple[Any, bytes]:  # (submit's argument checks, then the job built; its id is a step of its own)
+        constraint_from(0, None, None, 0), written_constraint(0, None, None)
+        return rp.sample_job(job_id=issued)
 
     job, data = request()
     subject = names.job_subject("min", 0)
