@@ -179,6 +179,7 @@ def test_the_request_path_account_counts_calls_in_every_process(
     from benchmarks import request_path_account as account
 
     monkeypatch.setattr(account, "RESULTS", tmp_path)
+    monkeypatch.setenv("RF_ACCOUNT_DIR", str(tmp_path))  # (the run sets it; restored afterwards)
     assert account.main(["--jobs", "300", "--rounds", "1", "--counted-jobs", "200"]) == 0
     doc = (tmp_path / "request_path_account.md").read_text()
     assert "| workers: Python-level calls |" in doc

@@ -1,6 +1,7 @@
 """``broker.retry_call.call_retrying``: a call the broker left unanswered is asked again until its
 bound and only then is ``ServiceUnavailable``; a refusal is raised at once (what a submit made
-while the broker restarts relies on; the restart itself: test_broker_store_loss.py)."""
+while the broker restarts relies on; the restart itself: test_broker_store_loss.py). A call or an
+acknowledged publish (``broker.retry_publish``) still unanswered at a reconnect is asked again then."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from pathlib import Path
 import nats.errors
 import nats.js.errors
 import pytest
+from nats.aio.msg import Msg
 
-from rollfleet.broker import EmbeddedBroker
+from rollfleet.broker import EmbeddedBroker, retry_publish
 from rollfleet.broker.connection import connect
 from rollfleet.broker.retry_call import call_retrying
+from rollfleet.broker.retry_publish import publish_retrying
 from rollfleet.runtime.backoff import backoff_s
 from rollfleet.schemas.errors import ServiceUnavailable
 from rollfleet.testing import wait_until
@@ -89,6 +92,40 @@ async def test_a_call_left_unanswered_by_a_restarted_broker_is_asked_again_at_th
             broker.start()
             assert await asyncio.wait_for(calling, 40) == "answered"
             assert tries == 2
+        finally:
+            await nc.close()
+    finally:
+        broker.stop()
+
+
+async def test_a_publish_whose_acknowledgement_a_restarted_broker_lost_is_sent_again_at_the_reconnect(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same rule for the acknowledged publish every job and answer is stored with: an attempt
+    sent before the reconnect is given up at once and sent again (deduplicated by its message
+    id), not after its time-out, here 60 s."""
+    monkeypatch.setattr(retry_publish, "ATTEMPT_S", 60.0)
+    broker = EmbeddedBroker(store_dir=tmp_path / "store").start()
+    try:
+        nc = await connect(broker.url, name="t")
+        try:
+            copies: list[bytes] = []
+
+            async def store(msg: Msg) -> None:  # a stream that answers only the copy sent after the restart
+                copies.append(msg.data)
+                if len(copies) > 1 and msg.reply:
+                    await nc.publish(msg.reply, b'{"stream": "S", "seq": 7}')
+
+            await nc.subscribe("acked.x", cb=store)
+            headers = {"Nats-Msg-Id": "k-1"}
+            publishing = asyncio.create_task(
+                publish_retrying(nc.jetstream(), "acked.x", b"job", headers, until=time.time() + 120)
+            )
+            await wait_until(lambda: len(copies) == 1, 10, what="the first attempt heard")
+            broker.stop()
+            broker.start()
+            ack = await asyncio.wait_for(publishing, 40)
+            assert ack.seq == 7 and copies == [b"job", b"job"]
         finally:
             await nc.close()
     finally:

@@ -65,6 +65,12 @@ def logs_in(url: str, options: dict[str, Any]) -> bool:
     return in_url or any(options.get(k) for k in ("token", "user", "creds_file"))
 
 
+def redialed(nc: NATS | None) -> asyncio.Event | None:
+    """The event set at ``nc``'s next reconnect (``_Client.redialed``); None for a connection that
+    is not rollfleet's (nats-py's own client says nothing of its reconnects per request)."""
+    return nc.redialed() if isinstance(nc, _Client) else None
+
+
 async def connect(
     url: str,
     *,

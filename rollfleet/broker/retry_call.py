@@ -18,6 +18,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 
+from rollfleet.broker.connection import redialed
 from rollfleet.runtime.backoff import backoff_s
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas.errors import ServiceUnavailable
@@ -44,12 +45,12 @@ class Redialed(Exception):
     """The connection dialed the broker again while a call waited for its answer."""
 
 
-async def _attempt(call: Callable[[], Awaitable[T]], redialed: asyncio.Event | None) -> T:
+async def _attempt(call: Callable[[], Awaitable[T]], reconnect: asyncio.Event | None) -> T:
     """One call, given up (``Redialed``) if the connection reconnects before it is answered."""
-    if redialed is None:
+    if reconnect is None:
         return await call()
     answer = asyncio.ensure_future(call())
-    redial = asyncio.ensure_future(redialed.wait())
+    redial = asyncio.ensure_future(reconnect.wait())
     try:
         await asyncio.wait({answer, redial}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -67,11 +68,10 @@ async def call_retrying(call: Callable[[], Awaitable[T]], *, until: float, what:
     {what}: ...")``. The call must be safe to repeat (a look-up, or a create that first looks).
     With ``nc`` (rollfleet's connection), a call still unanswered when the connection dials the
     broker again is asked again at once, not after its time-out."""
-    watch = getattr(nc, "redialed", None)  # (rollfleet's client has it; nats-py's own has not)
     attempt = 0
     while True:
         try:
-            return await _attempt(call, watch() if watch is not None else None)
+            return await _attempt(call, redialed(nc))
         except (Redialed, *TRANSIENT) as exc:
             if time.time() >= until:
                 raise ServiceUnavailable(f"cannot {what}: {type(exc).__name__}") from exc

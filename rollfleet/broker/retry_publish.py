@@ -19,6 +19,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
+from rollfleet.broker.connection import redialed
+from rollfleet.runtime.aio import wait_event
 from rollfleet.runtime.backoff import backoff_s
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas.bounded import load_json
@@ -57,7 +59,8 @@ class _AckedPublisher:
         self._nc = nc
         self._prefix = nc.new_inbox()
         self._tokens = itertools.count()
-        self._waiting: dict[str, tuple[asyncio.Future[Msg], float]] = {}  # token -> (future, deadline)
+        # token -> (future, deadline, the connection's reconnect event when it was sent)
+        self._waiting: dict[str, tuple[asyncio.Future[Msg], float, asyncio.Event | None]] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._started: asyncio.Future[None] | None = None
         self.started = False  # its reply subscription is in place
@@ -81,19 +84,32 @@ class _AckedPublisher:
             waiting[0].set_result(msg)
 
     async def _sweep(self) -> None:
+        """Give up the attempts past their time-out, and at once those sent before the connection
+        dialed the broker again: the broker they went to may have taken them and gone (or
+        restarted) without a word, and a retry, deduplicated by its message id, is answered now."""
         while self._waiting:
-            await asyncio.sleep(_SWEEP_S)
+            reconnect = redialed(self._nc)
+            if reconnect is None:
+                await asyncio.sleep(_SWEEP_S)
+            else:
+                await wait_event(reconnect, _SWEEP_S)
             now = time.monotonic()
-            for token in [t for t, (_, deadline) in self._waiting.items() if deadline <= now]:
-                future, _ = self._waiting.pop(token)
+            for token, (future, deadline, sent_on) in list(self._waiting.items()):
+                if sent_on is not None and sent_on.is_set():
+                    why = "the connection dialed the broker again"
+                elif deadline <= now:
+                    why = f"no acknowledgement within {ATTEMPT_S}s"
+                else:
+                    continue
+                del self._waiting[token]
                 if not future.done():
-                    future.set_exception(_Retry(f"no acknowledgement within {ATTEMPT_S}s"))
+                    future.set_exception(_Retry(why))
         self._sweeper = None
 
     async def publish(self, subject: str, data: bytes, headers: dict[str, str], timeout: float) -> PubAck:
         token = str(next(self._tokens))
         future: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
-        self._waiting[token] = (future, time.monotonic() + timeout)
+        self._waiting[token] = (future, time.monotonic() + timeout, redialed(self._nc))
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep())
         try:
