@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from nats.aio.msg import Msg
 
-from rollfleet.schemas import Completion, RolloutResult
+from rollfleet.schemas import Completion, RolloutResult, claim_key
 from rollfleet.schemas.errors import Cancelled, Expired
 from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient, answers
-from rollfleet.trainer_client.cancelling import must_stop, outcome_of
+from rollfleet.trainer_client.cancelling import must_stop, next_cancel, outcome_of
 from tests.helpers import CountingEcho, payload
 
 LONG = 1500  # tokens; 15 s at 10 ms a token: far longer than any wait below
@@ -115,3 +116,48 @@ async def test_cancelling_a_job_already_answered_says_so(nats_url: str, namespac
         done = await client.submit(payload(max_tokens=3), min_version=0)
         result = await done.result(10)
         assert await done.cancel() == "answered" and await done.result(0) == result
+
+
+def test_a_cancel_after_the_first_joins_it() -> None:
+    # What a cancel did is decided once, by the first cancel of a handle: a second one, whether
+    # it comes while the first runs or after it ended, returns the first one's outcome (a second
+    # cancel of a withdrawn handle said "answered", since the handle was settled by then).
+    assert next_cancel("none", settled=False) == "cancel"
+    assert next_cancel("none", settled=True) == "answered"  # answered before any cancel
+    assert next_cancel("deciding", settled=False) == "join"  # the first still deciding
+    assert next_cancel("decided", settled=True) == "join"  # the first settled it (withdrawn, stopped)
+    assert next_cancel("decided", settled=False) == "join"  # ("unknown": nothing came, yet decided)
+    assert next_cancel("failed", settled=False) == "cancel"  # it raised, the broker away: ask again
+    assert next_cancel("failed", settled=True) == "answered"
+
+
+async def test_concurrent_cancels_of_a_queued_job_both_say_withdrawn_and_stop_nothing(
+    nats_url: str, namespace: str
+) -> None:
+    # Two cancels at once of a queued job said "withdrawn" and "stopped": the second found the
+    # job already removed, so it took the job for one a replica might hold and asked the fleet
+    # to stop it. Both join the first cancel's decision; no stop is asked for a withdrawn job.
+    engine = CountingEcho(per_token_s=0.01)
+    async with (
+        running_worker(nats_url, namespace, engine=engine, capacity=1),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client,
+    ):
+        stops: list[bytes] = []
+
+        async def heard(msg: Msg) -> None:
+            stops.append(msg.data)
+
+        sub = await client.nc.subscribe(client.names.cancel_subject(), cb=heard)
+        await wait_until(lambda: len(client.fleet.replicas()) == 1)
+        busy = await client.submit(payload(max_tokens=200), min_version=0, idempotency_key="busy")
+        await wait_until(lambda: engine.running == 1, timeout=10, what="the first job running")
+        waiting = await client.submit(payload(max_tokens=4), min_version=0, idempotency_key="waiting")
+        assert await asyncio.gather(waiting.cancel(), waiting.cancel()) == ["withdrawn", "withdrawn"]
+        assert await waiting.cancel() == "withdrawn"  # and after: the same outcome, not "answered"
+        # A stop for the busy job marks where the subject's messages have all been read: any stop
+        # sent for the withdrawn one went before it on the same connection.
+        assert await busy.cancel() == "stopped"
+        busy_stop = claim_key(busy.job_id).encode()
+        await wait_until(lambda: busy_stop in stops, timeout=10, what="the busy job's stop heard")
+        await sub.unsubscribe()
+    assert stops == [busy_stop]  # none for the withdrawn job

@@ -5,6 +5,13 @@ is deleted from the queue too (nothing redelivers it), and the fleet is asked to
 replica running it aborts its engine requests and answers it with the tokens made so far (each
 unfinished sample's finish reason "abort"), or ``Cancelled`` if it had not started generating.
 What ``cancel()`` returns says which of these happened, from the answer itself.
+
+A handle is cancelled once. The first ``cancel()`` of a handle makes the decision; any other,
+at the same time or later, joins it and returns the same outcome. Deciding again from the
+broker's state after the first cancel changed it mislabels the race: a second cancel of a
+queued job found it already removed, took it for one a replica might hold, and asked the fleet
+to stop it ("withdrawn" and "stopped" for one job), and a cancel of a withdrawn handle found it
+settled and said "answered".
 """
 
 from __future__ import annotations
@@ -15,6 +22,18 @@ from rollfleet.schemas import RolloutResult
 from rollfleet.schemas.errors import Cancelled, RollfleetError
 
 CancelOutcome = Literal["withdrawn", "stopped", "answered", "unknown"]
+CancelStep = Literal["cancel", "answered", "join"]
+EarlierCancel = Literal["none", "deciding", "decided", "failed"]
+
+
+def next_cancel(earlier: EarlierCancel, settled: bool) -> CancelStep:
+    """What a ``cancel()`` of a handle does. ``earlier``: the handle's earlier cancel, if any
+    ("failed": it raised, the broker unreachable, and decided nothing); ``settled``: the handle
+    holds its answer. "join": return that cancel's outcome; "answered": it was answered before
+    any cancel decided, nothing to do; "cancel": this one decides (withdraw it, or stop it)."""
+    if earlier in ("deciding", "decided"):
+        return "join"
+    return "answered" if settled else "cancel"
 
 
 def must_stop(delivered: bool | None, removed: bool) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
 from pathlib import Path
@@ -112,6 +113,10 @@ class RolloutClient:
         self._instance = self._lease.instance if shared else None
         self._handles: dict[str, RolloutHandle] = {}
         self._cancel_handle = self._cancel  # one bound method for every handle, not one each
+        # Each handle's one cancel (``cancelling.next_cancel``), kept while the handle lives.
+        self._cancels: weakref.WeakKeyDictionary[RolloutHandle, asyncio.Future[CancelOutcome]] = (
+            weakref.WeakKeyDictionary()
+        )
         self.settler = Settler(self.js, names, self.client_id, self._handles, self.metrics, lambda: self.latest_version)
         settle = self.settler.settle
         self.inbox = ResultsInbox(
@@ -598,9 +603,20 @@ class RolloutClient:
 
     async def _cancel(self, handle: RolloutHandle, timeout: float) -> CancelOutcome:
         """``RolloutHandle.cancel``: withdrawn if nobody took it, else stopped where it runs and
-        answered from there (``cancelling``)."""
-        if handle.done():
+        answered from there (``cancelling``). The first cancel of a handle decides; any other
+        joins it (``cancelling.next_cancel``), waiting as long as the first one waits."""
+        earlier = self._cancels.get(handle)
+        step = cancelling.next_cancel(_earlier_cancel(earlier), handle.done())
+        if step == "answered":
             return "answered"
+        if step == "cancel" or earlier is None:
+            # A task, not the caller's own await: a first caller that is itself cancelled leaves
+            # the decision running for those who joined it.
+            earlier = asyncio.ensure_future(self._cancel_once(handle, timeout))
+            self._cancels[handle] = earlier
+        return await asyncio.shield(earlier)
+
+    async def _cancel_once(self, handle: RolloutHandle, timeout: float) -> CancelOutcome:
         key = handle.idempotency_key
         removed = await self.placement.delete(handle)  # (queued or running: never delivered again)
         # Asked after the removal, not before: a delivery between the two looks (campaign 10,
@@ -756,3 +772,12 @@ class RolloutClient:
     @observe.setter
     def observe(self, fn: Callable[[Outcome, int | None], None] | None) -> None:
         self.inbox.observe = fn
+
+
+def _earlier_cancel(task: asyncio.Future[CancelOutcome] | None) -> cancelling.EarlierCancel:
+    """The facts ``cancelling.next_cancel`` reads about a handle's earlier cancel."""
+    if task is None:
+        return "none"
+    if not task.done():
+        return "deciding"
+    return "failed" if task.cancelled() or task.exception() is not None else "decided"
