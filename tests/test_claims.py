@@ -6,17 +6,33 @@ claim is then free, and without a second look the job would be generated again."
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
+from pathlib import Path
 
 import nats
 import pytest
 
 from rollfleet.broker.topology import TopologyConfig, ensure_topology
+from rollfleet.runtime import faults
 from rollfleet.runtime.logs import get_logger
-from rollfleet.schemas import DEFAULT_LIMITS, EngineFailure, Names, RolloutJob, VersionConstraint, claim_key, encode
+from rollfleet.schemas import (
+    DEFAULT_LIMITS,
+    Claim,
+    EngineFailure,
+    Names,
+    RolloutJob,
+    VersionConstraint,
+    claim_key,
+    encode,
+)
+from rollfleet.schemas.errors import Interrupted
+from rollfleet.testing import start_worker_process, terminate, wait_until
+from rollfleet.trainer_client import RolloutClient, answers
 from rollfleet.workers.claims import ClaimKeeper
 from rollfleet.workers.engines.echo import EchoEngine
 from rollfleet.workers.jobs import JobRunner, RunningJob
+from rollfleet.workers.result_store import after_refusal
 from rollfleet.workers.serving import ServedVersion
 from rollfleet.workers.worker_metrics import WorkerMetrics
 from tests.helpers import payload
@@ -96,3 +112,83 @@ async def test_an_at_most_once_holder_paused_past_its_claim_never_stores_an_answ
     # The holder wakes with its generation done and asks whether it may store its answer.
     assert not await holder.still_holds(first)
     assert first.claim_lost
+
+
+async def test_a_holder_whose_claim_is_taken_while_it_stores_its_answer_stores_no_second_one(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """A run checks its claim a last time, then stops before storing its answer (a process frozen
+    there: ``worker:before-result-store``); meanwhile another replica judges it gone and answers
+    the at_most_once job ``Interrupted``. Woken past the broker's duplicate window, the first run
+    stored its own answer beside it: two answers to one job. Its store is refused now."""
+    topology = TopologyConfig(ack_wait_s=1.0, duplicate_window_s=1.0)
+    release, log_a = tmp_path / "release", tmp_path / "a.log"
+    pause = faults.env("pause", "worker:before-result-store", release)
+    a = start_worker_process(nats_url, namespace, "a", "--ack-wait", "1.0", log_path=log_a, env=pause)
+    b = None
+    try:
+        client = await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=topology)
+        async with client:
+            await wait_until(lambda: client.fleet.replica("a") is not None, timeout=20, what="replica a")
+            handle = await client.submit(
+                payload(max_tokens=8), min_version=0, retry_policy="at_most_once", idempotency_key="k", timeout=60
+            )
+            await wait_until(
+                lambda: "PAUSED worker:before-result-store" in log_a.read_text(), timeout=20, what="a paused"
+            )
+            b = start_worker_process(nats_url, namespace, "b", "--ack-wait", "1.0", log_path=tmp_path / "b.log")
+            with pytest.raises(Interrupted):  # b judged a gone and answered the job
+                await handle.result(40)
+            # Past the duplicate window, the answer's message id no longer hides a second answer.
+            await asyncio.sleep(topology.duplicate_window_s + 0.5)
+            woken = time.time()
+            release.touch()
+
+            def a_idle_again() -> bool:
+                entry = client.fleet.replica("a")
+                return entry is not None and entry.heartbeat_at > woken and entry.in_flight == 0
+
+            await wait_until(a_idle_again, timeout=30, what="a done with the job after waking")
+            stored = [o async for _, o in answers.stored(client.js, client.names, "c", "k")]
+    finally:
+        terminate(a, 10.0, signal.SIGKILL)
+        if b is not None:
+            terminate(b, 10.0, signal.SIGKILL)
+    assert [type(o).__name__ for o in stored] == ["RolloutFailure"], stored
+    assert stored[0].code == "interrupted" and stored[0].worker_id == "b"  # type: ignore[union-attr]
+
+
+def test_a_refused_store_is_read_from_what_the_job_has_stored() -> None:
+    assert after_refusal(b"head-1", b"head-1") == "stored"  # an earlier try of this store, its ack lost
+    assert after_refusal(b"head-2", b"head-1") == "answered"  # another run's answer came first
+    assert after_refusal(None, b"head-1") == "unstored"  # nothing readable: the redelivery decides
+
+
+async def test_a_run_that_lost_its_claim_releases_nothing_of_the_taker(nc: nats.NATS, namespace: str) -> None:
+    """A holder frozen past its claim's staleness; another replica takes the replayable exact job
+    over and runs it. The first run ends (its answer stored or refused) and releases: the taker's
+    claim stays (it was deleted, and the taker, finding it gone, stopped and answered nothing)."""
+    js, names = nc.jetstream(), Names(namespace)
+    await ensure_topology(js, names, TopologyConfig(ack_wait_s=0.3))
+    kv = await js.key_value(names.claims_bucket)
+    job = RolloutJob(
+        job_id="job-3", idempotency_key="k3", client_id="c", constraint=VersionConstraint("exact", 0),
+        payload=payload(), deadline=time.time() + 60, submitted_at=time.time(), retry_policy="replayable",
+    )  # fmt: skip
+    subject = names.job_subject("exact", 0)
+    await js.publish(subject, encode(job))
+    sub = await js.pull_subscribe(subject, durable="t-release", stream=names.jobs_stream)
+    [msg] = await sub.fetch(1, timeout=5)
+    first, second = RunningJob(msg, job), RunningJob(msg, job)
+    log = get_logger("test")
+    holder = ClaimKeeper(kv, worker_id="w1", ack_wait_s=0.3, log=log, running=lambda: [first], abort=lambda r: None)
+    taker = ClaimKeeper(kv, worker_id="w2", ack_wait_s=0.3, log=log, running=lambda: [second], abort=lambda r: None)
+    assert await holder.claim(first) == "ok"
+    await asyncio.sleep(holder.stale_s + 0.2)  # the holder is frozen: no refresh
+    assert await taker.claim(second) == "stopped" and second.took_over  # the taker runs it now
+    await holder.release(job, first.claim_revision)
+    entry = await kv.get(claim_key(job.job_id))
+    assert Claim.decode(entry.value).holder == taker.holder
+    await taker.release(job, second.claim_revision)  # the taker's own release does delete it
+    with pytest.raises((nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError)):
+        await kv.get(claim_key(job.job_id))

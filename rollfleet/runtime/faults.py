@@ -2,8 +2,10 @@
 
 ``ROLLFLEET_FAULT=kill:<point>`` SIGKILLs the process at ``<point>``;
 ``ROLLFLEET_FAULT=pause:<point>`` prints ``PAUSED <point>`` on stdout and sleeps there until
-the test kills it; ``ROLLFLEET_FAULT=raise:<point>`` raises ``InjectedFault`` there (an error
-nothing around it expected: a defect). Real processes die for real, so the tests exercise the
+the test kills it (or, with ``ROLLFLEET_FAULT_RELEASE=<path>``, until that file exists: the
+process goes on from the point, as one that was frozen there);
+``ROLLFLEET_FAULT=raise:<point>`` raises ``InjectedFault`` there (an error nothing around it
+expected: a defect). Real processes die for real, so the tests exercise the
 broker's redelivery and the store's recovery, not a simulation of them. Unset (production), a point costs one
 dict lookup. These are test faults only; the storage hooks of object-store mounts are
 ``policy_store.hooks``.
@@ -17,6 +19,7 @@ import sys
 import time
 
 ENV = "ROLLFLEET_FAULT"
+RELEASE_ENV = "ROLLFLEET_FAULT_RELEASE"  # a paused point returns once this file exists
 POINTS = {
     # policy store, trainer side (policy_store.writer)
     "publish:after-shard": "a shard is written and fsynced, no index yet",
@@ -33,6 +36,7 @@ POINTS = {
     "commit:before-cas": "v.<N> is created in the policy KV, latest not yet moved",
     "commit:before-announce": "latest moved, versions.published not yet sent",
     # the worker
+    "worker:before-result-store": "a job's claim (if it has one) checked a last time, its answer not yet stored",
     "worker:after-result-before-ack": "a job's result is stored, the job not yet acked",
     "worker:mid-chunks": "a chunk of a large answer is stored, its head not yet",
     "worker:before-activation": "a version is prepared, the engine not yet paused",
@@ -73,12 +77,15 @@ def point(name: str) -> None:
         raise InjectedFault(f"fault injected at {name}")
     sys.stdout.write(f"PAUSED {name}\n")
     sys.stdout.flush()
-    while True:
-        time.sleep(3600)
+    release = os.environ.get(RELEASE_ENV)
+    while not (release and os.path.exists(release)):  # (the whole process stops here, its loop too)
+        time.sleep(0.02 if release else 3600)
 
 
-def env(action: str, name: str) -> dict[str, str]:
-    """The environment entry that arms ``name`` in a child process."""
+def env(action: str, name: str, release: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    """The environment entry that arms ``name`` in a child process; ``release``: a pause there
+    ends once this file exists."""
     if action not in ACTIONS or name not in POINTS:
         raise ValueError(f"unknown fault {action}:{name}")
-    return {ENV: f"{action}:{name}"}
+    armed = {ENV: f"{action}:{name}"}
+    return armed if release is None else {**armed, RELEASE_ENV: os.fspath(release)}

@@ -263,18 +263,28 @@ class ClaimKeeper:
             return Claim.decode(value)
         return open_claim(job.job_id, value) or Claim("", 0.0)
 
-    async def release(self, job: RolloutJob, *, only_own: bool = False) -> None:
-        """Answered and acked (or handed back unrun): the claim has done its work. ``only_own`` (a
-        hand-back: the job is not answered): only while the claim is still this process's, so a
-        run that lost the job unnoticed never deletes the claim of the run that has it now."""
+    async def release(self, job: RolloutJob, revision: int | None = None, *, only_own: bool = True) -> None:
+        """The claim has done its work (the job answered and acked, or handed back unrun): delete
+        it, only while it is still this process's own. ``revision``: the one this run wrote last; the
+        claim is deleted at that revision, else (moved since: a refresh racing this release, or
+        another run took the job) only if it still names this process. A run that lost the job
+        unnoticed never deletes the claim of the run that has it now. ``only_own=False``: the job
+        is answered (a redelivery found its answer), so whoever still holds its claim holds it for
+        nothing: deleted whatever it names, and a holder still running learns it at its refresh."""
         if not job.claimed:
             return
         with suppress(Exception):
             if not only_own:
                 await self.bucket.delete(job.job_id)
                 return
+            if revision is not None:
+                with suppress(Fenced):
+                    await self.bucket.delete(job.job_id, revision)
+                    return
             entry = await self.bucket.get(job.job_id)
-            if entry is not None and self.read(job, entry.value).holder == self.holder:
+            claim = None if entry is None else self.read(job, entry.value)
+            # (One naming this process but marked stopped is the verdict of whoever judged it gone.)
+            if entry is not None and claim is not None and claim.holder == self.holder and not claim.stopped:
                 await self.bucket.delete(job.job_id, entry.revision)
 
     async def refresh(self, now: float) -> None:

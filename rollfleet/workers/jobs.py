@@ -20,8 +20,10 @@ claimed:
 
 A holder whose claim changed under it (this process was paused or cut off while another replica
 took the job over or answered it) aborts the run and stores nothing; the claim is checked once
-more, by revision, just before the answer is stored, so no second answer follows even past the
-broker's duplicate window.
+more, by revision, just before the answer is stored, and the store itself is refused where an
+answer to the job is stored already (``ResultStore.store``), so no second answer follows even
+past the broker's duplicate window, whenever the claim is lost. A run releases only the claim
+it still holds.
 
 A job handed back unrun (a version change raced its pull, or an activation's drain ran out) has
 its claim removed and is served normally elsewhere.
@@ -56,7 +58,6 @@ from rollfleet.schemas import (
     JobAddress,
     Limits,
     Names,
-    RolloutJob,
     RolloutResult,
     check_job,
     claim_key,
@@ -255,7 +256,7 @@ class JobRunner:
             # cleaned up then (the checkpoints, the claim) is cleaned up here, not left for 24 h.
             if job.behaviour.checkpoints:
                 await self.resumable.progress_log(job, log).roll_up_answered()
-            await self.claims.release(job)
+            await self.claims.release(job, only_own=False)
             return
         if guarded:
             verdict = await self.claims.claim(run)
@@ -265,14 +266,14 @@ class JobRunner:
                 # another): the claim is ours, the job is done; never run it again.
                 log.info("job answered before its claim was taken; acking", attempt=attempt)
                 await msg.ack()
-                await self.claims.release(job)
+                await self.claims.release(job, run.claim_revision)
                 return
             if verdict == "held" and job.behaviour.checkpoints:
                 verdict = await self.claims.await_claim(run)
                 if verdict != "held" and await self.results.answered(job):  # its holder finished meanwhile
                     log.info("job answered while its claim was awaited; acking")
                     await msg.ack()
-                    await self.claims.release(job)
+                    await self.claims.release(job, run.claim_revision)
                     return
             if verdict == "held":
                 log.info("job held by a live replica; handed back to wait for its answer")
@@ -283,14 +284,14 @@ class JobRunner:
             if verdict == "stopped" and job.behaviour.holder_gone == "interrupted":
                 log.info("at_most_once job redelivered after its holder started it")
                 err = Interrupted("the worker that started this at_most_once job stopped; it was not run again")
-                await self._answer_and_close(job, msg, err, attempt)
+                await self._answer_and_close(run, err, attempt)
                 return
         if run.handed_back:  # the drain gave up on it while we were claiming
             await self._hand_back(run, log)
             return
         if run.cancelled:  # while it was being claimed: nothing generated yet
             self._count("cancelled")
-            await self._answer_and_close(job, msg, Cancelled("cancelled by its trainer before it ran"), attempt)
+            await self._answer_and_close(run, Cancelled("cancelled by its trainer before it ran"), attempt)
             return
         await self._run(run, attempt, stored_at, log)
 
@@ -317,7 +318,7 @@ class JobRunner:
                 err = EngineFailure(f"engine {self._engine.name} failed: {exc}")
             if not await self.claims.still_holds(run):
                 return
-            await self._answer_and_close(job, msg, err, attempt)
+            await self._answer_and_close(run, err, attempt)
             return
         if run.claim_lost:
             return  # another replica has the job: nothing of this run is stored
@@ -373,22 +374,38 @@ class JobRunner:
             except RollfleetError as exc:
                 log.warning("last checkpoint not stored; leaving the job to be redelivered", error=exc.message)
                 return
+        # Why no second answer can follow, whatever the duplicate window: the claim is checked
+        # here (refreshed by revision), yet it can still be taken between this check and the
+        # store (this process frozen or cut off past the claim's staleness, another replica
+        # judging it gone). The store itself is the fence: the broker stores the answer only
+        # where no answer to the job is stored (``ResultStore.store``), so of the two runs the
+        # first to store is the job's answer and the other is refused, in either order. The check
+        # stays: it stops a run that lost its claim before it spends a store. The claim is then
+        # released only where it is still this run's (``ClaimKeeper.release``): a taker that runs
+        # the job on keeps its claim until its own store is refused.
         if not await self.claims.still_holds(run):
             return  # (said when the claim was found lost)
+        faults.point("worker:before-result-store")
         try:
             stored = await self.results.store(job.client_id, job.idempotency_key, job.job_id, result)
         except ResultUnstorable as exc:
             log.error("result cannot be stored", error=exc.message)
-            await self._answer_and_close(job, msg, exc, attempt)
+            await self._answer_and_close(run, exc, attempt)
             return
-        if not stored:  # broker away: leave the job unacked (and claimed) so it is redelivered
+        if stored == "unstored":  # broker away: leave the job unacked (and claimed) so it is redelivered
             log.warning("answer not stored (the broker did not take it); the job is left to be redelivered")
+            return
+        if stored == "answered":  # another run's answer came first: the job is answered, not by this run
+            log.warning("another run's answer to this job is stored; this run's is not")
+            await msg.ack()
+            await self.claims.release(job, run.claim_revision)
+            self._count("answered_elsewhere")
             return
         faults.point("worker:after-result-before-ack")
         await msg.ack()
         if run.progress is not None:
             await run.progress.done()
-        await self.claims.release(job)
+        await self.claims.release(job, run.claim_revision)
         self.jobs_done += 1
         self._count("cancelled" if run.cancelled else "ok")
         self._metrics.queue_wait.observe(result.queue_wait_s)
@@ -420,7 +437,7 @@ class JobRunner:
         job = run.job
         if job.behaviour.holder_gone == "interrupted":
             err = Interrupted(f"the engine of the replica running this at_most_once job went down: {detail}")
-            await self._answer_and_close(job, run.msg, err, attempt)
+            await self._answer_and_close(run, err, attempt)
         else:
             await self._hand_back(run, log)
         return True
@@ -453,13 +470,15 @@ class JobRunner:
             await wait_event(self._changed, 1.0)
         return time.monotonic() - t0, len(late)
 
-    async def _answer_and_close(self, job: RolloutJob, msg: Msg, err: RollfleetError, attempt: int) -> None:
-        """A job that ends here with an error: the error stored as its answer, the delivery acked,
-        its claim released (in that order: an answer is never lost to a crash between them, and
-        the claim keeps a second run away until the answer is there)."""
+    async def _answer_and_close(self, run: RunningJob, err: RollfleetError, attempt: int) -> None:
+        """A job that ends here with an error: the error stored as its answer (unless another
+        answer to it is stored already), the delivery acked, the claim this run holds released (in
+        that order: an answer is never lost to a crash between them, and the claim keeps a second
+        run away until the answer is there)."""
+        job = run.job
         await self.results.store_failure(job.client_id, job.idempotency_key, err, attempt, job)
-        await msg.ack()
-        await self.claims.release(job)
+        await run.msg.ack()
+        await self.claims.release(job, run.claim_revision)
 
     def _spawn_abort(self, run: RunningJob) -> None:
         task = asyncio.ensure_future(run.abort(self._engine))
@@ -475,7 +494,7 @@ class JobRunner:
         if run.progress is not None:  # what it made so far is kept for the next run
             with suppress(RollfleetError):
                 await run.progress.checkpoint(_HAND_BACK_CHECKPOINT_S)
-        await self.claims.release(run.job, only_own=True)
+        await self.claims.release(run.job, run.claim_revision)
         with suppress(Exception):
             await run.msg.nak(delay=_HAND_BACK_DELAY_S)
 

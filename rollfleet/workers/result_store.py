@@ -4,6 +4,14 @@
 Answers are stored on a subject that names the job and this worker (``Names.result_subject``;
 the broker lets a worker publish only under its own id) with the message id ``h:<job>``, so a
 job has one stored answer however many replicas ran it.
+
+The message id only hides a second answer within the broker's duplicate window. An answer's head
+is therefore stored on a condition the broker checks as it stores it: that nothing is stored yet
+on any of the job's answer subjects (``Nats-Expected-Last-Subject-Sequence: 0`` over
+``Names.results_of_job``, a wildcard naming every replica's). The first answer stored is the
+job's one answer, however late a second comes: a run paused between its last claim check and its
+store, while another replica took the job and answered it, is refused (``answered``, decided from
+what is stored by ``after_refusal``), not stored beside it.
 """
 
 from __future__ import annotations
@@ -12,8 +20,10 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import suppress
-from typing import Any
+from typing import Any, Literal
 
+import nats.errors
+import nats.js.errors
 import xxhash
 from nats.js import JetStreamContext
 
@@ -21,10 +31,27 @@ from rollfleet.broker.retry_publish import publish_retrying
 from rollfleet.broker.stream_reads import next_stored
 from rollfleet.runtime import faults
 from rollfleet.schemas import ChunkedOutcome, Names, RolloutFailure, RolloutJob, RolloutResult, encode, job_token
-from rollfleet.schemas.errors import InvalidRequest, ResultUnstorable, RollfleetError
+from rollfleet.schemas.errors import Fenced, InvalidRequest, ResultUnstorable, RollfleetError
 from rollfleet.schemas.names import HDR_MSG_ID, check_token
 
 RESULT_PUBLISH_BUDGET_S = 20.0  # then the job stays unacked and is redelivered
+# A store on the condition that the subjects named by the second header hold nothing yet.
+_EXPECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+_EXPECT_ON = "Nats-Expected-Last-Subject-Sequence-Subject"
+
+# "stored": this answer is the job's; "answered": another answer to the job is stored and this
+# one is not (nor will it ever be); "unstored": the broker stayed away (the job is left to be
+# redelivered, and its redelivery finds whatever answer is stored).
+StoreOutcome = Literal["stored", "answered", "unstored"]
+
+
+def after_refusal(stored_head: bytes | None, ours: bytes) -> StoreOutcome:
+    """What a conditional store the broker refused means: the job's first stored answer head is
+    this very one (``ours``: an earlier attempt of the same store, stored though its acknowledgement
+    was lost), another answer, or nothing readable (None: aged out, or the broker did not say)."""
+    if stored_head is None:
+        return "unstored"
+    return "stored" if stored_head == ours else "answered"
 
 
 class ResultStore:
@@ -52,14 +79,20 @@ class ResultStore:
 
     async def store(
         self, client_id: str, key: str, job_id: str | None, outcome: RolloutResult | RolloutFailure
-    ) -> bool:
-        """Store an answer; one too large for a message goes in chunks, then a ChunkedOutcome head.
-        False if the broker stayed away; ResultUnstorable if it refuses the answer for good."""
+    ) -> StoreOutcome:
+        """Store an answer, unless one to the job is stored already; one too large for a message
+        goes in chunks, then a ChunkedOutcome head. ResultUnstorable if the broker refuses the
+        answer for good."""
         until = time.time() + RESULT_PUBLISH_BUDGET_S
         data = encode(outcome)
         head_subject = self._names.result_subject(client_id, key, job_id, self._worker_id)
-        # One answer per job: the head's message id names the job (an undecodable job: its key).
-        head_id = f"h:{job_token(job_id)}" if job_id is not None else f"h:{key}:{self._worker_id}"
+        # One answer per job: the head's message id names the job (an undecodable job: its key),
+        # and the head is stored only where no answer to the job is (an undecodable job has no id
+        # to gather its answers by: the message id alone).
+        headers = {HDR_MSG_ID: f"h:{job_token(job_id)}" if job_id is not None else f"h:{key}:{self._worker_id}"}
+        answers_of_job = None if job_id is None else self._names.results_of_job(client_id, key, job_id)
+        if answers_of_job is not None:
+            headers[_EXPECT_SEQ], headers[_EXPECT_ON] = "0", answers_of_job
         try:
             if len(data) > self._chunk_bytes:
                 nonce = uuid.uuid4().hex
@@ -78,13 +111,21 @@ class ResultStore:
                     nonce=nonce,
                 )
                 data = encode(head)
-            await publish_retrying(self._js, head_subject, data, {HDR_MSG_ID: head_id}, until=until)
+            await publish_retrying(self._js, head_subject, data, headers, until=until)
+        except Fenced:
+            assert answers_of_job is not None  # (only a conditional store is fenced)
+            try:
+                first = await next_stored(self._js, self._names.results_stream, answers_of_job)
+            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:  # the broker did not say
+                self._log.warning("answer refused; the stored one not read", error=str(exc))
+                return "unstored"
+            return after_refusal(None if first is None else first.data, data)
         except InvalidRequest as exc:
             raise ResultUnstorable(f"the broker refuses an answer of {len(data)} bytes: {exc.message}") from exc
         except RollfleetError as exc:
             self._log.warning("result not stored", error=exc.message, code=exc.code)
-            return False
-        return True
+            return "unstored"
+        return "stored"
 
     async def store_failure(
         self,
@@ -95,9 +136,9 @@ class ResultStore:
         job: RolloutJob | None = None,
         job_id: str | None = None,
         fingerprint: str = "",
-    ) -> None:
+    ) -> StoreOutcome:
         """Store a typed failure as the job's answer (dropped, with a warning, if there is no
-        reply address or key to store it under). Without ``job``: the ``job_id`` and
+        reply address or key to store it under: "unstored"). Without ``job``: the ``job_id`` and
         ``fingerprint`` read from a job that did not decode, if any."""
         job_id = job.job_id if job is not None else job_id
         if self._on_failure is not None:
@@ -106,10 +147,10 @@ class ResultStore:
             check_token(client_id or "", "client_id")
         except InvalidRequest:
             self._log.warning("no reply address; dropping", error=error.message)
-            return
+            return "unstored"
         if not key:
             self._log.warning("no idempotency key; dropping", error=error.message)
-            return
+            return "unstored"
         failure = RolloutFailure(
             idempotency_key=key,
             client_id=client_id,  # type: ignore[arg-type]
@@ -123,4 +164,5 @@ class ResultStore:
             fingerprint=job.fingerprint if job else fingerprint,
         )
         with suppress(ResultUnstorable):  # a failure is small; nothing more to say if it is refused
-            await self.store(client_id, key, job_id, failure)  # type: ignore[arg-type]
+            return await self.store(client_id, key, job_id, failure)  # type: ignore[arg-type]
+        return "unstored"
