@@ -32,8 +32,13 @@ ALLOWED = {
     "workers": {"schemas", "runtime", "broker", "policy_store", "models"},
     "integrations": {"schemas", "runtime", "broker", "policy_store", "trainer_client"},
     "gateway": {"schemas", "runtime", "trainer_client"},
-    "cli": {"schemas", "runtime", "broker", "policy_store", "models", "trainer_client", "workers", "gateway"},
-    "testing": {"schemas", "runtime", "broker", "policy_store", "models", "trainer_client", "workers", "cli"},
+    # The fleet's control loop reads what the broker holds (and the client's view of the
+    # registry); the workers and the client it sizes know nothing of it.
+    "autoscale": {"schemas", "runtime", "broker", "policy_store", "trainer_client"},
+    "cli": {"schemas", "runtime", "broker", "policy_store", "models", "trainer_client", "workers", "gateway"}
+    | {"autoscale"},
+    "testing": {"schemas", "runtime", "broker", "policy_store", "models", "trainer_client", "workers", "cli"}
+    | {"autoscale"},
 }
 
 # reliability/'s rooms: the numbered scenarios (``python -m reliability``, its ``__main__``) and the
