@@ -39,8 +39,10 @@ def trainer_permissions(n: Names) -> dict[str, dict[str, list[str]]]:
         n.versions_published,
         n.consumers_declared,
         f"{root}.client.>",
+        f"{root}.demand.>",  # a request refused: heard by the fleet's control loop
         f"$KV.{n.policy_bucket}.>",
         f"$KV.{n.fleet_bucket}.client.>",
+        f"$KV.{n.fleet_bucket}.autoscaler.>",  # the control loop's lease and its last plan
         f"$KV.{n.sessions_bucket}.>",
         f"$KV.{n.claims_bucket}.>",  # a sticky turn's holder gone: its claim is marked stopped
         "$JS.API.INFO",
@@ -51,7 +53,7 @@ def trainer_permissions(n: Names) -> dict[str, dict[str, list[str]]]:
         *(f"$JS.API.DIRECT.GET.{s[k]}.>" for k in ("results", "policy", "fleet", "sessions", "claims")),
         *(f"$JS.API.CONSUMER.*.{s[k]}.>" for k in ("jobs", "results", "events", "policy", "fleet", "progress")),
         # KV watchers and streams of a job's tokens (ephemeral consumers)
-        *(f"$JS.API.CONSUMER.CREATE.{s[k]}" for k in ("policy", "fleet", "progress")),
+        *(f"$JS.API.CONSUMER.CREATE.{s[k]}" for k in ("policy", "fleet", "progress", "sessions")),
         *(f"$JS.API.CONSUMER.DURABLE.CREATE.{s[k]}.>" for k in ("jobs", "results")),
         f"$JS.API.CONSUMER.MSG.NEXT.{s['results']}.>",
         f"$JS.ACK.{s['results']}.>",
@@ -65,6 +67,7 @@ def trainer_permissions(n: Names) -> dict[str, dict[str, list[str]]]:
                 f"{n.inbox_prefix('trainer')}.>",
                 f"{root}.versions.>",
                 f"{root}.client.>",
+                f"{root}.demand.>",  # (the fleet's control loop, run as the trainer)
                 n.consumer_leader_advisory(s["results"]),  # a fail-over: re-request results at once
                 n.max_deliveries_advisory(s["jobs"]),  # a resumable job given up on: stored again
                 # a stream or bucket deleted: declared again, and what lived in it restored

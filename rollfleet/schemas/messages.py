@@ -338,6 +338,9 @@ class ReplicaStatus(msgspec.Struct, kw_only=True):
     resumed: int = 0
     tokens_kept: int = 0
     tokens_regenerated: int = 0
+    # The version this replica holds and never leaves (``--hold-version``, or a fixed version it
+    # does not follow); None: it follows ``latest``. The fleet's control loop sizes them apart.
+    held_version: int | None = None
 
     def stale_after_s(self) -> float:
         return max(3.0 * self.heartbeat_interval_s, 1.0)

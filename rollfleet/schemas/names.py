@@ -160,6 +160,12 @@ class Names:
         replica running that job aborts it and answers it with what it made so far."""
         return f"{self._root}.cancel"
 
+    def demand_refused_subject(self) -> str:
+        """Where a client says it refused a request ``NoCompatibleReplica`` (a core-NATS message,
+        payload ``bell_payload`` of its constraint): the fleet's control loop hears which
+        versions are asked for that no replica serves. Nobody stores it."""
+        return f"{self._root}.demand.refused"
+
     @staticmethod
     def bell_payload(kind: ConstraintKind, version: int, *, stalled: bool = False) -> bytes:
         """``stalled``: the client saw jobs there and no pull request waiting for them."""

@@ -70,6 +70,7 @@ from rollfleet.trainer_client.inbox import ResultsInbox
 from rollfleet.trainer_client.jobids import JobIds
 from rollfleet.trainer_client.lease import ClientLease
 from rollfleet.trainer_client.placement import PUBLISH_BUDGET_S, JobPlacement
+from rollfleet.trainer_client.refusals import RefusalNotes
 from rollfleet.trainer_client.requests import build_job, constraint_from, written_constraint
 from rollfleet.trainer_client.restore import restore_namespace
 from rollfleet.trainer_client.sessions import OpenSession, Session
@@ -131,6 +132,7 @@ class RolloutClient:
         # is stored (see _answered_before).
         self._recheck_until = time.monotonic() + topology.duplicate_window_s
         self.bells = Bells(nc, names, self.fleet, self._spawn)
+        self.refusals = RefusalNotes(nc, names)  # (what the fleet's control loop hears of refusals)
         self.consumers = JobConsumers(self.js, nc, names, topology, ring=lambda c: self.bells.ring(c, fresh=True))
         self._sessions_bucket: KeyValue | None = None
         self.keeper: TopologyKeeper | None = None  # declares again what the broker lost (restore.py)
@@ -408,6 +410,7 @@ class RolloutClient:
                     handle.stored = True
                 else:
                     handle.set_error(NoCompatibleReplica(self._no_replica_message(constraint)))
+                    await self.refusals.note(constraint)
                 return handle
         self._handles[key] = handle
         # An answer that came while the look-ups above awaited went to the unclaimed ones.

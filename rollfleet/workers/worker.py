@@ -182,6 +182,11 @@ class Worker:
             heartbeat_at=now,
             heartbeat_interval_s=cfg.heartbeat_s,
             started_at=now,
+            held_version=cfg.hold_version
+            if cfg.hold_version is not None
+            else None
+            if cfg.store_dir is not None or cfg.follow_versions
+            else cfg.version,
         )
         if cfg.metrics_port is not None:
             port = self.metrics.serve(cfg.metrics_port)

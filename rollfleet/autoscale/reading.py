@@ -1,0 +1,188 @@
+"""Reading the demand signal from the broker: the facts ``signal.demand_signal`` sorts.
+
+- the jobs stream, per subject: jobs waiting, jobs running, the oldest one's age
+  (``broker.jobs_load.jobs_on_subjects``: one request when idle, a few per subject with jobs);
+- the registry: every live replica, its version, slots and busy slots, and whether it holds a
+  version (``ReplicaStatus.held_version``), through the client's ``FleetView`` (one watcher,
+  heartbeats timed on this process's clock);
+- the open sessions pinned to a version (one watcher on the sessions bucket);
+- the requests refused ``NoCompatibleReplica`` lately, as clients say them on
+  ``Names.demand_refused_subject`` (``trainer_client.refusals``): heard, counted over
+  ``REFUSAL_WINDOW_S``, never stored. A controller that restarts hears the next refusal;
+- with a store directory: whether a version asked for can still be materialized there.
+
+Everything read here is recomputed from the broker by a controller that restarts: nothing is
+kept that the broker does not hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Iterable
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from rollfleet.autoscale.signal import ReplicaFacts, Signal, SubjectKey, SubjectLoad, demand_signal, with_own_pending
+from rollfleet.broker.jobs_load import SubjectJobs, jobs_on_subjects
+from rollfleet.broker.watch import watch_keys
+from rollfleet.runtime.aio import stop_tasks
+from rollfleet.runtime.logs import get_logger
+from rollfleet.schemas import Names, ReplicaStatus, SessionRecord, decode
+from rollfleet.schemas.errors import InvalidRequest, PolicyError
+from rollfleet.trainer_client.fleet import FleetView
+
+log = get_logger("rollfleet.autoscale")
+
+REFUSAL_WINDOW_S = 30.0  # a refusal counts as demand this long after it was heard
+
+
+def subject_loads(names: Names, jobs: dict[str, SubjectJobs]) -> dict[SubjectKey, SubjectLoad]:
+    """The broker's per-subject facts keyed as the signal reads them."""
+    out: dict[SubjectKey, SubjectLoad] = {}
+    for subject, facts in jobs.items():
+        load = SubjectLoad(pending=facts.pending, in_flight=facts.in_flight, oldest_at=facts.oldest_at)
+        parsed = names.parse_job_subject(subject)
+        if parsed is not None:
+            out[parsed] = load
+            continue
+        worker_id = names.parse_replica_job_subject(subject)
+        if worker_id is not None:
+            out[("replica", worker_id)] = load
+    return out
+
+
+def replica_facts(status: ReplicaStatus, managed: bool) -> ReplicaFacts:
+    return ReplicaFacts(
+        worker_id=status.worker_id,
+        held=status.held_version,
+        active_version=status.active_version,
+        preparing_version=status.preparing_version,
+        state=status.state,
+        capacity=status.capacity,
+        in_flight=status.in_flight,
+        sessions=status.sessions,
+        managed=managed,
+        started_at=status.started_at,
+    )
+
+
+def pinned_counts(pins: Iterable[tuple[int, float]], now: float) -> dict[int, int]:
+    """Open pinned sessions per version: ``(pin, expires_at)`` each, expired ones left out."""
+    counts: dict[int, int] = {}
+    for pin, expires_at in pins:
+        if expires_at >= now:
+            counts[pin] = counts.get(pin, 0) + 1
+    return counts
+
+
+def store_has(store: Path, version: int) -> bool:
+    """Whether ``store`` can still materialize ``version`` (its chain is whole): retention may
+    have deleted it, or the versions its delta needs."""
+    from rollfleet.policy_store.materialize import plan as plan_chain
+
+    try:
+        plan_chain(store, None, version)
+    except PolicyError:
+        return False
+    return True
+
+
+class SignalReader:
+    """Holds the watchers; ``read`` gives one moment's facts."""
+
+    def __init__(self, nc: NATS, js: JetStreamContext, names: Names, store: Path | None = None) -> None:
+        self._nc, self._js, self._names, self._store = nc, js, names, store
+        self.fleet = FleetView(js, names)
+        self._pins: dict[str, tuple[int, float]] = {}  # session key -> (pin, expires at, on this clock)
+        self._refusals: deque[tuple[float, str, int]] = deque()  # (monotonic time heard, kind, version)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sub: Any = None
+        self._checked: dict[int, tuple[float, bool]] = {}  # version -> (when checked, in the store)
+
+    async def start(self) -> SignalReader:
+        await self.fleet.start()
+        sessions = await self._js.key_value(self._names.sessions_bucket)
+        self._tasks = [asyncio.create_task(watch_keys(sessions, ">", self._on_session, log), name="sessions-watch")]
+        self._sub = await self._nc.subscribe(self._names.demand_refused_subject(), cb=self._on_refused)
+        return self
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            with suppress(Exception):
+                await self._sub.unsubscribe()
+        await stop_tasks(self._tasks)
+        await self.fleet.close()
+
+    def _on_session(self, entry: Any, live: bool = False) -> None:
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            self._pins.pop(entry.key, None)
+            return
+        try:
+            record = decode(entry.value, SessionRecord, what="session record")
+        except InvalidRequest:
+            return
+        if record.version_policy == "pinned" and record.last_version is not None:
+            # (its idle time counted from when this process heard it: the writer's clock is not ours)
+            self._pins[entry.key] = (record.last_version, time.time() + record.ttl_s)
+        else:
+            self._pins.pop(entry.key, None)
+
+    async def _on_refused(self, msg: Msg) -> None:
+        parsed = Names.parse_bell_payload(msg.data)
+        if parsed is not None:
+            (kind, version), _ = parsed
+            self._refusals.append((time.monotonic(), kind, version))
+            if len(self._refusals) > 10_000:
+                self._refusals.popleft()
+
+    def refusals(self) -> dict[tuple[str, int], int]:
+        horizon = time.monotonic() - REFUSAL_WINDOW_S
+        while self._refusals and self._refusals[0][0] < horizon:
+            self._refusals.popleft()
+        counts: dict[tuple[str, int], int] = {}
+        for _, kind, version in self._refusals:
+            counts[(kind, version)] = counts.get((kind, version), 0) + 1
+        return counts
+
+    async def _unavailable(self, versions: Iterable[int]) -> set[int]:
+        """Of ``versions``, those the store directory can no longer materialize (looked at most
+        once a minute per version; an object store is not looked at: its versions count)."""
+        if self._store is None:
+            return set()
+        gone = set()
+        now = time.monotonic()
+        for v in versions:
+            when, has = self._checked.get(v, (-1e9, True))
+            if now - when > 60.0:
+                has = await asyncio.to_thread(store_has, self._store, v)
+                self._checked[v] = (now, has)
+            if not has:
+                gone.add(v)
+        return gone
+
+    async def read(self, managed: Iterable[str] = ()) -> tuple[Signal, list[ReplicaFacts]]:
+        """One moment: the signal, and the registry's live replicas (``managed``: the ids the
+        driver started; the controller adds the ones that have not registered yet)."""
+        jobs = await jobs_on_subjects(self._js, self._names)
+        now = time.time()
+        mine = set(managed)
+        subjects = subject_loads(self._names, jobs)
+        replicas = with_own_pending(
+            [replica_facts(r, r.worker_id in mine) for r in self.fleet.replicas(live_only=True)], subjects
+        )
+        latest = self.fleet.latest_version
+        signal = demand_signal(
+            latest, subjects, replicas, now, pinned=pinned_counts(self._pins.values(), now), refusals=self.refusals()
+        )
+        old = [int(k) for k, d in signal.classes.items() if isinstance(k, int) and d.wanted]
+        gone = await self._unavailable(old)
+        if gone:
+            signal = Signal(signal.latest, signal.classes, frozenset(gone))
+        return signal, replicas
