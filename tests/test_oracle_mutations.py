@@ -36,6 +36,7 @@ from reliability.adversary.oracle import (
     judge_kept,
     load_kept,
     refused_at_a_pin,
+    tap_saw_every_copy,
     topology_mismatches,
     unserved_stretches,
 )
@@ -611,7 +612,22 @@ def a_holder_seen_after_its_id_restarted(h: History) -> None:
             break
 
 
+def a_moved_copy_stored_while_the_tap_was_disconnected(h: History) -> None:
+    """A job's first copy was delivered to another replica (seen, attempt 1); the client moved it,
+    and its new copy was stored and delivered, attempt 1 again, to the replica that answered it,
+    while the wiretap was disconnected: it saw neither. The answer's "attempt 1" is the new copy's,
+    not the first copy's delivery to the other replica (campaign: flagged ``delivered``)."""
+    _submit, answer = _once_delivered(h, "replayable", once=True)
+    job = answer["job_id"]
+    other = next(w for w in ("w1", "w2", "w3", "w4") if w != answer["worker_id"])
+    [seen] = [d for d in h.tap["deliveries"] if d["job_id"] == job]
+    seen["worker"] = other
+    t_run = float(answer.get("finished_at") or answer["t"])
+    h.tap["gaps"].append([float(seen["t"]) + 0.001, max(float(seen["t"]) + 0.002, t_run - 0.001)])
+
+
 FINE: dict[str, Callable[[History], None]] = {
+    "a-moved-copy-stored-while-the-tap-was-disconnected": a_moved_copy_stored_while_the_tap_was_disconnected,
     "a-holder-seen-after-its-id-restarted": a_holder_seen_after_its_id_restarted,
     "interrupted-then-a-later-job": interrupted_then_a_later_job,
     "interrupted-then-a-later-job (converted call)": partial(interrupted_then_a_later_job, convert=True),
@@ -626,6 +642,25 @@ def test_a_history_that_is_fine_passes(name: str, recorded: Path, tmp_path: Path
     FINE[name](h)
     found = h.judge()
     assert found == {}, f"{name}: {found}"
+
+
+def test_a_copy_the_wiretap_may_have_missed_leaves_delivered_unverified() -> None:
+    gaps = [[10.0, 12.0]]
+    assert tap_saw_every_copy([], 0.0, 100.0)
+    assert tap_saw_every_copy(gaps, 0.0, 9.9) and tap_saw_every_copy(gaps, 12.1, 20.0)  # connected throughout
+    assert not tap_saw_every_copy(gaps, 0.0, 10.0)  # disconnected as the run began
+    assert not tap_saw_every_copy(gaps, 11.0, 11.5)  # the whole life inside the gap
+    assert not tap_saw_every_copy([[10.0, float("inf")]], 20.0, 30.0)  # never reconnected
+
+
+@pytest.mark.timeout(240)
+def test_a_moved_copy_missed_while_disconnected_is_counted_unverified(recorded: Path, tmp_path: Path) -> None:
+    h = History(recorded, tmp_path / "h")
+    a_moved_copy_stored_while_the_tap_was_disconnected(h)
+    assert h.judge() == {}
+    oracle = load_kept(h.dir)
+    oracle.judge()
+    assert oracle.unverified["delivered: a copy may have been stored while the wiretap was disconnected"] == 1
 
 
 # -- publisher faults (publisher_kill, publisher_race): the commits and the truth the KV says --------

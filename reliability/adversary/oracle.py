@@ -34,7 +34,8 @@ The invariants (``Oracle.checks`` counts each evaluation; each violation is one 
   the oracle learns the winner from the KV entry, never from the store, whose bytes are what is
   under test (a loser's shard under the winner's index must show as wrong tokens).
 - ``delivered`` / ``forged``: the job of every accepted result was delivered to the worker the
-  result names (the wiretap saw it); no forged answer is ever accepted.
+  result names (the wiretap saw it; where it was disconnected while a copy of the job could be
+  stored, ``tap_saw_every_copy``, unverified); no forged answer is ever accepted.
 - ``once``: a key's answers agree (same job id and tokens, or the same error) across resubmits,
   a restarted trainer and a fresh client's re-ask; the same request is never refused as a
   conflict; a key reused for another request never gets the first one's result.
@@ -218,6 +219,16 @@ def unserved_stretches(
         off = sum(max(0.0, min(end, b) - max(start, a)) for a, b in _merged(list(excluded or [])))
         out.append((start, end, max(0.0, end - start - off)))
     return out
+
+
+def tap_saw_every_copy(gaps: list[list[float]], since: float, until: float) -> bool:
+    """Whether the wiretap saw every copy of a job stored, and every delivery of one, between
+    ``since`` (the job first stored or asked for) and ``until`` (the run its answer names): it was
+    connected throughout. A copy stored while it was disconnected (``gaps``: [disconnected,
+    reconnected]; a job moved off a replica, or stored again, during a broker restart) counts its
+    deliveries from 1 unseen, so an answer's "attempt 1" may be that copy's, not the delivery
+    the wiretap saw: ``delivered`` cannot say which (unverified, never a violation)."""
+    return not any(a <= until and b >= since for a, b in gaps)
 
 
 def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -982,6 +993,8 @@ class Oracle:
                 # That delivery's record (its count) was lost with the store: the broker counts
                 # deliveries of the job again from where its copy left them.
                 self.unverified[f"delivered: the delivery's count {LOST_WITH_STORE}"] += 1
+            elif not tap_saw_every_copy(self.tap.gaps, since, max([d.t for d in seen] + [t_run])):
+                self.unverified["delivered: a copy may have been stored while the wiretap was disconnected"] += 1
             elif (
                 ran_on
                 and all(d.worker is not None for d in ran_on)
@@ -1625,7 +1638,7 @@ class Oracle:
         consumers = {d.consumer for d in seen}
         if any(t0 <= t <= t1 and n in consumers for t, n in self.tl.consumers_deleted):
             return f"{RESTORED}-declared consumer not seen by the wiretap"
-        if any(a <= t1 and b >= t0 for a, b in self.tap.gaps):
+        if not tap_saw_every_copy(self.tap.gaps, t0, t1):
             return "delivery not seen by the wiretap (disconnected)"
         if not seen or any(d.worker is None for d in seen):
             return "delivery not seen by the wiretap"
