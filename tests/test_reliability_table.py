@@ -37,7 +37,7 @@ COLUMNS = {  # the table's legend: a column per family of events
     "C": {"delete_consumer"},
     "T": {"trainer_kill", "second_client"},
     "R": {"forge", "snoop"},
-    "G": {"gateway_kill", "gateway_pause"},
+    "G": {"gateway_kill", "gateway_pause", "gateway_restart"},
     "E": {"engine_kill", "engine_pause_error", "engine_freeze"},  # (drawn only with --sglang)
     "O": {"store_truncate", "store_drop", "store_lag"},  # (drawn only with --store s3)
     "D": {"disk_full", "disk_readonly"},
@@ -52,6 +52,9 @@ def test_every_invariant_has_a_row_and_every_event_a_column() -> None:
     named = {name for line in rows for name in re.findall(r"`([a-z-]+)`", line.split("|")[1])}
     oracle = (ROOT / "reliability" / "adversary" / "oracle.py").read_text()
     judged = set(re.findall(r'self\.check\(\s*"([a-z-]+)"', oracle))
+    for module in ("oracle_loop.py", "oracle_gateway.py"):  # (the loop's and the gateways' callers')
+        text = (ROOT / "reliability" / "adversary" / module).read_text()
+        judged |= set(re.findall(r'judge\.check\(\s*"([a-z-]+)"', text))
     judged |= set(re.findall(r'Violation\(\s*"([a-z-]+)"', oracle))
     judged |= set(re.findall(r'self\.checks\["([a-z-]+)"\]', oracle))
     assert judged and judged <= named, f"invariants with no row: {sorted(judged - named)}"
@@ -72,3 +75,28 @@ def test_every_invariant_has_a_row_and_every_event_a_column() -> None:
         assert object_store_params(kind, random.Random(0))
     for kind in COLUMNS["N"]:
         assert node_params(kind, random.Random(0))["which"] in ("leader", "random")
+
+
+def test_the_page_has_its_generated_regions_and_a_campaign_is_written_into_its_own() -> None:
+    from reliability.scenarios.common import Figures
+    from reliability.scenarios.run import FIGURES, LATEST_CAMPAIGN, campaign_section, splice
+
+    page = (ROOT / "docs" / "reliability.md").read_text()
+    begin, end = "<!-- generated: latest campaign -->", "<!-- end: latest campaign -->"
+    replay = "python -m reliability.adversary --seed 19 --duration 60"
+    run = {"seed": "19", "seconds": 61.5, "events": 20, "checks": 900, "violations": 1, "replay": replay}
+    fig = Figures("12", "The machine adversary", faults=20, submitted=80, completed=60)
+    fig.notes["events by kind"] = {"kill": 3, "publish": 17}
+    fig.notes["checks by invariant"] = {"loop-tokens": 2, "gone": 5}
+    fig.notes["_campaign"] = {"runs": [run], "fresh": [19]}
+    fig.problems.append(f"seed 19: [gone] job j1: ...  (replay: {replay})")
+    written = splice(page, LATEST_CAMPAIGN, campaign_section(fig))
+    region = written.split(begin, 1)[1].split(end, 1)[0]
+    assert "It did not pass: 1 violations" in region and "[gone] job j1" in region and replay in region
+    assert "publish 17, kill 3" in region and "fresh seeds (19)" in region
+    # Everything outside the region is the page as it was, the figures' region included.
+    assert written.split(begin, 1)[0] == page.split(begin, 1)[0]
+    assert written.split(end, 1)[1] == page.split(end, 1)[1]
+    assert "## Figures\n\nnew" in splice(written, FIGURES, "## Figures\n\nnew")
+    fig.problems.clear()
+    assert "It passed: 0 violations." in campaign_section(fig)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import xxhash
@@ -54,6 +55,15 @@ def tokens_digest(outputs: Any) -> str:
     return h.hexdigest()
 
 
+def prompt_digest(token_ids: Any) -> str | None:
+    """A digest of a prompt's token ids (None for a prompt given as text): the wiretap files each
+    job it sees under it, so the oracle finds the jobs of a request whose caller never learnt
+    their ids (a keyless gateway request whose client left before its answer)."""
+    if token_ids is None:
+        return None
+    return xxhash.xxh3_64_hexdigest(json.dumps([int(t) for t in token_ids]).encode())
+
+
 def describe_result(result: Any) -> dict[str, Any]:
     """What the oracle needs of an accepted RolloutResult."""
     spans, replicas = [], []
@@ -94,4 +104,50 @@ def describe_error(exc: BaseException) -> dict[str, Any]:
         "code": getattr(exc, "code", None),
         "retryable": getattr(exc, "retryable", None),
         "message": str(getattr(exc, "message", exc))[:400],
+    }
+
+
+def http_answer(status: int, data: Any) -> dict[str, Any]:
+    """A gateway's answer to ``/generate`` as the fields ``describe_result`` (200) or
+    ``describe_error`` write: SGLang's shape (a list of items when n > 1), each item's
+    ``meta_info.rollfleet`` naming its job, replica and per-token versions. What the HTTP
+    answer does not carry (when the worker finished it, which delivery ran it, the request's
+    fingerprint) is left out: the oracle reads it from the answer as the worker published it."""
+    if status != 200:
+        err = (data or {}).get("error") if isinstance(data, dict) else None
+        if not isinstance(err, dict):
+            return {"kind": "error", "cls": f"HTTP {status}", "code": None, "retryable": None,
+                    "message": str(data)[:400], "status": status, "untyped": True}  # fmt: skip
+        return {"kind": "error", "cls": err.get("type"), "code": err.get("code"), "retryable": err.get("retryable"),
+                "message": str(err.get("message"))[:400], "status": status}  # fmt: skip
+    items = data if isinstance(data, list) else [data]
+    meta = [it.get("meta_info") or {} for it in items]
+    facts = [m.get("rollfleet") or {} for m in meta]
+    outputs = [SimpleNamespace(token_ids=list(it.get("output_ids") or [])) for it in items]
+    forged = any(o.token_ids and all(t == FORGED_TOKEN for t in o.token_ids) for o in outputs)
+    finishes = [(m.get("finish_reason") or {}).get("type") for m in meta]
+    return {
+        "kind": "result",
+        "job_id": facts[0].get("job_id"),
+        "worker_id": facts[0].get("replica"),
+        "version_start": meta[0].get("weight_version_start"),
+        "version_end": meta[0].get("weight_version_end"),
+        "spans": [[[v, a, b] for v, a, b, _ in f.get("weight_versions") or []] for f in facts],
+        "tokens": tokens_digest(outputs),
+        "token_ids": [o.token_ids for o in outputs],
+        "ntokens": sum(len(o.token_ids) for o in outputs),
+        "finish": finishes,
+        "finished_at": None,
+        "generation_s": facts[0].get("generation_s"),
+        "attempt": None,
+        "fingerprint": None,
+        "session_id": None,
+        "idem_key": facts[0].get("idempotency_key"),
+        "forged_tokens": forged,
+        "replicas": [[r for _, _, _, r in f.get("weight_versions") or []] for f in facts],
+        "lengths": [len(o.token_ids) for o in outputs],
+        "finishes": finishes,
+        "kept": 0,
+        "logprobs": [len(m.get("output_token_logprobs") or []) for m in meta],
+        "status": 200,
     }

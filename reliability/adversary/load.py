@@ -7,7 +7,10 @@ fresh keys, colliding keys such as ``k``, ``k:1``, ``k/0``, ``sample``, ``sample
 resubmits of the same request and reuses of a key for another request) and multi-turn
 sessions (pinned, monotonic, free; a failed turn is asked again with ``generate(turn=k)``).
 Every request and every answer (or typed error, or a wait that outlived its deadline by
-``HANG_SLACK_S``) is journaled, fsynced, before and after it happens.
+``HANG_SLACK_S``) is journaled, fsynced, before and after it happens. Two more lanes, each in a
+module of its own: a ``RolloutLoop`` (``--loop``, ``reliability.adversary.loop_load``) and HTTP
+trajectories and keyless callers of the gateways (``--gateway-sessions N``,
+``reliability.adversary.gateway_load``).
 
 Incarnation N > 0 is the same trainer restarted under the same client_id after a SIGKILL: it
 reads the journal, resubmits every request that has no journaled answer exactly as it was
@@ -30,7 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from reliability.adversary.journal import FORGED_TOKEN, Journal, describe_error, describe_result, tokens_digest
+from reliability.adversary.journal import Journal, describe_error, describe_result, http_answer, tokens_digest
 
 HANG_SLACK_S = 15.0  # a wait this long past the deadline is journaled as a hang and abandoned
 SUBMIT_BOUND_S = 45.0  # submit itself retries for up to 30 s while the broker is away
@@ -615,6 +618,14 @@ class Load:
             if self.inc > 0:
                 await self.resume()
             lanes = [self.plain_loop(), *(self.session_loop(i) for i in range(a.sessions))]
+            if a.loop:  # a RolloutLoop of its own client (reliability.adversary.loop_load)
+                from reliability.adversary.loop_load import LoopLane
+
+                lanes.append(LoopLane(self).run())
+            if a.gateways:  # HTTP trajectories and keyless callers (reliability.adversary.gateway_load)
+                from reliability.adversary.gateway_load import GatewaySessions
+
+                lanes += [GatewaySessions(self, i).run() for i in range(a.gateway_sessions)]
             await asyncio.gather(*lanes)
             # Everything outstanding resolves, or is journaled as a hang, within its bound.
             deadline = time.time() + 60.0 + HANG_SLACK_S
@@ -627,52 +638,6 @@ class Load:
             await self.http.close()
             await self.client.close()
         return 0
-
-
-def http_answer(status: int, data: Any) -> dict[str, Any]:
-    """A gateway's answer to ``/generate`` as the fields ``describe_result`` (200) or
-    ``describe_error`` write: SGLang's shape (a list of items when n > 1), each item's
-    ``meta_info.rollfleet`` naming its job, replica and per-token versions. What the HTTP
-    answer does not carry (when the worker finished it, which delivery ran it, the request's
-    fingerprint) is left out: the oracle reads it from the answer as the worker published it."""
-    if status != 200:
-        err = (data or {}).get("error") if isinstance(data, dict) else None
-        if not isinstance(err, dict):
-            return {"kind": "error", "cls": f"HTTP {status}", "code": None, "retryable": None,
-                    "message": str(data)[:400], "status": status, "untyped": True}  # fmt: skip
-        return {"kind": "error", "cls": err.get("type"), "code": err.get("code"), "retryable": err.get("retryable"),
-                "message": str(err.get("message"))[:400], "status": status}  # fmt: skip
-    items = data if isinstance(data, list) else [data]
-    meta = [it.get("meta_info") or {} for it in items]
-    facts = [m.get("rollfleet") or {} for m in meta]
-    outputs = [SimpleNamespace(token_ids=list(it.get("output_ids") or [])) for it in items]
-    forged = any(o.token_ids and all(t == FORGED_TOKEN for t in o.token_ids) for o in outputs)
-    finishes = [(m.get("finish_reason") or {}).get("type") for m in meta]
-    return {
-        "kind": "result",
-        "job_id": facts[0].get("job_id"),
-        "worker_id": facts[0].get("replica"),
-        "version_start": meta[0].get("weight_version_start"),
-        "version_end": meta[0].get("weight_version_end"),
-        "spans": [[[v, a, b] for v, a, b, _ in f.get("weight_versions") or []] for f in facts],
-        "tokens": tokens_digest(outputs),
-        "token_ids": [o.token_ids for o in outputs],
-        "ntokens": sum(len(o.token_ids) for o in outputs),
-        "finish": finishes,
-        "finished_at": None,
-        "generation_s": facts[0].get("generation_s"),
-        "attempt": None,
-        "fingerprint": None,
-        "session_id": None,
-        "idem_key": facts[0].get("idempotency_key"),
-        "forged_tokens": forged,
-        "replicas": [[r for _, _, _, r in f.get("weight_versions") or []] for f in facts],
-        "lengths": [len(o.token_ids) for o in outputs],
-        "finishes": finishes,
-        "kept": 0,
-        "logprobs": [len(m.get("output_token_logprobs") or []) for m in meta],
-        "status": 200,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -690,6 +655,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duplicate-window", type=float, default=15.0)
     p.add_argument("--max-deliver", type=int, default=10)
     p.add_argument("--gateways", default=None, help="a JSON file of gateway addresses (name -> http://HOST:PORT)")
+    p.add_argument("--loop", action="store_true", help="a RolloutLoop lane (reliability.adversary.loop_load)")
+    p.add_argument(
+        "--gateway-sessions", type=int, default=0, help="lanes of HTTP trajectories and keyless callers of the gateways"
+    )
     args = p.parse_args(argv)
     return asyncio.run(Load(args).run())
 

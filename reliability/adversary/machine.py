@@ -477,6 +477,23 @@ class Machine:
         if gp.end is None:
             gp.end, gp.how = time.time(), gp.how or "killed"
 
+    async def term_gateway(self, gp: GatewayProc, timeout: float = 10.0) -> None:
+        """SIGTERM (a rolling restart's stop), SIGKILL after ``timeout``."""
+        if gp.alive:
+            gp.how = gp.how or "terminated"
+            gp.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if not gp.alive:
+                    break
+                await asyncio.sleep(0.05)
+            if gp.alive:
+                terminate(gp.proc, 5.0, signal.SIGKILL)
+                gp.how = "terminated, then killed"
+        if gp.end is None:
+            gp.end, gp.how = time.time(), gp.how or "terminated"
+        self.write_gateways()
+
     async def pause_gateway(self, gp: GatewayProc, seconds: float) -> None:
         if not gp.alive:
             return

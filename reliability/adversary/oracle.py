@@ -77,6 +77,11 @@ The invariants (``Oracle.checks`` counts each evaluation; each violation is one 
   trainer only where a worker published that failure for the key; ``Interrupted`` only for an
   ``at_most_once`` job or a session's turn.
 
+The trainer's ``RolloutLoop`` and the gateways' HTTP trajectories and keyless callers are judged
+in modules of their own, from the same raw facts: ``loop-group``, ``served``, ``loop-staleness``,
+``loop-tokens`` and ``loop-ran`` (``reliability.adversary.oracle_loop``), and ``once``,
+``version``, ``served`` and ``gone`` (``reliability.adversary.oracle_gateway``).
+
 A call the trainer sent over HTTP to a ``rollfleet gateway`` (``client`` in its journal records:
 the gateways' client id, whose key it is) is judged as any other: its answer, converted from
 SGLang's shape, is recomputed (``served``), checked against its constraint (``version``), compared
@@ -708,6 +713,8 @@ class Oracle:
         self._check_converged()
         self._check_disks()
         self._check_cancelled()
+        self._check_loops()
+        self._check_gateway_sessions()
         self.notes.update(
             activations=len(self.activations),
             calls=len(self.calls),
@@ -2358,6 +2365,134 @@ class Oracle:
                     "1",
                 )
             )
+
+    # -- the rollout loop and the gateways' sessions (their own modules judge them) -----------------
+    def _keyed(self, worker: Any) -> bool:
+        """Whether tokens made by ``worker`` can be recomputed (a keyed engine: echo, or the sglang
+        stand-in); a span that names no worker: whether every worker of the run is keyed."""
+        engines = {w.worker_id: w.engine for w in self.tl.workers}
+        if worker is None:
+            return all(e in ("echo", "sglang") for e in engines.values())
+        return engines.get(str(worker)) in ("echo", "sglang")
+
+    def _blind(self, t0: float, t1: float) -> bool:
+        """Whether the wiretap may have missed an answer published in [t0, t1] (it was away, or a
+        store loss took what was stored)."""
+        return any(a <= t1 and t0 <= b for a, b in self.tap.gaps) or self._lost_during(t0, t1, "results")
+
+    def _check_loops(self) -> None:
+        """``loop-group``, ``served``, ``loop-staleness``, ``loop-tokens``, ``loop-ran``: the
+        trainer's ``RolloutLoop`` (``reliability.adversary.oracle_loop``)."""
+        from reliability.adversary.oracle_loop import Answer, judge_loops
+
+        records = [r for r in self.trainer if str(r.get("ev", "")).startswith("loop_")]
+        if not records:
+            return
+        try:
+            from reliability.adversary.truth import Truth
+        except ImportError:
+            self.unverified["loop: this rollfleet has no keyed echo engine"] += 1
+            return
+        truth = Truth(self.weights)
+        submitted: dict[str, float] = {}
+        for d in self.tap.deliveries:
+            if d.job_id and d.submitted_at:
+                submitted[d.job_id] = min(float(d.submitted_at), submitted.get(d.job_id, float("inf")))
+        stored_recs = sorted((rec for recs in self.stored.values() for rec in recs), key=lambda r: r.get("seq") or 0)
+        answers = []
+        stored: dict[str, set[str]] = defaultdict(set)
+        if stored_recs and all("ntokens" in rec for rec in stored_recs):
+            # What the results stream held at the end: every answer stored, the wiretap there or not
+            # (one per job, the first stored: the one its caller was given). Blind only where a store
+            # loss took some.
+            for rec in stored_recs:
+                parsed = self.names.parse_result_subject(rec["subject"])
+                if parsed is None or not rec.get("job_id") or rec["job_id"] in stored:
+                    continue
+                job = str(rec["job_id"])
+                stored[job].add(str(rec.get("digest")))
+                t = self._answer_seen_at(job, submitted.get(job, 0.0))
+                answers.append(Answer(parsed[0], job, t, rec.get("ntokens"), str(rec.get("digest"))))
+
+            def blind(t0: float, t1: float) -> bool:
+                return self._lost_during(t0, t1, "results")
+        else:  # (a kept run from before the stream's answers were counted: the wiretap's view)
+            for p in self.tap.published:
+                parsed = self.names.parse_result_subject(p.subject) if p.subject else None
+                if parsed is None or not p.job_id:
+                    continue
+                ntokens = 0 if p.kind == "failure" else (int(p.desc.get("ntokens") or 0) if p.desc else None)
+                answers.append(Answer(parsed[0], str(p.job_id), float(p.t), ntokens, str(p.digest)))
+            for rec in stored_recs:
+                if rec.get("job_id"):
+                    stored[str(rec["job_id"])].add(str(rec.get("digest")))
+            blind = self._blind
+        notes = judge_loops(
+            self,
+            records,
+            answers,
+            stored=stored,
+            submitted=submitted,
+            key_of=truth.key,
+            keyed=self._keyed,
+            blind=blind,
+            killed=self.ended_by_kill,
+        )
+        self.notes.update(notes)
+
+    def _check_gateway_sessions(self) -> None:
+        """``once``, ``version``, ``served`` and ``gone`` for the HTTP callers of the gateways
+        (``reliability.adversary.oracle_gateway``)."""
+        from reliability.adversary.machine import GATEWAY_CLIENT
+        from reliability.adversary.oracle_gateway import calls_of, judge_answers, judge_gone, judge_keys_and_turns
+
+        calls = calls_of(self.trainer)
+        if not calls:
+            return
+        session_of_job: dict[str, str] = {}
+        jobs_of_session: dict[str, set[str]] = defaultdict(set)
+        for d in self.tap.deliveries:
+            if d.job_id and d.session_id and d.client_id == GATEWAY_CLIENT:
+                session_of_job[d.job_id] = d.session_id
+                jobs_of_session[d.session_id].add(d.job_id)
+        for p in self.tap.published:
+            sid = (p.desc or {}).get("session_id")
+            parsed = self.names.parse_result_subject(p.subject) if p.subject else None
+            if sid and p.job_id and parsed and parsed[0] == GATEWAY_CLIENT:
+                session_of_job.setdefault(str(p.job_id), sid)
+                jobs_of_session[sid].add(str(p.job_id))
+        judge_keys_and_turns(self, calls, session_of_job, jobs_of_session)
+        try:
+            from reliability.adversary.truth import Truth
+
+            truth: Any = Truth(self.weights)
+        except ImportError:
+            truth = None
+        versions = sorted({v for _, v in self.commits})
+
+        def served(answer: dict[str, Any], prompt: list[int], seed: int | None) -> list[str] | None:
+            if truth is None or not answer.get("token_ids"):
+                return None
+            verdict = truth.judge(answer, prompt, seed=seed, keyed_replica=self._keyed, versions=versions)
+            if not verdict.checked and not verdict.mismatches:
+                return None
+            return [m.describe() for m in verdict.mismatches]
+
+        judge_answers(self, calls, served=served)
+        notes = judge_gone(
+            self,
+            calls,
+            deliveries=self.tap.deliveries,
+            published=self.tap.published,
+            acks=self.tap.acks,
+            gateway_lives=getattr(self.tl, "gateways", []) or [],
+            worker_lives=self.tl.workers,
+            outages=self.broker_out,
+            gaps=self.tap.gaps,
+            client_id=GATEWAY_CLIENT,
+            run_end=self.t_first + SAMPLE_S * len(self.samples),
+        )
+        self.notes.update(gateway_http_calls=len(calls), **notes)
 
 
 TRAINER = "trainer"

@@ -68,6 +68,8 @@ class Config:
     code: str | None = None  # another checkout's rollfleet (e.g. the code before a fix)
     schedule: str | None = None  # a named schedule instead of the seed's random one
     sessions: int = 3
+    loop: bool = True  # the trainer runs a RolloutLoop too (``reliability.adversary.loop_load``)
+    gateway_sessions: int = 1  # lanes of HTTP trajectories and keyless callers (``gateway_load``)
     ack_wait: float = 2.0
     duplicate_window: float = 15.0
     max_deliver: int = 10
@@ -93,6 +95,10 @@ class Config:
             parts.append("--cluster")
         if self.workers != 3:
             parts.append(f"--workers {self.workers}")
+        if not self.loop:
+            parts.append("--no-loop")
+        if self.gateway_sessions != 1:
+            parts.append(f"--gateway-sessions {self.gateway_sessions}")
         if not self.auth:
             parts.append("--no-auth")
         if self.schedule:
@@ -195,6 +201,8 @@ class Adversary:
         self.skipped: dict[str, int] = {}
         self.retired: set[str] = set()  # worker ids killed for good (their slot is refilled under another id)
         self.keeper: asyncio.Task[None] | None = None
+        self.loop_publisher: asyncio.Task[None] | None = None
+        self.loop_publishes = 0  # versions published for the trainer's loop (its steps)
         self.kept: list[dict[str, Any]] = []  # workers the fleet keeper started
         self.topology: Any = None
 
@@ -412,6 +420,9 @@ class Adversary:
             str(cfg.max_deliver),
             "--gateways",
             str(self.machine.gateways_file),
+            "--gateway-sessions",
+            str(cfg.gateway_sessions),
+            *(["--loop"] if cfg.loop else []),
             *self.replicas_args(),
         ]
         proc = self.machine.start_trainer(self.incarnation, args)
@@ -727,6 +738,31 @@ class Adversary:
             self.rogue_latest(v)
         return after
 
+    async def publish_loop_steps(self) -> None:
+        """The trainer's loop asks for the next version after each batch (a ``loop_step`` record in
+        its journal, ``reliability.adversary.loop_load``): published and committed here, from the
+        trainer's weights as every version is, at most one every ``LOOP_PUBLISH_GAP_S``."""
+        from reliability.adversary.loop_load import LOOP_PUBLISH_GAP_S
+
+        path = self.workdir / "trainer.jsonl"
+        offset, asked, last = 0, 0, 0.0
+        while True:
+            await asyncio.sleep(0.2)
+            try:
+                chunk = _read_from(path, offset)
+            except OSError:
+                continue
+            whole = chunk[: chunk.rfind(b"\n") + 1]  # (a line still being written is read next time)
+            offset += len(whole)
+            asked += whole.count(b'"ev":"loop_step"')
+            if asked and time.monotonic() - last >= LOOP_PUBLISH_GAP_S:
+                asked, last = 0, time.monotonic()
+                try:
+                    await self.publish("loop step")
+                    self.loop_publishes += 1
+                except Exception as exc:  # (the broker away: the loop's next step asks again)
+                    self.say("loop step publish failed", error=repr(exc)[:200])
+
     # -- choosing victims ------------------------------------------------------------------------
     def holders(self, mode: str) -> list[str]:
         """Workers that hold (were delivered, have not acked or handed back) a job of ``mode``."""
@@ -1013,7 +1049,7 @@ class Adversary:
                 self.start_trainer(self.cfg.duration - (time.time() - self.t0))
         elif ev.kind == "second_client":
             return await self.second_client()
-        elif ev.kind in ("gateway_kill", "gateway_pause"):
+        elif ev.kind in ("gateway_kill", "gateway_pause", "gateway_restart"):
             return await self.gateway_fault(ev.kind, p)
         elif ev.kind in ENGINE_KINDS:
             return await engine_event(self, ev.kind, p)
@@ -1115,8 +1151,9 @@ class Adversary:
         return True
 
     async def gateway_fault(self, kind: str, p: dict[str, Any]) -> bool:
-        """SIGKILL one gateway and start it again (on a new port, which the trainer reads from the
-        gateways file) ``after`` s later, or freeze it (SIGSTOP) for ``for_s`` s."""
+        """SIGKILL one gateway (or SIGTERM it: a rolling restart) and start it again (on a new port,
+        which the trainer reads from the gateways file) ``after`` s later, or freeze it (SIGSTOP)
+        for ``for_s`` s."""
         m = self.machine
         name = GATEWAYS[int(p["which"]) % len(GATEWAYS)]
         gp = m.gateways.get(name)
@@ -1130,8 +1167,13 @@ class Adversary:
                 await m.pause_gateway(gp, p["for_s"])
                 self.say("SIGCONT gateway", gateway=name)
                 return True
-            m.kill_gateway(gp)
-            self.say("SIGKILL gateway", gateway=name, pid=gp.proc.pid)
+            if kind == "gateway_restart":
+                self.say("SIGTERM gateway", gateway=name, pid=gp.proc.pid)
+                await m.term_gateway(gp)
+                self.say("gateway stopped", gateway=name, how=gp.how, code=gp.proc.returncode)
+            else:
+                m.kill_gateway(gp)
+                self.say("SIGKILL gateway", gateway=name, pid=gp.proc.pid)
             await asyncio.sleep(p["after"])
             fresh = m.start_gateway(name)
             listening = await m.gateway_listening(fresh)
@@ -1212,6 +1254,7 @@ class Adversary:
             await self.setup()
             self.t0 = time.time()  # event times count from here, as the schedule does
             self.keeper = asyncio.ensure_future(self.keep_fleet())
+            self.loop_publisher = asyncio.ensure_future(self.publish_loop_steps())
             self.start_trainer(cfg.duration)
             for ev in schedule:
                 await asyncio.sleep(max(0.0, self.t0 + ev.t - time.time()))
@@ -1306,6 +1349,8 @@ class Adversary:
             m.kill_trainer()
             self.say("trainer did not finish; killed")
         m.note_trainer_exit()
+        if self.loop_publisher is not None:  # (the loop's last batches are asked with its steps published)
+            self.loop_publisher.cancel()
         self.say("trainer finished", code=m.trainer.returncode if m.trainer else None)
         from reliability.adversary.objstore import watch_after_heal
 
@@ -1382,13 +1427,14 @@ class Adversary:
             ],
             "fleet_kept_at_size": self.kept,
             "trainer_incarnations": len(self.machine.timeline.trainers),
+            "loop_publishes": self.loop_publishes,
             "rogue_snooped": rogue.snooped if rogue else 0,
             "rogue_forged": rogue.forged if rogue else 0,
             "rogue_refusals": len(rogue.refusals) if rogue else 0,
         }
 
     async def close(self) -> None:
-        for task in [*self.tasks, *([self.keeper] if self.keeper else [])]:
+        for task in [*self.tasks, *(t for t in (self.keeper, self.loop_publisher) if t)]:
             task.cancel()
         for part in (self.rogue, self.tap, self.admin):
             if part is not None:
@@ -1400,6 +1446,13 @@ class Adversary:
 
         await close_object_store(self)
         self.events_journal.close()
+
+
+def _read_from(path: Path, offset: int) -> bytes:
+    """What a file holds from ``offset`` on (a journal being written: read as far as it goes)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read()
 
 
 def _child_cwd() -> Path:
@@ -1483,6 +1536,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the broker as a 3-node cluster with R3 streams; adds node events (killed, frozen, cut off)",
     )
     p.add_argument("--no-auth", action="store_true", help="no auth config (and no rogue user)")
+    p.add_argument("--no-loop", action="store_true", help="no RolloutLoop lane in the trainer")
+    p.add_argument(
+        "--gateway-sessions", type=int, default=1, help="lanes of HTTP trajectories and keyless gateway callers"
+    )
     p.add_argument("--schedule", default=None, help="a named schedule instead of the seed's random one")
     p.add_argument("--code", default=None, help="run this checkout's rollfleet (e.g. the code before a fix)")
     p.add_argument("--workdir", default=None)
@@ -1511,6 +1568,8 @@ def main(argv: list[str] | None = None) -> int:
             store=args.store,
             cluster=args.cluster,
             auth=not args.no_auth and args.schedule != "no-auth",
+            loop=not args.no_loop,
+            gateway_sessions=args.gateway_sessions,
             code=args.code,
             schedule=args.schedule,
             workdir=Path(args.workdir) / str(seed + i) if args.workdir else None,

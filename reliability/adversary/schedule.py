@@ -50,6 +50,8 @@ and with what else, it happens:
 ``gateway_kill``    SIGKILL one of the two ``rollfleet gateway`` processes the trainer sends a
                     share of its calls to (over HTTP, keyed); restarted 0.5-3 s later
 ``gateway_pause``   SIGSTOP one gateway for 1.5-5 s, then SIGCONT (its connections kept, frozen)
+``gateway_restart`` SIGTERM one gateway (a rolling restart) and start it again 0.2-2 s later; its
+                    HTTP callers' trajectories go on through the other one and then through it
 ``store_truncate``  (``--store s3``) every response the object store sends one worker (or all) is
                     cut short after 0-64 KiB and its connection closed, for 1-8 s
 ``store_drop``      (``--store s3``) one worker's (or every worker's) connections to the object
@@ -228,6 +230,8 @@ def params_for(kind: str, rng: random.Random, hf: bool) -> dict[str, Any]:
         return {"which": rng.randrange(2), "after": round(u(0.5, 3.0), 2)}
     if kind == "gateway_pause":
         return {"which": rng.randrange(2), "for_s": round(u(1.5, 5.0), 2)}
+    if kind == "gateway_restart":
+        return {"which": rng.randrange(2), "after": round(u(0.2, 2.0), 2)}
     if kind == "broker_rollback":
         return {"lag_s": round(u(1.0, 6.0), 2), "down_s": round(u(0.5, 3.0), 2)}
     if kind == "broker_wipe":
@@ -349,8 +353,10 @@ STREAMS: tuple[EventStream, ...] = (
     EventStream("links", ("partition", "partition", "lag", "cut_link"), _uniform(4.0, 12.0), 4.0, 14.0),
     # Publisher processes SIGKILLed mid-publication, or racing for one version.
     EventStream("publishers", ("publisher_kill", "publisher_race"), _uniform(5.0, 15.0), 6.0, PUBLISHER_MEAN_GAP_S),
-    # Gateway processes SIGKILLed (and restarted) or frozen.
-    EventStream("gateways", ("gateway_kill", "gateway_pause"), _uniform(3.0, 12.0), 4.0, GATEWAY_MEAN_GAP_S),
+    # Gateway processes SIGKILLed (and restarted), frozen, or restarted gracefully.
+    EventStream(
+        "gateways", ("gateway_kill", "gateway_pause", "gateway_restart"), _uniform(3.0, 12.0), 4.0, GATEWAY_MEAN_GAP_S
+    ),
     # Engine servers killed (restarted on their launch checkpoint), refusing pauses, or frozen.
     EventStream(
         "engines",

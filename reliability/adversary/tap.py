@@ -38,7 +38,7 @@ from typing import Any
 
 import xxhash
 
-from reliability.adversary.journal import FORGED_TOKEN, describe_result
+from reliability.adversary.journal import FORGED_TOKEN, describe_result, prompt_digest
 from rollfleet.broker.topology import topology_streams
 
 WORKER_CONN_PREFIX = "rollfleet-worker-"
@@ -64,6 +64,7 @@ class Delivery:
     deadline: float = 0.0  # the job's, as its client stored it
     worker: str | None = None  # resolved from /connz
     also: list[str] = field(default_factory=list)  # other workers a mirror of the same inbox named
+    prompt: str | None = None  # ``journal.prompt_digest`` of the job's prompt tokens
 
 
 @dataclass
@@ -380,6 +381,7 @@ class Tap:
                 max_tokens=(job.payload.sampling.max_tokens * job.payload.n) if job is not None else 0,
                 submitted_at=float(getattr(job, "submitted_at", 0.0) or 0.0),
                 deadline=float(getattr(job, "deadline", 0.0) or 0.0),
+                prompt=prompt_digest(job.payload.prompt_token_ids) if job is not None else None,
             )
             self._by_ack[reply] = d
             self.deliveries.append(d)
@@ -529,25 +531,41 @@ class Tap:
         return out
 
     async def stored_answers(self) -> dict[str, list[dict[str, Any]]]:
-        """What the results stream holds at the end, per idempotency key (heads only, in order)."""
+        """What the results stream holds at the end, per idempotency key (heads only, in order);
+        ``ntokens``: the answer's tokens (a chunked one's, put together from its stored chunks)."""
         from rollfleet.schemas import ChunkedOutcome, RolloutFailure, RolloutResult, decode_outcome
 
         out: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        chunks: dict[str, bytes] = {}  # a chunk's subject -> its bytes (the last stored)
+        heads: list[tuple[dict[str, Any], Any]] = []
         for m in await self.read_stream(self.names.results_stream, self.names.results_wildcard):
             try:
                 o = decode_outcome(m.data)
             except Exception:
+                chunks[m.subject] = bytes(m.data)
                 continue
             rec: dict[str, Any] = {"subject": m.subject, "seq": m.metadata.sequence.stream,
                                    "digest": xxhash.xxh3_64_hexdigest(m.data)}
             if isinstance(o, RolloutResult):
                 rec.update(kind="result", job_id=o.job_id, worker=o.worker_id, tokens=describe_result(o)["tokens"])
                 rec["forged"] = any(c.token_ids and all(t == FORGED_TOKEN for t in c.token_ids) for c in o.outputs)
+                rec["ntokens"] = sum(len(c.token_ids) for c in o.outputs)
             elif isinstance(o, RolloutFailure):
-                rec.update(kind="failure", job_id=o.job_id, worker=o.worker_id, code=o.code)
+                rec.update(kind="failure", job_id=o.job_id, worker=o.worker_id, code=o.code, ntokens=0)
             elif isinstance(o, ChunkedOutcome):
-                rec.update(kind="chunked", job_id=o.job_id, chunks=o.chunks)
+                rec.update(kind="chunked", job_id=o.job_id, chunks=o.chunks, ntokens=None)
+                heads.append((rec, o))
             out[o.idempotency_key].append(rec)
+        for rec, head in heads:
+            nonce = getattr(head, "nonce", "") or ""
+            parts = [chunks.get(f"{rec['subject']}.{nonce}.{i}" if nonce else f"{rec['subject']}.{i}")
+                     for i in range(head.chunks)]  # fmt: skip
+            data = b"".join(p for p in parts if p is not None)
+            if None in parts or len(data) != head.size or xxhash.xxh3_128_hexdigest(data) != head.digest:
+                continue
+            with contextlib.suppress(Exception):
+                whole = decode_outcome(data)
+                rec["ntokens"] = sum(len(c.token_ids) for c in whole.outputs) if isinstance(whole, RolloutResult) else 0
         return dict(out)
 
     async def stored_activations(self) -> list[Any]:

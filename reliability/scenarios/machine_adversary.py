@@ -62,6 +62,7 @@ async def campaign(
         {"seeds": len(seeds) + len(fresh), "duration_s": duration, "hf_seeds": hf_seeds, "named_schedules": len(named)},
     )
     t0 = time.monotonic()
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     checks: dict[str, int] = {}
     events: dict[str, int] = {}
     unverified: dict[str, int] = {}
@@ -87,6 +88,7 @@ async def campaign(
                 "events": report.events,
                 "checks": s["checks"],
                 "violations": s["violations"],
+                "replay": cfg.replay(),
             }
         )
         for k, v in report.checks.items():
@@ -120,5 +122,7 @@ async def campaign(
     fig.notes["runs (seed, seconds, events, checks, violations)"] = [
         (r["seed"], r["seconds"], r["events"], r["checks"], r["violations"]) for r in runs
     ]
+    # (for the page's latest-campaign region, ``reliability.scenarios.run.campaign_section``)
+    fig.notes["_campaign"] = {"started": started, "fresh": fresh, "runs": runs}
     fig.seconds = time.monotonic() - t0
     return fig

@@ -1,0 +1,372 @@
+"""The rollout loop's invariants (the lane of ``reliability.adversary.loop_load``), judged from raw facts.
+
+Sources: each loop life's records in the trainer's journal (its plan; each batch as the trainer
+received it: every group's prompt, seed and ``max_tokens`` from the source's own item, every
+sample's tokens and spans; the trainer's version when it asked; the loop's ``totals`` after
+``close()``), the answers the wiretap saw published under the loop's client id, what the results
+stream held at the end, and the trainer's weights, from which every token is recomputed. The loop's
+own labels (a batch's version, a group's staleness or ``continued_at``, its ``totals``) are read
+only to be compared with those facts, never to judge by.
+
+- ``loop-group``: every trained group is whole: ``group_size`` samples, each with the tokens it
+  was asked for (``max_tokens``, or fewer ending at a stop) and finished (not ``abort``), its spans
+  tiling its tokens; and a seeded group's samples draw distinct streams: the streams one request
+  of ``group_size`` samples seeded ``s`` draws (sample ``i``: ``sample_seed(s, i)``, the rule of
+  every engine), each once, however the loop split or continued the group. Which stream a sample
+  drew is read from its tokens (below), never from what the loop says it sent.
+- ``served``: every token of every trained sample is the token the trainer's weights at its
+  span's version make, from the prompt, the tokens before it and the sample's stream (one of the
+  group's: each is tried). A continued sample is one chain of tokens from its prompt, whatever
+  versions and jobs made its parts.
+- ``loop-staleness``: where the loop drops or requeues stale groups, every trained sample's
+  staleness, the trainer's version when it asked for the batch minus the oldest version that
+  made any of its tokens (its spans of at least one token: ``served`` proves them), is at most
+  ``max_staleness``.
+- ``loop-tokens``: after ``close()``, the tokens the workers generated for the loop (for each of
+  its jobs, the first answer the results stream stored, as read from the stream at the end: a
+  result, a stopped job's partial answer, a failure's none) equal the tokens handed to the trainer
+  (summed from the batches it received) plus the waste the loop reports by cause
+  (``totals["waste_tokens_<cause>"]``); and the loop's own count of trained tokens
+  (``totals["trained_tokens"]`` or ``totals["tokens"]``) is the batches'. A life during which a
+  store loss took answers (or, for a run kept before the stream's answers were counted, the
+  wiretap was away) and whose sums differ is counted not verifiable.
+- ``loop-ran``: the loop neither raised (``loop_error``) nor hung (a ``next_batch`` or ``close``
+  that did not return within its bound, ``loop_hang``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rollfleet.workers.engines.keyed import VOCAB, context_state, keyed_token
+
+WHOLE = ("length", "stop")  # a sample's finish reasons that say it was made to its end
+STALE_POLICIES = ("drop", "requeue")  # the policies that never train a stale group
+
+
+class Judge(Protocol):
+    """What the oracle gives each invariant: a check to count (and to fail), and what it cannot see."""
+
+    unverified: dict[str, int]
+
+    def check(self, name: str, ok: bool, key: str | None, message: str, defect: str | None = None) -> bool: ...
+
+
+@dataclass
+class LoopLife:
+    """One ``RolloutLoop`` of the trainer, as its journal tells it."""
+
+    lid: str
+    inc: int
+    client_id: str
+    plan: dict[str, Any]
+    opened: float
+    batches: list[dict[str, Any]] = field(default_factory=list)
+    closed: dict[str, Any] | None = None
+    troubles: list[dict[str, Any]] = field(default_factory=list)  # loop_error, loop_hang
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An answer the wiretap saw published: its client id (from the subject), its job, when, and its
+    tokens (None: not known, a chunked answer the wiretap could not put together)."""
+
+    client: str
+    job_id: str
+    t: float
+    ntokens: int | None
+    digest: str
+
+
+def lives_of(records: Sequence[dict[str, Any]]) -> list[LoopLife]:
+    out: dict[str, LoopLife] = {}
+    for r in records:
+        ev, lid = r.get("ev"), r.get("loop")
+        if ev == "loop_open":
+            out[lid] = LoopLife(lid, int(r.get("inc", 0)), r["client_id"], dict(r["plan"]), float(r["t"]))
+        elif lid in out and ev == "loop_batch":
+            out[lid].batches.append(r)
+        elif lid in out and ev == "loop_close":
+            out[lid].closed = r
+        elif lid in out and ev in ("loop_error", "loop_hang"):
+            out[lid].troubles.append(r)
+    return list(out.values())
+
+
+# -- a sample's tokens ------------------------------------------------------------------------------
+
+
+def made(spans: Sequence[Sequence[Any]]) -> list[tuple[int, int, int, Any]]:
+    """The spans that made at least one token, in order: (version, start, end, replica)."""
+    out = [(int(s[0]), int(s[1]), int(s[2]), s[3] if len(s) > 3 else None) for s in spans]
+    return sorted((s for s in out if s[2] > s[1]), key=lambda s: s[1])
+
+
+def tiles(spans: Sequence[Sequence[Any]], length: int) -> bool:
+    """Whether the spans that made tokens cover ``[0, length)`` once each, in order."""
+    at = 0
+    for _, start, end, _ in made(spans):
+        if start != at:
+            return False
+        at = end
+    return at == length
+
+
+def streams(seed: int | None, n: int) -> list[tuple[int | None, int]]:
+    """The streams a group of ``n`` samples may draw, as ``keyed_token``'s (seed, sample) pairs: a
+    seeded group's sample ``i`` draws ``sample_seed(seed, i)`` (sent alone as that seed's sample 0,
+    or as sample ``i`` of a request of ``n``: the same stream); an unseeded group's sample ``i``
+    differs from sample 0 by its first token only."""
+    if seed is None:
+        return [(None, i) for i in range(n)]
+    return [(seed + i, 0) for i in range(n)]
+
+
+def span_misfits(
+    key_of: Callable[[int], bytes],
+    prompt: Sequence[int],
+    tokens: Sequence[int],
+    spans: Sequence[Sequence[Any]],
+    stream: tuple[int | None, int],
+    keyed: Callable[[Any], bool],
+) -> list[int | None]:
+    """Per span that made tokens (``made``'s order), for one sample drawing ``stream``: its first
+    token that is not what its version's weights make from the context before it (-1: every one
+    is; None: a span of an engine that is not keyed, not recomputed)."""
+    seed, index = stream
+    out: list[int | None] = []
+    ctx = context_state(prompt)
+    at = 0
+    for v, start, end, replica in made(spans):
+        if start > at:  # (tokens no span made: their context still counts)
+            ctx = context_state([int(t) for t in tokens[at:start]], ctx)
+        first: int | None = -1 if keyed(replica) else None
+        key = key_of(v) if first is not None else b""
+        for j in range(start, min(end, len(tokens))):
+            tok = int(tokens[j])
+            if first == -1:
+                want = keyed_token(key, ctx, seed=seed, sample=index, first=j == 0, vocab=VOCAB)
+                # (an unseeded sample sent alone before its first token is made as sample 0 is)
+                alone = seed is None and j == 0 and keyed_token(key, ctx, seed=None, sample=0, first=True,
+                                                               vocab=VOCAB) == tok  # fmt: skip
+                if want != tok and not alone:
+                    first = j
+            ctx = context_state((tok,), ctx)
+        at = max(at, end)
+        out.append(first)
+    return out
+
+
+def _stream_name(stream: tuple[int | None, int]) -> int:
+    """A stream as the engines name it: a seeded sample's own seed, an unseeded one's index."""
+    seed, index = stream
+    return index if seed is None else seed
+
+
+def distinct_streams(fits: Sequence[set[int]]) -> bool:
+    """Whether each sample can be given a stream it fits, no stream twice (``fits``: per sample,
+    the indices of the group's streams its tokens fit)."""
+    if not fits:
+        return True
+    width = max((max(f) for f in fits if f), default=-1) + 1
+    if width < len(fits):
+        return False
+    return any(all(p[i] in f for i, f in enumerate(fits)) for p in itertools.permutations(range(width), len(fits)))
+
+
+# -- the invariants ---------------------------------------------------------------------------------
+
+
+def judge_group(
+    judge: Judge,
+    life: LoopLife,
+    batch: dict[str, Any],
+    group: dict[str, Any],
+    *,
+    key_of: Callable[[int], bytes],
+    keyed: Callable[[Any], bool],
+) -> None:
+    """``loop-group``, ``served`` and ``loop-staleness`` for one trained group."""
+    plan = life.plan
+    n, seed, want = int(plan["group_size"]), group.get("seed"), int(group["max_tokens"])
+    where = f"{life.lid} step {batch.get('step')}"
+    label = f"loop {life.lid}"
+    samples = group.get("samples") or []
+    # -- whole
+    broken: list[str] = []
+    if len(samples) != n:
+        broken.append(f"{len(samples)} samples, not group_size {n}")
+    for i, s in enumerate(samples):
+        length = len(s["tokens"])
+        if s.get("finish") not in WHOLE:
+            broken.append(f"sample {i} finished {s.get('finish')!r} after {length} of {want} tokens")
+        elif length > want or (s.get("finish") == "length" and length != want):
+            broken.append(f"sample {i} has {length} tokens, {want} asked, finished {s.get('finish')!r}")
+        if not tiles(s.get("spans") or [], length):
+            broken.append(f"sample {i}'s spans {s.get('spans')} do not tile its {length} tokens")
+    # -- served, and which stream each sample drew
+    candidates = streams(seed, n)
+    fits: list[set[int]] = []
+    misfits: list[str] = []
+    recomputed = 0
+    for i, s in enumerate(samples):
+        tokens, spans = [int(t) for t in s["tokens"]], s.get("spans") or []
+        runs = made(spans)
+        try:
+            per_stream = [span_misfits(key_of, group["prompt"], tokens, spans, c, keyed) for c in candidates]
+        except Exception as exc:  # (a version the trainer never had: no weights to key)
+            misfits.append(f"sample {i}: its spans name a version with no weights ({exc!r:.80})")
+            fits.append(set())
+            continue
+        keyed_runs = [k for k in range(len(runs)) if per_stream and per_stream[0][k] is not None]
+        recomputed += sum(runs[k][2] - runs[k][1] for k in keyed_runs)
+        whole = {c for c, got in enumerate(per_stream) if all(got[k] == -1 for k in keyed_runs)}
+        fits.append(whole)
+        if whole or not keyed_runs:
+            continue
+        by_run = {k: {c for c, got in enumerate(per_stream) if got[k] == -1} for k in keyed_runs}
+        wrong = [k for k in keyed_runs if not by_run[k]]
+        if wrong:  # tokens that no stream of the group makes at the version their span names
+            k = wrong[0]
+            bad = min(int(got[k]) for got in per_stream if got[k] is not None and got[k] >= 0)
+            misfits.append(
+                f"sample {i}: token {bad} (labelled v{runs[k][0]}, in span {list(runs[k][:3])}) is not what the "
+                f"trainer's weights make for any of the group's {len(candidates)} streams"
+            )
+        else:  # each part is some stream's, not all the same one: the sample changed streams
+            parts = ", ".join(
+                f"[{runs[k][1]}, {runs[k][2]}) stream {sorted(_stream_name(candidates[c]) for c in by_run[k])}"
+                for k in keyed_runs
+            )
+            broken.append(f"sample {i} changes streams: {parts} (a continued sample must keep its own)")
+    if recomputed == 0 and not misfits:
+        judge.unverified["served: no token of a trained sample made by a keyed engine"] += 1
+    else:
+        judge.check("served", not misfits, label, f"{where}: {'; '.join(misfits)[:600]}")
+    if seed is not None and not misfits and all(fits) and not distinct_streams(fits):
+        drew = [sorted(_stream_name(candidates[k]) for k in f) for f in fits]
+        broken.append(
+            f"seeded {seed}: its {len(samples)} samples do not draw {len(samples)} distinct streams "
+            f"(each fits only {drew}: copies)"
+        )
+    judge.check(
+        "loop-group",
+        not broken,
+        label,
+        f"{where}, prompt {group['prompt'][:4]}..., seed {seed}, split {plan.get('split_groups')}, "
+        f"partial {plan.get('partial_rollout')}: {'; '.join(broken)[:600]}",
+    )
+    # -- staleness, from the tokens
+    if plan.get("stale") not in STALE_POLICIES:
+        return
+    version = batch.get("version_before")
+    version = int(version) if version is not None else 0
+    worst = [(version - min(v for v, _, _, _ in made(s.get("spans") or [])), i)
+             for i, s in enumerate(samples) if made(s.get("spans") or [])]  # fmt: skip
+    staleness, sample = max(worst, default=(0, None))
+    bound = int(plan["max_staleness"])
+    judge.check(
+        "loop-staleness",
+        staleness <= bound,
+        label,
+        f"{where}: sample {sample} was trained at version {version} (the trainer's, when it asked) with tokens "
+        f"made at v{version - staleness}: staleness {staleness} > max_staleness {bound} (stale: {plan.get('stale')})",
+    )
+
+
+def judge_tokens(
+    judge: Judge,
+    life: LoopLife,
+    answers: Sequence[Answer],
+    *,
+    blind: bool,
+) -> None:
+    """``loop-tokens`` for a closed life: ``answers`` are the stored answers of its jobs, one per
+    job; ``blind``: the wiretap may have missed some (a gap, a store loss, during the life)."""
+    assert life.closed is not None
+    totals = life.closed.get("totals") or {}
+    trained = sum(len(s["tokens"]) for b in life.batches for g in b.get("groups") or [] for s in g["samples"])
+    waste = {k[len("waste_tokens_") :]: int(v) for k, v in totals.items() if k.startswith("waste_tokens_") and v}
+    reported = totals.get("trained_tokens", totals.get("tokens"))
+    unknown = [a.job_id for a in answers if a.ntokens is None]
+    generated = sum(a.ntokens or 0 for a in answers)
+    wrong: list[str] = []
+    if reported is not None and int(reported) != trained:
+        wrong.append(f"the loop counts {reported} tokens trained, its batches handed the trainer {trained}")
+    if generated != trained + sum(waste.values()):
+        wrong.append(
+            f"the workers generated {generated} tokens for it ({len(answers)} jobs answered), but it handed out "
+            f"{trained} and reports {sum(waste.values())} wasted {dict(sorted(waste.items()))}: "
+            f"{generated - trained - sum(waste.values())} unaccounted"
+        )
+    if wrong and (blind or unknown):
+        why = "the wiretap away during the life" if blind else "an answer's tokens not seen whole"
+        judge.unverified[f"loop-tokens: {why}"] += 1
+        return
+    judge.check("loop-tokens", not wrong, f"loop {life.lid}", "; ".join(wrong))
+
+
+def judge_loops(
+    judge: Judge,
+    records: Sequence[dict[str, Any]],
+    answers: Sequence[Answer],
+    *,
+    stored: dict[str, set[str]],
+    submitted: dict[str, float],
+    key_of: Callable[[int], bytes],
+    keyed: Callable[[Any], bool],
+    blind: Callable[[float, float], bool],
+    killed: set[int],
+) -> dict[str, int]:
+    """Every invariant above over a run's loop lives. ``stored``: job id -> the digests of its
+    answers the results stream held at the end; ``submitted``: job id -> when its client stored it
+    (from the wiretap's deliveries); ``blind(t0, t1)``: whether the wiretap may have missed an
+    answer published in [t0, t1]; ``killed``: the trainer incarnations SIGKILLed. Returns notes."""
+    lives = lives_of(records)
+    notes: dict[str, int] = defaultdict(int)
+    by_client: dict[str, list[LoopLife]] = defaultdict(list)
+    for life in lives:
+        by_client[life.client_id].append(life)
+        notes["loop_lives"] += 1
+        judge.check(
+            "loop-ran",
+            not life.troubles,
+            f"loop {life.lid}",
+            "; ".join(
+                f"{t['ev']} at {t.get('where')}: {t.get('cls') or ''} {t.get('message') or ''}"
+                f"{' after ' + str(t.get('waited_s')) + ' s' if t.get('waited_s') is not None else ''}"
+                for t in life.troubles
+            )[:600],
+        )
+        for batch in life.batches:
+            notes["loop_batches"] += 1
+            for group in batch.get("groups") or []:
+                notes["loop_groups_trained"] += 1
+                notes["loop_seeded_groups"] += group.get("seed") is not None
+                judge_group(judge, life, batch, group, key_of=key_of, keyed=keyed)
+    # Each job's stored answer, attributed to the life of its client that was open when it was stored.
+    chosen: dict[str, Answer] = {}
+    for a in sorted(answers, key=lambda a: a.t):
+        if a.client not in by_client:
+            continue
+        kept = stored.get(a.job_id)
+        if a.job_id not in chosen or (kept and a.digest in kept and chosen[a.job_id].digest not in kept):
+            chosen[a.job_id] = a
+    of_life: dict[str, list[Answer]] = defaultdict(list)
+    for a in chosen.values():
+        mine = sorted(by_client[a.client], key=lambda life: life.opened)
+        at = submitted.get(a.job_id, a.t)
+        life = next((lf for lf in reversed(mine) if lf.opened <= at + 0.5), mine[0])
+        of_life[life.lid].append(a)
+    for life in lives:
+        if life.closed is None:
+            why = "cut short by the trainer's SIGKILL" if life.inc in killed else "never closed"
+            judge.unverified[f"loop-tokens: {why}"] += 1
+            continue
+        end = float(life.closed.get("t", life.opened))
+        judge_tokens(judge, life, of_life.get(life.lid, []), blind=blind(life.opened, end + 1.0))
+    return dict(notes)
