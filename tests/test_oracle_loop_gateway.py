@@ -69,7 +69,13 @@ def life_records(groups: list[dict[str, Any]], version_before: int = 4, **plan: 
     ]
 
 
-def judge(records: list[dict[str, Any]], answers: list[Answer] | None = None, blind: bool = False) -> Judged:
+def judge(
+    records: list[dict[str, Any]],
+    answers: list[Answer] | None = None,
+    blind: bool = False,
+    prompts: set[str] | None = None,
+) -> Judged:
+    """``prompts``: the prompt digests of the loop's jobs the wiretap saw delivered."""
     j = Judged()
     judge_loops(
         j,
@@ -81,6 +87,7 @@ def judge(records: list[dict[str, Any]], answers: list[Answer] | None = None, bl
         keyed=lambda worker: True,
         blind=lambda t0, t1: blind,
         killed=set(),
+        prompts={"loop-0": prompts or set()},
     )
     return j
 
@@ -118,16 +125,23 @@ def continued(version_from: int, version_to: int, cut: int, count: int, index: i
     return sample([*head, *rest], [[version_from, 0, cut, "w1"], [version_to, cut, count, "w2"]])
 
 
-def test_a_continued_group_is_recomputed_across_its_versions_and_judged_by_its_oldest_token() -> None:
-    group = {"prompt": PROMPT, "seed": 7, "max_tokens": 12, "jobs": [],
-             "samples": [continued(2, 4, 5, 12, i, 7) for i in range(3)]}  # fmt: skip
-    assert judge(life_records([group], version_before=3)).flagged() == {}
-    # Trained at version 4 with tokens made at v2: staleness 2 > 1 (the rule is the tokens', not the
-    # version the group was continued at).
-    found = judge(life_records([group], version_before=4)).flagged()
-    assert list(found) == ["loop-staleness"] and "staleness 2 > max_staleness 1" in found["loop-staleness"][0]
+def test_a_continued_group_is_recomputed_across_its_versions_and_judged_by_its_last_run() -> None:
+    samples = [continued(2, 4, 5, 12, i, 7) for i in range(3)]
+    group = {"prompt": PROMPT, "seed": 7, "max_tokens": 12, "jobs": [], "samples": samples}
+    continuations = {prompt_digest([*PROMPT, *s["tokens"][:5]]) for s in samples}
+    # Its samples continued at v4 after 5 tokens (the wiretap saw those jobs): judged by v4.
+    assert judge(life_records([group], version_before=5), prompts=continuations).flagged() == {}
+    # Continuation jobs never seen: each sample is judged by all its tokens (v2), 3 versions old.
+    found = judge(life_records([group], version_before=5)).flagged()
+    assert list(found) == ["loop-staleness"] and "staleness 3 > max_staleness 1" in found["loop-staleness"][0]
+    # A sample that had finished at v2 before its group was stopped is judged by all its tokens: a
+    # group trained at v5 with it is stale, however fresh its continued samples are.
+    group["samples"] = [*samples[:2], seeded_group(version=2)["samples"][2]]
+    continuations = {prompt_digest([*PROMPT, *s["tokens"][:5]]) for s in samples[:2]}
+    found = judge(life_records([group], version_before=5), prompts=continuations).flagged()
+    assert list(found) == ["loop-staleness"] and "never continued" in found["loop-staleness"][0]
     # A policy that keeps stale groups is not judged by it.
-    assert judge(life_records([group], version_before=4, stale="keep")).flagged() == {}
+    assert judge(life_records([group], version_before=5, stale="keep")).flagged() == {}
 
 
 def test_a_continued_sample_that_changes_streams_is_flagged() -> None:

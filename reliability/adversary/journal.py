@@ -64,6 +64,23 @@ def prompt_digest(token_ids: Any) -> str | None:
     return xxhash.xxh3_64_hexdigest(json.dumps([int(t) for t in token_ids]).encode())
 
 
+def prefix_digests(prompt: Any, tokens: Any) -> list[str]:
+    """``prompt_digest(prompt + tokens[:c])`` for every ``c`` from 0 to ``len(tokens)``, in one pass:
+    the prompts a sample's continuations were sent with, had it been continued after ``c`` tokens."""
+    h = xxhash.xxh3_64()
+    h.update(("[" + ", ".join(str(int(t)) for t in prompt)).encode())
+    first = not list(prompt)
+    out: list[str] = []
+    for c in range(len(tokens) + 1):
+        end = h.copy()
+        end.update(b"]")
+        out.append(end.hexdigest())
+        if c < len(tokens):
+            h.update((("" if first else ", ") + str(int(tokens[c]))).encode())
+            first = False
+    return out
+
+
 def describe_result(result: Any) -> dict[str, Any]:
     """What the oracle needs of an accepted RolloutResult."""
     spans, replicas = [], []

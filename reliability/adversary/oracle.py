@@ -2427,6 +2427,10 @@ class Oracle:
                 if rec.get("job_id"):
                     stored[str(rec["job_id"])].add(str(rec.get("digest")))
             blind = self._blind
+        prompts: dict[str, set[str]] = defaultdict(set)  # client id -> its jobs' prompts (continuations)
+        for d in self.tap.deliveries:
+            if d.client_id and getattr(d, "prompt", None):
+                prompts[d.client_id].add(d.prompt)
         notes = judge_loops(
             self,
             records,
@@ -2437,6 +2441,8 @@ class Oracle:
             keyed=self._keyed,
             blind=blind,
             killed=self.ended_by_kill,
+            prompts=prompts,
+            away=lambda t0, t1: any(a <= t1 and t0 <= b for a, b in self.tap.gaps),
         )
         self.notes.update(notes)
 

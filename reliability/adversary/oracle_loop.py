@@ -19,9 +19,13 @@ only to be compared with those facts, never to judge by.
   group's: each is tried). A continued sample is one chain of tokens from its prompt, whatever
   versions and jobs made its parts.
 - ``loop-staleness``: where the loop drops or requeues stale groups, every trained sample's
-  staleness, the trainer's version when it asked for the batch minus the oldest version that
-  made any of its tokens (its spans of at least one token: ``served`` proves them), is at most
-  ``max_staleness``.
+  staleness is at most ``max_staleness``: the trainer's version when it asked for the batch minus
+  the oldest version that made a token of the sample's last run (spans of at least one token:
+  ``served`` proves them). A sample's last run is all of it unless it was continued (a partial
+  rollout, a refreshed tail): then its tokens since its last continuation, whose job the wiretap
+  saw delivered with the prompt followed by the sample's tokens so far (its earlier tokens are the
+  context the newer policy was conditioned on). A sample that had finished before its group was
+  stopped is judged by all its tokens.
 - ``loop-tokens``: after ``close()``, the tokens the workers generated for the loop (for each of
   its jobs, the first answer the results stream stored, as read from the stream at the end: a
   result, a stopped job's partial answer, a failure's none) equal the tokens handed to the trainer
@@ -42,6 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from reliability.adversary.journal import prefix_digests
 from rollfleet.workers.engines.keyed import VOCAB, context_state, keyed_token
 
 WHOLE = ("length", "stop")  # a sample's finish reasons that say it was made to its end
@@ -189,8 +194,12 @@ def judge_group(
     *,
     key_of: Callable[[int], bytes],
     keyed: Callable[[Any], bool],
+    seen_prompts: set[str],
+    blind: bool = False,
 ) -> None:
-    """``loop-group``, ``served`` and ``loop-staleness`` for one trained group."""
+    """``loop-group``, ``served`` and ``loop-staleness`` for one trained group. ``seen_prompts``: the
+    prompt digests of the jobs the wiretap saw delivered for the loop's client (``blind``: it may
+    have missed some)."""
     plan = life.plan
     n, seed, want = int(plan["group_size"]), group.get("seed"), int(group["max_tokens"])
     where = f"{life.lid} step {batch.get('step')}"
@@ -265,17 +274,35 @@ def judge_group(
         return
     version = batch.get("version_before")
     version = int(version) if version is not None else 0
-    worst = [(version - min(v for v, _, _, _ in made(s.get("spans") or [])), i)
-             for i, s in enumerate(samples) if made(s.get("spans") or [])]  # fmt: skip
-    staleness, sample = max(worst, default=(0, None))
+    judged = [(judged_from(group["prompt"], s, seen_prompts), i) for i, s in enumerate(samples)]
+    worst = [(version - v, i, cut) for (v, cut), i in judged if v is not None]
+    staleness, sample, cut = max(worst, default=(0, None, 0))
     bound = int(plan["max_staleness"])
+    if staleness > bound and blind:
+        judge.unverified["loop-staleness: the wiretap away (a continuation's job unseen)"] += 1
+        return
+    run = f"its tokens from {cut} on (its last continuation)" if cut else "its tokens (never continued)"
     judge.check(
         "loop-staleness",
         staleness <= bound,
         label,
-        f"{where}: sample {sample} was trained at version {version} (the trainer's, when it asked) with tokens "
-        f"made at v{version - staleness}: staleness {staleness} > max_staleness {bound} (stale: {plan.get('stale')})",
+        f"{where}: sample {sample} was trained at version {version} (the trainer's, when it asked) with "
+        f"{run} made at v{version - staleness}: staleness {staleness} > max_staleness {bound} "
+        f"(stale: {plan.get('stale')})",
     )
+
+
+def judged_from(prompt: Sequence[int], sample: dict[str, Any], seen_prompts: set[str]) -> tuple[int | None, int]:
+    """(the version a sample is judged by, where its last run began): the oldest version that made
+    a token of its last run. Its last run begins where its last continuation did: the longest
+    prefix of its tokens that, after the prompt, was the prompt of a job the wiretap saw delivered
+    for the loop (a continuation is sent as the prompt followed by the sample's tokens so far); a
+    sample never continued is its tokens all. Spans of no token never count."""
+    tokens = sample["tokens"]
+    digests = prefix_digests(prompt, tokens)
+    cut = next((c for c in range(len(tokens) - 1, 0, -1) if digests[c] in seen_prompts), 0)
+    versions = [v for v, start, end, _ in made(sample.get("spans") or []) if end > cut]
+    return (min(versions) if versions else None), cut
 
 
 def judge_tokens(
@@ -321,11 +348,16 @@ def judge_loops(
     keyed: Callable[[Any], bool],
     blind: Callable[[float, float], bool],
     killed: set[int],
+    prompts: dict[str, set[str]] | None = None,
+    away: Callable[[float, float], bool] = lambda t0, t1: False,
 ) -> dict[str, int]:
     """Every invariant above over a run's loop lives. ``stored``: job id -> the digests of its
     answers the results stream held at the end; ``submitted``: job id -> when its client stored it
-    (from the wiretap's deliveries); ``blind(t0, t1)``: whether the wiretap may have missed an
-    answer published in [t0, t1]; ``killed``: the trainer incarnations SIGKILLed. Returns notes."""
+    (from the wiretap's deliveries); ``blind(t0, t1)``: whether an answer stored in [t0, t1] may be
+    missing from ``answers`` (a store loss took it); ``killed``: the trainer incarnations
+    SIGKILLed; ``prompts``: client id -> the prompt digests of its jobs the wiretap saw delivered;
+    ``away(t0, t1)``: whether the wiretap was away meanwhile (it may have missed a delivery).
+    Returns notes."""
     lives = lives_of(records)
     notes: dict[str, int] = defaultdict(int)
     by_client: dict[str, list[LoopLife]] = defaultdict(list)
@@ -347,7 +379,9 @@ def judge_loops(
             for group in batch.get("groups") or []:
                 notes["loop_groups_trained"] += 1
                 notes["loop_seeded_groups"] += group.get("seed") is not None
-                judge_group(judge, life, batch, group, key_of=key_of, keyed=keyed)
+                seen = (prompts or {}).get(life.client_id, set())
+                judge_group(judge, life, batch, group, key_of=key_of, keyed=keyed, seen_prompts=seen,
+                            blind=away(life.opened, float(batch.get("t") or life.opened)))  # fmt: skip
     # Each job's stored answer, attributed to the life of its client that was open when it was stored.
     chosen: dict[str, Answer] = {}
     for a in sorted(answers, key=lambda a: a.t):
