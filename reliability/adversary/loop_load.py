@@ -2,7 +2,8 @@
 
 One lane of ``reliability.adversary.load``. Each life of the loop is drawn from the seed
 (``LoopPlan.draw``: group size, batch size, ``max_staleness``, split or unsplit groups, partial
-rollouts, oversampling and tail cancels, dynamic sampling, a group deadline, a retry policy) and
+rollouts, oversampling and tail cancels, dynamic sampling, a group deadline, a failure and a
+retry policy, a cap on groups in flight) and
 fed by a prompt source that sometimes sleeps seconds between prompts (a slow dataset, a remote
 prompt server), half its prompts seeded (``SamplingParams.seed``). The trainer takes batches,
 "trains" a moment, and after each batch asks the harness for the next version (a ``loop_step``
@@ -54,6 +55,8 @@ class LoopPlan:
     partial_rollout: bool
     oversample: int
     stale: str
+    on_failure: str
+    max_in_flight: int | None
     dynamic_sampling: bool
     group_deadline_s: float | None
     retry_policy: str
@@ -71,6 +74,8 @@ class LoopPlan:
             partial_rollout=rng.random() < 0.5,
             oversample=rng.choice((0, 0, 1)),
             stale=rng.choice(("drop", "drop", "requeue", "keep")),
+            on_failure=rng.choice(("requeue", "requeue", "report")),
+            max_in_flight=rng.choice((None, None, 2)),
             dynamic_sampling=rng.random() < 0.3,
             group_deadline_s=rng.choice((None, None, 25.0)),
             retry_policy=rng.choice(("replayable", "replayable", "at_most_once", "resume")),
@@ -90,6 +95,8 @@ class LoopPlan:
             partial_rollout=self.partial_rollout,
             oversample=self.oversample,
             stale=self.stale,  # type: ignore[arg-type]
+            on_failure=self.on_failure,  # type: ignore[arg-type]
+            max_in_flight=self.max_in_flight,
             dynamic_sampling=self.dynamic_sampling,
             group_deadline_s=self.group_deadline_s,
             retry_policy=self.retry_policy,  # type: ignore[arg-type]

@@ -2415,7 +2415,10 @@ class Oracle:
                 answers.append(Answer(parsed[0], job, t, rec.get("ntokens"), str(rec.get("digest"))))
 
             def blind(t0: float, t1: float) -> bool:
-                return self._lost_during(t0, t1, "results")
+                # (a store loss took answers; or the broker was out as the loop closed: a cancel
+                # it could not deliver, an answer it could not wait for)
+                closing = any(a <= t1 and t1 - 10.0 <= b for a, b in self.broker_out)
+                return self._lost_during(t0, t1, "results") or closing
         else:  # (a kept run from before the stream's answers were counted: the wiretap's view)
             for p in self.tap.published:
                 parsed = self.names.parse_result_subject(p.subject) if p.subject else None
