@@ -2470,7 +2470,7 @@ class Oracle:
             if sid and p.job_id and parsed and parsed[0] == GATEWAY_CLIENT:
                 session_of_job.setdefault(str(p.job_id), sid)
                 jobs_of_session[sid].add(str(p.job_id))
-        judge_keys_and_turns(self, calls, session_of_job, jobs_of_session)
+        judge_keys_and_turns(self, calls, session_of_job, jobs_of_session, self.finals)
         try:
             from reliability.adversary.truth import Truth
 

@@ -4,8 +4,9 @@ job's client id, session, prompt) and published answers, acks, the processes' li
 trainer's weights. What a gateway says about itself is never read.
 
 - ``once``: a key is one answer on this door too: every 200 for an ``Idempotency-Key`` (its
-  tries through either gateway, after the caller left, and a try reusing it for another body)
-  names the same job and the same tokens. And a trajectory (one ``X-Session-Id``) runs at most one
+  tries through either gateway, after the caller left, a try reusing it for another body, and
+  the re-ask of every answered keyed turn at the end, its session long gone on) names the same
+  job and the same tokens. And a trajectory (one ``X-Session-Id``) runs at most one
   turn per key plus one per keyless try: the turn jobs the wiretap saw delivered in its session
   are no more than that (a retried key that ran a new turn, advancing the session, shows as one
   job too many).
@@ -74,14 +75,26 @@ def judge_keys_and_turns(
     calls: dict[str, dict[str, Any]],
     session_of_job: dict[str, str],
     jobs_of_session: dict[str, set[str]],
+    finals: dict[str, dict[str, Any]] | None = None,
 ) -> None:
-    """``once``: one answer per key; no more turn jobs in a trajectory than its keys and keyless tries."""
+    """``once``: one answer per key; no more turn jobs in a trajectory than its keys and keyless
+    tries. ``finals``: the keyed turns asked again at the end (``gw:<key>``: the answer read)."""
     answers_of_key: dict[str, list[tuple[str, str, str]]] = defaultdict(list)  # key -> (job, tokens, rid)
     for c in calls.values():
         for t in c["tries"]:
             a = _answered(t)
             if a is not None and t.get("key") is not None:
                 answers_of_key[t["key"]].append((str(a.get("job_id")), str(a.get("tokens")), c["rid"]))
+    for key, seen in answers_of_key.items():
+        final = (finals or {}).get(f"gw:{key}")
+        if final is None:
+            continue
+        if final.get("kind") == "http-result" and final.get("status", 200) == 200:
+            seen.append((str(final.get("job_id")), str(final.get("tokens")), "the re-ask at the end"))
+        else:
+            judge.unverified[
+                f"once: a gateway key asked again at the end got no answer ({final.get('cls') or final.get('kind')})"
+            ] += 1
     for key, seen in sorted(answers_of_key.items()):
         distinct = sorted({(job, tokens) for job, tokens, _ in seen})
         judge.check(

@@ -397,6 +397,8 @@ def judge_loops(
         life = next((lf for lf in reversed(mine) if lf.opened <= at + 0.5), mine[0])
         of_life[life.lid].append(a)
     for life in lives:
+        if life.closed is None and not life.batches and any(t.get("where") == "construct" for t in life.troubles):
+            continue  # (never made: nothing submitted, ``loop-ran`` says why)
         if life.closed is None:
             why = "cut short by the trainer's SIGKILL" if life.inc in killed else "never closed"
             judge.unverified[f"loop-tokens: {why}"] += 1

@@ -1264,6 +1264,7 @@ class Adversary:
             await asyncio.sleep(max(0.0, self.t0 + cfg.duration - time.time()))
             await self.settle()
             finals = await self.reask_all()
+            finals.update(await self.reask_gateway_turns())
             report.notes.update(await self.collect_notes())
             from reliability.adversary.oracle import Oracle, save_inputs
 
@@ -1371,6 +1372,45 @@ class Adversary:
         out: dict[str, dict[str, Any]] = {}
         await asyncio.gather(*(self._reask(client_id, its_keys, out) for client_id, its_keys in sorted(keys.items())))
         self.say("re-asked", keys=len(out))
+        return out
+
+    async def reask_gateway_turns(self) -> dict[str, dict[str, Any]]:
+        """Every keyed trajectory turn the gateways answered 200 (``gateway_load``), asked again at the
+        end with its key, its body and its ``X-Session-Id``, through a gateway up now: its one answer
+        must come back, however far its session went on meanwhile (as ``gw:<key>`` in the finals,
+        of kind ``http-result`` or ``http-error``: judged by ``oracle_gateway`` alone)."""
+        import aiohttp
+
+        from reliability.adversary.journal import http_answer
+
+        records = Journal.read(self.workdir / "trainer.jsonl")
+        calls = {r["rid"]: r for r in records if r.get("ev") == "gw_call"}
+        asked: dict[str, dict[str, Any]] = {}
+        for r in records:
+            if r.get("ev") == "gw_try" and r.get("key") and r.get("status") == 200 and r.get("rid") in calls:
+                call = calls[r["rid"]]
+                if call.get("traj") and call.get("kind") == "turn":
+                    asked.setdefault(r["key"], {**call["body"], "input_ids": r["input_ids"], "_traj": call["traj"]})
+        out: dict[str, dict[str, Any]] = {}
+        addresses = [g.address for _, g in sorted(self.machine.gateways.items()) if g.alive and g.address]
+        if not asked or not addresses:
+            return out
+        async with aiohttp.ClientSession() as http:
+            for key, body in sorted(asked.items()):
+                traj = body.pop("_traj")
+                t = time.time()
+                for address in addresses:
+                    headers = {"Idempotency-Key": key, "X-Session-Id": traj}
+                    wait = aiohttp.ClientTimeout(total=10)
+                    try:
+                        async with http.post(f"{address}/generate", json=body, headers=headers, timeout=wait) as resp:
+                            got = http_answer(resp.status, await resp.json(content_type=None))
+                        # (kind "http-...": the oracle's other checks take the finals' results for the clients')
+                        out[f"gw:{key}"] = {**got, "kind": f"http-{got['kind']}", "t": t}
+                        break
+                    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                        out[f"gw:{key}"] = {"kind": "unreachable", "error": repr(exc)[:200], "t": t}
+        self.say("gateway turns re-asked", keys=len(out))
         return out
 
     async def _reask(self, client_id: str, keys: set[str], out: dict[str, dict[str, Any]]) -> None:
