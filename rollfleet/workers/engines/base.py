@@ -11,26 +11,10 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import overload
 
 from rollfleet.schemas import Completion, RolloutPayload
+from rollfleet.schemas.seeds import sample_seed as sample_seed  # (the rule lives with the contract)
 from rollfleet.workers.engines.session_cache import SessionCacheStats
-
-
-@overload
-def sample_seed(seed: int, index: int) -> int: ...
-
-
-@overload
-def sample_seed(seed: None, index: int) -> None: ...
-
-
-def sample_seed(seed: int | None, index: int) -> int | None:
-    """The seed of sample ``index`` of a request seeded ``seed`` (None: unseeded): ``seed + index``,
-    vLLM's own rule for its parallel samples, which every engine follows. So sample ``i`` draws
-    the same stream whether it is sent in one request of ``n`` or alone, as a request of one
-    seeded ``sample_seed(seed, i)`` (a resumed or segmented job: ``workers.jobs``)."""
-    return None if seed is None else seed + index
 
 
 @dataclass
