@@ -254,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Ctrl-C drains the workers and stops everything; the broker's store is kept for the next start.",
         formatter_class=_DefaultsFormatter,
     )
+    up = p
     p.add_argument("--workers", type=_positive_int, default=2, metavar="N", help="worker processes to start")
     p.add_argument(
         "--engine",
@@ -339,6 +340,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="the served model's tokenizer files (its chat template), for /v1/chat/completions",
     )
 
+    from rollfleet.cli.autoscale import add_parser as add_autoscale
+    from rollfleet.cli.autoscale import parse_bounds
+
+    add_autoscale(sub, _add_conn, _add_topology, _DefaultsFormatter)
+    up.add_argument(
+        "--autoscale",
+        type=parse_bounds,
+        default=None,
+        metavar="MIN:MAX",
+        help="size the fleet on its demand between MIN and MAX workers (rollfleet autoscale's local driver) "
+        "instead of --workers",
+    )
+
     p = sub.add_parser("status", help="show the fleet, queue depths and the latest version")
     _add_conn(p)
     p.add_argument("--json", action="store_true")
@@ -361,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(cmd_up(args))
         if args.command == "status":
             return asyncio.run(cmd_status(args))
+        if args.command == "autoscale":
+            from rollfleet.cli.autoscale import cmd_autoscale
+
+            return asyncio.run(cmd_autoscale(args, _conn_options(args), _topology(args)))
         if args.command == "gateway":
             return asyncio.run(cmd_gateway(args))
         if args.command == "permissions":

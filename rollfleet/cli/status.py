@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -39,10 +40,12 @@ async def collect_status(
         replicas = list((await read_replicas(fleet)).values())
         latest = await read_latest(policy)
         depths = await queue_depths(js, names)
+        autoscaler = await _autoscaler(fleet)
     finally:
         await nc.close()
     now = time.time()
     return {
+        "autoscaler": autoscaler,
         "namespace": namespace,
         "declared": True,
         "latest_version": latest,
@@ -54,6 +57,38 @@ async def collect_status(
         ],
         "queues": {f"{kind}-{v}": n for (kind, v), n in sorted(depths.items())},
     }
+
+
+async def _autoscaler(fleet: Any) -> dict[str, Any] | None:
+    """The plan the acting controller (``rollfleet autoscale``) last wrote, if one ever ran."""
+    try:
+        entry = await fleet.get(Names.AUTOSCALER_STATUS_KEY)
+        doc = json.loads(entry.value or b"null")
+    except (nats.js.errors.KeyNotFoundError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def render_autoscaler(doc: dict[str, Any] | None, now: float) -> list[str]:
+    if not doc:
+        return []
+    age = now - float(doc.get("at", now))
+    policy = doc.get("policy", {})
+    lines = [
+        "",
+        f"autoscaler {doc.get('holder')} ({age:.0f}s ago), bounds {policy.get('min')}..{policy.get('max')}:",
+        "  class     desired  actual  waiting  running  oldest wait  sessions  refused  awaiting activation",
+    ]
+    for name, c in doc.get("classes", {}).items():
+        label = name if name == "latest" else f"v{name}"
+        lines.append(
+            f"  {label:<9} {c['desired']:>7}  {c['actual']:>6}  {c['backlog']:>7}  {c['running']:>7}  "
+            f"{c['oldest_wait_s']:>10.1f}s  {c['sessions']:>8}  {c['refused']:>7}  {c['awaiting_activation']:>19}"
+        )
+    for d in doc.get("recent", [])[-3:]:
+        who = f" {d['worker_id']}" if d.get("worker_id") else ""
+        lines.append(f"  last: {d['klass']} {d['action']}{who} {d['before']}->{d['after']}: {d['reason']}")
+    return lines
 
 
 def _liveness(replica: ReplicaStatus, now: float) -> dict[str, Any]:
@@ -106,4 +141,5 @@ def render_table(snapshot: dict[str, Any]) -> str:
     lines += ["", "queue depth per jobs subject:"]
     queues = snapshot["queues"]
     lines += [f"  {name:<12} {count}" for name, count in queues.items()] or ["  (empty)"]
+    lines += render_autoscaler(snapshot.get("autoscaler"), time.time())
     return "\n".join(lines)

@@ -88,6 +88,8 @@ async def cmd_up(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if args.autoscale is not None:
+        return await _up_autoscaled(args, fleet, stop, store, model_dir)
     try:
         url = fleet.start_broker()
         if store is not None and model_dir is not None:
@@ -110,4 +112,73 @@ async def cmd_up(args: argparse.Namespace) -> int:
         print("stopping: draining workers, then the broker", flush=True)
         await asyncio.to_thread(fleet.stop)
         print(f"stopped; the broker store stays in {home / 'broker'}", flush=True)
+    return 0
+
+
+async def _up_autoscaled(
+    args: argparse.Namespace, fleet: LocalFleet, stop: asyncio.Event, store: Path | None, model_dir: Path | None
+) -> int:
+    """``up --autoscale MIN:MAX``: the broker, and the control loop with its local driver in this
+    process in place of a fixed set of workers (they die with it)."""
+    from rollfleet.autoscale.controller import Controller, ControllerConfig
+    from rollfleet.autoscale.drivers.local import LocalDriver
+    from rollfleet.autoscale.planner import Policy
+    from rollfleet.cli.status import collect_status
+
+    lo, hi = args.autoscale
+    version: int | None = None
+    controller: Controller | None = None
+    task: asyncio.Task[None] | None = None
+    halt = asyncio.Event()
+    try:
+        url = fleet.start_broker()
+        if store is not None and model_dir is not None:
+            version = await seed_store(url, args.namespace, store, model_dir)
+            print(f"policy version {version} committed from {model_dir}", flush=True)
+        driver = LocalDriver(
+            url=url,
+            namespace=args.namespace,
+            engine=args.engine,
+            home=fleet.home,
+            store=store,
+            follow_versions=args.follow_versions,
+            worker_args=list(args.worker_arg),
+            prefix=args.engine,
+        )
+        controller = Controller(
+            ControllerConfig(url=url, namespace=args.namespace, policy=Policy(min_replicas=lo, max_replicas=hi)), driver
+        )
+        task = asyncio.create_task(controller.run(halt), name="autoscale")
+
+        async def ready() -> None:
+            while True:
+                snapshot = await collect_status(url, args.namespace)
+                if sum(r["live"] and r["state"] == "ready" for r in snapshot["replicas"]) >= lo:
+                    return
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.3)
+
+        waiting = asyncio.create_task(ready())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if waiting.done():
+            waiting.result()
+            print(f"broker     {url}   (store {fleet.home.resolve() / 'broker'})", flush=True)
+            print(f"namespace  {args.namespace}", flush=True)
+            print(f"autoscale  {lo}..{hi} {args.engine} workers (rollfleet status shows the plan)", flush=True)
+            print(f"logs       {(fleet.home / 'logs').resolve()}", flush=True)
+            hint = trainer_hint(url, args.namespace, args.engine, store, model_dir, version, args.follow_versions)
+            print(hint, flush=True)
+            print(f"fleet ready: autoscaling {lo}..{hi} {args.engine} workers. Ctrl-C stops everything.", flush=True)
+            await stop.wait()
+        else:
+            waiting.cancel()
+    finally:
+        print("stopping: draining workers, then the broker", flush=True)
+        halt.set()
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)  # (the driver drains its workers)
+        await asyncio.to_thread(fleet.stop)
+        print(f"stopped; the broker store stays in {fleet.home / 'broker'}", flush=True)
     return 0

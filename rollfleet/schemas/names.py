@@ -348,6 +348,10 @@ class Names:
         """The fleet-bucket key naming the live instance of a client_id."""
         return f"client.{check_token(client_id, 'client_id')}"
 
+    # The fleet's control loop (``rollfleet autoscale``): its lease, and the plan it last made.
+    AUTOSCALER_LEASE_KEY = "autoscaler.lease"
+    AUTOSCALER_STATUS_KEY = "autoscaler.status"
+
     REPLICA_PREFIX = "replica."
     REPLICA_KEYS = "replica.>"
 

@@ -1,0 +1,173 @@
+"""``rollfleet autoscale``: the fleet's control loop, and its flags (shared with ``up --autoscale``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from pathlib import Path
+from typing import Any
+
+
+def parse_bounds(text: str) -> tuple[int, int]:
+    """``MIN:MAX`` (``1:8``)."""
+    lo, sep, hi = text.partition(":")
+    try:
+        bounds = int(lo), int(hi)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX, e.g. 1:8, got {text!r}") from None
+    if not sep or not 0 <= bounds[0] <= bounds[1] or bounds[1] < 1:
+        raise argparse.ArgumentTypeError(f"expected 0 <= MIN <= MAX and MAX >= 1, got {text!r}")
+    return bounds
+
+
+def add_policy_flags(p: argparse.ArgumentParser) -> None:
+    from rollfleet.autoscale.planner import Policy
+
+    d = Policy()
+    p.add_argument(
+        "--target-utilization",
+        type=float,
+        default=d.target_utilization,
+        help="(waiting + running jobs) per slot a class is sized for",
+    )
+    p.add_argument(
+        "--target-wait",
+        type=float,
+        default=d.target_wait_s,
+        help="seconds the oldest job may wait before one replica more",
+    )
+    p.add_argument(
+        "--hysteresis",
+        type=float,
+        default=d.hysteresis,
+        help="scale in only to a size whose load fits (1 - this) of its slots",
+    )
+    p.add_argument(
+        "--cooldown", type=float, default=d.cooldown_s, help="seconds between two changes of direction of one class"
+    )
+    p.add_argument(
+        "--scale-in-grace",
+        type=float,
+        default=d.scale_in_grace_s,
+        help="seconds the signal must ask for fewer replicas before a class shrinks",
+    )
+    p.add_argument(
+        "--hold-after",
+        type=float,
+        default=d.hold_after_s,
+        help="seconds demand for an old version lasts before a replica is held there",
+    )
+    p.add_argument("--max-per-version", type=int, default=d.max_per_version, help="held replicas per version")
+    p.add_argument(
+        "--slots-per-replica",
+        type=int,
+        default=d.slots_per_replica,
+        help="a replica's capacity until one registers its own",
+    )
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between looks at the broker")
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=10.0,
+        help="seconds a silent controller keeps the lease; a second controller waits for it",
+    )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve /metrics and /keda (KEDA's metrics-api scaler) on this port (0: a free one)",
+    )
+    p.add_argument("--http-host", default="127.0.0.1", help="address of the HTTP endpoint")
+
+
+def policy_from(args: argparse.Namespace, bounds: tuple[int, int]) -> Any:
+    from rollfleet.autoscale.planner import Policy
+
+    return Policy(
+        min_replicas=bounds[0],
+        max_replicas=bounds[1],
+        slots_per_replica=args.slots_per_replica,
+        target_utilization=args.target_utilization,
+        target_wait_s=args.target_wait,
+        hysteresis=args.hysteresis,
+        cooldown_s=args.cooldown,
+        scale_in_grace_s=args.scale_in_grace,
+        hold_after_s=args.hold_after,
+        max_per_version=args.max_per_version,
+    )
+
+
+def add_parser(sub: Any, add_conn: Any, add_topology: Any, formatter: Any) -> None:
+    p = sub.add_parser(
+        "autoscale",
+        help="size the fleet on its demand: replicas following latest, and replicas held at old versions asked for",
+        description="Read the demand the broker holds (jobs per version, pinned sessions, refused requests), plan "
+        "the fleet (a pure function of that signal, the fleet and the policy) and carry the plan out through a "
+        "driver. One controller acts at a time (a lease on the broker; a second waits). Every decision is one log "
+        "line with the signal that caused it.",
+        formatter_class=formatter,
+    )
+    add_conn(p)
+    add_topology(p)  # (what it declares, when the namespace is missing, must be the fleet's)
+    p.add_argument("--bounds", type=parse_bounds, default="1:8", metavar="MIN:MAX", help="the fleet's size")
+    p.add_argument("--driver", default="local", choices=["local"], help="local: worker processes on this host")
+    add_policy_flags(p)
+    g = p.add_argument_group("local driver (worker processes on this host)")
+    g.add_argument("--engine", default="echo", choices=["echo", "hf", "sglang", "vllm"])
+    g.add_argument(
+        "--store", default=None, help="the policy store directory workers follow (else echo follows versions)"
+    )
+    g.add_argument("--home", default=".rollfleet", help="workers' logs and local checkpoints")
+    g.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more `rollfleet worker` argument, e.g. --worker-arg=--capacity=8 (repeatable)",
+    )
+    g.add_argument("--id-prefix", default="auto", help="worker ids are PREFIX-<hex> and PREFIX-v<V>-<hex>")
+    g.add_argument(
+        "--stop-workers",
+        action="store_true",
+        help="stop the workers when the controller stops (else they run on, found again by the next one)",
+    )
+
+
+def local_driver(args: argparse.Namespace, url: str, keep_workers: bool) -> Any:
+    from rollfleet.autoscale.drivers.local import LocalDriver
+
+    return LocalDriver(
+        url=url,
+        namespace=args.namespace,
+        engine=args.engine,
+        home=Path(args.home),
+        store=Path(args.store) if args.store else None,
+        worker_args=list(args.worker_arg),
+        prefix=args.id_prefix,
+        keep_workers=keep_workers,
+    )
+
+
+async def cmd_autoscale(args: argparse.Namespace, connect_options: dict[str, Any], topology: Any) -> int:
+    from rollfleet.autoscale.controller import Controller, ControllerConfig
+
+    driver = local_driver(args, args.nats, keep_workers=not args.stop_workers)
+    config = ControllerConfig(
+        url=args.nats,
+        namespace=args.namespace,
+        policy=policy_from(args, args.bounds),
+        interval_s=args.interval,
+        lease_ttl_s=args.lease_ttl,
+        http_host=args.http_host,
+        http_port=args.http_port,
+        store=Path(args.store) if args.store else None,
+        connect_options=connect_options,
+        topology=topology,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await Controller(config, driver).run(stop)
+    return 0

@@ -1,0 +1,213 @@
+"""``rollfleet autoscale``: the lease (one controller acting), the fleet it sees, and the local
+driver scaling real worker processes up and down under real jobs, read back as KEDA reads it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import structlog
+
+from rollfleet.autoscale.controller import Controller, ControllerConfig, fleet_of
+from rollfleet.autoscale.drivers.base import Run
+from rollfleet.autoscale.drivers.local import LocalDriver, _worker_of
+from rollfleet.autoscale.lease import BrokerLease, Seen, contend, may_act, renew_due
+from rollfleet.autoscale.planner import Policy
+from rollfleet.autoscale.signal import LAUNCHING, ReplicaFacts
+from rollfleet.broker import EmbeddedBroker
+from rollfleet.broker.connection import connect
+from rollfleet.broker.topology import ensure_topology
+from rollfleet.runtime.logs import configure as configure_logs
+from rollfleet.schemas import Names
+from rollfleet.testing import temp_broker, wait_until
+from rollfleet.trainer_client import RolloutClient
+from tests.helpers import payload
+
+
+@pytest.fixture(scope="module")
+def shared_broker() -> Iterator[EmbeddedBroker]:
+    with temp_broker("rf-autoscale-ctl-") as broker:
+        yield broker
+
+
+# -- the lease's rules, as sequences ---------------------------------------------------------
+
+
+def test_a_contender_takes_the_lease_only_after_a_whole_ttl_of_the_same_revision_on_its_own_clock():
+    seen, move = contend(Seen(), None, 0.0, 10)
+    assert move == "create"
+    seen, move = contend(Seen(), 7, 100.0, 10)  # (a holder's revision: the clock starts now)
+    assert move == "wait"
+    for now, revision, expected in [(105, 7, "wait"), (109.9, 7, "wait"), (110, 8, "wait"), (119, 8, "wait")]:
+        seen, move = contend(seen, revision, now, 10)
+        assert move == expected, (now, revision)
+    assert contend(seen, 8, 120.0, 10)[1] == "take"
+
+
+def test_a_holder_stops_acting_before_any_contender_could_take_over():
+    ttl = 10.0
+    assert not renew_due(0.0, 3.0, ttl) and renew_due(0.0, ttl / 3, ttl)
+    # The holder renewed at 0; a contender reads that revision no sooner than 0 and takes it no
+    # sooner than ttl later; the holder stopped acting at ttl/2.
+    assert may_act(0.0, 4.99, ttl) and not may_act(0.0, 5.0, ttl)
+
+
+async def test_a_second_controller_waits_for_the_lease_and_takes_it_when_the_first_goes_silent(
+    shared_broker: EmbeddedBroker,
+) -> None:
+    names = Names("l" + uuid.uuid4().hex[:8])
+    nc = await connect(shared_broker.url, name="lease-test")
+    try:
+        await ensure_topology(nc.jetstream(), names)
+        kv = await nc.jetstream().key_value(names.fleet_bucket)
+        first, second = BrokerLease(kv, "first", ttl_s=0.6), BrokerLease(kv, "second", ttl_s=0.6)
+        assert await first.step() and not await second.step()
+        t0 = time.monotonic()
+        for _ in range(3):  # the first renews: the second keeps waiting
+            await asyncio.sleep(0.25)
+            assert await first.step() and not await second.step()
+        assert time.monotonic() - t0 >= 0.6  # (longer than the ttl in all)
+        silent_at = time.monotonic()  # the first stops renewing (paused, cut off)
+        await wait_until(second.step, 10, interval=0.1, what="the second controller takes the lease")
+        assert time.monotonic() - silent_at >= 0.5  # not before a whole ttl of silence (less a step)
+        assert not first.holding  # (it stopped acting after half a ttl without a renewal)
+        assert not await first.step()  # its renewal is refused: the lease is the second's
+        assert await second.holder_now() == "second"
+        await second.release()
+        assert await first.step()  # a released lease is taken at the next look
+    finally:
+        await nc.close()
+
+
+# -- the fleet the planner sees --------------------------------------------------------------
+
+
+def test_the_fleet_is_the_registry_and_the_drivers_own_replicas():
+    registry = [
+        ReplicaFacts("auto-a", in_flight=1),
+        ReplicaFacts("auto-gone"),  # its process exited; its entry lingers for a few heartbeats
+        ReplicaFacts("operator-1", held=3),
+        ReplicaFacts("auto-b"),
+    ]
+    runs = [
+        Run("auto-a", None, 1.0),
+        Run("auto-b", None, 2.0, retiring=True),
+        Run("auto-new", 4, 3.0),  # started, not registered yet
+    ]
+    fleet = {r.worker_id: r for r in fleet_of(registry, runs, lambda w: w.startswith("auto-"))}
+    assert set(fleet) == {"auto-a", "operator-1", "auto-b", "auto-new"}
+    assert fleet["auto-a"].managed and fleet["auto-a"].state == "ready" and fleet["auto-a"].in_flight == 1
+    assert not fleet["operator-1"].managed
+    assert fleet["auto-b"].state == "draining"
+    assert (fleet["auto-new"].state, fleet["auto-new"].held, fleet["auto-new"].managed) == (LAUNCHING, 4, True)
+
+
+def test_a_restarted_controller_knows_its_workers_by_their_command_lines():
+    driver = LocalDriver(url="nats://x:1", namespace="ns", prefix="auto")
+    follower = driver.command("auto-1a2b3c", None)
+    held = driver.command("auto-v3-1a2b3c", 3)
+    assert _worker_of(follower, "ns", "auto") == ("auto-1a2b3c", None)
+    assert _worker_of(held, "ns", "auto") == ("auto-v3-1a2b3c", 3)
+    assert _worker_of(held, "other", "auto") is None
+    assert _worker_of(LocalDriver(url="u", namespace="ns", prefix="x").command("x-1", None), "ns", "auto") is None
+    stored = LocalDriver(url="u", namespace="ns", store=Path("/s"), prefix="auto").command("auto-v2-ff", 2)
+    assert "--hold-version" in stored and _worker_of(stored, "ns", "auto") == ("auto-v2-ff", 2)
+
+
+# -- the local driver under real jobs --------------------------------------------------------
+
+
+def _keda_value(doc: Any, value_location: str) -> float:
+    """KEDA's metrics-api scaler: the number at ``valueLocation`` (a GJSON path; its dotted form)."""
+    for part in value_location.split("."):
+        doc = doc[part]
+    return float(doc)
+
+
+async def test_the_local_driver_scales_workers_up_under_load_and_back_down_when_it_ends(
+    shared_broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """Four one-slot jobs of a second each, bounds 1..3: the controller starts two more worker
+    processes, every job is answered once, and once the queue is empty two drain and exit (code
+    0); KEDA reads the desired size at ``classes.latest.desired`` meanwhile."""
+    url, ns = shared_broker.url, "s" + uuid.uuid4().hex[:8]
+    names = Names(ns)
+    driver = LocalDriver(
+        url=url, namespace=ns, home=tmp_path, prefix="t",
+        worker_args=["--capacity", "1", "--echo-latency", "1.0", "--heartbeat", "1"],
+    )  # fmt: skip
+    policy = Policy(min_replicas=1, max_replicas=3, slots_per_replica=1, cooldown_s=0, scale_in_grace_s=1.0,
+                    hysteresis=0.0, target_wait_s=60.0)  # fmt: skip
+    controller = Controller(ControllerConfig(url=url, namespace=ns, policy=policy, interval_s=0.3, http_port=0), driver)
+    stop = asyncio.Event()
+    popens: dict[str, Any] = {}
+    configure_logs("info")  # (the decisions are info lines; the suite runs at warning)
+    async with await RolloutClient.connect(url, namespace=ns, client_id="c") as client:
+        with structlog.testing.capture_logs() as logs:
+            task = asyncio.create_task(controller.run(stop))
+            try:
+                await wait_until(lambda: len(client.fleet.replicas()) == 1, 30, what="the minimum, one worker")
+                handles = [
+                    await client.submit(payload(), min_version=0, idempotency_key=f"k{i}", timeout=60) for i in range(4)
+                ]
+                await wait_until(lambda: len(driver.pids()) == 3, 20, what="two more workers launched")
+                popens = {w: p.popen for w, p in driver._procs.items()}
+                pids = driver.pids()
+                for pid in pids.values():
+                    os.kill(pid, 0)  # (raises if there is no such process)
+                async with httpx.AsyncClient() as http:
+                    keda = (await http.get(f"http://127.0.0.1:{controller.http_port}/keda")).json()
+                    metrics = (await http.get(f"http://127.0.0.1:{controller.http_port}/metrics")).text
+                assert _keda_value(keda, "classes.latest.desired") == 3
+                assert 'rollfleet_autoscale_desired_replicas{klass="latest"} 3.0' in metrics
+                results = await asyncio.gather(*(h.result(60) for h in handles))
+                served_by = {r.worker_id for r in results}
+                # Once the queue is empty (and the grace is spent), two drain and exit.
+                await wait_until(
+                    lambda: sum(p.poll() is not None for p in popens.values()) == 2, 30, what="two workers exited"
+                )
+                assert sorted(p.returncode for p in popens.values() if p.poll() is not None) == [0, 0]
+                assert len(driver.pids()) == 1
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, 60)
+                configure_logs()
+        # Raw facts: one answer stored per key on the results stream, and no worker process left.
+        js = client.js
+        info = await js.stream_info(names.results_stream, subjects_filter=names.results_wildcard)
+        heads = [s for s in (info.state.subjects or {}) if names.parse_result_subject(s) is not None]
+        assert len(heads) == 4 and len({names.parse_result_subject(s)[1] for s in heads}) == 4
+        assert all(p.poll() is not None for p in popens.values())
+    assert len(served_by) >= 2  # (the jobs did spread over the new workers)
+    decisions = [e for e in logs if e["event"] == "autoscale decision"]
+    ups = [d for d in decisions if d["action"] == "up"]
+    downs = [d for d in decisions if d["action"] == "down"]
+    retired = [d for d in decisions if d["action"] == "retire"]
+    assert [(u["before"], u["after"]) for u in ups] == [(0, 1), (1, 3)]
+    assert "minimum" in ups[0]["reason"] and "jobs" in ups[1]["reason"] and ups[1]["backlog"] + ups[1]["running"] >= 3
+    assert downs and downs[-1]["after"] == 1 and len(retired) == 2
+    assert all(d["reason"] for d in decisions)
+
+
+def test_keda_reads_each_class_desired_size_from_the_status_document():
+    """The document /keda serves, read at the paths a ScaledObject names: one per Deployment."""
+    from rollfleet.autoscale.controller import status_document
+    from rollfleet.autoscale.planner import PlannerState, plan
+    from rollfleet.autoscale.signal import ClassDemand, Signal
+
+    policy = Policy(min_replicas=1, max_replicas=6, hold_after_s=0)
+    signal = Signal(9, {"latest": ClassDemand(backlog=9, in_flight=3), 3: ClassDemand(sessions=1)})
+    fleet = [ReplicaFacts("a", active_version=9, capacity=4)]
+    doc = status_document(plan(signal, fleet, policy, PlannerState(), 0.0), signal, policy, "me", 0.0, [])
+    doc = json.loads(json.dumps(doc))  # (as it travels)
+    assert _keda_value(doc, "classes.latest.desired") == 3  # 12 jobs over 4-slot replicas
+    assert _keda_value(doc, "classes.3.desired") == 1
+    assert _keda_value(doc, "classes.latest.actual") == 1
