@@ -34,9 +34,10 @@ from reliability.adversary.journal import http_answer
 TRY_S = 6.0  # one try waits this long for its answer, then its caller leaves (and maybe retries)
 TURN_S = 25.0  # a turn is not tried again after this long
 LEAVE_SHARE = 0.25  # of a trajectory's tries, those whose caller leaves on purpose at a random moment
-PLAIN_SHARE = 0.3  # of the lane's calls, keyless requests whose caller leaves
+PLAIN_SHARE = 0.4  # of the lane's calls, keyless requests whose caller leaves
 KEYED_SHARE = 0.6  # of a trajectory's turns, keyed
 CONFLICT_SHARE = 0.08  # of the keyed turns, followed by a try reusing their key for another body
+LONG_SHARE = 0.4  # of the keyless turns, long ones (seconds of tokens)
 
 
 def nonce_tokens(rng: random.Random) -> list[int]:
@@ -108,7 +109,10 @@ class GatewaySessions:
                 return
             keyed = rng.random() < KEYED_SHARE
             key = f"gt-{self.load.inc}-{self.lane}-{count}-{turn}" if keyed else None
-            params: dict[str, Any] = {"max_new_tokens": rng.randint(8, 120)}
+            # (a keyless turn is now and then long: one its caller leaves runs seconds for nobody
+            # unless the gateway cancels it)
+            long = not keyed and rng.random() < LONG_SHARE
+            params: dict[str, Any] = {"max_new_tokens": rng.randint(1500, 2500) if long else rng.randint(8, 120)}
             if rng.random() < 0.3:
                 params["sampling_seed"] = rng.randrange(1, 2**31)
             body: dict[str, Any] = {"input_ids": [*context, *nonce_tokens(rng)], "sampling_params": params,
@@ -130,7 +134,9 @@ class GatewaySessions:
     async def keyless_request(self) -> None:
         rng = self.rng
         inputs = [[11, self.load.inc + 1, *nonce_tokens(rng)] for _ in range(rng.choice((1, 1, 1, 2, 4)))]
-        params = {"max_new_tokens": rng.randint(40, 400)}
+        # Long enough (4.5-9 s of the echo's tokens) that one left running generates for nobody
+        # well past the bound.
+        params = {"max_new_tokens": rng.randint(1500, 3000)}
         body: dict[str, Any] = {"input_ids": inputs[0] if len(inputs) == 1 else inputs, "sampling_params": params}
         if len(inputs) == 1 and rng.random() < 0.3:
             body["stream"] = True
