@@ -2,7 +2,8 @@
 
 Each seed runs ``reliability.adversary`` for ``DURATION`` seconds against real processes (a
 nats-server with the generated auth config, echo ``rollfleet worker`` processes with
-``--verify-live``, the trainer process, the rogue worker, the wiretap) and asserts that the
+``--verify-live``, the trainer process with its ``RolloutLoop`` and its HTTP callers of the two
+gateways, the rogue worker, the wiretap) and asserts that the
 independent oracle found no violation and that the run proved something (``Report.passed``
 fails a run that injected no event or judged no fact). A failure prints every violation, the
 seed and the one-line command that replays it. Fresh seeds are drawn (and printed) by
