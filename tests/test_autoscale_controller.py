@@ -26,7 +26,8 @@ from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.connection import connect
 from rollfleet.broker.topology import ensure_topology
 from rollfleet.runtime.logs import configure as configure_logs
-from rollfleet.schemas import Names
+from rollfleet.schemas import Names, VersionRecord
+from rollfleet.schemas.errors import NoCompatibleReplica
 from rollfleet.testing import temp_broker, wait_until
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import payload
@@ -211,3 +212,75 @@ def test_keda_reads_each_class_desired_size_from_the_status_document():
     assert _keda_value(doc, "classes.latest.desired") == 3  # 12 jobs over 4-slot replicas
     assert _keda_value(doc, "classes.3.desired") == 1
     assert _keda_value(doc, "classes.latest.actual") == 1
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie waiting for its parent to read its exit status."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.long
+async def test_an_old_version_asked_for_gets_a_held_worker_which_a_restarted_controller_releases(
+    shared_broker: EmbeddedBroker, tmp_path: Path
+) -> None:
+    """Training is at version 2; a request for exactly version 1 is refused (no replica holds
+    it), the refusal reaches the controller, which starts a worker held at 1; the request asked
+    again is served there. The controller is then stopped and another started: it finds both
+    workers by their command lines (launching none), and once the demand is gone it retires
+    the held one (SIGTERM to a process it did not start; it exits 0)."""
+    url, ns = shared_broker.url, "h" + uuid.uuid4().hex[:8]
+    policy = Policy(min_replicas=1, max_replicas=3, hold_after_s=0, scale_in_grace_s=2.0, cooldown_s=0)
+    args = ["--heartbeat", "1"]
+
+    def driver() -> LocalDriver:
+        return LocalDriver(url=url, namespace=ns, home=tmp_path, prefix="h", worker_args=args, keep_workers=True)
+
+    first = driver()
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        Controller(ControllerConfig(url=url, namespace=ns, policy=policy, interval_s=0.3), first).run(stop)
+    )
+    async with await RolloutClient.connect(url, namespace=ns, client_id="c") as client:
+        try:
+            await wait_until(lambda: len(client.fleet.replicas()) == 1, 30, what="one follower")
+            for v in (1, 2):
+                await client.commit_version(VersionRecord(version=v, kind="delta", base_version=v - 1))
+            await client.wait_for_version(2, replicas=1, timeout=30)
+            with pytest.raises(NoCompatibleReplica):
+                await (await client.submit(payload(), exact_version=1, timeout=30)).result(30)
+
+            async def served() -> Any:
+                try:
+                    return await (
+                        await client.submit(payload(), exact_version=1, idempotency_key="old", timeout=30)
+                    ).result(30)
+                except NoCompatibleReplica:
+                    return None
+
+            result = await wait_until(served, 60, interval=0.5, what="a worker held at version 1")
+            assert result.version_start == result.version_end == 1 and result.worker_id.startswith("h-v1-")
+            pids = first.pids()
+            assert len(pids) == 2
+            stop.set()
+            await asyncio.wait_for(task, 30)
+            for pid in pids.values():
+                os.kill(pid, 0)  # (still running: kept past the controller)
+            second = driver()
+            stop = asyncio.Event()
+            task = asyncio.create_task(
+                Controller(ControllerConfig(url=url, namespace=ns, policy=policy, interval_s=0.3), second).run(stop)
+            )
+            held_pid = pids[result.worker_id]
+            await wait_until(lambda: set(second.pids()) == set(pids), 30, what="both workers found again")
+            await wait_until(lambda: _exited(held_pid), 60, what="the held worker retired and exited")
+            assert (await asyncio.to_thread(os.waitpid, held_pid, 0))[1] == 0  # (our child: its status is ours)
+            assert set(second.pids()) == set(pids) - {result.worker_id}  # (nothing launched anew)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+            for d in (first, locals().get("second")):
+                if d is not None:
+                    d.stop_all()
