@@ -103,12 +103,26 @@ def test_the_fleet_is_the_registry_and_the_drivers_own_replicas():
         Run("auto-b", None, 2.0, retiring=True),
         Run("auto-new", 4, 3.0),  # started, not registered yet
     ]
-    fleet = {r.worker_id: r for r in fleet_of(registry, runs, lambda w: w.startswith("auto-"))}
+    fleet = {r.worker_id: r for r in fleet_of(registry, runs, lambda w, host: w.startswith("auto-"))}
     assert set(fleet) == {"auto-a", "operator-1", "auto-b", "auto-new"}
     assert fleet["auto-a"].managed and fleet["auto-a"].state == "ready" and fleet["auto-a"].in_flight == 1
     assert not fleet["operator-1"].managed
     assert fleet["auto-b"].state == "draining"
     assert (fleet["auto-new"].state, fleet["auto-new"].held, fleet["auto-new"].managed) == (LAUNCHING, 4, True)
+
+
+def test_a_container_is_matched_to_its_registry_entry_by_host():
+    """A Compose worker calls itself ``<hostname>-<pid>``: the driver knows only the hostname."""
+    registry = [
+        ReplicaFacts("0123456789ab-7", host="0123456789ab"),
+        ReplicaFacts("ba9876543210-7", host="ba9876543210"),
+    ]
+    runs = [Run("0123456789ab", None, 1.0, host="0123456789ab"), Run("cafecafecafe", 2, 2.0, host="cafecafecafe")]
+    seen = {"0123456789ab", "ba9876543210", "cafecafecafe"}  # (the second's container is gone)
+    fleet = {r.worker_id: r for r in fleet_of(registry, runs, lambda w, host: host in seen)}
+    assert set(fleet) == {"0123456789ab-7", "cafecafecafe"}
+    assert fleet["0123456789ab-7"].managed and fleet["0123456789ab-7"].state == "ready"
+    assert (fleet["cafecafecafe"].state, fleet["cafecafecafe"].held) == (LAUNCHING, 2)
 
 
 def test_a_restarted_controller_knows_its_workers_by_their_command_lines():

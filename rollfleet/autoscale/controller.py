@@ -50,24 +50,36 @@ STATUS_KEY = Names.AUTOSCALER_STATUS_KEY
 STATUS_REFRESH_S = 15.0  # the status is rewritten when it changes, and at least this often
 
 
-def fleet_of(registry: Iterable[ReplicaFacts], runs: Iterable[Run], owns: Callable[[str], bool]) -> list[ReplicaFacts]:
+def fleet_of(
+    registry: Iterable[ReplicaFacts], runs: Iterable[Run], owns: Callable[[str, str], bool]
+) -> list[ReplicaFacts]:
     """The fleet the planner sees: every live registry entry, the driver's own marked managed
     (and draining once told to stop); a driver's replica not registered yet as launching; an
     entry of the driver's whose process or container is gone left out (it is gone, whatever
-    its entry says for the next heartbeats)."""
+    its entry says for the next heartbeats). A run is matched to its entry by worker id, or by
+    host where the driver knows only that (``Run.host``)."""
     by_id = {r.worker_id: r for r in runs}
+    by_host = {r.host: r for r in by_id.values() if r.host}
     out: list[ReplicaFacts] = []
     for r in registry:
         run = by_id.pop(r.worker_id, None)
+        if run is None and r.host in by_host:
+            run = by_host.pop(r.host)
+            by_id.pop(run.worker_id, None)
+        elif run is not None and run.host:
+            by_host.pop(run.host, None)
         if run is None:
-            if not owns(r.worker_id):
+            if not owns(r.worker_id, r.host):
                 out.append(replace(r, managed=False))
             continue
         state = "draining" if run.retiring and r.state not in ("draining", "stopped") else r.state
         out.append(replace(r, managed=True, state=state))
     for run in by_id.values():
         state = "draining" if run.retiring else LAUNCHING
-        out.append(ReplicaFacts(run.worker_id, held=run.held, state=state, capacity=0, started_at=run.started_at))
+        out.append(
+            ReplicaFacts(run.worker_id, held=run.held, state=state, capacity=0, started_at=run.started_at,
+                         host=run.host or "")
+        )  # fmt: skip
     return out
 
 
@@ -281,6 +293,7 @@ class Controller:
         runs = await self.driver.runs()
         signal, registry = await self._reader.read(managed=[r.worker_id for r in runs])
         fleet = fleet_of(registry, runs, self.driver.owns)
+        hosts = {r.worker_id: r.host for r in fleet}
         now = time.monotonic()
         p = plan(signal, fleet, self.config.policy, self.state, now)
         self.state = p.state
@@ -289,7 +302,7 @@ class Controller:
         for worker_id in p.retire:
             if not self._lease.holding:
                 break  # (the lease lapsed meanwhile: another controller may act now)
-            await self.driver.retire(worker_id)
+            await self.driver.retire(worker_id, hosts.get(worker_id, ""))
         for launch in p.launch:
             for _ in range(launch.count):
                 if not self._lease.holding:

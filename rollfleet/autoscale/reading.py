@@ -70,6 +70,7 @@ def replica_facts(status: ReplicaStatus, managed: bool) -> ReplicaFacts:
         sessions=status.sessions,
         managed=managed,
         started_at=status.started_at,
+        host=status.host,
     )
 
 
@@ -169,7 +170,8 @@ class SignalReader:
 
     async def read(self, managed: Iterable[str] = ()) -> tuple[Signal, list[ReplicaFacts]]:
         """One moment: the signal, and the registry's live replicas (``managed``: the ids the
-        driver started; the controller adds the ones that have not registered yet)."""
+        driver started; the controller adds the ones that have not registered yet, and those it
+        knows by their host)."""
         jobs = await jobs_on_subjects(self._js, self._names)
         now = time.time()
         mine = set(managed)

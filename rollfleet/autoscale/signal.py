@@ -64,6 +64,7 @@ class ReplicaFacts:
     own_pending: int = 0  # jobs waiting on its own subject (sessions' sticky turns)
     managed: bool = True  # the controller's driver started it (and may retire it)
     started_at: float = 0.0
+    host: str = ""  # the host name its registry entry gives
 
     @property
     def counted(self) -> bool:

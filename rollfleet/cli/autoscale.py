@@ -111,7 +111,12 @@ def add_parser(sub: Any, add_conn: Any, add_topology: Any, formatter: Any) -> No
     add_conn(p)
     add_topology(p)  # (what it declares, when the namespace is missing, must be the fleet's)
     p.add_argument("--bounds", type=parse_bounds, default="1:8", metavar="MIN:MAX", help="the fleet's size")
-    p.add_argument("--driver", default="local", choices=["local"], help="local: worker processes on this host")
+    p.add_argument(
+        "--driver",
+        default="local",
+        choices=["local", "compose"],
+        help="local: worker processes on this host; compose: the worker service of a Compose project",
+    )
     add_policy_flags(p)
     g = p.add_argument_group("local driver (worker processes on this host)")
     g.add_argument("--engine", default="echo", choices=["echo", "hf", "sglang", "vllm"])
@@ -126,12 +131,25 @@ def add_parser(sub: Any, add_conn: Any, add_topology: Any, formatter: Any) -> No
         metavar="ARG",
         help="one more `rollfleet worker` argument, e.g. --worker-arg=--capacity=8 (repeatable)",
     )
+    c = p.add_argument_group("compose driver (the worker service of a Docker Compose project)")
+    c.add_argument("--compose-file", default="docker-compose.yml", help="the project's compose file")
+    c.add_argument("--project", default="rollfleet", help="the Compose project name (docker compose -p)")
+    c.add_argument("--service", default="worker", help="the worker service to scale")
     g.add_argument("--id-prefix", default="auto", help="worker ids are PREFIX-<hex> and PREFIX-v<V>-<hex>")
     g.add_argument(
         "--stop-workers",
         action="store_true",
         help="stop the workers when the controller stops (else they run on, found again by the next one)",
     )
+
+
+def compose_driver(args: argparse.Namespace) -> Any:
+    import shutil
+
+    from rollfleet.autoscale.drivers.compose import ComposeDriver
+
+    compose = ["docker", "compose"] if shutil.which("docker-compose") is None else ["docker-compose"]
+    return ComposeDriver(Path(args.compose_file), args.project, service=args.service, compose=compose)
 
 
 def local_driver(args: argparse.Namespace, url: str, keep_workers: bool) -> Any:
@@ -152,7 +170,10 @@ def local_driver(args: argparse.Namespace, url: str, keep_workers: bool) -> Any:
 async def cmd_autoscale(args: argparse.Namespace, connect_options: dict[str, Any], topology: Any) -> int:
     from rollfleet.autoscale.controller import Controller, ControllerConfig
 
-    driver = local_driver(args, args.nats, keep_workers=not args.stop_workers)
+    if args.driver == "compose":
+        driver = compose_driver(args)
+    else:
+        driver = local_driver(args, args.nats, keep_workers=not args.stop_workers)
     config = ControllerConfig(
         url=args.nats,
         namespace=args.namespace,

@@ -9,20 +9,23 @@ from typing import Protocol
 @dataclass(frozen=True)
 class Run:
     """A replica a driver runs: its worker id, the version it was started to hold (None: it
-    follows ``latest``), when it was started (unix time), and whether it was told to stop."""
+    follows ``latest``), when it was started (unix time), and whether it was told to stop.
+    ``host``: where the driver cannot name the worker id (a container whose worker calls itself
+    ``<hostname>-<pid>``), the host name its registry entry carries instead."""
 
     worker_id: str
     held: int | None
     started_at: float
     retiring: bool = False
+    host: str | None = None
 
 
 class Driver(Protocol):
     name: str
 
-    def owns(self, worker_id: str) -> bool:
-        """Whether a replica of this id would be this driver's (its process or container gone
-        means the replica is gone, whatever its registry entry still says)."""
+    def owns(self, worker_id: str, host: str) -> bool:
+        """Whether a replica of this id (on this host) would be this driver's (its process or
+        container gone means the replica is gone, whatever its registry entry still says)."""
         ...
 
     async def runs(self) -> list[Run]:
@@ -33,7 +36,7 @@ class Driver(Protocol):
         """Start one replica; its worker id."""
         ...
 
-    async def retire(self, worker_id: str) -> None:
+    async def retire(self, worker_id: str, host: str) -> None:
         """Tell one replica to stop: it drains (finishes its jobs, hands resumable ones back)."""
         ...
 

@@ -96,7 +96,7 @@ class LocalDriver:
     _procs: dict[str, _Proc] = field(default_factory=dict)
     _adopted: bool = False
 
-    def owns(self, worker_id: str) -> bool:
+    def owns(self, worker_id: str, host: str = "") -> bool:
         return worker_id.startswith(self.prefix + "-")
 
     def _adopt(self) -> None:
@@ -162,7 +162,7 @@ class LocalDriver:
                 preexec_fn=None if self.keep_workers else die_with_parent,
             )
 
-    async def retire(self, worker_id: str) -> None:
+    async def retire(self, worker_id: str, host: str = "") -> None:
         proc = self._procs.get(worker_id)
         if proc is None or proc.retiring:
             return
