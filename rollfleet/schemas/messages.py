@@ -396,6 +396,9 @@ class SessionRecord(msgspec.Struct, kw_only=True):
     # a closed one never meets the old session's answers (see ``turn_key``).
     incarnation: str = ""
     failures: dict[int, TurnFailure] = msgspec.field(default_factory=dict)  # the newest few
+    # Turns asked under a key of the caller's own (the newest few): key -> the turn's index. Asked
+    # again under that key, a turn is answered from its one run and spends no index.
+    keys: dict[str, int] = msgspec.field(default_factory=dict)
 
     def settings(self) -> tuple[object, ...]:
         return (self.version_policy, self.min_version, self.exact_version, self.max_staleness, self.retry_policy)

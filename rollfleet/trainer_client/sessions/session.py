@@ -11,7 +11,13 @@ A session's turns are ordinary jobs with three additions:
 - **Turns answered once.** Turn ``k`` has the idempotency key ``<session_id>/<incarnation>/<k>``
   (``turn_key``): asking for a turn again returns its stored answer (or raises its error), never a
   second generation. The incarnation is new at every open of an id, so a session opened again
-  under the id of a closed one never meets the old one's answers.
+  under the id of a closed one never meets the old one's answers. A turn may instead be asked
+  under a key of the caller's own (``generate(key=...)``, what an HTTP client's
+  ``Idempotency-Key`` is): its job is stored under that key, and asked again under it the turn is
+  answered from its one run, as ``submit`` answers a key, without spending another index.
+- **Each turn's own constraint.** A turn may carry its own version constraint
+  (``generate(min_version=...)``, ...); the session's version policy applies on top of it, and
+  an answer outside it is never returned.
 
 The record in the sessions bucket (settings, incarnation, next turn, last version, replica, the
 newest failures) lets a restarted trainer resume. Every write of it is a compare-and-set on the
@@ -33,7 +39,9 @@ import asyncio
 import random
 import time
 import uuid
+import weakref
 from collections import Counter
+from collections.abc import Callable
 from contextlib import suppress
 
 import nats.errors
@@ -65,6 +73,7 @@ from rollfleet.schemas.errors import (
     UnknownSession,
 )
 from rollfleet.schemas.messages import refuses_while_activating
+from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.requests import constraint_from, written_constraint
 from rollfleet.trainer_client.sessions.host import SessionHost
 from rollfleet.trainer_client.sessions.sticky import await_turn
@@ -75,6 +84,12 @@ POLICIES = ("pinned", "monotonic", "free")
 # A turn answered at its deadline still gets this long to save the session's record.
 SAVE_GRACE_S = 1.0
 _FAILURES_KEPT = 16  # turn failures remembered in the record (asked again, they raise again)
+_KEYS_KEPT = 256  # callers' own turn keys remembered in the record (asked again, they answer again)
+# Turns whose placement a ``generate`` watches (``await_turn``): a second ``generate`` of the same
+# turn (a retry under the caller's key while it runs, through another handle of the session)
+# waits for its answer instead of watching, and moving, it a second time.
+_WATCHED: weakref.WeakSet[RolloutHandle] = weakref.WeakSet()
+Own = tuple[int | None, int | None, int | None]  # a turn's own (min_version, exact_version, max_staleness)
 
 
 def turn_key(session_id: str, incarnation: str, turn: int) -> str:
@@ -244,13 +259,34 @@ class Session:
 
     # -- turns -------------------------------------------------------------------------------
     async def generate(
-        self, payload: RolloutPayload, *, turn: int | None = None, timeout: float | None = None
+        self,
+        payload: RolloutPayload,
+        *,
+        turn: int | None = None,
+        timeout: float | None = None,
+        key: str | None = None,
+        min_version: int | None = None,
+        exact_version: int | None = None,
+        max_staleness: int | None = None,
+        submitted: Callable[[RolloutHandle], None] | None = None,
     ) -> RolloutResult:
         """Run the next turn (its prompt: the whole context so far) and return its result, or
         raise its typed error. ``turn``: an earlier turn's index returns that turn's answer (a
         retry: its result, or its error again); a later one is ``SessionConflict``. ``timeout``
-        counts from this call (the session's own broker reads before the job is stored use it too)."""
+        counts from this call (the session's own broker reads before the job is stored use it too).
+
+        ``key``: the caller's own idempotency key for the turn: its job is stored under it (the
+        answer names it); asked again under it, the turn is answered from its one run and no
+        index is spent; the key with another request is ``IdempotencyConflict``, as for
+        ``submit``. ``min_version``, ``exact_version``, ``max_staleness``: the turn's own
+        constraint (else the session's), under the session's version policy. ``submitted``:
+        called with the turn's handle as soon as its job is stored (a caller that leaves may
+        cancel it)."""
         asked_at = time.time()
+        own: Own | None = None
+        if (min_version, exact_version, max_staleness) != (None, None, None):
+            constraint_from(min_version, exact_version, max_staleness, 0)  # the same checks as submit
+            own = (min_version, exact_version, max_staleness)
         if not self._opened:
             await self.open()
         if self._closed:
@@ -265,10 +301,12 @@ class Session:
             return await self._stored_answer(turn, timeout)
         if turn is not None and turn > nxt:
             raise SessionConflict(f"turn {turn} is out of order: the next turn of {self.session_id!r} is {nxt}")
+        if key is not None and key in self._record.keys:
+            return await self._asked_again(payload, key, own, timeout, asked_at, submitted)
         if self._running is not None:
             raise SessionConflict(f"turn {self._running} of {self.session_id!r} is still running")
         await self._check_still_open()
-        constraint = self._constraint()
+        constraint = self._constraint(own)
         previous, sticky = self._record.replica, self._sticky(constraint)
         self._running, self._heading = nxt, sticky  # (no await between: the next burst's choice sees it)
         spent = False
@@ -277,8 +315,8 @@ class Session:
             handle = await self._host.submit_turn(
                 payload,
                 constraint,
-                written=self._written(),
-                key=self.turn_key(nxt),
+                written=self._written(own),
+                key=key if key is not None else self.turn_key(nxt),
                 timeout=timeout,
                 retry_policy=self._record.retry_policy,
                 session_id=self.session_id,
@@ -289,7 +327,11 @@ class Session:
             if spent:
                 self._record.next_turn = nxt + 1
                 self._record.touched_at = time.time()
-            result = await await_turn(self._host.placement, handle, self.affinity_wait_s)
+                if key is not None:
+                    self._note_key(key, nxt)
+                if submitted is not None:
+                    submitted(handle)
+            result = await self._watch(handle)
             self._record.replica = result.worker_id  # where its context is cached now
             if self._record.version_policy == "monotonic":
                 self._record.last_version = max(self._record.last_version or 0, result.version_end)
@@ -299,6 +341,14 @@ class Session:
                 # (its pin was never saved); this handle's own guess yields to it.
                 self._record.last_version = result.version_end
         except IdempotencyConflict as exc:
+            if key is not None:
+                # The caller's key answers another request: nothing of this turn ran, and the
+                # index is not spent (the caller's next turn under another key is this one).
+                if spent:
+                    self._record.next_turn = nxt
+                    self._record.keys.pop(key, None)
+                spent = False
+                raise
             # A turn's key is the session's own (``turn_key``): another request under it means this
             # index was stored by another handle of this incarnation whose record of it this one
             # never read (its save lost with a broker store rolled back, or its client killed
@@ -326,22 +376,88 @@ class Session:
         self._answered(nxt, result, previous)
         return result
 
-    def _written(self) -> str:
-        """The turn's request as its caller wrote it: the session's settings (for the fingerprint)."""
+    async def _asked_again(
+        self,
+        payload: RolloutPayload,
+        key: str,
+        own: Own | None,
+        timeout: float | None,
+        asked_at: float,
+        submitted: Callable[[RolloutHandle], None] | None,
+    ) -> RolloutResult:
+        """A turn asked again under the caller's key: submitted again as the same request, so the
+        answer is its one run's (the key's job while it runs, its stored answer after; past the
+        broker's duplicate window a new run, as ``submit`` has it) and the key with another
+        request is the same ``IdempotencyConflict``. The session does not move on."""
         r = self._record
-        return f"session:{r.version_policy}:{written_constraint(r.min_version, r.exact_version, r.max_staleness)}"
+        # (Built again only if the key's job and answer are gone: at the constraint as asked, or
+        # at the pin; the policy's floor has moved with the turns since, and is not this turn's.)
+        given = own if own is not None else (r.min_version, r.exact_version, r.max_staleness)
+        constraint = constraint_from(*given, self._host.latest_version)
+        if r.version_policy == "pinned" and r.last_version is not None:
+            constraint = VersionConstraint("exact", r.last_version)
+        handle = await self._host.submit_turn(
+            payload,
+            constraint,
+            written=self._written(own),
+            key=key,
+            timeout=timeout,
+            retry_policy=self._record.retry_policy,
+            session_id=self.session_id,
+            replica=None,
+            asked_at=asked_at,
+        )
+        if submitted is not None and handle.stored:
+            submitted(handle)
+        return await self._watch(handle)
 
-    def _constraint(self) -> VersionConstraint:
+    async def _watch(self, handle: RolloutHandle) -> RolloutResult:
+        """The turn's answer, its placement watched by one ``generate`` at a time (``_WATCHED``)."""
+        if handle in _WATCHED:
+            return await handle
+        _WATCHED.add(handle)
+        try:
+            return await await_turn(self._host.placement, handle, self.affinity_wait_s)
+        finally:
+            _WATCHED.discard(handle)
+
+    def _note_key(self, key: str, turn: int) -> None:
+        keys = self._record.keys
+        keys[key] = turn
+        for old in sorted(keys, key=keys.__getitem__)[:-_KEYS_KEPT]:
+            del keys[old]
+
+    def _key_of(self, turn: int) -> str:
+        """The key turn ``turn``'s job was stored under: the caller's own, or the session's."""
+        return next((k for k, t in self._record.keys.items() if t == turn), None) or self.turn_key(turn)
+
+    def _written(self, own: Own | None = None) -> str:
+        """The turn's request as its caller wrote it: the session's settings, or the turn's own
+        constraint (for the fingerprint: a key asked again with another constraint is another request)."""
+        r = self._record
+        given = own if own is not None else (r.min_version, r.exact_version, r.max_staleness)
+        return f"session:{r.version_policy}:{written_constraint(*given)}"
+
+    def _constraint(self, own: Own | None = None) -> VersionConstraint:
+        """The turn's constraint: its own (else the session's), under the version policy. The
+        policy narrows it, never widens it: a turn is never answered outside what it asked."""
         r = self._record
         latest = self._host.latest_version
-        base = constraint_from(r.min_version, r.exact_version, r.max_staleness, latest)
+        base = constraint_from(*(own if own is not None else (r.min_version, r.exact_version, r.max_staleness)), latest)
         if r.version_policy == "pinned":
             if r.last_version is None:
                 r.last_version = self._pin(base)
+            if own is not None and not base.allows(r.last_version):  # (the session's own moved on with latest)
+                raise InvalidRequest(f"session {self.session_id!r} is pinned to version {r.last_version}, "
+                                     f"which this turn's constraint {base} does not allow")  # fmt: skip
             self._check_pin_served(r.last_version)
             return VersionConstraint("exact", r.last_version)
-        if r.version_policy == "monotonic" and base.kind == "min" and r.last_version is not None:
-            return VersionConstraint("min", max(base.version, r.last_version))
+        if r.version_policy == "monotonic" and r.last_version is not None:
+            if base.kind == "min":
+                return VersionConstraint("min", max(base.version, r.last_version))
+            if base.version < r.last_version:  # (an exact turn older than the session has gone)
+                raise InvalidRequest(f"session {self.session_id!r} is monotonic and its last turn ran at "
+                                     f"version {r.last_version}: a turn cannot ask for {base}")  # fmt: skip
         return base
 
     def _pin(self, base: VersionConstraint) -> int:
@@ -441,7 +557,7 @@ class Session:
             raise error_from_code(failure.code, failure.message, failure.retryable)
         wait = self._host.default_timeout_s if timeout is None else timeout
         try:
-            return await self._host.result(self.turn_key(turn), timeout=wait)
+            return await self._host.result(self._key_of(turn), timeout=wait)
         except TimeoutError:
             raise Expired(
                 f"no answer to turn {turn} of session {self.session_id!r} arrived within {wait:g} s"
@@ -508,6 +624,7 @@ class Session:
             if other.next_turn > self._record.next_turn:
                 self._record.next_turn = other.next_turn
             self._record.failures = {**other.failures, **self._record.failures}
+            self._record.keys = {**other.keys, **self._record.keys}
             self._revision = await self._kv.update(key, encode(self._record), last=revision)
         except Exception as exc:
             log.warning("session record not stored", session_id=self.session_id, error=str(exc))
