@@ -99,13 +99,15 @@ def test_the_body_miles_sends_is_accepted_and_its_sampling_keys_reach_the_engine
     api_types().GenerateRequest.from_json_value(body)
     req = protocol.parse_generate(body, key_header=None, default_max_staleness=None)
     assert req.payload.sampling.seed == 7 and req.payload.sampling.top_k == 0
-    assert req.payload.extra == {"skip_special_tokens": False, "no_stop_trim": True,
-                                 "spaces_between_special_tokens": False}  # fmt: skip
+    # SGLang's text options go where the SGLang engine reads its pass-through (as rollfleet's miles
+    # integration puts them); ``stop: None`` is no stop string.
+    assert req.payload.extra == {"sampling_params": {"skip_special_tokens": False, "no_stop_trim": True,
+                                                     "spaces_between_special_tokens": False}}  # fmt: skip
 
 
 def test_completions_bodies_as_the_openai_client_sends_them() -> None:
     req = protocol.parse_completions(
-        {"model": "m", "prompt": [1, 2], "max_tokens": 4, "logprobs": 1, "weight_version": {"exact_version": 0}},
+        {"model": "m", "prompt": [1, 2], "max_tokens": 4, "logprobs": 0, "weight_version": {"exact_version": 0}},
         key_header=None,
         default_max_staleness=None,
     )
@@ -183,7 +185,7 @@ async def test_the_official_openai_client_gets_exact_tokens_logprobs_and_version
         models = await oa.models.list()
         assert [m.id for m in models.data] == ["rollfleet"]
         done = await oa.completions.create(
-            model="rollfleet", prompt=[5, 6, 7], max_tokens=6, logprobs=1,
+            model="rollfleet", prompt=[5, 6, 7], max_tokens=6, logprobs=0,
             extra_body={"weight_version": {"min_required_version": 0}},
         )  # fmt: skip
         choice = done.choices[0]

@@ -101,10 +101,12 @@ def test_bad_chat_requests_are_typed_errors(hf_tokenizer: Any, tmp_path: Path) -
         return protocol.parse_chat(body, key_header=None, default_max_staleness=None, template=t)
 
     req = parse({"messages": CONVERSATION, "tools": TOOLS, "max_completion_tokens": 5, "logprobs": True, "n": 2,
-                 "weight_version": {"exact_version": 3}, "stop": ["\n"]})  # fmt: skip
+                 "weight_version": {"exact_version": 3}, "stop": [],
+                 "skip_special_tokens": False})  # fmt: skip
     assert req.route == "chat" and req.logprobs and req.payload.n == 2 and req.payload.sampling.max_tokens == 5
     assert req.payload.prompt_text is not None and req.payload.prompt_text.endswith("<|im_start|>assistant\n")
-    assert req.constraint.as_kwargs() == {"exact_version": 3} and req.payload.extra == {"stop": ["\n"]}
+    assert req.constraint.as_kwargs() == {"exact_version": 3}
+    assert req.payload.extra == {"sampling_params": {"skip_special_tokens": False}}
     with pytest.raises(InvalidRequest, match="--tokenizer"):
         parse({"messages": CONVERSATION}, None)
     bad_bodies: list[Any] = [
@@ -117,6 +119,7 @@ def test_bad_chat_requests_are_typed_errors(hf_tokenizer: Any, tmp_path: Path) -
         {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}},
         {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
         {"messages": [{"role": "user", "content": "x"}], "logprobs": 1},
+        {"messages": [{"role": "user", "content": "x"}], "stop": ["\n"]},  # (no engine is told stop strings)
     ]
     for body in bad_bodies:
         with pytest.raises(InvalidRequest):

@@ -1,49 +1,316 @@
-"""The gateway's HTTP contract, as pure functions: request bodies in, rollfleet requests out;
-results and errors in, response bodies out. No I/O; ``gateway.server`` carries them out.
+"""The gateway's HTTP contract, as pure functions: request bodies and headers in, rollfleet
+requests out; results and errors in, response bodies and statuses out. No I/O; ``gateway.app``
+carries them out, and ``gateway.request_state`` decides what becomes of each request.
 
-Two request shapes are read:
+Three request shapes are read:
 
 - SGLang's native ``POST /generate`` (what miles' rollout code sends): ``input_ids`` or
   ``text``, ``sampling_params``, ``return_logprob``, ``stream``, ``rid``;
 - OpenAI's ``POST /v1/completions`` (what the official ``openai`` client sends): ``prompt`` as
-  text or token ids, ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``stop``, ``seed``,
-  ``logprobs``, ``stream``;
+  text or token ids, ``max_tokens``, ``temperature``, ``top_p``, ``n``, ``seed``, ``logprobs``
+  (0: the sampled tokens' own), ``stream``;
 - OpenAI's ``POST /v1/chat/completions``: ``messages`` (and ``tools``) rendered into the prompt
   by the served model's chat template (``gateway.chat``), the same sampling fields,
   ``logprobs: true``.
 
-Both may carry Stitch's constraint object, ``weight_version: {"min_required_version": N,
-"exact_version": N}`` (through ``extra_body`` for the ``openai`` client); without one the
-gateway's default applies. Every field is checked for its type; an unknown field of
-``weight_version`` or of ``sampling_params`` is refused (a misspelt constraint must never
-silently mean "any version").
+Each may carry Stitch's constraint object, ``weight_version: {"min_required_version": N}`` or
+``{"exact_version": N}`` (through ``extra_body`` for the ``openai`` client); without one the
+gateway's default applies.
+
+What is not honoured is refused, never dropped: every field a route may be sent is in one table
+(``FIELDS``, ``SAMPLING_FIELDS``): read into rollfleet's payload (every engine honours those),
+passed to the engine as SGLang's own text options, a hint that changes nothing generated, or
+accepted only at the value that changes nothing (a penalty of 0, no ``logit_bias``; any other
+value is a 400 naming the field: the payload has no field for it, and the gateway cannot choose
+a replica whose engine would honour it). An unknown field is a 400 naming it; a field of the
+wrong type too; a body with a key twice is refused whole.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
 from rollfleet.gateway.chat import ChatTemplate, messages_of, tools_of
-from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams
+from rollfleet.schemas import DEFAULT_LIMITS, RolloutPayload, RolloutResult, SamplingParams
+from rollfleet.schemas.bounded import load_json
 from rollfleet.schemas.errors import InvalidRequest, RollfleetError
 from rollfleet.schemas.progress import TokenChunk
 
 Route = Literal["generate", "completions", "chat"]
 
-# SGLang's sampling parameters (sglang.api.v1.SamplingParams, which refuses any other key). The
-# gateway reads the ones rollfleet's payload has; the rest reach the engine as they are.
-_SAMPLING_READ = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "n", "sampling_seed"}
-_SAMPLING_PASSED = {
-    "stop", "stop_regex", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens",
-    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "custom_params",
-    "beam_width", "watermark", "choice",
-}  # fmt: skip
 _NO_TOP_K = 1 << 30  # SGLang's "no cut" (its default is 1073741824; -1 also means none)
 _CONSTRAINT_KEYS = {"min_required_version", "exact_version"}
+
+
+class RefusedField(InvalidRequest):
+    """A field the gateway does not honour at the value given (or at all): a 400 naming it."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message)
+        self.field = name
+
+
+class ModelNotFound(InvalidRequest):
+    """The request names a model this gateway does not serve (OpenAI's ``model_not_found``, 404)."""
+
+    code = "model_not_found"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.field = "model"
+
+
+# -- what each field gets ----------------------------------------------------------------------
+
+Check = Callable[[Any], bool]
+
+
+def _is_none(v: Any) -> bool:
+    return v is None
+
+
+def _number_is(want: float) -> Check:
+    return lambda v: v is None or (not isinstance(v, bool) and isinstance(v, int | float) and v == want)
+
+
+def _false(v: Any) -> bool:
+    return v is None or v is False
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == "" or v == [] or v == {}
+
+
+# Honoured only at the value that changes nothing generated (``None`` always means "not given").
+# SGLang's sampling fields that rollfleet's payload has no field for: each changes which tokens come back.
+_NEUTRAL_SAMPLING: dict[str, tuple[Check, str]] = {
+    "stop": (_empty, "stop strings are not honoured (no engine of the fleet is told them): use stop_token_ids"),
+    "stop_regex": (_empty, "stop_regex is not honoured"),
+    "min_p": (_number_is(0), "min_p is not honoured: only 0"),
+    "frequency_penalty": (_number_is(0), "frequency_penalty is not honoured: only 0"),
+    "presence_penalty": (_number_is(0), "presence_penalty is not honoured: only 0"),
+    "repetition_penalty": (_number_is(1), "repetition_penalty is not honoured: only 1"),
+    "min_new_tokens": (_number_is(0), "min_new_tokens is not honoured: only 0"),
+    "json_schema": (_is_none, "constrained decoding (json_schema) is not honoured"),
+    "regex": (_is_none, "constrained decoding (regex) is not honoured"),
+    "ebnf": (_is_none, "constrained decoding (ebnf) is not honoured"),
+    "structural_tag": (_is_none, "constrained decoding (structural_tag) is not honoured"),
+    "logit_bias": (_empty, "logit_bias is not honoured"),
+    "custom_params": (_is_none, "custom_params (a custom logit processor's) are not honoured"),
+    "beam_width": (_number_is(1), "beam search is not honoured"),
+    "watermark": (_is_none, "watermark is not honoured"),
+    "choice": (_empty, "choice is not honoured"),
+}
+# SGLang's options for the answer's text (not its tokens or log-probs): passed to the engine as
+# rollfleet's miles integration passes them (``extra["sampling_params"]``, which the SGLang engine
+# hands to SGLang), typed as SGLang types them.
+_TEXT_OPTIONS: dict[str, Check] = {
+    "skip_special_tokens": lambda v: isinstance(v, bool),
+    "spaces_between_special_tokens": lambda v: isinstance(v, bool),
+    "no_stop_trim": lambda v: isinstance(v, bool),
+    "stream_interval": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+}
+# Read into the payload (``_sampling``): SGLang's names.
+_SAMPLING_READ = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "n", "sampling_seed",
+                  "ignore_eos"}  # fmt: skip
+SAMPLING_FIELDS = _SAMPLING_READ | set(_TEXT_OPTIONS) | set(_NEUTRAL_SAMPLING)
+
+# The top level of each route's body, beyond the sampling fields OpenAI's routes also take
+# (SGLang's OpenAI server takes its own sampling names there too: ``top_k``, ``ignore_eos``, ...).
+_HINT = "hint"  # accepted, changes nothing generated (routing, priority, labels, an end-user id)
+_READ = "read"
+_GENERATE_READ = {"input_ids", "text", "sampling_params", "return_logprob", "stream", "rid", "weight_version"}
+_GENERATE_HINTS = {"bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",
+                   "routed_dp_rank", "disagg_prefill_dp_rank", "extra_key", "priority", "routing_key",
+                   "custom_labels", "kv_hints", "routed_experts_start_len"}  # fmt: skip
+_GENERATE_NEUTRAL: dict[str, tuple[Check, str]] = {
+    "logprob_start_len": (lambda v: v is None or v == -1, "input log-probs (logprob_start_len) are not returned"),
+    "top_logprobs_num": (_number_is(0), "top-k log-probs are not returned: the engines give the sampled token's own"),
+    "token_ids_logprob": (_is_none, "log-probs of chosen token ids are not returned"),
+    "return_hidden_states": (_false, "hidden states are not returned"),
+    "return_text_in_logprobs": (_false, "log-probs carry token ids, not text"),
+    "return_prompt_token_ids": (_false, "prompt token ids are not returned"),
+    "return_sampling_mask": (_false, "sampling masks are not returned"),
+    "return_routed_experts": (_false, "routed experts are not returned"),
+    "return_indexer_topk": (_false, "indexer top-k is not returned"),
+    "require_reasoning": (_false, "require_reasoning is not honoured"),
+    "image_data": (_is_none, "images are not accepted"),
+    "video_data": (_is_none, "video is not accepted"),
+    "audio_data": (_is_none, "audio is not accepted"),
+    "mm_hashes": (_is_none, "multimodal inputs are not accepted"),
+    "modalities": (_is_none, "multimodal inputs are not accepted"),
+    "images_config": (_is_none, "images are not accepted"),
+    "lora_path": (_is_none, "LoRA adapters are not served"),
+    "custom_logit_processor": (_is_none, "custom logit processors are not honoured"),
+    "session_params": (_is_none, "SGLang's session_params are not honoured: name the trajectory with X-Session-Id"),
+    "session_id": (_is_none, "SGLang's session_id is not honoured: name the trajectory with X-Session-Id"),
+    "max_thinking_tokens": (_is_none, "max_thinking_tokens is not honoured"),
+    "cache_salt": (_is_none, "cache_salt is not honoured (each replica salts its own cache)"),
+}
+_OPENAI_READ = {"model", "max_tokens", "n", "seed", "stream", "temperature", "top_p", "weight_version", "rid",
+                "user", "stream_options"}  # fmt: skip
+_OPENAI_HINTS = {"user", "safety_identifier", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention",
+                 "prompt_cache_options"}  # fmt: skip
+_COMPLETIONS_READ = _OPENAI_READ | {"prompt", "logprobs", "best_of"}
+_COMPLETIONS_NEUTRAL: dict[str, tuple[Check, str]] = {
+    "echo": (_false, "echo is not honoured: the answer never repeats the prompt"),
+    "suffix": (_empty, "suffix (insertion) is not honoured"),
+}
+_CHAT_READ = _OPENAI_READ | {"messages", "tools", "logprobs", "top_logprobs", "max_completion_tokens",
+                             "chat_template_kwargs", "add_generation_prompt"}  # fmt: skip
+_CHAT_NEUTRAL: dict[str, tuple[Check, str]] = {
+    "tool_choice": (lambda v: v is None or v == "auto", "tool_choice other than auto is not honoured"),
+    "parallel_tool_calls": (lambda v: v is None or v is True, "parallel_tool_calls: false is not honoured"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, "response_format other than text is refused"),
+    "reasoning_effort": (_is_none, "reasoning_effort is not honoured"),
+    "verbosity": (_is_none, "verbosity is not honoured"),
+    "audio": (_is_none, "audio output is not served"),
+    "modalities": (lambda v: v is None or v == ["text"], "only the text modality is served"),
+    "prediction": (_is_none, "predicted outputs are not honoured"),
+    "web_search_options": (_is_none, "web search is not served"),
+    "functions": (_is_none, "functions (deprecated) are not rendered: send tools"),
+    "function_call": (lambda v: v is None or v == "auto", "function_call is not honoured"),
+    "store": (_false, "store is not honoured: nothing is kept for later retrieval"),
+    "moderation": (_is_none, "moderation is not served"),
+}
+
+
+def check_fields(body: dict[str, Any], read: set[str], hints: set[str], neutral: dict[str, tuple[Check, str]],
+                 *, where: str = "") -> None:  # fmt: skip
+    """Every field known, and each one honoured only at a value it is honoured at; otherwise a
+    ``RefusedField`` naming it."""
+    for name, value in body.items():
+        if name in read or name in hints:
+            continue
+        if name in neutral:
+            ok, why = neutral[name]
+            if not ok(value):
+                raise RefusedField(where + name, f"{where}{name}: {why}")
+            continue
+        raise RefusedField(where + name, f"unknown field {where}{name}")
+
+
+def _sampling_extras(params: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """The sampling fields the payload does not read: refused unless neutral, and SGLang's text
+    options, typed, to be passed to the engine."""
+    extra: dict[str, Any] = {}
+    for name, value in params.items():
+        if name in _SAMPLING_READ or value is None:
+            continue
+        if name in _TEXT_OPTIONS:
+            if not _TEXT_OPTIONS[name](value):
+                raise RefusedField(where + name, f"{where}{name} has the wrong type or value: {type(value).__name__}")
+            extra[name] = value
+        elif name in _NEUTRAL_SAMPLING:
+            ok, why = _NEUTRAL_SAMPLING[name]
+            if not ok(value):
+                raise RefusedField(where + name, f"{where}{name}: {why}")
+    return extra
+
+
+def _int(value: Any, name: str, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RefusedField(name, f"{name} must be an integer, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise RefusedField(name, f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RefusedField(name, f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise RefusedField(name, f"{name} must be true or false, got {type(value).__name__}")
+    return value
+
+
+def _token_ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise RefusedField(name, f"{name} must be a non-empty list of token ids")
+    return [_int(t, f"{name}[]", minimum=0) for t in value]
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+# -- headers, body and keys ---------------------------------------------------------------------
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+SESSION_HEADERS = ("X-Session-Id", "X-SMG-Routing-Key")  # (miles' router sends the second)
+_MAX_SESSION_KEY = 512
+
+
+def header_text(headers: Mapping[str, str], name: str) -> str | None:
+    """A header's value as text, or None when absent. aiohttp hands over bytes that are not UTF-8
+    as lone surrogates: such a value, or one with control characters, is a 400 naming the header
+    (never its value: it may be a secret)."""
+    value = headers.get(name)
+    if value is None:
+        return None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"the {name} header is not UTF-8 text") from None
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise InvalidRequest(f"the {name} header has control characters")
+    return value
+
+
+def authorized(headers: Mapping[str, str], api_key: str) -> bool:
+    """Whether ``Authorization: Bearer <api_key>`` was sent (compared in constant time; a value
+    that is not text is simply not the key, and is never echoed or logged)."""
+    given = headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, f"Bearer {api_key}".encode())
+
+
+def read_body(raw: bytes, max_bytes: int) -> Any:
+    """The request body as JSON: bounded in size and depth, and refused whole when an object
+    has a key twice (which value a client meant is not ours to guess)."""
+    return load_json(raw, what="the request body", max_bytes=max_bytes, refuse_duplicate_keys=True)
+
+
+def _key(body: dict[str, Any], header: str | None) -> str | None:
+    """The client's idempotency key: ``Idempotency-Key``, or SGLang's ``rid``; both given, they
+    must agree."""
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise RefusedField("rid", "rid must be a string (a list of them only for a batch of inputs)")
+    if header is not None and rid is not None and rid != header:
+        raise RefusedField("rid", f"rid and the {IDEMPOTENCY_HEADER} header name different keys: give one, or the same")
+    key, source = (header, IDEMPOTENCY_HEADER) if header is not None else (rid, "rid")
+    if key is not None and not 1 <= len(key) <= DEFAULT_LIMITS.max_key_chars:
+        raise RefusedField(source, f"{source}: an idempotency key has 1 to {DEFAULT_LIMITS.max_key_chars} characters")
+    return key
+
+
+def session_id_of(key: str) -> str:
+    """The rollfleet session a trajectory's header names: a digest of it, so that any header
+    value (a user's string, a UUID, a hash) becomes a valid, stable session id of bounded size."""
+    if not key or len(key) > _MAX_SESSION_KEY:
+        raise InvalidRequest(f"a session header must be 1 to {_MAX_SESSION_KEY} characters")
+    return "gw-" + hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+
+
+def session_of(headers: Mapping[str, str]) -> str | None:
+    """The rollfleet session of a request that names its trajectory (``X-Session-Id``, or miles'
+    ``X-SMG-Routing-Key``), or None."""
+    for name in SESSION_HEADERS:
+        value = header_text(headers, name)
+        if value is not None:
+            return session_id_of(value)
+    return None
 
 
 @dataclass(frozen=True)
@@ -72,120 +339,102 @@ class GatewayRequest:
     route: Route
     payload: RolloutPayload
     constraint: Constraint
-    idempotency_key: str | None
+    idempotency_key: str | None  # the client's (None: it gave none)
     stream: bool
     logprobs: bool  # return them (the payload always asks the engine for them)
     model: str | None = None
-
-
-def _int(value: Any, name: str, *, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidRequest(f"{name} must be an integer, got {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise InvalidRequest(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _float(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidRequest(f"{name} must be a number, got {type(value).__name__}")
-    return float(value)
-
-
-def _bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"{name} must be true or false, got {type(value).__name__}")
-    return value
-
-
-def _token_ids(value: Any, name: str) -> list[int]:
-    if not isinstance(value, list) or not value:
-        raise InvalidRequest(f"{name} must be a non-empty list of token ids")
-    return [_int(t, f"{name}[]", minimum=0) for t in value]
-
-
-def _object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
+    user: str | None = None  # OpenAI's end-user id: logged with the request, changes nothing generated
 
 
 def constraint_of(body: dict[str, Any], default_max_staleness: int | None) -> Constraint:
-    """Stitch's ``weight_version`` object, else the gateway's default (``max_staleness`` below
-    the latest version, or any version)."""
+    """Stitch's ``weight_version`` object (exactly one of its two fields, an integer), else the
+    gateway's default (``max_staleness`` below the latest version, or any version)."""
     spec = body.get("weight_version")
     if spec is None:
         return Constraint(max_staleness=default_max_staleness)
+    one_of = "weight_version: give exactly one of min_required_version or exact_version"
     if not isinstance(spec, dict):
-        raise InvalidRequest("weight_version must be an object with min_required_version or exact_version")
+        raise RefusedField("weight_version", f"{one_of}, in an object")
     unknown = set(spec) - _CONSTRAINT_KEYS
     if unknown:
-        raise InvalidRequest(f"weight_version has unknown fields {sorted(unknown)}; known: {sorted(_CONSTRAINT_KEYS)}")
-    low, exact = spec.get("min_required_version"), spec.get("exact_version")
-    if low is not None and exact is not None:
-        raise InvalidRequest("weight_version: give min_required_version or exact_version, not both")
-    if exact is not None:
-        return Constraint(exact_version=_int(exact, "weight_version.exact_version", minimum=0))
-    if low is not None:
-        return Constraint(min_version=_int(low, "weight_version.min_required_version", minimum=0))
-    return Constraint(max_staleness=default_max_staleness)
+        raise RefusedField("weight_version", f"{one_of}; unknown fields {sorted(unknown)}")
+    given = {k: v for k, v in spec.items() if v is not None}
+    if len(given) != 1:  # ({} or nulls would mean "any version": that is said by leaving the object out)
+        raise RefusedField("weight_version", one_of)
+    ((name, value),) = given.items()
+    version = _int(value, f"weight_version.{name}", minimum=0)
+    return Constraint(exact_version=version) if name == "exact_version" else Constraint(min_version=version)
 
 
-def _key(body: dict[str, Any], header: str | None) -> str | None:
-    if header is not None:
-        return header
-    rid = body.get("rid")
-    if rid is not None and not isinstance(rid, str):
-        raise InvalidRequest("rid must be a string (a list of them only for a batch of inputs)")
-    return rid
+def _model(body: dict[str, Any], served: str | None) -> str | None:
+    """The ``model`` asked for: absent, or the one this gateway serves (OpenAI's 404
+    ``model_not_found`` otherwise; the answer names the served model, never an echo)."""
+    model = body.get("model")
+    if model is None:
+        return None
+    if not isinstance(model, str):
+        raise RefusedField("model", "model must be a string")
+    if served is not None and model != served:
+        raise ModelNotFound(f"this gateway serves the model {served!r} only (GET /v1/models)")
+    return model
+
+
+def _user(body: dict[str, Any]) -> str | None:
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > 256):
+        raise RefusedField("user", "user must be a string of at most 256 characters")
+    return user
 
 
 MAX_BATCH = 256  # inputs in one /generate request
 
 
 def _batch_keys(body: dict[str, Any], header: str | None, size: int) -> list[str | None]:
-    """One idempotency key an input: ``<Idempotency-Key>/<i>``, or SGLang's list of ``rid``."""
-    if header is not None:
-        return [f"{header}/{i}" for i in range(size)]
+    """One idempotency key an input: ``<Idempotency-Key>/<i>``, or SGLang's list of ``rid`` (both
+    given, they must agree)."""
     rid = body.get("rid")
+    derived = None if header is None else [f"{header}/{i}" for i in range(size)]
     if rid is None:
-        return [None] * size
-    if not isinstance(rid, list) or len(rid) != size or not all(isinstance(r, str) for r in rid):
-        raise InvalidRequest(f"rid must be a list of {size} strings, one an input")
+        return list(derived) if derived is not None else [None] * size
+    if not isinstance(rid, list) or len(rid) != size or not all(isinstance(r, str) and r for r in rid):
+        raise RefusedField("rid", f"rid must be a list of {size} strings, one an input")
     if len(set(rid)) != size:
-        raise InvalidRequest("rid must not repeat within a batch")
+        raise RefusedField("rid", "rid must not repeat within a batch")
+    if derived is not None and rid != derived:
+        raise RefusedField("rid", "rid and the Idempotency-Key header name different keys: give one, or the same")
     return list(rid)
 
 
 def parse_generate(
-    body: Any, *, key_header: str | None, default_max_staleness: int | None
+    body: Any, *, key_header: str | None, default_max_staleness: int | None, model_name: str | None = None
 ) -> GatewayRequest | list[GatewayRequest]:
     """SGLang's ``/generate`` body: one input, or a batch (``text`` a list of strings,
     ``input_ids`` a list of lists; ``sampling_params`` one for all or a list, one an input)."""
     body = _object(body)
+    check_fields(body, _GENERATE_READ, _GENERATE_HINTS, _GENERATE_NEUTRAL)
     ids, text = body.get("input_ids"), body.get("text")
     if (ids is None) == (text is None):
         raise InvalidRequest("give exactly one of input_ids or text")
-    params = body.get("sampling_params") or {}
+    params = {} if body.get("sampling_params") is None else body["sampling_params"]
     batched = isinstance(text, list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
     if not batched:
         if text is not None and not isinstance(text, str):
-            raise InvalidRequest("text must be a string, or a list of strings for a batch")
+            raise RefusedField("text", "text must be a string, or a list of strings for a batch")
         if isinstance(params, list):
-            raise InvalidRequest("sampling_params may be a list only for a batch of inputs")
+            raise RefusedField("sampling_params", "sampling_params may be a list only for a batch of inputs")
         return _generate_one(body, ids, text, params, _key(body, key_header), default_max_staleness)
     inputs: list[Any] = text if text is not None else ids  # type: ignore[assignment]
     if not inputs or len(inputs) > MAX_BATCH:
         raise InvalidRequest(f"a batch must have 1 to {MAX_BATCH} inputs, got {len(inputs)}")
     if _bool(body.get("stream", False), "stream"):
-        raise InvalidRequest("a batch of inputs cannot be streamed: stream one input a request")
+        raise RefusedField("stream", "a batch of inputs cannot be streamed: stream one input a request")
     if isinstance(params, list) and len(params) != len(inputs):
-        raise InvalidRequest(f"sampling_params must be one object, or a list of {len(inputs)}, one an input")
+        raise RefusedField("sampling_params", f"sampling_params must be an object, or a list of {len(inputs)}")
     keys = _batch_keys(body, key_header, len(inputs))
     out = []
     for i, one in enumerate(inputs):
         if text is not None and not isinstance(one, str):
-            raise InvalidRequest(f"text[{i}] must be a string")
+            raise RefusedField(f"text[{i}]", f"text[{i}] must be a string")
         each = params[i] if isinstance(params, list) else params
         out.append(_generate_one(body, None if text is not None else one, one if text is not None else None, each,
                                  keys[i], default_max_staleness))  # fmt: skip
@@ -201,31 +450,18 @@ def _generate_one(
     default_max_staleness: int | None,
 ) -> GatewayRequest:
     if not isinstance(params, dict):
-        raise InvalidRequest("sampling_params must be an object")
-    unknown = set(params) - _SAMPLING_READ - _SAMPLING_PASSED
+        raise RefusedField("sampling_params", f"sampling_params must be an object, got {type(params).__name__}")
+    unknown = set(params) - SAMPLING_FIELDS
     if unknown:
-        raise InvalidRequest(f"sampling_params has unknown fields {sorted(unknown)} (SGLang's names are expected)")
-    top_k = _int(params["top_k"], "sampling_params.top_k") if params.get("top_k") is not None else 0
-    seed = params.get("sampling_seed")
-    sampling = SamplingParams(
-        max_tokens=_int(params.get("max_new_tokens", 128), "sampling_params.max_new_tokens", minimum=1),
-        temperature=_float(params.get("temperature", 1.0), "sampling_params.temperature"),
-        top_p=_float(params.get("top_p", 1.0), "sampling_params.top_p"),
-        top_k=0 if top_k < 0 or top_k >= _NO_TOP_K else top_k,
-        stop_token_ids=_token_ids(params["stop_token_ids"], "sampling_params.stop_token_ids")
-        if params.get("stop_token_ids")
-        else [],
-        seed=_int(seed, "sampling_params.sampling_seed") if seed is not None else None,
-        logprobs=True,
-    )
-    extra = {k: v for k, v in params.items() if k in _SAMPLING_PASSED and v is not None}
-    if "ignore_eos" in extra:
-        _bool(extra["ignore_eos"], "sampling_params.ignore_eos")
+        name = sorted(unknown)[0]
+        raise RefusedField(f"sampling_params.{name}",
+                           f"sampling_params has unknown fields {sorted(unknown)} (SGLang's names are expected)")
+    sampling, extra, n = _sampling(params, where="sampling_params.")
     payload = RolloutPayload(
         prompt_token_ids=_token_ids(ids, "input_ids") if ids is not None else None,
         prompt_text=text,
         sampling=sampling,
-        n=_int(params.get("n", 1), "sampling_params.n", minimum=1),
+        n=n,
         extra=extra,
     )
     return GatewayRequest(
@@ -234,41 +470,63 @@ def _generate_one(
         constraint=constraint_of(body, default_max_staleness),
         idempotency_key=key,
         stream=_bool(body.get("stream", False), "stream"),
-        logprobs=_bool(body.get("return_logprob", False), "return_logprob"),
+        logprobs=_bool(body.get("return_logprob") or False, "return_logprob"),
     )
 
 
-def _openai_sampling(body: dict[str, Any], max_tokens: Any) -> tuple[SamplingParams, dict[str, Any], int]:
-    """The sampling fields OpenAI's completions and chat requests share: the parameters, what
-    passes to the engine as it is (``stop``, ``ignore_eos``), and ``n``."""
-    stop = body.get("stop")
-    extra: dict[str, Any] = {}
-    if stop is not None:
-        if not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
-            raise InvalidRequest("stop must be a string or a list of strings")
-        extra["stop"] = stop
-    if body.get("ignore_eos") is not None:
-        extra["ignore_eos"] = _bool(body["ignore_eos"], "ignore_eos")
+def _sampling(params: dict[str, Any], *, where: str, max_tokens: str = "max_new_tokens", seed: str = "sampling_seed",
+              default_max: int = 128) -> tuple[SamplingParams, dict[str, Any], int]:  # fmt: skip
+    """The sampling fields every route shares (SGLang's names; OpenAI's routes name the token limit
+    and the seed their own way): the parameters, what passes to the engine as it is (``ignore_eos``,
+    SGLang's text options), and ``n``."""
+    def given(name: str, default: Any) -> Any:
+        value = params.get(name)
+        return default if value is None else value
+
+    top_k = _int(params["top_k"], where + "top_k") if params.get("top_k") is not None else 0
+    stop_ids = params.get("stop_token_ids")
     sampling = SamplingParams(
-        max_tokens=_int(max_tokens, "max_tokens", minimum=1),
-        temperature=_float(body.get("temperature", 1.0), "temperature"),
-        top_p=_float(body.get("top_p", 1.0), "top_p"),
-        seed=_int(body["seed"], "seed") if body.get("seed") is not None else None,
+        max_tokens=_int(given(max_tokens, default_max), where + max_tokens, minimum=1),
+        temperature=_float(given("temperature", 1.0), where + "temperature"),
+        top_p=_float(given("top_p", 1.0), where + "top_p"),
+        top_k=0 if top_k < 0 or top_k >= _NO_TOP_K else top_k,
+        stop_token_ids=_token_ids(stop_ids, where + "stop_token_ids") if stop_ids else [],
+        seed=_int(params[seed], where + seed) if params.get(seed) is not None else None,
         logprobs=True,
     )
-    return sampling, extra, _int(body.get("n", 1), "n", minimum=1)
+    extra: dict[str, Any] = {}
+    if params.get("ignore_eos") is not None and _bool(params["ignore_eos"], where + "ignore_eos"):
+        extra["ignore_eos"] = True
+    text_options = _sampling_extras(params, where=where)
+    if text_options:
+        extra["sampling_params"] = text_options
+    return sampling, extra, _int(given("n", 1), where + "n", minimum=1)
 
 
-def _model(body: dict[str, Any]) -> str | None:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequest("model must be a string")
-    return model
+# SGLang's sampling names taken at the top level of OpenAI's bodies (its OpenAI server takes them
+# there too), less the two OpenAI names its own way (``max_tokens``, ``seed``).
+_OPENAI_SAMPLING = SAMPLING_FIELDS - {"max_new_tokens", "sampling_seed"}
 
 
-def parse_completions(body: Any, *, key_header: str | None, default_max_staleness: int | None) -> GatewayRequest:
+def _openai_common(body: dict[str, Any], read: set[str], neutral: dict[str, tuple[Check, str]],
+                   model_name: str | None) -> tuple[str | None, str | None]:  # fmt: skip
+    """What OpenAI's two routes check alike: every field known and honoured (SGLang's sampling
+    names are taken at the top level too), the model, the end-user id, ``stream_options``."""
+    check_fields(body, read | _OPENAI_SAMPLING, _OPENAI_HINTS, neutral)
+    options = body.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}
+                                or not isinstance(options.get("include_usage", True), bool)):  # fmt: skip
+        # (the last event always carries usage: include_usage is honoured either way)
+        raise RefusedField("stream_options", "stream_options may only carry include_usage (true or false)")
+    return _model(body, model_name), _user(body)
+
+
+def parse_completions(
+    body: Any, *, key_header: str | None, default_max_staleness: int | None, model_name: str | None = None
+) -> GatewayRequest:
     """OpenAI's ``/v1/completions`` body (one prompt: text or token ids)."""
     body = _object(body)
+    model, user = _openai_common(body, _COMPLETIONS_READ, _COMPLETIONS_NEUTRAL, model_name)
     prompt = body.get("prompt")
     ids: list[int] | None = None
     text: str | None = None
@@ -283,19 +541,23 @@ def parse_completions(body: Any, *, key_header: str | None, default_max_stalenes
         else:
             ids = _token_ids(one, "prompt[0]")
     else:
-        raise InvalidRequest("prompt must be a string or a list of token ids (one prompt a request)")
+        raise RefusedField("prompt", "prompt must be a string or a list of token ids (one prompt a request)")
     logprobs = body.get("logprobs")
-    if logprobs is not None:
-        _int(logprobs, "logprobs", minimum=0)
-    sampling, extra, n = _openai_sampling(body, body.get("max_tokens", 16))
+    if logprobs is not None and _int(logprobs, "logprobs", minimum=0) > 0:
+        raise RefusedField("logprobs", "logprobs: only 0 (the sampled tokens' own log-probs): no engine gives top-k")
+    sampling, extra, n = _sampling(body, where="", max_tokens="max_tokens", seed="seed", default_max=16)
+    best_of = body.get("best_of")
+    if best_of is not None and _int(best_of, "best_of", minimum=1) not in (1, n):
+        raise RefusedField("best_of", "best_of is not honoured: only 1, or equal to n (every sample is returned)")
     return GatewayRequest(
         route="completions",
         payload=RolloutPayload(prompt_token_ids=ids, prompt_text=text, sampling=sampling, n=n, extra=extra),
         constraint=constraint_of(body, default_max_staleness),
         idempotency_key=_key(body, key_header),
-        stream=_bool(body.get("stream", False), "stream"),
+        stream=_bool(body.get("stream") or False, "stream"),
         logprobs=logprobs is not None,
-        model=_model(body),
+        model=model,
+        user=user,
     )
 
 
@@ -306,47 +568,39 @@ def parse_chat(
     default_max_staleness: int | None,
     template: ChatTemplate | None,
     now: datetime | None = None,
+    model_name: str | None = None,
 ) -> GatewayRequest:
     """OpenAI's ``/v1/chat/completions`` body: the conversation rendered into one prompt with the
     served model's chat template (a gateway started without one refuses chat, naming the flag)."""
     body = _object(body)
+    model, user = _openai_common(body, _CHAT_READ, _CHAT_NEUTRAL, model_name)
     if template is None:
         raise InvalidRequest("this gateway has no chat template: start it with --tokenizer DIR (the model's files)")
     messages = messages_of(body.get("messages"))
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
-        raise InvalidRequest("chat_template_kwargs must be an object")
+        raise RefusedField("chat_template_kwargs", "chat_template_kwargs must be an object")
     add_generation_prompt = _bool(body.get("add_generation_prompt", True), "add_generation_prompt")
+    top = body.get("top_logprobs")
+    if top is not None and _int(top, "top_logprobs", minimum=0) > 0:
+        raise RefusedField("top_logprobs", "top_logprobs: only 0; the engines give the sampled token's own log-prob")
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    params = {**body, "max_tokens": limit}
+    sampling, extra, n = _sampling(params, where="", max_tokens="max_tokens", seed="seed", default_max=128)
     prompt = template.render(messages, tools=tools_of(body.get("tools")), add_generation_prompt=add_generation_prompt,
                              kwargs=kwargs, now=now)  # fmt: skip
     if not prompt:
         raise InvalidRequest("the chat template rendered the conversation to an empty prompt")
-    top = body.get("top_logprobs")
-    if top is not None:
-        _int(top, "top_logprobs", minimum=0)
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    sampling, extra, n = _openai_sampling(body, 128 if limit is None else limit)
     return GatewayRequest(
         route="chat",
         payload=RolloutPayload(prompt_text=prompt, sampling=sampling, n=n, extra=extra),
         constraint=constraint_of(body, default_max_staleness),
         idempotency_key=_key(body, key_header),
-        stream=_bool(body.get("stream", False), "stream"),
-        logprobs=_bool(body.get("logprobs", False), "logprobs"),
-        model=_model(body),
+        stream=_bool(body.get("stream") or False, "stream"),
+        logprobs=_bool(body.get("logprobs") or False, "logprobs"),
+        model=model,
+        user=user,
     )
-
-
-SESSION_HEADERS = ("X-Session-Id", "X-SMG-Routing-Key")  # (miles' router sends the second)
-_MAX_SESSION_KEY = 512
-
-
-def session_id_of(key: str) -> str:
-    """The rollfleet session a trajectory's header names: a digest of it, so that any header
-    value (a user's string, a UUID, a hash) becomes a valid, stable session id of bounded size."""
-    if not key or len(key) > _MAX_SESSION_KEY:
-        raise InvalidRequest(f"a session header must be 1 to {_MAX_SESSION_KEY} characters")
-    return "gw-" + hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -523,22 +777,67 @@ class ErrorReply:
     headers: dict[str, str]
 
 
+class RouteNotFound(InvalidRequest):
+    """No route at this path (404)."""
+
+    code = "not_found"
+
+
+class MethodNotAllowed(InvalidRequest):
+    """The path's route takes other methods (405, with ``Allow``)."""
+
+    code = "method_not_allowed"
+
+    def __init__(self, message: str, allowed: list[str]) -> None:
+        super().__init__(message)
+        self.allowed = allowed
+
+
+class BodyTooLarge(InvalidRequest):
+    """The request's body is larger than the gateway reads (413)."""
+
+    code = "request_too_large"
+
+
+class RequestTimeout(InvalidRequest):
+    """The request's body did not arrive in time (408)."""
+
+    code = "request_timeout"
+
+
+_STATUS = {
+    "no_compatible_replica": 409,
+    "expired": 504,
+    "invalid_request": 400,
+    "unsupported_schema": 400,
+    "model_not_found": 404,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "request_timeout": 408,
+    "request_too_large": 413,
+    "idempotency_conflict": 422,
+    "cancelled": 499,
+    "unauthorized": 401,
+    "session_conflict": 409,  # (a turn of the trajectory still running, or other settings)
+    "unknown_session": 404,
+}
+
+
 def error_reply(exc: RollfleetError) -> ErrorReply:
     """The HTTP status a client can act on: 409 with ``Retry-After`` when no replica can serve
-    the constraint now, 504 past the deadline, 400 for bad input, 503 for other retryable
-    errors, 500 otherwise; the body carries the error's code and ``retryable`` flag."""
+    the constraint now, 504 past the deadline, 400 for bad input (naming the field in ``param``,
+    as OpenAI's errors do), 401 with ``WWW-Authenticate``, 503 for other retryable errors, 500
+    otherwise; the body carries the error's code and ``retryable`` flag."""
     code = exc.code
-    status = {
-        "no_compatible_replica": 409,
-        "expired": 504,
-        "invalid_request": 400,
-        "unsupported_schema": 400,
-        "idempotency_conflict": 422,
-        "cancelled": 499,
-        "unauthorized": 401,
-        "session_conflict": 409,  # (a turn of the trajectory still running, or other settings)
-        "unknown_session": 404,
-    }.get(code, 503 if exc.retryable else 500)
+    status = _STATUS.get(code, 503 if exc.retryable else 500)
     headers = {"Retry-After": "1"} if status in (409, 503) else {}
-    body = {"error": {"code": code, "message": exc.message, "retryable": exc.retryable, "type": type(exc).__name__}}
-    return ErrorReply(status, body, headers)
+    if status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="rollfleet"'
+    if isinstance(exc, MethodNotAllowed):
+        headers["Allow"] = ", ".join(exc.allowed)
+    error: dict[str, Any] = {"code": code, "message": exc.message, "retryable": exc.retryable,
+                             "type": type(exc).__name__}  # fmt: skip
+    name = getattr(exc, "field", None)
+    if isinstance(name, str):
+        error["param"] = name
+    return ErrorReply(status, {"error": error}, headers)

@@ -72,6 +72,19 @@ def depth_within(value: object, max_depth: int = MAX_DEPTH) -> bool:
     return True
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise _DuplicateKey(f"the key {twice!r} appears twice in one object")
+    return out
+
+
 def load_json(
     raw: bytes | str,
     *,
@@ -80,16 +93,19 @@ def load_json(
     type_: Any = None,
     error: type[RollfleetError] = InvalidRequest,
     max_depth: int = MAX_DEPTH,
+    refuse_duplicate_keys: bool = False,
 ) -> Any:
     """``raw`` decoded as JSON (and validated as ``type_`` when given, by msgspec), or ``error``
-    naming ``what`` when it is too large, nested too deep, not JSON, or not a ``type_``."""
+    naming ``what`` when it is too large, nested too deep, not JSON, or not a ``type_``.
+    ``refuse_duplicate_keys``: an object with a key twice is an ``error`` naming the key (JSON
+    allows it, and ``json.loads`` keeps the last value: which one a writer meant is a guess)."""
     if len(raw) > max_bytes:
         raise error(f"{what} is {len(raw)} bytes, over the limit of {max_bytes}")
     if not json_depth_within(raw, max_depth):
         raise error(f"{what} nests deeper than {max_depth} levels")
     try:
         if type_ is None:
-            return json.loads(raw)
+            return json.loads(raw, object_pairs_hook=_unique_keys) if refuse_duplicate_keys else json.loads(raw)
         decoder = _json_decoders.get(type_)
         if decoder is None:
             decoder = _json_decoders[type_] = msgspec.json.Decoder(type_)
@@ -98,5 +114,7 @@ def load_json(
         raise error(f"{what} nests deeper than this process can decode") from None
     except msgspec.ValidationError as exc:
         raise error(f"{what} has an invalid field: {exc}") from None
+    except _DuplicateKey as exc:
+        raise error(f"{what}: {exc}") from None
     except (ValueError, UnicodeDecodeError) as exc:  # (msgspec.DecodeError is a ValueError)
         raise error(f"{what} is not valid JSON: {exc}") from None
