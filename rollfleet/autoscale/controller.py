@@ -297,13 +297,15 @@ class Controller:
         now = time.monotonic()
         p = plan(signal, fleet, self.config.policy, self.state, now)
         self.state = p.state
+        acts = self.driver.name != "none"  # (plan only: KEDA carries the followers' size out)
         for d in p.decisions:
-            self._say(d)
-        for worker_id in p.retire:
+            if acts or d.action in ("up", "down", "unavailable"):
+                self._say(d)
+        for worker_id in p.retire if acts else ():
             if not self._lease.holding:
                 break  # (the lease lapsed meanwhile: another controller may act now)
             await self.driver.retire(worker_id, hosts.get(worker_id, ""))
-        for launch in p.launch:
+        for launch in p.launch if acts else ():
             for _ in range(launch.count):
                 if not self._lease.holding:
                     break

@@ -114,8 +114,9 @@ def add_parser(sub: Any, add_conn: Any, add_topology: Any, formatter: Any) -> No
     p.add_argument(
         "--driver",
         default="local",
-        choices=["local", "compose"],
-        help="local: worker processes on this host; compose: the worker service of a Compose project",
+        choices=["local", "compose", "kubernetes", "none"],
+        help="local: worker processes on this host; compose: the worker service of a Compose project; "
+        "kubernetes: a worker Deployment (in-cluster); none: plan and publish only (KEDA scales)",
     )
     add_policy_flags(p)
     g = p.add_argument_group("local driver (worker processes on this host)")
@@ -135,6 +136,9 @@ def add_parser(sub: Any, add_conn: Any, add_topology: Any, formatter: Any) -> No
     c.add_argument("--compose-file", default="docker-compose.yml", help="the project's compose file")
     c.add_argument("--project", default="rollfleet", help="the Compose project name (docker compose -p)")
     c.add_argument("--service", default="worker", help="the worker service to scale")
+    k = p.add_argument_group("kubernetes driver (in-cluster, the pod's service account)")
+    k.add_argument("--deployment", default="rollfleet-worker", help="the worker Deployment (the followers)")
+    k.add_argument("--k8s-namespace", default="", help="its Kubernetes namespace (default: the pod's own)")
     g.add_argument("--id-prefix", default="auto", help="worker ids are PREFIX-<hex> and PREFIX-v<V>-<hex>")
     g.add_argument(
         "--stop-workers",
@@ -170,8 +174,17 @@ def local_driver(args: argparse.Namespace, url: str, keep_workers: bool) -> Any:
 async def cmd_autoscale(args: argparse.Namespace, connect_options: dict[str, Any], topology: Any) -> int:
     from rollfleet.autoscale.controller import Controller, ControllerConfig
 
+    driver: Any
     if args.driver == "compose":
         driver = compose_driver(args)
+    elif args.driver == "kubernetes":
+        from rollfleet.autoscale.drivers.kubernetes import KubernetesDriver
+
+        driver = KubernetesDriver(args.deployment, namespace=args.k8s_namespace)
+    elif args.driver == "none":
+        from rollfleet.autoscale.drivers.base import PlanOnly
+
+        driver = PlanOnly()
     else:
         driver = local_driver(args, args.nats, keep_workers=not args.stop_workers)
     config = ControllerConfig(

@@ -41,3 +41,25 @@ class Driver(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class PlanOnly:
+    """No driver: the controller plans and publishes (``/keda``, metrics, ``rollfleet status``) and
+    something else carries the followers' size out (KEDA's metrics-api scaler)."""
+
+    name = "none"
+
+    def owns(self, worker_id: str, host: str = "") -> bool:
+        return False
+
+    async def runs(self) -> list[Run]:
+        return []
+
+    async def launch(self, held: int | None) -> str:
+        raise RuntimeError("the plan-only driver launches nothing")
+
+    async def retire(self, worker_id: str, host: str = "") -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
