@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from rollfleet.broker.topology import DEFAULT_TOPOLOGY
@@ -114,10 +115,10 @@ async def test_a_keyed_session_turn_is_answered_once_and_names_the_clients_key(n
         assert len(engine.calls) == 3
 
 
-async def test_a_session_turn_is_held_to_its_own_weight_version(nats_url: str, namespace: str) -> None:
-    """Each turn's ``weight_version`` binds that turn: a fleet at version 0 answers a turn asking
-    for version 7 exactly, or at least 5, with 409, never with a 200 from version 0; a first turn
-    refused so leaves no constraint behind for the trajectory's later turns."""
+async def test_a_later_session_turn_is_held_to_its_own_weight_version(nats_url: str, namespace: str) -> None:
+    """Each turn's ``weight_version`` binds that turn: after a first turn at version 0, a fleet
+    at version 0 answers a turn asking for version 7 exactly, or at least 5, with 409, never with
+    a 200 from version 0; one asking for version 0 exactly is served at it."""
     engine = Recording(per_token_s=0.001)
     body: dict[str, Any] = {"input_ids": [5], "sampling_params": {"max_new_tokens": 2}}
     async with (
@@ -125,11 +126,8 @@ async def test_a_session_turn_is_held_to_its_own_weight_version(nats_url: str, n
         served(nats_url, namespace) as (base, _),
         httpx.AsyncClient(base_url=base, timeout=30) as http,
     ):
-        refused = await http.post("/generate", json=body | {"weight_version": {"exact_version": 7}},
-                                  headers=turn_headers("traj-v"))  # fmt: skip
-        assert refused.status_code == 409 and refused.headers["retry-after"] == "1", refused.text
-        plain = await http.post("/generate", json=body, headers=turn_headers("traj-v"))
-        assert plain.status_code == 200, plain.text
+        first = await http.post("/generate", json=body, headers=turn_headers("traj-v"))
+        assert first.status_code == 200, first.text
         for spec in ({"exact_version": 7}, {"min_required_version": 5}):
             later = await http.post("/generate", json=body | {"weight_version": spec}, headers=turn_headers("traj-v"))
             assert later.status_code == 409 and later.json()["error"]["code"] == "no_compatible_replica", later.text
@@ -137,6 +135,23 @@ async def test_a_session_turn_is_held_to_its_own_weight_version(nats_url: str, n
                                 headers=turn_headers("traj-v"))  # fmt: skip
         assert exact.status_code == 200 and exact.json()["meta_info"]["weight_version_end"] == 0, exact.text
         assert len(engine.calls) == 2
+
+
+async def test_a_refused_first_turn_leaves_no_constraint_behind(nats_url: str, namespace: str) -> None:
+    """A trajectory's first turn asking for a version no replica serves is a 409 with
+    ``Retry-After``; its next turn, asking for none, is served (the refused turn's constraint does
+    not stay with the session for its TTL)."""
+    body: dict[str, Any] = {"input_ids": [5], "sampling_params": {"max_new_tokens": 2}}
+    async with (
+        running_worker(nats_url, namespace, engine=Recording()),
+        served(nats_url, namespace) as (base, _),
+        httpx.AsyncClient(base_url=base, timeout=30) as http,
+    ):
+        refused = await http.post("/generate", json=body | {"weight_version": {"exact_version": 7}},
+                                  headers=turn_headers("traj-r"))  # fmt: skip
+        assert refused.status_code == 409 and refused.headers["retry-after"] == "1", refused.text
+        plain = await http.post("/generate", json=body, headers=turn_headers("traj-r"))
+        assert plain.status_code == 200, plain.text
 
 
 # -- a client that leaves --------------------------------------------------------------------
@@ -261,6 +276,35 @@ async def test_a_stream_that_cannot_be_served_is_refused_before_any_200(nats_url
             assert r.status_code == 409 and r.headers["retry-after"] == "1", (route, r.status_code, r.text)
             assert r.headers["content-type"].startswith("application/json")
             assert r.json()["error"]["code"] == "no_compatible_replica"
+
+
+async def test_the_openai_client_reads_what_is_not_honoured_as_its_own_errors(nats_url: str, namespace: str) -> None:
+    """Through the official ``openai`` client: a model not served is its ``NotFoundError``
+    (``model_not_found``), a parameter not honoured its ``BadRequestError`` naming it in
+    ``param``; at their neutral values they are accepted; nothing refused runs."""
+    engine = Recording()
+    async with (
+        running_worker(nats_url, namespace, engine=engine),
+        served(nats_url, namespace) as (base, _),
+        httpx.AsyncClient(base_url=base, timeout=30) as http,
+    ):
+        oa = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.NotFoundError) as missing:
+            await oa.completions.create(model="gpt-4o", prompt="x", max_tokens=2)
+        assert isinstance(missing.value.body, dict) and missing.value.body["code"] == "model_not_found"
+        for asked, name in (({"logit_bias": {"5": 10}}, "logit_bias"), ({"presence_penalty": 0.5}, "presence_penalty"),
+                            ({"logprobs": 5}, "logprobs"), ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
+                            ({"suffix": "x"}, "suffix"), ({"stop": "\n"}, "stop")):  # fmt: skip
+            with pytest.raises(openai.BadRequestError) as bad:
+                await oa.completions.create(model="rollfleet", prompt="x", max_tokens=2, **asked)  # type: ignore[call-overload]
+            assert isinstance(bad.value.body, dict) and bad.value.body["param"] == name, bad.value.body
+        twice = await http.post("/generate", content=b'{"input_ids": [1], "input_ids": [2]}',
+                                headers={"Content-Type": "application/json"})  # fmt: skip
+        assert twice.status_code == 400 and "twice" in twice.json()["error"]["message"], twice.text
+        assert engine.calls == []
+        done = await oa.completions.create(model="rollfleet", prompt="x", max_tokens=2, user="end-user-1",
+                                           presence_penalty=0, best_of=1, logprobs=0)  # fmt: skip
+        assert done.model == "rollfleet" and done.choices[0].logprobs is not None and len(engine.calls) == 1
 
 
 # -- headers, unknown routes, slow clients ---------------------------------------------------------

@@ -180,6 +180,14 @@ _CHAT_NEUTRAL: dict[str, tuple[Check, str]] = {
 }
 
 
+def known_fields(route: Route) -> set[str]:
+    """Every top-level field a route's body may carry; any other is refused as unknown."""
+    if route == "generate":
+        return _GENERATE_READ | _GENERATE_HINTS | set(_GENERATE_NEUTRAL)
+    own, neutral = (_COMPLETIONS_READ, _COMPLETIONS_NEUTRAL) if route == "completions" else (_CHAT_READ, _CHAT_NEUTRAL)
+    return own | _OPENAI_SAMPLING | _OPENAI_HINTS | set(neutral)
+
+
 def check_fields(body: dict[str, Any], read: set[str], hints: set[str], neutral: dict[str, tuple[Check, str]],
                  *, where: str = "") -> None:  # fmt: skip
     """Every field known, and each one honoured only at a value it is honoured at; otherwise a
