@@ -217,6 +217,30 @@ async def test_a_client_that_leaves_cancels_a_keyless_job_and_not_a_keyed_one(
         assert counted(metrics, "499") == 1 and not any(counted(metrics, f"5{i:02d}") for i in range(100)), metrics
 
 
+async def test_a_keyless_turn_left_and_asked_again_runs_once_not_beside_itself(nats_url: str, namespace: str) -> None:
+    """A trajectory's keyless turn whose client leaves mid-run, asked again at once (what a client
+    does after a dropped connection): the first run is stopped, the retry is the trajectory's next
+    turn and runs whole, and the two never run side by side on a replica with room for both."""
+    engine = Recording(per_token_s=0.005)
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 200}}
+    async with (
+        running_worker(nats_url, namespace, engine=engine, capacity=2),
+        served(nats_url, namespace) as (base, _),
+        httpx.AsyncClient(base_url=base, timeout=30) as http,
+    ):
+        request = asyncio.create_task(ask(http, body, turn_headers("again")))
+        await wait_until(lambda: engine.running == 1, timeout=10, what="the turn running")
+        request.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+        again = await ask(http, body, turn_headers("again"))
+        assert again.status_code == 200, again.text
+        assert len(again.json()["output_ids"]) == 200
+        assert again.json()["meta_info"]["rollfleet"]["idempotency_key"].endswith("/1")  # the next turn
+    assert engine.peak == 1 and len(engine.finished) == 2, engine.finished
+    assert engine.finished[0][0][0] < 200 and engine.finished[1] == [(200, "length")], engine.finished
+
+
 @pytest.mark.parametrize("door", ["plain", "stream", "batch"])
 async def test_a_keyless_request_left_while_its_job_is_being_stored_is_cancelled(
     broker: Any, nats_url: str, namespace: str, door: str

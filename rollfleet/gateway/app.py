@@ -96,6 +96,7 @@ class Gateway:
         self.timeout_s = timeout_s
         self.metrics = GatewayMetrics()
         self._opening = KeyedLocks()  # one open of a session at a time
+        self.turns = KeyedLocks()  # one turn of a trajectory at a time (the next waits for it)
         # What outlives the request that started it: a job being stored for a client that left,
         # a cancel under way, a keyed turn running on for its retry.
         self.background: set[asyncio.Future[Any]] = set()
@@ -355,19 +356,28 @@ class Exchange:
         """A session's turn: run by its session (which stores its job where the trajectory's
         context is cached, and may move it), as a task the client's leaving does not stop: a
         keyless turn's job is cancelled then (``submitted`` tells the handle), a keyed one runs on
-        and is recorded for the retry."""
-        assert self.sid is not None
-        session = await self.gateway.session(self.sid)
-        req = self.req
-        turn = asyncio.ensure_future(
-            session.generate(req.payload, timeout=self.gateway.timeout_s, key=req.idempotency_key,
-                             submitted=lambda handle: self._stored(0, handle), **req.constraint.as_kwargs())
-        )  # fmt: skip
+        and is recorded for the retry. The trajectory's turns through this gateway run one at a
+        time: a turn asked while the previous one runs (a retry after a disconnect) waits for it,
+        and so reads the session as that turn left it."""
+        sid, req = self.sid, self.req
+        assert sid is not None
+
+        async def run() -> RolloutResult | None:
+            async with self.gateway.turns.hold(sid):
+                if not self.state.may_start():
+                    return None  # (its client left while it waited: nothing of it was stored)
+                session = await self.gateway.session(sid)
+                return await session.generate(req.payload, timeout=self.gateway.timeout_s, key=req.idempotency_key,
+                                              submitted=lambda handle: self._stored(0, handle),
+                                              **req.constraint.as_kwargs())  # fmt: skip
+
+        turn = asyncio.ensure_future(run())
         try:
             result = await asyncio.shield(turn)
         except asyncio.CancelledError:
             self.gateway.keep(turn)
             raise
+        assert result is not None  # (None only for a client that left)
         if any(isinstance(a, OpenStream) for a in self._do(self.state.answered())):
             # A turn may move between replicas while it waits: streamed, it comes whole once answered.
             return await self._stream(_answered(result), decided=True)

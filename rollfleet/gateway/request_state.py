@@ -101,6 +101,11 @@ class RequestState:
     def _cancels(self, indexes: set[int]) -> list[Action]:
         return [CancelJob(i) for i in sorted(indexes) if on_leaving(self.keys[i]) == "cancel"]
 
+    def may_start(self) -> bool:
+        """Whether a job may be started now (a turn waits for its trajectory's previous turn
+        first): not once the client left or the request ended, since nothing of it is stored yet."""
+        return not self.client_gone and self.phase != "done"
+
     # -- events ---------------------------------------------------------------------------------
     def job_stored(self, index: int) -> list[Action]:
         """Job ``index`` is stored and its handle held. A client that already left gets it
