@@ -730,6 +730,7 @@ class RolloutClient:
         self._recheck_until = time.monotonic() + self.topology.duplicate_window_s  # (see _answered_before)
         self.inbox.renew()  # re-request at once instead of waiting out the old one
         self.fleet.note_reconnected()
+        self.placement.note_reconnected()  # (a holder is judged only once it could be back: HolderWatch)
         if self.keeper is not None:  # (the broker may be back on an empty or older store)
             self.keeper.poke()
         self._spawn(self._check_lease())

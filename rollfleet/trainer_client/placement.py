@@ -70,6 +70,7 @@ class JobPlacement:
         self._background: set[asyncio.Task[Any]] = set()
         self.probe_reply = ""  # where "no responders" to a probe comes back (set by the client)
         self.withdrawn = WithdrawnKeys(duplicate_window_s)  # keys still bound to a withdrawn request
+        self._connected_at = time.time()  # when the connection last came up (``note_reconnected``)
 
     # -- storing, reading, withdrawing ----------------------------------------------------------
     async def store(self, handle: RolloutHandle, subject: str, msg_id: str) -> Any:
@@ -237,6 +238,15 @@ class JobPlacement:
         return True
 
     # -- who holds it --------------------------------------------------------------------------
+    def note_reconnected(self) -> None:
+        """The client's connection came up again (its reconnect hook)."""
+        self._connected_at = time.time()
+
+    def connected_since(self) -> float | None:
+        """When this client's connection to the broker last came up (its wall clock); None while it
+        is down (``placement_rules.HolderWatch`` judges nothing then)."""
+        return self._connected_at if self._nc.is_connected else None
+
     def probe(self, worker_id: str) -> None:
         """Ask whether the replica's connection is alive (no responders: it is marked gone)."""
         task = asyncio.ensure_future(
@@ -277,20 +287,23 @@ class JobPlacement:
             claim = Claim.decode(entry.value)
             if claim.stopped or (worker_id is not None and claim.worker_id != worker_id):
                 return False
-            if await self._listening(claim.worker_id):
-                return False  # a process of that replica is connected (perhaps a new one)
+            if await self.listening(claim.worker_id) is not False:
+                return False  # a process of that replica is connected (perhaps a new one), or no answer
             await claims.mark_stopped(handle.job_id, claim, entry.revision)
             return True
         except (Fenced, nats.errors.Error, nats.js.errors.Error):
             return False  # it changed since (one verdict wins), or the broker did not say: nothing to say
 
-    async def _listening(self, worker_id: str) -> bool:
+    async def listening(self, worker_id: str) -> bool | None:
         """Whether some process listens on the replica's bell now (the broker answers "no
-        responders" at once when none does; a live one lets the probe time out)."""
+        responders" at once when none does; a live one lets the probe time out); None if the
+        request could not be made (the connection down)."""
         try:
             await self._nc.request(self._names.bell_subject(worker_id), Names.PROBE_BELL, timeout=_LISTENING_S)
         except nats.errors.NoRespondersError:
             return False
         except (nats.errors.TimeoutError, TimeoutError):
             return True
+        except nats.errors.Error:
+            return None
         return True

@@ -50,6 +50,15 @@ class TurnPlacement(Protocol):
         """Ask whether the replica's connection is alive (no responders: it is marked gone)."""
         ...
 
+    async def listening(self, worker_id: str) -> bool | None:
+        """Whether some process listens on the replica's bell now (False: "no responders"); None
+        if the broker could not be asked."""
+        ...
+
+    def connected_since(self) -> float | None:
+        """When the client's connection to the broker last came up (wall clock); None while down."""
+        ...
+
     async def holder(self, handle: RolloutHandle, *, strict: bool = False) -> Claim | None:
         """The handle's job's claim, naming the process holding it; None when it is not claimed
         (or its claim is marked stopped). ``strict``: a broker error is raised, not taken for
