@@ -119,6 +119,27 @@ def test_rendered_workers_get_the_compose_workers_flags_and_environment() -> Non
     assert mounts["/weights"] is True and weights  # the store, read-only, where compose mounts it
     grace = int(service["stop_grace_period"].rstrip("s"))
     assert pod["terminationGracePeriodSeconds"] == grace  # SIGTERM, then this long to drain
+    # Compose runs an init as PID 1 (`init: true`); the pod's is its pause process (below).
+    assert service["init"] is True and pod["shareProcessNamespace"] is True
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_no_rollfleet_process_is_its_pods_pid_1(variant: str) -> None:
+    """PID 1 gets no signal it has not set a handler for: a SIGTERM that comes while a worker is
+    still importing or connecting is dropped, and the pod waits out its whole grace for SIGKILL;
+    and PID 1 must reap the orphans of every process below it. Compose gives each rollfleet
+    service an init (`init: true`); every pod of the chart shares its process namespace, so its
+    pause process is PID 1 (it reaps) and each container's process gets SIGTERM with its default
+    action (ending it) until it drains on its own handler. So do the pods of a held version."""
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    assert compose["worker"]["init"] is True and compose["gateway"]["init"] is True
+    docs = render(VARIANTS[variant])
+    deployments = [d for d in docs if d["kind"] == "Deployment"]
+    assert {d["metadata"]["name"].rsplit("-", 1)[1] for d in deployments} >= {"worker", "gateway", "autoscaler"}
+    worker = by_kind(docs, "Deployment", "-worker")
+    worker["metadata"]["namespace"] = "fleet"
+    for deployment in [*deployments, held_deployment(worker, 3)]:
+        assert deployment["spec"]["template"]["spec"].get("shareProcessNamespace") is True, deployment["metadata"]
 
 
 def test_the_chart_asks_the_nats_chart_for_3_jetstream_nodes_and_every_process_for_r3_streams() -> None:
