@@ -174,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--echo-latency", type=float, default=0.0, help="echo engine: seconds per job")
     p.add_argument("--echo-token-latency", type=float, default=0.0, help="echo engine: seconds per token")
     p.add_argument(
+        "--echo-startup",
+        type=_non_negative_float,
+        default=0.0,
+        help="echo engine: seconds its start takes (a GPU server's start takes tens of seconds)",
+    )
+    p.add_argument(
         "--echo-whole-requests",
         action="store_true",
         help="echo engine: report no tokens while generating, as an HTTP engine (resumable jobs run in segments)",
@@ -455,6 +461,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
             "per_token_s": args.echo_token_latency,
             "streams_tokens": not args.echo_whole_requests,
             "keyed": args.echo_keyed,
+            "startup_s": args.echo_startup,
         }
         if args.echo_keyed and not (args.store or args.model_dir):
             raise InvalidRequest("--echo-keyed keys its tokens by the weights it loads: give --store or --model-dir")

@@ -12,6 +12,10 @@ prefill. A turn of a session keeps its tokens (what a real engine would hold the
 prompt and all output tokens but the last) in a ``SessionCache`` like the hf engine's, charged 4
 bytes a token; the session's next turn pays only for the prompt tokens past the common prefix
 and reports them in ``cached_tokens``. An activation makes the cache stale (``cache_rebuilt``).
+
+With ``startup_s``, ``start`` takes that long, as a GPU server's start does (loading weights,
+capturing graphs: tens of seconds), so that benchmarks of the fleet's size see replicas that are
+not serving the moment they are launched. The worker is registered ``starting`` meanwhile.
 """
 
 from __future__ import annotations
@@ -46,8 +50,12 @@ class EchoEngine(Engine):
         session_ttl_s: float = DEFAULT_TTL_S,
         streams_tokens: bool = True,
         keyed: bool = False,
+        startup_s: float = 0.0,
     ) -> None:
         super().__init__()
+        if not startup_s >= 0:
+            raise InvalidRequest(f"the echo engine's start-up delay must be >= 0 seconds, got {startup_s}")
+        self.startup_s = startup_s
         # False: behaves as an HTTP engine that answers whole requests (resumable jobs run in segments)
         self.streams_tokens = streams_tokens
         self.latency_s = latency_s
@@ -69,6 +77,8 @@ class EchoEngine(Engine):
         if self.keyed and checkpoint_dir is None:
             raise InvalidRequest("a keyed echo engine needs weights to key its tokens: --store or --model-dir")
         self.version = version
+        if self.startup_s:
+            await asyncio.sleep(self.startup_s)
         if checkpoint_dir is not None:
             self._weights = await asyncio.to_thread(_read_tensors, checkpoint_dir, None)
             if self.keyed:
