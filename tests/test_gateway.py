@@ -283,22 +283,6 @@ async def test_a_trajectorys_turns_stick_to_one_replica_through_the_routing_head
         assert other.status_code == 200, other.text
 
 
-async def test_a_client_that_leaves_without_a_key_has_its_job_cancelled(nats_url: str, namespace: str) -> None:
-    engine = CountingEcho(per_token_s=0.01)
-    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1500}}  # 15 s
-    async with (
-        running_worker(nats_url, namespace, engine=engine, capacity=1),
-        gateway(nats_url, namespace) as base,
-    ):
-        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
-            request = asyncio.create_task(http.post("/generate", json=body))
-            await wait_until(lambda: engine.running == 1, timeout=10, what="the job running")
-            request.cancel()  # the connection closes with it
-            with pytest.raises(asyncio.CancelledError):
-                await request
-        await wait_until(lambda: engine.running == 0, timeout=10, what="the job stopped in the fleet")
-
-
 async def gateway_process(procs: ProcessGroup, name: str, url: str, namespace: str, *args: str) -> str:
     """A ``rollfleet gateway`` process on a free port (its default, shared client id): its address."""
     procs.spawn(name, rollfleet_command("gateway", "--nats", url, "-n", namespace, "--port", "0", *args))

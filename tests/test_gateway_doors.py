@@ -157,7 +157,7 @@ async def test_a_refused_first_turn_leaves_no_constraint_behind(nats_url: str, n
 # -- a client that leaves --------------------------------------------------------------------
 
 LONG = {"max_new_tokens": 1500}  # 15 s at 10 ms a token: a keyless run stopped early shows it
-SHORT = {"max_new_tokens": 100}  # 1 s: a keyed run that runs on is waited for
+SHORT = {"max_new_tokens": 40}  # 0.4 s: a keyed run that runs on is waited for
 
 
 def door_request(door: str, key: str | None, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -207,7 +207,7 @@ async def test_a_client_that_leaves_cancels_a_keyless_job_and_not_a_keyed_one(
             assert again.status_code == 200, again.text
             await wait_until(lambda: engine.running == 0 and len(engine.finished) == len(engine.calls), timeout=20,
                              what="every run ended")  # fmt: skip
-            assert all(done == [(100, "length")] for done in engine.finished), engine.finished
+            assert all(done == [(40, "length")] for done in engine.finished), engine.finished
             assert len(engine.calls) == (2 if door == "batch" else 1)  # one run a job, none again
         else:
             await wait_until(lambda: engine.running == 0, timeout=10, what="nothing running")
@@ -222,7 +222,7 @@ async def test_a_keyless_turn_left_and_asked_again_runs_once_not_beside_itself(n
     does after a dropped connection): the first run is stopped, the retry is the trajectory's next
     turn and runs whole, and the two never run side by side on a replica with room for both."""
     engine = Recording(per_token_s=0.005)
-    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 200}}
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 300}}  # 1.5 s a run
     async with (
         running_worker(nats_url, namespace, engine=engine, capacity=2),
         served(nats_url, namespace) as (base, _),
@@ -235,10 +235,10 @@ async def test_a_keyless_turn_left_and_asked_again_runs_once_not_beside_itself(n
             await request
         again = await ask(http, body, turn_headers("again"))
         assert again.status_code == 200, again.text
-        assert len(again.json()["output_ids"]) == 200
+        assert len(again.json()["output_ids"]) == 300
         assert again.json()["meta_info"]["rollfleet"]["idempotency_key"].endswith("/1")  # the next turn
     assert engine.peak == 1 and len(engine.finished) == 2, engine.finished
-    assert engine.finished[0][0][0] < 200 and engine.finished[1] == [(200, "length")], engine.finished
+    assert engine.finished[0][0][0] < 300 and engine.finished[1] == [(300, "length")], engine.finished
 
 
 @pytest.mark.parametrize("door", ["plain", "stream", "batch"])
