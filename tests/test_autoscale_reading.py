@@ -4,6 +4,7 @@ whether a store directory still has a version."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import time
 import uuid
@@ -22,7 +23,9 @@ from rollfleet.schemas import Names, SessionRecord, VersionRecord, encode
 from rollfleet.schemas.errors import NoCompatibleReplica
 from rollfleet.testing import running_worker, temp_broker, wait_until, write_base_checkpoint
 from rollfleet.trainer_client import RolloutClient
+from rollfleet.trainer_client.watch_rules import OrphanWatch
 from rollfleet.workers.engines.echo import EchoEngine
+from rollfleet.workers.worker import Worker, WorkerConfig
 from tests.helpers import payload
 
 
@@ -83,6 +86,51 @@ async def test_the_signal_is_what_the_broker_holds(shared_broker: EmbeddedBroker
                 [held] = replicas  # type: ignore[misc]
                 assert (held.worker_id, held.held, held.managed, held.in_flight) == ("held1", 1, True, 1)
         finally:
+            await reader.close()
+            await nc.close()
+
+
+async def test_a_request_that_waits_for_a_replica_is_queued_said_as_demand_and_served_once_one_starts(
+    shared_broker: EmbeddedBroker,
+) -> None:
+    """No replica serves version 1. A request that chose to wait is queued rather than refused:
+    past the grace after which an exact job nobody serves is withdrawn (shortened here) it is
+    still stored, and its client has said the demand again (a second note, a second later). A
+    replica of version 1 is then started with a start-up delay (the echo engine's, as a GPU
+    server's): while it starts it serves nothing, and once started it answers the request."""
+    url, ns = shared_broker.url, "w" + uuid.uuid4().hex[:8]
+    names = Names(ns)
+    nc = await connect(url, name="autoscale-test", inbox_prefix=names.inbox_prefix("trainer"))
+    async with await RolloutClient.connect(url, namespace=ns, client_id="c") as client:
+        client.watch.orphans = OrphanWatch(grace_s=0.2)
+        for v in (1, 2):  # (training is at 2: version 1 is a class of its own, a held replica's)
+            await client.commit_version(VersionRecord(version=v, kind="delta", base_version=v - 1))
+        reader = await SignalReader(nc, nc.jetstream(), names).start()
+        worker = Worker(
+            WorkerConfig(nats_url=url, namespace=ns, version=1, worker_id="late1", heartbeat_s=0.5),
+            EchoEngine(startup_s=1.0),
+        )
+        starting = None
+        try:
+            handle = await client.submit(payload(), exact_version=1, timeout=60, wait_for_replica=True)
+
+            async def said_twice_still_queued() -> bool:
+                signal, _ = await reader.read()
+                return signal.demand(1).refusals >= 2 and signal.demand(1).backlog == 1
+
+            await wait_until(said_twice_still_queued, 20, what="the waiting job said again, still queued")
+            assert not handle.done(), handle  # (not withdrawn, though its grace is long past)
+            starting = asyncio.create_task(worker.start())
+            await wait_until(lambda: client.fleet.replicas(), 20, what="the replica registered")
+            [registered] = client.fleet.replicas()
+            if not starting.done():  # (its engine still starting: registered, serving nothing)
+                assert registered.state == "starting" and not handle.done()
+            result = await handle.result(30)
+            assert (result.worker_id, result.version_start, result.version_end) == ("late1", 1, 1)
+        finally:
+            if starting is not None:
+                await starting
+            await worker.stop()
             await reader.close()
             await nc.close()
 

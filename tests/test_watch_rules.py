@@ -68,6 +68,20 @@ def test_a_job_a_draining_replica_may_hold_waits_for_it_and_the_grace_starts_whe
     assert w.verdict("k", servable=False, holders=[], now=31.0 + ORPHAN_GRACE_S) == "withdraw"
 
 
+def test_a_job_whose_caller_waits_for_a_replica_is_never_withdrawn_and_says_its_demand() -> None:
+    """``submit(..., wait_for_replica=True)``: the job stays queued until its deadline, each look
+    says ``wants_replica`` (the watch then says its demand again); once a replica can serve it,
+    or holds it, that verdict wins as for any job."""
+    w = OrphanWatch()
+    for t in (0.0, ORPHAN_GRACE_S, 10 * ORPHAN_GRACE_S, 1e6):
+        assert w.verdict("k", servable=False, holders=[], now=t, waits_for_replica=True) == "wants_replica"
+    assert w.verdict("k", servable=False, holders=["w1"], now=1e6, waits_for_replica=True) == "held"
+    assert w.verdict("k", servable=True, holders=[], now=1e6, waits_for_replica=True) == "servable"
+    # (a job that does not wait, looked at beside it, is withdrawn after its grace as before)
+    assert w.verdict("other", servable=False, holders=[], now=0.0) == "waiting"
+    assert w.verdict("other", servable=False, holders=[], now=ORPHAN_GRACE_S) == "withdraw"
+
+
 def test_whether_a_holder_may_hold_the_job_is_asked_at_most_once_a_probe_interval() -> None:
     w = OrphanWatch(probe_s=1.0)
     assert w.may_be_held("k")  # not asked yet: it may

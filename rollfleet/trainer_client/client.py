@@ -166,6 +166,7 @@ class RolloutClient:
             no_replica_message=self._no_replica_message,
             redeclare=self.consumers.shared_again,
             ring=self.bells.ring,
+            note_demand=self.refusals.note,
         )
 
     @property
@@ -327,6 +328,7 @@ class RolloutClient:
         timeout: float | None = None,
         retry_policy: RetryPolicy = "replayable",
         session_id: str | None = None,
+        wait_for_replica: bool = False,
     ) -> RolloutHandle:
         """Queue one rollout job and return its handle.
 
@@ -336,7 +338,9 @@ class RolloutClient:
         yields the same answer; the same key for a different request is ``IdempotencyConflict``
         (a request is what the caller wrote: ``max_staleness=1`` is the same request after a
         commit moved ``latest``). Arguments of the wrong type or value are ``InvalidRequest``,
-        raised here.
+        raised here. A job no replica can serve is answered ``NoCompatibleReplica`` at once; with
+        ``wait_for_replica`` it is queued instead and waits within its deadline for one to be
+        started (the fleet's control loop hears it and starts a replica held at its version).
         """
         constraint = constraint_from(min_version, exact_version, max_staleness, self.latest_version)
         return await self._submit(
@@ -348,6 +352,7 @@ class RolloutClient:
             timeout=timeout,
             retry_policy=retry_policy,
             session_id=session_id,
+            wait_for_replica=wait_for_replica,
         )
 
     async def _submit(
@@ -363,6 +368,7 @@ class RolloutClient:
         session_id: str | None,
         replica: str | None = None,
         asked_at: float | None = None,
+        wait_for_replica: bool = False,
     ) -> RolloutHandle:
         """``submit`` with the constraint resolved; ``replica``: store the job on that replica's own
         subject (a session's sticky turn) instead of the constraint's shared one; ``asked_at``: when
@@ -408,10 +414,12 @@ class RolloutClient:
                 # An answer already stored for this key wins: resubmitting is always safe.
                 if idempotency_key is not None and await self.settler.settle_stored(handle):
                     handle.stored = True
-                else:
+                    return handle
+                await self.refusals.note(constraint)
+                if not wait_for_replica:
                     handle.set_error(NoCompatibleReplica(self._no_replica_message(constraint)))
-                    await self.refusals.note(constraint)
-                return handle
+                    return handle
+                handle.waits_for_replica = True  # (queued: JobWatch keeps it, and says its demand again)
         self._handles[key] = handle
         # An answer that came while the look-ups above awaited went to the unclaimed ones.
         if self._settle_unclaimed(handle):

@@ -35,6 +35,9 @@ class RolloutHandle:
         self.stream_seq: int | None = None  # its sequence in the jobs stream, when known
         self.replica: str | None = None  # stored on this replica's own subject (a session's sticky turn)
         self.moves = 0  # times moved from a replica's own subject to the shared one
+        # Its caller waits, within its deadline, for a replica that can serve it to be started,
+        # rather than take NoCompatibleReplica (``submit(..., wait_for_replica=True)``).
+        self.waits_for_replica = False
         self._cancel = cancel
         self._future: asyncio.Future[RolloutResult] = asyncio.get_running_loop().create_future()
 

@@ -61,6 +61,7 @@ class JobWatch:
         no_replica_message: Callable[[VersionConstraint], str],
         redeclare: Callable[[VersionConstraint], Awaitable[None]],
         ring: Callable[..., None],
+        note_demand: Callable[[VersionConstraint], Awaitable[None]] | None = None,
     ) -> None:
         self._handles = handles  # the client's own map of pending keys (shared, not copied)
         self.fleet, self.placement, self._js, self._names = fleet, placement, js, names
@@ -73,6 +74,7 @@ class JobWatch:
         self._no_replica_message = no_replica_message
         self._redeclare = redeclare
         self._ring = ring
+        self._note_demand = note_demand  # (the fleet's control loop hears a job that waits for a replica)
         self.orphans = OrphanWatch()
 
     # -- deadlines and orphans -----------------------------------------------------------------
@@ -128,7 +130,12 @@ class JobWatch:
                     holders = []
                 for worker_id in self.orphans.probes_due(holders, now):  # (no responders: marked gone)
                     self.placement.probe(worker_id)
-            if self.orphans.verdict(key, servable=servable, holders=holders, now=now) != "withdraw":
+            verdict = self.orphans.verdict(
+                key, servable=servable, holders=holders, now=now, waits_for_replica=handle.waits_for_replica
+            )
+            if verdict == "wants_replica" and self._note_demand is not None:
+                await self._note_demand(constraint)  # (at most once a second per version: RefusalNotes)
+            if verdict != "withdraw":
                 continue
             await self.placement.delete(handle)
             if handle.done() or await self._settle_stored(handle):

@@ -16,7 +16,7 @@ STALL_AFTER_S = 1.0  # a job unanswered this long makes its subject worth a look
 STALL_JOBS_PER_BELL = 4  # a woken replica pulls up to its free slots (4 by default)
 STALL_BELLS_MAX = 64
 
-Verdict = Literal["servable", "held", "waiting", "withdraw"]
+Verdict = Literal["servable", "held", "waiting", "withdraw", "wants_replica"]
 
 
 def expired(deadlines: Iterable[tuple[str, float]], now: float, grace_s: float) -> list[str]:
@@ -39,7 +39,10 @@ class OrphanWatch:
     """Exact jobs that no live replica can serve any more (every one has moved past the version).
 
     Such a job is never served: once that has lasted ``grace_s`` it is withdrawn and answered
-    ``NoCompatibleReplica`` rather than left to its deadline. While a live replica is still at the
+    ``NoCompatibleReplica`` rather than left to its deadline; unless its caller chose to wait for a
+    replica (``submit(..., wait_for_replica=True)``): then it stays queued until its deadline
+    (``wants_replica``), and the watch says its demand again, so that the fleet's control loop
+    starts a replica at its version (``autoscale``: a replica held there). While a live replica is still at the
     version with jobs in flight (an activation draining its exact jobs) it may be running the job:
     the job is left to it until it has moved on or is gone. Whether it may hold the job is asked of
     the broker at most once per ``probe_s`` per job (``hold_check_due``/``checked``), and each such
@@ -75,15 +78,21 @@ class OrphanWatch:
             self._probed[worker_id] = now
         return due
 
-    def verdict(self, key: str, *, servable: bool, holders: Sequence[str], now: float) -> Verdict:
+    def verdict(
+        self, key: str, *, servable: bool, holders: Sequence[str], now: float, waits_for_replica: bool = False
+    ) -> Verdict:
         """``servable``: a live replica can serve the job's constraint; ``holders``: live replicas
-        at its version that may be running it. ``withdraw`` restarts the grace, so a job that
-        could not be withdrawn is looked at again a grace later."""
+        at its version that may be running it; ``waits_for_replica``: its caller waits for a
+        replica to be started rather than take ``NoCompatibleReplica``. ``withdraw`` restarts the
+        grace, so a job that could not be withdrawn is looked at again a grace later."""
         if servable:
             self._since.pop(key, None)
             return "servable"
         if holders:
             return "held"
+        if waits_for_replica:
+            self._since.pop(key, None)  # (its deadline ends it, as any job's)
+            return "wants_replica"
         if now - self._since.setdefault(key, now) < self.grace_s:
             return "waiting"
         self._since[key] = now
