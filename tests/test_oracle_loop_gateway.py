@@ -249,10 +249,20 @@ def test_a_key_is_one_answer_and_a_retried_key_no_new_turn() -> None:
     found = j.flagged()["once"]
     assert len(found) == 2 and "2 different answers" in found[0] and "ran 2 turn jobs for 1 keys" in found[1]
     # Asked again at the end, the key ran its turn again: another answer.
-    final = {"gw:k0": {**gw_answer("j3", tokens, 0, "k0"), "kind": "http-result", "status": 200}}
+    final = {"gw:k0@g1": {**gw_answer("j1", tokens, 0, "k0"), "kind": "http-result", "status": 200},
+             "gw:k0@g2": {**gw_answer("j3", tokens, 0, "k0"), "kind": "http-result", "status": 200}}  # fmt: skip
     j = Judged()
     judge_keys_and_turns(j, calls_of(same), {"j1": "gw-s", "j3": "gw-s"}, {"gw-s": {"j1"}}, final)
     assert "2 different answers" in j.flagged()["once"][0]
+    # Asked again through a gateway restarted since: no answer within its time-out.
+    final = {"gw:k0@g1": {"kind": "http-none", "waited_s": 25.0, "error": "TimeoutError()"}}
+    j = Judged()
+    judge_keys_and_turns(j, calls_of(same), {"j1": "gw-s"}, {"gw-s": {"j1"}}, final)
+    assert "through g1: no answer in 25.0 s" in j.flagged()["once"][0]
+    final = {"gw:k0@g1": {"kind": "http-error", "status": 504, "cls": "Expired", "message": "past its deadline"}}
+    j = Judged()
+    judge_keys_and_turns(j, calls_of(same), {"j1": "gw-s"}, {"gw-s": {"j1"}}, final)
+    assert "answered 504 Expired" in j.flagged()["once"][0]
 
 
 def test_a_turn_answered_outside_its_version_or_below_its_last_is_flagged() -> None:

@@ -2470,7 +2470,14 @@ class Oracle:
             if sid and p.job_id and parsed and parsed[0] == GATEWAY_CLIENT:
                 session_of_job.setdefault(str(p.job_id), sid)
                 jobs_of_session[sid].add(str(p.job_id))
-        judge_keys_and_turns(self, calls, session_of_job, jobs_of_session, self.finals)
+        judge_keys_and_turns(
+            self,
+            calls,
+            session_of_job,
+            jobs_of_session,
+            self.finals,
+            lost=lambda answered, asked: self.lost_with_store(answered, "results", after=asked) is not None,
+        )
         try:
             from reliability.adversary.truth import Truth
 

@@ -5,11 +5,13 @@ trainer's weights. What a gateway says about itself is never read.
 
 - ``once``: a key is one answer on this door too: every 200 for an ``Idempotency-Key`` (its
   tries through either gateway, after the caller left, a try reusing it for another body, and
-  the re-ask of every answered keyed turn at the end, its session long gone on) names the same
-  job and the same tokens. And a trajectory (one ``X-Session-Id``) runs at most one
-  turn per key plus one per keyless try: the turn jobs the wiretap saw delivered in its session
-  are no more than that (a retried key that ran a new turn, advancing the session, shows as one
-  job too many).
+  the re-ask of every answered keyed turn at the end through each gateway, its session long
+  gone on) names the same job and the same tokens, and that re-ask gets its answer within the
+  gateway's time-out (not a time-out, nor ``Expired``: its answer is stored; another typed
+  refusal is counted not verifiable). And a trajectory (one
+  ``X-Session-Id``) runs at most one turn per key plus one per keyless try: the turn jobs the
+  wiretap saw delivered in its session are no more than that (a retried key that ran a new turn,
+  advancing the session, shows as one job too many).
 - ``version``: a turn's 200 answer lies within the ``weight_version`` that turn asked for (exact:
   every span at it; a floor: none below it), and within its session's policy (a gateway's
   sessions are ``monotonic``: never below the last version of the trajectory's previous answer).
@@ -76,25 +78,39 @@ def judge_keys_and_turns(
     session_of_job: dict[str, str],
     jobs_of_session: dict[str, set[str]],
     finals: dict[str, dict[str, Any]] | None = None,
+    lost: Callable[[float, float], bool] = lambda answered, asked: False,
 ) -> None:
     """``once``: one answer per key; no more turn jobs in a trajectory than its keys and keyless
-    tries. ``finals``: the keyed turns asked again at the end (``gw:<key>``: the answer read)."""
+    tries. ``finals``: the keyed turns asked again at the end through each gateway
+    (``gw:<key>@<gateway>``: the answer read, ``http-none`` for none); ``lost(answered, asked)``:
+    whether a store loss took an answer stored at ``answered`` before it was asked again."""
     answers_of_key: dict[str, list[tuple[str, str, str]]] = defaultdict(list)  # key -> (job, tokens, rid)
+    answered_at: dict[str, float] = {}
     for c in calls.values():
         for t in c["tries"]:
             a = _answered(t)
             if a is not None and t.get("key") is not None:
                 answers_of_key[t["key"]].append((str(a.get("job_id")), str(a.get("tokens")), c["rid"]))
+                answered_at[t["key"]] = min(float(t.get("t_end") or 0.0), answered_at.get(t["key"], float("inf")))
     for key, seen in answers_of_key.items():
-        final = (finals or {}).get(f"gw:{key}")
-        if final is None:
-            continue
-        if final.get("kind") == "http-result" and final.get("status", 200) == 200:
-            seen.append((str(final.get("job_id")), str(final.get("tokens")), "the re-ask at the end"))
-        else:
-            judge.unverified[
-                f"once: a gateway key asked again at the end got no answer ({final.get('cls') or final.get('kind')})"
-            ] += 1
+        for at, final in sorted(
+            (k.split("@", 1)[1], f) for k, f in (finals or {}).items() if k.split("@", 1)[0] == f"gw:{key}"
+        ):
+            if lost(answered_at[key], float(final.get("t") or 0.0)):
+                judge.unverified["once: a gateway key's answer lost with the broker's store before its re-ask"] += 1
+            elif final.get("kind") == "http-result" and final.get("status", 200) == 200:
+                seen.append((str(final.get("job_id")), str(final.get("tokens")), f"the re-ask through {at}"))
+            elif final.get("kind") == "http-none":
+                # Its answer is stored: a door that hands out nothing for its key keeps it from its caller.
+                judge.check("once", False, key, f"asked again at the end through {at}: no answer in "
+                            f"{final.get('waited_s')} s ({final.get('error', '')[:120]})")  # fmt: skip
+            elif final.get("cls") == "Expired" or final.get("status") == 504:
+                # (nor is an answer stored long ago expired: ``lost`` for a plain key)
+                judge.check("once", False, key, f"asked again at the end through {at}: answered "
+                            f"{final.get('status')} {final.get('cls')} ({str(final.get('message'))[:120]}), "
+                            f"though its answer is stored")  # fmt: skip
+            else:
+                judge.unverified[f"once: a gateway key asked again at the end was refused ({final.get('cls')})"] += 1
     for key, seen in sorted(answers_of_key.items()):
         distinct = sorted({(job, tokens) for job, tokens, _ in seen})
         judge.check(

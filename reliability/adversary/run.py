@@ -1376,41 +1376,50 @@ class Adversary:
 
     async def reask_gateway_turns(self) -> dict[str, dict[str, Any]]:
         """Every keyed trajectory turn the gateways answered 200 (``gateway_load``), asked again at the
-        end with its key, its body and its ``X-Session-Id``, through a gateway up now: its one answer
-        must come back, however far its session went on meanwhile (as ``gw:<key>`` in the finals,
-        of kind ``http-result`` or ``http-error``: judged by ``oracle_gateway`` alone)."""
+        end with its key, its body and its ``X-Session-Id`` through each gateway up now (one that
+        was restarted since included): its one answer must come back, however far its session went
+        on meanwhile. In the finals as ``gw:<key>@<gateway>``, of kind ``http-result``,
+        ``http-error`` or ``http-none`` (no response within the gateway's own time-out, and 5 s):
+        judged by ``oracle_gateway`` alone."""
         import aiohttp
 
         from reliability.adversary.journal import http_answer
+        from reliability.adversary.machine import GATEWAY_TIMEOUT_S
 
         records = Journal.read(self.workdir / "trainer.jsonl")
         calls = {r["rid"]: r for r in records if r.get("ev") == "gw_call"}
-        asked: dict[str, dict[str, Any]] = {}
+        asked: dict[str, tuple[str, dict[str, Any]]] = {}
         for r in records:
             if r.get("ev") == "gw_try" and r.get("key") and r.get("status") == 200 and r.get("rid") in calls:
                 call = calls[r["rid"]]
                 if call.get("traj") and call.get("kind") == "turn":
-                    asked.setdefault(r["key"], {**call["body"], "input_ids": r["input_ids"], "_traj": call["traj"]})
+                    asked.setdefault(r["key"], (call["traj"], {**call["body"], "input_ids": r["input_ids"]}))
         out: dict[str, dict[str, Any]] = {}
-        addresses = [g.address for _, g in sorted(self.machine.gateways.items()) if g.alive and g.address]
-        if not asked or not addresses:
+        gateways = {n: g.address for n, g in sorted(self.machine.gateways.items()) if g.alive and g.address}
+        if not asked or not gateways:
             return out
-        async with aiohttp.ClientSession() as http:
-            for key, body in sorted(asked.items()):
-                traj = body.pop("_traj")
+        sem = asyncio.Semaphore(8)
+
+        async def one(http: Any, key: str, traj: str, body: dict[str, Any], name: str, address: str) -> None:
+            headers = {"Idempotency-Key": key, "X-Session-Id": traj}
+            wait = aiohttp.ClientTimeout(total=GATEWAY_TIMEOUT_S + 5.0)
+            async with sem:
                 t = time.time()
-                for address in addresses:
-                    headers = {"Idempotency-Key": key, "X-Session-Id": traj}
-                    wait = aiohttp.ClientTimeout(total=10)
-                    try:
-                        async with http.post(f"{address}/generate", json=body, headers=headers, timeout=wait) as resp:
-                            got = http_answer(resp.status, await resp.json(content_type=None))
-                        # (kind "http-...": the oracle's other checks take the finals' results for the clients')
-                        out[f"gw:{key}"] = {**got, "kind": f"http-{got['kind']}", "t": t}
-                        break
-                    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                        out[f"gw:{key}"] = {"kind": "unreachable", "error": repr(exc)[:200], "t": t}
-        self.say("gateway turns re-asked", keys=len(out))
+                try:
+                    async with http.post(f"{address}/generate", json=body, headers=headers, timeout=wait) as resp:
+                        got = http_answer(resp.status, await resp.json(content_type=None))
+                    # (kind "http-...": the oracle's other checks take the finals' results for the clients')
+                    out[f"gw:{key}@{name}"] = {**got, "kind": f"http-{got['kind']}", "t": t}
+                except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                    out[f"gw:{key}@{name}"] = {"kind": "http-none", "error": repr(exc)[:200], "t": t,
+                                               "waited_s": round(time.time() - t, 3)}  # fmt: skip
+
+        async with aiohttp.ClientSession() as http:
+            await asyncio.gather(
+                *(one(http, key, traj, body, name, address)
+                  for key, (traj, body) in sorted(asked.items()) for name, address in gateways.items())
+            )  # fmt: skip
+        self.say("gateway turns re-asked", keys=len(asked), gateways=sorted(gateways))
         return out
 
     async def _reask(self, client_id: str, keys: set[str], out: dict[str, dict[str, Any]]) -> None:
