@@ -120,10 +120,9 @@ _SAMPLING_READ = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token
                   "ignore_eos"}  # fmt: skip
 SAMPLING_FIELDS = _SAMPLING_READ | set(_TEXT_OPTIONS) | set(_NEUTRAL_SAMPLING)
 
-# The top level of each route's body, beyond the sampling fields OpenAI's routes also take
-# (SGLang's OpenAI server takes its own sampling names there too: ``top_k``, ``ignore_eos``, ...).
-_HINT = "hint"  # accepted, changes nothing generated (routing, priority, labels, an end-user id)
-_READ = "read"
+# The top level of each route's body: read, hints (accepted: they change nothing generated, as
+# routing, priority, labels or an end-user id), and neutral only; OpenAI's routes also take
+# SGLang's sampling names there, as SGLang's own OpenAI server does (``top_k``, ``ignore_eos``, ...).
 _GENERATE_READ = {"input_ids", "text", "sampling_params", "return_logprob", "stream", "rid", "weight_version"}
 _GENERATE_HINTS = {"bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key", "decode_tp_size",
                    "routed_dp_rank", "disagg_prefill_dp_rank", "extra_key", "priority", "routing_key",
