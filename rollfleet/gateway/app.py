@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 log = get_logger("rollfleet.gateway")
 
 MAX_BODY_BYTES = 1024 * 1024  # a request body past this is refused (413) before it is read whole
-HEADER_TIMEOUT_S = 10.0  # from a connection's opening, or a request head's first byte, to its last
+HEADER_TIMEOUT_S = 5.0  # from a connection's opening, or a request head's first byte, to its last
 BODY_TIMEOUT_S = 30.0  # to read a request's body once its head is in
 IDLE_TIMEOUT_S = 75.0  # a kept-alive connection with no request (nginx's keepalive_timeout)
 SSE_KEEPALIVE_S = 5.0  # a stream waiting this long sends a comment, so idle-timing proxies keep it
