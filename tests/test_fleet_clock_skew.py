@@ -3,7 +3,8 @@ with the client's: a heartbeat heard as it is written counts from the client's o
 
 Registry entries are written into the real fleet bucket of a real nats-server as a replica
 whose clock is off would write them; one test runs a real worker process under libfaketime
-(skipped, saying so, where Debian's ``faketime`` package is not installed)."""
+(skipped, saying so, where no libfaketime is found: neither Debian's ``faketime`` package nor the
+``libfaketime`` package of the ``test`` extra, whose library is built for x86-64 Linux)."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ async def test_a_heartbeat_held_up_on_the_way_counts_from_when_it_was_made(nats_
         assert "held" not in live(client)  # it said it was alive 4 s ago, not now
 
 
-@pytest.mark.skipif(FAKETIME_LIB is None, reason="Debian's faketime package is not installed")
+@pytest.mark.skipif(FAKETIME_LIB is None, reason="no libfaketime for this machine (Debian's or the test extra's)")
 async def test_a_worker_whose_clock_is_behind_serves_and_is_seen_live(
     nats_url: str, namespace: str, tmp_path: Path
 ) -> None:
