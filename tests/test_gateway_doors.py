@@ -335,7 +335,7 @@ async def test_the_openai_client_reads_what_is_not_honoured_as_its_own_errors(na
 
 
 async def test_bad_headers_and_unknown_routes_get_typed_json_and_nothing_is_echoed(
-    nats_url: str, namespace: str, caplog: pytest.LogCaptureFixture
+    nats_url: str, namespace: str, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """A header value that is not UTF-8 is a typed 400 naming the header; 404 and 405 are JSON in
     the error shape; 401 says ``WWW-Authenticate: Bearer``; an over-long or malformed
@@ -365,7 +365,8 @@ async def test_bad_headers_and_unknown_routes_get_typed_json_and_nothing_is_echo
                 status, head, payload = await raw_request(port, b"GET /v1/models", auth + b"\r\n", b"")
                 assert status in (400, 401) and b"S3CRET" not in head + payload, (status, payload[:300])
                 assert json.loads(payload)["error"]["code"] in ("invalid_request", "unauthorized")
-        assert "S3CRET" not in caplog.text and "Traceback" not in caplog.text, caplog.text[:2000]
+        logged = caplog.text + capfd.readouterr().err  # (aiohttp logs through logging, rollfleet to stderr)
+        assert "S3CRET" not in logged and "Traceback" not in logged, logged[:2000]
 
 
 async def raw_request(port: int, line: bytes, headers: bytes, body: bytes) -> tuple[int, bytes, bytes]:
