@@ -1,10 +1,11 @@
 """The adversary's three-node cluster and its node faults (``reliability.adversary.cluster_nodes``).
 
 The schedule's node events are drawn only for a cluster, from a stream of their own, so every
-other event of a seed stays where it was. A node cut off really loses its peers (its route
-packets dropped by iptables, matched by the uid it runs under) while it keeps running, and
-joins them again when healed; a node SIGKILLed and started again on its store catches up. An
-R3 stream keeps a leader on the majority side throughout: what the adversary's runs build on.
+other event of a seed stays where it was. A node cut off really loses its peers (every byte it
+sends on its routes held by the relays its routes run through, ``RouteRelays``: no root, no
+firewall) while it keeps running, and joins them again when healed; a node SIGKILLed and
+started again on its store catches up. An R3 stream keeps a leader on the majority side
+throughout: what the adversary's runs build on.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import urllib.request
 from pathlib import Path
 
 import nats
-import pytest
 
-from reliability.adversary.cluster_nodes import NODE_KINDS, ClusterNode, NodeCluster, cut_rules, why_no_cut
+from reliability.adversary.cluster_nodes import NODE_KINDS, ClusterNode, NodeCluster
 from reliability.adversary.schedule import NODE_EVENT_KINDS, make_schedule
 from rollfleet.testing import wait_until
+from rollfleet.testing.cluster import cut_plan
 
 
 def test_node_events_are_drawn_only_for_a_cluster_and_leave_every_other_event_in_place() -> None:
@@ -36,17 +37,13 @@ def test_node_events_are_drawn_only_for_a_cluster_and_leave_every_other_event_in
             assert 0.5 <= e.params.get("down_s", e.params.get("for_s", 0.0)) <= 10.0
 
 
-def test_a_cut_drops_only_the_route_packets_the_node_sends() -> None:
-    def node(name: str, uid: int, route: int) -> ClusterNode:
-        return ClusterNode(store_dir=Path("/x"), name=name, uid=uid, route_port=route)
-
-    a, b, c = node("a", 7001, 6001), node("b", 7002, 6002), node("c", 7003, 6003)
-    rules = [" ".join(r) for r in cut_rules(b, [a, c])]
-    assert rules == [
-        "OUTPUT -o lo -p tcp -m owner --uid-owner 7002 -m multiport --dports 6001,6003 "
-        "-m comment --comment rollfleet-adversary -j DROP",
-        "OUTPUT -o lo -p tcp -m owner --uid-owner 7002 --sport 6002 -m comment --comment rollfleet-adversary -j DROP",
-    ]
+def test_a_cut_holds_only_what_the_node_sends_on_its_routes() -> None:
+    # Relay (dialer, dialed): "up" carries what the dialer sends, "down" what the dialed one sends.
+    assert cut_plan("b", ("a", "b", "c")) == [
+        (("b", "a"), "up"), (("b", "c"), "up"),  # the routes b dials
+        (("a", "b"), "down"), (("c", "b"), "down"),  # the routes its peers dial to reach it
+    ]  # fmt: skip
+    assert not [pair for pair, _ in cut_plan("b", ("a", "b", "c")) if "b" not in pair]  # a and c keep theirs
 
 
 def _routes(node: ClusterNode) -> int:
@@ -68,7 +65,6 @@ async def _leader(js: object, stream: str, timeout: float = 30.0, not_on: str | 
     raise AssertionError(f"no leader of {stream} (other than {not_on}) within {timeout:g} s")
 
 
-@pytest.mark.skipif(why_no_cut() is not None, reason=f"node cuts unavailable: {why_no_cut()}")
 async def test_a_cut_node_loses_its_peers_and_a_killed_one_comes_back(tmp_path: Path) -> None:
     conf = tmp_path / "nats.conf"
     conf.write_text("max_payload: 1MB\njetstream { max_file_store: 1GB }\n")
@@ -120,4 +116,4 @@ async def test_a_cut_node_loses_its_peers_and_a_killed_one_comes_back(tmp_path: 
         if nc is not None:
             await nc.close()
         cluster.stop()
-    assert not cluster.cut  # (every rule removed)
+    assert not cluster.cut  # (every hold released)

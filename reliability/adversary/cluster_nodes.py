@@ -8,9 +8,10 @@ faults, each on one node at a time (the victim at random, or the leader of the j
 ``node_kill``   SIGKILL, started again on its own store after ``down_s``; its clients fail over.
 ``node_pause``  SIGSTOP for ``for_s``, then SIGCONT: alive, heard by nobody, its Raft terms stale.
 ``node_cut``    cut off from the other two for ``for_s`` while its own clients stay connected to
-                it (a minority partition): every route packet it sends is dropped by iptables.
-                The owner match needs each node under a uid of its own (``setpriv``), so a cut
-                needs root and iptables; without them it is skipped, with the reason.
+                it (a minority partition): every route byte it sends is held. Each route runs
+                through a relay of the harness (``rollfleet.testing.cluster.RouteRelays``: one
+                per ordered pair of nodes, in this process), so a cut needs no root and no
+                firewall, and runs wherever the cluster does.
 
 A single-node broker's ``broker_restart`` and ``pause_broker`` become ``node_kill`` and
 ``node_pause`` here (a whole cluster is never down at once: that is what R3 is for).
@@ -19,10 +20,8 @@ A single-node broker's ``broker_restart`` and ``pause_broker`` become ``node_kil
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import subprocess
 import tempfile
 import time
 import urllib.request
@@ -30,22 +29,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollfleet.broker import EmbeddedBroker, free_port
+from rollfleet.testing.cluster import RouteRelays
 
 NODES = ("a", "b", "c")
-CUT_COMMENT = "rollfleet-adversary"  # every rule this module adds carries it (and is removed by it)
 NODE_KINDS = ("node_kill", "node_pause", "node_cut")
 
 
 @dataclass
 class ClusterNode(EmbeddedBroker):
     """One node: an EmbeddedBroker on fixed ports (its peers and clients know them across its
-    restarts), started under ``uid`` when given (so iptables can tell its packets apart)."""
+    restarts), whose routes go out through ``peers`` (the relays to its peers' route ports) and
+    which advertises ``advertise`` for routes (where nobody answers: no route a peer learns of
+    by gossip goes around the relays)."""
 
     name: str = "a"
-    uid: int | None = None
     route_port: int = 0
     http_port: int = 0
-    peers: list[int] = field(default_factory=list)  # every node's route port (its own included)
+    peers: list[int] = field(default_factory=list)  # the ports it dials for its routes
+    advertise: int | None = None
 
     @property
     def server_name(self) -> str:
@@ -59,76 +60,45 @@ class ClusterNode(EmbeddedBroker):
             "--cluster", f"nats://127.0.0.1:{self.route_port}", "--routes", routes,
             "-m", str(self.http_port),
         ]  # fmt: skip
-        if self.uid is None:
-            return cmd
-        # (setpriv sets the parent-death signal again after the uid change, which clears it)
-        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", "--pdeathsig=TERM", *cmd]
-
-
-def cut_rules(node: ClusterNode, others: list[ClusterNode]) -> list[list[str]]:
-    """The iptables rules (``-A`` form) that drop every route packet ``node`` sends: on the
-    connections it opened to its peers' route ports, and on those they opened to its own. Its
-    peers' packets still reach it, unanswered: both sides see a route go silent."""
-    assert node.uid is not None
-    owner = ["-m", "owner", "--uid-owner", str(node.uid)]
-    tag = ["-m", "comment", "--comment", CUT_COMMENT]
-    peer_ports = ",".join(str(o.route_port) for o in others)
-    return [
-        ["OUTPUT", "-o", "lo", "-p", "tcp", *owner, "-m", "multiport", "--dports", peer_ports, *tag, "-j", "DROP"],
-        ["OUTPUT", "-o", "lo", "-p", "tcp", *owner, "--sport", str(node.route_port), *tag, "-j", "DROP"],
-    ]
-
-
-def why_no_cut() -> str | None:
-    """Why ``node_cut`` cannot run here (None: it can)."""
-    if os.geteuid() != 0:
-        return "needs root (each node under a uid of its own, and iptables)"
-    for tool in ("iptables", "setpriv"):
-        if shutil.which(tool) is None:
-            return f"no {tool}"
-    probe = subprocess.run(["iptables", "-L", "OUTPUT", "-n"], capture_output=True, check=False)
-    if probe.returncode != 0:
-        return f"iptables refused: {probe.stderr.decode(errors='replace').strip()[:200]}"
-    return None
+        return cmd if self.advertise is None else [*cmd, "--cluster_advertise", f"127.0.0.1:{self.advertise}"]
 
 
 class NodeCluster:
-    """Three ClusterNodes on one machine with the same config (its auth included)."""
+    """Three ClusterNodes on one machine with the same config (its auth included), their routes
+    through ``RouteRelays``."""
 
     def __init__(self, workdir: Path, config: Path) -> None:
         self.workdir = Path(workdir)
-        self.cut_unavailable = why_no_cut()
-        # A uid range of this process's own, so that parallel runs never match each other's rules.
-        base = None if self.cut_unavailable else 200_000 + (os.getpid() % 100_000) * 4
-        # The nodes' config and stores where their uids can reach them (a work directory may lie
-        # under one only its owner may enter, as pytest's do); their logs stay in ``workdir``.
+        # The nodes' stores outside the work directory (removed at ``stop``); their logs in it.
         self.home = Path(tempfile.mkdtemp(prefix="rf-adv-cluster-"))
-        self.home.chmod(0o711)
-        shutil.copyfile(config, self.home / "nats.conf")
-        (self.home / "nats.conf").chmod(0o644)
-        config = self.home / "nats.conf"
         ports = _distinct_ports(3 * len(NODES))
-        routes = ports[len(NODES) : 2 * len(NODES)]
+        routes = dict(zip(NODES, ports[len(NODES) : 2 * len(NODES)], strict=True))
+        self.relays = RouteRelays(routes)
         self.nodes: dict[str, ClusterNode] = {}
         for i, name in enumerate(NODES):
-            store = self.home / f"nats-{name}"
             self.nodes[name] = ClusterNode(
-                store_dir=store,
+                store_dir=self.home / f"nats-{name}",
                 port=ports[i],
                 config=config,
                 log_file=self.workdir / f"nats-{name}.log",
                 name=name,
-                uid=None if base is None else base + i,
-                route_port=routes[i],
+                route_port=routes[name],
                 http_port=ports[2 * len(NODES) + i],
-                peers=list(routes),
+                advertise=self.relays.nowhere_port,
             )
         self.cut: set[str] = set()
 
     def start(self, timeout: float = 60.0) -> NodeCluster:
-        for node in self.nodes.values():  # (a node listens for clients before its peers are up)
-            self.start_node(node.name)
-        self.wait_ready(timeout)
+        self.relays.start()
+        for node in self.nodes.values():
+            node.peers = self.relays.dials(node.name)
+        try:
+            for node in self.nodes.values():  # (a node listens for clients before its peers are up)
+                self.start_node(node.name)
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def wait_ready(self, timeout: float) -> None:
@@ -149,14 +119,8 @@ class NodeCluster:
             return None
 
     def start_node(self, name: str) -> None:
-        """Start one node on its store (handed to its uid), as an ``EmbeddedBroker`` starts."""
-        node = self.nodes[name]
-        node.store_dir = Path(node.store_dir)
-        node.store_dir.mkdir(parents=True, exist_ok=True)
-        if node.uid is not None:
-            for path in [node.store_dir, *node.store_dir.rglob("*")]:
-                os.lchown(path, node.uid, node.uid)
-        node.start(timeout=30.0)
+        """Start one node on its store, as an ``EmbeddedBroker`` starts."""
+        self.nodes[name].start(timeout=30.0)
 
     @property
     def first(self) -> ClusterNode:
@@ -181,17 +145,12 @@ class NodeCluster:
         return rng.choice(free) if free else None
 
     def cut_off(self, name: str) -> None:
-        self._rules(name, "-A")
+        self.relays.cut(name)
         self.cut.add(name)
 
     def heal(self, name: str) -> None:
-        self._rules(name, "-D")  # (a rule already gone is no error: heal may run twice)
+        self.relays.heal(name)  # (a node not cut is no error: heal may run twice)
         self.cut.discard(name)
-
-    def _rules(self, name: str, action: str) -> None:
-        others = [n for n in self.nodes.values() if n.name != name]
-        for rule in cut_rules(self.nodes[name], others):
-            subprocess.run(["iptables", action, *rule], check=action == "-A", capture_output=True)
 
     def logs(self) -> str:
         parts = []
@@ -207,6 +166,7 @@ class NodeCluster:
             self.heal(name)
         for node in self.nodes.values():
             node.stop()
+        self.relays.stop()
         shutil.rmtree(self.home, ignore_errors=True)
 
 

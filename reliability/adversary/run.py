@@ -359,9 +359,6 @@ class Adversary:
         a node's): one node at a time, the jobs stream's leader or one at random."""
         m = self.machine
         assert m.cluster is not None
-        if kind == "node_cut" and m.cluster.cut_unavailable:
-            self.say("node_cut skipped", reason=m.cluster.cut_unavailable)
-            return False
         if self.node_out is not None:
             self.say(f"{kind} skipped", reason=f"node {self.node_out} is out: one at a time keeps a quorum")
             return False

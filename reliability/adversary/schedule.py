@@ -73,7 +73,8 @@ and with what else, it happens:
                     2 times in 3), started again on its store 0.5-6 s later
 ``node_pause``      (``--cluster``) SIGSTOP one node for 2-10 s, then SIGCONT
 ``node_cut``        (``--cluster``) one node cut off from the other two for 2-10 s, its clients still
-                    connected to it (``reliability.adversary.cluster_nodes``; needs root and iptables)
+                    connected to it (``reliability.adversary.cluster_nodes``: the relays on its
+                    routes hold what it sends)
 ==================  ===========================================================================
 
 ``make_schedule(seed, duration)`` is a pure function: the same seed gives the same events at

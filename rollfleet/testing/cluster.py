@@ -3,6 +3,10 @@
 The configs carry the documented ports (4222, 6222, ...) so a person can run them verbatim.
 The harness copies them with every documented port mapped to a free loopback port and every
 store directory moved under a temporary directory; nothing else changes.
+
+``RouteRelays`` puts a relay on every route of a cluster on one machine, so that a node can be
+cut off from its peers while it runs (the machine adversary's ``node_cut``); ``cut_plan`` says
+what a cut holds.
 """
 
 from __future__ import annotations
@@ -10,18 +14,23 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import socket
 import subprocess
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 from rollfleet.broker import check_server_binary, free_port
 from rollfleet.broker.server import wait_for_port
 from rollfleet.runtime.processes import terminate
 from rollfleet.schemas import Names
+from rollfleet.testing.link import LinkProxy
+
+_T = TypeVar("_T")
 
 NODES = ("a", "b", "c")
 
@@ -218,3 +227,97 @@ def make_dev_certs(script: Path, directory: Path) -> dict[str, str]:
     env = dict(re.findall(r"^export (ROLLFLEET_TLS_\w+)='([^']*)'$", out.stdout, re.MULTILINE))
     assert set(env) == {"ROLLFLEET_TLS_CA", "ROLLFLEET_TLS_CERT", "ROLLFLEET_TLS_KEY"}, out.stdout
     return env
+
+
+# -- a node cut off from its peers, by relays on its routes ------------------------------------------
+
+RelayWay = Literal["up", "down"]  # up: what the dialing node sends; down: what the dialed node sends
+
+
+def cut_plan(node: str, nodes: Iterable[str]) -> list[tuple[tuple[str, str], RelayWay]]:
+    """What cutting ``node`` off from its peers holds: each relay ``(dialer, dialed)`` and the way
+    on it that carries what ``node`` sends. Its route connections go through the relays it dials
+    (held up) and those its peers dial to reach it (held down); its peers' bytes still reach it,
+    unanswered, so both sides see the route go silent (as a firewall dropping its packets makes it)."""
+    peers = [peer for peer in nodes if peer != node]
+    return [((node, peer), "up") for peer in peers] + [((peer, node), "down") for peer in peers]
+
+
+class RouteRelays:
+    """A relay (``LinkProxy``) on every route of a cluster on one machine, one per ordered pair of
+    nodes: a node dials each peer's route port only through the relay ``(itself, peer)``
+    (``dials``), and advertises for routes an address nobody answers on (``nowhere_port``), so
+    that no route a peer learns of by gossip goes around the relays. ``cut(node)`` holds every
+    byte the node sends on its routes, until ``heal(node)``, while the node runs and its clients
+    stay connected: a minority partition on any machine (no root, no firewall). The relays run on
+    an event loop of their own, in a thread, so a caller on any thread (or none) can cut."""
+
+    def __init__(self, route_ports: Mapping[str, int]) -> None:
+        self.route_ports = dict(route_ports)
+        self.relays: dict[tuple[str, str], LinkProxy] = {}
+        self._holds: dict[str, list[asyncio.Future[None]]] = {}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="route-relays", daemon=True)
+        # Bound and never listening: a connection to it is refused, and no other process takes it.
+        self._nowhere = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._nowhere.bind(("127.0.0.1", 0))
+        self.nowhere_port = int(self._nowhere.getsockname()[1])
+
+    def start(self) -> RouteRelays:
+        self._thread.start()
+
+        async def start_all() -> None:
+            for dialer in self.route_ports:
+                for dialed, port in self.route_ports.items():
+                    if dialed != dialer:
+                        self.relays[(dialer, dialed)] = await LinkProxy("127.0.0.1", port).start()
+
+        self._call(start_all())
+        return self
+
+    def dials(self, node: str) -> list[int]:
+        """The ports ``node`` dials for its routes, one relay per peer."""
+        return [relay.port for (dialer, _), relay in self.relays.items() if dialer == node]
+
+    def cut(self, node: str) -> None:
+        if node in self._holds:
+            return
+
+        async def hold() -> list[asyncio.Future[None]]:
+            return [
+                asyncio.ensure_future(self.relays[pair].stall(way, _FOREVER_S))
+                for pair, way in cut_plan(node, self.route_ports)
+            ]
+
+        self._holds[node] = self._call(hold())
+
+    def heal(self, node: str) -> None:
+        """Deliver what was held, in order (as TCP delivers what it retransmits), and carry on."""
+        holds = self._holds.pop(node, [])
+
+        async def release() -> None:
+            for task in holds:
+                task.cancel()  # (``stall`` opens its way again as it ends)
+            await asyncio.gather(*holds, return_exceptions=True)
+
+        self._call(release())
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            for node in list(self._holds):
+                self.heal(node)
+
+            async def close_all() -> None:
+                for relay in self.relays.values():
+                    await relay.close()
+
+            self._call(close_all())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10.0)
+        self._nowhere.close()
+
+    def _call(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30.0)
+
+
+_FOREVER_S = 365 * 24 * 3600.0  # a hold that only ``heal`` ends
