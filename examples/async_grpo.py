@@ -5,7 +5,8 @@ verifiable reward -- continue any prompt with the alternating pattern A B A B ..
 GRPO-style policy gradient. Rollouts come from two hf workers in their own processes,
 through `RolloutLoop`: it keeps only as many groups in flight as the trainer can consume
 within the staleness bound (so little is generated only to be dropped), judges each group's
-staleness from the versions that made its tokens, and counts what it wasted and why. Each
+staleness from the versions that made its tokens, and counts every token it received as trained
+on or wasted, and why. Each
 optimizer step publishes a new policy version as a verified weight delta, which the workers
 prepare and activate while they keep serving. Off-policy samples are corrected with
 importance weights from the served log-probs.
@@ -179,6 +180,10 @@ async def run(cfg: DemoConfig) -> list[StepStats]:
             async with RolloutLoop(client, prompts(), loop_cfg, reward=score) as loop:
                 t0 = time.perf_counter()
                 async for batch in loop.batches(steps=cfg.steps):
+                    for failure in batch.failed:
+                        say(f"  group failed: {failure.reason} (after {failure.attempts} tries)")
+                    if not batch.groups:  # (a last batch carries only failures)
+                        continue
                     samples, rewards, staleness = [], [], []
                     for g in batch.groups:
                         group_rewards = g.rewards

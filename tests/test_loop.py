@@ -1,141 +1,34 @@
-"""The rollout loop (``trainer_client.loop``): its rules as pure functions (milliseconds, the
-admission bound as a property), then the loop against real workers on a real broker: every
-consumed group within the staleness bound by the tokens themselves (recomputed from the
-trainer's own bytes, not the labels), groups whole or failed whole, tails cancelled at once,
-worker SIGKILLs losing no group, and the loop's counters agreeing with what it yielded."""
+"""The rollout loop (``trainer_client.loop``) against real workers on a real broker (its decisions
+alone, as sequences of events, are ``tests/test_loop_machine.py``): every consumed group within
+the staleness bound by the tokens themselves (recomputed from the trainer's own bytes, not the
+labels), seeded samples each on its own stream, groups whole or failed whole, tails continued,
+worker SIGKILLs losing no group, a killed trainer's jobs reclaimed by its successor, and every
+token the workers generated trained on or counted as waste."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from reliability.adversary.truth import recompute, tensors_key
 from rollfleet.broker.topology import TopologyConfig
+from rollfleet.runtime.processes import terminate
 from rollfleet.schemas import RolloutPayload, SamplingParams
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.testing import ProcessGroup, running_worker, wait_until
 from rollfleet.testing.weights import tensors_at, write_base_checkpoint
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
-from rollfleet.trainer_client import loop_rules as rules
 from rollfleet.trainer_client.loop import Batch, Group, LoopConfig, RolloutLoop
 from rollfleet.workers.engines.echo import EchoEngine
-from tests.helpers import CountingEcho
-
-# -- the rules, pure -----------------------------------------------------------------------
-
-
-def test_admission_room_is_the_bound_less_what_is_accepted_or_in_flight() -> None:
-    for steps in range(4):
-        for eta in range(3):
-            for b in (1, 2, 5):
-                bound = (steps + eta + 1) * b
-                for accepted in range(bound + 3):
-                    for flying in range(bound + 3):
-                        room = rules.admission_room(
-                            steps=steps, max_staleness=eta, batch_groups=b, accepted=accepted, in_flight=flying
-                        )
-                        assert room == max(0, bound - accepted - flying)
-    assert rules.admission_room(steps=0, max_staleness=1, batch_groups=4, accepted=0, in_flight=0, oversample=2) == 10
-    capped = rules.admission_room(steps=9, max_staleness=1, batch_groups=4, accepted=0, in_flight=3, max_in_flight=5)
-    assert capped == 2
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    batch=st.integers(1, 5),
-    eta=st.integers(0, 3),
-    steps=st.integers(1, 12),
-    finishing=st.lists(st.integers(0, 9), min_size=1, max_size=40),
-)
-def test_admitting_by_the_bound_never_yields_a_stale_group_when_groups_finish_in_order(
-    batch: int, eta: int, steps: int, finishing: list[int]
-) -> None:
-    """A simulated trainer: each tick admits what the rule allows at the current version, some
-    groups finish (in admission order, any number per tick), and the trainer trains a batch
-    whenever one is ready (then commits a version). Every consumed group was admitted at most
-    ``eta`` versions before the version it is consumed at: the bound alone keeps it fresh."""
-    version, admitted_at, in_flight, ready, accepted, consumed = 0, [], [], [], 0, 0
-    tick = 0
-    while consumed < steps * batch and tick < 10_000:
-        room = rules.admission_room(
-            steps=version, max_staleness=eta, batch_groups=batch, accepted=accepted, in_flight=len(in_flight)
-        )
-        for _ in range(room):
-            admitted_at.append(version)
-            in_flight.append(len(admitted_at) - 1)
-        done = min(len(in_flight), max(1, finishing[tick % len(finishing)]))
-        for _ in range(done):
-            ready.append(in_flight.pop(0))
-            accepted += 1
-        while len(ready) >= batch:
-            taken, ready = ready[:batch], ready[batch:]
-            assert all(version - admitted_at[g] <= eta for g in taken), (version, [admitted_at[g] for g in taken])
-            consumed += batch
-            version += 1
-        tick += 1
-    assert consumed >= steps * batch
-
-
-def test_staleness_is_measured_from_the_oldest_token_and_judged_by_policy() -> None:
-    assert rules.staleness(5, [4, 3, 5]) == 2
-    assert rules.staleness(2, [3]) == 0  # a replica ahead of the trainer's view
-    assert not rules.too_stale(5, [4], 1) and rules.too_stale(5, [3], 1)
-    assert [rules.on_stale(p) for p in ("drop", "requeue", "keep")] == ["drop", "requeue", "train"]
-
-
-def test_new_groups_ask_for_the_latest_version_once_a_replica_serves_it() -> None:
-    args = {"latest": 7, "first": 5, "max_staleness": 3}
-    assert rules.submit_floor(**args, fresh_served=True, waited_s=99.0, grace_s=30.0) == 7
-    assert rules.submit_floor(**args, fresh_served=False, waited_s=29.9, grace_s=30.0) is None  # wait
-    assert rules.submit_floor(**args, fresh_served=False, waited_s=30.0, grace_s=30.0) == 5  # never below first
-
-
-def test_the_group_closest_to_going_stale_is_consumed_first() -> None:
-    assert rules.next_to_consume([5, 3, 4, 3]) == 1  # the oldest, the earliest completed of equals
-    assert rules.next_to_consume([7]) == 0
-    assert rules.judged_starts([2, 3], None) == [2, 3] and rules.judged_starts([2, 3], 5) == [5]
-    # Stopped and continued once the next batch could not take it (the one at `latest` may be gone).
-    assert [rules.must_continue(3, latest, 1) for latest in (3, 4, 5)] == [False, True, True]
-    assert [rules.must_continue(3, latest, 0) for latest in (3, 4)] == [False, True]
-    assert [rules.must_continue(3, latest, 2) for latest in (4, 5)] == [False, True]
-
-
-def test_dynamic_sampling_filters_only_groups_without_signal() -> None:
-    assert rules.uninformative([1.0, 1.0, 1.0]) and rules.uninformative([0.0])
-    assert not rules.uninformative([0.0, 1.0]) and not rules.uninformative([])
-
-
-def test_tails_are_groups_a_whole_batch_overtook_oldest_first() -> None:
-    assert rules.tails([0, 1, 7, 9], [5, 6, 8], oversample=5) == [0, 1]
-    assert rules.tails([3, 0, 1], [5, 6], oversample=2) == [0, 1]
-    assert rules.tails([0, 1], [5, 6], oversample=0) == []
-    assert rules.tails([7], [5, 6], oversample=3) == []  # admitted after the batch's first: not overtaken
-
-
-def test_what_becomes_of_a_group_that_did_not_complete() -> None:
-    assert rules.on_failure("requeue", "failed", 1, 3) == ("requeue", 1)
-    assert rules.on_failure("requeue", "deadline", 3, 3) == ("report", 3)
-    assert rules.on_failure("report", "failed", 1, 3) == ("report", 1)
-    assert rules.on_failure("report", "tail", 2, 3) == ("requeue", 1)  # a tail's try does not count
-    assert rules.on_failure("requeue", "closed", 1, 3)[0] == "forget"
-    assert rules.past_deadline(0.0, 2.5, 2.0) and not rules.past_deadline(0.0, 1.5, 2.0)
-    assert not rules.past_deadline(0.0, 1e9, None)
-    assert rules.utilization([1, 2], [2, 2]) == 0.75 and rules.utilization([], []) is None
-
-
-def test_a_bad_config_is_a_typed_error() -> None:
-    for bad in ({"group_size": 0}, {"batch_groups": "2"}, {"max_staleness": -1}, {"stale": "later"}):
-        with pytest.raises(InvalidRequest):
-            LoopConfig(**bad)  # type: ignore[arg-type]
-
+from tests.helpers import REPO, CountingEcho
 
 # -- the loop against real workers -----------------------------------------------------------
 
@@ -148,13 +41,10 @@ async def _prompts(count: int | None = None, start: int = 100) -> AsyncIterator[
 
 
 def _identity_holds(loop: RolloutLoop, yielded: int) -> None:
-    """The loop's counters agree with what it yielded and what it still holds: every admitted
-    group completed, was filtered, failed, was cancelled, or is still in flight; every completed
-    one was yielded, dropped as stale, or is still waiting in the buffer."""
+    """The loop's counters agree with what it yielded and still holds: every token it received was
+    trained on, is held, or is waste by cause; every group it yielded is counted."""
     t = loop.totals
-    not_completed = sum(t[f"waste_groups_{c}"] for c in ("tail", "filtered", "failed", "deadline", "closed"))
-    assert t["admitted"] == t["completed"] + not_completed + loop.in_flight, dict(t)
-    assert t["completed"] == yielded + t["waste_groups_stale"] + loop.ready, dict(t)
+    assert t["generated_tokens"] == t["tokens"] + _waste(loop) + loop.held_tokens, dict(t)
     assert t["groups"] == yielded
 
 
@@ -188,7 +78,7 @@ async def test_consumed_groups_stay_within_the_bound_by_their_own_tokens(
                     await client.publish_policy(publisher, tensors_at(batch.version + 1))
                 _identity_holds(loop, sum(len(b.groups) for b in batches))
                 trained = client.metrics.registry.get_sample_value(
-                    "rollfleet_loop_trained_tokens_total", {"client_id": "t"}
+                    "rollfleet_loop_trained_tokens_total", {"client_id": "t", "loop": loop.loop_id}
                 )
                 assert trained == loop.totals["tokens"] == sum(b.stats.tokens for b in batches)
     keys: dict[int, bytes] = {}
@@ -217,30 +107,35 @@ async def test_consumed_groups_stay_within_the_bound_by_their_own_tokens(
 async def test_groups_gone_stale_are_judged_by_their_tokens_and_the_policy(
     nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher, stale: str
 ) -> None:
-    """``max_staleness=0`` and a trainer that commits two versions per batch: groups made before
-    the second commit go stale in the buffer. By the versions their tokens were recomputed
-    from, ``drop`` and ``requeue`` hand out none of them (and count them as waste; ``requeue``
-    also sends their prompts back), while ``keep`` hands them out with their true staleness."""
+    """``max_staleness=0`` and two versions committed while the trainer waits for its batch, its
+    groups generating: they go stale. By the versions their tokens were recomputed from, ``drop``
+    and ``requeue`` hand out none of them (and count them as waste; ``requeue`` also sends their
+    prompts back), while ``keep`` hands them out with their true staleness."""
     cfg = LoopConfig(
         group_size=2,
         batch_groups=2,
         max_staleness=0,
         stale=stale,
-        sampling=SamplingParams(max_tokens=8),  # type: ignore[arg-type]
+        sampling=SamplingParams(max_tokens=16),  # type: ignore[arg-type]
     )
     batches: list[Batch] = []
     async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as client:
         await client.publish_policy(publisher, tensors_at(0))
         async with running_worker(
-            nats_url, namespace, engine=EchoEngine(per_token_s=0.01, keyed=True), worker_id="a", capacity=4,
+            nats_url, namespace, engine=EchoEngine(per_token_s=0.04, keyed=True), worker_id="a", capacity=4,
             store_dir=tmp_path / "store", local_dir=tmp_path / "local-a",
         ):  # fmt: skip
             await client.wait_for_version(0, replicas=1, timeout=30)
             async with RolloutLoop(client, _prompts(), cfg) as loop:
-                async for batch in loop.batches(steps=5):
+                for step in range(2):
+                    asked = asyncio.ensure_future(loop.next_batch())
+                    if step % 2 == 0:  # two commits while its groups generate (0.6 s each)
+                        await wait_until(lambda: loop.in_flight > 0, what="groups generating")
+                        for _ in range(2):
+                            await client.publish_policy(publisher, tensors_at(client.latest_version + 1))
+                    batch = await asked
+                    assert batch is not None
                     batches.append(batch)
-                    for _ in range(2):
-                        await client.publish_policy(publisher, tensors_at(client.latest_version + 1))
                 _identity_holds(loop, sum(len(b.groups) for b in batches))
     stalenesses = []
     for batch in batches:
@@ -308,9 +203,17 @@ async def test_a_partial_rollout_continues_at_the_new_version_with_spans_tiling_
         assert len(s.tokens) == 100 and s.logprobs is not None and len(s.logprobs) == 100
         assert s.spans[0].start == 0 and s.spans[-1].end == 100
         assert all(a.end == b.start for a, b in itertools.pairwise(s.spans))  # they tile the tokens
-        assert [sp.version for sp in s.spans] == [0, 1], s.spans
-        assert _true_versions(g, i) == [0, 1]
-    assert g.staleness == 1  # the fact: its oldest tokens are one version old
+        # (The echo engine makes a job's samples one after another: the second may have been
+        # stopped before its first token, and is then made at version 1 alone: no zero-width span.)
+        assert [sp.version for sp in s.spans] in ([0, 1], [1]), s.spans
+        assert _true_versions(g, i) == [sp.version for sp in s.spans]
+        # Its last run began after every version-0 token (the replica may have activated version
+        # 1 mid-run before the loop stopped it).
+        made_at_0 = sum(sp.end - sp.start for sp in s.spans if sp.version == 0)
+        assert s.continued_from >= made_at_0 and s.judged_version == 1
+    assert [sp.version for sp in g.samples[0].spans] == [0, 1]
+    # Judged by the tokens of its last run (version 1); its oldest tokens are one version old.
+    assert g.staleness == 0 and g.token_staleness == 1
 
 
 class FailsOn(CountingEcho):
@@ -356,33 +259,48 @@ async def test_a_group_is_delivered_whole_or_failed_whole(nats_url: str, namespa
     assert loop.totals["waste_groups_failed"] == failed[0].attempts
 
 
-async def test_an_overtaken_tail_is_cancelled_frees_its_replica_and_comes_back(nats_url: str, namespace: str) -> None:
-    """The first prompt is long (1,500 tokens, 15 s); a batch of two short groups overtakes it,
-    and with ``oversample=1`` the loop cancels it: the replica stops within a second (the
-    engine's running count falls), its tokens are counted as tail waste, and its prompt is
-    re-queued rather than lost."""
-    engine = CountingEcho(per_token_s=0.01)
+async def test_an_overtaken_tail_is_continued_at_the_new_version_keeping_its_tokens(
+    nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
+) -> None:
+    """The first prompt is long (400 tokens, 4 s); batches of short groups overtake it. With
+    ``oversample=1`` the batch handed out after a commit stops it and continues it at the new
+    version from its tokens so far: it is trained on whole (its spans tile both versions, every
+    token recomputed from the trainer's bytes), nothing is thrown away, its prompt never re-queued."""
 
     async def prompts() -> AsyncIterator[RolloutPayload]:
-        yield RolloutPayload(prompt_token_ids=[1, 2], sampling=SamplingParams(max_tokens=1500))
-        for i in range(3):
+        yield RolloutPayload(prompt_token_ids=[1, 2], sampling=SamplingParams(max_tokens=400))
+        for i in range(5):
             yield RolloutPayload(prompt_token_ids=[10 + i], sampling=SamplingParams(max_tokens=4))
 
     cfg = LoopConfig(group_size=1, batch_groups=2, max_staleness=8, oversample=1, max_in_flight=3)
-    async with (
-        running_worker(nats_url, namespace, engine=engine, capacity=3),
-        await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as client,
-    ):
-        await wait_until(lambda: len(client.fleet.replicas()) == 1)
-        async with RolloutLoop(client, prompts(), cfg) as loop:
-            batch = await loop.next_batch()
-            assert batch is not None and sorted(g.prompt.prompt_token_ids for g in batch.groups) == [[10], [11]]
-            await wait_until(lambda: loop.totals["waste_groups_tail"] == 1, timeout=5, what="the tail cancelled")
-            # The long job stops (at most the requeued one runs again); the third short group
-            # may still be on the replica for a moment on a loaded host, never for 15 s.
-            await wait_until(lambda: engine.running <= 1, timeout=5, what="the cancelled tail stopped")
-            assert 0 < loop.totals["waste_tokens_tail"] < 1500
-            assert loop.totals["requeued"] == 1
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as client:
+        await client.publish_policy(publisher, tensors_at(0))
+        async with _keyed_worker(nats_url, namespace, tmp_path, "a", per_token_s=0.01, capacity=3):
+            await client.wait_for_version(0, replicas=1, timeout=30)
+            async with RolloutLoop(client, prompts(), cfg) as loop:
+                groups = []
+                first = await loop.next_batch()
+                assert first is not None and [g.prompt.prompt_token_ids for g in first.groups] == [[10], [11]]
+                groups += first.groups
+                await client.publish_policy(publisher, tensors_at(1))
+                await client.wait_for_version(1, replicas=1, timeout=30)
+                async for batch in loop.batches():
+                    groups += batch.groups
+    long = next(g for g in groups if g.prompt.prompt_token_ids == [1, 2])
+    s = long.samples[0]
+    assert len(s.tokens) == 400 and [sp.version for sp in s.spans] == [0, 1], s.spans
+    assert all(a.end == b.start for a, b in itertools.pairwise(s.spans)) and s.spans[-1].end == 400
+    verdict = recompute(
+        lambda v: tensors_key(tensors_at(v)),
+        [1, 2],
+        [s.tokens],
+        [[(sp.version, sp.start, sp.end) for sp in s.spans]],
+        seed=None,
+    )
+    assert not verdict.mismatches and verdict.checked == 400
+    assert long.continued_at == 1 and 0 < s.continued_from < 400 and s.judged_version == 1
+    assert loop.totals["continued"] == 1 and loop.totals["requeued"] == 0 and _waste(loop) == 0
+    assert sorted(g.prompt.prompt_token_ids[0] for g in groups) == [1, 10, 11, 12, 13, 14]
 
 
 def _busy(client: RolloutClient) -> list[str]:
@@ -460,6 +378,390 @@ async def test_a_group_past_its_deadline_is_cancelled_and_reported(nats_url: str
     ):
         await wait_until(lambda: len(client.fleet.replicas()) == 1)
         async with RolloutLoop(client, _prompts(1), cfg) as loop:
-            assert await loop.next_batch() is None  # the only group failed: nothing to yield
+            last = await loop.next_batch()  # the only group failed: a last batch says so
+            assert last is not None and last.groups == [] and last.failed == loop.failed
+            assert await loop.next_batch() is None
             assert [f.reason for f in loop.failed] == ["cancelled (deadline)"]
             assert engine.running == 0
+
+
+# -- the loop's defects, each from raw facts ---------------------------------------------------
+
+
+class TokenCountingEcho(CountingEcho):
+    """Counts every output token it generated (an aborted run's partial tokens included): the
+    fleet's side of the accounting identity."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.generated = 0
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, request_id: str, payload: RolloutPayload, *a: Any, **kw: Any) -> Any:
+        self.prompts.append(list(payload.prompt_token_ids or []))
+        out = await super().generate(request_id, payload, *a, **kw)
+        self.generated += sum(len(c.token_ids) for c in out.outputs)
+        return out
+
+
+def _keyed_worker(
+    nats_url: str, namespace: str, tmp_path: Path, name: str, *, per_token_s: float, capacity: int
+) -> Any:
+    return running_worker(
+        nats_url, namespace, engine=EchoEngine(per_token_s=per_token_s, keyed=True), worker_id=name,
+        capacity=capacity, store_dir=tmp_path / "store", local_dir=tmp_path / f"local-{name}",
+    )  # fmt: skip
+
+
+def _waste(loop: RolloutLoop) -> int:
+    return sum(v for k, v in loop.totals.items() if k.startswith("waste_tokens_"))
+
+
+async def test_a_split_seeded_group_is_the_direct_submits_samples(
+    nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
+) -> None:
+    """A seeded group split into n=1 jobs gives, sample by sample, the tokens a direct seeded
+    submit of n=group_size gives on the same weights (each sample its own stream), all distinct."""
+    sampling = SamplingParams(max_tokens=6, seed=7)
+    cfg = LoopConfig(group_size=4, batch_groups=1, max_staleness=4, split_groups=True, sampling=sampling)
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as client:
+        await client.publish_policy(publisher, tensors_at(0))
+        async with _keyed_worker(nats_url, namespace, tmp_path, "a", per_token_s=0.0, capacity=4):
+            await client.wait_for_version(0, replicas=1, timeout=30)
+            direct = await client.submit(
+                RolloutPayload(prompt_token_ids=[100, 7, 11], sampling=sampling, n=4), min_version=0
+            )
+            want = [o.token_ids for o in (await direct).outputs]
+            async with RolloutLoop(client, _prompts(1), cfg) as loop:
+                batch = await loop.next_batch()
+    assert batch is not None and len(batch.groups) == 1
+    got = [s.tokens for s in batch.groups[0].samples]
+    assert got == want
+    assert len({tuple(t) for t in got}) == 4
+
+
+async def test_continued_seeded_samples_draw_their_own_streams(
+    nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
+) -> None:
+    """A seeded group of 4 stopped by a commit and continued: every token of every sample is the
+    keyed engine's token for that sample's own stream (``sample_seed(seed, i)``) on the version
+    its span names, recomputed from the trainer's bytes; the four samples are distinct."""
+    cfg = LoopConfig(
+        group_size=4, batch_groups=1, max_staleness=0, partial_rollout=True,
+        sampling=SamplingParams(max_tokens=60, seed=11),
+    )  # fmt: skip
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as client:
+        await client.publish_policy(publisher, tensors_at(0))
+        async with _keyed_worker(nats_url, namespace, tmp_path, "a", per_token_s=0.02, capacity=4):
+            await client.wait_for_version(0, replicas=1, timeout=30)
+            async with RolloutLoop(client, _prompts(1), cfg) as loop:
+                await wait_until(lambda: loop.in_flight == 1)
+                await asyncio.sleep(0.4)  # some tokens made at version 0
+                await client.publish_policy(publisher, tensors_at(1))
+                batch = await loop.next_batch()
+    assert batch is not None and loop.totals["continued"] >= 1
+    g = batch.groups[0]
+    verdict = recompute(
+        lambda v: tensors_key(tensors_at(v)),
+        g.payload.prompt_token_ids or [],
+        [s.tokens for s in g.samples],
+        [[(sp.version, sp.start, sp.end) for sp in s.spans] for s in g.samples],
+        seed=11,
+    )
+    assert verdict.checked == g.tokens == 4 * 60 and not verdict.mismatches, verdict.mismatches
+    assert {sp.version for s in g.samples for sp in s.spans} == {0, 1}
+    assert len({tuple(s.tokens) for s in g.samples}) == 4
+
+
+async def test_a_slow_source_stalls_neither_deadlines_nor_admission(nats_url: str, namespace: str) -> None:
+    """The source gives a long prompt, then sleeps 3 s. The long group's 1 s deadline stops it
+    while the source sleeps (its replica freed); the prompt that comes after the sleep is admitted
+    then, with its own clock, and trained on, not killed as past a deadline it never had."""
+    engine = CountingEcho(per_token_s=0.01)
+    slept = asyncio.Event()
+
+    async def prompts() -> AsyncIterator[RolloutPayload]:
+        yield RolloutPayload(prompt_token_ids=[1, 2], sampling=SamplingParams(max_tokens=1500))
+        await asyncio.sleep(3.0)
+        slept.set()
+        yield RolloutPayload(prompt_token_ids=[3, 4], sampling=SamplingParams(max_tokens=4))
+
+    cfg = LoopConfig(group_size=1, batch_groups=1, max_staleness=8, group_deadline_s=1.0, on_failure="report")
+    async with (
+        running_worker(nats_url, namespace, engine=engine, capacity=2),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 1)
+        async with RolloutLoop(client, prompts(), cfg) as loop:
+            await wait_until(lambda: len(loop.failed) == 1, timeout=10, what="the long group stopped at its deadline")
+            assert not slept.is_set()  # stopped while the source still slept
+            await wait_until(lambda: engine.running == 0, timeout=2, what="its replica freed")
+            batch = await loop.next_batch()
+    assert batch is not None and [g.prompt.prompt_token_ids for g in batch.groups] == [[3, 4]]
+    assert [f.prompt.prompt_token_ids for f in loop.failed] == [[1, 2]]
+    assert loop.failed[0].reason == "cancelled (deadline)"
+
+
+async def test_every_generated_token_is_trained_or_counted_as_waste(
+    nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
+) -> None:
+    """Partial rollouts on a one-slot replica: a group queued or running is stopped by a commit and
+    continued; then ``close()`` while it is ready (every round of it) and another is in flight. The
+    tokens the worker generated (counted in the engine) are exactly the tokens trained on plus the
+    waste the loop counted, by cause."""
+    engine = TokenCountingEcho(per_token_s=0.01, keyed=True)
+    cfg = LoopConfig(
+        group_size=2, batch_groups=1, max_staleness=1, partial_rollout=True, sampling=SamplingParams(max_tokens=50)
+    )
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as client:
+        await client.publish_policy(publisher, tensors_at(0))
+        async with running_worker(
+            nats_url, namespace, engine=engine, worker_id="a", capacity=1,
+            store_dir=tmp_path / "store", local_dir=tmp_path / "local-a",
+        ):  # fmt: skip
+            await client.wait_for_version(0, replicas=1, timeout=30)
+            async with RolloutLoop(client, _prompts(), cfg) as loop:
+                assert await loop.next_batch() is not None
+                await client.publish_policy(publisher, tensors_at(1))
+                await wait_until(lambda: loop.totals["continued"] >= 1, timeout=15, what="a group continued")
+                await wait_until(lambda: loop.ready >= 1, timeout=15, what="a group ready at close")
+            await wait_until(lambda: engine.running == 0, timeout=10, what="the worker idle")
+    assert loop.totals["waste_tokens_unused"] > 0 and loop.held_tokens == 0
+    assert engine.generated == loop.totals["tokens"] + _waste(loop), sorted(loop.totals.items())
+    assert loop.totals["generated_tokens"] == engine.generated
+
+
+async def test_a_source_that_raises_surfaces_at_once_and_keeps_its_groups(nats_url: str, namespace: str) -> None:
+    """A source that raises with nothing in flight: ``next_batch()`` raises its error at once.
+    One that raises after a group completed: the error first, then that group in a batch."""
+
+    async def broken() -> AsyncIterator[list[int]]:
+        await asyncio.sleep(0.5)  # (next_batch is waiting by then)
+        raise ValueError("dataset unreadable")
+        yield [1]  # (an async generator)
+
+    async def one_then_broken() -> AsyncIterator[list[int]]:
+        yield [5, 6]
+        await asyncio.sleep(1.0)  # the group completes meanwhile
+        raise ValueError("dataset unreadable")
+
+    cfg = LoopConfig(group_size=2, batch_groups=2, max_staleness=8, sampling=SamplingParams(max_tokens=4))
+    async with (
+        running_worker(nats_url, namespace, engine=CountingEcho(), capacity=4),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 1)
+        async with RolloutLoop(client, broken(), cfg) as loop:
+            with pytest.raises(ValueError, match="unreadable"):
+                await asyncio.wait_for(loop.next_batch(), 10)
+        async with RolloutLoop(client, one_then_broken(), cfg) as loop:
+            with pytest.raises(ValueError, match="unreadable"):
+                await asyncio.wait_for(loop.next_batch(), 10)
+            batch = await asyncio.wait_for(loop.next_batch(), 10)
+            assert batch is not None and [g.prompt for g in batch.groups] == [[5, 6]]
+            assert await asyncio.wait_for(loop.next_batch(), 10) is None
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("max_in_flight", 0), ("oversample", -1), ("group_deadline_s", 0.0), ("job_timeout_s", -1.0),
+     ("job_timeout_s", 0.0), ("activation_grace_s", -1.0), ("group_deadline_s", float("nan"))],
+)  # fmt: skip
+def test_a_loop_config_that_cannot_run_names_its_field(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        LoopConfig(**{field: value})
+    assert caught.value.detail == field and field in caught.value.message
+
+
+async def test_failures_after_the_last_batch_are_handed_over(nats_url: str, namespace: str) -> None:
+    """Every group fails: the run does not end as a dry source does; a last batch with no groups
+    carries the failures."""
+    cfg = LoopConfig(
+        group_size=2, batch_groups=2, max_staleness=8, on_failure="report", sampling=SamplingParams(max_tokens=4)
+    )
+    async with (
+        running_worker(nats_url, namespace, engine=FailsOn(100, per_token_s=0.001), capacity=4),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 1)
+        async with RolloutLoop(client, _prompts(1), cfg) as loop:
+            batches = [b async for b in loop.batches()]
+    assert len(batches) == 1 and batches[0].groups == []
+    assert [f.prompt for f in batches[0].failed] == [[100, 7, 11]]
+
+
+async def test_a_second_loop_on_one_client_runs_with_metrics_of_its_own(nats_url: str, namespace: str) -> None:
+    """An evaluation loop beside a training loop, then a loop after both closed, on one client:
+    each runs, and the trained-tokens metric is labelled per loop."""
+    cfg = LoopConfig(group_size=2, batch_groups=1, max_staleness=8, sampling=SamplingParams(max_tokens=4))
+    async with (
+        running_worker(nats_url, namespace, engine=CountingEcho(), capacity=4),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 1)
+        train_cfg = LoopConfig(**{**cfg.__dict__, "loop_id": "train"})
+        eval_cfg = LoopConfig(**{**cfg.__dict__, "loop_id": "eval"})
+        async with (
+            RolloutLoop(client, _prompts(2), train_cfg) as train,
+            RolloutLoop(client, _prompts(3, 200), eval_cfg) as ev,
+        ):
+            assert len([b async for b in train.batches()]) == 2
+            assert len([b async for b in ev.batches()]) == 3
+        async with RolloutLoop(client, _prompts(1, 300), train_cfg) as again:
+            assert len([b async for b in again.batches()]) == 1
+        registry = client.metrics.registry
+        trained = {
+            name: registry.get_sample_value("rollfleet_loop_trained_tokens_total", {"client_id": "t", "loop": name})
+            for name in ("train", "eval")
+        }
+    assert trained == {"train": 3 * 2 * 4.0, "eval": 3 * 2 * 4.0}
+
+
+async def test_rewards_that_are_not_numbers_fail_the_group(nats_url: str, namespace: str) -> None:
+    """A NaN reward is no signal dynamic sampling may pass: the group is reported failed, naming it."""
+
+    async def reward(group: Group) -> Sequence[float]:
+        return [float("nan"), 1.0]
+
+    cfg = LoopConfig(
+        group_size=2, batch_groups=1, max_staleness=8, dynamic_sampling=True, on_failure="report",
+        sampling=SamplingParams(max_tokens=4),
+    )  # fmt: skip
+    async with (
+        running_worker(nats_url, namespace, engine=CountingEcho(), capacity=4),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 1)
+        async with RolloutLoop(client, _prompts(1), cfg, reward=reward) as loop:
+            batches = [b async for b in loop.batches()]
+    assert all(not b.groups for b in batches)
+    assert len(loop.failed) == 1 and "reward" in loop.failed[0].reason and "nan" in loop.failed[0].reason
+
+
+async def test_an_empty_prompt_is_reported_without_a_job(nats_url: str, namespace: str) -> None:
+    engine = CountingEcho()
+
+    async def prompts() -> AsyncIterator[Any]:
+        yield ""
+        yield []
+        yield [9]
+
+    cfg = LoopConfig(group_size=1, batch_groups=1, max_staleness=8, sampling=SamplingParams(max_tokens=4))
+    async with (
+        running_worker(nats_url, namespace, engine=engine, capacity=4),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 1)
+        async with RolloutLoop(client, prompts(), cfg) as loop:
+            seen = [g.prompt for b in [b async for b in loop.batches()] for g in b.groups]
+    assert seen == [[9]] and len(engine.calls) == 1
+    assert sorted(repr(f.prompt) for f in loop.failed) == ["''", "[]"]
+    assert all(isinstance(f.error, InvalidRequest) for f in loop.failed)
+
+
+async def test_a_trainer_taking_many_batches_per_version_is_served(nats_url: str, namespace: str) -> None:
+    """Gradient accumulation: six batches at one version with ``max_staleness=0``. Each is handed
+    over (the bound counts batches taken), none stale."""
+    cfg = LoopConfig(group_size=1, batch_groups=1, max_staleness=0, sampling=SamplingParams(max_tokens=4))
+    async with (
+        running_worker(nats_url, namespace, engine=CountingEcho(), capacity=4),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as client,
+    ):
+        await wait_until(lambda: len(client.fleet.replicas()) == 1)
+        async with RolloutLoop(client, _prompts(), cfg) as loop:
+            for _ in range(6):
+                assert await asyncio.wait_for(loop.next_batch(), 10) is not None
+    assert loop.totals["batches"] == 6 and loop.totals["waste_groups_stale"] == 0
+
+
+async def test_no_replica_at_the_latest_version_stops_no_group_twice(
+    nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
+) -> None:
+    """Partial rollouts; the trainer commits version 1 that no replica takes (the worker follows
+    no store). After ``activation_grace_s`` new groups may run at version 0 again; a running group
+    is not stopped and continued at the same version, again and again."""
+    cfg = LoopConfig(
+        group_size=1, batch_groups=1, max_staleness=1, partial_rollout=True, activation_grace_s=0.2,
+        sampling=SamplingParams(max_tokens=150),
+    )  # fmt: skip
+    async with (
+        running_worker(nats_url, namespace, engine=CountingEcho(per_token_s=0.01), capacity=4),
+        await RolloutClient.connect(nats_url, namespace=namespace, client_id="t") as client,
+    ):
+        await client.publish_policy(publisher, tensors_at(0))
+        await wait_until(lambda: len(client.fleet.replicas()) == 1)
+        async with RolloutLoop(client, _prompts(1), cfg) as loop:
+            await wait_until(lambda: loop.in_flight == 1)
+            await client.publish_policy(publisher, tensors_at(1))
+            batch = await asyncio.wait_for(loop.next_batch(), 20)
+    assert batch is not None and len(batch.groups[0].samples[0].tokens) == 150
+    assert loop.totals["continued"] == 0
+
+
+_TRAINER = """
+import asyncio, sys
+from rollfleet.schemas import SamplingParams
+from rollfleet.trainer_client import LoopConfig, RolloutClient, RolloutLoop
+
+async def prompts():
+    for i in range(int(sys.argv[3])):
+        yield [100 + i, 7, 11]
+
+async def main():
+    client = await RolloutClient.connect(sys.argv[1], namespace=sys.argv[2], client_id="trainer")
+    cfg = LoopConfig(group_size=2, batch_groups=2, max_staleness=2, loop_id="run1",
+                     sampling=SamplingParams(max_tokens=40))
+    async with RolloutLoop(client, prompts(), cfg) as loop:
+        async for batch in loop.batches():
+            while loop.in_flight == 0:  # (the source is read again once the batch freed room)
+                await asyncio.sleep(0.01)
+            print("BATCH", batch.step, loop.in_flight, flush=True)
+            await asyncio.sleep(3600)  # the trainer is killed while it trains
+
+asyncio.run(main())
+"""
+
+
+async def test_a_restarted_loop_reclaims_what_its_killed_predecessor_asked_for(
+    nats_url: str, namespace: str, tmp_path: Path
+) -> None:
+    """A trainer process running a named loop is SIGKILLed after its first batch, groups in flight.
+    A trainer restarted with the same client id, loop id and prompts runs the source to its end:
+    no prompt is generated twice (each first-round job ran once on the workers), every token the
+    workers generated is what the restarted loop trained on or counted as waste, and nothing of
+    the loop's is left unclaimed."""
+    count = 8
+    engines = [TokenCountingEcho(per_token_s=0.02) for _ in range(2)]
+    async with (
+        running_worker(nats_url, namespace, engine=engines[0], worker_id="a", capacity=2),
+        running_worker(nats_url, namespace, engine=engines[1], worker_id="b", capacity=2),
+    ):
+        child = subprocess.Popen(
+            [sys.executable, "-c", _TRAINER, nats_url, namespace, str(count)],
+            stdout=subprocess.PIPE, text=True, cwd=REPO,
+        )  # fmt: skip
+        try:
+            assert child.stdout is not None
+            line = await asyncio.wait_for(asyncio.to_thread(child.stdout.readline), 60)
+            assert line.startswith("BATCH 1") and int(line.split()[2]) > 0, line  # groups in flight
+            terminate(child, 5.0, signal.SIGKILL)
+        finally:
+            terminate(child, 5.0, signal.SIGKILL)
+            if child.stdout is not None:
+                child.stdout.close()
+        cfg = LoopConfig(
+            group_size=2, batch_groups=2, max_staleness=1, loop_id="run1", sampling=SamplingParams(max_tokens=40)
+        )
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="trainer") as client:
+            async with RolloutLoop(client, _prompts(count), cfg) as loop:
+                seen = [g.prompt[0] for b in [b async for b in loop.batches()] for g in b.groups]
+            await wait_until(lambda: all(e.running == 0 for e in engines), timeout=10, what="the workers idle")
+            left = [k for k in client.unclaimed() if "run1" in k]
+    ran = [p[0] for e in engines for p in e.prompts]
+    assert sorted(seen) == list(range(100, 100 + count))
+    assert sorted(ran) == list(range(100, 100 + count)), ran  # each prompt's job ran once
+    generated = sum(e.generated for e in engines)
+    assert generated == loop.totals["tokens"] + _waste(loop) == count * 2 * 40, str(
+        (generated, sorted(loop.totals.items()))
+    )
+    assert left == []

@@ -734,6 +734,11 @@ class RolloutClient:
         """Results that arrived for keys this process did not submit (e.g. before a restart)."""
         return dict(self.inbox.unclaimed)
 
+    def take_unclaimed(self, idempotency_key: str) -> Outcome | None:
+        """The unclaimed answer under ``idempotency_key``, removed (a caller that will never ask
+        for the key counts it instead: ``RolloutLoop``'s answers of a predecessor); None if none."""
+        return self.inbox.take(idempotency_key)
+
     def _on_reconnect(self) -> None:
         self._recheck_until = time.monotonic() + self.topology.duplicate_window_s  # (see _answered_before)
         self.inbox.renew()  # re-request at once instead of waiting out the old one

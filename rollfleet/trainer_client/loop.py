@@ -9,125 +9,61 @@ the fleet and handed to the trainer in batches of ``batch_groups`` complete grou
             train_on(batch.groups)                       # tokens, log-probs, spans, rewards
             await client.publish_policy(publisher, weights)   # the loop sees the new version
 
-What it decides, and why, is in ``loop_rules`` (pure functions): admission bounded by staleness,
-staleness judged from each result's own versions at consume time, long tails cancelled,
-uninformative groups filtered, failed groups re-queued or reported. This module carries those
-decisions out: it submits, awaits, cancels, and counts what every step used and wasted.
+Every decision is made in ``loop_machine`` (a state machine fed events, returning actions: its
+rules are written at its top). This module is its driver and only waits: a task reads the
+source (so nothing waits on a slow one), a task per job submits and awaits it, a task per group
+scores it, a ticker feeds time and the trainer's version; each feeds what happened to the machine
+and carries out the actions it returns.
+
+Accounting (``totals``): ``generated_tokens`` (every token of every answer the loop received) =
+``tokens`` (trained on) + ``held_tokens`` (in groups not yet trained on nor wasted; 0 once closed)
++ the sum of ``waste_tokens_<cause>`` over ``WASTE_CAUSES``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
-from collections import Counter, deque
+import uuid
+import weakref
+from collections import Counter
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import suppress
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
-
-import msgspec
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
-from rollfleet.schemas import (
-    RetryPolicy,
-    RolloutPayload,
-    RolloutResult,
-    SamplingParams,
-    VersionConstraint,
-    VersionSpan,
+from rollfleet.schemas import VersionConstraint
+from rollfleet.trainer_client import loop_machine as machine
+from rollfleet.trainer_client.loop_machine import (
+    WASTE_CAUSES,
+    FailedGroup,
+    Group,
+    LoopConfig,
+    LoopMachine,
+    Sample,
+    utilization,
 )
-from rollfleet.schemas.errors import Cancelled, InvalidRequest
-from rollfleet.trainer_client import loop_rules
-from rollfleet.trainer_client.loop_rules import FailurePolicy, StalePolicy, WasteCause
 
 if TYPE_CHECKING:
     from rollfleet.trainer_client.client import RolloutClient
+    from rollfleet.trainer_client.handle import RolloutHandle
+
+__all__ = ["WASTE_CAUSES", "Batch", "FailedGroup", "Group", "LoopConfig", "RolloutLoop", "Sample", "StepStats"]
 
 log = get_logger("rollfleet.loop")
 
-# How often the loop looks at the committed version, the fleet's slots and deadlines when
-# nothing else woke it (a result, a handed-out batch).
+# How often the machine is told the time and the trainer's version when nothing else happened
+# (deadlines, refreshes, a fresh version's grace), and the fleet's busy fraction sampled.
 _TICK_S = 0.1
-
-
-@dataclass
-class LoopConfig:
-    group_size: int = 8
-    batch_groups: int = 4
-    max_staleness: int = 1
-    split_groups: bool = False  # n jobs of one sample each, instead of one job of n samples
-    stale: StalePolicy = "drop"
-    on_failure: FailurePolicy = "requeue"
-    max_attempts: int = 3  # tries of one prompt before its group is reported failed
-    oversample: int = 0  # groups admitted beyond the bound; as many tails cancelled per batch
-    group_deadline_s: float | None = None
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill
-    # Stop a group still generating when a commit puts it at risk of going stale, and continue
-    # each stopped sample at the new version from its tokens so far (prompts given as token ids).
-    partial_rollout: bool = False
-    max_in_flight: int | None = None  # groups; None: the staleness bound alone
-    sampling: SamplingParams = field(default_factory=SamplingParams)  # for prompts given as tokens/text
-    extra: dict[str, Any] = field(default_factory=dict)
-    retry_policy: RetryPolicy = "replayable"
-    job_timeout_s: float | None = 600.0
-    # A fresh version with no replica at (or preparing) it yet: wait this long before admitting
-    # groups that an older version may serve (they would be the first to go stale).
-    activation_grace_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        for name in ("group_size", "batch_groups", "max_attempts"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise InvalidRequest(f"LoopConfig.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
-            raise InvalidRequest(f"LoopConfig.max_staleness must be an int >= 0, got {self.max_staleness!r}")
-        if self.stale not in ("drop", "requeue", "keep"):
-            raise InvalidRequest(f"LoopConfig.stale must be drop, requeue or keep, got {self.stale!r}")
-        if self.on_failure not in ("requeue", "report"):
-            raise InvalidRequest(f"LoopConfig.on_failure must be requeue or report, got {self.on_failure!r}")
-
-
-@dataclass(frozen=True)
-class Sample:
-    tokens: list[int]
-    logprobs: list[float] | None  # the behaviour policy's, per token
-    spans: list[VersionSpan]  # which version generated which tokens
-    finish_reason: str
-    version_start: int
-    version_end: int
-    reward: float = 0.0
-
-
-@dataclass
-class Group:
-    prompt: Any  # the source's item, as it came
-    payload: RolloutPayload
-    samples: list[Sample]
-    results: list[RolloutResult]
-    attempts: int
-    admitted: int  # admission number (order of admission over the loop's life)
-    staleness: int = 0  # at consume time: the trainer's version minus the oldest token's version
-    # A partial rollout: the version its stopped samples were continued at (their earlier
-    # tokens are older; the spans say which). It is judged by this version at consume time.
-    continued_at: int | None = None
-
-    @property
-    def rewards(self) -> list[float]:
-        return [s.reward for s in self.samples]
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(s.tokens) for s in self.samples)
-
-
-@dataclass(frozen=True)
-class FailedGroup:
-    prompt: Any
-    reason: str
-    attempts: int
-    error: BaseException | None = None
+# How often answers under the loop's keys that nobody waits for are taken from the client.
+_SWEEP_S = 1.0
+_CANCEL_TIMEOUT_S = 5.0
+# close(): how long the jobs it cancelled may take to answer before their tasks are dropped.
+_CLOSE_WAIT_S = 3 * _CANCEL_TIMEOUT_S
+# next_batch(): a wait this long with nothing handed over is logged (and again as often).
+_WAIT_LOG_S = 30.0
 
 
 @dataclass
@@ -137,7 +73,7 @@ class StepStats:
     groups: int
     samples: int
     tokens: int  # trained on
-    staleness: dict[int, int]  # staleness -> groups
+    staleness: dict[int, int]  # staleness (rule 6) -> groups
     waste_tokens: dict[str, int]  # cause -> tokens generated and not trained on, since the last step
     waste_groups: dict[str, int]
     utilization: float | None  # mean busy fraction of the fleet's slots since the last step
@@ -150,36 +86,12 @@ class StepStats:
 class Batch:
     step: int
     version: int
-    groups: list[Group]
+    groups: list[Group]  # empty only in a last batch that carries failures
     failed: list[FailedGroup]  # reported since the last batch
     stats: StepStats
 
 
 Reward = Callable[[Group], Awaitable[Sequence[float]]]
-
-
-@dataclass
-class _Flight:
-    no: int
-    prompt: Any
-    attempts: int
-    admitted_at: float  # monotonic
-    handles: list[Any] = field(default_factory=list)
-    task: asyncio.Task[None] | None = None
-    cancel_cause: WasteCause | Literal["continue"] | None = None
-    floor: int = 0  # the minimum version its jobs asked for
-
-
-@dataclass
-class _Piece:
-    """One job of a group: its payload, and for a continuation the sample it continues."""
-
-    payload: RolloutPayload
-    prefixes: list[Sample] | None = None  # per output sample: what earlier runs made of it
-    handle: Any = None
-
-    def prefix(self, i: int) -> Sample | None:
-        return self.prefixes[i] if self.prefixes is not None else None
 
 
 class RolloutLoop:
@@ -194,32 +106,52 @@ class RolloutLoop:
         self.client = client
         self.config = config or LoopConfig()
         self.reward = reward
-        self._source: AsyncIterator[Any] = prompts.__aiter__()
-        self._source_done = False
-        self._requeued: deque[tuple[Any, int]] = deque()  # (prompt, attempts so far)
-        self._in_flight: dict[int, _Flight] = {}
-        self._ready: list[Group] = []
-        self._failed: list[FailedGroup] = []  # reported since the last batch
-        self.failed: list[FailedGroup] = []  # reported over the loop's life
-        self._numbers = itertools.count()
-        self._accepted = 0
-        self._first_version: int | None = None
-        self._fresh_wait_since: float | None = None
-        self._wake = asyncio.Event()  # next_batch: a group is ready, or the source may be dry
-        self._pump_wake = asyncio.Event()  # the pump: room may have been given back
-        self._pump_task: asyncio.Task[None] | None = None
-        self._stopping: set[asyncio.Task[None]] = set()  # background cancels (referenced till done)
+        self.loop_id = self.config.loop_id or uuid.uuid4().hex[:12]
+        self._prompts = prompts
+        self.machine = LoopMachine(
+            self.config, loop_id=self.loop_id, first_version=client.latest_version or 0, scored=reward is not None
+        )
+        self._handles: dict[str, RolloutHandle] = {}
+        self._cancel_first: dict[str, str] = {}  # keys cancelled before their job was stored
+        self._jobs: set[asyncio.Task[None]] = set()  # a task per job (referenced till done)
+        self._chores: set[asyncio.Task[Any]] = set()  # cancels and scores
+        self._reader: asyncio.Task[None] | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()  # replaced at each change: waiters hold the one they saw
+        self._busy: list[float] = []
+        self._started = False
         self._closed = False
-        self._step = 0
-        # Since the last step: waste, and the fleet's busy fraction sampled each tick.
-        self._waste_tokens: Counter[str] = Counter()
-        self._waste_groups: Counter[str] = Counter()
-        self._busy_samples: list[float] = []
-        # Over the loop's life (the counters a test compares with what was yielded).
-        self.totals: Counter[str] = Counter()
-        self.metrics = _LoopMetrics(client)
+        self.metrics = _LoopMetrics(client, self.loop_id)
 
-    # -- life ------------------------------------------------------------------------------
+    # -- what the trainer reads -------------------------------------------------------------------
+    @property
+    def totals(self) -> Counter[str]:
+        """Counters over the loop's life: admitted, completed, requeued, failed, continued, batches,
+        groups, samples, tokens (trained on), generated_tokens, waste_tokens_<cause>,
+        waste_groups_<cause> (causes: ``WASTE_CAUSES``)."""
+        return self.machine.totals
+
+    @property
+    def failed(self) -> list[FailedGroup]:
+        """Groups reported failed over the loop's life (each also in one ``batch.failed``)."""
+        return self.machine.failed
+
+    @property
+    def held_tokens(self) -> int:
+        """Tokens generated for groups not yet trained on nor counted as waste."""
+        return self.machine.held_tokens
+
+    @property
+    def in_flight(self) -> int:
+        """Groups admitted and not yet complete."""
+        return self.machine.in_flight
+
+    @property
+    def ready(self) -> int:
+        """Groups complete and waiting for a batch."""
+        return self.machine.ready
+
+    # -- life ---------------------------------------------------------------------------------------
     async def __aenter__(self) -> RolloutLoop:
         await self.start()
         return self
@@ -228,519 +160,244 @@ class RolloutLoop:
         await self.close()
 
     async def start(self) -> None:
-        if self._pump_task is None:
-            self._first_version = self.client.latest_version or 0
-            self._pump_task = asyncio.create_task(self._pump(), name="rollout-loop-pump")
+        if self._started or self._closed:
+            return
+        self._started = True
+        self._feed(self.machine.tick)
+        self._reader = asyncio.create_task(self._read(), name=f"rollout-loop-{self.loop_id}-source")
+        self._ticker = asyncio.create_task(self._tick(), name=f"rollout-loop-{self.loop_id}-ticker")
 
     async def close(self) -> None:
-        """Stop admitting and cancel what is in flight (counted as waste "closed")."""
+        """Stop admitting and cancel what is in flight; count what was generated and not trained on
+        (``closed``: in flight; ``unused``: complete), and the loop's answers nobody waits for."""
         if self._closed:
             return
         self._closed = True
-        await stop_tasks([self._pump_task] if self._pump_task else [])
-        flights = list(self._in_flight.values())
-        for f in flights:
-            f.cancel_cause = "closed"
-        await asyncio.gather(*(self._cancel_flight(f) for f in flights), return_exceptions=True)
-        await stop_tasks([f.task for f in flights if f.task is not None])
+        await stop_tasks([t for t in (self._reader, self._ticker) if t is not None])
+        self._feed(self.machine.close)
+        if self._jobs:  # each job answers once its cancel settles it
+            await asyncio.wait(set(self._jobs), timeout=_CLOSE_WAIT_S)
+        await stop_tasks([*self._jobs, *self._chores])
+        self._sweep()
 
-    @property
-    def in_flight(self) -> int:
-        """Groups admitted and not yet complete."""
-        return len(self._in_flight)
-
-    @property
-    def ready(self) -> int:
-        """Groups complete and waiting for a batch."""
-        return len(self._ready)
-
-    # -- the trainer's side ----------------------------------------------------------------
+    # -- the trainer's side -------------------------------------------------------------------------
     async def batches(self, steps: int | None = None) -> AsyncIterator[Batch]:
-        """Batches until ``steps`` were yielded or the source ran dry (the last may be short)."""
+        """Batches until ``steps`` were yielded or nothing is left (the last may be short, or carry
+        only failures)."""
         await self.start()
-        while steps is None or self._step < steps:
+        yielded = 0
+        while steps is None or yielded < steps:
             batch = await self.next_batch()
             if batch is None:
                 return
+            yielded += 1
             yield batch
 
     async def next_batch(self) -> Batch | None:
-        """The next ``batch_groups`` complete groups, judged at the trainer's current version;
-        None once the source is dry and nothing is left."""
+        """The next ``batch_groups`` complete groups, judged at the trainer's current version; None
+        once nothing is left and nothing more can come. A source that raised: its error, raised
+        here once; the groups it left are handed over by the calls after."""
         await self.start()
-        cfg = self.config
         t0 = time.monotonic()
-        taken: list[Group] = []
-        while len(taken) < cfg.batch_groups:
-            if self._pump_task is not None and self._pump_task.done():
-                self._pump_task.result()  # the pump failed: say why, here
-            if not self._ready:
-                if self._source_done and not self._requeued and not self._in_flight:
-                    break
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            judged = [min(_judged_from(g)) for g in self._ready]
-            group = self._ready.pop(loop_rules.next_to_consume(judged))
-            version = self._version()
-            group.staleness = loop_rules.staleness(version, [s.version_start for s in group.samples])
-            if loop_rules.too_stale(version, _judged_from(group), cfg.max_staleness):
-                action = loop_rules.on_stale(cfg.stale)
-                if action != "train":
-                    log.info(
-                        "loop_group_stale",
-                        admitted=group.admitted,
-                        version=version,
-                        judged_from=min(_judged_from(group)),
-                        continued_at=group.continued_at,
-                        tokens=group.tokens,
-                        action=action,
-                    )
-                    self._accepted -= 1  # its room is given back
-                    self._waste(group.tokens, "stale")
-                    if action == "requeue":
-                        self._requeued.append((group.prompt, group.attempts))
-                        self.totals.update(requeued=1)
-                    self._wake.set()
-                    continue
-            taken.append(group)
-        if not taken:
-            return None
-        self._cancel_tails(taken)
-        self._step += 1
-        version = self._version()
-        stats = StepStats(
-            step=self._step,
-            version=version,
-            groups=len(taken),
-            samples=sum(len(g.samples) for g in taken),
-            tokens=sum(g.tokens for g in taken),
-            staleness=dict(sorted(Counter(g.staleness for g in taken).items())),
-            waste_tokens=dict(self._waste_tokens),
-            waste_groups=dict(self._waste_groups),
-            utilization=sum(self._busy_samples) / len(self._busy_samples) if self._busy_samples else None,
-            trainer_wait_s=time.monotonic() - t0,
-            in_flight=len(self._in_flight),
-            failed=len(self._failed),
-        )
-        batch = Batch(step=self._step, version=version, groups=taken, failed=self._failed, stats=stats)
-        self._failed, self._busy_samples = [], []
-        self._waste_tokens, self._waste_groups = Counter(), Counter()
-        self.totals.update(groups=stats.groups, samples=stats.samples, tokens=stats.tokens, batches=1)
-        self.metrics.step(stats)
-        log.info(
-            "loop_step",
-            step=stats.step,
-            version=version,
-            groups=stats.groups,
-            tokens=stats.tokens,
-            staleness=stats.staleness,
-            waste_tokens=stats.waste_tokens,
-            utilization=stats.utilization,
-            trainer_wait_s=round(stats.trainer_wait_s, 4),
-            in_flight=stats.in_flight,
-            failed=stats.failed,
-        )
-        self._wake.set()
-        return batch
-
-    # -- admission -------------------------------------------------------------------------
-    def _version(self) -> int:
-        latest = self.client.latest_version
-        return latest if latest is not None else (self._first_version or 0)
-
-    def _room(self) -> int:
-        cfg = self.config
-        return loop_rules.admission_room(
-            steps=self._version() - (self._first_version or 0),
-            max_staleness=cfg.max_staleness,
-            batch_groups=cfg.batch_groups,
-            accepted=self._accepted,
-            in_flight=len(self._in_flight),
-            oversample=cfg.oversample,
-            max_in_flight=cfg.max_in_flight,
-        )
-
-    def _floor(self, now: float) -> int | None:
-        """``loop_rules.submit_floor`` from the fleet view and how long a fresh version has
-        waited for a replica."""
-        latest = self._version()
-        fresh = bool(self.client.fleet.compatible(VersionConstraint(kind="min", version=latest)))
-        if fresh:
-            self._fresh_wait_since = None
-        elif self._fresh_wait_since is None:
-            self._fresh_wait_since = now
-        return loop_rules.submit_floor(
-            latest=latest,
-            first=self._first_version or 0,
-            max_staleness=self.config.max_staleness,
-            fresh_served=fresh,
-            waited_s=0.0 if self._fresh_wait_since is None else now - self._fresh_wait_since,
-            grace_s=self.config.activation_grace_s,
-        )
-
-    async def _pump(self) -> None:
-        while not self._closed:
-            now = time.monotonic()
-            self._sample_fleet()
-            self._expire(now)
-            if self.config.partial_rollout:
-                self._continue_stale(self._version())
-            room = self._room()
-            floor = self._floor(now) if room > 0 else None
-            while room > 0 and floor is not None:
-                item = await self._next_prompt()
-                if item is None:
-                    break
-                prompt, attempts = item
-                self._admit(prompt, attempts, floor, now)
-                room -= 1
-            self._wake.set()  # a waiting next_batch re-checks (a dry source ends it)
-            with suppress(TimeoutError):
-                async with asyncio.timeout(_TICK_S):
-                    await self._pump_wake.wait()
-            self._pump_wake.clear()
-
-    async def _next_prompt(self) -> tuple[Any, int] | None:
-        if self._requeued:
-            return self._requeued.popleft()
-        if self._source_done:
-            return None
-        try:
-            return await anext(self._source), 0
-        except StopAsyncIteration:
-            self._source_done = True
-            return None
-
-    def _admit(self, prompt: Any, attempts: int, floor: int, now: float) -> None:
-        flight = _Flight(no=next(self._numbers), prompt=prompt, attempts=attempts + 1, admitted_at=now)
-        self._in_flight[flight.no] = flight
-        self.totals.update(admitted=1)
-        flight.task = asyncio.create_task(self._run(flight, floor), name=f"rollout-group-{flight.no}")
-
-    def _payloads(self, prompt: Any) -> list[RolloutPayload]:
-        cfg = self.config
-        n, jobs = (1, cfg.group_size) if cfg.split_groups else (cfg.group_size, 1)
-        if isinstance(prompt, RolloutPayload):
-            base = prompt
-        elif isinstance(prompt, str):
-            base = RolloutPayload(prompt_text=prompt, sampling=cfg.sampling, extra=dict(cfg.extra))
-        elif isinstance(prompt, list | tuple) and all(isinstance(t, int) for t in prompt):
-            base = RolloutPayload(prompt_token_ids=list(prompt), sampling=cfg.sampling, extra=dict(cfg.extra))
-        else:
-            raise InvalidRequest(f"a prompt is a RolloutPayload, a str or a list of token ids, got {type(prompt)!r}")
-        return [
-            RolloutPayload(
-                prompt_token_ids=base.prompt_token_ids,
-                prompt_text=base.prompt_text,
-                sampling=base.sampling,
-                n=n,
-                extra=base.extra,
-            )
-            for _ in range(jobs)
-        ]
-
-    # -- one group -------------------------------------------------------------------------
-    async def _run(self, flight: _Flight, floor: int) -> None:
-        cfg = self.config
-        try:
-            payloads = self._payloads(flight.prompt)
-            pieces = [_Piece(p) for p in payloads]
-            samples: list[Sample] = []
-            results: list[RolloutResult] = []
-            continued_at: int | None = None
-            while pieces:
-                flight.floor = floor
-                outcomes = await self._generate(flight, pieces, floor)
-                results += [o for o in outcomes if isinstance(o, RolloutResult)]
-                if flight.cancel_cause == "continue":  # a version landed: go on at it, keep the tokens
-                    flight.cancel_cause = None
-                    floor = await self._fresh_floor()
-                    pieces = self._continuations(pieces, outcomes, samples)
-                    if pieces:  # (all of it had ended before the stop: nothing goes on)
-                        continued_at = floor
-                        self.totals.update(continued=1)
-                    continue
-                if flight.cancel_cause is not None:  # stopped: whatever came back is partial
-                    raise Cancelled(f"group {flight.no} cancelled ({flight.cancel_cause})")
-                for piece, outcome in zip(pieces, outcomes, strict=True):
-                    assert isinstance(outcome, RolloutResult)  # (_generate raised otherwise)
-                    samples += [_joined(piece.prefix(i), _sample(outcome, o)) for i, o in enumerate(outcome.outputs)]
-                pieces = []
-            group = Group(
-                prompt=flight.prompt,
-                payload=payloads[0],
-                samples=samples,
-                results=results,
-                attempts=flight.attempts,
-                admitted=flight.no,
-                continued_at=continued_at,
-            )
-            if self.reward is not None:
-                rewards = list(await self.reward(group))
-                if len(rewards) != len(group.samples):
-                    raise InvalidRequest(f"reward gave {len(rewards)} values for {len(group.samples)} samples")
-                group.samples = [_rewarded(s, r) for s, r in zip(group.samples, rewards, strict=True)]
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a sample could not be produced: the group fails whole
-            # In flight until it is counted failed or re-queued: ``_fail`` first cancels the rest
-            # of the group (seconds), and a loop that saw nothing in flight meanwhile ended with
-            # that group counted nowhere (``make test`` under load, the requeue case).
-            try:
-                await self._fail(flight, exc)
-            finally:
-                self._in_flight.pop(flight.no, None)
-                self._wake.set()
-            return
-        self._in_flight.pop(flight.no, None)
-        if cfg.dynamic_sampling and loop_rules.uninformative(group.rewards):
-            self._waste(group.tokens, "filtered")
-        else:
-            self._accepted += 1
-            self.totals.update(completed=1)
-            self._ready.append(group)
-        self._wake.set()
-        self._pump_wake.set()
-
-    async def _generate(self, flight: _Flight, pieces: list[_Piece], floor: int) -> list[RolloutResult | BaseException]:
-        """Submit each piece's job and wait for all of them. A failure fails the group at once
-        (its other jobs are cancelled by the caller), unless the group is being cancelled: then
-        every job's answer (partial, or ``Cancelled``) is returned."""
-        cfg = self.config
-        flight.handles = []
-        for piece in pieces:
-            if flight.cancel_cause is not None:
-                break
-            piece.handle = await self.client.submit(
-                piece.payload, min_version=floor, retry_policy=cfg.retry_policy, timeout=cfg.job_timeout_s
-            )
-            flight.handles.append(piece.handle)
-            if flight.cancel_cause is not None:  # cancelled while this one was submitted
-                await self._cancel_flight(flight)
-        if flight.cancel_cause is not None and len(flight.handles) < len(pieces):
-            await self._cancel_flight(flight)  # (settles what was submitted; the rest never was)
-            unsent: list[RolloutResult | BaseException] = [Cancelled("never submitted")]
-            answers = await asyncio.gather(*(h.result() for h in flight.handles), return_exceptions=True)
-            return [*answers, *unsent * (len(pieces) - len(flight.handles))]
-        waits = [asyncio.ensure_future(h.result()) for h in flight.handles]
-        try:
-            pending: set[asyncio.Future[RolloutResult]] = set(waits)
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-                failed = [w.exception() for w in done if w.exception() is not None]
-                if failed and flight.cancel_cause is None:
-                    raise failed[0]  # type: ignore[misc]
-        finally:
-            for w in waits:
-                w.cancel()
-        return [w.exception() or w.result() for w in waits]
-
-    def _continuations(
-        self, pieces: list[_Piece], outcomes: list[RolloutResult | BaseException], finished: list[Sample]
-    ) -> list[_Piece]:
-        """After a stop for a new version: each sample stopped mid-way goes on as a job of its own,
-        its prompt followed by its tokens so far, for the tokens it has left; a sample that had
-        ended is kept as it is (``finished``); a job that had made nothing is asked again whole."""
-        out: list[_Piece] = []
-        for piece, outcome in zip(pieces, outcomes, strict=True):
-            if isinstance(outcome, Cancelled):
-                out.append(_Piece(piece.payload, piece.prefixes))
-                continue
-            if isinstance(outcome, BaseException):
-                raise outcome
-            for i, o in enumerate(outcome.outputs):
-                sample = _joined(piece.prefix(i), _sample(outcome, o))
-                left = piece.payload.sampling.max_tokens - len(o.token_ids)
-                if o.finish_reason == "abort" and left > 0 and piece.payload.prompt_token_ids is not None:
-                    payload = RolloutPayload(
-                        prompt_token_ids=[*piece.payload.prompt_token_ids, *o.token_ids],
-                        sampling=msgspec.structs.replace(piece.payload.sampling, max_tokens=left),
-                        n=1,
-                        extra=piece.payload.extra,
-                    )
-                    out.append(_Piece(payload, [sample]))
-                else:
-                    finished.append(sample)
-        return out
-
-    async def _fresh_floor(self) -> int:
+        logged = t0
         while True:
-            floor = self._floor(time.monotonic())
-            if floor is not None:
-                return floor
-            await asyncio.sleep(_TICK_S)
+            changed = self._changed
+            self._observe()
+            decision, actions = self.machine.take(time.monotonic())
+            self._perform(actions)
+            if actions or isinstance(decision, machine.Handout):
+                self._bump()  # (room given back: the source's reader looks again)
+            if isinstance(decision, machine.Raise):
+                raise decision.error
+            if isinstance(decision, machine.End):
+                return None
+            if isinstance(decision, machine.Handout):
+                return self._batch(decision, time.monotonic() - t0)
+            if time.monotonic() - logged > _WAIT_LOG_S:
+                logged = time.monotonic()
+                log.info("loop_waiting", loop=self.loop_id, waited_s=round(logged - t0, 1),
+                         in_flight=self.in_flight, ready=self.ready, room=self.machine.room())  # fmt: skip
+            with suppress(TimeoutError):
+                async with asyncio.timeout(1.0):  # (the version is looked at again at least this often)
+                    await changed.wait()
 
-    async def _fail(self, flight: _Flight, exc: BaseException) -> None:
-        cause: WasteCause = "failed" if flight.cancel_cause in (None, "continue") else flight.cancel_cause  # type: ignore[assignment]
-        await self._cancel_flight(flight, timeout=2.0)  # the rest of the group goes too (whole or nothing)
-        self._waste(_tokens_of(flight.handles), cause)
-        action, attempts = loop_rules.on_failure(
-            self.config.on_failure, cause, flight.attempts, self.config.max_attempts
+    def _batch(self, out: machine.Handout, waited: float) -> Batch:
+        busy, self._busy = self._busy, []
+        stats = StepStats(
+            step=out.step,
+            version=out.version,
+            groups=len(out.groups),
+            samples=sum(len(g.samples) for g in out.groups),
+            tokens=sum(g.tokens for g in out.groups),
+            staleness=out.staleness,
+            waste_tokens=out.waste_tokens,
+            waste_groups=out.waste_groups,
+            utilization=sum(busy) / len(busy) if busy else None,
+            trainer_wait_s=waited,
+            in_flight=self.in_flight,
+            failed=len(out.failed),
         )
-        if action == "forget":
-            return
-        reason = f"cancelled ({cause})" if isinstance(exc, Cancelled) else f"{type(exc).__name__}: {exc}"
-        if action == "requeue":
-            self._requeued.append((flight.prompt, attempts))
-            self.totals.update(requeued=1)
-        else:
-            failure = FailedGroup(flight.prompt, reason, attempts, exc)
-            self._failed.append(failure)
-            self.failed.append(failure)
-            self.totals.update(failed=1)
-        log.info("loop_group_failed", admitted=flight.no, cause=cause, reason=reason, attempts=flight.attempts)
-        self._wake.set()
-        self._pump_wake.set()
+        self.metrics.step(stats)
+        log.info("loop_step", loop=self.loop_id, step=stats.step, version=stats.version, groups=stats.groups,
+                 tokens=stats.tokens, staleness=stats.staleness, waste_tokens=stats.waste_tokens,
+                 utilization=stats.utilization, trainer_wait_s=round(waited, 4), in_flight=stats.in_flight,
+                 failed=stats.failed)  # fmt: skip
+        return Batch(step=out.step, version=out.version, groups=out.groups, failed=out.failed, stats=stats)
 
-    async def _cancel_flight(self, flight: _Flight, timeout: float = 5.0) -> None:
-        """Cancel the group's submitted jobs (its task stops submitting once ``cancel_cause`` is
-        set, and fails the group when they are answered)."""
-        for h in list(flight.handles):
-            if not h.done():
-                with suppress(Exception):
-                    await h.cancel(timeout=timeout)
+    # -- feeding the machine ------------------------------------------------------------------------
+    def _observe(self) -> None:
+        """Tell the machine the trainer's version and whether a replica is at or preparing it."""
+        latest = self.client.latest_version
+        if latest is None:
+            latest = self.machine.first_version
+        fresh = bool(self.client.fleet.compatible(VersionConstraint(kind="min", version=latest)))
+        seen = (self.machine.latest, self.machine.fresh)
+        actions = self.machine.version_seen(time.monotonic(), latest, fresh)
+        self._perform(actions)
+        if actions or seen != (self.machine.latest, self.machine.fresh):
+            self._bump()
 
-    def _stop(self, flight: _Flight, cause: WasteCause | Literal["continue"]) -> None:
-        """Mark the group stopped for ``cause`` and cancel its jobs in the background (the
-        group's own task settles it when their answers come)."""
-        flight.cancel_cause = cause
-        task = asyncio.create_task(self._cancel_flight(flight), name=f"stop-{cause}-{flight.no}")
-        self._stopping.add(task)
-        task.add_done_callback(self._stopping.discard)
+    def _feed(self, event: Callable[..., list[machine.Action]], *args: Any) -> None:
+        """Feed an event; whoever waits on the machine (next_batch, the source's reader) looks again."""
+        self._perform(event(time.monotonic(), *args))
+        self._bump()
 
-    def _cancel_tails(self, batch: list[Group]) -> None:
-        for no in loop_rules.tails(list(self._in_flight), [g.admitted for g in batch], self.config.oversample):
-            self._stop(self._in_flight[no], "tail")
+    def _bump(self) -> None:
+        old, self._changed = self._changed, asyncio.Event()
+        old.set()
 
-    def _continue_stale(self, latest: int) -> None:
-        for flight in list(self._in_flight.values()):
-            if (
-                flight.cancel_cause is None
-                and flight.handles
-                and loop_rules.must_continue(flight.floor, latest, self.config.max_staleness)
-            ):
-                self._stop(flight, "continue")
+    def _perform(self, actions: list[machine.Action]) -> None:
+        for a in actions:
+            if isinstance(a, machine.Submit):
+                self._spawn(self._job(a), self._jobs, f"rollout-job-{a.key}")
+            elif isinstance(a, machine.Cancel):
+                handle = self._handles.get(a.key)
+                if handle is None:
+                    self._cancel_first[a.key] = a.cause  # (cancelled as soon as it is stored)
+                else:
+                    self._spawn(_cancel(handle), self._chores, f"cancel-{a.key}")
+            elif isinstance(a, machine.Score):
+                self._spawn(self._score(a.group, a.candidate), self._chores, f"score-{a.group}")
+            elif isinstance(a, machine.Wasted):
+                self.metrics.waste(a.cause, a.tokens)
+            else:
+                log.info(a.event, loop=self.loop_id, **a.fields)
 
-    def _expire(self, now: float) -> None:
-        for flight in list(self._in_flight.values()):
-            if flight.cancel_cause is None and loop_rules.past_deadline(
-                flight.admitted_at, now, self.config.group_deadline_s
-            ):
-                self._stop(flight, "deadline")
+    def _spawn(self, coro: Awaitable[Any], into: set[Any], name: str) -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        into.add(task)
+        task.add_done_callback(into.discard)
 
-    # -- accounting ------------------------------------------------------------------------
-    def _waste(self, tokens: int, cause: WasteCause) -> None:
-        self._waste_tokens[cause] += tokens
-        self._waste_groups[cause] += 1
-        self.totals.update({f"waste_tokens_{cause}": tokens, f"waste_groups_{cause}": 1})
-        self.metrics.waste(cause, tokens)
+    async def _read(self) -> None:
+        """The source, read by a task of its own: only while the machine has room for its items."""
+        source = self._prompts.__aiter__()
+        while True:
+            changed = self._changed
+            if self.machine.wants_prompts() <= 0:
+                await changed.wait()
+                continue
+            try:
+                item = await anext(source)
+            except StopAsyncIteration:
+                self._feed(self.machine.source_done)
+                return
+            except Exception as exc:  # the trainer's dataset failed: next_batch says so
+                self._feed(self.machine.source_failed, exc)
+                return
+            self._observe()
+            self._feed(self.machine.prompt, item)
 
-    def _sample_fleet(self) -> None:
-        live = self.client.fleet.replicas()
-        busy = loop_rules.utilization([r.in_flight for r in live], [r.capacity for r in live])
-        if busy is not None:
-            self._busy_samples.append(busy)
+    async def _tick(self) -> None:
+        swept = time.monotonic()
+        while True:
+            await asyncio.sleep(_TICK_S)
+            self._observe()
+            self._feed(self.machine.tick)
+            live = self.client.fleet.replicas()
+            busy = utilization([r.in_flight for r in live], [r.capacity for r in live])
+            if busy is not None:
+                self._busy.append(busy)
+            if time.monotonic() - swept > _SWEEP_S:
+                swept = time.monotonic()
+                self._sweep()
 
+    def _sweep(self) -> None:
+        """Answers under the loop's keys that no job of it waits for, taken from the client and
+        counted (the machine says which are its to take: ``LoopMachine.owns``)."""
+        for key in list(self.client.unclaimed()):
+            if self.machine.owns(key):
+                outcome = self.client.take_unclaimed(key)
+                if outcome is not None:
+                    self._perform(self.machine.orphan(key, outcome))
+                    self._bump()
 
-def _sample(result: RolloutResult, out: Any) -> Sample:
-    spans = list(out.weight_versions) or [VersionSpan(version=result.version_start, start=0, end=len(out.token_ids))]
-    return Sample(
-        tokens=list(out.token_ids),
-        logprobs=list(out.logprobs) if out.logprobs is not None else None,
-        spans=spans,
-        finish_reason=out.finish_reason,
-        version_start=min(s.version for s in spans) if out.weight_versions else result.version_start,
-        version_end=result.version_end,
-    )
-
-
-def _judged_from(group: Group) -> list[int]:
-    return loop_rules.judged_starts([s.version_start for s in group.samples], group.continued_at)
-
-
-def _joined(prefix: Sample | None, rest: Sample) -> Sample:
-    """A continued sample: the tokens, log-probs and spans of its earlier runs, then this one's
-    (its spans shifted past the earlier tokens; a span going on at the same version and replica
-    merges with the one before it)."""
-    if prefix is None:
-        return rest
-    shift = len(prefix.tokens)
-    spans = list(prefix.spans)
-    for sp in rest.spans:
-        last = spans[-1] if spans else None
-        if last is not None and (last.version, last.replica, last.end) == (sp.version, sp.replica, sp.start + shift):
-            spans[-1] = VersionSpan(version=sp.version, start=last.start, end=sp.end + shift, replica=sp.replica)
-        else:
-            spans.append(
-                VersionSpan(version=sp.version, start=sp.start + shift, end=sp.end + shift, replica=sp.replica)
+    async def _job(self, ask: machine.Submit) -> None:
+        cfg = self.config
+        try:
+            handle = await self.client.submit(
+                ask.payload,
+                max_staleness=ask.max_staleness,
+                idempotency_key=ask.key,
+                retry_policy=cfg.retry_policy,
+                timeout=cfg.job_timeout_s,
             )
-    logprobs = None if prefix.logprobs is None or rest.logprobs is None else [*prefix.logprobs, *rest.logprobs]
-    return Sample(
-        tokens=[*prefix.tokens, *rest.tokens],
-        logprobs=logprobs,
-        spans=spans,
-        finish_reason=rest.finish_reason,
-        version_start=min(prefix.version_start, rest.version_start),
-        version_end=rest.version_end,
-    )
+        except Exception as exc:
+            self._cancel_first.pop(ask.key, None)
+            self._feed(self.machine.job_failed, ask.key, exc)
+            return
+        self._handles[ask.key] = handle
+        try:
+            self.machine.submitted(ask.key, handle.job.constraint.version)
+            if self._cancel_first.pop(ask.key, None) is not None:
+                self._spawn(_cancel(handle), self._chores, f"cancel-{ask.key}")
+            try:
+                result = await handle.result()
+            except Exception as exc:
+                self._feed(self.machine.job_failed, ask.key, exc)
+            else:
+                self._feed(self.machine.answered, ask.key, result)
+        finally:
+            self._handles.pop(ask.key, None)
+
+    async def _score(self, group_no: int, group: Group) -> None:
+        assert self.reward is not None
+        try:
+            rewards = list(await self.reward(group))
+        except Exception as exc:
+            self._feed(self.machine.score_failed, group_no, exc)
+            return
+        self._feed(self.machine.scored, group_no, rewards)
 
 
-def _rewarded(s: Sample, reward: float) -> Sample:
-    return Sample(s.tokens, s.logprobs, s.spans, s.finish_reason, s.version_start, s.version_end, float(reward))
-
-
-def _tokens_of(handles: list[Any]) -> int:
-    """Tokens the group's finished jobs generated (a stopped job's partial answer included)."""
-    total = 0
-    for h in handles:
-        result = h.settled_result()
-        if result is not None:
-            total += sum(len(o.token_ids) for o in result.outputs)
-    return total
+async def _cancel(handle: RolloutHandle) -> None:
+    """Cancel a job; its task feeds the machine what it was answered with (partial, or Cancelled)."""
+    with suppress(Exception):
+        await handle.cancel(timeout=_CANCEL_TIMEOUT_S)
 
 
 class _LoopMetrics:
-    """On the client's registry: one scrape shows the loop beside the client."""
+    """On the client's registry, labelled by loop: one scrape shows every loop beside the client."""
 
-    def __init__(self, client: RolloutClient) -> None:
-        from prometheus_client import Counter as PCounter
-        from prometheus_client import Gauge, Histogram
+    # One family of each per registry, shared by the loops on it (a second registration of a name
+    # on one registry is refused).
+    _families: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
+    def __init__(self, client: RolloutClient, loop: str) -> None:
         registry = client.metrics.registry
-        cid = client.client_id
-        self._waste = PCounter(
-            "rollfleet_loop_waste_tokens_total",
-            "Tokens generated and never trained on, by cause (stale, tail, filtered, failed, deadline, closed)",
-            ("client_id", "cause"),
-            registry=registry,
-        )
-        self._trained = PCounter(
-            "rollfleet_loop_trained_tokens_total", "Tokens handed to the trainer", ("client_id",), registry=registry
-        ).labels(client_id=cid)
-        self._staleness = Histogram(
-            "rollfleet_loop_staleness",
-            "Staleness of consumed groups (versions)",
-            ("client_id",),
-            buckets=(0, 1, 2, 3, 4, 8),
-            registry=registry,
-        ).labels(client_id=cid)
-        self._wait = Histogram(
-            "rollfleet_loop_trainer_wait_seconds",
-            "Time the trainer waited for a batch",
-            ("client_id",),
-            registry=registry,
-        ).labels(client_id=cid)
-        self._util = Gauge(
-            "rollfleet_loop_utilization",
-            "Busy fraction of the fleet's slots over the last step",
-            ("client_id",),
-            registry=registry,
-        ).labels(client_id=cid)
-        self._cid = cid
+        families = self._families.get(registry)
+        if families is None:
+            families = self._families[registry] = _families(registry)
+        labels = {"client_id": client.client_id, "loop": loop}
+        self._waste = families["waste"]
+        self._labels = labels
+        self._trained = families["trained"].labels(**labels)
+        self._staleness = families["staleness"].labels(**labels)
+        self._wait = families["wait"].labels(**labels)
+        self._util = families["util"].labels(**labels)
 
     def waste(self, cause: str, tokens: int) -> None:
-        self._waste.labels(client_id=self._cid, cause=cause).inc(tokens)
+        self._waste.labels(**self._labels, cause=cause).inc(tokens)
 
     def step(self, stats: StepStats) -> None:
         self._trained.inc(stats.tokens)
@@ -750,3 +407,37 @@ class _LoopMetrics:
         self._wait.observe(stats.trainer_wait_s)
         if stats.utilization is not None:
             self._util.set(stats.utilization)
+
+
+def _families(registry: Any) -> dict[str, Any]:
+    from prometheus_client import Counter as PCounter
+    from prometheus_client import Gauge, Histogram
+
+    labels = ("client_id", "loop")
+    return {
+        "waste": PCounter(
+            "rollfleet_loop_waste_tokens_total",
+            f"Tokens generated and never trained on, by cause ({', '.join(WASTE_CAUSES)})",
+            (*labels, "cause"),
+            registry=registry,
+        ),
+        "trained": PCounter(
+            "rollfleet_loop_trained_tokens_total", "Tokens handed to the trainer", labels, registry=registry
+        ),
+        "staleness": Histogram(
+            "rollfleet_loop_staleness",
+            "Staleness of consumed groups (versions)",
+            labels,
+            buckets=(0, 1, 2, 3, 4, 8),
+            registry=registry,
+        ),
+        "wait": Histogram(
+            "rollfleet_loop_trainer_wait_seconds", "Time the trainer waited for a batch", labels, registry=registry
+        ),
+        "util": Gauge(
+            "rollfleet_loop_utilization",
+            "Busy fraction of the fleet's slots over the last step",
+            labels,
+            registry=registry,
+        ),
+    }
