@@ -2394,7 +2394,9 @@ class Oracle:
             self.unverified["loop: this rollfleet has no keyed echo engine"] += 1
             return
         truth = Truth(self.weights)
-        submitted: dict[str, float] = {}
+        # When each job was stored, as its client stamped it (every stored job the wiretap heard, and
+        # every delivery it saw): it tells which life of a client's loops a job was.
+        submitted = {str(j): float(t) for j, t in (getattr(self.tap, "job_submitted", None) or {}).items() if t}
         for d in self.tap.deliveries:
             if d.job_id and d.submitted_at:
                 submitted[d.job_id] = min(float(d.submitted_at), submitted.get(d.job_id, float("inf")))
@@ -2665,6 +2667,7 @@ def load_kept(workdir: Any) -> Oracle:
         acks={k: [tuple(a) for a in v] for k, v in tap_doc["acks"].items()},
         claims=tap_doc["claims"],
         stored_jobs=tap_doc.get("stored_jobs", {}),
+        job_submitted=tap_doc.get("job_submitted", {}),
         fleet=[(t, w, msgspec.convert(s, ReplicaStatus) if s else None) for t, w, s in tap_doc["fleet"]],
         gaps=tap_doc["gaps"],
         declared=tap_doc.get("declared", []),

@@ -325,9 +325,10 @@ def judge_tokens(
     if reported is not None and int(reported) != trained:
         wrong.append(f"the loop counts {reported} tokens trained, its batches handed the trainer {trained}")
     if generated != trained + sum(waste.values()):
+        own = f" (it counts {totals['generated_tokens']} generated)" if "generated_tokens" in totals else ""
         wrong.append(
-            f"the workers generated {generated} tokens for it ({len(answers)} jobs answered), but it handed out "
-            f"{trained} and reports {sum(waste.values())} wasted {dict(sorted(waste.items()))}: "
+            f"the workers generated {generated} tokens for it ({len(answers)} jobs answered){own}, but it handed "
+            f"out {trained} and reports {sum(waste.values())} wasted {dict(sorted(waste.items()))}: "
             f"{generated - trained - sum(waste.values())} unaccounted"
         )
     if wrong and (blind or unknown):
@@ -394,7 +395,7 @@ def judge_loops(
     for a in chosen.values():
         mine = sorted(by_client[a.client], key=lambda life: life.opened)
         at = submitted.get(a.job_id, a.t)
-        life = next((lf for lf in reversed(mine) if lf.opened <= at + 0.5), mine[0])
+        life = next((lf for lf in reversed(mine) if lf.opened <= at), mine[0])
         of_life[life.lid].append(a)
     for life in lives:
         if life.closed is None and not life.batches and any(t.get("where") == "construct" for t in life.troubles):

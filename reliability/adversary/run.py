@@ -1411,10 +1411,17 @@ class Adversary:
                     out[f"gw:{key}@{name}"] = {"kind": "http-none", "error": repr(exc)[:200], "t": t,
                                                "waited_s": round(time.time() - t, 3)}  # fmt: skip
 
+        async def trajectory(http: Any, traj: str, name: str, address: str) -> None:
+            # (a gateway runs a trajectory's turns one at a time: its keys are asked in turn, so
+            # that one waits no longer than its own answer takes)
+            for key, (of, body) in sorted(asked.items()):
+                if of == traj:
+                    await one(http, key, traj, body, name, address)
+
         async with aiohttp.ClientSession() as http:
             await asyncio.gather(
-                *(one(http, key, traj, body, name, address)
-                  for key, (traj, body) in sorted(asked.items()) for name, address in gateways.items())
+                *(trajectory(http, traj, name, address)
+                  for traj in sorted({t for t, _ in asked.values()}) for name, address in gateways.items())
             )  # fmt: skip
         self.say("gateway turns re-asked", keys=len(asked), gateways=sorted(gateways))
         return out

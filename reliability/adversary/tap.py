@@ -119,6 +119,7 @@ class Tap:
         # job id -> how many times it was stored on a jobs subject (a turn moved off its replica, or
         # stored again because its holder died, is the same job stored twice)
         self.stored_jobs: dict[str, int] = {}
+        self.job_submitted: dict[str, float] = {}  # job id -> its ``submitted_at``, as its client stamped it
         self.activations: list[tuple[float, Any]] = []
         self.announced: list[tuple[float, Any]] = []  # versions.published
         self.fleet: list[tuple[float, str, Any]] = []  # (t, worker_id, ReplicaStatus | None)
@@ -432,6 +433,7 @@ class Tap:
         with contextlib.suppress(Exception):
             job = decode(msg.data, RolloutJob)
             self.stored_jobs[job.job_id] = self.stored_jobs.get(job.job_id, 0) + 1
+            self.job_submitted.setdefault(job.job_id, float(job.submitted_at or 0.0))
 
     def _subject_worker(self, subject: str) -> str | None:
         parse = getattr(self.names, "parse_result_subject", None)
@@ -591,6 +593,7 @@ class Tap:
             "fleet": [(t, w, _plain(s)) for t, w, s in self.fleet],
             "claims": self.claims,
             "stored_jobs": self.stored_jobs,
+            "job_submitted": self.job_submitted,
             "gaps": self.gaps,
             "declared": self.declared,
             "tapped": sorted(self._tapped),
