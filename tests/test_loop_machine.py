@@ -377,23 +377,23 @@ def test_split_and_continued_samples_each_draw_their_own_stream() -> None:
 
 
 def test_finished_samples_of_a_partial_rollout_are_judged_by_their_own_tokens() -> None:
-    """Sample 0 ends after 2 tokens at version 0; sample 1 is stopped by the commits and continued
-    at version 3. The group is judged from sample 0's own tokens (version 0), not the version the
-    other was continued at: too stale at version 3 with ``max_staleness=1``, and dropped."""
+    """A commit stops a split group: sample 0 had made all its tokens at version 0 (its answer is
+    "length", not "abort"), sample 1 is continued at version 1. At version 2 with
+    ``max_staleness=1`` the group is judged from sample 0's own tokens (version 0): too stale, and
+    dropped; not relabelled by the version the other sample was continued at."""
     cfg = LoopConfig(group_size=2, batch_groups=1, max_staleness=1, partial_rollout=True, split_groups=True)
     sim = Sim(cfg, rate=1)
-    sim.feed(_prompt(1, 9))
-    first = sim.submits[0].key
-    sim.jobs[first].payload = _prompt(1, 2)  # (the fleet ends sample 0 after 2 tokens: an EOS)
+    sim.feed(_prompt(1, 6))
     sim.do(sim.m.source_done(sim.now))
-    sim.step(2)  # sample 0 done at version 0
-    for _ in range(3):
-        sim.commit()
-        sim.step(1)
+    first = sim.submits[0].key
+    sim.step(2)
+    sim.jobs[first].made[0] = [(t, 0) for t in range(6)]  # done, its answer not yet sent
+    sim.commit()
+    assert sim.m.totals["continued"] == 1
     sim.step(10)
     assert sim.m.ready == 1
-    out = sim.take()
-    assert isinstance(out, End) and sim.m.totals["waste_groups_stale"] == 1
+    sim.commit()
+    assert isinstance(sim.take(), End) and sim.m.totals["waste_groups_stale"] == 1
 
 
 def test_the_grace_of_a_version_no_replica_serves_stops_nothing() -> None:
