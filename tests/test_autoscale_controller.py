@@ -241,10 +241,10 @@ async def test_an_old_version_asked_for_gets_a_held_worker_which_a_restarted_con
     shared_broker: EmbeddedBroker, tmp_path: Path
 ) -> None:
     """Training is at version 2; a request for exactly version 1 is refused (no replica holds
-    it), the refusal reaches the controller, which starts a worker held at 1; the request asked
-    again is served there. The controller is then stopped and another started: it finds both
-    workers by their command lines (launching none), and once the demand is gone it retires
-    the held one (SIGTERM to a process it did not start; it exits 0)."""
+    it), the refusal reaches the controller, which starts a worker held at 1; a request that
+    chose to wait for a replica is served there within its deadline. The controller is then
+    stopped and another started: it finds both workers by their command lines (launching none),
+    and once the demand is gone it retires the held one (SIGTERM to a process it did not start; it exits 0)."""
     url, ns = shared_broker.url, "h" + uuid.uuid4().hex[:8]
     policy = Policy(min_replicas=1, max_replicas=3, hold_after_s=0, scale_in_grace_s=2.0, cooldown_s=0)
     args = ["--heartbeat", "1"]
@@ -265,16 +265,11 @@ async def test_an_old_version_asked_for_gets_a_held_worker_which_a_restarted_con
             await client.wait_for_version(2, replicas=1, timeout=30)
             with pytest.raises(NoCompatibleReplica):
                 await (await client.submit(payload(), exact_version=1, timeout=30)).result(30)
-
-            async def served() -> Any:
-                try:
-                    return await (
-                        await client.submit(payload(), exact_version=1, idempotency_key="old", timeout=30)
-                    ).result(30)
-                except NoCompatibleReplica:
-                    return None
-
-            result = await wait_until(served, 60, interval=0.5, what="a worker held at version 1")
+            # A request that chooses to wait is queued instead, and served within its deadline.
+            waiting = await client.submit(
+                payload(), exact_version=1, idempotency_key="old", timeout=30, wait_for_replica=True
+            )
+            result = await waiting.result(40)  # (its deadline settles it first: Expired, if not served)
             assert result.version_start == result.version_end == 1 and result.worker_id.startswith("h-v1-")
             pids = first.pids()
             assert len(pids) == 2

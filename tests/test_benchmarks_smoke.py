@@ -163,6 +163,19 @@ def test_loop_quick() -> None:
     assert all(isinstance(r.met, bool) for r in rows if r.target)
 
 
+def test_autoscale_quick() -> None:
+    rows = _run("autoscale")
+    benches = {"autoscale/replica-seconds", "autoscale/wait-p50", "autoscale/wait-p95", "autoscale/eval-served"}
+    _check(rows, benches | {"autoscale/scale-events", "autoscale/lost+duplicated", "autoscale/turns-per-cooldown"})
+    assert all(isinstance(r.met, bool) for r in rows if r.target)
+    assert {r.case for r in rows} == {"fixed-min", "fixed-max", "keda", "rollfleet"}
+    events = {r.case: r.value for r in rows if r.bench == "autoscale/scale-events"}
+    assert events["fixed-min"] == events["fixed-max"] == 0  # (the fixed fleets were never touched)
+    head = next(r for r in rows if r.bench == "autoscale/replica-seconds" and r.case == "fixed-min").extra
+    assert Path(head["plot"]).stat().st_size > 0  # type: ignore[arg-type]
+    assert head["answers_stored"] == head["answered"] > 0  # (every answer the client got is on the stream)
+
+
 def test_the_request_path_account_times_each_contract_step() -> None:
     from benchmarks.request_path_account import contract_work
 
