@@ -5,11 +5,22 @@ from rollfleet.policy_store.publisher import PolicyPublisher  # the store's writ
 from rollfleet.trainer_client.client import RolloutClient
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
-from rollfleet.trainer_client.loop import Batch, Group, LoopConfig, RolloutLoop
+from rollfleet.trainer_client.loop import (
+    WASTE_CAUSES,
+    Batch,
+    FailedGroup,
+    Group,
+    LoopConfig,
+    RolloutLoop,
+    Sample,
+    StepStats,
+)
 from rollfleet.trainer_client.sessions import Session
 
 __all__ = [
+    "WASTE_CAUSES",
     "Batch",
+    "FailedGroup",
     "FleetView",
     "Group",
     "LoopConfig",
@@ -17,5 +28,7 @@ __all__ = [
     "RolloutClient",
     "RolloutHandle",
     "RolloutLoop",
+    "Sample",
     "Session",
+    "StepStats",
 ]
