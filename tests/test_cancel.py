@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+from typing import Any
 
 import pytest
 from nats.aio.msg import Msg
@@ -12,7 +14,7 @@ from rollfleet.schemas import Completion, RolloutResult, claim_key
 from rollfleet.schemas.errors import Cancelled, Expired
 from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient, answers
-from rollfleet.trainer_client.cancelling import must_stop, next_cancel, outcome_of
+from rollfleet.trainer_client.cancelling import must_stop, next_cancel, on_leaving, outcome_of
 from tests.helpers import CountingEcho, payload
 
 LONG = 1500  # tokens; 15 s at 10 ms a token: far longer than any wait below
@@ -161,3 +163,52 @@ async def test_concurrent_cancels_of_a_queued_job_both_say_withdrawn_and_stop_no
         await wait_until(lambda: busy_stop in stops, timeout=10, what="the busy job's stop heard")
         await sub.unsubscribe()
     assert stops == [busy_stop]  # none for the withdrawn job
+
+
+def test_a_job_whose_caller_left_runs_on_only_under_the_callers_key() -> None:
+    assert on_leaving(None) == "cancel"  # nobody can ask for it again
+    assert on_leaving("step3/g0") == "run_on"  # a retry under the key gets its one answer
+
+
+async def test_a_keyless_submit_cancelled_while_its_job_is_stored_leaves_nothing_running(broker: Any) -> None:
+    """The Python door keeps the gateway's promise: the broker stalls (SIGSTOP) while a keyless
+    job is being stored, and the caller's task is cancelled; the broker comes back and stores the
+    job it had been sent. Nobody holds a handle or a key for it, so it must not run: the fleet
+    ends with no job stored and no run left going, seen at the engine."""
+    url = broker.url
+    async with (
+        running_worker(url, "ns", engine=(engine := CountingEcho(per_token_s=0.01)), capacity=1),
+        await RolloutClient.connect(url, namespace="ns", client_id="left") as client,
+    ):
+        await (await client.submit(payload(max_tokens=1), min_version=0)).result()  # the subject's consumer declared
+        before = (await client.js.stream_info(client.names.jobs_stream)).state.last_seq
+        finished: list[int] = []
+        generate = engine.generate
+
+        async def recorded(*args: Any, **kwargs: Any) -> Any:
+            out = await generate(*args, **kwargs)
+            finished.extend(len(o.token_ids) for o in out.outputs)
+            return out
+
+        engine.generate = recorded  # type: ignore[method-assign]
+        broker.proc.send_signal(signal.SIGSTOP)
+        try:
+            submitting = asyncio.ensure_future(client.submit(payload(max_tokens=LONG), min_version=0))
+            # The job's message has left this process: the broker will store it when it wakes.
+            await wait_until(lambda: client.nc.pending_data_size == 0 and client.nc.stats["out_msgs"] > 0,
+                             timeout=10, what="the job sent to the stalled broker")  # fmt: skip
+            await asyncio.sleep(0.2)
+            submitting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await submitting
+        finally:
+            broker.proc.send_signal(signal.SIGCONT)
+
+        async def stored_then_gone() -> bool:
+            state = (await client.js.stream_info(client.names.jobs_stream)).state
+            return state.last_seq > before and state.messages == 0
+
+        await wait_until(stored_then_gone, timeout=20, what="the job stored, then gone")
+        await wait_until(lambda: engine.running == 0, timeout=10, what="nothing running")
+        assert all(n < LONG for n in finished), finished
+        assert not client.unclaimed()

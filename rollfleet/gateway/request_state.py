@@ -26,17 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rollfleet.trainer_client.cancelling import on_leaving
+
 Door = Literal["plain", "batch", "turn"]
-Leaving = Literal["cancel", "run_on"]
 Phase = Literal["storing", "waiting", "streaming", "done"]
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": the label of a request whose client left first
 
 
-def on_leaving(client_key: str | None) -> Leaving:
-    """What becomes of a job whose client left: without a key of the client's nobody can ask for
-    it again (it would run for nobody), so it is cancelled; with one, it runs on for the retry."""
-    return "run_on" if client_key is not None else "cancel"
 
 
 @dataclass(frozen=True)

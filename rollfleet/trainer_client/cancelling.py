@@ -22,8 +22,17 @@ from rollfleet.schemas import RolloutResult
 from rollfleet.schemas.errors import Cancelled, RollfleetError
 
 CancelOutcome = Literal["withdrawn", "stopped", "answered", "unknown"]
+Leaving = Literal["cancel", "run_on"]
 CancelStep = Literal["cancel", "answered", "join"]
 EarlierCancel = Literal["none", "deciding", "decided", "failed"]
+
+
+def on_leaving(client_key: str | None) -> Leaving:
+    """What becomes of a job whose caller left before its answer (a task cancelled while it
+    submitted or waited, an HTTP client that disconnected): without a key of the caller's nobody
+    can ask for it again, so it would run for nobody and is cancelled; with one it runs on, so
+    that a retry under the key gets its one answer. The one rule for every door."""
+    return "run_on" if client_key is not None else "cancel"
 
 
 def next_cancel(earlier: EarlierCancel, settled: bool) -> CancelStep:

@@ -425,6 +425,7 @@ class RolloutClient:
         if self._settle_unclaimed(handle):
             self._handles.pop(key, None)
             return handle
+        subject: str | None = None
         try:
             if replica is None:
                 subject = self.names.job_subject(constraint.kind, constraint.version)
@@ -438,6 +439,9 @@ class RolloutClient:
         except RollfleetError:
             self._handles.pop(key, None)
             raise
+        except asyncio.CancelledError:
+            self._left_while_storing(handle, subject, replica, keyed=idempotency_key is not None)
+            raise
         handle.stored = True
         if not ack.duplicate:
             handle.subject, handle.stream_seq, handle.replica = subject, ack.seq, replica
@@ -450,6 +454,36 @@ class RolloutClient:
         if _DEBUG:
             log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
         return handle
+
+    def _left_while_storing(
+        self, handle: RolloutHandle, subject: str | None, replica: str | None, *, keyed: bool
+    ) -> None:
+        """The caller was cancelled while its job was being stored: the broker may hold the job
+        already, and nobody holds its handle. Under the caller's key it runs on (``on_leaving``): a
+        resubmission with the key finds it, as any retry does. Without one nobody could ever ask
+        for it, so it is stored again under the same message id (the broker's duplicate detection
+        hands back the job it holds, or stores it if the first try never arrived) and cancelled."""
+        key = handle.idempotency_key
+        if subject is None or cancelling.on_leaving(key if keyed else None) == "run_on":
+            self._handles.pop(key, None)  # (nothing was sent, or a retry under the key adopts the job)
+            return
+        self._spawn(self._cancel_left(handle, subject, replica))
+
+    async def _cancel_left(self, handle: RolloutHandle, subject: str, replica: str | None) -> None:
+        key = handle.idempotency_key
+        try:
+            ack = await self.placement.store(handle, subject, key)
+            handle.stored = True
+            if not ack.duplicate:
+                handle.subject, handle.stream_seq, handle.replica = subject, ack.seq, replica
+            elif not await self._adopt(handle, ack.seq):
+                return  # settled: it was answered already
+            outcome = await handle.cancel(timeout=10.0)
+            log.info("caller left while its job was stored; cancelled", idempotency_key=key, outcome=outcome)
+        except RollfleetError as exc:  # (the broker away: the job's deadline still ends it)
+            log.warning("caller left; its job could not be cancelled", idempotency_key=key, code=exc.code)
+        finally:
+            self._handles.pop(key, None)
 
     def _settle_unclaimed(self, handle: RolloutHandle) -> bool:
         """Settle the handle with an answer for its key that arrived while no handle waited for it
