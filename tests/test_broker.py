@@ -33,7 +33,7 @@ def test_too_old_binary_gives_a_clear_error(tmp_path: Path) -> None:
     old = tmp_path / "nats-server"
     old.write_text("#!/bin/sh\necho 'nats-server: v2.9.25'\n")
     old.chmod(old.stat().st_mode | stat.S_IEXEC)
-    with pytest.raises(BrokerBinaryError, match=r"2\.9\.25.*>= 2\.10"):
+    with pytest.raises(BrokerBinaryError, match=r"2\.9\.25.*>= 2\.11"):
         check_server_binary(old)
 
 
