@@ -228,6 +228,30 @@ def test_keda_reads_each_class_desired_size_from_the_status_document():
     assert _keda_value(doc, "classes.latest.actual") == 1
 
 
+def test_the_status_says_the_start_up_time_and_when_a_starting_class_should_serve():
+    """What ``rollfleet status`` shows and a gateway's 409 reads: the start-up time the plan looks
+    ahead by (assumed, then measured), and for a class none of whose replicas serves while one
+    starts, the unix time its first should serve."""
+    from rollfleet.autoscale.controller import status_document
+    from rollfleet.autoscale.planner import PlannerState, plan
+    from rollfleet.autoscale.signal import LAUNCHING, ClassDemand, Signal
+
+    policy = Policy(min_replicas=1, max_replicas=4, hold_after_s=0, startup_s=30)
+    asked = Signal(9, {3: ClassDemand(refusals=1)})
+    fleet = [ReplicaFacts("a", active_version=9, capacity=4)]
+    first = plan(asked, fleet, policy, PlannerState(), 100.0)
+    doc = status_document(first, asked, policy, "me", 5000.0, [])
+    assert (doc["startup_s"], doc["startup_measured"]) == (30, False)
+    assert doc["classes"]["3"]["serving_by"] == 5030 and doc["classes"]["latest"]["serving_by"] is None
+    fleet = [*fleet, ReplicaFacts("h3", held=3, state=LAUNCHING, capacity=0)]
+    later = plan(asked, fleet, policy, first.state, 110.0)
+    assert status_document(later, asked, policy, "me", 5010.0, [])["classes"]["3"]["serving_by"] == 5030
+    fleet = [fleet[0], ReplicaFacts("h3", held=3, active_version=3, capacity=4)]
+    served = plan(asked, fleet, policy, later.state, 124.0)
+    doc = status_document(served, asked, policy, "me", 5024.0, [])
+    assert (doc["startup_s"], doc["startup_measured"]) == (24, True) and doc["classes"]["3"]["serving_by"] is None
+
+
 def _exited(pid: int) -> bool:
     """Gone, or a zombie waiting for its parent to read its exit status."""
     try:

@@ -6,14 +6,18 @@ the plan's launches join the fleet, its retirements leave it, replicas die at ra
 
 from __future__ import annotations
 
+import collections
+import heapq
 import itertools
 import math
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rollfleet.autoscale.forecast import LoadHistory
 from rollfleet.autoscale.planner import ClassState, Plan, PlannerState, Policy, plan
 from rollfleet.autoscale.signal import (
     LATEST,
@@ -414,3 +418,166 @@ def test_a_restarted_controller_only_waits_longer_to_shrink():
     kept = plan(quiet, fleet, policy, kept.state, NOW + 60)
     restarted = plan(quiet, fleet, policy, PlannerState(), NOW + 60)
     assert len(kept.retire) == 3 and restarted.retire == ()
+
+
+# -- looking ahead: the load's trend over the start-up time ----------------------------------------
+
+
+def test_a_rising_load_is_sized_for_a_start_up_time_ahead_and_says_so() -> None:
+    """The load rose by 1 job/s for 20 s: with 20 s of start-up measured ahead it will be 20 jobs
+    more when a replica asked for now serves. The reactive rule sizes for the load now."""
+    policy = Policy(min_replicas=1, max_replicas=12, slots_per_replica=4, target_utilization=1.0, startup_s=20)
+    fleet = _followers(3, capacity=4, busy=4)
+
+    def past(load: Any) -> PlannerState:
+        samples = tuple((NOW - 20 + t, load(t)) for t in range(0, 20, 2))
+        return PlannerState({LATEST: ClassState(history=LoadHistory(samples))})
+
+    signal = Signal(5, {LATEST: ClassDemand(backlog=10, in_flight=12)})  # 22 jobs: 6 replicas now
+    ahead = plan(signal, fleet, policy, past(lambda t: 2 + t), NOW)
+    assert ahead.desired[LATEST] == math.ceil((22 + 1.0 * 20) / 4) == 11
+    [up] = [d for d in ahead.decisions if d.action == "up"]
+    assert "rising 1.00 jobs/s" in up.reason and "in 20 s" in up.reason
+    reactive = plan(signal, fleet, replace(policy, trend_window_s=0), past(lambda t: 2 + t), NOW)
+    assert reactive.desired[LATEST] == 6
+    assert plan(signal, fleet, policy, past(lambda t: 22), NOW).desired[LATEST] == 6
+    assert ahead.startup_s == 20 and not ahead.startup_measured
+
+
+def test_the_start_up_time_is_learnt_from_the_plans_own_launches() -> None:
+    """The plan's launches are asked for at its tick; the replica's first serving tick ends the
+    measurement; the next plans look ahead by it, and say when a class's first replica serves."""
+    policy = Policy(min_replicas=2, max_replicas=4, startup_s=30)
+    fleet = _followers(1, capacity=4)
+    p = plan(Signal(5, {}), fleet, policy, PlannerState(), NOW)
+    assert [(x.held, x.count) for x in p.launch] == [(None, 1)] and p.serving_in == {}
+    fleet = [*fleet, ReplicaFacts("new", state=LAUNCHING, capacity=0)]
+    p = plan(Signal(5, {}), fleet, policy, p.state, NOW + 2)
+    assert p.startup_s == 30 and not p.startup_measured
+    fleet = [*fleet[:1], ready("new", 5, capacity=4)]
+    p = plan(Signal(5, {}), fleet, policy, p.state, NOW + 24)
+    assert p.startup_s == 24 and p.startup_measured
+    held = plan(Signal(5, {3: ClassDemand(refusals=1)}), fleet, replace(policy, max_replicas=5), p.state, NOW + 26)
+    assert [(x.held, x.count) for x in held.launch] == [(3, 1)] and held.serving_in == {3: 24.0}
+
+
+@st.composite
+def _rising_states(draw: st.DrawFn) -> PlannerState:
+    """A followers' history of loads over the last 20 s (steep ramps among them)."""
+    loads = draw(st.lists(st.integers(0, 60), min_size=0, max_size=11))
+    if draw(st.booleans()):
+        loads = sorted(loads)
+    samples = tuple((NOW - 2.0 * (len(loads) - i), n) for i, n in enumerate(loads))
+    return PlannerState({LATEST: ClassState(history=LoadHistory(samples))})
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_looking_ahead_never_sizes_below_the_load_now_nor_above_max(data):
+    """Followers under any load and history: the target is at least the reactive rule's (the
+    load now, its backlog included), at least what the load needs within the bounds when nothing
+    holds a turn back, and never above ``max_replicas``; whatever the signal, the fleet never
+    passes it."""
+    policy = replace(data.draw(_policies()), trend_window_s=data.draw(st.sampled_from([10.0, 20.0])),
+                     startup_s=data.draw(st.sampled_from([5.0, 30.0, 120.0])))  # fmt: skip
+    state = data.draw(_rising_states())
+    fleet = [r for r in data.draw(_fleets(policy)) if r.held is None]
+    d = data.draw(_demands)
+    signal = Signal(9, {LATEST: d})
+    ahead = plan(signal, fleet, policy, state, NOW)
+    reactive = plan(signal, fleet, replace(policy, trend_window_s=0), state, NOW)
+    assert ahead.desired[LATEST] >= reactive.desired[LATEST]
+    slots = sorted(r.capacity for r in fleet if r.counted and r.capacity > 0)
+    per = slots[len(slots) // 2] if slots else policy.slots_per_replica
+    needs = math.ceil(d.load / (per * policy.target_utilization) - 1e-9) if d.load else 0
+    assert ahead.desired[LATEST] >= min(policy.max_replicas, needs)
+    assert policy.min_replicas <= ahead.desired[LATEST] <= policy.max_replicas
+    assert _size_after(ahead, fleet) <= max(policy.max_replicas, sum(r.counted for r in fleet))
+    anything = plan(data.draw(_signals()), data.draw(_fleets(policy)), policy, state, NOW)
+    assert all(n <= policy.max_replicas for n in anything.desired.values())
+
+
+def _constant_rate(policy: Policy, rate: float, service_s: float, startup_s: float, slots: int, dt: float,
+                   horizon: float) -> list[tuple[float, int]]:  # fmt: skip
+    """A fleet of followers fed jobs at a constant rate, planned every ``dt``: a job waits in order
+    for a slot of a serving replica and holds it ``service_s``; a launched replica serves
+    ``startup_s`` later; a retired one takes no job and leaves once idle. The followers' target
+    at each tick."""
+    replicas: dict[str, dict[str, Any]] = {}  # id -> serving, draining, busy slots
+    queue: collections.deque[float] = collections.deque()
+    events: list[tuple[float, str, str]] = [(1 / rate, "arrival", "")]  # (when, what, replica)
+    state, n, t, trace = PlannerState(), 0, 0.0, []
+
+    def dispatch(now: float) -> None:
+        while queue:
+            free = [r for r in replicas.values() if r["serving"] and not r["draining"] and r["busy"] < slots]
+            if not free:
+                return
+            queue.popleft()
+            r = min(free, key=lambda r: r["busy"])
+            r["busy"] += 1
+            heapq.heappush(events, (now + service_s, "free", r["id"]))
+
+    while t <= horizon:
+        while events[0][0] <= t:
+            when, what, w = heapq.heappop(events)
+            if what == "arrival":
+                queue.append(when)
+                heapq.heappush(events, (when + 1 / rate, "arrival", ""))
+            elif what == "ready" and w in replicas:
+                replicas[w]["serving"] = True
+            elif what == "free":
+                replicas[w]["busy"] -= 1
+                if replicas[w]["draining"] and not replicas[w]["busy"]:
+                    del replicas[w]
+            dispatch(when)
+        fleet = [
+            ReplicaFacts(w, active_version=9, capacity=slots if r["serving"] else 0, in_flight=r["busy"],
+                         state="draining" if r["draining"] else "ready" if r["serving"] else LAUNCHING,
+                         started_at=float(w[1:]))
+            for w, r in replicas.items()
+        ]  # fmt: skip
+        running = sum(r["busy"] for r in replicas.values())
+        d = ClassDemand(backlog=len(queue), in_flight=running, oldest_wait_s=t - queue[0] if queue else 0.0)
+        p = plan(Signal(9, {LATEST: d}), fleet, policy, state, NOW + t)
+        state = p.state
+        trace.append((t, p.desired[LATEST]))
+        for w in p.retire:
+            replicas[w]["draining"] = True
+            if not replicas[w]["busy"]:
+                del replicas[w]
+        for x in p.launch:
+            for _ in range(x.count):
+                n += 1
+                replicas[f"r{n}"] = {"id": f"r{n}", "serving": False, "draining": False, "busy": 0}
+                heapq.heappush(events, (t + startup_s, "ready", f"r{n}"))
+        assert sum(not r["draining"] for r in replicas.values()) <= policy.max_replicas
+        t += dt
+    return trace
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=_policies().filter(lambda p: p.min_replicas >= 1 and p.hysteresis > 0),
+    grace=st.sampled_from([10.0, 30.0, 60.0]),
+    window=st.sampled_from([10.0, 20.0, 30.0]),
+    rate=st.floats(0.2, 8.0),
+    service_s=st.floats(0.5, 4.0),
+    startup_s=st.floats(0.0, 40.0),
+    slots=st.integers(1, 6),
+    dt=st.sampled_from([1.0, 2.0]),
+)
+def test_a_constant_rate_turns_the_followers_at_most_once_and_settles(policy, grace, window, rate, service_s,
+                                                                       startup_s, slots, dt):  # fmt: skip
+    """Jobs at a constant rate from an idle fleet: the load rises while the first replicas start
+    (the backlog grows: a trend), the followers may overshoot and come back once, and then hold:
+    a load wavering about its level is no trend, so it never turns them again. (For a fleet that
+    keeps a replica, with a hysteresis and a scale-in grace that outlasts a job: without them the
+    load the ticks happen to see, a job in or out, turns even a fleet sized on the load now.)"""
+    policy = replace(policy, trend_window_s=window, startup_s=30.0, slots_per_replica=slots, scale_in_grace_s=grace)
+    settle = startup_s + service_s + policy.scale_in_grace_s + policy.cooldown_s + window
+    horizon = 4 * settle + 120
+    trace = _constant_rate(policy, rate, service_s, startup_s, slots, dt, horizon)
+    assert len(_direction_changes(trace)) <= 1, trace
+    late = [n for t, n in trace if t >= horizon - settle - 30]
+    assert len(set(late)) == 1, trace

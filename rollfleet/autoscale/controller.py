@@ -91,10 +91,14 @@ def status_document(
     p: Plan, signal: Signal, policy: Policy, holder: str, at: float, recent: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """What ``rollfleet status`` shows and KEDA reads: per class (``latest``, or a version held),
-    the desired and actual replicas and the signal."""
+    the desired and actual replicas and the signal; the start-up time the plan looks ahead by
+    (measured from its own launches, or the policy's until one was); and, for a class none of
+    whose replicas serves while one starts, when (unix time, ``at``'s clock) the first is expected
+    to serve: ``serving_by``, what a gateway's 409 may tell a client to wait."""
     classes = {}
     for klass in sorted(p.desired, key=lambda k: (k != "latest", str(k))):
         d = signal.demand(klass)
+        eta = p.serving_in.get(klass)
         classes[class_name(klass)] = {
             "desired": p.desired[klass],
             "actual": p.actual.get(klass, 0),
@@ -106,12 +110,16 @@ def status_document(
             "refused": d.refusals,
             "slots": d.slots,
             "busy": d.busy,
+            # (whole seconds: the status is written again when it changes, not at every tick)
+            "serving_by": None if eta is None else round(at + eta),
         }
     return {
         "holder": holder,
         "at": at,
         "latest": signal.latest,
         "policy": {"min": policy.min_replicas, "max": policy.max_replicas},
+        "startup_s": round(p.startup_s, 3),
+        "startup_measured": p.startup_measured,
         "classes": classes,
         "recent": recent[-10:],
     }

@@ -3,9 +3,13 @@ replicas, which replicas to retire, as one pure function of (signal, fleet, poli
 
 Rules, all of them here (the controller only carries a plan out):
 
-1. **Size from load.** A class wants ``ceil(load / (slots_per_replica * target_utilization))``
-   replicas, ``load`` being the jobs that wait or run (``ClassDemand.load``); one more while its
-   oldest job has waited past ``target_wait_s`` and no replica of it is still starting. Jobs
+1. **Size from load, ahead of it.** A class wants ``ceil(load / (slots_per_replica *
+   target_utilization))`` replicas, ``load`` being the jobs that wait or run
+   (``ClassDemand.load``), and as many as the load it will have once a replica asked for now
+   serves: the load projected a start-up time ahead along its trend (``forecast.py``: the
+   slope of the last ``trend_window_s``, rising only; the start-up time measured from the
+   plan's own launches to their first serving tick, ``startup_s`` until one was). One more while
+   its oldest job has waited past ``target_wait_s`` and no replica of it is still starting. Jobs
    waiting out an activation are no load (the fleet is about to take them).
 2. **Bounds.** The whole fleet stays within ``[min_replicas, max_replicas]``: the followers never
    fewer than ``min_replicas``, the held replicas at most ``max_replicas - min_replicas`` in all
@@ -29,8 +33,9 @@ Rules, all of them here (the controller only carries a plan out):
    hand resumable ones back), replicas holding live sessions last; never the only serving copy
    of a version that has demand.
 
-Time is an argument and every timer is in ``PlannerState`` (in and out): there is no hidden
-clock, and a controller that restarts with an empty state only waits longer to scale in.
+Time is an argument and every timer and sample is in ``PlannerState`` (in and out): there is no
+hidden clock, and a controller that restarts with an empty state only waits longer to scale in
+(and looks ahead only once it has seen a window of load again).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from rollfleet.autoscale.forecast import LoadHistory, StartupClock, projected_load
 from rollfleet.autoscale.signal import LATEST, ClassDemand, ClassKey, ReplicaFacts, Signal
 from rollfleet.schemas.errors import InvalidRequest
 
@@ -56,6 +62,8 @@ class Policy:
     scale_in_grace_s: float = 60.0  # the signal asks for fewer this long before a class shrinks
     hold_after_s: float = 5.0  # demand for an old version lasts this long before a replica holds it
     max_per_version: int = 2  # held replicas per version
+    startup_s: float = 30.0  # a replica's start-up time until one the planner asked for was measured
+    trend_window_s: float = 20.0  # the load's trend is fitted over this window; 0: size on the load now
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -64,7 +72,7 @@ class Policy:
             raise InvalidRequest("slots_per_replica must be >= 1 and max_per_version >= 0")
         if not 0 < self.target_utilization <= 64 or not 0 <= self.hysteresis < 1:
             raise InvalidRequest("target_utilization must be in (0, 64] and hysteresis in [0, 1)")
-        for name in ("target_wait_s", "cooldown_s", "scale_in_grace_s", "hold_after_s"):
+        for name in ("target_wait_s", "cooldown_s", "scale_in_grace_s", "hold_after_s", "startup_s", "trend_window_s"):
             if not getattr(self, name) >= 0:
                 raise InvalidRequest(f"{name} must be >= 0")
 
@@ -84,11 +92,13 @@ class ClassState:
     lower_peak: int = 0  # the largest size asked for since then
     wanted_since: float | None = None  # since when something asks for this class
     unavailable_said: bool = False  # a held version the store lost: said once per episode
+    history: LoadHistory = field(default_factory=LoadHistory)  # the load at the last ticks, for its trend
 
 
 @dataclass(frozen=True)
 class PlannerState:
     classes: Mapping[ClassKey, ClassState] = field(default_factory=dict)
+    startup: StartupClock = field(default_factory=StartupClock)  # launches asked for and their start-up times
 
     def of(self, klass: ClassKey) -> ClassState:
         return self.classes.get(klass, ClassState())
@@ -124,6 +134,11 @@ class Plan:
     retire: tuple[str, ...]  # worker ids, in the order to retire them
     decisions: tuple[Decision, ...]
     state: PlannerState
+    startup_s: float = 0.0  # the start-up time the plan looked ahead by (measured, or the policy's)
+    startup_measured: bool = False  # whether ``startup_s`` was measured (else the policy's default)
+    # Per class none of whose replicas serves while one starts (or is launched by this plan): the
+    # seconds until the first is expected to serve (what a refused request's Retry-After can say).
+    serving_in: Mapping[ClassKey, float] = field(default_factory=dict)
 
 
 def _slots(replicas: list[ReplicaFacts], policy: Policy) -> int:
@@ -131,12 +146,14 @@ def _slots(replicas: list[ReplicaFacts], policy: Policy) -> int:
     return caps[len(caps) // 2] if caps else policy.slots_per_replica
 
 
-def _sized(load: int, slots: int, utilization: float) -> int:
+def _sized(load: float, slots: int, utilization: float) -> int:
     # (a tiny epsilon: 8 jobs over 4 slots at 1.0 is 2 replicas, not 3 from a rounding error)
     return math.ceil(load / (slots * utilization) - 1e-9) if load > 0 else 0
 
 
-def _needs(d: ClassDemand, replicas: list[ReplicaFacts], prev: int, policy: Policy) -> tuple[int, int, str]:
+def _needs(
+    d: ClassDemand, replicas: list[ReplicaFacts], prev: int, policy: Policy, trend: float, lead_s: float
+) -> tuple[int, int, str]:
     """(size to grow to, size a shrink may go to, why): rule 1 and 4's sizes, before bounds."""
     slots = _slots(replicas, policy)
     up = _sized(d.load, slots, policy.target_utilization)
@@ -144,6 +161,11 @@ def _needs(d: ClassDemand, replicas: list[ReplicaFacts], prev: int, policy: Poli
     why = f"{d.load} jobs (waiting {d.backlog}, running {d.in_flight}) at {slots} slots a replica"
     if d.sessions or d.refusals or d.awaiting_activation:
         why += f"; {d.sessions} pinned sessions, {d.refusals} refused, {d.awaiting_activation} await an activation"
+    ahead = projected_load(d.load, trend, lead_s)
+    early = _sized(ahead, slots, policy.target_utilization)
+    if early > up:
+        up = early
+        why += f"; rising {trend:.2f} jobs/s: {ahead:.1f} jobs in {lead_s:.0f} s (the start-up time)"
     coming = any(r.coming for r in replicas)
     if d.backlog > 0 and d.oldest_wait_s > policy.target_wait_s and not coming and len(replicas) >= prev:
         if prev + 1 > up:
@@ -162,10 +184,15 @@ def _decide(
     st: ClassState,
     policy: Policy,
     now: float,
+    lead_s: float,
 ) -> tuple[int, ClassState, Decision | None]:
     """A class's next target (rules 1, 2, 4, 5) from its previous one."""
     prev = st.desired if st.desired is not None else len(replicas)
-    up, down, why = _needs(d, replicas, prev, policy)
+    trend = 0.0
+    if policy.trend_window_s > 0:
+        st = replace(st, history=st.history.observe(now, d.load, policy.trend_window_s))
+        trend = st.history.trend(policy.trend_window_s)
+    up, down, why = _needs(d, replicas, prev, policy, trend, lead_s)
     up, down = max(up, floor), max(down, floor)
     target = prev
     if up > prev:
@@ -221,6 +248,8 @@ def plan(
     now: float,
 ) -> Plan:
     counted = [r for r in fleet if r.counted]
+    clock = state.startup.see(counted, now, forget_after_s=state.startup.estimate(policy.startup_s))
+    lead_s = clock.estimate(policy.startup_s)
     by_class: dict[ClassKey, list[ReplicaFacts]] = {}
     for r in counted:
         by_class.setdefault(r.klass, []).append(r)
@@ -268,7 +297,7 @@ def plan(
         d, replicas = signal.demand(v), by_class.get(v, [])
         cap = max(0, min(hi, budget))
         # (a held version has no minimum: its floor is only asked for, and obeys the cooldown)
-        target, states[v], decision = _decide(v, d, replicas, min(floor, cap), 0, cap, st, policy, now)
+        target, states[v], decision = _decide(v, d, replicas, min(floor, cap), 0, cap, st, policy, now, lead_s)
         budget -= target  # (above its cap only while a cooldown keeps it there)
         desired[v] = target
         if decision is not None:
@@ -285,7 +314,7 @@ def plan(
                   for v in held_keys)  # fmt: skip
     hi = max(policy.min_replicas, policy.max_replicas - min(claimed, policy.max_held))
     target, states[LATEST], decision = _decide(
-        LATEST, d, replicas, floor, policy.min_replicas, hi, state.of(LATEST), policy, now
+        LATEST, d, replicas, floor, policy.min_replicas, hi, state.of(LATEST), policy, now, lead_s
     )
     desired[LATEST] = target
     if decision is not None:
@@ -359,11 +388,19 @@ def plan(
         or now - s.changed_at < policy.cooldown_s  # (its cooldown outlives it)
     }
     shown = {k: desired[k] for k in keep}
+    serving_in = {
+        k: eta
+        for k in shown
+        if (eta := clock.serving_in(by_class.get(k, []), launched.get(k, 0), lead_s, now)) is not None
+    }
     return Plan(
         desired=shown,
         actual={k: len(by_class.get(k, [])) for k in shown},
         launch=tuple(launch),
         retire=tuple(retire),
         decisions=tuple(decisions),
-        state=PlannerState(keep),
+        state=PlannerState(keep, clock.ask(launched.items(), now)),
+        startup_s=lead_s,
+        startup_measured=bool(clock.samples),
+        serving_in=serving_in,
     )

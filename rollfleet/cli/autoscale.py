@@ -65,6 +65,18 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
         default=d.slots_per_replica,
         help="a replica's capacity until one registers its own",
     )
+    p.add_argument(
+        "--startup",
+        type=float,
+        default=d.startup_s,
+        help="seconds a replica takes to start until one the controller launched was measured (launch to serving)",
+    )
+    p.add_argument(
+        "--trend-window",
+        type=float,
+        default=d.trend_window_s,
+        help="seconds of load the trend is judged over; a rising one is sized for a start-up time ahead (0: off)",
+    )
     p.add_argument("--interval", type=float, default=2.0, help="seconds between looks at the broker")
     p.add_argument(
         "--lease-ttl",
@@ -95,6 +107,8 @@ def policy_from(args: argparse.Namespace, bounds: tuple[int, int]) -> Any:
         scale_in_grace_s=args.scale_in_grace,
         hold_after_s=args.hold_after,
         max_per_version=args.max_per_version,
+        startup_s=args.startup,
+        trend_window_s=args.trend_window,
     )
 
 

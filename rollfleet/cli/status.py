@@ -74,9 +74,12 @@ def render_autoscaler(doc: dict[str, Any] | None, now: float) -> list[str]:
         return []
     age = now - float(doc.get("at", now))
     policy = doc.get("policy", {})
+    startup = doc.get("startup_s")
+    how = "measured" if doc.get("startup_measured") else "assumed"
+    start = "" if startup is None else f", start-up {startup:.1f}s ({how})"
     lines = [
         "",
-        f"autoscaler {doc.get('holder')} ({age:.0f}s ago), bounds {policy.get('min')}..{policy.get('max')}:",
+        f"autoscaler {doc.get('holder')} ({age:.0f}s ago), bounds {policy.get('min')}..{policy.get('max')}{start}:",
         "  class     desired  actual  waiting  running  oldest wait  sessions  refused  awaiting activation",
     ]
     for name, c in doc.get("classes", {}).items():
