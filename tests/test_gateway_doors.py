@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -300,6 +301,48 @@ async def test_a_stream_that_cannot_be_served_is_refused_before_any_200(nats_url
             assert r.status_code == 409 and r.headers["retry-after"] == "1", (route, r.status_code, r.text)
             assert r.headers["content-type"].startswith("application/json")
             assert r.json()["error"]["code"] == "no_compatible_replica"
+
+
+async def test_a_request_that_waits_for_a_replica_is_answered_once_a_held_one_starts(
+    nats_url: str, namespace: str
+) -> None:
+    """Training is at version 2 and no replica serves version 1. The fleet's autoscaler has
+    published that one held at 1 is starting (its status document, as the controller writes it,
+    from a plan that launched it): a request for exactly 1 gets 409 with the time it expects as
+    ``Retry-After``. The same request with ``weight_version.wait_for_replica`` is stored instead,
+    waits, and is answered by the replica held at 1 once it has started."""
+    from rollfleet.autoscale.controller import STATUS_KEY, status_document
+    from rollfleet.autoscale.planner import PlannerState, Policy, plan
+    from rollfleet.autoscale.signal import ClassDemand, ReplicaFacts, Signal
+    from rollfleet.schemas import VersionRecord
+    from rollfleet.workers.engines.echo import EchoEngine
+
+    async with served(nats_url, namespace) as (base, client), httpx.AsyncClient(base_url=base, timeout=60) as http:
+        for v in (1, 2):
+            await client.commit_version(VersionRecord(version=v, kind="delta", base_version=v - 1))
+        policy = Policy(min_replicas=0, max_replicas=2, startup_s=30)
+        asked = Signal(2, {1: ClassDemand(refusals=1)})
+        launched = plan(asked, [ReplicaFacts("f", active_version=2)], policy, PlannerState(), 0.0)
+        assert [(x.held, x.count) for x in launched.launch] == [(1, 1)]
+        doc = status_document(launched, asked, policy, "controller", time.time(), [])
+        fleet_kv = await client.js.key_value(client.names.fleet_bucket)
+        await fleet_kv.put(STATUS_KEY, json.dumps(doc).encode())
+        await wait_until(lambda: client.fleet.autoscaler_status is not None, 10, what="the status heard")
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3}, "weight_version": {"exact_version": 1}}
+        refused = await http.post("/generate", json=body)
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "no_compatible_replica"
+        assert 25 <= int(refused.headers["retry-after"]) <= 30  # (30 s from its launch, read a moment later)
+        body["weight_version"] |= {"wait_for_replica": True}
+        waiting = asyncio.create_task(http.post("/generate", json=body))
+        await wait_until(lambda: jobs_stored(client), 20, what="the waiting request's job stored")
+        assert not waiting.done()
+        held = EchoEngine(startup_s=0.5)  # (a start that takes a moment, as a GPU server's)
+        async with running_worker(nats_url, namespace, version=1, worker_id="held-1", engine=held):
+            answer = await asyncio.wait_for(waiting, 30)
+        assert answer.status_code == 200, answer.text
+        meta = answer.json()["meta_info"]
+        assert (meta["weight_version_start"], meta["weight_version_end"]) == (1, 1)
+        assert meta["rollfleet"]["weight_versions"][0][3] == "held-1"
 
 
 async def test_the_openai_client_reads_what_is_not_honoured_as_its_own_errors(nats_url: str, namespace: str) -> None:

@@ -6,6 +6,7 @@ own ``GenerateRequest`` and ``SamplingParams``, and the official ``openai`` clie
 
 from __future__ import annotations
 
+import json
 import typing
 from typing import Any
 
@@ -24,7 +25,7 @@ from rollfleet.gateway.request_state import (
     Respond,
     on_leaving,
 )
-from rollfleet.schemas.errors import AuthorizationError, Cancelled, InvalidRequest, NoCompatibleReplica
+from rollfleet.schemas.errors import AuthorizationError, Cancelled, InvalidRequest, NoCompatibleReplica, SessionConflict
 
 # -- RequestState: every door, every promise ---------------------------------------------------
 
@@ -229,6 +230,35 @@ def test_what_a_generate_body_asks_and_is_not_honoured_is_refused_naming_it(body
     assert protocol.error_reply(refused.value).body["error"]["param"] == field
 
 
+def test_a_request_may_wait_for_a_replica_through_its_weight_version() -> None:
+    """``weight_version.wait_for_replica``: true or false beside exactly one version field, on
+    every route; anything else is a 400 naming it; a trajectory's turn may not wait."""
+    waits = generate(ONE | {"weight_version": {"exact_version": 1, "wait_for_replica": True}})
+    assert waits.constraint.wait_for_replica and waits.constraint.as_kwargs() == {"exact_version": 1}
+    for spec in ({"min_required_version": 3, "wait_for_replica": False}, {"min_required_version": 3,
+                 "wait_for_replica": None}, {"min_required_version": 3}):  # fmt: skip
+        req = generate(ONE | {"weight_version": spec})
+        assert not req.constraint.wait_for_replica and req.constraint.as_kwargs() == {"min_version": 3}
+    assert not generate(ONE).constraint.wait_for_replica
+    openai_way = completions({"prompt": "x", "weight_version": {"min_required_version": 0, "wait_for_replica": True}})
+    assert openai_way.constraint.wait_for_replica
+    batch = generate({"input_ids": [[1], [2]], "weight_version": {"exact_version": 2, "wait_for_replica": True}})
+    assert all(r.constraint.wait_for_replica for r in batch)
+    for bad in ("yes", 1, 0, [], {}):
+        with pytest.raises(InvalidRequest) as refused:
+            generate(ONE | {"weight_version": {"exact_version": 1, "wait_for_replica": bad}})
+        assert protocol.error_reply(refused.value).body["error"]["param"] == "weight_version.wait_for_replica"
+    with pytest.raises(InvalidRequest) as refused:  # (waiting is no constraint of its own)
+        generate(ONE | {"weight_version": {"wait_for_replica": True}})
+    assert protocol.error_reply(refused.value).body["error"]["param"] == "weight_version"
+    protocol.check_turn(generate(ONE | {"weight_version": {"exact_version": 1}}))
+    with pytest.raises(InvalidRequest) as refused:
+        protocol.check_turn(waits)
+    assert protocol.error_reply(refused.value).body["error"]["param"] == "weight_version.wait_for_replica"
+    with pytest.raises(InvalidRequest, match="batch"):
+        protocol.check_turn(batch)
+
+
 def test_the_key_is_the_header_or_rid_and_both_must_agree() -> None:
     assert generate(ONE | {"rid": "r"}).idempotency_key == "r"
     assert generate(ONE, key="h").idempotency_key == generate(ONE | {"rid": "h"}, key="h").idempotency_key == "h"
@@ -268,6 +298,36 @@ def test_errors_carry_what_a_client_acts_on() -> None:
     allowed = protocol.error_reply(protocol.MethodNotAllowed("GET /generate", ["POST"]))
     assert allowed.status == 405 and allowed.headers == {"Allow": "POST"}
     assert protocol.error_reply(protocol.RouteNotFound("x")).status == 404
+
+
+def test_a_409_says_when_the_autoscaler_expects_a_replica_of_the_class_to_serve() -> None:
+    """``Retry-After`` from the autoscaler's published status: the class the constraint needs (a
+    held version's, or the followers'), when the status says a replica starts there; 1 whenever
+    it says nothing of the kind, or cannot be trusted to."""
+    now = 1_000_000.0
+
+    def status(at: float = now, **classes: Any) -> bytes:
+        rows = {name: {"desired": 1, "actual": 1, "serving_by": by} for name, by in classes.items()}
+        return json.dumps({"at": at, "latest": 9, "classes": rows}).encode()
+
+    exact3, at_least5 = protocol.Constraint(exact_version=3), protocol.Constraint(min_version=5)
+    starting = status(**{"3": now + 22.4, "latest": now + 10})
+    assert protocol.retry_after_s(exact3, starting, now) == 23
+    assert protocol.retry_after_s(at_least5, starting, now) == 10
+    assert protocol.retry_after_s(protocol.Constraint(max_staleness=1), starting, now) == 10
+    assert protocol.retry_after_s(protocol.Constraint(exact_version=9), starting, now) == 10  # (latest: followers)
+    assert protocol.retry_after_s(protocol.Constraint(min_version=12), starting, now) == 1  # (not published yet)
+    assert protocol.retry_after_s(exact3, status(**{"3": None}), now) == 1  # (one serves, or none starts)
+    assert protocol.retry_after_s(exact3, status(**{"4": now + 20}), now) == 1
+    assert protocol.retry_after_s(exact3, status(**{"3": now - 5}), now) == 1  # (late: any moment)
+    assert protocol.retry_after_s(exact3, status(at=now - 61, **{"3": now + 20}), now) == 1  # (its controller gone)
+    assert protocol.retry_after_s(exact3, status(at=now + 2, **{"3": now + 20}), now) == 20  # (a clock ahead)
+    listed = json.dumps({"at": now, "latest": 9, "classes": []}).encode()
+    for unreadable in (None, b"", b"{", b"[]", b'{"at": "x", "latest": 9, "classes": {}}', b'{"at": 1}',
+                       status(**{"3": True}), listed):  # fmt: skip
+        assert protocol.retry_after_s(exact3, unreadable, now) == 1, unreadable
+    assert protocol.error_reply(NoCompatibleReplica("x"), retry_after_s=23).headers == {"Retry-After": "23"}
+    assert protocol.error_reply(SessionConflict("x"), retry_after_s=23).headers == {"Retry-After": "1"}
 
 
 # -- the tables against contracts nobody here wrote ----------------------------------------------

@@ -42,7 +42,14 @@ from rollfleet.gateway.request_state import (
 from rollfleet.runtime.aio import KeyedLocks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import RolloutResult
-from rollfleet.schemas.errors import AuthorizationError, InternalError, InvalidRequest, RollfleetError, UnknownSession
+from rollfleet.schemas.errors import (
+    AuthorizationError,
+    InternalError,
+    InvalidRequest,
+    NoCompatibleReplica,
+    RollfleetError,
+    UnknownSession,
+)
 from rollfleet.schemas.progress import TokenChunk
 from rollfleet.trainer_client import Session
 from rollfleet.trainer_client.streaming import chunks_of
@@ -178,8 +185,9 @@ class Gateway:
 
     async def submit(self, req: GatewayRequest) -> RolloutHandle:
         handle = await self.client.submit(
-            req.payload, idempotency_key=req.idempotency_key, timeout=self.timeout_s, **req.constraint.as_kwargs()
-        )
+            req.payload, idempotency_key=req.idempotency_key, timeout=self.timeout_s,
+            wait_for_replica=req.constraint.wait_for_replica, **req.constraint.as_kwargs(),
+        )  # fmt: skip
         log.info("submitted", route=req.route, idempotency_key=handle.idempotency_key, job_id=handle.job_id,
                  **({"user": req.user} if req.user is not None else {}))  # fmt: skip
         return handle
@@ -236,8 +244,8 @@ class Gateway:
             parsed = protocol.parse_completions(body, model_name=self.model_name, **common)
         else:
             parsed = protocol.parse_chat(body, template=self.chat_template, model_name=self.model_name, **common)
-        if isinstance(parsed, list) and sid is not None:
-            raise InvalidRequest("a batch of inputs cannot be one session's turn: send the turns one by one")
+        if sid is not None:
+            protocol.check_turn(parsed)
         return await Exchange(self, request, parsed, sid).run()
 
 
@@ -303,7 +311,10 @@ class Exchange:
 
     async def _failed(self, exc: RollfleetError) -> web.StreamResponse:
         self._note_settled()
-        reply = protocol.error_reply(exc)
+        wait = 1
+        if isinstance(exc, NoCompatibleReplica):  # (how long: the time the fleet's autoscaler expects)
+            wait = protocol.retry_after_s(self.req.constraint, self.gateway.client.fleet.autoscaler_status, time.time())
+        reply = protocol.error_reply(exc, retry_after_s=wait)
         log.info("request failed", route=self.req.route, status=reply.status, code=exc.code, error=exc.message)
         for action in self._do(self.state.failed(reply.status)):
             if isinstance(action, EndStream) and self.response is not None:

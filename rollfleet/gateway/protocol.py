@@ -15,7 +15,12 @@ Three request shapes are read:
 
 Each may carry Stitch's constraint object, ``weight_version: {"min_required_version": N}`` or
 ``{"exact_version": N}`` (through ``extra_body`` for the ``openai`` client); without one the
-gateway's default applies.
+gateway's default applies. The object may also say ``"wait_for_replica": true``: a request no
+replica serves now is then queued and waits within its deadline for one to start (the fleet's
+autoscaler hears the demand and starts a replica held at an old version) instead of a 409. It
+lives in the constraint because it is the constraint's alternative to a refusal (which versions,
+and what if none is served), one object every route already carries, where a top-level field
+would add a name to tables that mirror SGLang's and OpenAI's own.
 
 What is not honoured is refused, never dropped: every field a route may be sent is in one table
 (``FIELDS``, ``SAMPLING_FIELDS``): read into rollfleet's payload (every engine honours those),
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -44,7 +50,8 @@ from rollfleet.schemas.progress import TokenChunk
 Route = Literal["generate", "completions", "chat"]
 
 _NO_TOP_K = 1 << 30  # SGLang's "no cut" (its default is 1073741824; -1 also means none)
-_CONSTRAINT_KEYS = {"min_required_version", "exact_version"}
+_VERSION_KEYS = ("min_required_version", "exact_version")
+_CONSTRAINT_KEYS = {*_VERSION_KEYS, "wait_for_replica"}
 
 
 class RefusedField(InvalidRequest):
@@ -322,11 +329,14 @@ def session_of(headers: Mapping[str, str]) -> str | None:
 
 @dataclass(frozen=True)
 class Constraint:
-    """Which versions may serve: exactly one of the three, or none (the gateway's default)."""
+    """Which versions may serve: exactly one of the three, or none (the gateway's default); and
+    whether a request no replica serves now waits for one (``submit(..., wait_for_replica=True)``)
+    rather than taking ``NoCompatibleReplica``."""
 
     min_version: int | None = None
     exact_version: int | None = None
     max_staleness: int | None = None
+    wait_for_replica: bool = False
 
     def as_kwargs(self) -> dict[str, int]:
         given = {
@@ -354,8 +364,9 @@ class GatewayRequest:
 
 
 def constraint_of(body: dict[str, Any], default_max_staleness: int | None) -> Constraint:
-    """Stitch's ``weight_version`` object (exactly one of its two fields, an integer), else the
-    gateway's default (``max_staleness`` below the latest version, or any version)."""
+    """Stitch's ``weight_version`` object (exactly one of its two version fields, an integer, and
+    optionally ``wait_for_replica``, true or false), else the gateway's default (``max_staleness``
+    below the latest version, or any version)."""
     spec = body.get("weight_version")
     if spec is None:
         return Constraint(max_staleness=default_max_staleness)
@@ -364,13 +375,32 @@ def constraint_of(body: dict[str, Any], default_max_staleness: int | None) -> Co
         raise RefusedField("weight_version", f"{one_of}, in an object")
     unknown = set(spec) - _CONSTRAINT_KEYS
     if unknown:
-        raise RefusedField("weight_version", f"{one_of}; unknown fields {sorted(unknown)}")
-    given = {k: v for k, v in spec.items() if v is not None}
+        raise RefusedField("weight_version", f"{one_of} (and wait_for_replica); unknown fields {sorted(unknown)}")
+    wait = spec.get("wait_for_replica")
+    if wait is not None and not isinstance(wait, bool):
+        name = "weight_version.wait_for_replica"
+        raise RefusedField(name, f"{name} must be true or false, got {type(wait).__name__}")
+    given = {k: spec[k] for k in _VERSION_KEYS if spec.get(k) is not None}
     if len(given) != 1:  # ({} or nulls would mean "any version": that is said by leaving the object out)
         raise RefusedField("weight_version", one_of)
     ((name, value),) = given.items()
     version = _int(value, f"weight_version.{name}", minimum=0)
-    return Constraint(exact_version=version) if name == "exact_version" else Constraint(min_version=version)
+    waits = wait is True
+    if name == "exact_version":
+        return Constraint(exact_version=version, wait_for_replica=waits)
+    return Constraint(min_version=version, wait_for_replica=waits)
+
+
+def check_turn(parsed: GatewayRequest | list[GatewayRequest]) -> None:
+    """What a trajectory's turn (a request naming its session, ``X-Session-Id``) may not be: a
+    batch of inputs, or a request that waits for a replica (its session places each turn on the
+    replica holding its context, and answers one no replica serves at once)."""
+    if isinstance(parsed, list):
+        raise InvalidRequest("a batch of inputs cannot be one session's turn: send the turns one by one")
+    if parsed.constraint.wait_for_replica:
+        raise RefusedField("weight_version.wait_for_replica",
+                           "weight_version.wait_for_replica is not honoured for a session's turn: send it without "
+                           "X-Session-Id, or without wait_for_replica")  # fmt: skip
 
 
 def _model(body: dict[str, Any], served: str | None) -> str | None:
@@ -830,14 +860,17 @@ _STATUS = {
 }
 
 
-def error_reply(exc: RollfleetError) -> ErrorReply:
+def error_reply(exc: RollfleetError, *, retry_after_s: int = 1) -> ErrorReply:
     """The HTTP status a client can act on: 409 with ``Retry-After`` when no replica can serve
-    the constraint now, 504 past the deadline, 400 for bad input (naming the field in ``param``,
-    as OpenAI's errors do), 401 with ``WWW-Authenticate``, 503 for other retryable errors, 500
-    otherwise; the body carries the error's code and ``retryable`` flag."""
+    the constraint now (``retry_after_s``: see ``retry_after_s``), 504 past the deadline, 400 for
+    bad input (naming the field in ``param``, as OpenAI's errors do), 401 with
+    ``WWW-Authenticate``, 503 for other retryable errors, 500 otherwise; the body carries the
+    error's code and ``retryable`` flag."""
     code = exc.code
     status = _STATUS.get(code, 503 if exc.retryable else 500)
     headers = {"Retry-After": "1"} if status in (409, 503) else {}
+    if code == "no_compatible_replica":
+        headers["Retry-After"] = str(retry_after_s)
     if status == 401:
         headers["WWW-Authenticate"] = 'Bearer realm="rollfleet"'
     if isinstance(exc, MethodNotAllowed):
@@ -848,3 +881,38 @@ def error_reply(exc: RollfleetError) -> ErrorReply:
     if isinstance(name, str):
         error["param"] = name
     return ErrorReply(status, {"error": error}, headers)
+
+
+AUTOSCALER_FRESH_S = 60.0  # a status older than this is not read (a live controller writes one every 15 s)
+MAX_RETRY_AFTER_S = 3600
+
+
+def retry_after_s(constraint: Constraint, autoscaler_status: bytes | None, now: float) -> int:
+    """What a 409's ``Retry-After`` says: the seconds until the fleet's autoscaler expects a
+    replica of the class the constraint needs to serve, where its last published status (the
+    fleet bucket's ``autoscaler.status``, written within ``AUTOSCALER_FRESH_S``) says one is
+    starting there (``classes.<class>.serving_by``: its launch plus the start-up time it measured
+    from its own launches, unix time); else 1 (a replica may register any moment; nothing says
+    when). The class: an exact version older than the status's ``latest`` is that version's (a
+    replica held there); any other constraint is the followers' (``latest``), unless it asks for
+    a version past ``latest``, which no replica starting now will serve. ``now`` is this host's
+    unix time: its skew from the controller's clock errs the wait as it errs a job's deadline."""
+    if not autoscaler_status:
+        return 1
+    try:
+        doc = load_json(autoscaler_status, what="the autoscaler's status", max_bytes=1 << 20)
+        latest, at, classes = doc.get("latest"), float(doc["at"]), doc["classes"]
+    except (InvalidRequest, AttributeError, KeyError, TypeError, ValueError):
+        return 1  # (a status this gateway cannot read says nothing)
+    if not isinstance(classes, dict) or not isinstance(latest, int) or now - at > AUTOSCALER_FRESH_S:
+        return 1  # (a controller clock a little ahead of this one is no staleness)
+    exact = constraint.exact_version
+    version = exact if exact is not None else constraint.min_version
+    if version is not None and version > latest:
+        return 1
+    klass = str(exact) if exact is not None and exact < latest else "latest"
+    row = classes.get(klass)
+    serving_by = row.get("serving_by") if isinstance(row, dict) else None
+    if isinstance(serving_by, bool) or not isinstance(serving_by, int | float) or not math.isfinite(serving_by):
+        return 1
+    return max(1, min(MAX_RETRY_AFTER_S, math.ceil(serving_by - now)))

@@ -10,7 +10,10 @@ client is promised is decided here, once, for all of them:
   that a retry gets its one answer (``on_leaving``).
 - **The status.** Decided before anything is sent. A stream's 200 goes out only once its job is
   stored and was not refused: a request no replica can serve is a 409 with ``Retry-After``,
-  streamed or not. An error after a stream's 200 ends the stream with an error event. A batch
+  streamed or not. One that chose to wait for a replica (``weight_version.wait_for_replica``)
+  is not refused: its job is stored and waits like any other (its stream opens, kept alive while
+  a replica starts; its deadline passing is an ``Expired``), so this machine needs no rule of
+  its own for it. An error after a stream's 200 ends the stream with an error event. A batch
   fails whole on the first error, its keyless siblings cancelled with it.
 - **The metrics label.** The status the request ended with: 200, the error's status (also when
   it came after a stream's 200), or 499 when the client left first (nginx's "client closed

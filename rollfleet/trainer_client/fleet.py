@@ -94,6 +94,9 @@ class FleetView:
         self._replicas: dict[str, ReplicaStatus] = {}
         self._clocks: dict[str, HeardClock] = {}  # worker id -> what its heartbeats taught of its clock
         self._latest: int | None = None
+        # What the fleet's autoscaler last published (``Names.AUTOSCALER_STATUS_KEY``), as its
+        # bytes: heard by the registry's own watcher at no cost; a gateway's 409 reads it.
+        self.autoscaler_status: bytes | None = None
         self._fleet_kv: KeyValue | None = None
         self._policy_kv: KeyValue | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -277,6 +280,9 @@ class FleetView:
             if value and not deleted:
                 with suppress(ValueError):
                     self._set_latest(int(value))
+            return
+        if key == Names.AUTOSCALER_STATUS_KEY:
+            self.autoscaler_status = None if deleted else value
             return
         if not key.startswith(Names.REPLICA_PREFIX):
             return
