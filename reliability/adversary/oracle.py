@@ -105,6 +105,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reliability.adversary.engines import engine_out
+from reliability.adversary.journal import prompt_digest
 
 RESOLVE_SLACK_S = 5.0  # the client's deadline grace (2 s) and its sweep, with room to spare
 STARVE_S = 10.0
@@ -234,6 +235,50 @@ def tap_saw_every_copy(gaps: list[list[float]], since: float, until: float) -> b
     deliveries from 1 unseen, so an answer's "attempt 1" may be that copy's, not the delivery
     the wiretap saw: ``delivered`` cannot say which (unverified, never a violation)."""
     return not any(a <= until and b >= since for a, b in gaps)
+
+
+def answer_payload(
+    desc: dict[str, Any], call: Call | None, calls: list[Call], *, stored: dict[str, Any] | None, delivered: set[str]
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The request whose tokens the accepted answer ``desc`` continues, or None and why it is not
+    known. ``call``: the call that accepted it (None: a re-ask by key, or the final one);
+    ``calls``: every call made under its key; ``stored``: the request of the call whose stored job
+    the answer names (job id and fingerprint); ``delivered``: the prompt digests
+    (``journal.prompt_digest``) of its job as the wiretap saw it delivered.
+
+    A turn asked again by its index (``reask-turn``) is answered with the turn's stored answer:
+    the payload passed with it is not read, and a restarted trainer may pass another prompt than
+    the one the turn's job was stored with (seed 747109: the re-ask's prompt judged an answer to
+    the first one, 13 of 13 tokens "wrong"). So it is never the answer's request on its own word;
+    the job's own prompt, as delivered, tells which of the key's requests it was."""
+    if stored is not None:
+        return stored, None
+    if call is not None and call.op != "reask-turn" and call.req and call.req.get("payload") is not None:
+        return call.req["payload"], None  # (its client took the answer only for its own fingerprint)
+    named = (str(desc.get("job_id")), desc.get("fingerprint"))
+    for c in calls:  # another call of the key that was handed the same job's answer, by its request
+        own = c.answer or {}
+        if c.op != "reask-turn" and c.is_result and (str(own.get("job_id")), own.get("fingerprint")) == named:
+            return (c.req or {}).get("payload"), None
+    payloads: list[dict[str, Any]] = []
+    for c in calls:
+        p = (c.req or {}).get("payload")
+        if p is not None and p not in payloads:
+            payloads.append(p)
+    def one(ps: list[dict[str, Any]]) -> dict[str, Any] | None:  # (what the tokens depend on: prompt and seed)
+        return ps[0] if ps and len({(repr(p.get("prompt")), p.get("seed")) for p in ps}) == 1 else None
+
+    if delivered:
+        found = one([p for p in payloads if prompt_digest(p.get("prompt")) in delivered])
+        if found is not None:
+            return found, None
+    asked = [p for p in payloads if any((c.req or {}).get("payload") == p and c.op != "reask-turn" for c in calls)]
+    if one(asked) is not None:
+        return one(asked), None
+    if not asked:
+        return None, "the answer's prompt is not known"
+    what = "turn's key" if any(c.sid for c in calls) else "key"
+    return None, f"the {what} was asked with several prompts, none known to be its job's"
 
 
 def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -1068,11 +1113,10 @@ class Oracle:
             for c in self.calls
             if c.stored and c.req
         }
-        payloads_of_key: dict[str, list[Any]] = defaultdict(list)  # (a turn's re-ask is by its product key)
+        calls_of_key: dict[str, list[Call]] = defaultdict(list)  # (a turn's re-ask is by its product key)
         for c in self.calls:
             for k in {c.key, self.idem.get(c.key, c.key)}:
-                if c.req and c.req.get("payload") and c.req["payload"] not in payloads_of_key[k]:
-                    payloads_of_key[k].append(c.req["payload"])
+                calls_of_key[k].append(c)
         versions = sorted({v for _, v in self.commits})
         done: set[tuple[str, str, str]] = set()
         for call, key, desc in self._accepted():
@@ -1084,13 +1128,16 @@ class Oracle:
             if "token_ids" not in desc:
                 self.unverified["served: the journal has no token ids (a run before keyed echo)"] += 1
                 continue
-            payload = payload_of_job.get((str(desc.get("job_id")), desc.get("fingerprint")))
-            if payload is None and call is not None and call.req:
-                payload = call.req.get("payload")
-            if payload is None and len(payloads_of_key.get(key, [])) == 1:
-                payload = payloads_of_key[key][0]
+            job_id = str(desc.get("job_id"))
+            payload, unknown = answer_payload(
+                desc,
+                call,
+                calls_of_key.get(key, []),
+                stored=payload_of_job.get((job_id, desc.get("fingerprint"))),
+                delivered={d.prompt for d in self.deliveries_by_job.get(job_id, []) if d.prompt},
+            )
             if payload is None or payload.get("prompt") is None:
-                self.unverified["served: the answer's prompt is not known"] += 1
+                self.unverified[f"served: {unknown or 'the answer has no prompt'}"] += 1
                 continue
             verdict = truth.judge(
                 desc,
@@ -1949,7 +1996,13 @@ class Oracle:
     def _check_reask_turns(self) -> None:
         firsts: dict[tuple[str, int], Call] = {}
         for c in sorted(self.calls, key=lambda c: c.t0):
-            if c.op == "turn" and c.sid is not None and c.turn is not None and (c.answer or {}).get("spent"):
+            # A turn refused SessionConflict stored no job (its index was taken by another request,
+            # out of order, or still running): that refusal is not the turn's answer, the answer
+            # of the job stored under the turn's key is (seed 747109: a restarted trainer asked an
+            # index again with another prompt, then by index; the re-ask returned the first job's
+            # Expired, judged against the refusal).
+            if c.op == "turn" and c.sid is not None and c.turn is not None and (c.answer or {}).get("spent") \
+                    and c.error != "SessionConflict":
                 firsts.setdefault((c.sid, c.turn), c)
         for c in self.calls:
             if c.op != "reask-turn" or c.sid is None or c.turn is None:
@@ -1984,7 +2037,7 @@ class Oracle:
                 )
                 continue
             if first is None or first.answer is None:
-                self.checks["reask-turn"] += 1
+                self._check_reask_of_unanswered(c)
                 continue
             opened = min((o.t0 for o in self.calls if o.sid == c.sid), default=first.t0)
             if c.error == "UnknownSession" and self.lost_with_store(opened, "sessions", after=c.t0):
@@ -2042,6 +2095,28 @@ class Oracle:
                 f"{msg[:140]!r}",
                 "7",
             )
+
+    def _check_reask_of_unanswered(self, c: Call) -> None:
+        """A turn asked again whose first asking journaled no answer (cut short by the trainer's
+        SIGKILL, or refused while another request held its index): the re-ask must return an
+        answer the wiretap saw stored under the turn's key."""
+        assert c.answer is not None
+        key = self.idem.get(c.key, c.key)
+        stored = [p for k in {c.key, key} for p in self.published_by_key.get(k, [])]
+        if c.is_result:
+            job_ids = {p.job_id for p in stored if p.kind in ("result", "chunked")}
+            self.check(
+                "reask-turn",
+                c.answer.get("job_id") in job_ids,
+                c.key,
+                f"turn {c.turn} asked again returned job {c.answer.get('job_id')}, which no answer stored under "
+                f"its key names ({sorted(str(j) for j in job_ids)})",
+            )
+        elif any(p.kind in ("failure", "chunked") and p.code == c.answer.get("code") for p in stored):
+            self.checks["reask-turn"] += 1
+        else:
+            # (An Expired may be the re-ask's own wait running out while the job still waited.)
+            self.unverified["reask-turn: the turn's first asking has no answer, and none stored matches"] += 1
 
     def _check_answered(self) -> None:
         """answered: a worker's error reached the trainer only as a worker published it."""
