@@ -870,7 +870,13 @@ class Oracle:
                 f"{c.req['value'] if c.req else '?'} (must be {kind} {v}); served by {c.answer['worker_id']}",
             )
             got = self.resolved(c)
-            if c.req and c.req["kind"] == "staleness" and got is not None:
+            lag = self._staleness_lag(c.t0) if c.req and c.req["kind"] == "staleness" and got is not None else None
+            if lag is not None:
+                # (Judged at this call's own submit: a resubmission resolves anew, and its client
+                # may have started a moment before; seed 415513: a trainer started 0.8 s after a
+                # broker wipe resolved max_staleness=0 against no `latest` at all.)
+                self.unverified[f"max_staleness: {lag}"] += 1
+            elif c.req and c.req["kind"] == "staleness" and got is not None:
                 self.check(
                     "version",
                     got[1] >= v,
@@ -979,6 +985,18 @@ class Oracle:
                 f"{f.get('entry_publisher')!r} ({won or 'neither contender'}), but {claimed} exited reporting "
                 f"success",
             )
+
+    def _staleness_lag(self, t: float) -> str | None:
+        """Why the trainer's view of `latest` may, at ``t``, be older than the adversary's commits
+        say (None: it may not): the broker's policy KV went back to an older copy of its store, or
+        lost it, and nothing was committed since (`latest` moves forward again with the next
+        commit); or the trainer started, or the broker was out, within the view's lag."""
+        for loss in self._losses_of("policy"):
+            if float(loss["at"]) <= t and not any(float(loss["back"]) <= done <= t for done, _ in self.commits):
+                return f"`latest` {LOST_WITH_STORE}, nothing committed since"
+        if self._view_may_lag(t):
+            return "the trainer's view may lag (restart, outage)"
+        return None
 
     def _view_may_lag(self, t: float) -> bool:
         return self._disturbed(t - 5.0, t) or any(t - 5.0 <= tr["start"] <= t for tr in self.tl.trainers)
