@@ -67,3 +67,23 @@ def test_scheduler_prefers_constrained_work_and_ages_loose_work() -> None:
     served.version = 6  # version 6 was activated and announced
     s.note_pending(("exact", 5), now=3.0)
     assert ("exact", 5) not in s.order(now=3.0)
+
+
+def test_work_a_replica_hears_of_late_is_aged_by_its_own_wait() -> None:
+    """A job that waited 6 s on a subject outside every window before this replica heard of it
+    (the bells went to replicas that died, or it just started; campaign seed 747109: a turn moved
+    to ``min-0`` expired behind ``min-33`` and exact turns submitted after it) is starving the
+    moment the client's stalled bell says how long it has waited: it goes before newer, tighter
+    work heard at the same moment, not ``aging_s`` later."""
+    s = SubjectScheduler(ServedVersion(35), aging_s=5.0)
+    s.note_pending(("min", 33), now=100.0)  # newer work in the window
+    s.note_pending(("min", 0), now=100.0, waited_s=6.0)  # the client's bell: it waited 6 s
+    assert s.starving(now=100.0)
+    assert s.order(now=100.0) == [("min", 0), ("min", 33)]
+    # A later bell never makes the subject younger; a longer wait heard later makes it older.
+    s.note_pending(("min", 0), now=101.0, waited_s=0.5)
+    s.note_pending(("min", 33), now=101.0, waited_s=9.0)
+    assert s.order(now=101.0) == [("min", 33), ("min", 0)]
+    # Nonsense from the wire (negative) counts as no wait.
+    s.note_pending(("min", 1), now=101.0, waited_s=-50.0)
+    assert s.order(now=101.0)[-1] == ("min", 1)

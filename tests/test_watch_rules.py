@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from rollfleet.broker.connection import logs_in
 from rollfleet.broker.topology import topology_step
+from rollfleet.schemas import Names, VersionConstraint
 from rollfleet.trainer_client.placement_rules import after_withdrawal
 from rollfleet.trainer_client.watch_rules import (
     ORPHAN_GRACE_S,
@@ -20,6 +21,7 @@ from rollfleet.trainer_client.watch_rules import (
     OrphanWatch,
     expired,
     stall_bells,
+    stalled_since,
 )
 
 
@@ -161,3 +163,24 @@ def test_a_starting_worker_declares_only_a_namespace_never_declared_or_long_lost
     # Who logs in: a user in the URL (of any server of a cluster's list), a token, a creds file.
     assert logs_in("nats://a:4222,nats://w3:pw@b:4222", {}) and logs_in("nats://a:4222", {"token": "t"})
     assert logs_in("nats://a:4222", {"creds_file": "/x.creds"}) and not logs_in("nats://a:4222,nats://b:4222", {})
+
+
+def test_a_stalled_subject_is_rung_with_the_wait_of_its_oldest_job() -> None:
+    """The stall watch rings, per subject, with how long its oldest unanswered job has waited
+    (by this client's clock: submitted and now alike), so a replica hearing of it late ages it
+    by that wait (``SubjectScheduler.note_pending``), not from the bell."""
+    old, new, turn = VersionConstraint("min", 0), VersionConstraint("min", 33), VersionConstraint("exact", 35)
+    jobs = [(old, 90.0, None), (old, 94.0, None), (new, 99.5, None), (turn, 80.0, "w2"), (new, 95.0, None)]
+    # (a job stored under a second ago is not stalled yet; a sticky turn is watched apart)
+    assert stalled_since(jobs, now=100.0, after_s=1.0) == {old: 90.0, new: 95.0}
+    assert stalled_since(jobs, now=95.5, after_s=1.0) == {old: 90.0}
+
+
+def test_a_bells_wait_crosses_the_wire_as_a_header_old_workers_ignore() -> None:
+    headers = Names.bell_waited_headers(6.25)
+    assert headers == {Names.BELL_WAITED_HEADER: "6250"}
+    assert Names.bell_waited_s(headers) == 6.25
+    assert Names.bell_waited_headers(0.0) is None  # (a fresh job's bell carries nothing)
+    for bad in (None, {}, {Names.BELL_WAITED_HEADER: "x"}, {Names.BELL_WAITED_HEADER: "-5"}):
+        assert Names.bell_waited_s(bad) == 0.0
+    assert Names.bell_waited_s({Names.BELL_WAITED_HEADER: str(10**12)}) == Names.BELL_WAITED_MAX_S

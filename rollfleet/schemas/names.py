@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
@@ -170,6 +171,26 @@ class Names:
     def bell_payload(kind: ConstraintKind, version: int, *, stalled: bool = False) -> bytes:
         """``stalled``: the client saw jobs there and no pull request waiting for them."""
         return f"{kind}.{int(version)}{'.stalled' if stalled else ''}".encode()
+
+    # How long the oldest job a stalled bell rings for has waited, in ms by its client's clock: a
+    # header, so a worker that does not read it still takes the bell.
+    BELL_WAITED_HEADER = "Rollfleet-Waited-Ms"
+    BELL_WAITED_MAX_S = 86_400.0
+
+    @staticmethod
+    def bell_waited_headers(waited_s: float) -> dict[str, str] | None:
+        """The headers of a bell for jobs that have waited ``waited_s`` (None: no wait to say)."""
+        ms = int(waited_s * 1000)
+        return {Names.BELL_WAITED_HEADER: str(ms)} if ms > 0 else None
+
+    @staticmethod
+    def bell_waited_s(headers: Mapping[str, str] | None) -> float:
+        """A bell's ``BELL_WAITED_HEADER`` in seconds: 0 when absent or not a whole number of ms,
+        at most ``BELL_WAITED_MAX_S`` (anyone may ring: a wait is a hint, bounded)."""
+        raw = (headers or {}).get(Names.BELL_WAITED_HEADER, "")
+        if not (raw.isascii() and raw.isdigit()):
+            return 0.0
+        return min(int(raw) / 1000, Names.BELL_WAITED_MAX_S)
 
     @staticmethod
     def parse_bell_payload(data: bytes) -> tuple[tuple[ConstraintKind, int], bool] | None:

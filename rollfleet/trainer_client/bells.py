@@ -37,12 +37,16 @@ class Bells:
         """Where "no responders" to a liveness probe comes back (``JobPlacement.probe``)."""
         return f"{self.inbox}.p"
 
-    def ring(self, constraint: VersionConstraint, *, stalled: bool = False, fresh: bool = False) -> None:
+    def ring(
+        self, constraint: VersionConstraint, *, stalled: bool = False, fresh: bool = False, waited_s: float = 0.0
+    ) -> None:
         """Wake one replica for a job just stored on a subject outside every live replica's
         window (``FleetView.covered``: no request is surely waiting there): a core message to that
         replica alone, chosen round robin among those whose version can take it, at most one per
         subject per interval. ``fresh``: the subject's consumer may have been missing when
-        replicas looked (they do not create it), so even a listened subject gets a bell."""
+        replicas looked (they do not create it), so even a listened subject gets a bell.
+        ``waited_s``: how long the subject's oldest job has waited (a stalled bell says it, so
+        the replica ages the subject by the jobs' wait, not from when it heard)."""
         if not stalled and not fresh and self._fleet.covered(constraint):
             return
         key = (constraint.kind, constraint.version)
@@ -56,7 +60,8 @@ class Bells:
         log.debug("bell rung", kind=constraint.kind, version=constraint.version, stalled=stalled, to=target.worker_id)
         data = self._names.bell_payload(constraint.kind, constraint.version, stalled=stalled)
         reply = f"{self.inbox}.{constraint.kind}.{constraint.version}{'.stalled' if stalled else ''}"
-        self._spawn(self._nc.publish(self._names.bell_subject(target.worker_id), data, reply=reply))
+        headers = Names.bell_waited_headers(waited_s)
+        self._spawn(self._nc.publish(self._names.bell_subject(target.worker_id), data, reply=reply, headers=headers))
 
     def ring_replica(self, worker_id: str) -> None:
         """Wake a replica for a turn stored on its own subject (no responders: it is gone, and

@@ -22,7 +22,7 @@ from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.placement import JobPlacement
 from rollfleet.trainer_client.sessions import Session, expire_idle
-from rollfleet.trainer_client.watch_rules import STALL_AFTER_S, OrphanWatch, expired, stall_bells
+from rollfleet.trainer_client.watch_rules import STALL_AFTER_S, OrphanWatch, expired, stall_bells, stalled_since
 
 log = get_logger("rollfleet.client")
 
@@ -171,13 +171,11 @@ class JobWatch:
         deleted, or cleaned up while cached as existing)."""
         while True:
             await asyncio.sleep(STALL_AFTER_S)
-            cutoff = time.time() - STALL_AFTER_S
-            waiting = {
-                h.job.constraint
-                for h in list(self._handles.values())
-                if h.job.submitted_at < cutoff and not h.done() and h.replica is None  # (sticky: watched apart)
-            }
-            for constraint in waiting:
+            now = time.time()
+            unanswered = [(h.job.constraint, h.job.submitted_at, h.replica) for h in self._handles.values()
+                          if not h.done()]  # fmt: skip
+            waiting = stalled_since(unanswered, now, STALL_AFTER_S)
+            for constraint, since in waiting.items():
                 consumer = self._names.job_consumer(constraint.kind, constraint.version)
                 try:
                     info = await self._js.consumer_info(self._names.jobs_stream, consumer)
@@ -197,4 +195,4 @@ class JobWatch:
                     bells=bells,
                 )
                 for _ in range(bells):
-                    self._ring(constraint, stalled=True)
+                    self._ring(constraint, stalled=True, waited_s=now - since)

@@ -10,6 +10,8 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rollfleet.schemas import VersionConstraint
+
 ORPHAN_GRACE_S = 2.0  # an exact job no replica can serve is withdrawn after this long
 PROBE_S = 1.0  # a replica that may hold an orphaned exact job is asked about (and probed) this often
 STALL_AFTER_S = 1.0  # a job unanswered this long makes its subject worth a look
@@ -22,6 +24,21 @@ Verdict = Literal["servable", "held", "waiting", "withdraw", "wants_replica"]
 def expired(deadlines: Iterable[tuple[str, float]], now: float, grace_s: float) -> list[str]:
     """The keys whose deadline (plus the client's grace) has passed at ``now`` (wall clock)."""
     return [key for key, deadline in deadlines if deadline <= now - grace_s]
+
+
+def stalled_since(
+    jobs: Iterable[tuple[VersionConstraint, float, str | None]], now: float, after_s: float
+) -> dict[VersionConstraint, float]:
+    """The subjects worth a stall look, each with when its oldest job was stored: ``jobs`` are
+    the unanswered jobs (constraint, submitted at, the replica a sticky turn waits on), by this
+    client's clock. A job stored less than ``after_s`` ago is not stalled yet; a sticky turn is
+    watched by its own rules (``sessions.sticky``). The wait goes with the subject's bells, so a
+    replica that hears of it late ages it by the jobs' own wait."""
+    out: dict[VersionConstraint, float] = {}
+    for constraint, submitted_at, replica in jobs:
+        if replica is None and submitted_at < now - after_s:
+            out[constraint] = min(submitted_at, out.get(constraint, submitted_at))
+    return out
 
 
 def stall_bells(num_waiting: int, num_pending: int, num_ack_pending: int) -> int:

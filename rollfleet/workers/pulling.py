@@ -113,9 +113,10 @@ class JobPuller:
             task.cancel()
 
     # -- hearing about work -----------------------------------------------------------------
-    def bell(self, subject: Subject, stalled: bool) -> None:
+    def bell(self, subject: Subject, stalled: bool, waited_s: float = 0.0) -> None:
         """A client rang for work on ``subject`` (``stalled``: it saw jobs there and no request of
-        ours waiting at the broker)."""
+        ours waiting at the broker; ``waited_s``: how long the oldest of them has waited, by the
+        client's clock: the subject's age counts from then, not from this bell)."""
         accepted = self.served.accepts(subject)
         puller = self._pullers.get(subject)
         self._log.debug(
@@ -125,6 +126,7 @@ class JobPuller:
             accepted=accepted,
             busy=puller is not None and puller.busy,
             waiting=puller is not None and puller.waiting,
+            waited_s=waited_s,
         )
         if not accepted:
             return
@@ -136,7 +138,7 @@ class JobPuller:
             # The client saw jobs there and no request waiting at the broker: ours was lost.
             # Renewed, and the subject is known backlog from now on (not left to the next bell).
             self._spawn(self._renew(puller))
-        if self.scheduler.note_pending(subject, time.monotonic()):
+        if self.scheduler.note_pending(subject, time.monotonic(), waited_s=waited_s):
             self._wake.set()
 
     def own_pending(self) -> None:

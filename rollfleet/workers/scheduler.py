@@ -3,7 +3,8 @@
 A worker at version ``w`` may serve ``exact-w`` and ``min-v`` for every ``v <= w``, never
 anything else. It prefers the most constrained work (exact, then the highest ``min``),
 but a subject that has waited longer than ``aging_s`` goes first, so loose work never
-starves behind a steady stream of tight work.
+starves behind a steady stream of tight work. A subject's wait is its work's own: a client's
+stalled bell says how long its oldest job there has waited (``note_pending``).
 """
 
 from __future__ import annotations
@@ -27,11 +28,18 @@ class SubjectScheduler:
         for subject in [s for s in self._waiting_since if not self.served.accepts(s)]:
             del self._waiting_since[subject]
 
-    def note_pending(self, subject: Subject, now: float) -> bool:
-        """Work may be waiting on ``subject``; returns whether this worker may serve it."""
+    def note_pending(self, subject: Subject, now: float, waited_s: float = 0.0) -> bool:
+        """Work may be waiting on ``subject``, for ``waited_s`` already (what a client's stalled
+        bell says of its oldest job); returns whether this worker may serve it. Its age is the
+        work's own wait: a replica that hears of it late (it just started, or the bells went to
+        replicas that died or froze) must not make it wait ``aging_s`` more behind newer work
+        (campaign seed 747109: a turn expired behind jobs submitted after it). A later word never
+        makes a subject younger."""
         if not self.served.accepts(subject):
             return False
-        self._waiting_since.setdefault(subject, now)
+        since = now - max(0.0, waited_s)
+        if since < self._waiting_since.get(subject, since + 1.0):
+            self._waiting_since[subject] = since
         return True
 
     def note_served(self, subject: Subject, now: float) -> None:

@@ -422,7 +422,7 @@ class Worker:
         if parsed is None:
             return  # (a client's liveness probe, or noise)
         subject, stalled = parsed
-        self.pulling.bell(subject, stalled)
+        self.pulling.bell(subject, stalled, waited_s=Names.bell_waited_s(msg.headers))
 
     async def _on_declared(self, _: Msg) -> None:
         if self.pulling is not None:
