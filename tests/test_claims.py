@@ -32,7 +32,7 @@ from rollfleet.trainer_client import RolloutClient, answers
 from rollfleet.workers.claims import ClaimKeeper
 from rollfleet.workers.engines.echo import EchoEngine
 from rollfleet.workers.jobs import JobRunner, RunningJob
-from rollfleet.workers.result_store import after_refusal
+from rollfleet.workers.result_store import after_refusal, looked_up_first
 from rollfleet.workers.serving import ServedVersion
 from rollfleet.workers.worker_metrics import WorkerMetrics
 from tests.helpers import payload
@@ -156,6 +156,13 @@ async def test_a_holder_whose_claim_is_taken_while_it_stores_its_answer_stores_n
             terminate(b, 10.0, signal.SIGKILL)
     assert [type(o).__name__ for o in stored] == ["RolloutFailure"], stored
     assert stored[0].code == "interrupted" and stored[0].worker_id == "b"  # type: ignore[union-attr]
+
+
+def test_a_delivery_is_looked_up_among_its_answers_when_it_may_be_a_copy_of_an_answered_job() -> None:
+    assert not looked_up_first(attempt=1, claimed=False, keyed=False)  # a keyless job, stored once
+    assert looked_up_first(attempt=1, claimed=False, keyed=True)  # a key asked again past the window
+    assert looked_up_first(attempt=2, claimed=False, keyed=False)  # its holder may have died after storing
+    assert looked_up_first(attempt=1, claimed=True, keyed=False)  # a moved turn: the same job, a new message
 
 
 def test_a_refused_store_is_read_from_what_the_job_has_stored() -> None:

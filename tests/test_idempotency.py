@@ -14,7 +14,7 @@ import pytest
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.runtime import faults
-from rollfleet.schemas import claim_key
+from rollfleet.schemas import AnsweredNotice, Names, VersionConstraint, claim_key, encode
 from rollfleet.schemas.errors import Expired, IdempotencyConflict, Interrupted, InvalidRequest, NoCompatibleReplica
 from rollfleet.testing import (
     running_worker,
@@ -25,8 +25,11 @@ from rollfleet.testing import (
     write_base_checkpoint,
 )
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient, answers
+from rollfleet.trainer_client.cancelling import CancelOutcome
+from rollfleet.trainer_client.handle import RolloutHandle
+from rollfleet.trainer_client.inbox import ResultsInbox
 from rollfleet.trainer_client.jobids import JobIds
-from tests.helpers import CountingEcho, payload
+from tests.helpers import CountingEcho, built_job, payload
 
 TOPO = TopologyConfig(ack_wait_s=1.5)
 
@@ -167,6 +170,62 @@ async def test_a_key_resubmitted_after_the_duplicate_window_still_gets_its_one_a
             second = await again.result(10)
     assert second.job_id == first.job_id and second.outputs == first.outputs
     assert len(engine.calls) == 1
+
+
+async def test_a_key_answered_before_asked_by_a_fresh_client_past_every_window_gets_its_one_answer(
+    nats_url: str, namespace: str
+) -> None:
+    """A key answered through one client is asked again through a fresh one (a restarted trainer,
+    another gateway) after the broker's duplicate window and the fresh client's own start window:
+    the broker stores the job again, under the key's one job id, and the replica that pulls it finds
+    it answered. The asker gets the stored answer, the same tokens, with nothing run again: a plain
+    keyed submit, and a session's turn asked again under the caller's key."""
+    window = TopologyConfig(duplicate_window_s=1.0)
+    engine = CountingEcho()
+    async with running_worker(nats_url, namespace, engine=engine, topology=window):
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=window) as first:
+            plain = await (await first.submit(payload([1]), min_version=0, idempotency_key="k")).result(10)
+            session = await first.session(min_version=0).open()
+            turn = await session.generate(payload([2]), key="turn-k")
+        async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", topology=window) as back:
+            resumed = await back.resume_session(session.session_id)
+            await asyncio.sleep(1.2)  # past the keys' duplicate window and this client's own start
+            again = await back.submit(payload([1]), min_version=0, idempotency_key="k", timeout=8)
+            assert again.stream_seq is not None  # the broker forgot the key: the job is stored again
+            plain_again = await again.result(10)
+            turn_again = await resumed.generate(payload([2]), key="turn-k", timeout=8)
+    assert (plain_again.job_id, plain_again.outputs) == (plain.job_id, plain.outputs)
+    assert (turn_again.job_id, turn_again.outputs) == (turn.job_id, turn.outputs)
+    assert len(engine.calls) == 2, engine.calls  # each request ran once
+    assert resumed.next_turn == 1  # asked again, the turn spent no index
+
+
+async def test_a_notice_sends_only_the_handle_waiting_for_that_job_to_its_stored_answer() -> None:
+    """A replica's notice that it found a job answered carries no answer: the handle waiting for
+    that very job reads the stored one; a notice naming another job of the key, a key nobody here
+    waits for, or bytes that are no notice, sends nobody (a forged one costs a look-up at most)."""
+    ids, names = JobIds("c", b"s" * 32), Names("ns")
+    job, data = built_job(payload(), VersionConstraint("min", 0), "min:0", key="k", job_id=ids.issue("k"))
+
+    async def no_cancel(handle: RolloutHandle, timeout: float) -> CancelOutcome:
+        raise AssertionError("not cancelled here")
+
+    handle = RolloutHandle(job, data, no_cancel)
+    noticed: list[RolloutHandle] = []
+    inbox = ResultsInbox(None, None, names, {"k": handle}, lambda h, o: True, shared=False, noticed=noticed.append)  # type: ignore[arg-type]
+
+    def notice(key: str, job_id: str) -> bytes:
+        return encode(AnsweredNotice(idempotency_key=key, client_id="c", job_id=job_id))
+
+    inbox.notice(notice("k", ids.issue("k2")))  # another job under the key
+    inbox.notice(notice("k2", ids.issue("k2")))  # nobody waits for the key
+    inbox.notice(b"\x81\xa1x\x01")  # no notice
+    assert noticed == []
+    inbox.notice(notice("k", job.job_id))
+    assert noticed == [handle]
+    handle.set_error(Expired("settled meanwhile"))
+    inbox.notice(notice("k", job.job_id))
+    assert noticed == [handle]
 
 
 @pytest.mark.parametrize("policy", ["at_most_once", "resume"])

@@ -179,6 +179,13 @@ def test_names_are_built_from_the_namespace() -> None:
     chunk = n.result_chunk_subject(head, "n0nce", 3)
     assert n.is_result_chunk(chunk) and not n.is_result_chunk(head) and n.parse_result_subject(chunk) is None
     assert n.results_of_key("trainer-0", "a.b/c d") == head.rsplit(".", 2)[0] + ".*.*"
+    # A replica's notice that it found a job answered hangs below its own answer subject, one token
+    # down: neither an answer head nor a chunk, so no wildcard that gathers answers takes it.
+    notice = n.answered_notice_subject(head)
+    assert notice.startswith(head + ".") and n.is_answered_notice(notice)
+    assert n.parse_result_subject(notice) is None and not n.is_result_chunk(notice)
+    assert not n.is_answered_notice(head) and not n.is_answered_notice(chunk)
+    assert not n.is_answered_notice(n.result_subject("t", "k", "job", "answered"))  # a replica of that name
     with pytest.raises(E.InvalidRequest):
         n.result_subject("t", "k", "job", "bad.worker")
     # A worker's inbox is its own, below the role's.

@@ -6,6 +6,7 @@ from rollfleet.schemas.errors import RollfleetError, error_from_code
 from rollfleet.schemas.limits import DEFAULT_LIMITS, Limits, check_job, check_payload
 from rollfleet.schemas.messages import (
     SCHEMA_VERSION,
+    AnsweredNotice,
     ChunkedOutcome,
     Completion,
     ConstraintKind,
@@ -40,6 +41,7 @@ from rollfleet.schemas.names import Claim, Names, check_token, claim_key, job_to
 __all__ = [
     "DEFAULT_LIMITS",
     "SCHEMA_VERSION",
+    "AnsweredNotice",
     "ChunkedOutcome",
     "Claim",
     "Completion",

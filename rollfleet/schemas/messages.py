@@ -280,6 +280,18 @@ class ChunkedOutcome(msgspec.Struct, tag="chunked", kw_only=True):
     nonce: str = ""
 
 
+class AnsweredNotice(msgspec.Struct, tag="answered", kw_only=True):
+    """Stored by a replica that found a delivered job answered already and ran nothing (a key
+    asked again past the broker's duplicate window is stored again under its one job id), on
+    ``Names.answered_notice_subject``: the asker's results consumer would otherwise hear nothing,
+    as the job's one answer was stored before. It carries no answer, only where to read one: the
+    asker reads the job's stored answer and judges it as any (fingerprint, job id, constraint)."""
+
+    idempotency_key: str
+    client_id: str
+    job_id: str
+
+
 Outcome = RolloutResult | RolloutFailure
 StoredOutcome = RolloutResult | RolloutFailure | ChunkedOutcome
 

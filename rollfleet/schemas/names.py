@@ -50,6 +50,11 @@ def key_token(idempotency_key: str) -> str:
 UNKNOWN_JOB = "unknown"  # the job token of an answer to a job that could not be decoded
 
 
+# The last token of an ``AnsweredNotice``'s subject (``Names.answered_notice_subject``).
+ANSWERED_NOTICE = "answered"
+_NOTICE_TAIL = f".{ANSWERED_NOTICE}"
+
+
 def job_token(job_id: str | None) -> str:
     """A job id as a subject token (a client's job ids are tokens already; anything else is hashed)."""
     if job_id is None:
@@ -305,6 +310,20 @@ class Names:
         if len(parts) != 4:
             return None
         return parts[0], parts[1], parts[2], parts[3]
+
+    @staticmethod
+    def answered_notice_subject(head_subject: str) -> str:
+        """Where the replica whose answer subject is ``head_subject`` says it found that job
+        answered already (``AnsweredNotice``): below its own answer subject, so only it may store
+        one there, and outside every wildcard that gathers a key's or a job's answers."""
+        return f"{head_subject}.{ANSWERED_NOTICE}"
+
+    def is_answered_notice(self, subject: str) -> bool:
+        return (
+            subject.endswith(_NOTICE_TAIL)
+            and subject.count(".") == self._chunk_dots - 1  # (one token below an answer's head)
+            and subject.startswith(self._results_prefix)
+        )
 
     def is_result_chunk(self, subject: str) -> bool:
         return subject.startswith(self._results_prefix) and subject.count(".") == self._chunk_dots

@@ -84,8 +84,10 @@ def look_up_before_storing(now: float, recheck_until: float, connected: bool, an
     reconnect, whenever the broker is away when it is asked, and for a key this process has
     already had an answer for (``answered_here``). A broker that restarts rebuilds its duplicate
     detection from the jobs it still stores, and an answered job is not among them; past the
-    window the broker has forgotten the key too. Storing the key's job again then would run it
-    a second time, or (its job id being the key's) find it answered and never answer again."""
+    window the broker has forgotten the key too. Storing the key's job again then stores it
+    as the same job (its job id being the key's), which the replica that pulls it finds answered:
+    it runs nothing and tells the asker (``AnsweredNotice``), who reads the stored answer then.
+    Looking first saves that trip where a stored answer is likely."""
     return now < recheck_until or not connected or answered_here
 
 

@@ -121,7 +121,13 @@ class RolloutClient:
         self.settler = Settler(self.js, names, self.client_id, self._handles, self.metrics, lambda: self.latest_version)
         settle = self.settler.settle
         self.inbox = ResultsInbox(
-            nc, self.js, names, self._handles, lambda h, o: settle(h, o, issued=True), shared=shared
+            nc,
+            self.js,
+            names,
+            self._handles,
+            lambda h, o: settle(h, o, issued=True),
+            shared=shared,
+            noticed=lambda h: self._spawn(self._settle_noticed(h)),
         )
         self._started = False
         self._closed = False
@@ -334,8 +340,10 @@ class RolloutClient:
 
         Exactly one of ``min_version``, ``exact_version`` or ``max_staleness`` (meaning
         ``min_version = latest - max_staleness``) says which policy versions may serve it.
-        Resubmitting an ``idempotency_key`` within the duplicate window makes no second job and
-        yields the same answer; the same key for a different request is ``IdempotencyConflict``
+        Resubmitting an ``idempotency_key`` yields the same answer, from whichever process and
+        whenever, while the results stream keeps it, and never runs it again (within the duplicate
+        window it makes no second job; after it, the copy stored is found answered by the replica
+        that pulls it); the same key for a different request is ``IdempotencyConflict``
         (a request is what the caller wrote: ``max_staleness=1`` is the same request after a
         commit moved ``latest``). Arguments of the wrong type or value are ``InvalidRequest``,
         raised here. A job no replica can serve is answered ``NoCompatibleReplica`` at once; with
@@ -499,12 +507,14 @@ class RolloutClient:
         away, or for a key this process already had answered, an explicit key is looked up among
         the stored answers before its job is stored (``answers.look_up_before_storing``): a broker
         that restarted meanwhile rebuilt its duplicate detection from the jobs it still stores, and
-        a job that was answered and acked is no longer among them, so the key's resubmission would
-        run a second job. The look-up waits for the broker (as storing would): a broker that does
-        not answer is never taken for "nothing stored". (Past that window, with no reconnect, the
-        broker's own detection holds for a key this process has not seen answered, and a key
-        still pending elsewhere is stored as the same job, which its claim keeps from running
-        twice: ``JobIds``.)"""
+        a job that was answered and acked is no longer among them. The look-up waits for the
+        broker (as storing would): a broker that does not answer is never taken for "nothing
+        stored". It is a shortcut, not the guarantee: any key whose job is stored again (past the
+        window, by any process) is the same job, and the replica that pulls it looks up its
+        stored answers first, runs nothing if one is there and says so (``AnsweredNotice``), and
+        this client settles the request from the stored answer (``_settle_noticed``). A key still
+        pending elsewhere is stored as the same job, which its claim keeps from running twice
+        where it is claimed: ``JobIds``."""
         answered_here = self.inbox.answered_here(handle.idempotency_key, handle.job_id)
         if not answers.look_up_before_storing(
             time.monotonic(), self._recheck_until, self.nc.is_connected, answered_here
@@ -516,6 +526,25 @@ class RolloutClient:
         self._handles.pop(handle.idempotency_key, None)
         handle.stored = True
         return self.settler.settle(handle, found)
+
+    async def _settle_noticed(self, handle: RolloutHandle) -> None:
+        """A replica found the handle's job answered already and ran nothing (``AnsweredNotice``:
+        the key was asked again past the broker's duplicate window, and its job stored again): the
+        answer stored for the request settles it, judged as any answer (``Settler.settle``)."""
+        key = handle.idempotency_key
+        try:
+            found = await self._stored_answer(handle)
+        except RollfleetError as exc:  # (the broker away past the publish budget: its deadline ends it)
+            log.warning("a replica found the job answered; its answer not read", idempotency_key=key, code=exc.code)
+            return
+        if found is None:
+            log.warning("a replica found the job answered; no answer is stored", idempotency_key=key)
+            return
+        if handle.done() or not self.settler.settle(handle, found):
+            return
+        if self._handles.get(key) is handle:
+            del self._handles[key]
+        self.inbox.remember((key, found.job_id))  # (asked again here: looked up before storing)
 
     async def _stored_answer(self, handle: RolloutHandle) -> Outcome | None:
         """The oldest stored answer to the handle's request, asked until the broker answers (as

@@ -6,6 +6,12 @@ each answer whole (a chunked one's chunks by subject), drops what is not authent
 client id's own, and drops a late duplicate of an answer already handed out. Each answer goes
 to the handle waiting for its key; one nobody waits for is kept as *unclaimed* (an answer that
 arrived before a restarted trainer asked again, or, for a shared client id, another process's).
+
+A replica that found a job answered already (a key asked again past the broker's duplicate
+window is stored again as the same job) stores no second answer, only an ``AnsweredNotice``: the
+handle waiting for that job is handed to ``noticed``, which reads the job's stored answer and
+settles it as any answer is settled. A notice carries no answer, so one for a job nobody here
+waits for is dropped, and a forged one costs a look-up, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -25,7 +31,14 @@ from nats.js import JetStreamContext
 from rollfleet.broker.pull import PullConsumer
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
-from rollfleet.schemas import ChunkedOutcome, Names, Outcome, decode_outcome
+from rollfleet.schemas import (
+    AnsweredNotice,
+    ChunkedOutcome,
+    Names,
+    Outcome,
+    decode,
+    decode_outcome,
+)
 from rollfleet.schemas.errors import RollfleetError, ServiceUnavailable
 from rollfleet.trainer_client import answers
 from rollfleet.trainer_client.handle import RolloutHandle
@@ -40,6 +53,7 @@ _RESULTS_WAIT_S = 30.0  # the results request's expiry; a lost one is replaced o
 _CHUNKS_PATIENCE = 20  # deliveries of an answer head whose chunks cannot be read, before it is given up
 
 Settle = Callable[[RolloutHandle, Outcome], bool]  # hand an answer to its handle; True once settled
+Noticed = Callable[[RolloutHandle], None]  # a handle whose job a replica found answered already
 
 
 class ResultsInbox:
@@ -52,10 +66,12 @@ class ResultsInbox:
         settle: Settle,
         *,
         shared: bool,
+        noticed: Noticed | None = None,
     ) -> None:
         self._nc, self._js, self._names = nc, js, names
         self._handles = handles  # the client's handles by key (shared, not copied)
         self._settle = settle
+        self._noticed = noticed
         self._shared = shared
         self.ids: JobIds | None = None
         self.consumer = ""
@@ -131,6 +147,11 @@ class ResultsInbox:
 
     async def _on_message(self, msg: Msg) -> None:
         subject = msg.subject
+        if self._names.is_answered_notice(subject):
+            self.notice(msg.data)
+            with suppress(Exception):
+                await msg.ack()
+            return
         if self._names.is_result_chunk(subject):
             with suppress(Exception):  # read with its head, by subject
                 await msg.ack()
@@ -169,6 +190,21 @@ class ResultsInbox:
             self._low.set()
         with suppress(Exception):
             await msg.ack()
+
+    def notice(self, data: bytes) -> None:
+        """A replica's ``AnsweredNotice`` (its bytes): it found a job answered already and ran
+        nothing. The handle waiting for that very job (its key, and the one job id of the key)
+        reads the stored answer (``noticed``); nobody else does anything."""
+        try:
+            notice = decode(data, AnsweredNotice, what="answered notice")
+        except RollfleetError as exc:
+            log.warning("undecodable notice dropped", error=exc.message)
+            return
+        key = notice.idempotency_key
+        handle = self._handles.get(key)
+        if handle is None or handle.done() or handle.job_id != notice.job_id or self._noticed is None:
+            return  # (answered meanwhile, or nobody here asked for that job)
+        self._noticed(handle)
 
     def _issued(self, job_id: str | None, key: str) -> bool:
         return self.ids is not None and self.ids.issued(job_id, key)

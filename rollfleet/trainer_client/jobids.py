@@ -9,8 +9,10 @@ restarted trainer that no longer knows which ids it issued can still tell.
 
 A job given an idempotency key has the same id every time its key is submitted (the nonce is
 itself a MAC of the key): a trainer restarted past the broker's duplicate window that submits a
-still-pending key again stores the same job a second time, and that job's claim (keyed by its
-id) keeps the second copy from running while the first holds it, or once it is answered.
+key again stores the same job a second time. While the first copy runs, that job's claim (keyed
+by its id) keeps a claimed job's second copy from running; once it is answered, the replica that
+pulls the copy finds the job's answer stored (a keyed job is looked up before it runs), runs
+nothing, and tells the asker, who reads that answer.
 """
 
 from __future__ import annotations

@@ -1,8 +1,13 @@
 """Running and answering one job: decode, check, run on the engine, store the answer, ack.
 
 A job is acked only after its answer is stored on the client's results subject, so a worker
-that dies mid-job loses nothing: the broker redelivers it. A redelivered job whose answer is
-already stored is acked without running again.
+that dies mid-job loses nothing: the broker redelivers it. A delivery that may be a copy of an
+answered job (a redelivery, a claimed job that may have been moved, any job under its caller's
+key: asked again past the broker's duplicate window it is stored again, the same job;
+``result_store.looked_up_first``) is looked up among the job's stored answers first; one found
+answered runs nothing, stores no answer, tells its asker where the answer is
+(``ResultStore.tell_asker``: the asker's results consumer would hear nothing new) and is acked.
+So does a run whose answer is refused because another run's came first.
 
 ``at_most_once`` jobs, sessions' turns and exact jobs are claimed (``Names.claims_bucket``, key
 ``claim_key(job_id)``, value: the holder and when it last said it still runs the job) before
@@ -78,7 +83,7 @@ from rollfleet.schemas.errors import (
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, check_token
 from rollfleet.workers.claims import ClaimKeeper
 from rollfleet.workers.engines import Engine
-from rollfleet.workers.result_store import ResultStore
+from rollfleet.workers.result_store import ResultStore, looked_up_first
 from rollfleet.workers.resumable_run import ResumableGenerator
 from rollfleet.workers.running_job import RunningJob
 from rollfleet.workers.serving import ServedVersion
@@ -243,14 +248,18 @@ class JobRunner:
         if time.time() > job.deadline:
             log.info("expired before it ran")
             err = Expired("deadline passed before a worker ran it")
-            await self.results.store_failure(job.client_id, job.idempotency_key, err, attempt, job)
-            await msg.ack()
+            stored = await self.results.store_failure(job.client_id, job.idempotency_key, err, attempt, job)
+            if stored != "answered" or await self.results.tell_asker(job):
+                await msg.ack()
             return
         guarded = job.claimed
-        # A redelivery, or a job that may have been moved (the same job, a new message), may be
-        # answered already: never run it again.
-        if (attempt > 1 or guarded) and await self.results.answered(job):
+        # A redelivery, a job that may have been moved (the same job, a new message), and a keyed
+        # job (asked again past the broker's duplicate window: the same job stored again) may be
+        # answered already: never run it again, and tell its asker where the answer is.
+        if looked_up_first(attempt, guarded, job.idempotency_key != job.job_id) and await self.results.answered(job):
             log.info("job already answered; acking", attempt=attempt)
+            if not await self.results.tell_asker(job):
+                return  # (left to be redelivered: its redelivery finds the answer and tells again)
             await msg.ack()
             # Its holder may have died between storing the answer and acking: what it would have
             # cleaned up then (the checkpoints, the claim) is cleaned up here, not left for 24 h.
@@ -265,15 +274,13 @@ class JobRunner:
                 # this claim (a redelivery racing the run it duplicates, on this replica or
                 # another): the claim is ours, the job is done; never run it again.
                 log.info("job answered before its claim was taken; acking", attempt=attempt)
-                await msg.ack()
-                await self.claims.release(job, run.claim_revision)
+                await self._answered_elsewhere(run)
                 return
             if verdict == "held" and job.behaviour.checkpoints:
                 verdict = await self.claims.await_claim(run)
                 if verdict != "held" and await self.results.answered(job):  # its holder finished meanwhile
                     log.info("job answered while its claim was awaited; acking")
-                    await msg.ack()
-                    await self.claims.release(job, run.claim_revision)
+                    await self._answered_elsewhere(run)
                     return
             if verdict == "held":
                 log.info("job held by a live replica; handed back to wait for its answer")
@@ -397,8 +404,7 @@ class JobRunner:
             return
         if stored == "answered":  # another run's answer came first: the job is answered, not by this run
             log.warning("another run's answer to this job is stored; this run's is not")
-            await msg.ack()
-            await self.claims.release(job, run.claim_revision)
+            await self._answered_elsewhere(run)
             self._count("answered_elsewhere")
             return
         faults.point("worker:after-result-before-ack")
@@ -476,9 +482,23 @@ class JobRunner:
         that order: an answer is never lost to a crash between them, and the claim keeps a second
         run away until the answer is there)."""
         job = run.job
-        await self.results.store_failure(job.client_id, job.idempotency_key, err, attempt, job)
+        stored = await self.results.store_failure(job.client_id, job.idempotency_key, err, attempt, job)
+        if stored == "answered":  # (another run's answer came first: that one is the job's)
+            await self._answered_elsewhere(run)
+            return
         await run.msg.ack()
         await self.claims.release(job, run.claim_revision)
+
+    async def _answered_elsewhere(self, run: RunningJob) -> None:
+        """The job's answer is stored, and not by this run: its asker is told where it is (it may
+        have asked again past the duplicate window, and its results consumer hears nothing new),
+        then the delivery is acked and the claim this run holds released. A notice the broker
+        did not take leaves the delivery (and the claim) to its redelivery, which finds the
+        answer and tells again."""
+        if not await self.results.tell_asker(run.job):
+            return
+        await run.msg.ack()
+        await self.claims.release(run.job, run.claim_revision)
 
     def _spawn_abort(self, run: RunningJob) -> None:
         task = asyncio.ensure_future(run.abort(self._engine))

@@ -12,6 +12,14 @@ on any of the job's answer subjects (``Nats-Expected-Last-Subject-Sequence: 0`` 
 job's one answer, however late a second comes: a run paused between its last claim check and its
 store, while another replica took the job and answered it, is refused (``answered``, decided from
 what is stored by ``after_refusal``), not stored beside it.
+
+The broker's duplicate window also ends: a key asked again after it (a trainer restarted, a
+gateway that does not remember the answer) is stored again as the same job, under the key's one
+job id. Such a copy is never run: a delivery that may be one (``looked_up_first``: every keyed
+job, and any redelivery or claimed job) is looked up among the job's stored answers first, and one
+found answered runs nothing and stores no answer. Its asker, whose results consumer would hear
+nothing new, is told instead (``tell_asker``: an ``AnsweredNotice`` below this replica's own
+answer subject), and reads the stored answer itself, judged as any answer.
 """
 
 from __future__ import annotations
@@ -30,7 +38,16 @@ from nats.js import JetStreamContext
 from rollfleet.broker.retry_publish import publish_retrying
 from rollfleet.broker.stream_reads import next_stored
 from rollfleet.runtime import faults
-from rollfleet.schemas import ChunkedOutcome, Names, RolloutFailure, RolloutJob, RolloutResult, encode, job_token
+from rollfleet.schemas import (
+    AnsweredNotice,
+    ChunkedOutcome,
+    Names,
+    RolloutFailure,
+    RolloutJob,
+    RolloutResult,
+    encode,
+    job_token,
+)
 from rollfleet.schemas.errors import Fenced, InvalidRequest, ResultUnstorable, RollfleetError
 from rollfleet.schemas.names import HDR_MSG_ID, check_token
 
@@ -43,6 +60,16 @@ _EXPECT_ON = "Nats-Expected-Last-Subject-Sequence-Subject"
 # one is not (nor will it ever be); "unstored": the broker stayed away (the job is left to be
 # redelivered, and its redelivery finds whatever answer is stored).
 StoreOutcome = Literal["stored", "answered", "unstored"]
+
+
+def looked_up_first(attempt: int, claimed: bool, keyed: bool) -> bool:
+    """Whether a delivered job is looked up among its stored answers before it runs: a redelivery
+    (its holder may have stored the answer and died before acking), a claimed job (it may have
+    been moved: the same job, a new message), and any job under its caller's own key (asked again
+    past the broker's duplicate window, or after a restart of the broker, it is stored again as the
+    same job). A keyless job's key is its random job id, stored once by the process that made it:
+    its first delivery is never answered, and costs no look-up."""
+    return attempt > 1 or claimed or keyed
 
 
 def after_refusal(stored_head: bytes | None, ours: bytes) -> StoreOutcome:
@@ -76,6 +103,26 @@ class ResultStore:
         """Whether an answer to this job is stored (by any replica)."""
         subject = self._names.results_of_job(job.client_id, job.idempotency_key, job.job_id)
         return await next_stored(self._js, self._names.results_stream, subject) is not None
+
+    async def tell_asker(self, job: RolloutJob) -> bool:
+        """Tell the job's asker that its answer is stored already and this delivery ran nothing
+        (``AnsweredNotice``); False if the broker did not take it (the delivery is then left to be
+        redelivered, which finds the answer and tells again)."""
+        head = self._names.result_subject(job.client_id, job.idempotency_key, job.job_id, self._worker_id)
+        notice = AnsweredNotice(idempotency_key=job.idempotency_key, client_id=job.client_id, job_id=job.job_id)
+        headers = {HDR_MSG_ID: f"n:{uuid.uuid4().hex}"}  # (one per notice: a retried publish is stored once)
+        try:
+            await publish_retrying(
+                self._js,
+                self._names.answered_notice_subject(head),
+                encode(notice),
+                headers,
+                until=time.time() + RESULT_PUBLISH_BUDGET_S,
+            )
+        except RollfleetError as exc:
+            self._log.warning("the asker of an answered job not told", error=exc.message, code=exc.code)
+            return False
+        return True
 
     async def store(
         self, client_id: str, key: str, job_id: str | None, outcome: RolloutResult | RolloutFailure

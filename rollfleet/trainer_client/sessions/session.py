@@ -386,9 +386,12 @@ class Session:
         submitted: Callable[[RolloutHandle], None] | None,
     ) -> RolloutResult:
         """A turn asked again under the caller's key: submitted again as the same request, so the
-        answer is its one run's (the key's job while it runs, its stored answer after; past the
-        broker's duplicate window a new run, as ``submit`` has it) and the key with another
-        request is the same ``IdempotencyConflict``. The session does not move on."""
+        answer is its one run's, as ``submit`` answers a key: the key's job while it runs, its
+        stored answer after, whenever and through whichever client it is asked (past the broker's
+        duplicate window the job is stored again, and the replica that pulls it finds it answered
+        and says so: nothing runs twice). Only an answer the results stream no longer keeps is run
+        again. The key with another request is the same ``IdempotencyConflict``. The session does
+        not move on."""
         r = self._record
         # (Built again only if the key's job and answer are gone: at the constraint as asked, or
         # at the pin; the policy's floor has moved with the turns since, and is not this turn's.)
