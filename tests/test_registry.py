@@ -120,3 +120,22 @@ async def test_client_side_deadline_when_nobody_pulls(nats_url: str, namespace: 
         late = await client.submit(payload(), min_version=0, timeout=0.5)
         with pytest.raises(Expired):  # by the client's own sweep: the replica is busy for 3 s
             await asyncio.wait_for(late, 2.5)
+
+
+async def test_a_draining_replica_stays_draining_whatever_its_version_sync_writes_after() -> None:
+    """A replica stopped (SIGTERM) while a prepare is in flight wrote ``draining``, then its
+    failing prepare wrote ``preparing`` and ``degraded`` over it (campaign seed 747108: w3,
+    draining for 8 s, showed ``degraded`` with free slots; every stalled bell went to it, and a
+    job on min-39 waited 12 s unpulled). Once draining, an entry says draining until it is
+    deleted: clients send it no bell and no turn."""
+    from rollfleet.schemas import Names
+    from rollfleet.workers.registry import Registration
+
+    now = time.time()
+    status = ReplicaStatus(worker_id="w3", state="ready", active_version=41, engine="echo", capacity=3, in_flight=0,
+                           heartbeat_at=now, heartbeat_interval_s=0.5, started_at=now)  # fmt: skip
+    reg = Registration(None, Names("t"), status)  # type: ignore[arg-type]  # (never started: no broker writes)
+    await reg.write(state="draining")
+    await reg.write(state="preparing", preparing_version=42)
+    await reg.write(state="degraded", preparing_version=None, degraded_reason="prepare of version 42 failed")
+    assert (status.state, status.degraded_reason) == ("draining", "prepare of version 42 failed")

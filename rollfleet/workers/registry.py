@@ -1,8 +1,9 @@
 """The worker's entry in the fleet registry (KV ``RF_<NS>_FLEET``, key ``replica.<id>``).
 
 Written, and acknowledged, on every state change (starting, preparing, ready, degraded,
-draining). Between changes it is refreshed once per ``heartbeat_interval_s`` (20 s by
-default, with a little jitter), fire-and-forget: one stored message and no reply, so an idle
+draining; draining is final: nothing written after it says the replica serves again). Between
+changes it is refreshed once per ``heartbeat_interval_s`` (20 s by default, with a little
+jitter), fire-and-forget: one stored message and no reply, so an idle
 replica costs the broker one message in and one out per watching trainer per interval. Readers
 ignore an entry whose heartbeat is older than three intervals (``ReplicaStatus.is_live``), so
 a replica that died without deregistering stops counting within 3 x ``heartbeat_interval_s``.
@@ -75,6 +76,12 @@ class Registration:
         self._task = asyncio.create_task(self._beat(), name="heartbeat")
 
     def _prepare(self, changes: dict[str, object]) -> bytes:
+        if self.status.state == "draining":
+            # Draining is final: a stop's write may be followed by one of a version sync still in
+            # flight (a prepare failing: "degraded"), and an entry that says it serves again draws
+            # bells and turns the replica will never take (campaign seed 747108: 8 s of stalled
+            # bells went to a draining replica shown "degraded" with free slots).
+            changes = {name: value for name, value in changes.items() if name != "state"}
         for name, value in changes.items():
             setattr(self.status, name, value)
         if self._refresh is not None:
