@@ -11,7 +11,14 @@ a client of its own:
   ``lagThreshold`` is rollfleet's sizing (slots x target utilization), the window rollfleet's
   scale-in grace, the period rollfleet's interval. HPA's scale-up rate limits are left out
   (they would only slow it down);
-- ``rollfleet``: ``rollfleet autoscale``'s controller (``Controller``, the planner, its policy).
+- ``rollfleet``: ``rollfleet autoscale``'s controller (``Controller``, the planner, its policy:
+  each class sized for its load now and for the load its trend projects a start-up time ahead,
+  the start-up time learnt from its own launches);
+- ``rollfleet-headroom``: the same controller with a second policy (``Scale.headroom``: a larger
+  minimum and fewer jobs a slot): the other end of the trade-off between replica-seconds and the
+  wait of what no trend foresees, the ramp's first seconds (it outgrows one replica sooner than
+  a replica asked for at its first job can start) and the burst (a tenth of the trace's training
+  jobs at one instant).
 
 Workers are echo workers that take ``startup_s`` to start (``--echo-startup``, as a GPU server's
 start takes) and ``service_s`` per job, ``slots`` at once. The full run launches them as
@@ -36,7 +43,7 @@ Measured per fleet, from this process's clock and the broker's raw facts:
 - jobs lost or duplicated: from the results stream, the answers stored per key (a duplicate is
   a key with two; a lost job is one accepted, neither refused nor expired, with none).
 
-Targets (judged on unrounded values, for ``rollfleet``): p95 wait <= 1.2x ``fixed-max``'s;
+Targets (judged on unrounded values, for both rollfleet settings): p95 wait <= 1.2x ``fixed-max``'s;
 replica-seconds <= 0.6x ``fixed-max``'s; every evaluation request that chose to wait served
 (none refused, none expired); 0 lost, 0 duplicated; at most one change of direction of a class
 within any cooldown.
@@ -71,7 +78,8 @@ from rollfleet.trainer_client import RolloutClient
 from rollfleet.workers.engines.echo import EchoEngine
 from rollfleet.workers.worker import Worker, WorkerConfig
 
-SYSTEMS = ("fixed-min", "fixed-max", "keda", "rollfleet")
+SYSTEMS = ("fixed-min", "fixed-max", "keda", "rollfleet", "rollfleet-headroom")
+CONTROLLED = ("rollfleet", "rollfleet-headroom")  # (the fleets rollfleet's controller sizes)
 EVAL_VERSION = 1  # the old version the evaluation burst pins (training is at 2 when the trace starts)
 PAYLOAD = RolloutPayload(prompt_token_ids=list(range(16)), sampling=SamplingParams(max_tokens=8))
 Kind = Literal["train", "eval", "eval-now"]  # eval: waits for a replica; eval-now: takes a refusal
@@ -95,6 +103,7 @@ class Scale:
     cooldown_s: float
     grace_s: float  # rollfleet's scale-in grace; KEDA's scale-down stabilization window
     target_utilization: float
+    headroom: tuple[int, float]  # rollfleet-headroom's minimum replicas and target utilization
     hold_after_s: float
     heartbeat_s: float
     # the trace
@@ -113,12 +122,13 @@ class Scale:
     train_timeout_s: float
     in_process: bool
 
-    def policy(self) -> Policy:
+    def policy(self, name: str = "rollfleet") -> Policy:
+        lo, utilization = self.headroom if name == "rollfleet-headroom" else (self.bounds[0], self.target_utilization)
         return Policy(
-            min_replicas=self.bounds[0],
+            min_replicas=lo,
             max_replicas=self.bounds[1],
             slots_per_replica=self.slots,
-            target_utilization=self.target_utilization,
+            target_utilization=utilization,
             cooldown_s=self.cooldown_s,
             scale_in_grace_s=self.grace_s,
             hold_after_s=self.hold_after_s,
@@ -127,14 +137,14 @@ class Scale:
 
 FULL = Scale(
     service_s=2.0, startup_s=20.0, slots=4, bounds=(1, 8), interval_s=2.0, sample_s=0.5, cooldown_s=30.0,
-    grace_s=20.0, target_utilization=0.75, hold_after_s=5.0, heartbeat_s=1.0,
+    grace_s=20.0, target_utilization=0.75, headroom=(2, 0.3), hold_after_s=5.0, heartbeat_s=1.0,
     ramp_s=60.0, ramp_from=0.5, ramp_to=5.0, burst=40, steady_s=30.0, lull_s=60.0,
     eval_waiting=24, eval_now=4, eval_timeout_s=90.0, tail_s=30.0, tail_rate=1.0,
     publish_every_s=5.0, train_timeout_s=900.0, in_process=False,
 )  # fmt: skip
 QUICK = Scale(
     service_s=0.1, startup_s=0.3, slots=4, bounds=(1, 2), interval_s=0.1, sample_s=0.05, cooldown_s=0.6,
-    grace_s=0.3, target_utilization=0.75, hold_after_s=0.0, heartbeat_s=0.2,
+    grace_s=0.3, target_utilization=0.75, headroom=(1, 0.3), hold_after_s=0.0, heartbeat_s=0.2,
     ramp_s=0.6, ramp_from=5.0, ramp_to=20.0, burst=8, steady_s=0.2, lull_s=0.4,
     eval_waiting=4, eval_now=1, eval_timeout_s=1.0, tail_s=0.4, tail_rate=5.0,
     publish_every_s=0.3, train_timeout_s=60.0, in_process=True,
@@ -506,7 +516,7 @@ async def measure(s: Scale) -> tuple[dict[str, dict[str, Any]], Trace, dict[str,
         by_name = {f.name: f for f in fleets}
         stop_loops = asyncio.Event()
         loops: list[asyncio.Task[Any]] = []
-        controller: Controller | None = None
+        controllers: dict[str, Controller] = {}
         try:
             for f in fleets:  # training is at 2: version 1 is old by the time it is asked for
                 for v in (1, 2):
@@ -514,13 +524,15 @@ async def measure(s: Scale) -> tuple[dict[str, dict[str, Any]], Trace, dict[str,
             for name, size in (("fixed-min", lo), ("fixed-max", hi), ("keda", lo)):
                 for _ in range(size):
                     await by_name[name].driver.launch(None)
-            auto = by_name["rollfleet"]
-            config = ControllerConfig(url=url, namespace=auto.namespace, policy=s.policy(), interval_s=s.interval_s)
-            controller = Controller(config, auto.driver)  # type: ignore[arg-type]
-            auto.controller = controller
-            loops.append(asyncio.create_task(controller.run(stop_loops)))
+            for name in CONTROLLED:
+                auto = by_name[name]
+                config = ControllerConfig(url=url, namespace=auto.namespace, policy=s.policy(name),
+                                          interval_s=s.interval_s)  # fmt: skip
+                auto.controller = controllers[name] = Controller(config, auto.driver)  # type: ignore[arg-type]
+                loops.append(asyncio.create_task(controllers[name].run(stop_loops)))
             say(f"starting the fleets ({s.startup_s:g} s start-up each)")
-            for f, size in zip(fleets, (lo, hi, lo, lo), strict=True):
+            sizes = (lo, hi, lo, lo, s.policy("rollfleet-headroom").min_replicas)
+            for f, size in zip(fleets, sizes, strict=True):
                 await wait_until(lambda f=f, size=size: f.ready() >= size, 120 + 3 * s.startup_s,
                                  what=f"{f.name}: {size} replicas ready", interval=0.05)  # fmt: skip
             rule = KedaRule(lo, hi, s.slots * s.target_utilization, stabilization_s=s.grace_s)
@@ -529,7 +541,8 @@ async def measure(s: Scale) -> tuple[dict[str, dict[str, Any]], Trace, dict[str,
             clock_origin[0] = t0
             stop_sampling = asyncio.Event()
             sampler = asyncio.create_task(sample(fleets, s, t0, stop_sampling))
-            say(f"replaying the trace: {len(trace.arrivals)} requests over {trace.end_s:g} s, each to 4 fleets")
+            n = len(fleets)
+            say(f"replaying the trace: {len(trace.arrivals)} requests over {trace.end_s:g} s, each to {n} fleets")
             await replay(fleets, trace, s, t0)
             await asyncio.sleep(max(0.0, t0 + trace.end_s - time.monotonic()))
             say("trace over; waiting for every request to be settled")
@@ -543,8 +556,8 @@ async def measure(s: Scale) -> tuple[dict[str, dict[str, Any]], Trace, dict[str,
         finally:
             stop_loops.set()
             await asyncio.gather(*loops, return_exceptions=True)
-            # (the controller closed its own driver; the other fleets' workers drain side by side)
-            await asyncio.gather(*(f.driver.close() for f in fleets if f.name != "rollfleet" or controller is None))
+            # (a controller closed its own driver; the other fleets' workers drain side by side)
+            await asyncio.gather(*(f.driver.close() for f in fleets if f.name not in controllers))
             await asyncio.gather(*(f.client.close() for f in fleets))
     return figures, trace, by_name
 
@@ -562,7 +575,14 @@ async def summarize(f: Fleet, s: Scale, window_end: float) -> dict[str, Any]:
     evals = [j for j in f.jobs if j.kind == "eval"]
     in_trace = [(t, k, d) for t, k, d in f.driver.actions if 0 <= t <= window_end]
     turns = direction_changes(in_trace)
+    doc = f.controller.document if f.controller is not None else None
+    slowest = sorted(((j.at, j.wait_s) for j in f.jobs if j.wait_s is not None and j.kind == "train"),
+                     key=lambda x: -x[1])[:40]  # fmt: skip
     return {
+        # (the p95's tail: which jobs waited, by when they arrived)
+        "slowest_training": [[round(at, 2), round(w, 3)] for at, w in slowest],
+        "startup_s": doc.get("startup_s") if doc else None,  # (what the controller measured, in the end)
+        "startup_measured": doc.get("startup_measured") if doc else None,
         "replica_seconds": replica_seconds([(t, n) for t, n, _, _ in f.samples], 0.0, window_end),
         "wait_p50_s": percentile(waits, 50) if waits else math.nan,
         "wait_p95_s": percentile(waits, 95) if waits else math.nan,
@@ -605,8 +625,9 @@ def plot(fleets: Mapping[str, Fleet], trace: Trace, figures: Mapping[str, Mappin
     import matplotlib.pyplot as plt
 
     fig, (top, mid, bottom) = plt.subplots(3, 1, figsize=(10, 8), sharex=True, height_ratios=[3, 3, 1.4])
-    colors = {"fixed-min": "#999999", "fixed-max": "#555555", "keda": "#d08a1c", "rollfleet": "#1f6fb4"}
-    styles = {"fixed-min": ":", "fixed-max": "--", "keda": "-", "rollfleet": "-"}
+    colors = {"fixed-min": "#999999", "fixed-max": "#555555", "keda": "#d08a1c", "rollfleet": "#1f6fb4",
+              "rollfleet-headroom": "#2ca02c"}  # fmt: skip
+    styles = {"fixed-min": ":", "fixed-max": "--", "keda": "-", "rollfleet": "-", "rollfleet-headroom": "-."}
     for name, f in fleets.items():
         t = [x[0] for x in f.samples]
         fig_ = figures[name]
@@ -639,14 +660,14 @@ def plot(fleets: Mapping[str, Fleet], trace: Trace, figures: Mapping[str, Mappin
 
 
 def rows_of(figures: Mapping[str, Mapping[str, Any]], s: Scale, trace: Trace, plot_path: Path) -> list[Row]:
-    auto, top = figures["rollfleet"], figures["fixed-max"]
+    top = figures["fixed-max"]
     rows: list[Row] = []
     for name in SYSTEMS:
         f = figures[name]
-        me = name == "rollfleet"
+        me = name in CONTROLLED
         extra = dict(f) if name != "fixed-min" else {**f, "trace": trace_summary(s, trace), "plot": str(plot_path),
                                                         **machine_load()}  # fmt: skip
-        rs_met = auto["replica_seconds"] <= 0.6 * top["replica_seconds"] if me else None
+        rs_met = f["replica_seconds"] <= 0.6 * top["replica_seconds"] if me else None
         rows.append(
             Row("autoscale/replica-seconds", name, "replica-s", f["replica_seconds"], top["replica_seconds"],
                 "fixed-max", False, "<= 0.6x fixed-max" if me else "", extra, rs_met)
@@ -654,7 +675,7 @@ def rows_of(figures: Mapping[str, Mapping[str, Any]], s: Scale, trace: Trace, pl
     for q in (50, 95):
         for name in SYSTEMS:
             f = figures[name]
-            me = q == 95 and name == "rollfleet"
+            me = q == 95 and name in CONTROLLED
             base = top[f"wait_p{q}_s"]
             met = bool(f[f"wait_p{q}_s"] <= 1.2 * base) if me else None
             rows.append(
@@ -663,7 +684,7 @@ def rows_of(figures: Mapping[str, Mapping[str, Any]], s: Scale, trace: Trace, pl
             )  # fmt: skip
     for name in SYSTEMS:
         f = figures[name]
-        me = name == "rollfleet"
+        me = name in CONTROLLED
         served_all = f["eval_served"] == f["eval_waiting"] and f["eval_refused"] == 0
         rows.append(
             Row("autoscale/eval-served", name, f"of {f['eval_waiting']}", f["eval_served"], None, "", True,
@@ -700,7 +721,9 @@ def trace_summary(s: Scale, trace: Trace) -> dict[str, Any]:
         "startup_s": s.startup_s,
         "slots": s.slots,
         "bounds": list(s.bounds),
-        "policy": {"target_utilization": s.target_utilization, "cooldown_s": s.cooldown_s,
+        "policy": {"target_utilization": s.target_utilization, "headroom (min, target utilization)": s.headroom,
+                   "trend_window_s": s.policy().trend_window_s, "startup_s (until measured)": s.policy().startup_s,
+                   "cooldown_s": s.cooldown_s,
                    "scale_in_grace_s": s.grace_s, "hold_after_s": s.hold_after_s, "interval_s": s.interval_s},
         "keda": {"lagThreshold": s.slots * s.target_utilization, "stabilization_s": s.grace_s, "tolerance": 0.1},
         "workers": "in-process Worker instances" if s.in_process else "rollfleet worker processes (local driver)",

@@ -168,7 +168,7 @@ def test_autoscale_quick() -> None:
     benches = {"autoscale/replica-seconds", "autoscale/wait-p50", "autoscale/wait-p95", "autoscale/eval-served"}
     _check(rows, benches | {"autoscale/scale-events", "autoscale/lost+duplicated", "autoscale/turns-per-cooldown"})
     assert all(isinstance(r.met, bool) for r in rows if r.target)
-    assert {r.case for r in rows} == {"fixed-min", "fixed-max", "keda", "rollfleet"}
+    assert {r.case for r in rows} == {"fixed-min", "fixed-max", "keda", "rollfleet", "rollfleet-headroom"}
     events = {r.case: r.value for r in rows if r.bench == "autoscale/scale-events"}
     assert events["fixed-min"] == events["fixed-max"] == 0  # (the fixed fleets were never touched)
     head = next(r for r in rows if r.bench == "autoscale/replica-seconds" and r.case == "fixed-min").extra
