@@ -1472,18 +1472,25 @@ class Oracle:
         )
         best = best_at = 0.0
         run_start: float | None = None
-        idle = 0.0
+        idle = frozen = 0.0
         t = c.t0
         while t <= end + SAMPLE_S:
             snap = self.snapshot(t) if t <= end else []
             able = [e for e in snap if self.takes(e, kind, v, now=True)]
-            ok = bool(able) and not any(a <= t <= b for a, b in held)
+            held_now = any(a <= t <= b for a, b in held)
+            # A replica the adversary froze (SIGSTOP) keeps its registry entry but pulls nothing:
+            # while the only able ones are frozen, the wait does not count against the fleet (nor
+            # does it end the run: it goes on when one is back; seed 747108, job-1-64).
+            awake = [e for e in able if not self._frozen(e[0], t, t)]
+            ok = bool(awake) and not held_now
             if ok:
                 if run_start is None:
-                    run_start, idle = t, 0.0
-                idle += SAMPLE_S if any(e[4] for e in able) else 0.0
+                    run_start, idle, frozen = t, 0.0, 0.0
+                idle += SAMPLE_S if any(e[4] for e in awake) else 0.0
+            elif able and not held_now and run_start is not None:
+                frozen += SAMPLE_S
             elif run_start is not None:
-                length = t - run_start
+                length = t - run_start - frozen
                 served = sum(1 for x in newer if run_start <= x <= t)
                 if length >= STARVE_S and (idle >= STARVE_S / 2 or served >= 3) and length > best:
                     best, best_at = length, t
