@@ -2130,6 +2130,11 @@ class Oracle:
         stored = [p for k in {c.key, key} for p in self.published_by_key.get(k, [])]
         if c.is_result:
             job_ids = {p.job_id for p in stored if p.kind in ("result", "chunked")}
+            if c.answer.get("job_id") not in job_ids and not tap_saw_every_copy(
+                self.tap.gaps, c.t0 - self.window, float(c.answer.get("t", c.t0))
+            ):
+                self.unverified["reask-turn: the wiretap was away when its answer may have been stored"] += 1
+                return
             self.check(
                 "reask-turn",
                 c.answer.get("job_id") in job_ids,
