@@ -9,6 +9,8 @@ starved and nothing is thrown away."""
 from __future__ import annotations
 
 import math
+import random
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,9 +50,6 @@ def test_admission_room_is_the_bound_less_what_is_ready_or_in_flight() -> None:
                             max_staleness=eta, batch_groups=b, ready=ready, in_flight=flying, next_at_latest=at_latest
                         )
                         assert room == max(0, bound - ready - flying)
-    room = rules.admission_room(max_staleness=1, batch_groups=4, ready=0, in_flight=0, oversample=2, stragglers=5)
-    assert room == 10
-    assert rules.admission_room(max_staleness=1, batch_groups=4, ready=0, in_flight=0, oversample=2, stragglers=1) == 9
     assert rules.admission_room(max_staleness=9, batch_groups=4, ready=0, in_flight=3, max_in_flight=5) == 2
 
 
@@ -136,6 +135,21 @@ def test_a_joined_sample_keeps_every_token_and_span_and_drops_zero_width_ones() 
 def test_the_ready_group_closest_to_going_stale_goes_first() -> None:
     assert rules.next_to_consume([5, 3, 4, 3]) == 1
     assert rules.next_to_consume([7]) == 0
+
+
+def test_a_batch_waits_for_a_group_in_flight_only_where_taking_it_later_would_be_too_late() -> None:
+    wait = rules.wait_for_in_flight
+    # Batches of 2 at version 5, max_staleness 1: a group in flight judged from 4 has its last
+    # chance now; two ready groups of last chance 7 must not take its place.
+    assert wait([6, 6], [4], 5, 1, 2) == 5
+    assert wait([4, 6], [4], 5, 1, 2) == 5  # both groups of last chance 5 go now
+    assert wait([6, 6], [5], 5, 1, 2) is None  # (its last chance is the next batch, which has room)
+    assert wait([5, 6], [5, 5], 5, 1, 2) is None  # three of last chance 6: one now, two next
+    assert wait([5, 6], [5, 5, 5], 5, 1, 2) == 6  # four: this batch must take two
+    assert wait([5, 5], [5, 5], 5, 1, 2) is None  # (two of them already: the next takes the others)
+    assert wait([6, 6], [3], 5, 1, 2) is None  # already past its last chance: no wait saves it
+    assert wait([4, 4], [4], 5, 1, 2) is None  # an excess no batch can take: not waited for
+    assert wait([4, 4, 4], [], 5, 1, 2) is None
 
 
 def test_a_job_is_refreshed_only_at_a_fresher_floor() -> None:
@@ -240,15 +254,35 @@ def _token(stream: int | None, index: int, position: int) -> int:
 class _Job:
     payload: RolloutPayload
     made: list[list[tuple[int, int]]] = field(default_factory=list)  # per sample: (token, version)
+    prompt_no: int = 0
+    indices: tuple[int, ...] = ()  # the group's samples it makes
+    before: int = 0  # tokens its samples made in earlier runs (a continuation's prefix)
+
+
+_JOB_KEY = re.compile(r"^loop:sim:p(?P<prompt>\d+):a\d+:r(?P<round>\d+):(?:g|s(?P<sample>\d+)):d\d+$")
 
 
 class Sim:
     """A fleet for the machine: each job makes ``rate`` tokens of each of its samples per tick at the
-    fleet's version (``lengths`` may end a sample early: its prompt's first token picks), answers
-    when every sample is done, answers a cancel with the tokens so far (``Cancelled`` if none)."""
+    fleet's version, answers when every sample is done, answers a cancel with the tokens so far
+    (``Cancelled`` if none). ``eos``: (prompt number, sample index) -> the sample's length, where
+    it stops ("stop") before its ``max_tokens``. ``delay_cancels``: a cancel lands only at
+    ``land()``, and the job may answer on its own before it does (a stop racing a commit)."""
 
-    def __init__(self, cfg: LoopConfig, *, rate: int = 4, scored: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: LoopConfig,
+        *,
+        rate: int = 4,
+        scored: bool = False,
+        eos: dict[tuple[int, int], int] | None = None,
+        delay_cancels: bool = False,
+    ) -> None:
         self.m = LoopMachine(cfg, loop_id="sim", first_version=0, scored=scored)
+        self.eos = eos or {}
+        self.delay_cancels = delay_cancels
+        self.cancels_on_the_way: list[str] = []
+        self.base_len: dict[int, int] = {}  # prompt number -> its prompt's length
         self.cfg = cfg
         self.now = 0.0
         self.version = 0
@@ -266,30 +300,60 @@ class Sim:
         t = self.m.totals
         waste = sum(t[f"waste_tokens_{c}"] for c in WASTE_CAUSES)
         assert t["generated_tokens"] == t["tokens"] + waste + self.m.held_tokens, dict(t)
-        bound = (self.cfg.max_staleness + 1) * self.cfg.batch_groups + self.cfg.oversample
+        bound = (self.cfg.max_staleness + 1) * self.cfg.batch_groups  # (oversample admits nothing beyond it)
         assert self.m.in_flight + self.m.ready <= bound
 
     def do(self, actions: list[Any]) -> None:
         for a in actions:
             if isinstance(a, Submit):
                 self.submits.append(a)
-                self.jobs[a.key] = _Job(a.payload, [[] for _ in range(a.payload.n)])
+                self.jobs[a.key] = self._job(a)
                 self.m.submitted(a.key, self.version - a.max_staleness)
             elif isinstance(a, Cancel):
                 self.cancelled.append(a.key)
-                job = self.jobs.pop(a.key, None)
-                if job is not None:
-                    if any(job.made):
-                        self.do(self.m.answered(self.now, a.key, self._answer(a.key, job, "abort")))
-                    else:
-                        self.do(self.m.job_failed(self.now, a.key, Cancelled("withdrawn")))
+                if self.delay_cancels:
+                    self.cancels_on_the_way.append(a.key)
+                else:
+                    self._cancel(a.key)
             elif isinstance(a, Score):
                 self.scores.append(a)
         self.check()
 
+    def _job(self, ask: Submit) -> _Job:
+        prompt = ask.payload.prompt_token_ids or []
+        m = _JOB_KEY.match(ask.key)
+        assert m is not None, ask.key
+        no = int(m["prompt"])
+        if m["round"] == "0":
+            self.base_len[no] = len(prompt)
+        indices = (int(m["sample"]),) if m["sample"] is not None else tuple(range(ask.payload.n))
+        job = _Job(ask.payload, [[] for _ in range(ask.payload.n)], no, indices)
+        job.before = len(prompt) - self.base_len.get(no, len(prompt))
+        return job
+
+    def _cancel(self, key: str) -> None:
+        job = self.jobs.pop(key, None)
+        if job is not None:
+            if any(job.made):
+                self.do(self.m.answered(self.now, key, self._answer(key, job, "abort")))
+            else:
+                self.do(self.m.job_failed(self.now, key, Cancelled("withdrawn")))
+
+    def land(self) -> None:
+        """Every cancel on its way lands (on a job that already answered: nothing)."""
+        while self.cancels_on_the_way:
+            self._cancel(self.cancels_on_the_way.pop(0))
+
+    def _done(self, job: _Job, k: int) -> bool:
+        """Whether sample ``k`` of ``job`` is complete: its ``max_tokens``, or its length in ``eos``."""
+        if len(job.made[k]) >= job.payload.sampling.max_tokens:
+            return True
+        end = self.eos.get((job.prompt_no, job.indices[k])) if job.indices else None
+        return end is not None and job.before + len(job.made[k]) >= end
+
     def _answer(self, key: str, job: _Job, finish: str) -> RolloutResult:
         outs = []
-        for made in job.made:
+        for k, made in enumerate(job.made):
             self.made_total += len(made)
             spans = [_span(v, i, i + 1) for i, (_, v) in enumerate(made)]
             merged: list[VersionSpan] = []
@@ -299,24 +363,28 @@ class Sim:
                 else:
                     merged.append(s)
             left = job.payload.sampling.max_tokens - len(made)
-            outs.append(Completion(token_ids=[t for t, _ in made], finish_reason="length" if left == 0 else finish,  # type: ignore[arg-type]
+            why = "length" if left == 0 else "stop" if self._done(job, k) else finish
+            outs.append(Completion(token_ids=[t for t, _ in made], finish_reason=why,  # type: ignore[arg-type]
                                    logprobs=[0.0] * len(made), weight_versions=merged))  # fmt: skip
         vs = [v for made in job.made for _, v in made] or [self.version]
         return _result(outs, min(vs), max(vs), key)
 
-    def step(self, ticks: int = 1) -> None:
+    def step(self, ticks: int = 1, stalls: random.Random | None = None) -> None:
+        """``ticks`` ticks of the fleet; with ``stalls``, each job makes its tokens of a tick only
+        with probability one half (jobs finish in any order)."""
         for _ in range(ticks):
             self.now += 0.1
             for key, job in list(self.jobs.items()):
-                want = job.payload.sampling.max_tokens
+                if stalls is not None and stalls.random() < 0.5:
+                    continue
                 prompt = job.payload.prompt_token_ids or [0]
                 for i, made in enumerate(job.made):
                     for _ in range(self.rate):
-                        if len(made) < want:
+                        if not self._done(job, i):
                             stream = job.payload.sampling.seed
                             stream = stream + i if stream is not None else None
                             made.append((_token(stream, i, len(prompt) + len(made)), self.version))
-                if all(len(made) >= want for made in job.made):
+                if all(self._done(job, i) for i in range(len(job.made))):
                     del self.jobs[key]
                     self.do(self.m.answered(self.now, key, self._answer(key, job, "length")))
             self.do(self.m.tick(self.now))
@@ -394,6 +462,69 @@ def test_finished_samples_of_a_partial_rollout_are_judged_by_their_own_tokens() 
     assert sim.m.ready == 1
     sim.commit()
     assert isinstance(sim.take(), End) and sim.m.totals["waste_groups_stale"] == 1
+
+
+def test_a_batch_waits_for_a_group_a_finished_sample_pins_at_its_last_chance() -> None:
+    """A split group: sample 0 stops after 4 tokens at version 0, sample 1 runs for 40. Its stop
+    at the commit to 1 would gain nothing (sample 0 pins the group at 0), so version 1 is its last
+    chance: the batch at 1 waits for it instead of taking a fresher group and leaving it to go
+    stale at 2."""
+    cfg = LoopConfig(group_size=2, batch_groups=1, max_staleness=1, partial_rollout=True, split_groups=True)
+    sim = Sim(cfg, rate=4, eos={(0, 0): 4})
+    sim.feed(_prompt(0, 40), _prompt(1, 4))
+    sim.step(1)  # sample 0 of prompt 0 done; prompt 1 done
+    first = sim.take()
+    assert isinstance(first, Handout) and first.groups[0].prompt_no == 1
+    sim.commit()
+    sim.feed(_prompt(2, 4))
+    sim.step(1)  # prompt 2 done at version 1: ready, with a later last chance than prompt 0's
+    assert sim.m.totals["continued"] == 0 and isinstance(sim.take(), Wait)
+    sim.step(10)
+    second = sim.take()
+    assert isinstance(second, Handout) and second.groups[0].prompt_no == 0 and second.groups[0].staleness == 1
+    sim.commit()
+    assert isinstance(sim.take(), Handout) and sim.m.totals["waste_groups_stale"] == 0
+
+
+def test_a_job_that_answers_whole_before_its_stop_lands_is_waited_for() -> None:
+    """Partial rollouts: the commit to 1 stops a job of version 0, but the job answers whole
+    (all its tokens from its old floor: judged from 0) before the stop lands. Version 1 is its last
+    chance, and the batch at 1 waits for it rather than hand out the fresher group beside it."""
+    cfg = LoopConfig(group_size=1, batch_groups=1, max_staleness=1, partial_rollout=True)
+    sim = Sim(cfg, rate=4, delay_cancels=True)
+    sim.feed(_prompt(0, 12), _prompt(1, 4))
+    sim.step(1)
+    assert isinstance(sim.take(), Handout)
+    sim.commit()  # prompt 0's job is stopped; the stop is on its way
+    assert sim.cancels_on_the_way
+    sim.feed(_prompt(2, 4))
+    sim.step(1)  # prompt 2 done; prompt 0 has 8 of its 12 tokens
+    assert isinstance(sim.take(), Wait)
+    sim.step(1)  # prompt 0 answers whole, judged from version 0
+    sim.land()  # (the stop lands on a job that has answered)
+    out = sim.take()
+    assert isinstance(out, Handout) and out.groups[0].prompt_no == 0 and out.groups[0].judged_version == 0
+    sim.commit()
+    assert isinstance(sim.take(), Handout) and sim.m.totals["waste_groups_stale"] == 0
+
+
+def test_oversample_admits_nothing_beyond_the_bound() -> None:
+    """``oversample=1`` with a straggler a batch overtook: no extra group is admitted for it. An
+    extra admitted at version 1 beside the straggler continued at 1 and a group of 1 can complete
+    with both, three groups with their last chance at 2 and two batches left to take them."""
+    cfg = LoopConfig(group_size=1, batch_groups=1, max_staleness=1, partial_rollout=True, oversample=1)
+    sim = Sim(cfg, rate=4)
+    sim.feed(*[_prompt(i, 12 if i == 0 else 4) for i in range(6)])
+    sim.step(1)
+    assert isinstance(sim.take(), Handout)  # prompt 1; prompt 0 is overtaken
+    sim.commit()  # prompt 0 continued at 1
+    assert sim.m.in_flight + sim.m.ready == 2
+    sim.step(2)
+    for _ in range(3):
+        assert isinstance(sim.take(), Handout)
+        sim.commit()
+        sim.step(1)
+    assert sim.m.totals["waste_groups_stale"] == 0
 
 
 def test_the_grace_of_a_version_no_replica_serves_stops_nothing() -> None:
@@ -579,9 +710,7 @@ def test_long_prompts_are_never_starved_and_nothing_is_thrown_away(
 ) -> None:
     """A long-tailed source, partial rollouts, tails refreshed, stale groups re-queued; the trainer
     takes a batch whenever it can and commits a version after each (served at once). Every prompt
-    is trained on whole, once, and no token is thrown away but with a group that went stale
-    waiting in the ready queue, which only ``oversample`` can cause: extras admitted for stragglers
-    that then complete together with them can outnumber the batches left before their deadline."""
+    is trained on whole, once, and no token is thrown away."""
     cfg = LoopConfig(
         group_size=2,
         batch_groups=batch,
@@ -604,7 +733,7 @@ def test_long_prompts_are_never_starved_and_nothing_is_thrown_away(
     assert trained == Counter(range(len(lengths)))
     assert all(len(s.tokens) == g.payload.sampling.max_tokens for h in sim.handed for g in h.groups for s in g.samples)
     wasted = {k: v for k, v in sim.m.totals.items() if k.startswith("waste_tokens_") and v}
-    assert set(wasted) <= ({"waste_tokens_stale"} if oversample else set()), dict(sim.m.totals)
+    assert not wasted, dict(sim.m.totals)
     assert sim.m.totals["tokens"] + sum(wasted.values()) == sim.made_total
 
 
@@ -624,3 +753,104 @@ def test_an_answer_delivered_again_is_not_counted_twice() -> None:
     other.job_id = "another"
     sim.do(sim.m.orphan(key, other))
     assert sim.m.totals["generated_tokens"] == 5 and sim.m.totals["waste_tokens_orphaned"] == 1
+
+
+_TRAINER = st.lists(
+    st.one_of(
+        st.tuples(st.just("prompt"), st.sampled_from([4, 8, 8, 8, 32, 128]), st.integers(0, 2**16)),
+        st.tuples(st.just("step"), st.integers(1, 6), st.integers(0, 2**16)),
+        st.tuples(st.just("take")),
+        st.tuples(st.just("commit")),
+        st.tuples(st.just("land")),
+    ),
+    min_size=30,
+    max_size=120,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=_TRAINER,
+    group_size=st.integers(1, 4),
+    batch=st.integers(1, 3),
+    eta=st.integers(0, 3),
+    oversample=st.integers(0, 2),
+    split=st.booleans(),
+    scored=st.booleans(),
+    max_in_flight=st.sampled_from([None, 2, 5]),
+)
+def test_with_partial_rollouts_nothing_goes_stale_when_the_trainer_commits_once_a_batch(
+    ops: list[tuple[Any, ...]],
+    group_size: int,
+    batch: int,
+    eta: int,
+    oversample: int,
+    split: bool,
+    scored: bool,
+    max_in_flight: int | None,
+) -> None:
+    """Partial rollouts, a fleet serving each version as it is committed, and a trainer that
+    commits one version per batch it takes (and takes the next only after). Jobs finish in any
+    order (each makes its tokens of a tick or not, at random), samples of a group stop at lengths
+    of their own (split or not: a finished sample pins its group), cancels land late (a job may
+    answer on its own after the commit that stopped it), oversample on or off: no group is ever
+    dropped as too stale, and once the source runs dry every prompt is trained on, once, with
+    every token generated for it (nothing wasted, no long prompt starved)."""
+    cfg = LoopConfig(
+        group_size=group_size,
+        batch_groups=batch,
+        max_staleness=eta,
+        partial_rollout=True,
+        oversample=oversample,
+        split_groups=split,
+        max_in_flight=max_in_flight,
+        loop_id="sim",
+    )
+    eos: dict[tuple[int, int], int] = {}
+    sim = Sim(cfg, rate=4, scored=scored, eos=eos, delay_cancels=True)
+    training = False  # a batch taken, its version not yet committed
+    fed = 0
+
+    def trainer_takes() -> Any:
+        nonlocal training
+        out = sim.take()
+        if isinstance(out, Handout):
+            training = True
+        return out
+
+    def trainer_commits() -> None:
+        nonlocal training
+        sim.commit()
+        training = False
+
+    for op in ops:
+        if op[0] == "prompt":
+            lengths = random.Random(op[2])
+            for i in range(group_size):
+                eos[fed, i] = lengths.choice([op[1], op[1], max(1, op[1] // 4), max(1, op[1] // 2)])
+            sim.feed(_prompt(fed, op[1]))
+            fed += 1
+        elif op[0] == "step":
+            sim.step(op[1], stalls=random.Random(op[2]))
+        elif op[0] == "take" and not training:
+            trainer_takes()
+        elif op[0] == "commit" and training:
+            trainer_commits()
+        elif op[0] == "land":
+            sim.land()
+        assert sim.m.totals["waste_groups_stale"] == 0, dict(sim.m.totals)
+    sim.do(sim.m.source_done(sim.now))
+    for _ in range(5_000):
+        sim.land()
+        if training:
+            trainer_commits()
+        if isinstance(trainer_takes(), End):
+            break
+        sim.step()
+        assert sim.m.totals["waste_groups_stale"] == 0, dict(sim.m.totals)
+    else:
+        raise AssertionError("the loop never ended")
+    trained = Counter(g.prompt.prompt_token_ids[0] for h in sim.handed for g in h.groups)
+    assert trained == Counter(range(fed))
+    wasted = {k: v for k, v in sim.m.totals.items() if k.startswith("waste_") and v}
+    assert not wasted and sim.m.totals["tokens"] == sim.made_total, dict(sim.m.totals)

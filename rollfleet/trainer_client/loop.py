@@ -195,8 +195,10 @@ class RolloutLoop:
 
     async def next_batch(self) -> Batch | None:
         """The next ``batch_groups`` complete groups, judged at the trainer's current version; None
-        once nothing is left and nothing more can come. A source that raised: its error, raised
-        here once; the groups it left are handed over by the calls after."""
+        once nothing is left and nothing more can come. It waits for a group still in flight whose
+        last chance this batch is, rather than let it go stale (``loop_machine`` rule 8). A source
+        that raised: its error, raised here once; the groups it left are handed over by the calls
+        after."""
         await self.start()
         t0 = time.monotonic()
         logged = t0

@@ -21,10 +21,9 @@ The rules (each written once, in the function or method named):
    group admitted now is handed out within ``max_staleness`` commits, as AReaL's ``(steps +
    max_staleness + 1) * batch_groups`` less what was accepted keeps it when the trainer commits once
    a batch; a trainer taking several batches per version is never blocked (each ask frees room).
-   ``oversample`` adds room only for stragglers (groups in flight a whole batch overtook), up to
-   that many, and only while fewer than a batch are ready: extras while a batch waits would only
-   wait too, and go stale.
-   ``max_in_flight`` caps the groups in flight.
+   Nothing is admitted beyond the bound, ``oversample`` or not: every group held may complete at
+   once, and with one group more than the batches left before its last chance can take, one
+   would go stale. ``max_in_flight`` caps the groups in flight.
 3. **Floors** (``submit_floor``). New jobs ask for the trainer's latest version once a replica is
    at or preparing it; until then admission waits, for at most ``activation_grace_s``, then asks
    ``max_staleness`` below it. The request is written ``max_staleness=latest - floor``, so its
@@ -48,16 +47,37 @@ The rules (each written once, in the function or method named):
    and its samples continued from their tokens so far, at a fresher floor: with
    ``partial_rollout``, once a commit puts it at risk (``at_risk``: two batches at most could still
    take it); a tail (a group a whole batch of later-admitted groups overtook, or at risk; at most
-   ``oversample`` a batch, oldest first) when a batch is handed out. Only when the floor it would go on at is
-   fresher than its own (a fleet with no replica at latest has nothing stopped, and nothing is
-   stopped twice for one version), not once a finished sample of its group pins the group's judged
-   version at or below its own, and only for prompts given as token ids. Nothing is thrown
+   ``oversample`` a batch, oldest first) when a batch is handed out; a group a batch waits for
+   (rule 8). Only when the floor it would go on at is fresher than its own (a fleet with no
+   replica at latest has nothing stopped, and nothing is stopped twice for one version), not once
+   a finished sample of its group pins the group's judged version at or below its own, and only
+   for prompts given as token ids. Nothing is thrown
    away: a sample that had finished is kept, a stopped job that made nothing is asked again whole,
    an aborted sample goes on from its tokens. A long prompt is never restarted, so never starved.
-8. **Consume** (``next_to_consume``). The ready group judged from the oldest version goes first
-   (earliest deadline first). A batch has ``batch_groups`` groups; a short one only when nothing
-   more can come; and when failures were reported after the last group, a last batch with no
-   groups carries them (a run in which every group failed does not end as a dry source does).
+8. **Consume** (``next_to_consume``, ``wait_for_in_flight``). The ready group judged from the
+   oldest version goes first (earliest last chance first). A batch has ``batch_groups`` groups; a
+   short one only when nothing more can come; and when failures were reported after the last
+   group, a last batch with no groups carries them (a run in which every group failed does not
+   end as a dry source does). A batch waits for a group still in flight whose last chance it is
+   (counted as the oldest version the group can still be judged from: a finished sample's, a
+   job's floor, which a stop not yet landed leaves as it is) where taking the ready groups instead
+   would leave more groups than the batches before their last chance can take; such a group is
+   first continued at the fresh floor where rule 7 may stop it (``partial_rollout`` or
+   ``oversample``), so the trainer waits only for what cannot be continued: a group a finished
+   sample pins, or a job whose stop has not landed. (``stale="keep"``: no wait.)
+
+   Why nothing goes stale, when the trainer commits one version per batch and the fleet serves
+   each version as it is committed (``tests/test_loop_machine.py`` checks it as a property): a
+   group's last chance is the version it is judged from plus ``max_staleness``, and it is never
+   earlier than the floor of a job of its plus ``max_staleness`` (tokens are made at the floor or
+   newer; a continued sample is judged by its last run). At each ask at version ``v``, at most
+   ``(k + 1) * batch_groups`` groups held have a last chance at or before ``v + k``: admission
+   keeps it for ``v + max_staleness`` (rule 2, every group held has its last chance by then), a
+   stop only moves a last chance later, and each batch, by the wait above, leaves at most ``k *
+   batch_groups`` of them for the batches after it. So no group is past its last chance when a
+   batch is made. What can still go stale: groups of a trainer whose version moves more than once
+   a batch, and groups asked for below the latest version after the fresh version's grace (rule 3)
+   while the next batch is already at a newer one.
 9. **Failures** (``on_failure``, ``check_rewards``). A job that fails fails its group whole: its
    other jobs are cancelled and, once every one has answered, the prompt goes back
    (``on_failure="requeue"``, until ``max_attempts``) or is reported. A group past
@@ -115,7 +135,7 @@ class LoopConfig:
     stale: StalePolicy = "drop"
     on_failure: FailurePolicy = "requeue"
     max_attempts: int = 3  # tries of one prompt before its group is reported failed
-    oversample: int = 0  # groups admitted beyond the bound; as many tails refreshed per batch
+    oversample: int = 0  # tails continued at the fresh floor per batch (rule 7); no room beyond the bound
     group_deadline_s: float | None = None
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill
     # Stop a job still generating when a commit puts its group at risk of going stale, and
@@ -312,19 +332,17 @@ def admission_room(
     ready: int,
     in_flight: int,
     next_at_latest: bool = True,
-    oversample: int = 0,
-    stragglers: int = 0,
     max_in_flight: int | None = None,
 ) -> int:
     """How many more groups may be admitted now (rule 2; never negative). ``in_flight``: groups
     admitted and not complete (generating, stopping or being scored); ``ready``: complete, not yet
     handed out. Dropped, filtered, failed and handed-out groups are in neither: their room is back.
     ``next_at_latest``: the next batch will be judged at the latest version (else the trainer may
-    commit first, and one batch of room is held back). ``stragglers``: groups in flight that a whole
-    batch overtook (``oversample`` makes room for at most that many, while no batch is ready)."""
+    commit first, and one batch of room is held back). Nothing is ever admitted beyond the bound:
+    every group held may complete at once, and one more than the batches left before its last
+    chance would go stale."""
     batches = max_staleness + (1 if next_at_latest else 0)
-    extra = min(oversample, stragglers) if ready < batch_groups else 0  # (a full batch waits: none needed)
-    room = batches * batch_groups + extra - (ready + in_flight)
+    room = batches * batch_groups - (ready + in_flight)
     if max_in_flight is not None:
         room = min(room, max_in_flight - in_flight)
     return max(0, room)
@@ -369,6 +387,33 @@ def next_to_consume(judged_from: Sequence[int]) -> int:
     """Which ready group goes into the batch next (rule 8): the one judged from the oldest version
     (the first to go stale if left waiting), the earliest completed among equals."""
     return min(range(len(judged_from)), key=lambda i: (judged_from[i], i))
+
+
+def wait_for_in_flight(
+    ready: Sequence[int], in_flight: Sequence[int], version: int, max_staleness: int, batch_groups: int
+) -> int | None:
+    """Rule 8: whether the batch at ``version`` must wait for a group still in flight, and for
+    which: None (it need not), or the latest last chance ``D`` such that the groups in flight whose
+    last chance is at most ``D`` are waited for. ``ready``: the judged versions of the ready groups;
+    ``in_flight``: for each group in flight, the oldest version it can be judged from (its finished
+    samples' judged versions, its jobs' floors). A group judged from ``j`` may go into a batch at
+    ``j + max_staleness`` at the latest; with one commit per batch, after this batch at most
+    ``k * batch_groups`` groups with a last chance at or before ``version + k`` may be left. A batch
+    of the ready groups by earliest last chance that would leave more, where a group in flight
+    could have been taken instead, waits for it. A group already past its last chance is not
+    waited for (no wait saves it), nor an excess that a batch full of earlier ones cannot take."""
+    ready_d = sorted(j + max_staleness for j in ready if j + max_staleness >= version)
+    flying_d = sorted(j + max_staleness for j in in_flight if j + max_staleness >= version)
+    taken = ready_d[:batch_groups]
+    urgent = None
+    # (Only where a group in flight has its last chance: where none has, the batch either took
+    # every ready group up to there, or is full of them, and no wait changes that.)
+    for last in sorted(set(flying_d)):
+        got = sum(1 for d in taken if d <= last)
+        left = sum(1 for d in ready_d if d <= last) + sum(1 for d in flying_d if d <= last) - got
+        if left > (last - version) * batch_groups and got < batch_groups:
+            urgent = last
+    return urgent
 
 
 def at_risk(piece_floor: int, latest: int, max_staleness: int) -> bool:
@@ -613,7 +658,6 @@ class LoopMachine:
         # Whether the next batch will be judged at ``latest``: False from a batch handed out until
         # the trainer asks again or a newer version is seen (rule 2).
         self._next_at_latest = True
-        self._overtaken_before: int | None = None  # the first admission number of the last batch
         self._waste_tokens: Counter[str] = Counter()  # since the last batch
         self._waste_groups: Counter[str] = Counter()
         # Over the loop's life: admitted, completed, requeued, failed, continued, batches, groups,
@@ -637,18 +681,12 @@ class LoopMachine:
 
     def room(self) -> int:
         cfg = self.config
-        overtaken = self._overtaken_before
-        stragglers = 0
-        if overtaken is not None and cfg.oversample:
-            stragglers = sum(1 for g in self._groups.values() if g.no < overtaken and g.scoring is None)
         return admission_room(
             max_staleness=cfg.max_staleness,
             batch_groups=cfg.batch_groups,
             ready=len(self._ready),
             in_flight=len(self._groups),
             next_at_latest=self._next_at_latest,
-            oversample=cfg.oversample,
-            stragglers=stragglers,
             max_in_flight=cfg.max_in_flight,
         )
 
@@ -816,6 +854,17 @@ class LoopMachine:
         if not self._ready:
             if not self._failed_since:
                 return End(), actions
+        if cfg.stale != "keep":
+            flying = {g.no: v for g in self._groups.values() if (v := self._oldest_judged(g)) is not None}
+            urgent = wait_for_in_flight(
+                [g.judged_version for g in self._ready], list(flying.values()), self.latest, cfg.max_staleness,
+                cfg.batch_groups,
+            )  # fmt: skip
+            if urgent is not None:
+                if cfg.partial_rollout or cfg.oversample:  # (rule 7: it goes on at the fresh floor)
+                    last = urgent - cfg.max_staleness
+                    actions += self._refresh(now, {no for no, v in flying.items() if v <= last})
+                return Wait(), actions
         taken: list[Group] = []
         while self._ready and len(taken) < cfg.batch_groups:
             taken.append(self._ready.pop(next_to_consume([g.judged_version for g in self._ready])))
@@ -823,8 +872,6 @@ class LoopMachine:
             self._unresolved.pop(g.prompt_no, None)
         self._step += 1
         self._next_at_latest = False
-        if taken:
-            self._overtaken_before = min(g.admitted for g in taken)
         out = Handout(
             step=self._step,
             version=self.latest,
@@ -945,6 +992,19 @@ class LoopMachine:
             if stopped:
                 self.totals["continued"] += 1
         return actions
+
+    def _oldest_judged(self, g: _Group) -> int | None:
+        """The oldest version group ``g``, in flight, can be judged from once complete (rule 6):
+        its finished samples' judged versions and the floors of its jobs (a job stopped to go on
+        at a fresher floor may still answer whole before its stop lands). None for a group being
+        stopped (it will not complete)."""
+        if g.stop is not None:
+            return None
+        if g.scoring is not None:
+            return g.scoring.judged_version
+        versions = [s.done.judged_version for s in g.slots if s.done is not None]
+        versions += [p.floor for p in g.pieces.values()]
+        return min(versions) if versions else None
 
     def _judge_ready(self, now: float) -> list[Action]:
         """Rule 6 at consume time, for every ready group at the trainer's version."""
