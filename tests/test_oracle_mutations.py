@@ -32,6 +32,7 @@ import pytest
 
 from reliability.adversary.journal import tokens_digest
 from reliability.adversary.oracle import (
+    CLAIMED_AFTER_THE_ANSWER,
     FleetTopology,
     judge_kept,
     load_kept,
@@ -895,6 +896,39 @@ def test_a_moved_copy_acked_in_progress_then_handed_back_was_not_run_twice(recor
     job = _moved_copy(h, ["+WPI"])
     found = h.judge()
     assert [m for m in found.get("moved", []) if job in m], found
+
+
+@pytest.mark.timeout(240)
+def test_a_moved_copy_claimed_only_after_the_first_answer_was_stored_is_unverified_not_moved(
+    recorded: Path, tmp_path: Path
+) -> None:
+    """Campaign 1, seed 24769: a turn moved off a replica whose link to the broker stalled upward;
+    the copy's taker watched the stale claim (+WPI), the holder's writes landed when the link
+    healed, it stored its answer and released the claim, and the taker claimed the copy 1.77 s
+    after that answer, then acked it (+ACK) answering nothing: it found the answer once it held
+    the claim. Unverified, never a pass; claimed while the first run still held it, the same
+    history is a double run (``moved``)."""
+    for name, after_the_answer in (("fine", True), ("bad", False)):
+        h = History(recorded, tmp_path / name)
+        job = _moved_copy(h, [])
+        copy = h.tap["deliveries"][-1]
+        answer = min((p for p in h.tap["published"] if p.get("job_id") == job), key=lambda p: p["t"])
+        key = claim_key(job)
+        # (after the first holder's own claim writes and its release, if the job is claimed)
+        since = max([float(answer["t"]), *(float(c[0]) for c in h.tap["claims"] if c[1] in (job, key))])
+        claimed = since + 0.5 if after_the_answer else float(copy["t"]) + 0.1
+        h.tap["claims"].append([claimed, key, f"{copy['worker']}:4242-feedface@{claimed:.3f}", "PUT", "stored"])
+        h.tap["claims"].append([claimed + 0.3, key, "", "DEL", "stored"])
+        h.tap["acks"][copy["ack"]] = [[float(copy["t"]) + 0.004, "+WPI"], [claimed + 0.3, "+ACK"]]
+        found = h.judge()
+        moved = [m for m in found.get("moved", []) if job in m]
+        if after_the_answer:
+            assert not moved, found
+            oracle = load_kept(h.dir)
+            oracle.judge()
+            assert oracle.unverified.get(f"moved: {CLAIMED_AFTER_THE_ANSWER}") == 1, dict(oracle.unverified)
+        else:
+            assert moved, found
 
 
 @pytest.mark.timeout(240)

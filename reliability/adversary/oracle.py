@@ -125,6 +125,10 @@ COMMIT_SLACK_S = 0.5  # a result finished this long before its version's commit 
 # after it (the tap hears a message as the broker stores it, give or take the copy's freeze).
 LOSS_MARGIN_S = 0.2
 LOST_WITH_STORE = "lost with the broker's store"  # (the unverified reasons of facts a store loss took)
+# (the unverified reason of a moved copy whose taker held its claim only once the job was answered)
+CLAIMED_AFTER_THE_ANSWER = (
+    "the copy's taker claimed it only after the first run's answer was stored, and answered nothing"
+)
 
 
 @dataclass
@@ -1909,6 +1913,23 @@ class Oracle:
                     if finished and not second and not answered_by_second and not claimed_by_second:
                         self.unverified["moved: the copy's taker said, claimed and answered nothing"] += 1
                         continue
+                    # A taker whose claim was stored only after the first run's answer was, and that
+                    # acked its copy answering nothing, found that answer once it held the claim: a
+                    # run ends in an answer published (or a claim lost, which nobody took here). The
+                    # look it made is the worker's own rule, not a fact on the wire: unverified, not a
+                    # pass (campaign 1, seed 24769: a turn moved off a replica whose link to the broker
+                    # stalled upward; the copy's taker watched the stale claim, the holder's writes
+                    # landed when the link healed, it answered and released, and the taker's claim
+                    # came 1.77 s after that answer, then +ACK).
+                    if (
+                        finished
+                        and claimed_by_second
+                        and not answered_by_second
+                        and any(k == "+ACK" for _, k in second)
+                        and self._claimed_only_after(job_id, d2, finished[0], claims_by_key, claim_key)
+                    ):
+                        self.unverified[f"moved: {CLAIMED_AFTER_THE_ANSWER}"] += 1
+                        continue
                     # A taker that acked progress first (it holds the copy while it asks whether the
                     # first holder lives), then handed it back, having claimed and answered nothing,
                     # ran nothing either: a job of this kind is claimed before it runs (campaign 8,
@@ -1919,7 +1940,13 @@ class Oracle:
                         and any(k in ("-NAK", "+TERM", "+ACK") for _, k in second)
                     )
                     if finished and not handed_back and (answered_by_second or not declined):
-                        state = "draining (SIGTERM)" if holder.how.startswith("terminated") else "alive"
+                        # (How its process ended, and when: a process SIGTERMed long after it answered
+                        # was not draining when it ran the job.)
+                        state = "alive" + (
+                            f" (its process ended {holder.end - finished[0].t:.1f} s after it answered, {holder.how})"
+                            if holder.end is not None and holder.how
+                            else ""
+                        )
                         self.violations.append(
                             Violation(
                                 "moved",
@@ -1970,6 +1997,24 @@ class Oracle:
         proc = self.proc_at(worker, t1)
         stops = list(getattr(proc, "stops", None) or []) + list(getattr(self.tl, "broker_paused", []))
         return proc is not None and any(a <= t1 and b >= t0 for a, b in stops)
+
+    def _claimed_only_after(
+        self, job_id: str, d2: Any, answer: Any, claims_by_key: dict[str, list[Any]], claim_key: Any
+    ) -> bool:
+        """Whether every claim the taker of ``d2`` (a moved copy) stored came after ``answer`` (the
+        first run's, seen on the wire) was stored: the results stream holds that answer (by its
+        digest), and the taker's first stored claim after its delivery was heard more than
+        ``LOSS_MARGIN_S`` after the answer was."""
+        keys = {job_id} | ({claim_key(job_id)} if claim_key else set())
+        mine = [
+            t
+            for k in keys
+            for t, value, op, st in claims_by_key.get(k, [])
+            if st == "stored" and op.upper() == "PUT" and (value or "").startswith(f"{d2.worker}:") and t >= d2.t
+        ]
+        key = answer.key or ""
+        in_stream = {str(e.get("digest")) for k in {key, self.idem.get(key, key)} for e in self.stored.get(k, [])}
+        return bool(mine) and answer.digest in in_stream and min(mine) > answer.t + LOSS_MARGIN_S
 
     def _drained(self, worker: str, t: float) -> bool:
         """Whether ``worker``'s process at ``t`` was one that was later stopped gracefully."""
