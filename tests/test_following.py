@@ -9,9 +9,12 @@ from rollfleet.workers.following import (
     MAX_RETRY_S,
     FailedVersion,
     FollowDecision,
+    StartStep,
     after_failure,
+    after_late_prepare,
     fallback_versions,
     follow,
+    start_step,
 )
 
 
@@ -49,6 +52,81 @@ def test_follow(
     latest: int | None, served: int, failed: FailedVersion | None, now: float, held: bool, expected: FollowDecision
 ) -> None:
     assert follow(latest, served, failed, now, held=held) == expected
+
+
+def test_a_prepare_still_running_here_is_waited_for_not_retried_over() -> None:
+    """While a prepare abandoned past its bound still holds the checkpoint, a newer commit or a
+    due retry waits for it (its return wakes the loop) instead of failing, and backing off, once
+    per look: its work is kept and the next prepare continues from it."""
+    assert follow(5, 3, None, 0.0, held=False, busy=True) == FollowDecision(None)
+    assert follow(5, 3, FailedVersion(4, 1, 1.0), 9.0, held=False, busy=True) == FollowDecision(None)
+    assert follow(5, 3, None, 0.0, held=False, busy=False) == FollowDecision(5)
+
+
+def test_a_late_prepare_that_succeeds_clears_the_failure_it_was_counted_as() -> None:
+    failed = FailedVersion(7, 3, 100.0)
+    assert after_late_prepare(failed, 7) is None  # materialized after all: followed at once
+    assert after_late_prepare(failed, 8) is None  # (a newer one holds every older one's tensors)
+    assert after_late_prepare(failed, 6) == failed  # an older one says nothing of version 7
+    assert after_late_prepare(None, 6) is None
+
+
+@pytest.mark.parametrize(
+    ("latest", "older", "attempts", "free", "expected"),
+    [
+        (7, None, {}, 2, StartStep("try", 7)),  # the latest first, in its own directory
+        (7, None, {7: "running"}, 1, StartStep("wait")),  # within its bound: given its time
+        (7, None, {7: "done"}, 1, StartStep("serve", 7)),
+        (7, None, {7: "failed"}, 2, StartStep("list")),  # what to fall back to, once
+        (7, None, {7: "stuck"}, 1, StartStep("list")),
+        (7, [6, 4], {7: "failed"}, 2, StartStep("try", 6)),
+        # Stuck in a read: the next older one is tried in the other directory, not refused (the
+        # adversary's seed 747109: every older version refused, and the worker exited 2).
+        (7, [6, 4], {7: "stuck"}, 1, StartStep("try", 6)),
+        (7, [6, 4], {7: "stuck", 6: "failed"}, 1, StartStep("try", 4)),
+        (7, [6, 4], {7: "stuck", 6: "stuck"}, 0, StartStep("wait")),  # slow reads: wait for either
+        (7, [6, 4], {7: "stuck", 6: "failed", 4: "failed"}, 1, StartStep("wait")),  # the latest may yet return
+        (7, [6, 4], {7: "stuck", 6: "done"}, 0, StartStep("serve", 6)),  # serve now, follow later
+        (7, [6, 4], {7: "done", 6: "done"}, 2, StartStep("serve", 7)),
+        (7, [6, 4], {7: "failed", 6: "failed", 4: "failed"}, 2, StartStep("give_up")),  # nothing ever can be
+        (7, [], {7: "stuck"}, 1, StartStep("wait")),  # held (no fallback): waits for its version
+        (7, [], {7: "failed"}, 2, StartStep("give_up")),
+    ],
+)
+def test_start_step(
+    latest: int, older: list[int] | None, attempts: dict[int, str], free: int, expected: StartStep
+) -> None:
+    assert start_step(latest, older, attempts, free) == expected  # type: ignore[arg-type]
+
+
+def test_a_start_that_serves_nothing_ends_only_when_every_version_failed() -> None:
+    """Walked through every order of outcomes: a start gives up only when no attempt is left
+    running, stuck or untried, and never tries a version twice or one outside its candidates."""
+    import itertools
+
+    latest, older = 3, [2, 1, 0]
+    for outcomes in itertools.product(("done", "failed", "stuck"), repeat=4):
+        attempts: dict[int, str] = {}
+        tried: list[int] = []
+        listed: list[int] | None = None
+        for _ in range(20):
+            busy = sum(1 for a in attempts.values() if a in ("running", "stuck"))
+            step = start_step(latest, listed, attempts, max(0, 2 - busy))  # type: ignore[arg-type]
+            if step.action == "list":
+                listed = older
+            elif step.action == "try":
+                assert step.version is not None and step.version not in tried
+                tried.append(step.version)
+                attempts[step.version] = outcomes[[latest, *older].index(step.version)]
+            else:
+                break
+        ok = [v for v, a in attempts.items() if a == "done"]
+        if ok:
+            assert step == StartStep("serve", max(ok))
+        elif step.action == "give_up":
+            assert set(attempts) == {latest, *older} and set(attempts.values()) == {"failed"}
+        else:
+            assert step.action == "wait" and "stuck" in attempts.values()
 
 
 def test_fallback_versions_are_older_committed_ones_newest_first() -> None:

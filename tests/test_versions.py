@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -214,4 +215,70 @@ async def test_a_prepare_stuck_in_a_read_degrades_and_sigterm_still_stops_the_wo
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.to_thread(proc.wait, 30) == 0
         finally:
+            terminate(proc)
+
+
+async def test_a_worker_started_while_its_reads_hang_waits_then_serves_what_it_can_read(
+    nats_url: str, namespace: str, tmp_path: Path, base: Path
+) -> None:
+    """A replica started while the store's reads hang (a wedged or very slow mount) waits,
+    ``starting`` and saying why, instead of exiting: once an older committed version can be read
+    it serves that one, ``degraded``, while the latest's read still hangs, and it moves to the
+    latest once that read returns. Before the fix, the first prepare past its bound refused every
+    other version ("an earlier prepare is still stuck") and the worker exited 2."""
+    store, gates = tmp_path / "store", tmp_path / "gates"
+    gates.mkdir()
+    tests_dir = str(Path(__file__).parent)
+    env = {
+        "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]),
+        "RF_TEST_READ_GATES": str(gates),
+    }
+    log = tmp_path / "worker.log"
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        publisher = PolicyPublisher(store, base)
+        t = tensors_of(base)
+        await client.publish_policy(publisher, t)
+        await client.publish_policy(publisher, bump(t))  # v1: the latest when the worker starts
+        proc = start_worker_process(
+            nats_url,
+            namespace,
+            "gated-0",
+            "--store",
+            str(store),
+            "--local-dir",
+            str(tmp_path / "local"),
+            "--pre-read-hook",
+            "read_gates:gated_read",
+            "--prepare-timeout",
+            "2",
+            log_path=log,
+            env=env,
+        )
+
+        def entry() -> Any:
+            assert proc.poll() is None, f"the worker exited with {proc.returncode}: {log.read_text()[-1500:]}"
+            live = [r for r in client.fleet.replicas() if r.pid == proc.pid]
+            return live[0] if live else None
+
+        try:
+            # Both versions' reads hang: it waits for them, saying so, and serves nothing yet.
+            await wait_until(lambda: "version 0" in (((e := entry()) and e.degraded_reason) or ""), timeout=40)
+            waiting = entry()
+            assert waiting.state == "starting" and "version 1" in (waiting.degraded_reason or ""), waiting
+            (gates / "0").touch()  # v0 can be read again; v1's read still hangs
+            await wait_until(lambda: (e := entry()) is not None and e.state not in ("starting",), timeout=30)
+            serving = entry()
+            assert serving.state == "degraded" and serving.active_version == 0, serving
+            assert "version 1" in (serving.degraded_reason or ""), serving
+            result = await (await client.submit(payload(), exact_version=0)).result(10)
+            assert result.version_start == 0 and result.worker_id == "gated-0"
+            (gates / "1").touch()  # the latest's read returns: it follows to the latest
+            await wait_until(lambda: (e := entry()) is not None and e.state == "ready" and e.active_version == 1, 40)
+            result = await (await client.submit(payload(), exact_version=1)).result(10)
+            assert result.version_start == 1 and result.worker_id == "gated-0"
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(proc.wait, 30) == 0
+        finally:
+            for n in ("0", "1"):
+                (gates / n).touch()  # (no reader thread left waiting)
             terminate(proc)

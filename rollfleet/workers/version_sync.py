@@ -16,9 +16,13 @@ within milliseconds normally, and at the latest ``resync_s`` later.
 Without a weight store (``store_dir`` None, e.g. the echo engine) an activation only moves the
 engine's version: no files are read.
 
-Preparing is bounded (``prepare_timeout_s``): a read that never returns (a wedged mount, a hook
-that hangs) marks the replica ``degraded`` instead of leaving it ``preparing`` forever, and the
-stuck thread is a daemon, so it never keeps the process from exiting on SIGTERM.
+Preparing is bounded (``prepare_timeout_s``): a read that is slow or never returns (a wedged
+mount, a hook that hangs) marks the replica ``degraded`` instead of leaving it ``preparing``
+forever, and the stuck thread is a daemon, so it never keeps the process from exiting on SIGTERM.
+Past its bound the prepare is not abandoned: its thread goes on holding the checkpoint directory
+it writes, and its work is kept. A serving replica keeps its version meanwhile and tries nothing
+else in that directory (``following.follow``'s ``busy``); the thread's return wakes the follow
+loop, which continues from what it materialized.
 
 What to reload is computed against what the engine holds, never against the local checkpoint's
 marker: a version materialized but never activated (its prepare, staging or activation failed,
@@ -33,7 +37,12 @@ A (re)started replica whose latest committed version cannot be materialized and 
 unreadable, missing) serves the newest version below it that can be (``fallback_versions``), reports
 ``degraded`` naming the bad version, and follows commits as usual; it exits
 (``NoServableVersion``) only when no version can be served. Exiting instead would let a bad commit
-take down every replica that restarts after it.
+take down every replica that restarts after it. The steps are ``following.start_step``'s. A
+start-up prepare past its bound (slow reads) does not refuse the others: the next older version
+is tried in a second checkpoint directory (``<local-dir>/.rollfleet-fallback``, a second copy of
+the model on disk, made only then), the first of them to materialize is served, and while
+nothing has yet the replica waits, ``starting`` with its ``degraded_reason`` saying why, for as
+long as a prepare may still return.
 
 ``hold_version``: the replica serves that version and no other (pinned sessions and exact jobs
 of an old version keep a replica while they need one); announcements of newer ones are ignored.
@@ -43,11 +52,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +78,31 @@ from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, VersionActivated, VersionRecord, decode, encode
 from rollfleet.schemas.errors import NoServableVersion, PolicyError, PrepareTimeout, RollfleetError
 from rollfleet.workers.engines import Engine
-from rollfleet.workers.following import FailedVersion, after_failure, fallback_versions, follow
+from rollfleet.workers.following import (
+    Attempt,
+    FailedVersion,
+    after_failure,
+    after_late_prepare,
+    fallback_versions,
+    follow,
+    start_step,
+)
 from rollfleet.workers.registry import Registration
 from rollfleet.workers.serving import ServedVersion
 from rollfleet.workers.worker_metrics import WorkerMetrics
+
+FALLBACK_SLOT = ".rollfleet-fallback"  # the second checkpoint directory, inside the first
+
+
+@dataclass
+class _Flight:
+    """A materialization running on a daemon thread into ``where``; ``abandoned``: its caller
+    stopped waiting (past its bound, or the start that launched it moved on)."""
+
+    version: int
+    where: Path
+    task: asyncio.Task[MaterializeResult]
+    abandoned: bool = False
 
 
 class VersionSync:
@@ -108,7 +137,11 @@ class VersionSync:
             if store_dir is None
             else open_store(store_dir, **({"endpoint": store_endpoint} if store_endpoint else {}))
         )
+        # The checkpoint directory the engine loads from; at start-up it may become the fallback
+        # slot (another directory, where a prepare stuck in the first cannot block it).
         self.local_dir = Path(local_dir)
+        self._slots = (self.local_dir, self.local_dir / FALLBACK_SLOT)
+        self._flights: dict[Path, _Flight] = {}  # materializations running, by the directory they hold
         self._worker_id = worker_id
         self._on_activated = on_activated  # wakes the worker's pull loop for the new subjects
         self._drain_exact = drain_exact  # waits for (then hands back) exact jobs of the old version
@@ -122,7 +155,6 @@ class VersionSync:
         # Checksums of the tensors the engine holds ("fmt:hex"): those of the checkpoint it started
         # on, then of each version it activated. None: not known (reload what materialize says).
         self.engine_sums: dict[str, str] | None = None
-        self._stuck: threading.Event | None = None  # set when an abandoned prepare finally returns
         self._kv: KeyValue | None = None
         self._registration: Registration | None = None
         self._wake = asyncio.Event()
@@ -155,16 +187,12 @@ class VersionSync:
         if registration is not None:  # clients see a replica preparing `target`, not an empty fleet
             await registration.write(preparing_version=target)
         t0 = time.perf_counter()
-        try:
-            result = await self._materialize(target)
-        except (PolicyError, OSError) as exc:
-            if self.hold_version is not None:
-                raise  # held: that version and no other
-            result = await self._fall_back(target, exc)
+        result = await self._start_on(target, registration)
         self.engine_sums = dict(result.checksums)  # the engine starts on this checkpoint, whole
         self.log.info(
             "caught up",
             version=result.version,
+            local_dir=str(self.local_dir),
             reseeded=result.reseeded,
             applied=result.applied,
             fetched_bytes=result.fetched_bytes,  # from an object store (0 for a directory)
@@ -181,11 +209,8 @@ class VersionSync:
         except (nats.errors.Error, nats.js.errors.Error, RollfleetError):
             return False
 
-    async def _fall_back(self, latest: int, error: PolicyError | OSError) -> MaterializeResult:
-        """The newest version below ``latest`` that materializes and verifies, to serve degraded;
-        ``NoServableVersion`` when there is none."""
-        errors: dict[int, BaseException] = {latest: error}
-        self.log.error("the latest version cannot be served; trying older ones", version=latest, error=str(error))
+    async def _older_committed(self, latest: int) -> list[int]:
+        """The versions below ``latest`` a replica may fall back to, newest first."""
         store = self.store
         assert store is not None  # (without a store nothing is read, so nothing fails)
         try:
@@ -197,25 +222,103 @@ class VersionSync:
             self.log.error("listing the store failed", error=str(exc))
             present = []
         committed = [v for v in present if v < latest and await self._committed(v)]
-        for version in fallback_versions(present, latest, committed):
-            try:
-                result = await self._materialize(version)
-            except (PolicyError, OSError) as exc:
-                errors[version] = exc
-                self.log.warning("an older version cannot be served either", version=version, error=str(exc))
-                continue
-            self._fail(latest)  # the follow loop retries it later, or follows a newer commit
-            self.start_degraded = f"version {latest} cannot be served ({_reason(error)}); serving {version}"
-            self.failures.append(self.start_degraded)
-            if self._metrics is not None:
-                self._metrics.prepare_failures.inc()
-            return result
-        shown = "; ".join(f"version {v}: {_reason(exc)}" for v, exc in list(errors.items())[:4])
-        raise NoServableVersion(
-            f"no committed version at or below {latest} can be served from {store_label(store)} ({shown})",
-            latest=latest,
-            failures={v: getattr(exc, "code", type(exc).__name__) for v, exc in errors.items()},
-        )
+        return fallback_versions(present, latest, committed)
+
+    async def _start_on(self, latest: int, registration: Registration | None) -> MaterializeResult:
+        """The checkpoint to start serving on: ``latest`` if it materializes, else the newest older
+        committed version that does (``following.start_step`` decides each step); waits while a
+        prepare past its bound may still return; ``NoServableVersion`` when every one failed."""
+        if self.store is None:
+            return await self._materialize(latest)
+        held = self.hold_version is not None
+        older: list[int] | None = [] if held else None  # held: that version and no other
+        attempts: dict[int, Attempt] = {}
+        flights: dict[int, _Flight] = {}
+        errors: dict[int, BaseException] = {}
+        bound_at: dict[int, float] = {}
+        for flight in self._flights.values():  # (left by an earlier try of this start: waited for too)
+            attempts[flight.version], flights[flight.version] = "stuck", flight
+            errors[flight.version] = PrepareTimeout(f"an earlier prepare of version {flight.version} is still running")
+        while True:
+            free = [slot for slot in self._slots if slot not in self._flights]
+            step = start_step(latest, older, attempts, len(free))
+            if step.action == "serve":
+                assert step.version is not None
+                flight = flights[step.version]
+                self.local_dir = flight.where
+                if step.version < latest:
+                    self._start_degraded(latest, step.version, errors[latest])
+                return flight.task.result()
+            if step.action == "list":
+                older = await self._older_committed(latest)
+            elif step.action == "try":
+                assert step.version is not None
+                if step.version != latest:
+                    self.log.warning("trying an older version", version=step.version, local_dir=str(free[0]))
+                flights[step.version] = self._launch(step.version, free[0])
+                attempts[step.version] = "running"
+                bound_at[step.version] = time.monotonic() + self.prepare_timeout_s
+            elif step.action == "give_up":
+                if held:
+                    raise errors[latest]
+                shown = "; ".join(f"version {v}: {_reason(exc)}" for v, exc in list(errors.items())[:4])
+                raise NoServableVersion(
+                    f"no committed version at or below {latest} can be served from {store_label(self.store)} ({shown})",
+                    latest=latest,
+                    failures={v: getattr(exc, "code", type(exc).__name__) for v, exc in errors.items()},
+                )
+            else:  # wait: for a prepare to return, or for the one within its bound to pass it
+                running = [bound_at[v] for v, a in attempts.items() if a == "running"]
+                pending = {flights[v].task for v, a in attempts.items() if a in ("running", "stuck")}
+                pending |= {f.task for f in self._flights.values()}  # (whatever holds a directory)
+                timeout = max(0.0, min(running) - time.monotonic()) if running else None
+                await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if self._settle_start(attempts, flights, errors, bound_at) and registration is not None:
+                    # Serving nothing yet, and why ("degraded" would tell clients it pulls jobs).
+                    await registration.write(degraded_reason=_waiting_reason(errors))
+
+    def _settle_start(
+        self,
+        attempts: dict[int, Attempt],
+        flights: dict[int, _Flight],
+        errors: dict[int, BaseException],
+        bound_at: dict[int, float],
+    ) -> bool:
+        """Record how the start-up prepares went since the last look; True if one failed or passed
+        its bound while one is stuck (what the replica says while it waits changed)."""
+        changed = False
+        for v, attempt in list(attempts.items()):
+            task = flights[v].task
+            if attempt in ("running", "stuck") and task.done():
+                exc = task.exception()
+                if exc is None:
+                    attempts[v] = "done"
+                    continue
+                if not isinstance(exc, (PolicyError, OSError)):
+                    raise exc
+                attempts[v], errors[v] = "failed", exc
+                self.log.warning("a version cannot be served", version=v, error=str(exc))
+                changed = True
+            elif attempt == "running" and time.monotonic() >= bound_at[v]:
+                flights[v].abandoned = True  # (its thread goes on; this start no longer waits on it alone)
+                attempts[v] = "stuck"
+                errors[v] = PrepareTimeout(
+                    f"materializing version {v} took longer than {self.prepare_timeout_s:g} s (a read that is slow "
+                    "or never returns); still running"
+                )
+                self.log.warning("a prepare is past its bound; waiting for it", version=v, error=str(errors[v]))
+                changed = True
+        return changed and "stuck" in attempts.values()
+
+    def _start_degraded(self, latest: int, version: int, error: BaseException) -> None:
+        """Started on ``version`` although ``latest`` is committed: say why; the follow loop tries
+        ``latest`` again later, or follows a newer commit."""
+        self._fail(latest)
+        self.start_degraded = f"version {latest} cannot be served ({_reason(error)}); serving {version}"
+        self.failures.append(self.start_degraded)
+        self.log.error("the latest version cannot be served; serving an older one", version=latest, serving=version)
+        if self._metrics is not None:
+            self._metrics.prepare_failures.inc()
 
     def start(self, registration: Registration) -> None:
         self._registration = registration
@@ -287,7 +390,14 @@ class VersionSync:
                 if read is not None and (latest is None or read > latest):
                     latest = read
             now = time.monotonic()
-            decision = follow(latest, self._served.version, self._failed, now, held=self.hold_version is not None)
+            decision = follow(
+                latest,
+                self._served.version,
+                self._failed,
+                now,
+                held=self.hold_version is not None,
+                busy=self.local_dir in self._flights,  # a prepare past its bound: its return wakes us
+            )
             if decision.wake_at is not None:
                 self._wake_at(decision.wake_at)  # that version failed here lately: try it again then
             if decision.target is not None:
@@ -359,38 +469,68 @@ class VersionSync:
         return drain.result()
 
     async def _materialize(self, target: int) -> MaterializeResult:
-        """materialize() on a daemon thread, bounded; a stuck one is abandoned and blocks retries."""
+        """Materialize ``target`` into the engine's checkpoint directory, bounded; past the bound
+        the thread goes on (``_launch``) and ``PrepareTimeout`` is raised."""
         if self.store is None:  # nothing to read: the version is all there is to activate
             return MaterializeResult(version=target, previous_version=self._served.version, changed=[])
+        held = self._flights.get(self.local_dir)
+        if held is not None:  # (the follow loop waits for it; never two writers in one directory)
+            raise PrepareTimeout(f"the prepare of version {held.version} is still running; not preparing {target}")
+        flight = self._launch(target, self.local_dir)
+        try:
+            return await asyncio.wait_for(asyncio.shield(flight.task), self.prepare_timeout_s)
+        except TimeoutError:
+            flight.abandoned = True
+            raise PrepareTimeout(
+                f"materializing version {target} took longer than {self.prepare_timeout_s:g} s (a read that is slow "
+                "or never returns); still running"
+            ) from None
+
+    def _launch(self, target: int, where: Path) -> _Flight:
+        """``materialize`` of ``target`` into ``where`` on a daemon thread (a stop never waits for it),
+        held in ``_flights`` until the thread returns, however long after its caller gave up."""
         store = self.store
-        if self.stuck:
-            raise PrepareTimeout(f"an earlier prepare is still stuck; not preparing version {target}")
-        done = threading.Event()
+        assert store is not None and where not in self._flights
 
         def run() -> MaterializeResult:
             try:
-                return materialize_from(store, self.local_dir, target, pre_read_hook=self._pre_read_hook)
+                return materialize_from(store, where, target, pre_read_hook=self._pre_read_hook)
             except OSError as exc:  # the replica's own disk refusing a write: typed, retried later
-                typed = as_local_disk_error(exc, str(self.local_dir))
+                typed = as_local_disk_error(exc, str(where))
                 if typed is None:
                     raise
                 raise typed from exc
-            finally:
-                done.set()
 
-        try:
-            return await asyncio.wait_for(in_daemon_thread(run), self.prepare_timeout_s)
-        except TimeoutError:
-            self._stuck = done
-            raise PrepareTimeout(
-                f"materializing version {target} took longer than {self.prepare_timeout_s:g} s (a read that never "
-                "returns?); abandoned"
-            ) from None
+        flight = _Flight(target, where, asyncio.ensure_future(in_daemon_thread(run)))
+        self._flights[where] = flight
+        flight.task.add_done_callback(lambda _: self._landed(flight))
+        return flight
+
+    def _landed(self, flight: _Flight) -> None:
+        """A materialization's thread returned. One its caller gave up on wakes the follow loop, and
+        its success clears the failure it was counted as (the next prepare continues from it)."""
+        self._flights.pop(flight.where, None)
+        if flight.task.cancelled():
+            return
+        exc = flight.task.exception()  # (retrieved here: nobody may be awaiting it any more)
+        if not flight.abandoned:
+            return
+        self.log.info(
+            "a prepare past its bound returned",
+            version=flight.version,
+            local_dir=str(flight.where),
+            error=None if exc is None else str(exc),
+        )
+        if exc is None and flight.where == self.local_dir:
+            self._failed = after_late_prepare(self._failed, flight.version)
+        if self._tasks:
+            self.notice(None)
 
     @property
     def stuck(self) -> bool:
-        """Whether an abandoned prepare is still running (stuck in a read)."""
-        return self._stuck is not None and not self._stuck.is_set()
+        """Whether a materialization's thread is still running (a prepare stuck in a read, or one
+        a stop did not wait for): its pool's threads would hold the interpreter's exit."""
+        return bool(self._flights)
 
     # -- prepare, activate, announce --------------------------------------------------------
     async def update_to(self, target: int) -> VersionActivated | None:
@@ -553,6 +693,12 @@ async def announce_start(sync: VersionSync, version: int) -> None:
     )
     with suppress(Exception):
         await sync._js.publish(sync._names.versions_activated, encode(announcement))
+
+
+def _waiting_reason(errors: dict[int, BaseException]) -> str:
+    """What a starting replica that serves nothing yet says while it waits."""
+    shown = "; ".join(f"version {v}: {_reason(errors[v])}" for v in sorted(errors, reverse=True)[:4])
+    return f"serving nothing yet, waiting for a prepare still running ({shown})"
 
 
 def _reason(exc: BaseException) -> str:
