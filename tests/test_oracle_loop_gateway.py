@@ -265,6 +265,34 @@ def test_a_key_is_one_answer_and_a_retried_key_no_new_turn() -> None:
     assert "answered 504 Expired" in j.flagged()["once"][0]
 
 
+def test_a_try_cut_short_by_the_trainers_sigkill_counts_from_its_send() -> None:
+    # Seed 747109: turns 0 and 1 answered; turn 2's try sent, then the trainer SIGKILLed before
+    # the try ended (no ``gw_try``), and its turn ran: three jobs, for three keys sent.
+    tokens = made(PROMPT, 6, 0, seed=None, index=0)
+    records = [*turn_call("r0", "tr", 0, "k0", [{"status": 200, "answer": gw_answer("j0", tokens, 0, "k0")}]),
+               *turn_call("r1", "tr", 1, "k1", [{"status": 200, "answer": gw_answer("j1", tokens, 0, "k1")}]),
+               *turn_call("r2", "tr", 2, "k2", [])]  # fmt: skip
+    sent = {"ev": "gw_send", "rid": "r2", "try": 1, "key": "k2", "input_ids": PROMPT}
+    sessions = ({"j0": "gw-s", "j1": "gw-s", "j2": "gw-s"}, {"gw-s": {"j0", "j1", "j2"}})
+    j = Judged()
+    judge_keys_and_turns(j, calls_of([*records, sent]), *sessions)
+    assert j.flagged() == {}
+    # Without the send, nothing accounts for the third job: a turn too many.
+    j = Judged()
+    judge_keys_and_turns(j, calls_of(records), *sessions)
+    assert "ran 3 turn jobs for 2 keys" in j.flagged()["once"][0]
+    # A keyless try counts once, from its send and its end alike; a second one only if sent.
+    keyless = [*turn_call("r0", "tr", 0, None, [{"status": 200, "answer": gw_answer("j0", tokens, 0, None)}]),
+               {"ev": "gw_send", "rid": "r0", "try": 1, "key": None, "input_ids": PROMPT}]  # fmt: skip
+    two = ({"j0": "gw-s", "j1": "gw-s"}, {"gw-s": {"j0", "j1"}})
+    j = Judged()
+    judge_keys_and_turns(j, calls_of(keyless), *two)
+    assert "ran 2 turn jobs for 1 keys" in j.flagged()["once"][0]
+    j = Judged()
+    judge_keys_and_turns(j, calls_of([*keyless, {**keyless[-1], "try": 2}]), *two)
+    assert j.flagged() == {}
+
+
 def test_a_turn_answered_outside_its_version_or_below_its_last_is_flagged() -> None:
     def judged(records: list[Any]) -> dict[str, list[str]]:
         j = Judged()

@@ -16,9 +16,10 @@ do:
   streamed, whose caller always leaves at a random moment (while the gateway parses, submits,
   waits or streams): their jobs must be cancelled (the oracle's ``gone``).
 
-Every call (``gw_call``) and every try (``gw_try``: which gateway, when sent, when the caller
-left, the status and the answer as ``journal.http_answer`` reads it) is journaled, fsynced, before
-and after it happens. Nothing here checks anything: ``reliability.adversary.oracle_gateway`` does.
+Every call (``gw_call``) is journaled, fsynced, before it is tried; every try before it is sent
+(``gw_send``: which gateway, when, its key and prompt) and after it ends (``gw_try``: the same,
+when the caller left, the status and the answer as ``journal.http_answer`` reads it). Nothing
+here checks anything: ``reliability.adversary.oracle_gateway`` does.
 """
 
 from __future__ import annotations
@@ -178,6 +179,10 @@ class GatewaySessions:
             t_sent = time.time()
             record: dict[str, Any] = {"ev": "gw_try", "rid": rid, "try": tries, "gateway": name, "address": address,
                                       "t_sent": t_sent, "key": key, "input_ids": body["input_ids"]}  # fmt: skip
+            if address is not None:
+                # Journaled before it is sent: a trainer SIGKILLed while a try is under way never
+                # writes its ``gw_try``, yet the try may have run a turn the wiretap sees.
+                self.log({**record, "ev": "gw_send"})
             status, data, outcome = await self._post(address, body, headers, stay)
             now = time.time()
             if status is None and outcome == "left":

@@ -9,8 +9,9 @@ trainer's weights. What a gateway says about itself is never read.
   gone on) names the same job and the same tokens, and that re-ask gets its answer within the
   gateway's time-out (not a time-out, nor ``Expired``: its answer is stored; another typed
   refusal is counted not verifiable). And a trajectory (one
-  ``X-Session-Id``) runs at most one turn per key plus one per keyless try: the turn jobs the
-  wiretap saw delivered in its session are no more than that (a retried key that ran a new turn,
+  ``X-Session-Id``) runs at most one turn per key plus one per keyless try (each try counted
+  from the record journaled before it was sent): the turn jobs the wiretap saw delivered in its
+  session are no more than that (a retried key that ran a new turn,
   advancing the session, shows as one job too many).
 - ``version``: a turn's 200 answer lies within the ``weight_version`` that turn asked for (exact:
   every span at it; a floor: none below it), and within its session's policy (a gateway's
@@ -48,14 +49,34 @@ def inputs_of(input_ids: Any) -> list[list[int]]:
 
 
 def calls_of(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """rid -> the call (``gw_call``) with its tries (``gw_try``) in order."""
+    """rid -> the call (``gw_call``) with its tries as they ended (``gw_try``) and as they were
+    sent (``gw_send``), each in order."""
     calls: dict[str, dict[str, Any]] = {}
     for r in records:
         if r.get("ev") == "gw_call":
-            calls[r["rid"]] = {**r, "tries": []}
-        elif r.get("ev") == "gw_try" and r.get("rid") in calls:
-            calls[r["rid"]]["tries"].append(r)
+            calls[r["rid"]] = {**r, "tries": [], "sent": []}
+        elif r.get("ev") in ("gw_try", "gw_send") and r.get("rid") in calls:
+            calls[r["rid"]]["tries" if r["ev"] == "gw_try" else "sent"].append(r)
     return calls
+
+
+def turns_allowed(its: Sequence[dict[str, Any]]) -> int:
+    """How many turn jobs a trajectory's calls may have run: one per key a try carried, one per
+    keyless try. A try counts from its ``gw_send`` (journaled before it is sent) as well as its
+    ``gw_try`` (after it ended): a trainer SIGKILLed while a try is under way writes no
+    ``gw_try``, and that try's turn still runs (campaign seed 747109: a keyed third turn sent
+    0.18 s before the SIGKILL ran, answered 0.15 s after it)."""
+    keys: set[str] = set()
+    keyless = 0
+    for c in its:
+        ended = [t for t in c["tries"] if not str(t.get("outcome", "")).startswith("no address")]
+        sent = c.get("sent") or []
+        keys.update(str(t["key"]) for t in [*ended, *sent] if t.get("key") is not None)
+        keyless += max(
+            len({t.get("try") for t in ended if t.get("key") is None}),
+            len({t.get("try") for t in sent if t.get("key") is None}),
+        )
+    return len(keys) + keyless
 
 
 def _answered(t: dict[str, Any]) -> dict[str, Any] | None:
@@ -132,9 +153,7 @@ def judge_keys_and_turns(
             judge.unverified["once: a trajectory with no answered turn the wiretap saw"] += 1
             continue
         jobs = set().union(*(jobs_of_session.get(s, set()) for s in named))
-        allowed = len({t["key"] for t in tries if t.get("key") is not None}) + sum(
-            1 for t in tries if t.get("key") is None
-        )
+        allowed = turns_allowed(its)
         judge.check(
             "once",
             len(jobs) <= allowed,
