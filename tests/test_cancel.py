@@ -212,3 +212,31 @@ async def test_a_keyless_submit_cancelled_while_its_job_is_stored_leaves_nothing
         await wait_until(lambda: engine.running == 0, timeout=10, what="nothing running")
         assert all(n < LONG for n in finished), finished
         assert not client.unclaimed()
+
+
+async def test_a_cancelled_job_whose_holder_is_gone_is_never_stored_again(nats_url: str, namespace: str) -> None:
+    # Campaign seed 747108: a keyless session turn's HTTP caller left, so the gateway cancelled
+    # its job; the replica holding it had died, so no answer came while the cancel waited, and
+    # the session's watch, finding the holder gone, stored the job again: it ran 6 s for nobody.
+    # Here a consumer takes the job and never answers (its holder gone); while the cancel waits,
+    # the watch's requeue must store nothing.
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c", fail_fast=False) as client:
+        names = client.names
+        stops: list[bytes] = []
+
+        async def heard(msg: Msg) -> None:
+            stops.append(msg.data)
+
+        await client.nc.subscribe(names.cancel_subject(), cb=heard)
+        handle = await client.submit(payload(max_tokens=LONG), min_version=0)
+        holder = await client.js.pull_subscribe_bind(names.job_consumer("min", 0), names.jobs_stream)
+        assert [m.data for m in await holder.fetch(1, timeout=10)] == [handle.data]  # taken, never answered
+        cancel = asyncio.ensure_future(handle.cancel(timeout=3.0))
+        stop = claim_key(handle.job_id).encode()
+        await wait_until(lambda: stop in stops, timeout=10, what="the cancel's stop sent")
+        assert not handle.done()  # (the cancel still waits for an answer: the watch's moment)
+        assert not await client.placement.requeue(handle)
+        assert await cancel == "unknown"
+        with pytest.raises(Cancelled):
+            await handle.result(0)
+        assert (await client.js.stream_info(names.jobs_stream)).state.messages == 0

@@ -692,11 +692,13 @@ class RolloutClient:
 
     async def _cancel_once(self, handle: RolloutHandle, timeout: float) -> CancelOutcome:
         key = handle.idempotency_key
-        removed = await self.placement.delete(handle)  # (queued or running: never delivered again)
-        # Asked after the removal, not before: a delivery between the two looks (campaign 10,
-        # seed 6803: "withdrawn", yet the replica it reached ran and answered it) is seen, and
-        # none can follow a removal (the consumer counts a delivery as it sends it).
-        delivered = await self.placement.delivered(handle)
+        async with handle.placing:  # (a move or requeue under way ends first; none comes after)
+            handle.cancelled = True
+            removed = await self.placement.delete(handle)  # (queued or running: never delivered again)
+            # Asked after the removal, not before: a delivery between the two looks (campaign 10,
+            # seed 6803: "withdrawn", yet the replica it reached ran and answered it) is seen, and
+            # none can follow a removal (the consumer counts a delivery as it sends it).
+            delivered = await self.placement.delivered(handle)
         if not cancelling.must_stop(delivered, removed):
             self._handles.pop(key, None)
             handle.set_error(Cancelled(f"{key!r} withdrawn before a replica took it"))

@@ -38,6 +38,11 @@ class RolloutHandle:
         # Its caller waits, within its deadline, for a replica that can serve it to be started,
         # rather than take NoCompatibleReplica (``submit(..., wait_for_replica=True)``).
         self.waits_for_replica = False
+        # Its caller cancelled it: it is never stored again (a move off its replica, or a requeue
+        # when its holder is gone, would run it for nobody). Set under ``placing``, which every
+        # change of where the job lies holds: no move under way outlives the cancel's withdrawal.
+        self.cancelled = False
+        self.placing = asyncio.Lock()
         self._cancel = cancel
         self._future: asyncio.Future[RolloutResult] = asyncio.get_running_loop().create_future()
 

@@ -198,28 +198,31 @@ class JobPlacement:
         so the same job id: one answer wherever it runs) on the shared subject of its constraint;
         False if it could not be withdrawn (already answered, or the broker did not answer). A job
         lost with the broker's store is stored again all the same. If it cannot be stored again,
-        the handle fails with that (retryable) error."""
-        if handle.replica is None or handle.done():
-            return False
-        constraint = handle.job.constraint
-        try:
-            await self._declare_shared(constraint)  # before the withdrawal: nothing to lose yet
-        except RollfleetError:
-            return False  # left where it is; the watch tries again
-        if not await self._free_to_store_again(handle):
-            return False
-        handle.replica = None
-        return await self._store_again(handle, self._names.job_subject(constraint.kind, constraint.version))
+        the handle fails with that (retryable) error. A job its caller cancelled stays put."""
+        async with handle.placing:  # (one change of where it lies at a time, a cancel's included)
+            if handle.replica is None or handle.done() or handle.cancelled:
+                return False
+            constraint = handle.job.constraint
+            try:
+                await self._declare_shared(constraint)  # before the withdrawal: nothing to lose yet
+            except RollfleetError:
+                return False  # left where it is; the watch tries again
+            if not await self._free_to_store_again(handle):
+                return False
+            handle.replica = None
+            return await self._store_again(handle, self._names.job_subject(constraint.kind, constraint.version))
 
     async def requeue(self, handle: RolloutHandle) -> bool:
         """Store the job (the same bytes) again on the shared subject it lies on, withdrawing the
         copy a dead holder was delivered (or none, if the broker's store lost it); False if it
-        could not be withdrawn (it was answered, or the broker did not answer)."""
-        if handle.replica is not None or handle.done() or handle.subject is None:
-            return False
-        if not await self._free_to_store_again(handle):
-            return False
-        return await self._store_again(handle, handle.subject)
+        could not be withdrawn (it was answered, or the broker did not answer). A job its caller
+        cancelled stays put."""
+        async with handle.placing:  # (one change of where it lies at a time, a cancel's included)
+            if handle.replica is not None or handle.done() or handle.subject is None or handle.cancelled:
+                return False
+            if not await self._free_to_store_again(handle):
+                return False
+            return await self._store_again(handle, handle.subject)
 
     async def _store_again(self, handle: RolloutHandle, subject: str) -> bool:
         handle.moves += 1
