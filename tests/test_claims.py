@@ -6,6 +6,7 @@ claim is then free, and without a second look the job would be generated again."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import nats
 import pytest
 
+from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.topology import TopologyConfig, ensure_topology
 from rollfleet.runtime import faults
 from rollfleet.runtime.logs import get_logger
@@ -28,6 +30,7 @@ from rollfleet.schemas import (
 )
 from rollfleet.schemas.errors import Interrupted
 from rollfleet.testing import start_worker_process, terminate, wait_until
+from rollfleet.testing.link import LinkProxy
 from rollfleet.trainer_client import RolloutClient, answers
 from rollfleet.workers.claims import ClaimKeeper
 from rollfleet.workers.engines.echo import EchoEngine
@@ -112,6 +115,74 @@ async def test_an_at_most_once_holder_paused_past_its_claim_never_stores_an_answ
     # The holder wakes with its generation done and asks whether it may store its answer.
     assert not await holder.still_holds(first)
     assert first.claim_lost
+
+
+@pytest.mark.parametrize("direction", ["up", "down"])
+@pytest.mark.parametrize("policy", ["replayable-turn", "at_most_once"])
+async def test_a_holder_cut_off_one_way_never_keeps_a_job_a_taker_took(
+    broker: EmbeddedBroker, nc: nats.NATS, namespace: str, direction: str, policy: str
+) -> None:
+    """Campaign 1, seed 24769: a turn's holder whose link to the broker stalled upward (it still
+    received) finished generating and asked, refresh after refresh, whether it still held its
+    claim; its writes waited in the stalled direction while the moved copy's taker watched the
+    claim stand still. Whichever way one link stalls, once a taker has judged the claim (taken a
+    replayable turn over, or marked an at_most_once job's claim stopped), the holder's writes
+    that land late (up) or whose answers never come back (down) keep nothing: it learns the claim
+    is gone when the link heals and stores no answer."""
+    js, names = nc.jetstream(), Names(namespace)
+    await ensure_topology(js, names, TopologyConfig(ack_wait_s=0.3))
+    link = await LinkProxy("127.0.0.1", broker.port).start()
+    cut_off = await nats.connect(f"nats://127.0.0.1:{link.port}")
+    stalled: asyncio.Future[None] | None = None
+    try:
+        job = RolloutJob(
+            job_id=f"job-{direction}", idempotency_key=f"k-{direction}", client_id="c",
+            constraint=VersionConstraint("min", 0), payload=payload(), deadline=time.time() + 120,
+            submitted_at=time.time(), retry_policy="replayable" if policy == "replayable-turn" else "at_most_once",
+            session_id="s" if policy == "replayable-turn" else None,
+        )  # fmt: skip
+        subject = names.job_subject("min", 0)
+        await js.publish(subject, encode(job))
+        sub = await js.pull_subscribe(subject, durable="t-one-way", stream=names.jobs_stream)
+        [msg] = await sub.fetch(1, timeout=5)
+        first, second = RunningJob(msg, job), RunningJob(msg, job)
+        log = get_logger("test")
+        holder = ClaimKeeper(
+            await cut_off.jetstream().key_value(names.claims_bucket), worker_id="w2", ack_wait_s=0.3, log=log,
+            running=lambda: [first], abort=lambda r: None,
+        )  # fmt: skip
+        kv = await js.key_value(names.claims_bucket)
+        taker = ClaimKeeper(kv, worker_id="w3", ack_wait_s=0.3, log=log, running=lambda: [second], abort=lambda r: None)
+        assert await holder.claim(first) == "ok"
+        stalled = asyncio.ensure_future(link.stall(direction, 3600.0))
+        await asyncio.sleep(0.05)
+        # Its generation done, the holder asks whether it may store its answer (as w2 did).
+        asking = asyncio.ensure_future(holder.still_holds(first))
+        # The taker judges the claim by its own rules: it may look while the claim is still fresh
+        # ("held") or give up on a look the load made slow; it looks again until it has a verdict.
+        verdict, until = "held", time.monotonic() + 60
+        while verdict != "stopped" and time.monotonic() < until:
+            verdict = await taker.claim(second)
+            if verdict != "stopped":
+                await asyncio.sleep(0.2)
+        assert verdict == "stopped"
+        assert not asking.done()  # the holder heard nothing yet either way
+        stalled.cancel()  # the link heals: what waited goes through, answers come back
+        with contextlib.suppress(asyncio.CancelledError):
+            await stalled
+        assert not await asyncio.wait_for(asking, 30)
+        assert first.claim_lost
+        entry = await kv.get(claim_key(job.job_id))
+        claim = Claim.decode(entry.value)
+        if policy == "replayable-turn":
+            assert claim.holder == taker.holder and not claim.stopped  # the taker's, as it wrote it
+        else:
+            assert claim.stopped  # marked: nobody runs it again, the taker answers Interrupted
+    finally:
+        if stalled is not None:
+            stalled.cancel()
+        await cut_off.close()
+        await link.close()
 
 
 async def test_a_holder_whose_claim_is_taken_while_it_stores_its_answer_stores_no_second_one(

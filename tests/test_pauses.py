@@ -20,7 +20,14 @@ from rollfleet.schemas import RolloutResult, claim_key
 from rollfleet.schemas.errors import Expired, Interrupted
 from rollfleet.testing import ProcessGroup, wait_until
 from rollfleet.trainer_client import RolloutClient, answers
-from rollfleet.workers.claims import ClaimWatch, judge_claim, verdict_write, watched_after
+from rollfleet.workers.claims import (
+    ClaimKeeper,
+    ClaimWatch,
+    judge_claim,
+    proof_of_holding,
+    verdict_write,
+    watched_after,
+)
 from tests.helpers import payload
 
 _SLOW = ("--ack-wait", "1", "--echo-token-latency", "0.05", "--capacity", "1")
@@ -123,6 +130,31 @@ def test_a_stopped_verdict_is_written_as_a_takeover_or_marked_on_the_claim_judge
     assert verdict_write(takeover=True, exists=False) == "take_over"
     assert verdict_write(takeover=False, exists=True) == "mark_stopped"
     assert verdict_write(takeover=False, exists=False) == "create_stopped"
+
+
+@pytest.mark.parametrize("ack_wait_s", [0.3, 2.0, 30.0])
+def test_a_proof_of_holding_a_claim_runs_out_before_any_replica_may_write_over_it(ack_wait_s: float) -> None:
+    """A holder's write of its claim, stamped ``stamp`` by its own clock, lands at some moment
+    ``landed`` >= ``stamp``; its acknowledgement may come back any time later (a link stalled
+    towards the holder). A taker whose clock runs far ahead (the claim old by the clock at once)
+    and who looks every 0.05 s with the broker answering at once writes over it no sooner than
+    ``confirm_s`` after its first look; the holder's proof has run out before that, however late
+    the write landed and however late its acknowledgement arrived."""
+    keeper = ClaimKeeper(
+        None,  # type: ignore[arg-type]  # (its timings only: no bucket is read)
+        worker_id="w", ack_wait_s=ack_wait_s, log=None, running=list, abort=print,
+    )  # fmt: skip
+    assert keeper.hold_s < keeper.confirm_s
+    stamp = 1000.0
+    for landed in (stamp, stamp + 0.5, stamp + 7.0):
+        watch = ClaimWatch(keeper.stale_s, keeper.confirm_s, keeper.refresh_s, give_up_at=float("inf"))
+        t, verdict = landed, "watch"
+        while verdict == "watch":  # (the taker's looks, all after the write landed)
+            t += 0.05
+            verdict = watch.judge(7, stamp, anybody_else=True, asked=t - 0.001, answered=t, now=t + 10_000.0)
+        assert verdict == "stopped" and t >= landed + keeper.confirm_s
+        assert not proof_of_holding(stamp, t, hold_s=keeper.hold_s)
+        assert proof_of_holding(stamp, stamp + keeper.hold_s * 0.99, hold_s=keeper.hold_s)
 
 
 # -- the processes --------------------------------------------------------------------------------

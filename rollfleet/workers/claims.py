@@ -10,7 +10,9 @@ process.
 A claim names its holder and this process (a worker restarted under the same id is a new holder:
 what the old one held is not being run any more). A run whose claim changed under it (this process
 was paused or cut off while another replica took the job over or answered it) is told so
-(``lose``): it stops and answers nothing.
+(``lose``): it stops and answers nothing. A run stores its answer only on a proof that it holds
+the claim that is fresh by its own clock (``proof_of_holding``): the broker's word that its write
+stands may reach it late, after another replica took the job over.
 """
 
 from __future__ import annotations
@@ -110,6 +112,21 @@ class ClaimWatch:
         return now >= self.give_up_at
 
 
+def proof_of_holding(proved_at: float, now: float, *, hold_s: float) -> bool:
+    """Whether this process still holds a claim at ``now``, from its own write found current: the
+    write stamped ``proved_at`` (this process's clock, set as the value was made, before it was
+    sent), acknowledged, or read back as the claim's newest revision.
+
+    The write reached the broker no earlier than its stamp, and a replica judging the claim
+    (``ClaimWatch``) writes over it only after seeing that revision stand for ``confirm_s`` while
+    the broker answered it promptly. So with ``hold_s`` below ``confirm_s`` nobody has written
+    over it before ``proved_at + hold_s``, whichever way the clocks of the two machines are set.
+    When the acknowledgement or the read arrived says nothing: a link stalled towards this process
+    delivers it after the stall, when another replica may have taken the job over or answered it
+    ``Interrupted`` (campaign 1, seed 24769's cut, turned downward)."""
+    return now - proved_at < hold_s
+
+
 VerdictWrite = Literal["take_over", "create_stopped", "mark_stopped"]
 
 
@@ -154,6 +171,9 @@ class ClaimKeeper:
         # A claim old by the clock is judged stopped only after this long watched unchanged while
         # the broker answered (``judge_claim``): two refreshes of a live holder, and some.
         self.confirm_s = 3 * self.refresh_s
+        # A run's proof that it holds its claim counts for this long after the write that made it
+        # (``proof_of_holding``): half of what any replica watches a claim before it writes over it.
+        self.hold_s = self.confirm_s / 2
 
     async def claim(self, run: RunningJob) -> str:
         """Claim a job before it starts: ``"ok"`` (ours now), ``"held"`` (a replica that refreshed
@@ -249,8 +269,8 @@ class ClaimKeeper:
         """Whether another delivery of the same job runs on this replica now."""
         return any(r.job.job_id == run.job.job_id for r in self._running() if r is not run)
 
-    def value(self, job: RolloutJob | None = None) -> bytes:
-        claim = Claim(self.holder, time.time())
+    def value(self, job: RolloutJob | None = None, stamp: float | None = None) -> bytes:
+        claim = Claim(self.holder, time.time() if stamp is None else stamp)
         # A resumable job's claim is sealed with its job id, like its progress records: a claim
         # written by someone the job was never delivered to is nobody's (``read``).
         return seal_claim(job.job_id, claim) if job is not None and job.behaviour.checkpoints else claim.encode()
@@ -306,8 +326,10 @@ class ClaimKeeper:
         job_id, revision = run.job.job_id, run.claim_revision
         if revision is None:  # (not claimed by revision: nothing to compare with)
             return None
+        stamp = time.time()
         try:
-            run.claim_revision = await self.bucket.replace(job_id, self.value(run.job), revision)
+            run.claim_revision = await self.bucket.replace(job_id, self.value(run.job, stamp), revision)
+            run.claim_proved_at = stamp
             return True
         except Fenced:
             if run.job.behaviour.checkpoints:
@@ -321,6 +343,7 @@ class ClaimKeeper:
             return None
         if entry is not None and claim is not None and claim.holder == self.holder and not claim.stopped:
             run.claim_revision = entry.revision
+            run.claim_proved_at = claim.refreshed  # (that write's own stamp: when it was made)
             return True
         self.lose(run)
         return False
@@ -338,7 +361,9 @@ class ClaimKeeper:
                 return False
             entry = await self.bucket.get(job_id)
             revision = None if entry is None else entry.revision
-            run.claim_revision = await self.bucket.write(job_id, self.value(run.job), revision)
+            stamp = time.time()
+            run.claim_revision = await self.bucket.write(job_id, self.value(run.job, stamp), revision)
+            run.claim_proved_at = stamp
         except (nats.errors.Error, RollfleetError):  # the broker away, or written again meanwhile
             return None
         self._log.warning("resumable job's claim rewritten by someone else; written back", job_id=run.job.job_id)
@@ -359,7 +384,10 @@ class ClaimKeeper:
         """Just before a claimed job is answered: whether this run still holds the claim (refreshed
         by revision, retried while the broker is away). A holder paused past the moment another
         replica took the job over (or answered it ``Interrupted``), even past the duplicate window
-        that would drop a second answer, never stores one."""
+        that would drop a second answer, never stores one. Nor does a holder whose link stalled
+        towards it: the broker's word that its refresh stands counts only while that refresh is
+        fresh by this process's clock (``proof_of_holding``); one that came back later is
+        written again, and the new write finds a taker's if there is one."""
         if run.claim_lost:
             return False
         if run.claimed_at is None or run.claim_revision is None:
@@ -367,6 +395,12 @@ class ClaimKeeper:
         until = time.time() + RESULT_PUBLISH_BUDGET_S
         while True:
             held = await self.refresh_by_revision(run)
-            if held is not None or time.time() >= until:
-                return bool(held)
-            await asyncio.sleep(0.2)
+            if held is False:
+                return False
+            proved_at = run.claim_proved_at
+            if held and proved_at is not None and proof_of_holding(proved_at, time.time(), hold_s=self.hold_s):
+                return True
+            if time.time() >= until:
+                return False
+            if held is None:  # (the broker did not answer; a proof that came late is written again at once)
+                await asyncio.sleep(0.2)

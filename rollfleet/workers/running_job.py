@@ -23,6 +23,9 @@ class RunningJob:
     cancelled: bool = False  # its trainer cancelled it: stopped, and answered with what it made
     claimed_at: float | None = None  # when its claim was last written (claimed jobs)
     claim_revision: int | None = None  # of our last write of the claim (resumable jobs refresh by it)
+    # The stamp (this process's clock) of our write of the claim last found current: how fresh
+    # the proof is that no other replica has written over it (``claims.proof_of_holding``).
+    claim_proved_at: float | None = None
     took_over: bool = False  # its claim was taken over from a holder that stopped
     claim_lost: bool = False  # its claim changed under it (another replica has the job): answer nothing
     progress: ProgressLog | None = None  # resumable jobs: its checkpoints
