@@ -250,7 +250,7 @@ async def test_a_worker_started_while_its_reads_hang_waits_then_serves_what_it_c
             "--pre-read-hook",
             "read_gates:gated_read",
             "--prepare-timeout",
-            "2",
+            "1",  # (past it, a prepare is waited for, not fatal: a busy machine cannot fail this)
             log_path=log,
             env=env,
         )
