@@ -137,6 +137,39 @@ def test_a_restarted_controller_knows_its_workers_by_their_command_lines():
     assert "--hold-version" in stored and _worker_of(stored, "ns", "auto") == ("auto-v2-ff", 2)
 
 
+async def test_a_restarted_controller_adopts_only_the_workers_of_its_own_broker() -> None:
+    """Two fleets on one host (two ``up --autoscale``, or a test beside a campaign) share a namespace
+    name and the id prefix: a controller that restarts must not take the other fleet's workers for
+    its own (it would count them, and retire them)."""
+    import subprocess
+    import sys
+
+    ns = f"adopt-{uuid.uuid4().hex[:8]}"
+    mine, theirs = "nats://127.0.0.1:4301", "nats://127.0.0.1:4302"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    procs = [
+        subprocess.Popen([*sleeper, *LocalDriver(url=url, namespace=ns).command(wid, None)[2:]])
+        for url, wid in ((mine, "auto-00aa11"), (theirs, "auto-22bb33"))
+    ]
+    try:
+        await wait_until(
+            lambda: all(_worker_of(_cmdline(p.pid), ns, "auto") is not None for p in procs), 10.0, what="both started"
+        )
+        driver = LocalDriver(url=mine, namespace=ns)
+        assert [r.worker_id for r in await driver.runs()] == ["auto-00aa11"]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return [a for a in Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0") if a]
+    except OSError:
+        return []
+
+
 # -- the local driver under real jobs --------------------------------------------------------
 
 

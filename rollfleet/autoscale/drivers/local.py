@@ -41,13 +41,16 @@ def _flag(argv: list[str], name: str) -> str | None:
     return None
 
 
-def _worker_of(argv: list[str], namespace: str, prefix: str) -> tuple[str, int | None] | None:
+def _worker_of(argv: list[str], namespace: str, prefix: str, url: str | None = None) -> tuple[str, int | None] | None:
     """(worker id, held version) of a ``rollfleet worker`` command line of this driver's; None
-    for any other process."""
+    for any other process. ``url``: only a worker of that broker (another fleet on this host may
+    use the same namespace and prefix: its workers are not this controller's to count or retire)."""
     if "worker" not in argv or not any(a.endswith("rollfleet") or a == "rollfleet" for a in argv):
         return None
     worker_id = _flag(argv, "--worker-id")
     if (_flag(argv, "--namespace") or "default") != namespace or not worker_id:
+        return None
+    if url is not None and _flag(argv, "--nats") != url:
         return None
     if not worker_id.startswith(prefix + "-"):
         return None
@@ -111,7 +114,7 @@ class LocalDriver:
                 argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
             except OSError:
                 continue
-            found = _worker_of([a for a in argv if a], self.namespace, self.prefix)
+            found = _worker_of([a for a in argv if a], self.namespace, self.prefix, self.url)
             if found is not None and found[0] not in self._procs:
                 worker_id, held = found
                 self._procs[worker_id] = _Proc(int(entry.name), held, time.time())  # (its entry says when)
