@@ -9,6 +9,9 @@ whose clock is off would write them; one test runs a real worker process under l
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +19,7 @@ import pytest
 
 from rollfleet.schemas import Names, ReplicaStatus, encode
 from rollfleet.testing import start_worker_process, terminate, wait_until
-from rollfleet.testing.clocks import faketime_library
+from rollfleet.testing.clocks import faketime_library, skewed_environment
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import payload
 
@@ -85,7 +88,7 @@ async def test_a_heartbeat_held_up_on_the_way_counts_from_when_it_was_made(nats_
 async def test_a_worker_whose_clock_is_behind_serves_and_is_seen_live(
     nats_url: str, namespace: str, tmp_path: Path
 ) -> None:
-    env = {"LD_PRELOAD": str(FAKETIME_LIB), "FAKETIME": "-3.0", "FAKETIME_NO_CACHE": "1"}
+    env = skewed_environment(str(FAKETIME_LIB), -3.0)
     proc = start_worker_process(nats_url, namespace, "behind", log_path=tmp_path / "w.log", env=env,
                                 heartbeat=HEARTBEAT_S)
     try:
@@ -100,3 +103,15 @@ async def test_a_worker_whose_clock_is_behind_serves_and_is_seen_live(
                 await asyncio.sleep(0.1)
     finally:
         terminate(proc, 20)
+
+
+@pytest.mark.skipif(FAKETIME_LIB is None, reason="no libfaketime for this machine (Debian's or the test extra's)")
+@pytest.mark.parametrize("skew_s", [-1.5, 1.5])
+def test_a_skewed_process_reads_a_skewed_wall_clock_and_still_sleeps(skew_s: float) -> None:
+    """A skewed child's ``time.time()`` is off by the skew, and its timed sleeps and waits return
+    (with its monotonic clock faked too, the vendored library hung every one of them)."""
+    code = "import threading, time; t = time.time(); time.sleep(0.2); threading.Event().wait(0.2); print(t)"
+    env = {**os.environ, **skewed_environment(str(FAKETIME_LIB), skew_s)}
+    before = time.time()
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=20, check=True)
+    assert abs(float(out.stdout) - before - skew_s) < 1.0, (out.stdout, before)

@@ -30,7 +30,7 @@ from reliability.adversary.cluster_nodes import NodeCluster
 from reliability.adversary.engines import SGLANG_POOL, EngineServers
 from rollfleet.broker import EmbeddedBroker, free_port
 from rollfleet.runtime.processes import terminate
-from rollfleet.testing.clocks import faketime_library
+from rollfleet.testing.clocks import faketime_library, skewed_environment
 from rollfleet.testing.link import LinkProxy
 from rollfleet.testing.processes import CHILD_LOG_ENV, spawn
 
@@ -343,8 +343,7 @@ class Machine:
         if skew_s:
             lib = faketime_library()
             assert lib is not None, "no libfaketime: a skewed worker cannot be started"
-            # Every clock of the process (wall and monotonic alike) runs skew_s off the harness's.
-            env.update(LD_PRELOAD=lib, FAKETIME=f"{skew_s:+.3f}", FAKETIME_NO_CACHE="1")
+            env.update(skewed_environment(lib, skew_s))  # (its wall clock runs skew_s off the harness's)
         proc = spawn(self._worker_cmd(worker_id, engine, extra), log, env=env, cwd=self.cwd)
         wp = WorkerProc(worker_id, engine, proc, log, time.time(), armed=armed, skew_s=skew_s)
         self.timeline.workers.append(wp)

@@ -23,6 +23,15 @@ _VENDORED_NAMES = ("libfaketimeMT.so.1", "libfaketime.so.1")
 _ELF_MACHINE = {"x86_64": 62, "amd64": 62, "aarch64": 183, "arm64": 183}
 
 
+def skewed_environment(lib: str, skew_s: float) -> dict[str, str]:
+    """The environment that runs a child process's wall clock ``skew_s`` seconds off this one's.
+    Only the wall clock: a host's clock error is in the time it reads and stamps, and a process's
+    monotonic clock is its own, never compared across processes. (Faking monotonic time too makes
+    the vendored library hang every timed sleep and wait: ``time.sleep(1.0)`` never returned.)"""
+    return {"LD_PRELOAD": lib, "FAKETIME": f"{skew_s:+.3f}", "FAKETIME_NO_CACHE": "1",
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1"}  # fmt: skip
+
+
 def faketime_library() -> str | None:
     """libfaketime's library to preload: Debian's multi-threaded build if installed, else the one
     the ``libfaketime`` package carries, if it is built for this machine; None if neither."""
