@@ -231,7 +231,7 @@ async def test_a_cancelled_job_whose_holder_is_gone_is_never_stored_again(nats_u
         handle = await client.submit(payload(max_tokens=LONG), min_version=0)
         holder = await client.js.pull_subscribe_bind(names.job_consumer("min", 0), names.jobs_stream)
         assert [m.data for m in await holder.fetch(1, timeout=10)] == [handle.data]  # taken, never answered
-        cancel = asyncio.ensure_future(handle.cancel(timeout=3.0))
+        cancel = asyncio.ensure_future(handle.cancel(timeout=2.0))
         stop = claim_key(handle.job_id).encode()
         await wait_until(lambda: stop in stops, timeout=10, what="the cancel's stop sent")
         assert not handle.done()  # (the cancel still waits for an answer: the watch's moment)
