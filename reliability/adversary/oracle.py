@@ -125,6 +125,8 @@ COMMIT_SLACK_S = 0.5  # a result finished this long before its version's commit 
 # after it (the tap hears a message as the broker stores it, give or take the copy's freeze).
 LOSS_MARGIN_S = 0.2
 LOST_WITH_STORE = "lost with the broker's store"  # (the unverified reasons of facts a store loss took)
+# (``lost``) a turn asked again that joined an earlier ask's job, answered only after that job's deadline
+LOST_JOINED_LATE = "lost: a turn asked again joined its job stored earlier, answered after that job's own deadline"
 # (the unverified reason of a moved copy whose taker held its claim only once the job was answered)
 CLAIMED_AFTER_THE_ANSWER = (
     "the copy's taker claimed it only after the first run's answer was stored, and answered nothing"
@@ -1412,6 +1414,17 @@ class Oracle:
                 self.unverified["lost: the published answer never stored (no acknowledgement)"] += 1
                 continue
             pub = taken
+            joined = self._joined_job_deadline(c)
+            if pub and joined is not None and joined < deadline:
+                # A turn asked again that joined its key's job stored earlier is due by that job's
+                # deadline (the client follows the job, deadline included; its own timeout does not
+                # extend it): an answer published after it is not one the contract promised the
+                # re-ask (campaign seed 989501: held past it by a broker pause).
+                pub = [p for p in pub if p.t <= joined]
+                if not pub:
+                    self.unverified[LOST_JOINED_LATE] += 1
+                    continue
+                deadline = joined
             if pub and c.op in ("resubmit", "resume") and c.error == "ContractViolation":
                 p = pub[0]
                 self.check(
@@ -1438,6 +1451,20 @@ class Oracle:
                 continue
             self.checks["lost"] += 1
             self._stranded(c, min(c.answered_at or deadline, deadline), deleted, restarts)
+
+    def _joined_job_deadline(self, c: Call) -> float | None:
+        """The deadline of the job a session turn found stored under its key when it was asked (a
+        turn asked again after a trainer restart joins the job an earlier ask stored: within the
+        duplicate window the client stores nothing new and follows that job, deadline included),
+        from the job as the wiretap saw it (its deliveries; the latest deadline of its copies).
+        None for a turn that stored its own job (a copy stamped at or after its ask), for a call
+        with a stored record of its own (a submit's says its job's deadline), or with none seen."""
+        if c.sid is None or c.stored is not None or c.attempts is not None:
+            return None
+        copies = [d for d in self.deliveries_by_key.get(c.key, []) if d.client_id == c.client and d.deadline]
+        if not copies or any(float(d.submitted_at or c.t0) >= c.t0 for d in copies):
+            return None
+        return max(float(d.deadline) for d in copies)
 
     def _stranded(self, c: Call, end: float, deleted: list[tuple[float, str]], restarts: list[float]) -> None:
         """stranded: servable (broker up, a live replica with a free slot), held by nobody, unanswered."""
