@@ -8,7 +8,9 @@ import re
 from pathlib import Path
 
 from reliability.adversary.schedule import (
+    AUTOSCALER_EVENT_KINDS,
     WEIGHTS,
+    autoscalers,
     broker_stores,
     disks,
     engine_params,
@@ -42,6 +44,7 @@ COLUMNS = {  # the table's legend: a column per family of events
     "O": {"store_truncate", "store_drop", "store_lag"},  # (drawn only with --store s3)
     "D": {"disk_full", "disk_readonly"},
     "N": {"node_kill", "node_pause", "node_cut"},  # (drawn only with --cluster)
+    "A": set(AUTOSCALER_EVENT_KINDS),  # (drawn only with --autoscale)
 }
 
 
@@ -55,6 +58,8 @@ def test_every_invariant_has_a_row_and_every_event_a_column() -> None:
     for module in ("oracle_loop.py", "oracle_gateway.py"):  # (the loop's and the gateways' callers')
         text = (ROOT / "reliability" / "adversary" / module).read_text()
         judged |= set(re.findall(r'judge\.check\(\s*"([a-z-]+)"', text))
+    text = (ROOT / "reliability" / "adversary" / "oracle_autoscale.py").read_text()  # (the autoscaler's)
+    judged |= set(re.findall(r'\bcheck\(\s*"([a-z-]+)"', text))
     judged |= set(re.findall(r'Violation\(\s*"([a-z-]+)"', oracle))
     judged |= set(re.findall(r'self\.checks\["([a-z-]+)"\]', oracle))
     assert judged and judged <= named, f"invariants with no row: {sorted(judged - named)}"
@@ -63,7 +68,7 @@ def test_every_invariant_has_a_row_and_every_event_a_column() -> None:
     streams = [e for seed in range(20) for e in pauses(seed, 300) + skews(seed, 300) + links(seed, 300)
                + publishers(seed, 300) + gateways(seed, 300) + engines(seed, 300)
                + object_stores(seed, 300) + disks(seed, 300) + broker_stores(seed, 300)
-               + nodes(seed, 300)]  # fmt: skip
+               + nodes(seed, 300) + autoscalers(seed, 300)]  # fmt: skip
     drawn = set(WEIGHTS) | {e.kind for e in streams}
     covered = set().union(*COLUMNS.values())
     assert drawn <= covered, f"events with no column: {sorted(drawn - covered)}"

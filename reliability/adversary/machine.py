@@ -69,6 +69,8 @@ class WorkerProc:
     how: str = ""  # how it ended: killed, terminated, exited
     stops: list[list[float]] = field(default_factory=list)  # [SIGSTOP, SIGCONT]: frozen, alive all along
     skew_s: float = 0.0  # its clocks run this far from the harness's (libfaketime), for its whole life
+    autoscaled: bool = False  # started by an autoscaler's controller, not by the harness (``autoscaler``)
+    told_to_stop: float | None = None  # when it was SIGTERMed (by the harness, or retired by a controller)
 
     @property
     def alive(self) -> bool:
@@ -125,6 +127,9 @@ class Timeline:
     # kind, node, from, to, leader (whether it led the jobs stream when hit).
     node_faults: list[dict[str, Any]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
+    # (``--autoscale``) the controllers, the workers they started, the lease's writes, the evaluator's
+    # requests: plain data, judged by ``reliability.adversary.oracle_autoscale``.
+    autoscale: dict[str, Any] = field(default_factory=dict)
 
 
 class Freezes:
@@ -385,6 +390,7 @@ class Machine:
             # Named before the signal: the fleet keeper's reap() may see it exit before we do, and
             # must not take a drain for a worker that exited on its own.
             wp.how = wp.how or "terminated"
+            wp.told_to_stop = wp.told_to_stop or time.time()
             wp.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:

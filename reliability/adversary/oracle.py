@@ -766,6 +766,7 @@ class Oracle:
         self._check_cancelled()
         self._check_loops()
         self._check_gateway_sessions()
+        self._check_autoscaler()
         self.notes.update(
             activations=len(self.activations),
             calls=len(self.calls),
@@ -775,6 +776,15 @@ class Oracle:
         )
         # One line per distinct finding: the same defect hit by many keys is summarized.
         return self._dedupe()
+
+    def _check_autoscaler(self) -> None:
+        """(``--autoscale``) the fleet's size, one controller acting, waits for a held version
+        (``reliability.adversary.oracle_autoscale``)."""
+        facts = getattr(self.tl, "autoscale", None)
+        if facts:
+            from reliability.adversary.oracle_autoscale import judge_autoscaler
+
+            judge_autoscaler(self, facts)
 
     def _errors_by_class(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
@@ -2786,6 +2796,7 @@ def save_inputs(
                 for g in getattr(timeline, "gateways", [])
             ],
             "engines": [es.record() for es in getattr(timeline, "engines", [])],
+            "autoscale": getattr(timeline, "autoscale", None) or {},
         },
         "finals": finals,
         "stored": stored,

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reliability.adversary.autoscaler import AUTOSCALER_KINDS, autoscaler_event
 from reliability.adversary.cluster_nodes import NODE_KINDS
 from reliability.adversary.engines import ENGINE_KINDS, SGLANG_POOL, engine_event
 from reliability.adversary.journal import Journal, describe_error, describe_result
@@ -74,9 +75,21 @@ class Config:
     duplicate_window: float = 15.0
     max_deliver: int = 10
     available_s: float = AVAILABLE_S  # the oracle's bound on a stop of service (tests shorten it)
+    # "MIN:MAX": the echo fleet sized by ``rollfleet autoscale`` controllers, not started by the harness
+    # (``reliability.adversary.autoscaler``; the ``autoscaler`` schedule's mode). Without auth: the
+    # generated config has a user per worker id, and a controller names its workers as it starts them.
+    autoscale: str | None = None
     workdir: Path | None = None
     keep: bool = False
     quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.schedule == "autoscaler" and not self.autoscale:
+            from reliability.adversary.autoscaler import DEFAULT_BOUNDS
+
+            self.autoscale = DEFAULT_BOUNDS
+        if self.autoscale:
+            self.auth = False
 
     @property
     def replicas(self) -> int:
@@ -93,13 +106,15 @@ class Config:
             parts.append(f"--store {self.store}")
         if self.cluster:
             parts.append("--cluster")
-        if self.workers != 3:
+        if self.autoscale:
+            parts.append(f"--autoscale {self.autoscale}")
+        if self.workers != 3 and not self.autoscale:
             parts.append(f"--workers {self.workers}")
         if not self.loop:
             parts.append("--no-loop")
         if self.gateway_sessions != 1:
             parts.append(f"--gateway-sessions {self.gateway_sessions}")
-        if not self.auth:
+        if not self.auth and not self.autoscale:
             parts.append("--no-auth")
         if self.schedule:
             parts.append(f"--schedule {self.schedule}")
@@ -205,6 +220,7 @@ class Adversary:
         self.loop_publishes = 0  # versions published for the trainer's loop (its steps)
         self.kept: list[dict[str, Any]] = []  # workers the fleet keeper started
         self.topology: Any = None
+        self.autoscale: Any = None  # (``--autoscale``) reliability.adversary.autoscaler.AutoscaleFleet
 
     # -- output ------------------------------------------------------------------------------
     def say(self, what: str, /, **fields: Any) -> None:
@@ -273,6 +289,9 @@ class Adversary:
         await self.publish("setup")
         tap_user = ("tap", m.passwords["tap"]) if cfg.auth else (None, None)
         self.tap = await Tap(m.url(), self.names, m.monitor_ports, user=tap_user[0], password=tap_user[1]).start()
+        if cfg.autoscale:
+            await self.setup_autoscaled()
+            return
         rogue_user = (ROGUE, m.passwords[ROGUE]) if cfg.auth else (None, None)
         self.rogue = await Rogue(
             m.url(),
@@ -320,6 +339,33 @@ class Adversary:
             self.say("rogue pre-forged", keys=pre)
         self.say("rogue", copy_share=self.rogue.copy_share)
         await self.rogue.snoop(1.5)  # every run's rogue tries to read the others' deliveries once
+
+    async def setup_autoscaled(self) -> None:
+        """(``--autoscale``) a controller sizes the echo fleet: it is started, and the run waits for
+        its minimum to serve; no rogue (its promises rest on the auth config this mode has not)."""
+        from reliability.adversary.autoscaler import AutoscaleFleet
+
+        cfg, m = self.cfg, self.machine
+        self.autoscale = AutoscaleFleet(self)
+        await self.autoscale.start()
+        for wid in HF_POOL[: cfg.hf]:
+            self.start_worker(wid, "hf")
+        for wid in SGLANG_POOL[: cfg.sglang]:
+            self.start_worker(wid, "sglang")
+        want = self.autoscale.bounds[0] + cfg.hf + cfg.sglang
+        deadline = time.monotonic() + 120.0
+        while time.monotonic() < deadline:
+            if len([r for r in self.admin.fleet.replicas() if r.state == "ready"]) >= want:
+                break
+            await asyncio.sleep(0.2)
+        else:
+            raise RuntimeError(f"the autoscaler's minimum did not become ready: see {m.workdir / 'logs'}")
+        for name in GATEWAYS:
+            gp = m.gateways[name]
+            if not await m.gateway_listening(gp):
+                raise RuntimeError(f"gateway {name} did not start listening: see {gp.log}")
+            self.say("gateway start", gateway=name, pid=gp.proc.pid, address=gp.address)
+        self.say("fleet ready", workers=sorted(w.worker_id for w in m.current.values() if w.alive))
 
     def start_worker(self, wid: str, engine: str, armed: str | None = None, skew_s: float = 0.0) -> WorkerProc:
         if engine == "sglang" and f"engine:{wid}" not in self.busy:
@@ -782,9 +828,12 @@ class Adversary:
             out.append(d.worker)
         return out
 
-    async def victim(self, mode: str, engine: str | None = None) -> WorkerProc | None:
+    async def victim(self, mode: str, engine: str | None = None, own: bool = False) -> WorkerProc | None:
+        """A live worker to hit (``own``: only one the harness started, which it may start again)."""
         m = self.machine
         candidates = [w for w in m.alive_workers(engine) if w.worker_id not in self.busy]
+        if own:
+            candidates = [w for w in candidates if not w.autoscaled]
         if mode != "random":
             deadline = time.monotonic() + {"long": 12.0, "session-long": 8.0}.get(mode, 0.0)
             while True:
@@ -802,6 +851,8 @@ class Adversary:
         return len([w for w in self.machine.alive_workers("echo") if w.worker_id != excluding]) >= 1
 
     async def restart(self, wp: WorkerProc, after: float, same_id: bool) -> None:
+        if wp.autoscaled:
+            return  # (its controller replaces it: a worker the harness started under its id would be no one's)
         await asyncio.sleep(after)
         wid = wp.worker_id if same_id else (self.machine.free_id(wp.engine, self.rng) or wp.worker_id)
         cur = self.machine.current.get(wid)
@@ -822,7 +873,7 @@ class Adversary:
             m.reap()
             self.keep_gateways(short_since)
             for engine, size, pool in (
-                ("echo", self.cfg.workers, ECHO_POOL),
+                ("echo", 0 if self.cfg.autoscale else self.cfg.workers, ECHO_POOL),  # (else the controller's)
                 ("hf", self.cfg.hf, HF_POOL),
                 ("sglang", self.cfg.sglang, SGLANG_POOL),
             ):
@@ -989,7 +1040,7 @@ class Adversary:
             if faketime_library() is None:
                 self.say("skew skipped", reason="no libfaketime (Debian's faketime package)")
                 return False
-            wp = await self.victim(p["victim"])
+            wp = await self.victim(p["victim"], own=True)
             if wp is None:
                 self.say("skew skipped", reason="no victim")
                 return False
@@ -1050,6 +1101,8 @@ class Adversary:
             return await self.gateway_fault(ev.kind, p)
         elif ev.kind in ENGINE_KINDS:
             return await engine_event(self, ev.kind, p)
+        elif ev.kind in AUTOSCALER_KINDS:
+            return await autoscaler_event(self, ev.kind, p)
         elif ev.kind in ("store_truncate", "store_drop", "store_lag"):
             from reliability.adversary.objstore import store_event
 
@@ -1062,6 +1115,9 @@ class Adversary:
             return await self.publisher_kill(p)
         elif ev.kind == "publisher_race":
             return await self.publisher_race(p)
+        elif ev.kind in ("snoop", "forge") and self.rogue is None:
+            self.say(f"{ev.kind} skipped", reason="no rogue in this run (--autoscale runs without auth)")
+            return False
         elif ev.kind == "snoop":
             self.say("rogue snooping", for_s=p["for_s"])
             await self.rogue.snoop(p["for_s"])
@@ -1087,7 +1143,7 @@ class Adversary:
         if p["point"] not in faults.POINTS:  # (a point this tree does not have)
             self.say("fault skipped", point=p["point"], reason="no such fault point in this code")
             return False
-        wp = await self.victim("random", "echo")
+        wp = await self.victim("random", "echo", own=True)
         if wp is None or not self.enough_left(wp.worker_id):
             self.say("fault skipped", point=p["point"])
             return False
@@ -1235,6 +1291,7 @@ class Adversary:
             sglang=bool(cfg.sglang),
             store=cfg.store,
             cluster=cfg.cluster,
+            autoscale=bool(cfg.autoscale),
         )
         t_start = time.monotonic()
         self.t0 = time.time()
@@ -1262,6 +1319,9 @@ class Adversary:
             await self.settle()
             finals = await self.reask_all()
             finals.update(await self.reask_gateway_turns())
+            if self.autoscale is not None:
+                await self.autoscale.reask_bursts()
+                self.machine.timeline.autoscale = self.autoscale.facts(self.t0)
             report.notes.update(await self.collect_notes())
             from reliability.adversary.oracle import Oracle, save_inputs
 
@@ -1327,7 +1387,9 @@ class Adversary:
         elif m.broker is not None and not m.broker.alive():
             m.broker.start()
         m.reap()
-        while len(m.alive_workers("echo")) < 2:
+        if self.autoscale is not None:
+            self.autoscale.keep_one()
+        while len(m.alive_workers("echo")) < 2 and self.autoscale is None:
             wid = m.free_id("echo", self.rng)
             if wid is None:
                 break
@@ -1489,6 +1551,9 @@ class Adversary:
     async def close(self) -> None:
         for task in [*self.tasks, *(t for t in (self.keeper, self.loop_publisher) if t)]:
             task.cancel()
+        if self.autoscale is not None:  # (its controllers first: none may launch while the workers stop)
+            with contextlib.suppress(Exception):
+                await self.autoscale.close()
         for part in (self.rogue, self.tap, self.admin):
             if part is not None:
                 with contextlib.suppress(Exception):
@@ -1589,6 +1654,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="the broker as a 3-node cluster with R3 streams; adds node events (killed, frozen, cut off)",
     )
     p.add_argument("--no-auth", action="store_true", help="no auth config (and no rogue user)")
+    p.add_argument(
+        "--autoscale",
+        default=None,
+        metavar="MIN:MAX",
+        help="the echo fleet sized by `rollfleet autoscale --driver local` controllers within MIN:MAX (no auth, "
+        "no rogue); adds autoscaler events (the `autoscaler` schedule implies 3:5)",
+    )
     p.add_argument("--no-loop", action="store_true", help="no RolloutLoop lane in the trainer")
     p.add_argument(
         "--gateway-sessions", type=int, default=1, help="lanes of HTTP trajectories and keyless gateway callers"
@@ -1625,6 +1697,7 @@ def main(argv: list[str] | None = None) -> int:
             gateway_sessions=args.gateway_sessions,
             code=args.code,
             schedule=args.schedule,
+            autoscale=args.autoscale,
             workdir=Path(args.workdir) / str(seed + i) if args.workdir else None,
             keep=args.keep,
             quiet=args.quiet,

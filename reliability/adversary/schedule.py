@@ -75,6 +75,15 @@ and with what else, it happens:
 ``node_cut``        (``--cluster``) one node cut off from the other two for 2-10 s, its clients still
                     connected to it (``reliability.adversary.cluster_nodes``: the relays on its
                     routes hold what it sends)
+``autoscaler_*``    (``--autoscale``) the acting ``rollfleet autoscale`` controller SIGKILLed
+                    (``_kill``), SIGTERMed (``_restart``), each started again, or frozen
+                    (``_pause``); a second one started beside it (``_second``);
+                    ``reliability.adversary.autoscaler``
+``kill_starting``   (``--autoscale``) a replica SIGKILLed while it starts
+``scale_in``        (``--autoscale``) a scale-in during an activation or a resumable job: the
+                    controller handed over to one whose maximum is below the fleet's size
+``eval_wait``       (``--autoscale``) exact jobs at an old version that wait for a held replica
+                    (``wait_for_replica=True``)
 ==================  ===========================================================================
 
 ``make_schedule(seed, duration)`` is a pure function: the same seed gives the same events at
@@ -87,7 +96,8 @@ with sglang workers (``--sglang N``), whose servers they attack; worker disk fau
 ``disks:<seed>``; the broker's store rolled back or wiped and streams deleted come from
 ``stores-broker:<seed>`` (``broker_stores``: rare, none in the first 12 s); object-store
 faults (``stores:<seed>``, ``object_stores``) are drawn only with
-``--store s3``, where every worker reads the bucket through a proxy of its own.
+``--store s3``, where every worker reads the bucket through a proxy of its own; autoscaler events
+(``autoscalers:<seed>``) only with ``--autoscale``, where controllers size the fleet.
 Named schedules script a sequence of the same events.
 """
 
@@ -152,6 +162,17 @@ STORE_KINDS = ("broker_rollback", "broker_rollback", "broker_wipe", "delete_stre
 STREAM_TARGETS = ("jobs", "results", "claims", "policy", "registry")  # broker_store.DELETE_TARGETS
 NODES_MEAN_GAP_S = 12.0  # (``--cluster``) a node killed, frozen or cut off every 12 s on average
 NODE_EVENT_KINDS = ("node_kill", "node_pause", "node_cut", "node_cut")  # cluster_nodes.NODE_KINDS
+AUTOSCALER_MEAN_GAP_S = 8.0  # (``--autoscale``) a controller or a scaling event every 8 s on average
+AUTOSCALER_EVENT_KINDS = (  # autoscaler.AUTOSCALER_KINDS, weighted
+    "autoscaler_kill",
+    "autoscaler_restart",
+    "autoscaler_pause",
+    "autoscaler_second",
+    "kill_starting",
+    "kill_starting",
+    "scale_in",
+    "eval_wait",
+)
 
 
 @dataclass
@@ -245,7 +266,13 @@ def params_for(kind: str, rng: random.Random, hf: bool) -> dict[str, Any]:
 
 
 def random_schedule(
-    seed: int, duration: float, hf: bool = False, sglang: bool = False, store: str = "dir", cluster: bool = False
+    seed: int,
+    duration: float,
+    hf: bool = False,
+    sglang: bool = False,
+    store: str = "dir",
+    cluster: bool = False,
+    autoscale: bool = False,
 ) -> list[Event]:
     rng = random.Random(f"schedule:{seed}")
     kinds, weights = zip(*WEIGHTS.items(), strict=True)
@@ -261,7 +288,7 @@ def random_schedule(
         t += rng.expovariate(1.0 / MEAN_GAP_S)
     more: list[Event] = []
     for stream in STREAMS:
-        if stream.drawn(sglang, store, cluster):
+        if stream.drawn(sglang, store, cluster, autoscale):
             more += stream.draw(seed, duration)
     return sorted(events + more, key=lambda e: e.t)
 
@@ -289,6 +316,22 @@ def engine_params(kind: str, rng: random.Random) -> dict[str, Any]:
     return {"which": rng.randrange(2), "for_s": round(u(1.5, 5.0), 2)}  # engine_freeze
 
 
+def autoscaler_params(kind: str, rng: random.Random) -> dict[str, Any]:
+    """An autoscaler event's parameters (``reliability.adversary.autoscaler``)."""
+    u = rng.uniform
+    if kind in ("autoscaler_kill", "autoscaler_restart"):
+        return {"after": round(u(0.3, 3.0), 2)}
+    if kind == "autoscaler_pause":
+        return {"for_s": round(u(2.0, 10.0), 2)}  # (past half a lease time, 3 s, it must stop acting)
+    if kind == "autoscaler_second":
+        return {"for_s": round(u(5.0, 20.0), 2)}
+    if kind == "kill_starting":
+        return {"after": round(u(0.2, 1.5), 2)}
+    if kind == "scale_in":
+        return {"during": rng.choice(("activation", "resume")), "for_s": round(u(3.0, 6.0), 2), "slow_s": 2.0}
+    return {"back": rng.randint(1, 3), "count": rng.randint(1, 3), "deadline_s": 40.0}  # eval_wait
+
+
 def node_params(kind: str, rng: random.Random) -> dict[str, Any]:
     """A node event's parameters (``which``: the jobs stream's leader, or a node at random)."""
     which = rng.choice(("leader", "leader", "random"))
@@ -308,7 +351,8 @@ class EventStream:
     at ``first(rng, duration)``, then one every ``mean_gap_s`` on average (exponential gaps) or,
     with ``gap``, as it draws; none in the last ``margin_s``. ``only``: drawn only in that mode
     (``sglang``: where a worker has an engine server of its own to attack; ``s3``: where workers
-    read an object store through fault proxies; ``cluster``: where the broker is three nodes)."""
+    read an object store through fault proxies; ``cluster``: where the broker is three nodes;
+    ``autoscale``: where controllers size the fleet)."""
 
     name: str
     kinds: tuple[str, ...]
@@ -319,9 +363,10 @@ class EventStream:
     params: Callable[[str, random.Random], dict[str, Any]] = _params
     only: str | None = None
 
-    def drawn(self, sglang: bool, store: str, cluster: bool) -> bool:
+    def drawn(self, sglang: bool, store: str, cluster: bool, autoscale: bool = False) -> bool:
         """Whether a run in this mode draws this stream."""
-        return self.only is None or {"sglang": sglang, "s3": store == "s3", "cluster": cluster}[self.only]
+        modes = {"sglang": sglang, "s3": store == "s3", "cluster": cluster, "autoscale": autoscale}
+        return self.only is None or modes[self.only]
 
     def draw(self, seed: int, duration: float) -> list[Event]:
         rng = random.Random(f"{self.name}:{seed}")
@@ -394,6 +439,18 @@ STREAMS: tuple[EventStream, ...] = (
     EventStream(
         "nodes", NODE_EVENT_KINDS, _uniform(5.0, 10.0), 6.0, NODES_MEAN_GAP_S, params=node_params, only="cluster"
     ),
+    # (``--autoscale``) the controllers killed, restarted, frozen or doubled; a replica killed while
+    # it starts; scale-ins during activations and resumable jobs; evaluations waiting for a held
+    # replica.
+    EventStream(
+        "autoscalers",
+        AUTOSCALER_EVENT_KINDS,
+        _uniform(4.0, 8.0),
+        6.0,
+        AUTOSCALER_MEAN_GAP_S,
+        params=autoscaler_params,
+        only="autoscale",
+    ),
 )
 STREAM_BY_NAME = {s.name: s for s in STREAMS}
 # Each stream by the name its events go by (``pauses(seed, duration)``: that seed's pauses).
@@ -407,6 +464,7 @@ object_stores = STREAM_BY_NAME["stores"].draw
 disks = STREAM_BY_NAME["disks"].draw
 broker_stores = STREAM_BY_NAME["stores-broker"].draw
 nodes = STREAM_BY_NAME["nodes"].draw
+autoscalers = STREAM_BY_NAME["autoscalers"].draw
 
 
 # -- named schedules: scripted sequences of the same events ------------------------------------------
@@ -501,6 +559,26 @@ def _engines(duration: float, rng: random.Random, hf: bool) -> list[Event]:
     return [e for e in out if e.t < duration - 2.0]
 
 
+def _autoscaler(duration: float, rng: random.Random, hf: bool) -> list[Event]:
+    """(Implies ``--autoscale 3:5``.) The echo fleet sized by ``rollfleet autoscale`` controllers: an
+    evaluation of an old version waiting for a held replica; a replica killed while it starts; the
+    acting controller SIGKILLed and started again while a second one starts beside it (one of them
+    takes the lapsed lease); the acting one frozen past its lease (the other takes over, and the
+    frozen one must not act when it thaws); a broker restart under them; a scale-in during an
+    activation, then one during resumable jobs; a clean restart; another replica killed while it
+    starts."""
+    wait = {"count": 2, "deadline_s": 40.0}
+    out = [Event(3.0, "publish"), Event(5.0, "eval_wait", {"back": 2, **wait})]
+    out += [Event(7.0, "kill_starting", {"after": round(rng.uniform(0.3, 1.2), 2)}), Event(9.0, "publish")]
+    out += [Event(10.0, "autoscaler_kill", {"after": 1.0}), Event(13.0, "autoscaler_second", {"for_s": 20.0})]
+    out += [Event(22.0, "autoscaler_pause", {"for_s": 9.0}), Event(26.0, "eval_wait", {"back": 3, **wait})]
+    out += [Event(28.0, "publish"), Event(31.0, "broker_restart", {"down_s": 2.0})]
+    out += [Event(35.0, "scale_in", {"during": "activation", "for_s": 4.0, "slow_s": 2.0})]
+    out += [Event(46.0, "scale_in", {"during": "resume", "for_s": 4.0})]
+    out += [Event(50.0, "autoscaler_restart", {"after": 0.5}), Event(53.0, "kill_starting", {"after": 0.5})]
+    return [e for e in out if e.t < duration - 2.0]
+
+
 SCHEDULES: dict[str, Callable[[float, random.Random, bool], list[Event]]] = {
     "drain-flaky-mount": _drain_and_flaky_mount,
     "sessions-trainer": _sessions_and_trainer,
@@ -510,6 +588,7 @@ SCHEDULES: dict[str, Callable[[float, random.Random, bool], list[Event]]] = {
     "publishers": _publishers,
     "engines": _engines,  # (with --sglang 1)
     "broker-stores": _broker_stores,
+    "autoscaler": _autoscaler,  # (implies --autoscale 3:5)
 }
 
 
@@ -521,9 +600,10 @@ def make_schedule(
     sglang: bool = False,
     store: str = "dir",
     cluster: bool = False,
+    autoscale: bool = False,
 ) -> list[Event]:
     if name and name in SCHEDULES:
         return SCHEDULES[name](duration, random.Random(f"schedule:{seed}"), hf)
     if name and name != "no-auth":
         raise ValueError(f"unknown schedule {name!r}; named schedules: {', '.join(SCHEDULES)}")
-    return random_schedule(seed, duration, hf, sglang=sglang, store=store, cluster=cluster)
+    return random_schedule(seed, duration, hf, sglang=sglang, store=store, cluster=cluster, autoscale=autoscale)

@@ -27,6 +27,9 @@ MORE_RUNS: list[dict[str, object]] = [
     {"schedule": "engines", "seed": 1, "duration": 35.0, "sglang": 1},
     {"schedule": "broker-stores", "seed": 2, "duration": 45.0},
     {"seed": 5, "duration": 60.0, "cluster": True},  # a 3-node cluster: nodes killed, frozen, cut off
+    # The fleet sized by `rollfleet autoscale` controllers (3:5, no auth): controllers killed, frozen and
+    # doubled, replicas killed while they start, scale-ins during an activation and resumable jobs.
+    {"schedule": "autoscaler", "seed": 1, "duration": 60.0},
 ]
 # The named schedules a long campaign runs too: (schedule, seed, duration, hf workers, echo workers).
 NAMED_RUNS = [
@@ -72,7 +75,7 @@ async def campaign(
     runs_planned = [dict(schedule=sc, seed=se, duration=du, hf=hf, workers=w) for sc, se, du, hf, w in [*plan, *named]]
     for fields in [*runs_planned, *(more or [])]:
         schedule, seed = fields.get("schedule"), fields["seed"]
-        modes = ("store", "sglang", "hf", "cluster")
+        modes = ("store", "sglang", "hf", "cluster", "autoscale")
         tag = "-".join(f"{k}{fields[k]}" for k in modes if fields.get(k) not in (None, 0, "dir", False))
         cfg = Config(**{"workdir": workdir / f"{schedule or 'seed'}-{seed}{'-' + tag if tag else ''}", "quiet": True,
                         **fields})  # fmt: skip

@@ -313,6 +313,8 @@ class Controller:
             if not self._lease.holding:
                 break  # (the lease lapsed meanwhile: another controller may act now)
             await self.driver.retire(worker_id, hosts.get(worker_id, ""))
+            # (an action, said once it is done: the decision line above may not be followed by one)
+            log.info("autoscale retired", worker_id=worker_id, driver=self.driver.name)
         for launch in p.launch if acts else ():
             for _ in range(launch.count):
                 if not self._lease.holding:
