@@ -2570,7 +2570,7 @@ class Oracle:
     def _check_loops(self) -> None:
         """``loop-group``, ``served``, ``loop-staleness``, ``loop-tokens``, ``loop-ran``: the
         trainer's ``RolloutLoop`` (``reliability.adversary.oracle_loop``)."""
-        from reliability.adversary.oracle_loop import Answer, judge_loops
+        from reliability.adversary.oracle_loop import Answer, asked_prompts, judge_loops
 
         records = [r for r in self.trainer if str(r.get("ev", "")).startswith("loop_")]
         if not records:
@@ -2619,10 +2619,9 @@ class Oracle:
                 if rec.get("job_id"):
                     stored[str(rec["job_id"])].add(str(rec.get("digest")))
             blind = self._blind
-        prompts: dict[str, set[str]] = defaultdict(set)  # client id -> its jobs' prompts (continuations)
-        for d in self.tap.deliveries:
-            if d.client_id and getattr(d, "prompt", None):
-                prompts[d.client_id].add(d.prompt)
+        # Each client's jobs' prompts (where samples were continued), as the wiretap heard the jobs
+        # stored or saw them delivered; a kept run from before it heard prompts stored knows fewer.
+        prompts, asked = asked_prompts(self.tap.deliveries, getattr(self.tap, "job_prompts", None) or {})
         notes = judge_loops(
             self,
             records,
@@ -2635,6 +2634,7 @@ class Oracle:
             killed=self.ended_by_kill,
             prompts=prompts,
             away=lambda t0, t1: any(a <= t1 and t0 <= b for a, b in self.tap.gaps),
+            asked=asked,
         )
         self.notes.update(notes)
 
@@ -2856,6 +2856,7 @@ def load_kept(workdir: Any) -> Oracle:
         claims=tap_doc["claims"],
         stored_jobs=tap_doc.get("stored_jobs", {}),
         job_submitted=tap_doc.get("job_submitted", {}),
+        job_prompts=tap_doc.get("job_prompts", {}),
         fleet=[(t, w, msgspec.convert(s, ReplicaStatus) if s else None) for t, w, s in tap_doc["fleet"]],
         gaps=tap_doc["gaps"],
         declared=tap_doc.get("declared", []),

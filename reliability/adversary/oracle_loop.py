@@ -23,9 +23,11 @@ only to be compared with those facts, never to judge by.
   the oldest version that made a token of the sample's last run (spans of at least one token:
   ``served`` proves them). A sample's last run is all of it unless it was continued (a partial
   rollout, a refreshed tail): then its tokens since its last continuation, whose job the wiretap
-  saw delivered with the prompt followed by the sample's tokens so far (its earlier tokens are the
-  context the newer policy was conditioned on). A sample that had finished before its group was
-  stopped is judged by all its tokens.
+  heard stored (or saw delivered) with the prompt followed by the sample's tokens so far (its
+  earlier tokens are the context the newer policy was conditioned on). A sample that had finished
+  before its group was stopped is judged by all its tokens. Where a job of the loop was answered
+  whose prompt the wiretap never saw (nor heard stored, nor saw delivered), or the wiretap was
+  away, a sample found too stale may have been continued unseen: not verifiable.
 - ``loop-tokens``: after ``close()``, the tokens the workers generated for the loop (for each of
   its jobs, the first answer the results stream stored, as read from the stream at the end: a
   result, a stopped job's partial answer, a failure's none) equal the tokens handed to the trainer
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,6 +53,9 @@ from rollfleet.workers.engines.keyed import VOCAB, context_state, keyed_token
 
 WHOLE = ("length", "stop")  # a sample's finish reasons that say it was made to its end
 STALE_POLICIES = ("drop", "requeue")  # the policies that never train a stale group
+# (``loop-staleness``'s reasons not to judge a sample found too stale: a continuation may be unseen)
+AWAY = "loop-staleness: the wiretap away (a continuation's job unseen)"
+UNSEEN = "loop-staleness: a job of the loop answered whose prompt the wiretap never saw"
 
 
 class Judge(Protocol):
@@ -85,6 +90,27 @@ class Answer:
     t: float
     ntokens: int | None
     digest: str
+
+
+def asked_prompts(
+    deliveries: Iterable[Any], stored: Mapping[str, Sequence[Any]]
+) -> tuple[dict[str, set[str]], set[str]]:
+    """What each client asked for, as the wiretap saw it: client id -> the prompt digests of its
+    jobs, and the ids of the jobs whose prompt it saw. A job is heard as its client stores it
+    (``stored``: job id -> [client id, prompt digest], ``Tap.job_prompts``), whoever it is then
+    delivered to; a delivery the wiretap saw says it too (``deliveries``: ``Tap.Delivery``s)."""
+    prompts: dict[str, set[str]] = defaultdict(set)
+    jobs: set[str] = set()
+    for job_id, (client, digest) in stored.items():
+        if client and digest:
+            prompts[str(client)].add(str(digest))
+            jobs.add(str(job_id))
+    for d in deliveries:
+        if d.client_id and getattr(d, "prompt", None):
+            prompts[d.client_id].add(d.prompt)
+            if d.job_id:
+                jobs.add(d.job_id)
+    return dict(prompts), jobs
 
 
 def lives_of(records: Sequence[dict[str, Any]]) -> list[LoopLife]:
@@ -195,11 +221,11 @@ def judge_group(
     key_of: Callable[[int], bytes],
     keyed: Callable[[Any], bool],
     seen_prompts: set[str],
-    blind: bool = False,
+    blind: str | None = None,
 ) -> None:
     """``loop-group``, ``served`` and ``loop-staleness`` for one trained group. ``seen_prompts``: the
-    prompt digests of the jobs the wiretap saw delivered for the loop's client (``blind``: it may
-    have missed some)."""
+    prompt digests of the jobs the wiretap saw the loop's client ask for (``blind``: why it may
+    have missed some, if it may)."""
     plan = life.plan
     n, seed, want = int(plan["group_size"]), group.get("seed"), int(group["max_tokens"])
     where = f"{life.lid} step {batch.get('step')}"
@@ -279,7 +305,7 @@ def judge_group(
     staleness, sample, cut = max(worst, default=(0, None, 0))
     bound = int(plan["max_staleness"])
     if staleness > bound and blind:
-        judge.unverified["loop-staleness: the wiretap away (a continuation's job unseen)"] += 1
+        judge.unverified[blind] += 1
         return
     run = f"its tokens from {cut} on (its last continuation)" if cut else "its tokens (never continued)"
     judge.check(
@@ -351,16 +377,25 @@ def judge_loops(
     killed: set[int],
     prompts: dict[str, set[str]] | None = None,
     away: Callable[[float, float], bool] = lambda t0, t1: False,
+    asked: set[str] | None = None,
 ) -> dict[str, int]:
     """Every invariant above over a run's loop lives. ``stored``: job id -> the digests of its
     answers the results stream held at the end; ``submitted``: job id -> when its client stored it
     (from the wiretap's deliveries); ``blind(t0, t1)``: whether an answer stored in [t0, t1] may be
     missing from ``answers`` (a store loss took it); ``killed``: the trainer incarnations
-    SIGKILLed; ``prompts``: client id -> the prompt digests of its jobs the wiretap saw delivered;
-    ``away(t0, t1)``: whether the wiretap was away meanwhile (it may have missed a delivery).
-    Returns notes."""
+    SIGKILLed; ``prompts``: client id -> the prompt digests of its jobs the wiretap saw asked
+    (``asked_prompts``); ``away(t0, t1)``: whether the wiretap was away meanwhile (it may have
+    missed a job); ``asked``: the ids of the jobs whose prompt it saw (None: not known). Returns
+    notes."""
     lives = lives_of(records)
     notes: dict[str, int] = defaultdict(int)
+    # When each client's jobs whose prompt the wiretap never saw were stored (their answers say
+    # they were asked): a sample continued then may have been continued by one of them.
+    unseen: dict[str, list[float]] = defaultdict(list)
+    if asked is not None:
+        for a in answers:
+            if a.job_id not in asked:
+                unseen[a.client].append(submitted.get(a.job_id, a.t))
     by_client: dict[str, list[LoopLife]] = defaultdict(list)
     for life in lives:
         by_client[life.client_id].append(life)
@@ -381,8 +416,11 @@ def judge_loops(
                 notes["loop_groups_trained"] += 1
                 notes["loop_seeded_groups"] += group.get("seed") is not None
                 seen = (prompts or {}).get(life.client_id, set())
-                judge_group(judge, life, batch, group, key_of=key_of, keyed=keyed, seen_prompts=seen,
-                            blind=away(life.opened, float(batch.get("t") or life.opened)))  # fmt: skip
+                until = float(batch.get("t") or life.opened)
+                missed = AWAY if away(life.opened, until) else None
+                if missed is None and any(life.opened <= t <= until for t in unseen.get(life.client_id, [])):
+                    missed = UNSEEN
+                judge_group(judge, life, batch, group, key_of=key_of, keyed=keyed, seen_prompts=seen, blind=missed)
     # Each job's stored answer, attributed to the life of its client that was open when it was stored.
     chosen: dict[str, Answer] = {}
     for a in sorted(answers, key=lambda a: a.t):

@@ -13,6 +13,8 @@ anyone on a broker without auth) subscribes to:
   interest) and jobs would be delivered into the void. A wildcard over every worker inbox
   does exactly that, which is why the tap never holds one (and why a rogue worker that does
   hurts everyone, see ``rogue``);
+- every jobs subject: each job as its client stored it (its id, when, and its prompt's digest),
+  whoever it is then delivered to;
 - every results subject: each answer as published (before the results stream deduplicates
   it), chunks reassembled and checked against their head;
 - the jobs stream's ack subjects: acks, naks (hand-backs), progress, terms, per delivery;
@@ -120,6 +122,10 @@ class Tap:
         # stored again because its holder died, is the same job stored twice)
         self.stored_jobs: dict[str, int] = {}
         self.job_submitted: dict[str, float] = {}  # job id -> its ``submitted_at``, as its client stamped it
+        # job id -> [its client id, ``prompt_digest`` of its prompt], as its client stored it: heard
+        # whoever the job is then delivered to (an inbox is mirrored only once a pull request names
+        # it, so the first deliveries to a fresh one can pass unseen)
+        self.job_prompts: dict[str, list[str | None]] = {}
         self.activations: list[tuple[float, Any]] = []
         self.announced: list[tuple[float, Any]] = []  # versions.published
         self.fleet: list[tuple[float, str, Any]] = []  # (t, worker_id, ReplicaStatus | None)
@@ -434,6 +440,7 @@ class Tap:
             job = decode(msg.data, RolloutJob)
             self.stored_jobs[job.job_id] = self.stored_jobs.get(job.job_id, 0) + 1
             self.job_submitted.setdefault(job.job_id, float(job.submitted_at or 0.0))
+            self.job_prompts.setdefault(job.job_id, [job.client_id, prompt_digest(job.payload.prompt_token_ids)])
 
     def _subject_worker(self, subject: str) -> str | None:
         parse = getattr(self.names, "parse_result_subject", None)
@@ -594,6 +601,7 @@ class Tap:
             "claims": self.claims,
             "stored_jobs": self.stored_jobs,
             "job_submitted": self.job_submitted,
+            "job_prompts": self.job_prompts,
             "gaps": self.gaps,
             "declared": self.declared,
             "tapped": sorted(self._tapped),
