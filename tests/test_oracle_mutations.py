@@ -664,7 +664,11 @@ def test_a_moved_copy_missed_while_disconnected_is_counted_unverified(recorded: 
     assert h.judge() == {}
     oracle = load_kept(h.dir)
     oracle.judge()
-    assert oracle.unverified["delivered: a copy may have been stored while the wiretap was disconnected"] == 1
+    unmutated = load_kept(History(recorded, tmp_path / "unmutated").dir)
+    unmutated.judge()
+    # (The gap added may cover other jobs of the recorded run too: at least the moved copy's is counted.)
+    reason = "delivered: a copy may have been stored while the wiretap was disconnected"
+    assert oracle.unverified[reason] >= unmutated.unverified[reason] + 1, (oracle.unverified, unmutated.unverified)
 
 
 # -- publisher faults (publisher_kill, publisher_race): the commits and the truth the KV says --------
