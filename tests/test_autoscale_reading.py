@@ -135,6 +135,25 @@ async def test_a_request_that_waits_for_a_replica_is_queued_said_as_demand_and_s
             await nc.close()
 
 
+async def test_a_version_unreadable_for_a_moment_is_not_taken_for_deleted_for_a_minute(tmp_path: Path) -> None:
+    """A version whose directory is missing for a moment (a flaky mount) is looked at again within
+    seconds: a request that waits for a replica at it is not left to expire while the controller
+    believes retention deleted it (the adversary's ``autoscaler`` schedule, ``held-wait``: the
+    directory back after 3 s, the requests expired 30 s later, a held replica never started)."""
+    store = tmp_path / "store"
+    publisher = PolicyPublisher(store, write_base_checkpoint(tmp_path / "base"))
+    publisher.record_base()
+    reader = SignalReader(None, None, Names("ns"), store)  # type: ignore[arg-type]  # (no broker read here)
+    now = [1000.0]
+    reader.clock = lambda: now[0]
+    away = tmp_path / "away"
+    version_path(store, 0).rename(away)
+    assert await reader._unavailable([0]) == {0}
+    away.rename(version_path(store, 0))
+    now[0] += 10.0
+    assert await reader._unavailable([0]) == set()
+
+
 def test_a_store_says_which_versions_it_can_still_materialize(tmp_path: Path) -> None:
     store = tmp_path / "store"
     publisher = PolicyPublisher(store, write_base_checkpoint(tmp_path / "base"))

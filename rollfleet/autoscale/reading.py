@@ -41,6 +41,18 @@ from rollfleet.trainer_client.fleet import FleetView
 log = get_logger("rollfleet.autoscale")
 
 REFUSAL_WINDOW_S = 30.0  # a refusal counts as demand this long after it was heard
+# How long a store's answer is taken as true: a version found whole stays so for a minute (no look
+# at the store each tick); one found missing is looked at again within seconds, since a flaky mount
+# or a directory being moved hides a version for a moment, and a request that waits for a replica at
+# it would otherwise expire while the controller believes retention deleted it.
+PRESENT_RECHECK_S = 60.0
+MISSING_RECHECK_S = 5.0
+
+
+def store_check_due(checked: tuple[float, bool], now: float) -> bool:
+    """Whether to look at the store again for a version last found ``(when, present)``."""
+    when, present = checked
+    return now - when > (PRESENT_RECHECK_S if present else MISSING_RECHECK_S)
 
 
 def subject_loads(names: Names, jobs: dict[str, SubjectJobs]) -> dict[SubjectKey, SubjectLoad]:
@@ -106,6 +118,7 @@ class SignalReader:
         self._tasks: list[asyncio.Task[None]] = []
         self._sub: Any = None
         self._checked: dict[int, tuple[float, bool]] = {}  # version -> (when checked, in the store)
+        self.clock = time.monotonic  # (what the store's answers are timed by)
 
     async def start(self) -> SignalReader:
         await self.fleet.start()
@@ -153,18 +166,19 @@ class SignalReader:
         return counts
 
     async def _unavailable(self, versions: Iterable[int]) -> set[int]:
-        """Of ``versions``, those the store directory can no longer materialize (looked at most
-        once a minute per version; an object store is not looked at: its versions count)."""
+        """Of ``versions``, those the store directory cannot materialize now (``store_check_due``:
+        one found whole is looked at again after a minute, one found missing after seconds; an
+        object store is not looked at: its versions count)."""
         if self._store is None:
             return set()
         gone = set()
-        now = time.monotonic()
+        now = self.clock()
         for v in versions:
-            when, has = self._checked.get(v, (-1e9, True))
-            if now - when > 60.0:
-                has = await asyncio.to_thread(store_has, self._store, v)
-                self._checked[v] = (now, has)
-            if not has:
+            checked = self._checked.get(v)
+            if checked is None or store_check_due(checked, now):
+                checked = (now, await asyncio.to_thread(store_has, self._store, v))
+                self._checked[v] = checked
+            if not checked[1]:
                 gone.add(v)
         return gone
 
