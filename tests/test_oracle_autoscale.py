@@ -158,6 +158,15 @@ def test_nothing_is_judged_while_no_controller_acts_or_the_broker_is_away() -> N
     assert oracle.violations == []
 
 
+def test_the_harnesss_own_workers_count_in_the_fleet_and_are_no_controllers_action() -> None:
+    # An hf replica the harness started beside one follower: two replicas, the minimum.
+    workers = [_worker("as-a", 0.0), _worker("h1", 0.0, fixed=True)]
+    oracle = _judge(_facts(workers=workers))
+    assert oracle.violations == []
+    # (as-a's launcher unknown here: one unverified launch; h1 is nobody's)
+    assert sum(v for k, v in oracle.unverified.items() if "launcher" in k) == 1
+
+
 # -- one-acting ------------------------------------------------------------------------------------
 
 

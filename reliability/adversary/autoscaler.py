@@ -88,6 +88,7 @@ POLICY_FLAGS = {
 # process's start, the engine's, materializing the version, registering (the oracle's ``need_s``).
 NEED_S = 2.0 + 2 * INTERVAL_S + ECHO_STARTUP_S + 14.0
 EVAL_CLIENT = "evaluator"
+QUIET_TAIL_S = 10.0
 
 
 def boot_time() -> float:
@@ -598,18 +599,33 @@ class AutoscaleFleet:
         return max((v for v, _, _ in self.m.timeline.commits), default=0)
 
     async def eval_wait(self, p: dict[str, Any]) -> bool:
+        if not p.get("hide_s"):
+            return await self._eval_wait(p)
+        # Its version's directory unreadable for a moment as the requests come (a flaky mount): no
+        # controller is started or stopped meanwhile, so the one acting sees the moment, and after it.
+        async with self._controllers_lock:
+            asked = asyncio.ensure_future(self._eval_wait(p))
+            await asyncio.sleep(float(p["hide_s"]))
+        return await asked
+
+    async def _eval_wait(self, p: dict[str, Any]) -> bool:
         latest = self.latest()
-        v = latest - int(p.get("back", 2))
-        if v < 0:
-            self.adv.say("eval wait skipped", reason="no version old enough yet", latest=latest)
+        v = max(0, latest - int(p.get("back", 2)))  # (the oldest there is, early in a run)
+        if v >= latest:
+            self.adv.say("eval wait skipped", reason="no version older than the latest yet", latest=latest)
             return False
         keys = []
         for _ in range(int(p.get("count", 2))):
             self._evals_n += 1
             keys.append(f"eval-{self.adv.cfg.seed}-{self._evals_n}")
+        hidden = None
+        if p.get("hide_s") and not self.adv.publisher_fault and (hidden := self.m.hide(v)) is not None:
+            self.adv.damaged += 1
+            self.adv.spawn(self._unhide(v, float(p["hide_s"])))
         self.adv.say(
-            "evaluation waits for a held replica", version=v, latest=latest, keys=keys, deadline_s=p["deadline_s"]
-        )
+            "evaluation waits for a held replica", version=v, latest=latest, keys=keys, deadline_s=p["deadline_s"],
+            hidden_s=p.get("hide_s") if hidden is not None else None,
+        )  # fmt: skip
         recs = await asyncio.gather(
             *(
                 self.submit(
@@ -644,6 +660,14 @@ class AutoscaleFleet:
 
     def _followers(self) -> set[str]:
         return {i["wp"].worker_id for i in self.counted() if i["held"] is None}
+
+    async def _unhide(self, v: int, seconds: float) -> None:
+        t = time.time()
+        await asyncio.sleep(seconds)
+        self.m.unhide(v)
+        self.adv.damaged -= 1
+        self.m.timeline.hidden.append((v, t, time.time()))
+        self.adv.say("store dir back", version=v, after_s=round(seconds, 2))
 
     async def burst(self, count: int) -> list[asyncio.Task[dict[str, Any]]]:
         """``count`` long resumable jobs on the followers (each 3,000 tokens: 9 s of echo at least)."""
@@ -881,6 +905,11 @@ class AutoscaleFleet:
         self.start_controller()
         self._scanner = asyncio.ensure_future(self._scan_forever())
 
+    async def quiet_tail(self) -> None:
+        """The load over and no event left: the fleet watched ``QUIET_TAIL_S`` more, so that it is
+        judged settled a while (and shrinks towards its minimum, after the scale-in grace)."""
+        await asyncio.sleep(QUIET_TAIL_S)
+
     def keep_one(self) -> None:
         """(settling) at least one controller runs at the end, as a supervisor keeps one."""
         if not self.live():
@@ -905,6 +934,24 @@ class AutoscaleFleet:
                     "leaving_at": wp.told_to_stop,
                 }
             )
+        # The harness's own workers (``--hf``, ``--sglang`` beside the controllers') are replicas the
+        # planner counts too: counted in the fleet's size, launched by no controller.
+        for wp in self.m.timeline.workers:
+            if not wp.autoscaled:
+                workers.append(
+                    {
+                        "worker_id": wp.worker_id,
+                        "pid": wp.proc.pid,
+                        "start": wp.start,
+                        "end": wp.end,
+                        "how": wp.how,
+                        "stops": wp.stops,
+                        "held": None,
+                        "parent": None,
+                        "leaving_at": wp.told_to_stop,
+                        "fixed": True,
+                    }
+                )
         return {
             "t0": t0,
             "t_end": time.time(),

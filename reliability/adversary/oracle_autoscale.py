@@ -7,7 +7,8 @@ controller's own status document or metrics:
 - the controller processes the harness started, with their lives, freezes (SIGSTOP), the moment
   each was told to stop (SIGTERM: a clean stop releases the lease) and the bounds on its command
   line;
-- the worker processes that existed, found in ``/proc`` by their command lines: start (the
+- the worker processes that existed, found in ``/proc`` by their command lines (and those the
+  harness started beside them, ``fixed``: replicas the planner counts too): start (the
   kernel's start time), end, the controller process that was their parent when first seen (who
   launched them), how they ended (SIGKILLed or SIGTERMed by the adversary, retired by a
   controller, or exited on their own) and when they were told to stop;
@@ -38,6 +39,9 @@ The invariants:
   result made at exactly that version (its tokens recomputed from the trainer's weights where
   the oracle has them), unless no controller acted for ``need_s`` of its wait (then it is not
   verifiable, never passed). One check per request.
+- ``scaled-job``: each resumable job run beside a scale-in (the ``scale_in`` event fills every
+  follower's slots with them) is answered by its deadline, its spans tiling its tokens, each token
+  what its span's version makes, and the same answer comes back when its key is asked again.
 
 No job is lost or answered twice by scaling: the oracle's own ``lost``, ``once``, ``twice`` and
 ``moved`` judge every job, the scaled workers' included, since those workers are in the
@@ -221,6 +225,8 @@ def actions(f: AutoscaleFacts) -> tuple[list[dict[str, Any]], int]:
     orphans = 0
     for w in f.workers:
         parent = w.get("parent")
+        if w.get("fixed"):
+            continue  # (a worker the harness started: no controller's action)
         if parent is None:
             orphans += 1
             continue

@@ -1321,6 +1321,7 @@ class Adversary:
             finals.update(await self.reask_gateway_turns())
             if self.autoscale is not None:
                 await self.autoscale.reask_bursts()
+                await self.autoscale.quiet_tail()
                 self.machine.timeline.autoscale = self.autoscale.facts(self.t0)
             report.notes.update(await self.collect_notes())
             from reliability.adversary.oracle import Oracle, save_inputs

@@ -329,7 +329,8 @@ def autoscaler_params(kind: str, rng: random.Random) -> dict[str, Any]:
         return {"after": round(u(0.2, 1.5), 2)}
     if kind == "scale_in":
         return {"during": rng.choice(("activation", "resume")), "for_s": round(u(3.0, 6.0), 2), "slow_s": 2.0}
-    return {"back": rng.randint(1, 3), "count": rng.randint(1, 3), "deadline_s": 40.0}  # eval_wait
+    hide = {"hide_s": round(u(1.0, 4.0), 2)} if rng.random() < 0.3 else {}  # (its version unreadable a moment)
+    return {"back": rng.randint(1, 3), "count": rng.randint(1, 3), "deadline_s": 40.0, **hide}  # eval_wait
 
 
 def node_params(kind: str, rng: random.Random) -> dict[str, Any]:
@@ -565,17 +566,20 @@ def _autoscaler(duration: float, rng: random.Random, hf: bool) -> list[Event]:
     acting controller SIGKILLed and started again while a second one starts beside it (one of them
     takes the lapsed lease); the acting one frozen past its lease (the other takes over, and the
     frozen one must not act when it thaws); a broker restart under them; a scale-in during an
-    activation, then one during resumable jobs; a clean restart; another replica killed while it
-    starts."""
+    activation, then one during resumable jobs (each hands the controller over twice: clean
+    restarts); another replica killed while it starts; last, an evaluation of a version whose
+    directory is unreadable for a moment as it is asked for."""
     wait = {"count": 2, "deadline_s": 40.0}
     out = [Event(3.0, "publish"), Event(5.0, "eval_wait", {"back": 2, **wait})]
     out += [Event(7.0, "kill_starting", {"after": round(rng.uniform(0.3, 1.2), 2)}), Event(9.0, "publish")]
     out += [Event(10.0, "autoscaler_kill", {"after": 1.0}), Event(13.0, "autoscaler_second", {"for_s": 20.0})]
     out += [Event(22.0, "autoscaler_pause", {"for_s": 9.0}), Event(26.0, "eval_wait", {"back": 3, **wait})]
     out += [Event(28.0, "publish"), Event(31.0, "broker_restart", {"down_s": 2.0})]
-    out += [Event(35.0, "scale_in", {"during": "activation", "for_s": 4.0, "slow_s": 2.0})]
-    out += [Event(46.0, "scale_in", {"during": "resume", "for_s": 4.0})]
-    out += [Event(50.0, "autoscaler_restart", {"after": 0.5}), Event(53.0, "kill_starting", {"after": 0.5})]
+    out += [Event(34.0, "scale_in", {"during": "activation", "for_s": 4.0, "slow_s": 2.0})]
+    out += [Event(38.0, "scale_in", {"during": "resume", "for_s": 4.0}), Event(50.0, "kill_starting", {"after": 0.5})]
+    # Last, with no controller event after it (it waits for the scale-ins): its version unreadable
+    # for 3 s as it is asked for, back long before the deadline.
+    out += [Event(53.0, "eval_wait", {"back": 1, "count": 2, "deadline_s": 30.0, "hide_s": 3.0})]
     return [e for e in out if e.t < duration - 2.0]
 
 
