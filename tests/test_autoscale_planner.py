@@ -200,6 +200,23 @@ def test_a_version_the_store_lost_is_said_once_and_never_launched():
     assert not [d for d in again.decisions if d.action == "unavailable"]
 
 
+def test_a_version_never_committed_is_never_held_and_a_replica_held_there_goes():
+    """A publisher killed between a version's record and the compare-and-set of ``latest`` leaves a
+    whole directory and a record without the commit mark. A request refused for that version (a
+    gateway's caller asking for the next one, before it was given up) must not get a replica held
+    there: it would serve weights the trainer never committed (the adversary, seed 10 with
+    ``--autoscale 3:5``: v2's publisher SIGKILLed at ``commit:before-cas``, a replica held at v2
+    answered min jobs labelled v2)."""
+    policy = Policy(hold_after_s=0)
+    never = Signal(9, {2: ClassDemand(refusals=1, in_flight=1)}, never_committed=frozenset({2}))
+    p = plan(never, _followers(1), policy, PlannerState(), NOW)
+    assert p.launch == ()
+    [said] = [d for d in p.decisions if d.action == "unavailable"]
+    assert "never committed" in said.reason
+    held = [*_followers(1), ready("h2", 2, held=2, in_flight=1)]  # (held there by an earlier controller)
+    assert plan(never, held, policy, PlannerState(), NOW).retire == ("h2",)
+
+
 def test_a_held_replica_is_released_after_the_grace_once_demand_ends():
     policy = Policy(hold_after_s=0, scale_in_grace_s=60, cooldown_s=10)
     fleet = [*_followers(1), ready("h3", 3, held=3)]

@@ -19,7 +19,8 @@ Rules, all of them here (the controller only carries a plan out):
 3. **Held versions on demand.** A version older than ``latest`` that jobs, pinned sessions or
    refused requests ask for gets a held replica once that demand has lasted ``hold_after_s``
    (at once after a refusal: nobody serves it at all), unless the store no longer has it
-   (``Signal.unavailable``: said once, in a decision). It is released when the demand has been
+   (``Signal.unavailable``) or it was never committed (``Signal.never_committed``: a replica held
+   there goes too), said once, in a decision. It is released when the demand has been
    gone for ``scale_in_grace_s``.
 4. **Hysteresis.** Scaling in goes to a size whose load fits ``1 - hysteresis`` of its slots,
    and only after the signal asked for fewer for ``scale_in_grace_s`` without a break (to the
@@ -230,7 +231,12 @@ def _retire_order(r: ReplicaFacts) -> tuple[int, int, int, float]:
 
 
 def _demanded_versions(signal: Signal) -> set[int]:
-    versions = {k for k, d in signal.classes.items() if k != LATEST and d.wanted and isinstance(k, int)}
+    """Versions asked for whose last serving copy is kept (one never committed is nobody's to serve)."""
+    versions = {
+        k
+        for k, d in signal.classes.items()
+        if k != LATEST and d.wanted and isinstance(k, int) and k not in signal.never_committed
+    }
     if signal.latest is not None and signal.demand(LATEST).wanted:
         versions.add(signal.latest)
     return versions
@@ -264,9 +270,11 @@ def plan(
         d, replicas, st = signal.demand(v), by_class.get(v, []), state.of(v)
         st = replace(st, wanted_since=(st.wanted_since if st.wanted_since is not None else now) if d.wanted else None)
         floor, hi = 0, policy.max_per_version
-        if d.wanted and int(v) in signal.unavailable:
+        if d.wanted and int(v) in signal.cannot_hold:
             if not st.unavailable_said:
                 why = f"version {v} is asked for but the store no longer has it (retention deleted it)"
+                if int(v) in signal.never_committed:
+                    why = f"version {v} is asked for but was never committed: no replica may serve it"
                 decisions.append(Decision(v, "unavailable", len(replicas), 0, why, d))
             st = replace(st, unavailable_said=True)
         elif d.wanted:
@@ -278,7 +286,7 @@ def plan(
                 hi = 0  # (not yet: the demand may end before a replica could start)
         else:
             st = replace(st, unavailable_said=False)
-        if int(v) in signal.unavailable:
+        if int(v) in signal.cannot_hold:
             hi = 0
         caps[v] = (floor, hi, st)
 
@@ -310,7 +318,7 @@ def plan(
     # has been asked for ``hold_after_s``), so a constant signal never grows the followers only to
     # shrink them again for it.
     asked = 1 if policy.max_per_version else 0
-    claimed = sum(max(desired[v], asked if signal.demand(v).wanted and int(v) not in signal.unavailable else 0)
+    claimed = sum(max(desired[v], asked if signal.demand(v).wanted and int(v) not in signal.cannot_hold else 0)
                   for v in held_keys)  # fmt: skip
     hi = max(policy.min_replicas, policy.max_replicas - min(claimed, policy.max_held))
     target, states[LATEST], decision = _decide(

@@ -25,6 +25,8 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+import nats.errors
+import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -34,8 +36,8 @@ from rollfleet.broker.jobs_load import SubjectJobs, jobs_on_subjects
 from rollfleet.broker.watch import watch_keys
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
-from rollfleet.schemas import Names, ReplicaStatus, SessionRecord, decode
-from rollfleet.schemas.errors import InvalidRequest, PolicyError
+from rollfleet.schemas import Names, ReplicaStatus, SessionRecord, VersionRecord, decode
+from rollfleet.schemas.errors import InvalidRequest, PolicyError, RollfleetError
 from rollfleet.trainer_client.fleet import FleetView
 
 log = get_logger("rollfleet.autoscale")
@@ -118,6 +120,8 @@ class SignalReader:
         self._tasks: list[asyncio.Task[None]] = []
         self._sub: Any = None
         self._checked: dict[int, tuple[float, bool]] = {}  # version -> (when checked, in the store)
+        self._commits: dict[int, tuple[float, bool]] = {}  # version -> (when read, its record says committed)
+        self._policy_kv: Any = None
         self.clock = time.monotonic  # (what the store's answers are timed by)
 
     async def start(self) -> SignalReader:
@@ -198,7 +202,37 @@ class SignalReader:
             latest, subjects, replicas, now, pinned=pinned_counts(self._pins.values(), now), refusals=self.refusals()
         )
         old = [int(k) for k, d in signal.classes.items() if isinstance(k, int) and d.wanted]
+        # (a version held by a replica counts too: one never committed is to be let go)
+        old += [r.held for r in replicas if r.held is not None and r.held not in old]
         gone = await self._unavailable(old)
-        if gone:
-            signal = Signal(signal.latest, signal.classes, frozenset(gone))
+        never = await self._never_committed(old)
+        if gone or never:
+            signal = Signal(signal.latest, signal.classes, frozenset(gone), frozenset(never))
         return signal, replicas
+
+    async def _never_committed(self, versions: Iterable[int]) -> set[int]:
+        """Of ``versions``, those whose record in the policy KV does not say they were committed
+        (``VersionRecord.committed``; no record: never published). A publisher killed between the
+        record and the compare-and-set of ``latest`` leaves a whole directory that the fleet must
+        never serve. Read as ``store_check_due`` says: a committed one is read again after a minute,
+        one not (yet) after seconds."""
+        out = set()
+        now = self.clock()
+        for v in versions:
+            known = self._commits.get(v)
+            if known is None or store_check_due(known, now):
+                known = (now, await self._committed(v))
+                self._commits[v] = known
+            if not known[1]:
+                out.add(v)
+        return out
+
+    async def _committed(self, version: int) -> bool:
+        """Whether ``v.<version>`` says the version was committed (absent, unreadable: no)."""
+        try:
+            if self._policy_kv is None:
+                self._policy_kv = await self._js.key_value(self._names.policy_bucket)
+            entry = await self._policy_kv.get(self._names.version_key(version))
+            return decode(entry.value or b"", VersionRecord, what="version record").committed
+        except (nats.errors.Error, nats.js.errors.Error, RollfleetError):
+            return False

@@ -118,6 +118,15 @@ class Signal:
     # Versions the store can no longer materialize (retention deleted them): demand for them
     # cannot be met by holding a replica there, and the plan says so.
     unavailable: frozenset[int] = frozenset()
+    # Versions whose record does not say they were committed (a publisher killed before the
+    # compare-and-set of ``latest`` leaves a whole directory and a record without the mark): no
+    # replica may serve them, so none is held there, and one held there goes.
+    never_committed: frozenset[int] = frozenset()
+
+    @property
+    def cannot_hold(self) -> frozenset[int]:
+        """Versions no replica is held at, whatever asks for them."""
+        return self.unavailable | self.never_committed
 
     def demand(self, klass: ClassKey) -> ClassDemand:
         return self.classes.get(klass, ClassDemand())
