@@ -71,7 +71,9 @@ def _facts(**kw: Any) -> dict[str, Any]:
     }
 
 
-def _judge(facts: dict[str, Any], broker_out: list[list[float]] | None = None) -> Any:
+def _judge(facts: dict[str, Any], broker_out: list[list[float]] | None = None, lost: Any = None) -> Any:
+    """``lost(t)``: whether an answer the wiretap saw stored at ``t`` was lost with the broker's store
+    (the oracle's ``lost_with_store``)."""
     oracle = SimpleNamespace(
         checks=defaultdict(int),
         unverified=defaultdict(int),
@@ -90,6 +92,7 @@ def _judge(facts: dict[str, Any], broker_out: list[list[float]] | None = None) -
         return ok
 
     oracle.check = check
+    oracle.lost_with_store = lambda t, what, after=None: {"kind": "rollback"} if lost and lost(t) else None
     judge_autoscaler(oracle, facts)
     return oracle
 
@@ -299,6 +302,20 @@ def test_a_resumable_job_continued_across_a_scale_in_passes_and_one_with_a_hole_
     other = {**whole, "job_id": "j2"}
     [message] = _flagged(_judge(_facts(bursts=[_burst(whole, again=other)])), "scaled-job")
     assert "another answer came back" in message
+
+
+def test_an_answer_lost_with_the_brokers_store_may_come_back_another_when_asked_again() -> None:
+    # Seed 10 (--autoscale 3:5): two resumable jobs answered 2.5 s into a rollback's lost window,
+    # run again after the restart: asked again at the end, the second run's answer came back.
+    whole = {**_result(3, 27.2), "spans": [[[3, 0, 2], [3, 2, 4]]]}
+    other = {**whole, "job_id": "j2"}
+    facts = _facts(bursts=[_burst(whole, again=other)])
+    oracle = _judge(facts, lost=lambda t: T0 + 24.8 <= t <= T0 + 30.0)
+    assert _flagged(oracle, "scaled-job") == []
+    assert any("lost with the broker's store" in k for k in oracle.unverified)
+    # The loss's window elsewhere (before the answer was stored): flagged.
+    oracle = _judge(facts, lost=lambda t: T0 + 10.0 <= t <= T0 + 20.0)
+    assert len(_flagged(oracle, "scaled-job")) == 1
 
 
 def test_the_facts_know_who_acts_from_the_lease_as_the_broker_stored_it() -> None:

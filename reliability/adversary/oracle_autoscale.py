@@ -356,12 +356,15 @@ def spans_tile(desc: dict[str, Any]) -> str | None:
 def check_bursts(
     f: AutoscaleFacts,
     check: Callable[[str, bool, str | None, str], bool],
+    unverified: Callable[[str], None],
     at: Callable[[float], str],
     served: Callable[[dict[str, Any], dict[str, Any]], str | None] | None = None,
+    lost: Callable[[float], bool] | None = None,
 ) -> None:
     """``scaled-job``: a resumable job running while a scale-in retired replicas is answered once, by
     its deadline, with every token made by the version its span names and its spans whole; asked
-    again at the end, the same answer comes back."""
+    again at the end, the same answer comes back, unless ``lost``: the broker's store lost the answer
+    (a rollback, a wipe, the results deleted), so a second run's is right (``once`` exempts it alike)."""
     for e in f.facts.get("bursts") or []:
         ans = e.get("answer") or {}
         problem = None
@@ -378,6 +381,9 @@ def check_bursts(
                 and again is not None
                 and (again.get("job_id") != ans.get("job_id") or again.get("tokens") != ans.get("tokens"))
             ):
+                if lost is not None and lost(float(ans["t"])):
+                    unverified("scaled-job: its answer lost with the broker's store, asked again")
+                    continue
                 problem = (
                     f"asked again at the end, another answer came back ({again.get('cls') or again.get('job_id')})"
                 )
@@ -405,7 +411,12 @@ def judge_autoscaler(oracle: Any, facts: dict[str, Any]) -> None:
     check_one_acting(f, oracle.check, unverified, at)
     served = _served_by(oracle)
     check_waits(f, oracle.check, unverified, at, served=served)
-    check_bursts(f, oracle.check, at, served=served)
+    store_loss = getattr(oracle, "lost_with_store", None)
+
+    def lost(t: float) -> bool:
+        return store_loss is not None and store_loss(t, "results", after=t1) is not None
+
+    check_bursts(f, oracle.check, unverified, at, served=served, lost=lost)
     acts, _ = actions(f)
     oracle.notes["autoscaler"] = {
         "settled_s": round(settled, 2),
