@@ -10,6 +10,7 @@ from collections import defaultdict
 from types import SimpleNamespace
 from typing import Any
 
+from reliability.adversary.autoscaler import lease_gaps
 from reliability.adversary.oracle_autoscale import AutoscaleFacts, judge_autoscaler
 
 T0 = 1_000_000.0
@@ -212,6 +213,20 @@ def test_two_controllers_interleaving_faster_than_the_handover_bound_are_flagged
     lease += _renewals(202, 20.0, 40.0)
     oracle = _judge(_facts(controllers=controllers, lease=lease, workers=workers, retires=retires))
     assert _flagged(oracle, "one-acting") == []
+
+
+def test_the_lease_watch_is_blind_while_the_fleet_bucket_is_lost_until_a_write_is_seen_again() -> None:
+    # Seed 12 (--autoscale 3:5): the registry's stream deleted at 18.5 s, its watch's consumer gone
+    # with it; the next write it saw came at 35.2 s: a controller's actions between are unverifiable.
+    lease = [
+        {"t": T0 + 17.5, "seen": T0 + 17.5, "op": "PUT", "holder": "host:1"},
+        {"t": T0 + 34.8, "seen": T0 + 35.2, "op": "PUT", "holder": "host:1"},
+    ]
+    deleted = {"kind": "delete_stream", "target": "registry", "lost_from": 0.0, "at": T0 + 18.5, "back": T0 + 18.6}
+    assert lease_gaps([], [deleted], lease, T0 + 60) == [[T0 + 18.5, T0 + 35.2]]
+    assert lease_gaps([], [{**deleted, "target": "jobs"}], lease, T0 + 60) == []  # (not the lease's bucket)
+    rollback = {"kind": "rollback", "lost_from": T0 + 10.0, "at": T0 + 15.0, "back": T0 + 17.0}
+    assert lease_gaps([[T0 + 15.0, T0 + 17.0]], [rollback], lease, T0 + 60)[1] == [T0 + 10.0, T0 + 17.5]
 
 
 def test_an_action_while_the_lease_watch_was_away_is_not_verifiable() -> None:

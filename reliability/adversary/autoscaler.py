@@ -515,7 +515,11 @@ class AutoscaleFleet:
         """Once the wiretap's connection is back (a broker restart), the lease watched anew at once: an
         ordered consumer notices a lost consumer only after missed heartbeats (it took 14 s), and
         what the broker holds now is delivered first."""
-        healed = sum(1 for _, b in self.adv.tap.gaps if b != float("inf"))
+        # (or the fleet bucket lost: its stream deleted, or the broker back on an older or empty store,
+        # where an ordered consumer goes on from a sequence the new stream may never reach)
+        healed = sum(1 for _, b in self.adv.tap.gaps if b != float("inf")) + sum(
+            1 for loss in self.m.timeline.stores_lost if _loses_lease(loss) and loss.get("back")
+        )
         if healed > self._healed:
             self._healed = healed
             try:
@@ -525,14 +529,7 @@ class AutoscaleFleet:
                 self.adv.say("lease watch not made again", error=repr(exc)[:200])
 
     def lease_gaps(self) -> list[list[float]]:
-        """When the lease's writes may have gone unseen: each time the wiretap's connection was away,
-        until the first write seen after it (a write stored meanwhile and replaced is gone for good)."""
-        out = []
-        for a, b in self.adv.tap.gaps:
-            end = b if b != float("inf") else time.time()
-            after = [r["seen"] for r in self.lease if r["seen"] >= end]
-            out.append([a, min(after) if after else end + LEASE_TTL_S])
-        return out
+        return lease_gaps(self.adv.tap.gaps, self.m.timeline.stores_lost, self.lease, time.time())
 
     # -- the evaluator's requests ------------------------------------------------------------------
     async def client(self) -> Any:
@@ -623,9 +620,13 @@ class AutoscaleFleet:
             self.adv.damaged += 1
             self.adv.spawn(self._unhide(v, float(p["hide_s"])))
         self.adv.say(
-            "evaluation waits for a held replica", version=v, latest=latest, keys=keys, deadline_s=p["deadline_s"],
+            "evaluation waits for a held replica",
+            version=v,
+            latest=latest,
+            keys=keys,
+            deadline_s=p["deadline_s"],
             hidden_s=p.get("hide_s") if hidden is not None else None,
-        )  # fmt: skip
+        )
         recs = await asyncio.gather(
             *(
                 self.submit(
@@ -984,6 +985,31 @@ class AutoscaleFleet:
                 await asyncio.wait_for(self._client.close(), 10.0)
         self.scan()  # (the workers they left: the machine stops them with its own)
         self.journal.close()
+
+
+def _loses_lease(loss: dict[str, Any]) -> bool:
+    """Whether a store loss (``Timeline.stores_lost``) took the fleet bucket's writes (the lease's)."""
+    return loss.get("kind") != "delete_stream" or loss.get("target") == "registry"
+
+
+def lease_gaps(
+    tap_gaps: list[list[float]], losses: list[dict[str, Any]], lease: list[dict[str, Any]], now: float
+) -> list[list[float]]:
+    """When the lease's writes may have gone unseen, each until the first write seen after it (one
+    stored meanwhile and replaced is gone for good, the bucket keeping one): the wiretap's
+    connection away; the fleet bucket lost (its stream deleted: the watch's consumer went with it;
+    the broker back on an older or an empty store), from the first write it lost."""
+    spans = [[a, b if b != float("inf") else now] for a, b in tap_gaps]
+    spans += [
+        [float(x["lost_from"]) if x.get("kind") == "rollback" else float(x["at"]), float(x.get("back") or now)]
+        for x in losses
+        if _loses_lease(x)
+    ]
+    out = []
+    for a, end in spans:
+        after = [r["seen"] for r in lease if r["seen"] >= end]
+        out.append([a, min(after) if after else end + LEASE_TTL_S])
+    return out
 
 
 def _stamp(text: Any) -> float:
