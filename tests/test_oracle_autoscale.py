@@ -72,7 +72,9 @@ def _facts(**kw: Any) -> dict[str, Any]:
     }
 
 
-def _judge(facts: dict[str, Any], broker_out: list[list[float]] | None = None, lost: Any = None) -> Any:
+def _judge(
+    facts: dict[str, Any], broker_out: list[list[float]] | None = None, lost: Any = None, commits: Any = ()
+) -> Any:
     """``lost(t)``: whether an answer the wiretap saw stored at ``t`` was lost with the broker's store
     (the oracle's ``lost_with_store``)."""
     oracle = SimpleNamespace(
@@ -83,7 +85,7 @@ def _judge(facts: dict[str, Any], broker_out: list[list[float]] | None = None, l
         broker_out=broker_out or [],
         t_first=T0,
         weights=None,
-        commits=[],
+        commits=list(commits),
     )
 
     def check(name: str, ok: bool, key: str | None, message: str, defect: str | None = None) -> bool:
@@ -278,6 +280,16 @@ def test_a_waiting_request_expired_while_a_controller_acted_is_flagged() -> None
     expired = {"kind": "error", "cls": "Expired", "t": T0 + 35.2}
     [message] = _flagged(_judge(_facts(evals=[_eval(expired)])), "held-wait")
     assert "answered Expired" in message and "exact v3" in message
+
+
+def test_a_waiting_request_for_a_version_never_committed_is_nobodys_to_serve() -> None:
+    # Seed 12 (--autoscale 3:5): v35's publisher SIGKILLed at commit:before-cas; asked for with
+    # wait_for_replica, the controller rightly held no replica there, and the requests expired.
+    expired = {"kind": "error", "cls": "Expired", "t": T0 + 35.2}
+    oracle = _judge(_facts(evals=[_eval(expired)]), commits=[(T0 - 9.0, 2), (T0 - 5.0, 4)])
+    assert _flagged(oracle, "held-wait") == [] and any("never committed" in k for k in oracle.unverified)
+    oracle = _judge(_facts(evals=[_eval(expired)]), commits=[(T0 - 9.0, 3), (T0 - 5.0, 4)])
+    assert len(_flagged(oracle, "held-wait")) == 1
 
 
 def test_a_waiting_request_no_controller_could_serve_is_unverified_but_a_wrong_version_never_is() -> None:

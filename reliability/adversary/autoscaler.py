@@ -216,6 +216,7 @@ class AutoscaleFleet:
         self._client_lock = asyncio.Lock()
         self._evals_n = 0
         self._healed = 0  # wiretap outages over, for which the lease watch was made again
+        self._watch_failing = False
         # One event at a time works the controllers (a scale-in's handovers, a kill, a pause): each
         # waits for the one before it to finish, as the schedule means them in turn.
         self._controllers_lock = asyncio.Lock()
@@ -524,9 +525,13 @@ class AutoscaleFleet:
             self._healed = healed
             try:
                 await self.watch_lease()
-            except Exception as exc:  # (the broker away again: the next heal tries again)
+            except Exception as exc:  # (the broker away again, the bucket not declared again yet: next look)
                 self._healed -= 1
-                self.adv.say("lease watch not made again", error=repr(exc)[:200])
+                if not self._watch_failing:
+                    self.adv.say("lease watch not made again yet", error=repr(exc)[:200])
+                self._watch_failing = True
+            else:
+                self._watch_failing = False
 
     def lease_gaps(self) -> list[list[float]]:
         return lease_gaps(self.adv.tap.gaps, self.m.timeline.stores_lost, self.lease, time.time())
@@ -606,8 +611,11 @@ class AutoscaleFleet:
         return await asked
 
     async def _eval_wait(self, p: dict[str, Any]) -> bool:
-        latest = self.latest()
-        v = max(0, latest - int(p.get("back", 2)))  # (the oldest there is, early in a run)
+        # ``back`` committed versions before the latest (the oldest there is, early in a run): a
+        # version a publisher fault left uncommitted is nobody's to serve, and never asked for here
+        committed = sorted({v for v, _, _ in self.m.timeline.commits})
+        latest = committed[-1] if committed else 0
+        v = committed[max(0, len(committed) - 1 - int(p.get("back", 2)))] if committed else 0
         if v >= latest:
             self.adv.say("eval wait skipped", reason="no version older than the latest yet", latest=latest)
             return False

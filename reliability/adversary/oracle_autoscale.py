@@ -298,11 +298,16 @@ def check_waits(
     unverified: Callable[[str], None],
     at: Callable[[float], str],
     served: Callable[[dict[str, Any], dict[str, Any]], str | None] | None = None,
+    committed: set[int] | None = None,
 ) -> None:
-    """``held-wait``: a waiting request for a held version answered by its deadline, at that version."""
+    """``held-wait``: a waiting request for a held version answered by its deadline, at that version
+    (``committed``: the versions the adversary committed; a request for another is nobody's to serve)."""
     for e in f.facts.get("evals") or []:
         t0, deadline, v = float(e["t0"]), float(e["deadline"]), int(e["version"])
         ans = e.get("answer") or {}
+        if committed is not None and v not in committed:
+            unverified("held-wait: a request for a version never committed")
+            continue
         problem = None
         late = True  # (a result made at the wrong version, or with wrong tokens, is never excused)
         if ans.get("kind") != "result":
@@ -410,7 +415,8 @@ def judge_autoscaler(oracle: Any, facts: dict[str, Any]) -> None:
     settled = check_fleet_size(f, t_first, t1, oracle.check, at)
     check_one_acting(f, oracle.check, unverified, at)
     served = _served_by(oracle)
-    check_waits(f, oracle.check, unverified, at, served=served)
+    committed = {int(v) for _, v in getattr(oracle, "commits", [])} or None
+    check_waits(f, oracle.check, unverified, at, served=served, committed=committed)
     store_loss = getattr(oracle, "lost_with_store", None)
 
     def lost(t: float) -> bool:
