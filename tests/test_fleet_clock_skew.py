@@ -19,7 +19,7 @@ import pytest
 
 from rollfleet.schemas import Names, ReplicaStatus, encode
 from rollfleet.testing import start_worker_process, terminate, wait_until
-from rollfleet.testing.clocks import faketime_library, skewed_environment
+from rollfleet.testing.clocks import _working_setting, faketime_library, skewed_environment
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import payload
 
@@ -113,5 +113,16 @@ def test_a_skewed_process_reads_a_skewed_wall_clock_and_still_sleeps(skew_s: flo
     code = "import threading, time; t = time.time(); time.sleep(0.2); threading.Event().wait(0.2); print(t)"
     env = {**os.environ, **skewed_environment(str(FAKETIME_LIB), skew_s)}
     before = time.time()
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=20, check=True)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=20)
+    assert out.returncode == 0, out.stderr[-2000:]
     assert abs(float(out.stdout) - before - skew_s) < 1.0, (out.stdout, before)
+
+
+def test_a_preloaded_library_that_does_not_skew_the_clock_is_never_used(tmp_path: Path) -> None:
+    """A library the dynamic linker cannot load (or one that leaves the clock alone) is not taken
+    for libfaketime: its skewed workers would run on the harness's own clock."""
+    not_a_library = tmp_path / "libfaketime.so.1"
+    not_a_library.write_bytes(b"\x7fELF not really")
+    assert _working_setting(str(not_a_library)) is None
+    if FAKETIME_LIB is not None:
+        assert _working_setting(FAKETIME_LIB) is not None
