@@ -350,3 +350,27 @@ async def test_an_old_version_asked_for_gets_a_held_worker_which_a_restarted_con
             for d in (first, locals().get("second")):
                 if d is not None:
                     d.stop_all()
+
+
+def test_every_policy_field_is_a_flag_of_rollfleet_autoscale_and_reaches_the_policy() -> None:
+    """The bounds come from ``--bounds``; every other field of the policy is a flag whose value
+    reaches the Policy the controller runs (a declared flag that was dropped would not)."""
+    import argparse
+    import dataclasses
+
+    from rollfleet.autoscale.planner import Policy
+    from rollfleet.cli.autoscale import _POLICY_FLAGS, add_policy_flags, policy_from
+
+    fields = {f.name for f in dataclasses.fields(Policy)} - {"min_replicas", "max_replicas"}
+    assert {field for _, field, _, _ in _POLICY_FLAGS} == fields
+    parser = argparse.ArgumentParser()
+    add_policy_flags(parser)
+    argv, want = [], {}
+    for i, (flag, field, kind, _) in enumerate(_POLICY_FLAGS):
+        value = i + 2 if kind is int else round(0.05 * (i + 1), 2)  # (all valid: hysteresis < 1)
+        argv += [flag, str(value)]
+        want[field] = value
+    policy = policy_from(parser.parse_args(argv), (2, 9))
+    assert (policy.min_replicas, policy.max_replicas) == (2, 9)
+    assert {field: getattr(policy, field) for field in fields} == want
+    assert policy_from(parser.parse_args([]), (1, 8)) == Policy(min_replicas=1, max_replicas=8)

@@ -12,7 +12,6 @@ every job the loop stored says where its samples were continued.
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,9 +21,9 @@ from reliability.adversary.oracle import Oracle
 from reliability.adversary.tap import Delivery
 from reliability.adversary.trainer_weights import TrainerWeights
 from reliability.adversary.truth import tensors_key
-from rollfleet.schemas import Names
 from rollfleet.testing.weights import write_base_checkpoint
 from rollfleet.workers.engines.keyed import VOCAB, keyed_tokens
+from tests.oracle_histories import echo_worker, history_oracle
 
 SEED, GROUP_SEED, CUT, COUNT = 5, 7, 5, 12
 PROMPT = [1, 2, 33, 444]
@@ -80,21 +79,12 @@ def _history(weights: TrainerWeights, *, stored_seen: bool, continued: bool = Tr
         {"ev": "loop_batch", "loop": "L0.0", "step": 1, "t_asked": t + 5, "version_before": 3, "version_after": 3,
          "labelled": 3, "groups": [group], "failed": 0, "t": t + 6},
     ]  # fmt: skip
-    timeline = SimpleNamespace(
-        workers=[SimpleNamespace(worker_id=w, engine="echo", start=t - 5, end=None, paused_at=None, how="",
-                                 armed=None, stops=[]) for w in ("w1", "w2")],
-        broker_down=[], commits=[(v, t - 9 + v, t - 9 + v) for v in (1, 2, 3)], hidden=[], corrupt=[],
-        consumers_deleted=[], trainers=[{"incarnation": 0, "start": t - 10}], second_clients=[], events=[],
-        stores_lost=[],
-    )  # fmt: skip
-    tap = SimpleNamespace(deliveries=deliveries, published=[], acks={}, claims=[], stored_jobs={}, fleet=[],
-                          gaps=[], job_submitted={j: t for j in stored}, job_prompts=prompts)  # fmt: skip
-    oracle = Oracle(
-        cfg=SimpleNamespace(seed=SEED, ack_wait=2.0, duplicate_window=15.0, max_deliver=10, duration=10),
-        timeline=timeline, tap=tap, trainer=journal, rogue=[], activations=[], stored=stored, finals={},
-        weights=weights, names=Names("adv"),
-    )  # fmt: skip
-    oracle._build()
+    timeline = {"workers": [echo_worker(w, t - 5, stops=[]) for w in ("w1", "w2")],
+                "commits": [(v, t - 9 + v, t - 9 + v) for v in (1, 2, 3)],
+                "trainers": [{"incarnation": 0, "start": t - 10}]}  # fmt: skip
+    tap = {"deliveries": deliveries, "job_submitted": {j: t for j in stored}, "job_prompts": prompts}
+    oracle = history_oracle(journal, timeline=timeline, tap=tap, stored=stored, weights=weights,
+                            cfg={"seed": SEED, "ack_wait": 2.0, "duplicate_window": 15.0})  # fmt: skip
     oracle._check_loops()
     return oracle
 

@@ -11,12 +11,11 @@ T + 18.6 s, after the job's deadline. The oracle dated the turn from the re-ask'
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from typing import Any
 
 from reliability.adversary.oracle import LOST_JOINED_LATE, Oracle
 from reliability.adversary.tap import Delivery, Published
-from rollfleet.schemas import Names
+from tests.oracle_histories import echo_worker, history_oracle
 
 KEY, FULL, JOB = "s/2", "s/inc/2", "job-turn-2"
 TIMEOUT = 13.72
@@ -49,23 +48,14 @@ def _oracle(published_after: float) -> Oracle:
         desc={"kind": "result", "job_id": JOB, "worker_id": "w1", "version_start": 2, "version_end": 2,
               "spans": [[[2, 0, 8]]], "ntokens": 8, "session_id": "s", "idem_key": FULL},
     )  # fmt: skip
-    timeline = SimpleNamespace(
-        workers=[SimpleNamespace(worker_id="w1", engine="echo", start=t - 60, end=None, paused_at=None, how="",
-                                 armed=None, stops=[])],
-        broker_down=[], broker_paused=[[t + 15.3, t + 18.6]], commits=[(1, t - 9, t - 9), (2, t + 14, t + 14)],
-        hidden=[], corrupt=[], consumers_deleted=[], second_clients=[], events=[], stores_lost=[],
-        trainers=[{"incarnation": 0, "start": t - 30, "end": t + 7.1, "how": "killed"},
-                  {"incarnation": 1, "start": t + 9.3}],
-    )  # fmt: skip
-    tap = SimpleNamespace(deliveries=[delivered], published=[answer], acks={}, claims=[], stored_jobs={JOB: 1},
-                          fleet=[], gaps=[])  # fmt: skip
+    timeline = {"workers": [echo_worker("w1", t - 60, stops=[])], "broker_paused": [[t + 15.3, t + 18.6]],
+                "commits": [(1, t - 9, t - 9), (2, t + 14, t + 14)],
+                "trainers": [{"incarnation": 0, "start": t - 30, "end": t + 7.1, "how": "killed"},
+                             {"incarnation": 1, "start": t + 9.3}]}  # fmt: skip
+    tap = {"deliveries": [delivered], "published": [answer], "stored_jobs": {JOB: 1}}
     stored = {FULL: [{"subject": subject, "seq": 40, "digest": "d1", "kind": "result", "job_id": JOB}]}
-    oracle = Oracle(
-        cfg=SimpleNamespace(seed=1, ack_wait=2.0, duplicate_window=15.0, max_deliver=10, duration=90),
-        timeline=timeline, tap=tap, trainer=journal, rogue=[], activations=[], stored=stored, finals={},
-        weights=None, names=Names("adv"),
-    )  # fmt: skip
-    oracle._build()
+    oracle = history_oracle(journal, timeline=timeline, tap=tap, stored=stored,
+                            cfg={"ack_wait": 2.0, "duplicate_window": 15.0, "duration": 90})  # fmt: skip
     oracle._check_lost_and_stranded()
     return oracle
 

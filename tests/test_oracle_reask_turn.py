@@ -6,11 +6,10 @@ in the stream, was answered ``Interrupted``; its answer was not there to return)
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from typing import Any
 
 from reliability.adversary.oracle import LOST_WITH_STORE, Oracle
-from rollfleet.schemas import Names
+from tests.oracle_histories import echo_worker, history_oracle
 
 
 def _oracle(stores_lost: list[dict[str, Any]]) -> Oracle:
@@ -28,19 +27,9 @@ def _oracle(stores_lost: list[dict[str, Any]]) -> Oracle:
          "inc": 1, "kind": "error", "cls": "Interrupted", "code": "interrupted", "retryable": True, "spent": True,
          "t": now + 11.0},
     ]  # fmt: skip
-    timeline = SimpleNamespace(
-        workers=[SimpleNamespace(worker_id="w1", engine="echo", start=now - 5, end=None, paused_at=None, how="",
-                                 armed=None)],
-        broker_down=[], commits=[(0, now - 9, now - 9)], hidden=[], corrupt=[], consumers_deleted=[],
-        trainers=[{"incarnation": 0, "how": "killed"}], second_clients=[], events=[], stores_lost=stores_lost,
-    )  # fmt: skip
-    tap = SimpleNamespace(deliveries=[], published=[], acks={}, claims=[], stored_jobs={}, fleet=[], gaps=[])
-    oracle = Oracle(
-        cfg=SimpleNamespace(seed=1, ack_wait=5.0, duplicate_window=60.0, max_deliver=10, duration=10),
-        timeline=timeline, tap=tap, trainer=journal, rogue=[], activations=[], stored={}, finals={},
-        weights=None, names=Names("t"),
-    )  # fmt: skip
-    oracle._build()
+    timeline = {"workers": [echo_worker("w1", now - 5)], "commits": [(0, now - 9, now - 9)],
+                "trainers": [{"incarnation": 0, "how": "killed"}], "stores_lost": stores_lost}  # fmt: skip
+    oracle = history_oracle(journal, timeline=timeline, namespace="t")
     oracle._check_reask_turns()
     return oracle
 

@@ -7,28 +7,14 @@ after the restart: flagged "tokens by a replica which was never delivered the jo
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from reliability.adversary.oracle import Oracle
 from reliability.adversary.tap import Delivery
-from rollfleet.schemas import Names
+from tests.oracle_histories import history_oracle
 
 T = 1_000_000.0
 
 
 def _oracle(stores_lost: list[dict[str, float | str]]) -> Oracle:
-    timeline = SimpleNamespace(
-        workers=[],
-        broker_down=[],
-        commits=[],
-        hidden=[],
-        corrupt=[],
-        consumers_deleted=[],
-        trainers=[],
-        second_clients=[],
-        events=[],
-        stores_lost=stores_lost,
-    )
     again = Delivery(
         t=T + 9.0,
         inbox="_INBOX.adv.worker.w2.x.1",
@@ -45,19 +31,9 @@ def _oracle(stores_lost: list[dict[str, float | str]]) -> Oracle:
         consumer="min-5",
         worker="w2",
     )
-    tap = SimpleNamespace(deliveries=[again], published=[], acks={}, claims=[], stored_jobs={"j": 1}, fleet=[], gaps=[])
-    oracle = Oracle(
-        cfg=SimpleNamespace(seed=10, ack_wait=2.0, duplicate_window=15.0, max_deliver=10, duration=60),
-        timeline=timeline,
-        tap=tap,
-        trainer=[],
-        rogue=[],
-        activations=[],
-        stored={},
-        finals={},
-        weights=None,
-        names=Names("adv"),
-    )
+    oracle = history_oracle([], timeline={"stores_lost": stores_lost}, build=False,
+                            tap={"deliveries": [again], "stored_jobs": {"j": 1}},
+                            cfg={"seed": 10, "ack_wait": 2.0, "duplicate_window": 15.0, "duration": 60})  # fmt: skip
     oracle.deliveries_by_job = {"j": [again]}
     return oracle
 

@@ -9,11 +9,10 @@ lag" exemption to the first submit's moment, not to this one's, and flagged the 
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from typing import Any
 
 from reliability.adversary.oracle import LOST_WITH_STORE, Oracle
-from rollfleet.schemas import Names
+from tests.oracle_histories import echo_worker, history_oracle
 
 
 def _oracle(t_resubmit: float, stores_lost: list[dict[str, Any]], trainers: list[dict[str, Any]]) -> Oracle:
@@ -31,20 +30,10 @@ def _oracle(t_resubmit: float, stores_lost: list[dict[str, Any]], trainers: list
          "constraint": ["min", 0]},
         {"ev": "answer", "rid": "1:1", "inc": 1, "op": "resume", "key": "k", "t": t_resubmit + 1, **answer},
     ]  # fmt: skip
-    timeline = SimpleNamespace(
-        workers=[SimpleNamespace(worker_id="w1", engine="echo", start=t - 60, end=None, paused_at=None, how="",
-                                 armed=None)],
-        broker_down=[[x["at"], x["back"]] for x in stores_lost], commits=[(29, t - 5, t - 5), (30, t + 20, t + 20)],
-        hidden=[], corrupt=[], consumers_deleted=[], trainers=trainers, second_clients=[], events=[],
-        stores_lost=stores_lost,
-    )  # fmt: skip
-    tap = SimpleNamespace(deliveries=[], published=[], acks={}, claims=[], stored_jobs={}, fleet=[], gaps=[])
-    oracle = Oracle(
-        cfg=SimpleNamespace(seed=1, ack_wait=5.0, duplicate_window=60.0, max_deliver=10, duration=10),
-        timeline=timeline, tap=tap, trainer=journal, rogue=[], activations=[], stored={}, finals={},
-        weights=None, names=Names("adv"),
-    )  # fmt: skip
-    oracle._build()
+    timeline = {"workers": [echo_worker("w1", t - 60)], "broker_down": [[x["at"], x["back"]] for x in stores_lost],
+                "commits": [(29, t - 5, t - 5), (30, t + 20, t + 20)], "trainers": trainers,
+                "stores_lost": stores_lost}  # fmt: skip
+    oracle = history_oracle(journal, timeline=timeline)
     oracle._check_versions_and_sessions()
     return oracle
 

@@ -7,11 +7,11 @@ while its only able replica was frozen."""
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from typing import Any
 
 from reliability.adversary.oracle import Oracle
-from rollfleet.schemas import Names, ReplicaStatus
+from rollfleet.schemas import ReplicaStatus
+from tests.oracle_histories import echo_worker, history_oracle
 
 
 def _oracle(stops: list[list[float]], t: float) -> Oracle:
@@ -32,19 +32,9 @@ def _oracle(stops: list[list[float]], t: float) -> Oracle:
                                                 heartbeat_interval_s=0.5, started_at=t - 5.0))
         for i in range(40)
     ]  # fmt: skip
-    timeline = SimpleNamespace(
-        workers=[SimpleNamespace(worker_id="w1", engine="echo", start=t - 5.0, end=None, paused_at=None, how="",
-                                 armed=None, stops=stops)],
-        broker_down=[], commits=[(3, t - 9, t - 9)], hidden=[], corrupt=[], consumers_deleted=[],
-        trainers=[{"incarnation": 0, "start": t - 6.0}], second_clients=[], events=[], stores_lost=[],
-    )  # fmt: skip
-    tap = SimpleNamespace(deliveries=[], published=[], acks={}, claims=[], stored_jobs={}, fleet=entries, gaps=[])
-    oracle = Oracle(
-        cfg=SimpleNamespace(seed=1, ack_wait=5.0, duplicate_window=60.0, max_deliver=10, duration=10),
-        timeline=timeline, tap=tap, trainer=journal, rogue=[], activations=[], stored={}, finals={},
-        weights=None, names=Names("adv"),
-    )  # fmt: skip
-    oracle._build()
+    timeline = {"workers": [echo_worker("w1", t - 5.0, stops=stops)], "commits": [(3, t - 9, t - 9)],
+                "trainers": [{"incarnation": 0, "start": t - 6.0}]}  # fmt: skip
+    oracle = history_oracle(journal, timeline=timeline, tap={"fleet": entries})
     oracle._check_lost_and_stranded()
     return oracle
 

@@ -23,9 +23,9 @@ from reliability.adversary.oracle import Oracle
 from reliability.adversary.tap import Delivery
 from reliability.adversary.trainer_weights import TrainerWeights
 from reliability.adversary.truth import tensors_key
-from rollfleet.schemas import Names
 from rollfleet.testing.weights import write_base_checkpoint
 from rollfleet.workers.engines.keyed import keyed_tokens
+from tests.oracle_histories import echo_worker, history_oracle
 
 SEED = 5
 FIRST = [2, 5, 7, 9]  # the prompt the turn's job was stored with
@@ -51,21 +51,11 @@ def _oracle(
     deliveries: list[Any] | None = None,
 ) -> Oracle:
     now = journal[0]["t"]
-    timeline = SimpleNamespace(
-        workers=[SimpleNamespace(worker_id=w, engine="echo", start=now - 5, end=None, paused_at=None, how="",
-                                 armed=None) for w in ("w1", "w2")],
-        broker_down=[], commits=[(0, now - 9, now - 9), (1, now - 8, now - 8)], hidden=[], corrupt=[],
-        consumers_deleted=[], trainers=[{"incarnation": 0, "how": "killed"}], second_clients=[], events=[],
-        stores_lost=[],
-    )  # fmt: skip
-    tap = SimpleNamespace(deliveries=deliveries or [], published=published or [], acks={}, claims=[],
-                          stored_jobs={}, fleet=[], gaps=[])  # fmt: skip
-    oracle = Oracle(
-        cfg=SimpleNamespace(seed=SEED, ack_wait=5.0, duplicate_window=60.0, max_deliver=10, duration=10),
-        timeline=timeline, tap=tap, trainer=journal, rogue=[], activations=[], stored={}, finals={},
-        weights=weights, names=Names("adv"),
-    )  # fmt: skip
-    oracle._build()
+    timeline = {"workers": [echo_worker(w, now - 5) for w in ("w1", "w2")],
+                "commits": [(0, now - 9, now - 9), (1, now - 8, now - 8)],
+                "trainers": [{"incarnation": 0, "how": "killed"}]}  # fmt: skip
+    tap = {"deliveries": deliveries or [], "published": published or []}
+    oracle = history_oracle(journal, timeline=timeline, tap=tap, weights=weights, cfg={"seed": SEED})
     return oracle
 
 

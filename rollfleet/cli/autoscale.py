@@ -21,62 +21,32 @@ def parse_bounds(text: str) -> tuple[int, int]:
     return bounds
 
 
+# The policy's flags: (flag, the Policy field it sets, its type, help). One table for the parser and
+# for the Policy built from what it parsed, so a flag cannot be declared and then dropped.
+_POLICY_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--target-utilization", "target_utilization", float, "(waiting + running jobs) per slot a class is sized for"),
+    ("--target-wait", "target_wait_s", float, "seconds the oldest job may wait before one replica more"),
+    ("--hysteresis", "hysteresis", float, "scale in only to a size whose load fits (1 - this) of its slots"),
+    ("--cooldown", "cooldown_s", float, "seconds between two changes of direction of one class"),
+    ("--scale-in-grace", "scale_in_grace_s", float,
+     "seconds the signal must ask for fewer replicas before a class shrinks"),
+    ("--hold-after", "hold_after_s", float, "seconds demand for an old version lasts before a replica is held there"),
+    ("--max-per-version", "max_per_version", int, "held replicas per version"),
+    ("--slots-per-replica", "slots_per_replica", int, "a replica's capacity until one registers its own"),
+    ("--startup", "startup_s", float,
+     "seconds a replica takes to start until one the controller launched was measured (launch to serving)"),
+    ("--trend-window", "trend_window_s", float,
+     "seconds of load the trend is judged over; a rising one is sized for a start-up time ahead (0: off)"),
+)  # fmt: skip
+
+
 def add_policy_flags(p: argparse.ArgumentParser) -> None:
     from rollfleet.autoscale.planner import Policy
 
-    d = Policy()
-    p.add_argument(
-        "--target-utilization",
-        type=float,
-        default=d.target_utilization,
-        help="(waiting + running jobs) per slot a class is sized for",
-    )
-    p.add_argument(
-        "--target-wait",
-        type=float,
-        default=d.target_wait_s,
-        help="seconds the oldest job may wait before one replica more",
-    )
-    p.add_argument(
-        "--hysteresis",
-        type=float,
-        default=d.hysteresis,
-        help="scale in only to a size whose load fits (1 - this) of its slots",
-    )
-    p.add_argument(
-        "--cooldown", type=float, default=d.cooldown_s, help="seconds between two changes of direction of one class"
-    )
-    p.add_argument(
-        "--scale-in-grace",
-        type=float,
-        default=d.scale_in_grace_s,
-        help="seconds the signal must ask for fewer replicas before a class shrinks",
-    )
-    p.add_argument(
-        "--hold-after",
-        type=float,
-        default=d.hold_after_s,
-        help="seconds demand for an old version lasts before a replica is held there",
-    )
-    p.add_argument("--max-per-version", type=int, default=d.max_per_version, help="held replicas per version")
-    p.add_argument(
-        "--slots-per-replica",
-        type=int,
-        default=d.slots_per_replica,
-        help="a replica's capacity until one registers its own",
-    )
-    p.add_argument(
-        "--startup",
-        type=float,
-        default=d.startup_s,
-        help="seconds a replica takes to start until one the controller launched was measured (launch to serving)",
-    )
-    p.add_argument(
-        "--trend-window",
-        type=float,
-        default=d.trend_window_s,
-        help="seconds of load the trend is judged over; a rising one is sized for a start-up time ahead (0: off)",
-    )
+    defaults = Policy()
+    for flag, field, kind, text in _POLICY_FLAGS:
+        metavar = flag.removeprefix("--").upper().replace("-", "_")
+        p.add_argument(flag, dest=field, metavar=metavar, type=kind, default=getattr(defaults, field), help=text)
     p.add_argument("--interval", type=float, default=2.0, help="seconds between looks at the broker")
     p.add_argument(
         "--lease-ttl",
@@ -96,20 +66,8 @@ def add_policy_flags(p: argparse.ArgumentParser) -> None:
 def policy_from(args: argparse.Namespace, bounds: tuple[int, int]) -> Any:
     from rollfleet.autoscale.planner import Policy
 
-    return Policy(
-        min_replicas=bounds[0],
-        max_replicas=bounds[1],
-        slots_per_replica=args.slots_per_replica,
-        target_utilization=args.target_utilization,
-        target_wait_s=args.target_wait,
-        hysteresis=args.hysteresis,
-        cooldown_s=args.cooldown,
-        scale_in_grace_s=args.scale_in_grace,
-        hold_after_s=args.hold_after,
-        max_per_version=args.max_per_version,
-        startup_s=args.startup,
-        trend_window_s=args.trend_window,
-    )
+    fields = {field: getattr(args, field) for _, field, _, _ in _POLICY_FLAGS}
+    return Policy(min_replicas=bounds[0], max_replicas=bounds[1], **fields)
 
 
 def add_parser(sub: Any, add_conn: Any, add_topology: Any, formatter: Any) -> None:
