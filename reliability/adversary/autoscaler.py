@@ -54,7 +54,7 @@ from typing import Any
 
 from reliability.adversary.journal import Journal, describe_error, describe_result
 from reliability.adversary.machine import WorkerProc, _log_level
-from rollfleet.testing.processes import CHILD_LOG_ENV, spawn
+from rollfleet.testing.processes import CHILD_LOG_ENV, sigterm_then_kill, spawn
 
 AUTOSCALER_KINDS = (
     "autoscaler_kill",
@@ -318,14 +318,7 @@ class AutoscaleFleet:
     async def term(self, c: ControllerProc, timeout: float = 15.0) -> None:
         if c.alive:
             c.how, c.termed_at = c.how or "terminated", time.time()
-            c.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if not c.alive:
-                    break
-                await asyncio.sleep(0.05)
-            if c.alive:
-                self.kill(c)
+            if await sigterm_then_kill(c.proc, timeout):
                 c.how = "terminated, then killed"
         self._ended(c, "terminated")
 

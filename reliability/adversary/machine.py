@@ -32,7 +32,7 @@ from rollfleet.broker import EmbeddedBroker, free_port
 from rollfleet.runtime.processes import terminate
 from rollfleet.testing.clocks import faketime_library, skewed_environment
 from rollfleet.testing.link import LinkProxy
-from rollfleet.testing.processes import CHILD_LOG_ENV, spawn
+from rollfleet.testing.processes import CHILD_LOG_ENV, sigterm_then_kill, spawn
 
 MAX_PAYLOAD = "32KB"  # answers over ~16 KB are stored in chunks (the worker keeps 16 KB headroom)
 ECHO_POOL = tuple(f"w{i}" for i in range(1, 7))
@@ -391,14 +391,7 @@ class Machine:
             # must not take a drain for a worker that exited on its own.
             wp.how = wp.how or "terminated"
             wp.told_to_stop = wp.told_to_stop or time.time()
-            wp.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if not wp.alive:
-                    break
-                await asyncio.sleep(0.1)
-            if wp.alive:
-                terminate(wp.proc, 5.0, signal.SIGKILL)
+            if await sigterm_then_kill(wp.proc, timeout, 0.1):
                 wp.how = "terminated, then killed"
         self._ended(wp, wp.how or "terminated")
 
@@ -486,14 +479,7 @@ class Machine:
         """SIGTERM (a rolling restart's stop), SIGKILL after ``timeout``."""
         if gp.alive:
             gp.how = gp.how or "terminated"
-            gp.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if not gp.alive:
-                    break
-                await asyncio.sleep(0.05)
-            if gp.alive:
-                terminate(gp.proc, 5.0, signal.SIGKILL)
+            if await sigterm_then_kill(gp.proc, timeout):
                 gp.how = "terminated, then killed"
         if gp.end is None:
             gp.end, gp.how = time.time(), gp.how or "terminated"

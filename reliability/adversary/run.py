@@ -310,21 +310,7 @@ class Adversary:
             self.start_worker(wid, "hf")
         for wid in SGLANG_POOL[: cfg.sglang]:
             self.start_worker(wid, "sglang")
-        want = cfg.workers + cfg.hf + cfg.sglang
-        deadline = time.monotonic() + 90.0
-        while time.monotonic() < deadline:
-            ready = [r for r in self.admin.fleet.replicas() if r.state == "ready"]
-            if len(ready) >= want:
-                break
-            await asyncio.sleep(0.2)
-        else:
-            raise RuntimeError(f"workers did not become ready: {[w.how for w in m.timeline.workers]}")
-        for name in GATEWAYS:
-            gp = m.gateways[name]
-            if not await m.gateway_listening(gp):
-                raise RuntimeError(f"gateway {name} did not start listening: see {gp.log}")
-            self.say("gateway start", gateway=name, pid=gp.proc.pid, address=gp.address)
-        self.say("fleet ready", workers=sorted(m.current))
+        await self._fleet_ready(cfg.workers + cfg.hf + cfg.sglang, 90.0, "workers did not become ready")
         # Answers stored before the trainer asks: keys a trainer is likely to use.
         from reliability.adversary.load import family_keys, key_families
 
@@ -345,7 +331,7 @@ class Adversary:
         its minimum to serve; no rogue (its promises rest on the auth config this mode has not)."""
         from reliability.adversary.autoscaler import AutoscaleFleet
 
-        cfg, m = self.cfg, self.machine
+        cfg = self.cfg
         self.autoscale = AutoscaleFleet(self)
         await self.autoscale.start()
         for wid in HF_POOL[: cfg.hf]:
@@ -353,13 +339,18 @@ class Adversary:
         for wid in SGLANG_POOL[: cfg.sglang]:
             self.start_worker(wid, "sglang")
         want = self.autoscale.bounds[0] + cfg.hf + cfg.sglang
-        deadline = time.monotonic() + 120.0
+        await self._fleet_ready(want, 120.0, "the autoscaler's minimum did not become ready")
+
+    async def _fleet_ready(self, want: int, timeout: float, failure: str) -> None:
+        """Wait for ``want`` ready replicas and for every gateway to listen; ``failure`` if not."""
+        m = self.machine
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if len([r for r in self.admin.fleet.replicas() if r.state == "ready"]) >= want:
                 break
             await asyncio.sleep(0.2)
         else:
-            raise RuntimeError(f"the autoscaler's minimum did not become ready: see {m.workdir / 'logs'}")
+            raise RuntimeError(f"{failure}: {[w.how for w in m.timeline.workers]}, see {m.workdir / 'logs'}")
         for name in GATEWAYS:
             gp = m.gateways[name]
             if not await m.gateway_listening(gp):

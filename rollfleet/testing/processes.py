@@ -83,6 +83,23 @@ def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float = 20.0) ->
         terminate(proc, max(0.1, deadline - time.monotonic()))
 
 
+async def sigterm_then_kill(proc: subprocess.Popen[bytes], timeout: float, poll_s: float = 0.05) -> bool:
+    """SIGTERM ``proc`` (a drain) and wait up to ``timeout`` without blocking the event loop; SIGKILL
+    it if it is still running then. Whether it had to be killed."""
+    if proc.poll() is not None:
+        return False
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        await asyncio.sleep(poll_s)
+    if proc.poll() is None:
+        terminate(proc, 5.0, signal.SIGKILL)
+        return True
+    return False
+
+
 def check_alive(procs: Sequence[subprocess.Popen[bytes]], what: str) -> None:
     dead = [p.args for p in procs if p.poll() is not None]
     if dead:
