@@ -54,6 +54,7 @@ from typing import Any
 
 from reliability.adversary.journal import Journal, describe_error, describe_result
 from reliability.adversary.machine import WorkerProc, _log_level
+from rollfleet.autoscale.drivers.local import command_flag
 from rollfleet.testing.processes import CHILD_LOG_ENV, sigterm_then_kill, spawn
 
 AUTOSCALER_KINDS = (
@@ -106,15 +107,6 @@ def proc_stat(pid: int) -> tuple[str, int, int] | None:
         return None
     fields = raw.rsplit(")", 1)[1].split()
     return fields[0], int(fields[1]), int(fields[19])
-
-
-def _flag(argv: list[str], name: str) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
 
 
 class ForeignProc:
@@ -375,14 +367,14 @@ class AutoscaleFleet:
                 argv = [a for a in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0") if a]
             except OSError:
                 continue
-            local = _flag(argv, "--local-dir")
+            local = command_flag(argv, "--local-dir")
             if "worker" not in argv or local is None or not local.startswith(marker):
                 # (a controller's child before its exec still shows the controller's command line)
                 if st[1] not in parents:
                     self.ignored.add(pid)
                 continue
-            worker_id = _flag(argv, "--worker-id") or "?"
-            held = _flag(argv, "--hold-version")
+            worker_id = command_flag(argv, "--worker-id") or "?"
+            held = command_flag(argv, "--hold-version")
             start = self._btime + st[2] / self._tick
             wp = WorkerProc(
                 worker_id,

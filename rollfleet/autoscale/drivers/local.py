@@ -32,7 +32,8 @@ from rollfleet.runtime.processes import die_with_parent
 log = get_logger("rollfleet.autoscale.local")
 
 
-def _flag(argv: list[str], name: str) -> str | None:
+def command_flag(argv: list[str], name: str) -> str | None:
+    """The value of ``name`` in a command line (``--name value`` or ``--name=value``); None if absent."""
     for i, arg in enumerate(argv):
         if arg == name and i + 1 < len(argv):
             return argv[i + 1]
@@ -47,16 +48,16 @@ def _worker_of(argv: list[str], namespace: str, prefix: str, url: str | None = N
     use the same namespace and prefix: its workers are not this controller's to count or retire)."""
     if "worker" not in argv or not any(a.endswith("rollfleet") or a == "rollfleet" for a in argv):
         return None
-    worker_id = _flag(argv, "--worker-id")
-    if (_flag(argv, "--namespace") or "default") != namespace or not worker_id:
+    worker_id = command_flag(argv, "--worker-id")
+    if (command_flag(argv, "--namespace") or "default") != namespace or not worker_id:
         return None
-    if url is not None and _flag(argv, "--nats") != url:
+    if url is not None and command_flag(argv, "--nats") != url:
         return None
     if not worker_id.startswith(prefix + "-"):
         return None
-    held = _flag(argv, "--hold-version")
+    held = command_flag(argv, "--hold-version")
     if held is None and "--follow-versions" not in argv and "--store" not in argv:
-        held = _flag(argv, "--version") or "0"
+        held = command_flag(argv, "--version") or "0"
     return worker_id, int(held) if held is not None else None
 
 
