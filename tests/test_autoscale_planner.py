@@ -200,6 +200,19 @@ def test_a_version_the_store_lost_is_said_once_and_never_launched():
     assert not [d for d in again.decisions if d.action == "unavailable"]
 
 
+def test_a_version_the_store_cannot_read_keeps_the_replicas_that_hold_it():
+    """A version's directory unreadable for a moment (a flaky mount) reads as a version the store
+    lost: no replica is started there, but one already holding it serves from memory and is kept
+    while its version has demand (the only serving copy of it)."""
+    policy = Policy(hold_after_s=0)
+    lost = Signal(9, {3: ClassDemand(backlog=2)}, unavailable=frozenset({3}))
+    fleet = [*_followers(1), ready("h3", 3, held=3)]
+    p = plan(lost, fleet, policy, PlannerState(), NOW)
+    assert (p.retire, p.launch) == ((), ())
+    later = plan(lost, fleet, policy, p.state, NOW + 120)
+    assert (later.retire, later.launch) == ((), ())
+
+
 def test_a_version_never_committed_is_never_held_and_a_replica_held_there_goes():
     """A publisher killed between a version's record and the compare-and-set of ``latest`` leaves a
     whole directory and a record without the commit mark. A request refused for that version (a

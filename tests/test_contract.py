@@ -248,6 +248,29 @@ async def test_an_exact_job_handed_back_at_the_drain_bound_is_withdrawn_within_s
                 await handle.result(30)
 
 
+async def test_an_exact_job_whose_caller_waits_is_kept_when_its_replica_moves_on_and_served_later(
+    nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
+) -> None:
+    """As above, but the caller chose to wait for a replica (``wait_for_replica=True``) while one at
+    v0 could still serve it: when that one moves on the job is not withdrawn (it was, 2 s later,
+    answered NoCompatibleReplica); a replica started at v0 serves it within its deadline."""
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        await client.publish_policy(publisher, tensors_at(0))
+        slow = EchoEngine(per_token_s=0.05)
+        async with running_worker(nats_url, namespace, engine=slow, **follower(tmp_path, "a", exact_drain_s=0.5)) as a:
+            handle = await client.submit(long_job(400), exact_version=0, timeout=120, wait_for_replica=True)
+            assert a.jobs is not None
+            await wait_until(lambda: len(a.jobs.running) == 1, 10)
+            await client.publish_policy(publisher, tensors_at(1))
+            await wait_until(lambda: a.version == 1, 20)
+            await asyncio.sleep(3 * 2.0)  # (three orphan graces: it was withdrawn after one)
+            assert not handle.done()
+            held = {"store_dir": tmp_path / "store", "local_dir": tmp_path / "local-held", "worker_id": "held"}
+            async with running_worker(nats_url, namespace, hold_version=0, **held):
+                result = await handle.result(60)
+        assert (result.worker_id, result.version_start, result.version_end) == ("held", 0, 0)
+
+
 async def test_an_exact_job_handed_back_while_its_replica_still_activates_is_withdrawn_within_seconds(
     nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
 ) -> None:

@@ -402,10 +402,14 @@ class RolloutClient:
         existing = self._handles.get(key)
         if existing is not None:
             check_same_request(existing.job, job.fingerprint)
+            existing.waits_for_replica = existing.waits_for_replica or wait_for_replica
             return existing
         if self.placement.withdrawn.conflicts(key, job.fingerprint, time.monotonic()):
             raise conflict(key)  # (its job was withdrawn; the key stays its request's)
         handle = RolloutHandle(job, data, self._cancel_handle)
+        # The caller's choice, whatever the fleet holds now: a replica at the version that could
+        # serve the job at submit may move on before it does, and the job then waits all the same.
+        handle.waits_for_replica = wait_for_replica
         if self._settle_unclaimed(handle):
             return handle  # the answer came before we asked again (trainer restart)
         if idempotency_key is not None and await self._answered_before(handle):
@@ -427,7 +431,7 @@ class RolloutClient:
                 if not wait_for_replica:
                     handle.set_error(NoCompatibleReplica(self._no_replica_message(constraint)))
                     return handle
-                handle.waits_for_replica = True  # (queued: JobWatch keeps it, and says its demand again)
+                # (else queued: JobWatch keeps it, and says its demand again)
         self._handles[key] = handle
         # An answer that came while the look-ups above awaited went to the unclaimed ones.
         if self._settle_unclaimed(handle):
