@@ -14,7 +14,13 @@ from types import SimpleNamespace
 from typing import Any
 
 from reliability.adversary.journal import prompt_digest
-from reliability.adversary.oracle_gateway import calls_of, judge_answers, judge_gone, judge_keys_and_turns
+from reliability.adversary.oracle_gateway import (
+    UNSEEN_WORK,
+    calls_of,
+    judge_answers,
+    judge_gone,
+    judge_keys_and_turns,
+)
 from reliability.adversary.oracle_loop import Answer, judge_loops, lives_of
 from rollfleet.workers.engines.keyed import VOCAB, keyed_tokens
 
@@ -357,8 +363,14 @@ def test_a_job_whose_caller_left_stops_within_the_bound() -> None:
     # Run to its end for nobody: answered 7 s after the caller left.
     found = gone([(99.8, "w1")], [(107.0, "w1", "result")]).flagged()
     assert "gone" in found and "7.00 s after" in found["gone"][0]
-    # Never answered nor acked, its worker alive: generating for nobody to the end of the run.
-    assert "gone" in gone([(99.8, "w1")], []).flagged()
+    # Never answered, its worker alive and still acking progress after the bound: generating for
+    # nobody to the end of the run.
+    working = {"ack0": [(100.5, "+WPI"), (103.0, "+WPI"), (106.0, "+WPI")]}
+    assert "gone" in gone([(99.8, "w1")], [], acks=working).flagged()
+    # Never answered nor acked past the bound: nothing shows it was worked on (a worker running a
+    # job acks its progress); not verifiable, not a violation.
+    j = gone([(99.8, "w1")], [], acks={"ack0": [(100.5, "+WPI")]})
+    assert j.flagged() == {} and j.unverified[UNSEEN_WORK] == 1
     # Delivered (again) after the bound: generating for nobody, however it ends.
     assert "gone" in gone([(99.8, "w1"), (106.0, "w1")], [(100.5, "w1", "result"), (108.0, "w1", "result")]).flagged()
     # Handed back at once (a nak) counts as ended.

@@ -39,6 +39,7 @@ from reliability.adversary.oracle_loop import Judge
 GONE_S = 5.0  # a job whose keyless caller left stops generating within this long
 OUT_GRACE_S = 5.0  # after a broker outage: the gateway and the replicas reconnect
 ENDS_A_DELIVERY = ("+ACK", "-NAK", "+TERM")
+UNSEEN_WORK = "gone: no sign its worker worked on the delivery past the bound (no progress ack, no answer)"
 
 
 def inputs_of(input_ids: Any) -> list[list[int]]:
@@ -291,6 +292,9 @@ def judge_gone(
                 if late is not None and any(a <= late[1] and t_gone <= b for a, b in gaps):
                     judge.unverified["gone: the wiretap away meanwhile"] += 1
                     continue
+                if late is not None and late[0] == UNSEEN_WORK:
+                    judge.unverified[UNSEEN_WORK] += 1
+                    continue
                 judge.check(
                     "gone",
                     late is None,
@@ -327,7 +331,16 @@ def _generating_after(
             ends.append(float(life.end))
         end = min(ends) if ends else run_end
         frozen = [(float(a), float(b), 0.0) for a, b in (getattr(life, "stops", None) or [])]
-        if end > _extended(t_gone, GONE_S, [*windows, *frozen]):
+        bound = _extended(t_gone, GONE_S, [*windows, *frozen])
+        if end > bound:
+            # Generating past the bound is a fact only where something shows it: the delivery
+            # came after it, its answer did, or its worker acked it after it (a running job's
+            # holder sends a progress ack every third of the ack wait). A delivery with none of
+            # these past the bound was not seen to be worked on: not verifiable either way.
+            worked = d.t > bound or (first is not None and first.t > bound)
+            worked = worked or any(t > bound for t, _ in acks.get(d.ack, []))
+            if not worked:
+                return UNSEEN_WORK, end
             what = f"delivered to {d.worker} at {d.t:.3f} and generating" + (
                 f" (answered at {first.t:.3f})" if first is not None else " (never answered)"
             )
