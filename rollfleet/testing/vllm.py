@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from rollfleet.broker import free_port
-from rollfleet.workers.engines.vllm import SERVER_ENV, server_command
+from rollfleet.workers.engines.vllm import SERVER_ENV, built_for_cpu, server_command
 
 REPO = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("ROLLFLEET_VLLM_VENV") or REPO / ".venv-vllm")
@@ -82,7 +82,8 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        cmd = server_command(str(PYTHON), str(model), "127.0.0.1", self.port, list(launch_args))
+        cpu = built_for_cpu(str(PYTHON))
+        cmd = server_command(str(PYTHON), str(model), "127.0.0.1", self.port, list(launch_args), cpu=cpu)
         env = {**os.environ, **SERVER_ENV, **SERVER_ENV_CPU}
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

