@@ -271,6 +271,25 @@ async def test_an_exact_job_whose_caller_waits_is_kept_when_its_replica_moves_on
         assert (result.worker_id, result.version_start, result.version_end) == ("held", 0, 0)
 
 
+async def test_a_min_job_at_the_newest_version_waits_while_the_follower_still_loads_an_older_one(
+    nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
+) -> None:
+    """The only replica follows ``latest`` and spends 6 s loading v1 when v2 is committed: no
+    replica shows v2 yet, but this one will reach it. A ``min_version=2`` job is queued and served
+    at v2, not refused NoCompatibleReplica at once (as it was)."""
+    async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
+        await client.publish_policy(publisher, tensors_at(0))
+        slow = SlowLoadEcho(load_s=6.0)
+        async with running_worker(nats_url, namespace, engine=slow, **follower(tmp_path, "a")) as a:
+            await client.publish_policy(publisher, tensors_at(1))
+            await wait_until(lambda: slow.paused, 10, what="v1 loading")
+            await client.publish_policy(publisher, tensors_at(2))
+            assert a.version == 0
+            handle = await client.submit(long_job(4), min_version=2, timeout=60)
+            result = await handle.result(60)
+        assert (result.worker_id, result.version_start) == ("a", 2)
+
+
 async def test_an_exact_job_handed_back_while_its_replica_still_activates_is_withdrawn_within_seconds(
     nats_url: str, namespace: str, tmp_path: Path, publisher: PolicyPublisher
 ) -> None:

@@ -164,6 +164,25 @@ def test_replica_liveness_and_compatibility() -> None:
     assert not s.can_serve(VersionConstraint("min", 0))
 
 
+def test_a_follower_will_serve_every_committed_min_version_a_held_replica_only_its_own() -> None:
+    """A replica following ``latest`` still preparing version 3 (a slow read) while 5 is committed
+    will serve ``min 5``: refusing it (NoCompatibleReplica at once) refused jobs the fleet was
+    about to take. Not past what is committed, nor on a replica held at its version, nor exact."""
+    follower = ReplicaStatus(worker_id="f", state="activating", active_version=2, engine="echo", capacity=1,
+                             in_flight=0, heartbeat_at=100.0, heartbeat_interval_s=1.0, started_at=0.0,
+                             preparing_version=3)  # fmt: skip
+    assert not follower.can_serve(VersionConstraint("min", 5))
+    assert follower.will_serve(VersionConstraint("min", 5), latest=5)
+    assert not follower.will_serve(VersionConstraint("min", 6), latest=5)
+    assert not follower.will_serve(VersionConstraint("min", 5), latest=None)
+    assert not follower.will_serve(VersionConstraint("exact", 5), latest=5)
+    held = msgspec.structs.replace(follower, held_version=2, preparing_version=None, state="ready")
+    assert not held.will_serve(VersionConstraint("min", 5), latest=5)
+    assert held.will_serve(VersionConstraint("min", 2), latest=5)
+    leaving = msgspec.structs.replace(follower, state="draining")
+    assert not leaving.will_serve(VersionConstraint("min", 5), latest=5)
+
+
 def test_names_are_built_from_the_namespace() -> None:
     n = Names("run1")
     assert n.jobs_stream == "RF_RUN1_JOBS" and n.results_stream == "RF_RUN1_RESULTS"

@@ -372,6 +372,17 @@ class ReplicaStatus(msgspec.Struct, kw_only=True):
         # A starting replica serves nothing yet; only what it is preparing counts.
         return self.state != "starting" and constraint.allows(self.active_version)
 
+    def will_serve(self, constraint: VersionConstraint, latest: int | None) -> bool:
+        """Can serve it (``can_serve``), or is bound to: a replica following ``latest`` activates
+        every committed version in turn, so a ``min`` job at or below ``latest`` (the newest
+        committed) is its to take once it gets there, even while it still prepares an older one
+        (a slow read of version 17 while 18 is committed: no replica shows 18 yet)."""
+        if self.can_serve(constraint):
+            return True
+        if constraint.kind != "min" or latest is None or constraint.version > latest:
+            return False
+        return self.held_version is None and self.state not in ("draining", "stopped", "down")
+
     def takes_now(self, constraint: VersionConstraint, now: float | None = None) -> bool:
         """Live, taking work, and pulling the constraint's jobs at its active version now (not
         only once a version it prepares is active): where a job meant for it alone may go."""

@@ -415,14 +415,14 @@ class RolloutClient:
         if idempotency_key is not None and await self._answered_before(handle):
             return handle
         until = min(handle.job.deadline, time.time() + PUBLISH_BUDGET_S)  # (as storing it waits)
-        if self.fail_fast and replica is None and not self.fleet.compatible(constraint):
+        if self.fail_fast and replica is None and not self.fleet.will_serve(constraint):
             try:  # the view may lag a replica that just registered
                 await call_retrying(self.fleet.refresh, until=until, what="read the fleet registry", nc=self.nc)
             except RollfleetError:
                 raise
             except Exception as exc:  # (a forged record): a retryable error, never a raw one
                 raise ServiceUnavailable(f"cannot read the fleet registry: {exc}") from exc
-            if not self.fleet.compatible(constraint):
+            if not self.fleet.will_serve(constraint):
                 # An answer already stored for this key wins: resubmitting is always safe.
                 if idempotency_key is not None and await self.settler.settle_stored(handle):
                     handle.stored = True

@@ -157,6 +157,13 @@ class FleetView:
             found = index.compatible[key] = [r for r in index.live if r.can_serve(constraint)]
         return found
 
+    def will_serve(self, constraint: VersionConstraint) -> bool:
+        """Whether a live replica can serve the constraint or is bound to (``ReplicaStatus.will_serve``:
+        one following ``latest`` reaches every committed version): what a request is refused on."""
+        if self.compatible(constraint):
+            return True
+        return any(r.will_serve(constraint, self._latest) for r in self._current().live)
+
     def covered(self, constraint: VersionConstraint) -> bool:
         """Whether a live replica listens on the constraint's subject: an idle replica at
         version w keeps a pull request waiting on each of the first ``capacity`` subjects of its
