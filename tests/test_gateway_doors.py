@@ -346,6 +346,35 @@ async def test_a_request_that_waits_for_a_replica_is_answered_once_a_held_one_st
         assert meta["rollfleet"]["weight_versions"][0][3] == "held-1"
 
 
+async def test_a_request_at_the_newest_version_waits_while_the_follower_still_loads_an_older_one(
+    nats_url: str, namespace: str
+) -> None:
+    """The HTTP door of ``tests/test_contract.py``'s twin: the only replica follows ``latest`` and
+    spends 6 s loading v1 when v2 is committed. ``min_required_version: 2`` is answered at v2 by
+    that replica, not 409 (no replica shows v2 yet, but this one will reach it)."""
+    from rollfleet.schemas import VersionRecord
+    from tests.test_contract import SlowLoadEcho
+
+    slow = SlowLoadEcho(load_s=6.0)
+    async with (
+        served(nats_url, namespace) as (base, client),
+        httpx.AsyncClient(base_url=base, timeout=60) as http,
+        running_worker(nats_url, namespace, engine=slow, worker_id="a", follow_versions=True) as a,
+    ):
+        await wait_until(lambda: client.fleet.replica("a") is not None, 10, what="the replica registered")
+        await client.commit_version(VersionRecord(version=1, kind="delta", base_version=0))
+        await wait_until(lambda: slow.paused, 10, what="v1 loading")
+        await client.commit_version(VersionRecord(version=2, kind="delta", base_version=1))
+        await wait_until(lambda: client.latest_version == 2, 10, what="v2 heard")
+        assert a.version == 0
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3},
+                "weight_version": {"min_required_version": 2}}  # fmt: skip
+        answer = await http.post("/generate", json=body)
+    assert answer.status_code == 200, answer.text
+    meta = answer.json()["meta_info"]
+    assert meta["weight_version_start"] == 2 and meta["rollfleet"]["weight_versions"][0][3] == "a"
+
+
 async def test_the_openai_client_reads_what_is_not_honoured_as_its_own_errors(nats_url: str, namespace: str) -> None:
     """Through the official ``openai`` client: a model not served is its ``NotFoundError``
     (``model_not_found``), a parameter not honoured its ``BadRequestError`` naming it in

@@ -200,6 +200,7 @@ class VLLMEngine(HTTPServerEngine):
         self.vocab_size: int | None = None
         self.max_model_len: int | None = None
         self.reloads: list[float] = []  # seconds each reload took (inside the pause)
+        self._cpu: bool | None = None  # whether the server's vLLM is a CPU build (``built_for_cpu``)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -243,9 +244,10 @@ class VLLMEngine(HTTPServerEngine):
                 str(port),
                 *self.launch_args,
             ]
-        cpu = built_for_cpu(self.python, self.env)
+        if self._cpu is None:  # (asked of the server's Python once, not at every relaunch)
+            self._cpu = built_for_cpu(self.python, self.env)
         return server_command(
-            self.python, model_path, self.host, port, self.launch_args, logprobs_mode=self.logprobs_mode, cpu=cpu
+            self.python, model_path, self.host, port, self.launch_args, logprobs_mode=self.logprobs_mode, cpu=self._cpu
         )
 
     # -- requests ----------------------------------------------------------------------------
