@@ -1210,6 +1210,27 @@ def _stored_again_and_delivered_elsewhere(h: History, taker_lives_s: float | Non
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("taker", ["killed", "alive"])
+def test_a_moved_copy_whose_taker_was_refused_its_claim_and_killed_is_not_a_second_run(
+    taker: str, recorded: Path, tmp_path: Path
+) -> None:
+    """A sticky turn moved off its frozen replica (SIGSTOP) was delivered to a replica that tried
+    to claim it, was refused (the frozen holder's claim stood), acked progress (+WPI) while it
+    watched that claim, and was SIGKILLed 0.9 s later; the first holder woke and finished it. The
+    taker claimed nothing and answered nothing: it ran nothing, so no double run (unverified: what
+    a killed process did with a copy it held is unseen). A taker that lived on and never let go
+    of the copy, or answered it, is still judged."""
+    h = History(recorded, tmp_path / "h")
+    job = _stored_again_and_delivered_elsewhere(h, 0.9 if taker == "killed" else None)
+    copy = h.tap["deliveries"][-1]
+    at = float(copy["t"])
+    h.tap["claims"].append([at + 0.01, claim_key(job), f"w7:4007-0badc1a7@{at:.3f}", "PUT", "refused"])
+    h.tap["acks"][copy["ack"]] = [[at + 0.02, "+WPI"], [at + 0.6, "+WPI"]]
+    moved = [m for m in h.judge().get("moved", []) if job in m]
+    assert bool(moved) is (taker == "alive"), moved
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("taker", ["killed at once", "silent", "claimed it"])
 def test_a_moved_copy_whose_taker_never_claimed_it_is_not_a_second_run(
     taker: str, recorded: Path, tmp_path: Path

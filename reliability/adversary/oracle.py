@@ -1954,6 +1954,28 @@ class Oracle:
                     if finished and not second and not answered_by_second and not claimed_by_second:
                         self.unverified["moved: the copy's taker said, claimed and answered nothing"] += 1
                         continue
+                    # A taker refused its claim (the first holder's stood), that only acked progress
+                    # while it watched that claim and whose process then ended, claimed and answered
+                    # nothing: what it did with the copy is unseen, and a job is claimed before it
+                    # runs (seed 101: the copy's taker SIGKILLed 0.9 s after it was refused, while
+                    # the first holder, frozen, held the claim).
+                    taker = self.proc_at(d2.worker, d2.t)
+                    refused = any(
+                        st == "refused" and (value or "").startswith(f"{d2.worker}:") and t >= d2.t
+                        for k in ({job_id} | ({claim_key(job_id)} if claim_key else set()))
+                        for t, value, op, st in claims_by_key.get(k, [])
+                    )
+                    if (
+                        finished
+                        and refused
+                        and not claimed_by_second
+                        and not answered_by_second
+                        and all(k == "+WPI" for _, k in second)
+                        and taker is not None
+                        and taker.end is not None
+                    ):
+                        self.unverified["moved: the copy's taker, refused its claim, ended holding it"] += 1
+                        continue
                     # A taker whose claim was stored only after the first run's answer was, and that
                     # acked its copy answering nothing, found that answer once it held the claim: a
                     # run ends in an answer published (or a claim lost, which nobody took here). The

@@ -121,6 +121,8 @@ class Tap:
         # job id -> how many times it was stored on a jobs subject (a turn moved off its replica, or
         # stored again because its holder died, is the same job stored twice)
         self.stored_jobs: dict[str, int] = {}
+        # (t, job id, subject) of every job stored: where a job lay, and when it moved
+        self.job_stores: list[tuple[float, str, str]] = []
         self.job_submitted: dict[str, float] = {}  # job id -> its ``submitted_at``, as its client stamped it
         # job id -> [its client id, ``prompt_digest`` of its prompt], as its client stored it: heard
         # whoever the job is then delivered to (an inbox is mirrored only once a pull request names
@@ -439,6 +441,7 @@ class Tap:
         with contextlib.suppress(Exception):
             job = decode(msg.data, RolloutJob)
             self.stored_jobs[job.job_id] = self.stored_jobs.get(job.job_id, 0) + 1
+            self.job_stores.append((time.time(), job.job_id, msg.subject))
             self.job_submitted.setdefault(job.job_id, float(job.submitted_at or 0.0))
             self.job_prompts.setdefault(job.job_id, [job.client_id, prompt_digest(job.payload.prompt_token_ids)])
 
@@ -600,6 +603,7 @@ class Tap:
             "fleet": [(t, w, _plain(s)) for t, w, s in self.fleet],
             "claims": self.claims,
             "stored_jobs": self.stored_jobs,
+            "job_stores": self.job_stores,
             "job_submitted": self.job_submitted,
             "job_prompts": self.job_prompts,
             "gaps": self.gaps,
