@@ -129,6 +129,13 @@ def test_a_pinned_sessions_version_may_be_served_only_by_a_replica_that_can_stil
     assert pin_may_be_served([("activating", 4, 5)], 5, 5)  # activating the pin itself
     # Behind it: only while it is the newest commit (a replica catching up goes to the newest).
     assert pin_may_be_served([("starting", 0, None)], 5, 5)
+    # A starting replica's active version 0 is a placeholder: it serves nothing yet and catches
+    # up to the newest commit (or prepares what it is held at), so it never serves a pin of 0
+    # once newer versions exist (seed 101: "fleet: w2@0" called retryable).
+    assert not pin_may_be_served([("starting", 0, None)], 0, 7)
+    assert not pin_may_be_served([("starting", 0, 7)], 0, 7)
+    assert pin_may_be_served([("starting", 0, 0)], 0, 7)  # held at it (rollfleet worker --hold-version 0)
+    assert pin_may_be_served([("starting", 0, None)], 0, 0)
     assert not pin_may_be_served([("down", 0, None), ("ready", 7, None), ("ready", 7, None)], 5, 7)
     # Past it: never (versions only move forward).
     assert not pin_may_be_served([("ready", 6, None), ("preparing", 6, 7)], 5, 7)

@@ -680,8 +680,11 @@ def pin_may_be_served(replicas: list[tuple[str, int, int | None]], pin: int, lat
     (versions only move forward), nor does one behind it once a newer version is committed (a
     replica catching up goes to the newest), nor one at it that is activating a newer version
     (it has prepared it and takes no more exact jobs for the pin: only a failing engine load would
-    leave it there, a guess no caller should wait on; campaign 12, seed 211)."""
+    leave it there, a guess no caller should wait on; campaign 12, seed 211). A starting replica
+    serves no version yet: only what it prepares, or catching up, counts."""
     for state, active, preparing in replicas:
+        if state == "starting":
+            active = -1  # (its active version is a placeholder: it serves nothing yet, see ``can_serve``)
         # (a pinned turn is an exact job: the rule for those while activating is the replicas' own)
         leaving = state == "draining" or (state == "activating" and refuses_while_activating("exact"))
         if active == pin and not leaving:
