@@ -182,11 +182,11 @@ def test_dockerfile_needs_no_frontend_from_a_registry() -> None:
 
 
 def test_compose_v2_is_required_and_documented() -> None:
-    """`name:` needs Compose v2; the README says so and quotes the error Compose v1 prints."""
+    """`name:` needs Compose v2; the deployment guide says so and quotes the error Compose v1 prints."""
     assert yaml.safe_load(COMPOSE_FILE.read_text())["name"] == "rollfleet"
-    readme = (REPO / "README.md").read_text()
-    assert "Compose v2" in readme
-    assert "'name' does not match any of the regexes: '^x-'" in readme
+    guide = (REPO / "docs" / "deploying.md").read_text()
+    assert "Compose v2" in guide
+    assert "'name' does not match any of the regexes: '^x-'" in guide
 
 
 def test_demo_is_optional_and_consistent(compose: dict[str, Any]) -> None:

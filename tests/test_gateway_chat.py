@@ -264,9 +264,9 @@ async def test_a_batch_is_answered_input_by_input_and_a_keyed_retry_runs_once(na
 
 
 def readme_http_section() -> tuple[str, str, str]:
-    """The README's gateway command line, its curl line and its Python snippet."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## From any trainer: the HTTP endpoint\n", 1)[1].split("\n## ", 1)[0]
+    """The HTTP endpoint guide's gateway command line, its curl line and its Python snippet."""
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "http-endpoint.md").read_text()
+    section = guide.split("# From any trainer: the HTTP endpoint\n", 1)[1].split("\n## ", 1)[0]
     bash = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)  # type: ignore[union-attr]
     lines = [line for line in bash.replace("\\\n", " ").splitlines() if line and not line.startswith("#")]
     command = next(line for line in lines if line.startswith("rollfleet gateway"))
@@ -278,7 +278,7 @@ def readme_http_section() -> tuple[str, str, str]:
 async def test_the_readmes_http_lines_work_as_written(
     nats_url: str, namespace: str, hf_tokenizer: Any, tmp_path: Path
 ) -> None:
-    """The README's gateway command (its broker address, namespace and port swapped for this
+    """The HTTP endpoint guide's gateway command (its broker address, namespace and port swapped for this
     test's; ``--tokenizer`` added for its chat line), its curl line as curl sends it, and its
     Python snippet, verbatim but for the port, against a real echo worker."""
     command, curl, python = readme_http_section()
