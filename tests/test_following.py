@@ -28,6 +28,16 @@ def test_failures_of_one_version_back_off_doubling_up_to_the_cap() -> None:
     assert failed is not None and failed.failures == 10
 
 
+def test_a_version_broken_for_good_is_tried_once_a_minute_forever() -> None:
+    # A version that never materializes is tried once a minute: its 1,024th failure in a row
+    # (about 17 hours) raised OverflowError in the doubling, and the follow loop with it.
+    failed = None
+    for i in range(1100):
+        failed = after_failure(failed, 5, float(i))
+    assert failed is not None and failed.failures == 1100
+    assert failed.retry_at - 1099.0 == MAX_RETRY_S
+
+
 def test_another_version_failing_starts_the_backoff_again() -> None:
     failed = after_failure(after_failure(None, 5, 0.0), 5, 1.0)
     assert failed.failures == 2

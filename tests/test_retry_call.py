@@ -18,7 +18,7 @@ from rollfleet.broker import EmbeddedBroker, retry_publish
 from rollfleet.broker.connection import connect
 from rollfleet.broker.retry_call import call_retrying
 from rollfleet.broker.retry_publish import publish_retrying
-from rollfleet.runtime.backoff import backoff_s
+from rollfleet.runtime.backoff import TRANSIENT_RETRY
 from rollfleet.schemas.errors import ServiceUnavailable
 from rollfleet.testing import wait_until
 
@@ -33,7 +33,7 @@ async def test_an_unanswered_call_is_asked_again_until_it_is_answered() -> None:
         return "answered"
 
     assert await call_retrying(call, until=time.time() + 30, what="look") == "answered"
-    assert len(tries) == 3 and tries[2] - tries[0] >= backoff_s(0) + backoff_s(1) - 0.01
+    assert len(tries) == 3 and tries[2] - tries[0] >= TRANSIENT_RETRY.delay_s(0) + TRANSIENT_RETRY.delay_s(1) - 0.01
 
 
 async def test_a_call_unanswered_past_its_bound_is_service_unavailable_only_then() -> None:

@@ -22,6 +22,7 @@ import pytest
 from rollfleet.broker import EmbeddedBroker, check_server_binary, free_port
 from rollfleet.broker.server import wait_for_port
 from rollfleet.broker.startup import not_ready, try_again, until_ready
+from rollfleet.runtime.backoff import Backoff
 from rollfleet.runtime.processes import terminate
 from rollfleet.schemas.errors import InvalidRequest, ServiceUnavailable
 from rollfleet.testing import ProcessGroup, start_worker_process, wait_until
@@ -54,7 +55,7 @@ async def test_a_start_step_meeting_a_stalled_broker_is_tried_again_not_raised_r
             raise raised.pop(0)
         return "started"
 
-    assert await until_ready(flaky, what="test", pause_s=0.0) == "started"
+    assert await until_ready(flaky, what="test", retry=Backoff.fixed(0.0)) == "started"
     assert len(tries) == 5
 
     async def broken() -> str:
@@ -63,14 +64,14 @@ async def test_a_start_step_meeting_a_stalled_broker_is_tried_again_not_raised_r
 
     tries.clear()
     with pytest.raises(ValueError):  # (not the broker's: at once)
-        await until_ready(broken, what="test", pause_s=0.0)
+        await until_ready(broken, what="test", retry=Backoff.fixed(0.0))
     assert len(tries) == 1
 
     async def stalled() -> str:
         raise nats.errors.TimeoutError()
 
     with pytest.raises(ServiceUnavailable) as caught:  # past the bound: typed, with its cause
-        await until_ready(stalled, what="the fleet view", bound_s=0.05, pause_s=0.01)
+        await until_ready(stalled, what="the fleet view", bound_s=0.05, retry=Backoff.fixed(0.01))
     assert caught.value.retryable and isinstance(caught.value.__cause__, nats.errors.TimeoutError)
     assert not_ready(InvalidRequest("bad"), "x") is None and not_ready(KeyError("k"), "x") is None
 
@@ -80,7 +81,7 @@ async def test_a_start_step_meeting_a_stalled_broker_is_tried_again_not_raised_r
 
     tries.clear()
     with pytest.raises(ServiceUnavailable):
-        await until_ready(answered, what="policy", pause_s=0.0, typed=False)
+        await until_ready(answered, what="policy", retry=Backoff.fixed(0.0), typed=False)
     assert len(tries) == 1
 
 

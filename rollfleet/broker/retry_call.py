@@ -19,7 +19,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 
 from rollfleet.broker.connection import redialed
-from rollfleet.runtime.backoff import backoff_s
+from rollfleet.runtime.backoff import TRANSIENT_RETRY
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas.errors import ServiceUnavailable
 
@@ -77,7 +77,7 @@ async def call_retrying(call: Callable[[], Awaitable[T]], *, until: float, what:
                 raise ServiceUnavailable(f"cannot {what}: {type(exc).__name__}") from exc
             log.debug("broker call failed; retrying", what=what, attempt=attempt, error=type(exc).__name__)
             if not isinstance(exc, Redialed):  # (a reconnect: the broker is back, ask at once)
-                await asyncio.sleep(backoff_s(attempt))
+                await asyncio.sleep(TRANSIENT_RETRY.delay_s(attempt))
             attempt += 1
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise ServiceUnavailable(f"cannot {what}: {exc}") from exc

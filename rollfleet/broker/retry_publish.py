@@ -21,7 +21,7 @@ from nats.js.api import PubAck
 
 from rollfleet.broker.connection import redialed
 from rollfleet.runtime.aio import wait_event
-from rollfleet.runtime.backoff import backoff_s
+from rollfleet.runtime.backoff import TRANSIENT_RETRY
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas.bounded import load_json
 from rollfleet.schemas.errors import Fenced, InvalidRequest, ServiceUnavailable
@@ -181,5 +181,5 @@ async def publish_retrying(
             if time.time() >= until:
                 raise ServiceUnavailable(f"cannot store the message on {subject}: {exc}") from exc
             log.debug("publish failed; retrying", subject=subject, attempt=attempt, error=str(exc))
-            await asyncio.sleep(backoff_s(attempt))
+            await asyncio.sleep(TRANSIENT_RETRY.delay_s(attempt))
             attempt += 1

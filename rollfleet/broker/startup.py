@@ -15,13 +15,16 @@ import nats.errors
 import nats.js.errors
 
 from rollfleet.broker.retry_call import TRANSIENT
+from rollfleet.runtime.backoff import Backoff
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas.errors import RollfleetError, ServiceUnavailable
 
 T = TypeVar("T")
 
 STARTUP_WAIT_S = 60.0  # how long a start is tried again while the broker is not ready
-RETRY_PAUSE_S = 0.5
+# A start asked again: the same half second each time (an election takes about that; a start is
+# a handful of reads, so asking twice a second for a minute costs the broker nothing).
+STARTUP_RETRY = Backoff.fixed(0.5)
 
 log = get_logger("rollfleet.broker.startup")
 
@@ -58,7 +61,7 @@ async def until_ready(
     *,
     what: str,
     bound_s: float = STARTUP_WAIT_S,
-    pause_s: float = RETRY_PAUSE_S,
+    retry: Backoff = STARTUP_RETRY,
     typed: bool = True,
 ) -> T:
     """``attempt()``'s result, tried again while it fails with a retryable error for ``bound_s``.
@@ -66,6 +69,7 @@ async def until_ready(
     errors are its answer (a worker that can serve no version exits with that error at once)."""
     t0 = time.monotonic()
     said = False
+    failures = 0
     while True:
         try:
             return await attempt()
@@ -83,4 +87,5 @@ async def until_ready(
             if not said:
                 log.warning("the broker is not ready; trying again", step=what, error=str(exc), for_s=bound_s)
                 said = True
-        await asyncio.sleep(pause_s)
+        await asyncio.sleep(retry.delay_s(failures))
+        failures += 1

@@ -24,6 +24,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
+from rollfleet.runtime.backoff import Backoff
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import ConstraintKind, Names
 from rollfleet.schemas.errors import ServiceUnavailable
@@ -385,8 +386,8 @@ async def queue_depths(js: JetStreamContext, names: Names) -> dict[tuple[Constra
 # and buckets still exist when the broker says one was deleted (``Names.stream_deleted_advisory``)
 # and after every reconnect (a broker restarted on an empty or older store): never on a timer, so
 # an idle trainer costs the broker nothing. A look the broker did not answer is tried again after
-# this long, until one is answered.
-TOPOLOGY_RETRY_S = 1.0
+# a second, until one is answered (a reconnect pokes it at once anyway).
+TOPOLOGY_RETRY = Backoff.fixed(1.0)
 
 
 def topology_check_due(last_checked: float | None, poked: bool) -> bool:
@@ -430,13 +431,15 @@ class TopologyKeeper:
         self._poked = asyncio.Event()
         self._seen: dict[str, str | None] = {}  # stream -> its creation time, as last looked at
         self._unrestored: set[str] = set()  # lost, and on_declared not yet through for them
+        self._failures = 0  # retries since the last look the broker answered (the retry's attempt)
         self.redeclared: list[tuple[float, list[str]]] = []  # (wall time, streams lost): for tests and logs
 
     def poke(self) -> None:
         self._poked.set()
 
     def _retry_later(self) -> None:
-        asyncio.get_running_loop().call_later(TOPOLOGY_RETRY_S, self._poked.set)
+        asyncio.get_running_loop().call_later(TOPOLOGY_RETRY.delay_s(self._failures), self._poked.set)
+        self._failures += 1
 
     async def _look(self) -> dict[str, str | None]:
         return await stream_creation_times(self._js, self._names)
@@ -460,6 +463,7 @@ class TopologyKeeper:
             except (ServiceUnavailable, nats.errors.Error, nats.js.errors.Error, OSError):
                 self._retry_later()  # the broker is away: look again shortly (a reconnect pokes too)
                 continue
+            self._failures = 0
             self._seen = seen
             if lost:
                 self.redeclared.append((time.time(), lost))

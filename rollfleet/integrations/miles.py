@@ -82,6 +82,7 @@ from rollfleet.policy_store.store import (
 )
 from rollfleet.policy_store.verify import verify_version_dir
 from rollfleet.policy_store.writer import link_full
+from rollfleet.runtime.backoff import Backoff
 from rollfleet.schemas import Names, RolloutPayload, RolloutResult, SamplingParams, VersionRecord
 from rollfleet.schemas.errors import (
     CorruptArtifact,
@@ -97,6 +98,9 @@ from rollfleet.trainer_client.versions import commit_or_finish
 
 T = TypeVar("T")
 _COMMIT_TIMEOUT_S = 120.0
+# A rollout asked again (no compatible replica yet, an engine that failed): soon at first, then every
+# 5 s, since a replica that is loading the version asked for takes seconds, not milliseconds.
+SUBMIT_RETRY = Backoff(first_s=0.2, max_s=5.0)
 
 
 @dataclass(frozen=True)
@@ -455,8 +459,8 @@ async def submit_until_served(client: RolloutClient, payload: RolloutPayload, co
     """Submit; retry retryable errors (no compatible replica yet, expiry, engine failure) until the timeout."""
     deadline = time.monotonic() + config.timeout_s
     key = f"miles-{uuid.uuid4().hex}"
-    delay = 0.2
     for attempt in range(10_000):
+        delay = SUBMIT_RETRY.delay_s(attempt)
         left = deadline - time.monotonic()
         try:
             handle = await client.submit(
@@ -467,7 +471,6 @@ async def submit_until_served(client: RolloutClient, payload: RolloutPayload, co
             if not exc.retryable or time.monotonic() + delay >= deadline:
                 raise
         await asyncio.sleep(delay)
-        delay = min(delay * 2, 5.0)
     raise AssertionError("unreachable")
 
 

@@ -56,7 +56,7 @@ from urllib.parse import urlparse
 from rollfleet.policy_store.formats import new_hasher, valid_checksum
 from rollfleet.policy_store.store import dir_version, version_dir_name
 from rollfleet.runtime import faults
-from rollfleet.runtime.backoff import backoff_s
+from rollfleet.runtime.backoff import TRANSIENT_RETRY
 from rollfleet.runtime.secrets import has_secrets, redact_url, redact_urls
 from rollfleet.schemas.errors import (
     ChecksumMismatch,
@@ -290,7 +290,7 @@ class Bucket:
             except StoreUnavailable:
                 if time.monotonic() >= until:
                     raise
-                time.sleep(backoff_s(attempt))
+                time.sleep(TRANSIENT_RETRY.delay_s(attempt))
         raise AssertionError("unreachable")  # (itertools.count never ends)
 
     def _call(self, where: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -26,8 +26,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from rollfleet.runtime.backoff import Backoff
+
 FIRST_RETRY_S = 2.0
 MAX_RETRY_S = 60.0
+# A version that failed here, asked again: soon at first (most failures pass), then once a minute.
+VERSION_RETRY = Backoff(first_s=FIRST_RETRY_S, max_s=MAX_RETRY_S)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,13 +57,12 @@ def after_failure(
     version: int,
     now: float,
     *,
-    first_s: float = FIRST_RETRY_S,
-    max_s: float = MAX_RETRY_S,
+    retry: Backoff = VERSION_RETRY,
 ) -> FailedVersion:
     """The record of ``version`` failing at ``now``: one more failure in a row if it is the version
     that failed last, else the first."""
     failures = previous.failures + 1 if previous is not None and previous.version == version else 1
-    return FailedVersion(version, failures, now + min(max_s, first_s * 2 ** (failures - 1)))
+    return FailedVersion(version, failures, retry.retry_at(failures - 1, now))
 
 
 def follow(
