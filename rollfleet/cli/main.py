@@ -90,6 +90,33 @@ def _add_topology(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_worker_settings(p: argparse.ArgumentParser) -> None:
+    """``rollfleet worker``'s flags for the table of worker settings: their defaults and help are
+    the table's (``workers/worker_settings.py``), never written here."""
+    from rollfleet.workers.worker_settings import WORKER_SETTINGS, shown
+
+    for s in WORKER_SETTINGS:
+        if s.flag is None:
+            continue
+        if isinstance(s.default, bool):  # (a switch: off unless given)
+            p.add_argument(s.flag, action="store_true", help=s.meaning)
+        else:
+            parse = _positive_int if isinstance(s.default, int) else float
+            p.add_argument(
+                s.flag, type=parse, default=s.flag_default, help=f"{s.meaning} (default {shown(s.flag_default)})"
+            )
+
+
+def _worker_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``WorkerConfig``'s table settings as ``rollfleet worker`` was given them."""
+    from rollfleet.workers.worker_settings import WORKER_DEFAULTS, WORKER_SETTINGS
+
+    values = {s.field: getattr(args, s.dest) for s in WORKER_SETTINGS if s.flag is not None}
+    if not args.store:  # (nothing to catch up with)
+        values["catch_up_wait_s"] = WORKER_DEFAULTS["catch_up_wait_s"]
+    return values
+
+
 DESCRIPTION = """\
 rollfleet: an external rollout service for asynchronous RL. A trainer submits rollout jobs
 through a NATS JetStream broker; workers anywhere pull the jobs their policy version may serve
@@ -140,13 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --store: serve this version from the store and no other, for pinned sessions and exact "
         "jobs that still need it (the rest of the fleet moves on)",
     )
-    p.add_argument("--capacity", type=_positive_int, default=4, help="jobs run at once")
-    p.add_argument(
-        "--heartbeat",
-        type=float,
-        default=20.0,
-        help="registry refresh seconds; a replica silent for 3 of these stops counting as live",
-    )
+    _add_worker_settings(p)
     p.add_argument(
         "--store",
         default=None,
@@ -161,16 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--local-dir", default=None, help="host-local checkpoint directory (with --store)")
     p.add_argument("--model-dir", default=None, help="serve this fixed checkpoint (without --store)")
-    p.add_argument(
-        "--catch-up-wait", type=float, default=3600.0, help="with --store: seconds to wait for a first commit"
-    )
     p.add_argument("--pre-read-hook", default=None, help="module:function run before reading a version")
-    p.add_argument(
-        "--prepare-timeout", type=float, default=1800.0, help="with --store: seconds before a prepare counts as stuck"
-    )
-    p.add_argument(
-        "--follow-versions", action="store_true", help="without --store (echo): activate each committed version"
-    )
     p.add_argument("--echo-latency", type=float, default=0.0, help="echo engine: seconds per job")
     p.add_argument("--echo-token-latency", type=float, default=0.0, help="echo engine: seconds per token")
     p.add_argument(
@@ -228,28 +240,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="vllm engine: extra server argument (--vllm-arg=--dtype=float32)",
     )
     p.add_argument("--vllm-log", default=None, help="vllm engine: append the launched server's output to this file")
-    p.add_argument("--verify-live", action="store_true", help="announce a digest of the live weights")
-    p.add_argument(
-        "--checkpoint-tokens",
-        type=_positive_int,
-        default=64,
-        help="resumable jobs: checkpoint the generation every N tokens (or --checkpoint-s, whichever first)",
-    )
-    p.add_argument(
-        "--checkpoint-s", type=float, default=2.0, help="resumable jobs: checkpoint at least this often (seconds)"
-    )
-    p.add_argument(
-        "--health",
-        type=float,
-        default=2.0,
-        help="seconds between checks of the engine's health (a dead or hung engine: the replica takes no jobs)",
-    )
-    p.add_argument(
-        "--exact-drain",
-        type=float,
-        default=None,
-        help="seconds exact jobs of the old version may run on before an activation (default 30)",
-    )
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
 
     p = sub.add_parser(
@@ -490,7 +480,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         raise InvalidRequest("--hold-version needs --store and a version >= 0")
     if not args.checkpoint_s > 0:
         raise InvalidRequest(f"--checkpoint-s must be > 0 seconds, got {args.checkpoint_s}")
-    if args.exact_drain is not None and args.exact_drain < 0:
+    if args.exact_drain < 0:
         raise InvalidRequest(f"--exact-drain must be >= 0 seconds, got {args.exact_drain}")
     engine = make_engine(args.engine, **options)
     config = WorkerConfig(
@@ -502,20 +492,11 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         store_endpoint=args.store_endpoint,
         local_dir=Path(args.local_dir) if args.local_dir else None,
         model_dir=Path(args.model_dir) if args.model_dir else None,
-        follow_versions=args.follow_versions,
-        catch_up_wait_s=args.catch_up_wait if args.store else 0.0,
         pre_read_hook=args.pre_read_hook,
-        prepare_timeout_s=args.prepare_timeout,
         metrics_port=args.metrics_port,
-        verify_live=args.verify_live,
-        checkpoint_tokens=args.checkpoint_tokens,
-        checkpoint_s=args.checkpoint_s,
         hold_version=args.hold_version,
-        health_s=args.health,
-        capacity=args.capacity,
-        heartbeat_s=args.heartbeat,
-        exact_drain_s=30.0 if args.exact_drain is None else args.exact_drain,
         topology=_topology(args),
+        **_worker_settings(args),
         connect_options=_conn_options(args),
     )
     worker = Worker(config, engine)

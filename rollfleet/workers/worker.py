@@ -51,6 +51,7 @@ from rollfleet.workers.scheduler import SubjectScheduler
 from rollfleet.workers.serving import ServedVersion
 from rollfleet.workers.version_sync import VersionSync, announce_start
 from rollfleet.workers.worker_metrics import WorkerMetrics
+from rollfleet.workers.worker_settings import worker_default
 
 
 @dataclass
@@ -59,20 +60,20 @@ class WorkerConfig:
     namespace: str
     worker_id: str = field(default_factory=lambda: f"w-{uuid.uuid4().hex[:8]}")
     version: int = 0
-    capacity: int = 4  # jobs run at once; never more are pulled
-    heartbeat_s: float = 20.0  # registry refresh; silent for 3 of these, a replica counts as gone
-    aging_s: float = 5.0
-    wait_pull_s: float = 240.0  # a waiting pull request's expiry at the broker (renewed when it ends)
-    hot_s: float = 30.0  # a subject stays "hot" (gets waiting pulls) this long after its last job
-    max_waiting_pulls: int = 6  # subjects with waiting requests at once (the version's window first)
-    rebalance_s: float = 1.0  # slots idle this long on one subject may be taken back for backlog elsewhere
-    standby_s: float = 240.0  # a subject whose request was refused (max_waiting reached) waits this long
-    progress_s: float = 30.0  # period of the info-level progress line
-    health_s: float = 2.0  # the engine's health is checked this often (locally: no broker traffic)
-    drain_timeout_s: float = 120.0
-    # Before an activation, exact jobs of the old version may run this long to finish; then they
-    # are aborted and handed back unanswered (another replica at that version may serve them).
-    exact_drain_s: float = 30.0
+    # Every default below that is a number or a switch comes from the one table of worker settings
+    # (``worker_settings.py``: what each means, its ``rollfleet worker`` flag), written nowhere else.
+    capacity: int = worker_default("capacity")
+    heartbeat_s: float = worker_default("heartbeat_s")
+    aging_s: float = worker_default("aging_s")
+    wait_pull_s: float = worker_default("wait_pull_s")
+    hot_s: float = worker_default("hot_s")
+    max_waiting_pulls: int = worker_default("max_waiting_pulls")
+    rebalance_s: float = worker_default("rebalance_s")
+    standby_s: float = worker_default("standby_s")
+    progress_s: float = worker_default("progress_s")
+    health_s: float = worker_default("health_s")
+    drain_timeout_s: float = worker_default("drain_timeout_s")
+    exact_drain_s: float = worker_default("exact_drain_s")
     # Weights: follow published versions from a store (store_dir + local_dir), or serve a
     # fixed checkpoint (model_dir) at ``version``. Neither: a model-free engine such as echo,
     # which follows committed versions only with ``follow_versions``.
@@ -80,15 +81,14 @@ class WorkerConfig:
     store_endpoint: str | None = None  # an S3-compatible endpoint for an s3:// store
     local_dir: Path | None = None
     model_dir: Path | None = None
-    follow_versions: bool = False
-    catch_up_wait_s: float = 0.0  # how long to wait for a first commit before serving the base
-    resync_s: float = 120.0  # re-read the latest version this often (announcements can be missed)
+    follow_versions: bool = worker_default("follow_versions")
+    catch_up_wait_s: float = worker_default("catch_up_wait_s")
+    resync_s: float = worker_default("resync_s")
     pre_read_hook: str | None = None
-    prepare_timeout_s: float = 1800.0  # a prepare past this marks the replica degraded
-    verify_live: bool = False  # announce a digest of the live weights after each activation
-    # A resumable job's generation is checkpointed every this many tokens or seconds, whichever first.
-    checkpoint_tokens: int = 64
-    checkpoint_s: float = 2.0
+    prepare_timeout_s: float = worker_default("prepare_timeout_s")
+    verify_live: bool = worker_default("verify_live")
+    checkpoint_tokens: int = worker_default("checkpoint_tokens")
+    checkpoint_s: float = worker_default("checkpoint_s")
     hold_version: int | None = None  # serve this version of the store and no other (see VersionSync)
     metrics_port: int | None = None  # Prometheus endpoint; 0 picks a free port
     limits: Limits = DEFAULT_LIMITS
