@@ -17,3 +17,11 @@ def weights_digest(checksums: Mapping[str, str]) -> str:
     for name in sorted(checksums):
         h.update(f"{name}={checksums[name]}\n".encode())
     return h.hexdigest()
+
+
+def content_digest(checksums: Mapping[str, str]) -> bytes:
+    """The 16-byte digest of a version's content: every tensor's final-state checksum as
+    ``"fmt:hex"`` (as a materialized checkpoint's marker records them, ``MaterializeResult.checksums``).
+    The same tensors' bytes give the same digest whichever chain of deltas or store they came
+    from; what a replay coordinate records for each version a sample was generated at."""
+    return bytes.fromhex(weights_digest(checksums))

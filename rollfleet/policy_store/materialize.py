@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from rollfleet.policy_store import codecs
+from rollfleet.policy_store.digest import content_digest
 from rollfleet.policy_store.files import check_file
 from rollfleet.policy_store.formats import CHECKSUM_FORMATS, DEFAULT_CHECKSUM, new_hasher
 from rollfleet.policy_store.hooks import Hook, resolve_hook
@@ -145,6 +146,22 @@ def published_checksums(store: Path, version: int) -> dict[str, str] | None:
     fmt = ov.index.metadata.checksum_format or DEFAULT_CHECKSUM
     sums = {n: f.checksum for n, f in ov.frames.items()} if ov.is_delta else ov.checksums
     return {name: f"{fmt}:{digest}" for name, digest in sums.items()} or None
+
+
+def store_content_digest(store: Path, version: int) -> bytes:
+    """``version``'s content digest (``digest.content_digest``) read from ``store`` alone: the
+    final-state checksums of the full version its chain starts from, overlaid with each delta's
+    after it, as materializing the chain would record them (a full version without published
+    checksums is hashed from its files). Raises ``PolicyError`` (``VersionNotFound``) where the
+    store cannot give them: what a replay compares a coordinate's digest with."""
+    seed, deltas = plan(Path(store), None, version)
+    if seed is None:  # (plan without a marker always seeds)
+        raise VersionNotFound(f"no full version under {version} in {store}")
+    ov = open_version(version_path(Path(store), seed), expected_version=seed)
+    sums = _full_sums(ov, ov.layout, DEFAULT_WORKERS)
+    for v in deltas:
+        sums.update(published_checksums(Path(store), v) or {})
+    return content_digest(sums)
 
 
 class _Local:

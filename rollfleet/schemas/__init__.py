@@ -37,6 +37,7 @@ from rollfleet.schemas.messages import (
     version_spans,
 )
 from rollfleet.schemas.names import Claim, Names, check_token, claim_key, job_token, key_token
+from rollfleet.schemas.replay import EngineBuild, ReplayCoordinate, VersionDigest, prompt_digest
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -46,11 +47,13 @@ __all__ = [
     "Claim",
     "Completion",
     "ConstraintKind",
+    "EngineBuild",
     "HeardClock",
     "JobAddress",
     "Limits",
     "Names",
     "Outcome",
+    "ReplayCoordinate",
     "ReplicaStatus",
     "RetryPolicy",
     "RollfleetError",
@@ -65,6 +68,7 @@ __all__ = [
     "TurnFailure",
     "VersionActivated",
     "VersionConstraint",
+    "VersionDigest",
     "VersionEvent",
     "VersionPolicy",
     "VersionPublished",
@@ -84,6 +88,7 @@ __all__ = [
     "job_address",
     "job_token",
     "key_token",
+    "prompt_digest",
     "request_fingerprint",
     "served_within",
     "version_spans",

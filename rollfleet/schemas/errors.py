@@ -107,6 +107,20 @@ class UnsupportedSchema(InvalidRequest):
         self.fields = fields  # the job's fields whose values it could not decode
 
 
+class NotReplayable(RollfleetError):
+    """A sample cannot be replayed as asked (``reason``: ``no_coordinate``, ``no_sample``,
+    ``resumed``, ``multi_span``, ``unseeded``, ``prompt``: the prompt given is not the one its
+    coordinate digests); asking again changes nothing."""
+
+    code = "not_replayable"
+    retryable = False
+
+    def __init__(self, message: str = "", *, reason: str = "", index: int | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.index = index  # the sample asked for, where one was
+
+
 class IdempotencyConflict(RollfleetError):
     """The idempotency key was already used for a different request (constraint or payload)."""
 

@@ -14,6 +14,9 @@ from typing import Any, Literal, NamedTuple
 
 import msgspec
 
+from rollfleet.schemas.replay import ReplayCoordinate
+from rollfleet.schemas.sampling import SamplingParams  # (used here, and imported from here by many)
+
 # The jobs' wire schema: bumped whenever a job may carry something an older worker cannot decode
 # or would misread (1: the first; 2: retry_policy "resume"). A worker refuses a job of a newer
 # schema with UnsupportedSchema instead of guessing, so upgrade workers before trainers.
@@ -56,16 +59,6 @@ ReplicaState = Literal["starting", "ready", "preparing", "activating", "degraded
 VersionKind = Literal["base", "delta", "full"]
 
 
-class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    max_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k cut
-    stop_token_ids: list[int] = msgspec.field(default_factory=list)
-    seed: int | None = None
-    logprobs: bool = True
-
-
 class RolloutPayload(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What to generate: a prompt (token ids or text), sampling parameters, samples."""
 
@@ -73,6 +66,9 @@ class RolloutPayload(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_text: str | None = None
     sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     n: int = 1
+    # Serve it batch-invariant, so that the same request gives the same bits again (the hf engine
+    # runs it alone; echo always is; an engine that cannot says so in the result's coordinate).
+    deterministic: bool = False
     # Engine-specific pass-through (e.g. extra SGLang sampling keys); never interpreted here.
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
 
@@ -235,6 +231,9 @@ class RolloutResult(msgspec.Struct, tag="result", kw_only=True):
     # generated again, and how many runs before this one it continued from.
     kept_tokens: int = 0
     resumes: int = 0
+    # What it takes to generate these samples again, bit for bit (``schemas.replay``); None on a
+    # result stored before coordinates existed.
+    replay: ReplayCoordinate | None = None
 
 
 def served_within(constraint: VersionConstraint, result: RolloutResult) -> bool:

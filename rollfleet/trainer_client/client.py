@@ -59,7 +59,8 @@ from rollfleet.schemas.errors import (
     ServiceUnavailable,
 )
 from rollfleet.schemas.progress import TokenChunk
-from rollfleet.trainer_client import answers, cancelling
+from rollfleet.schemas.replay_rules import ReplayOutcome
+from rollfleet.trainer_client import answers, cancelling, replaying
 from rollfleet.trainer_client.bells import Bells
 from rollfleet.trainer_client.cancelling import CancelOutcome
 from rollfleet.trainer_client.client_metrics import ClientMetrics
@@ -776,6 +777,13 @@ class RolloutClient:
         together are the result's tokens, in order, each once, across resumes; the job's error,
         if it fails, is raised. ``await handle`` still returns the same result."""
         return stream_tokens(self.js, self.names, handle)
+
+    async def replay(self, target: Any, payload: RolloutPayload, **options: Any) -> ReplayOutcome:
+        """Generate sample ``index`` of ``target`` (a result, or a coordinate and the ``original``
+        sample) again, deterministic and at its version, and say whether every token and log-prob
+        matched, or where it diverged and which part of the coordinate differs
+        (``replaying.replay``, whose keyword options it takes)."""
+        return await replaying.replay(self, target, payload, **options)
 
     async def result(self, idempotency_key: str, timeout: float | None = None) -> RolloutResult:
         """The result for a key, whether submitted by this process or before a restart; waits up

@@ -83,6 +83,7 @@ from rollfleet.schemas.errors import (
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, check_token
 from rollfleet.workers.claims import ClaimKeeper
 from rollfleet.workers.engines import Engine
+from rollfleet.workers.replay_stamp import stamp
 from rollfleet.workers.result_store import ResultStore, looked_up_first
 from rollfleet.workers.resumable_run import ResumableGenerator
 from rollfleet.workers.running_job import RunningJob
@@ -354,6 +355,7 @@ class JobRunner:
             constraint=job.constraint,
             kept_tokens=run.progress.kept_tokens if run.progress is not None else 0,
             resumes=run.progress.resumes if run.progress is not None else 0,
+            replay=stamp(job.payload, generation, self._engine, self._served.content_digests, self._worker_id),
         )
         if job.session_id is not None:
             self._metrics.session_turns.inc()

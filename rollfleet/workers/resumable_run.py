@@ -117,10 +117,11 @@ class ResumableGenerator:
         writer = asyncio.create_task(plog.keep_writing())
         try:
             fresh = not any(s.token_ids or s.finish for s in plog.samples)
+            drawn = None  # the seed the engine drew, where one request made every token
             if fresh and engine.streams_tokens:
                 run.request_ids = [job.job_id]
                 generation = await engine.generate(job.job_id, job.payload, job.session_id, sink=plog)
-                prompt_tokens = generation.prompt_tokens
+                prompt_tokens, drawn = generation.prompt_tokens, generation.seed
             else:
                 prompt_tokens = await self._continue(run, plog, prompt)
         finally:
@@ -132,7 +133,11 @@ class ResumableGenerator:
         v_start, v_end = plog.version_bounds(self._served.version)
         want_text = job.payload.prompt_text is not None
         return Generation(
-            plog.completions(engine.detokenize if want_text else None), v_start, v_end, prompt_tokens=prompt_tokens
+            plog.completions(engine.detokenize if want_text else None),
+            v_start,
+            v_end,
+            prompt_tokens=prompt_tokens,
+            seed=drawn,
         )
 
     async def _continue(self, run: RunningJob, plog: ProgressLog, prompt: list[int] | None) -> int:

@@ -11,12 +11,13 @@ with a minimum version still are; they may span the activation and report both v
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rollfleet.schemas import ConstraintKind, VersionConstraint
 from rollfleet.schemas.messages import refuses_while_activating, version_allows
 
 Subject = tuple[ConstraintKind, int]
+_DIGESTS_KEPT = 16  # versions: a job in flight spans a few at most
 
 
 def compatible(version: int, subject: Subject) -> bool:
@@ -30,6 +31,16 @@ class ServedVersion:
     version: int
     activating: int | None = None  # the version being activated, from the end of its prepare to its announcement
     down: bool = False  # the engine is dead or hung: nothing is taken until it is back
+    # The content digest (``policy_store.digest.content_digest``) of the newest versions this
+    # replica materialized, by version: what each result's replay coordinate records.
+    content_digests: dict[int, bytes] = field(default_factory=dict)
+
+    def record_digest(self, version: int, digest: bytes) -> None:
+        """``version``'s content digest, as its materialization found it (the newest few kept)."""
+        self.content_digests.pop(version, None)
+        self.content_digests[version] = digest
+        while len(self.content_digests) > _DIGESTS_KEPT:
+            del self.content_digests[next(iter(self.content_digests))]
 
     def accepts(self, subject: Subject) -> bool:
         """Whether to pull from ``subject`` now."""

@@ -67,7 +67,7 @@ from nats.js.kv import KeyValue
 from rollfleet.broker.kv import read_latest
 from rollfleet.policy_store import CheckpointLayout, MaterializeResult
 from rollfleet.policy_store.bucket import Bucket
-from rollfleet.policy_store.digest import weights_digest
+from rollfleet.policy_store.digest import content_digest, weights_digest
 from rollfleet.policy_store.local_disk import as_local_disk_error
 from rollfleet.policy_store.materialize import checkpoint_checksums
 from rollfleet.policy_store.remote import materialize_from, open_store, store_label
@@ -189,6 +189,8 @@ class VersionSync:
         t0 = time.perf_counter()
         result = await self._start_on(target, registration)
         self.engine_sums = dict(result.checksums)  # the engine starts on this checkpoint, whole
+        if result.checksums:
+            self._served.record_digest(result.version, content_digest(result.checksums))
         self.log.info(
             "caught up",
             version=result.version,
@@ -592,6 +594,7 @@ class VersionSync:
         pause_wait_s = t2 - t1
         if result.checksums:
             self.engine_sums = dict(result.checksums)
+            self._served.record_digest(result.version, content_digest(result.checksums))
         activation = VersionActivated(
             worker_id=self._worker_id,
             version=result.version,

@@ -24,8 +24,9 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
 def fresh_seed() -> int:
     """A seed for a job that names none: from the OS's entropy, so replicas, restarts and
     re-runs never share a random stream (a seed derived from a counter or from torch's
-    default generator would be the same on every replica)."""
-    return secrets.randbits(64)
+    default generator would be the same on every replica). 62 bits: a sample's stream,
+    ``seed + index``, stays within the unsigned 64-bit integers a result's MessagePack holds."""
+    return secrets.randbits(62)
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> tuple[int, float]:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollfleet.schemas import Completion, RolloutPayload
+from rollfleet.schemas import Completion, EngineBuild, RolloutPayload
 from rollfleet.schemas.seeds import sample_seed as sample_seed  # (the rule lives with the contract)
 from rollfleet.workers.engines.session_cache import SessionCacheStats
 
@@ -29,6 +29,10 @@ class Generation:
     # whether that cache was from older weights (an activation since the last turn) and rebuilt.
     cached_tokens: int = 0
     cache_rebuilt: bool = False
+    # The seed the engine drew for a request that gave none (sample ``i`` drew the stream
+    # ``sample_seed(seed, i)``), so the result's replay coordinate can record it; None where the
+    # request gave one, or the engine's output does not depend on one.
+    seed: int | None = None
 
 
 class TokenSink:
@@ -120,6 +124,17 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:
         """Stop one request; its ``generate`` returns with finish_reason 'abort'."""
+
+    def deterministic_for(self, payload: RolloutPayload) -> bool:
+        """Whether this engine serves ``payload`` batch-invariant: the same request gives the same
+        tokens and log-probs again, bit for bit, whatever else it runs beside it. An engine that
+        cannot says False even when the request asks (its replay coordinate then says so)."""
+        return False
+
+    def build(self, deterministic: bool) -> EngineBuild:
+        """What a replay coordinate records of this engine: its name and what it knows of its
+        build (package and torch versions, dtype, device), and the mode a request ran in."""
+        return EngineBuild(self.name, deterministic=deterministic)
 
     def live_checksums(self) -> dict[str, str] | None:
         """Per-tensor checksums (xxh3-128) of the live weights under HF names, where the engine

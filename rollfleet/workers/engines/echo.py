@@ -22,18 +22,24 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from pathlib import Path
 
 import numpy as np
 
 from rollfleet.policy_store import CheckpointLayout, tensor_checksum
-from rollfleet.schemas import Completion, RolloutPayload, VersionSpan, version_spans
+from rollfleet.schemas import Completion, EngineBuild, RolloutPayload, VersionSpan, version_spans
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.workers.engines.base import Engine, EngineHealth, Generation, TokenSink
 from rollfleet.workers.engines.keyed import VOCAB, context_state, keyed_token, keyed_tokens, weights_key
 from rollfleet.workers.engines.session_cache import DEFAULT_TTL_S, Branch, Lookup, SessionCache, SessionCacheStats
 
 _TOKEN_BYTES = 4
+try:
+    _ROLLFLEET_VERSION = package_version("rollfleet")
+except PackageNotFoundError:  # (run from a checkout that was never installed)
+    _ROLLFLEET_VERSION = ""
 
 
 class EchoEngine(Engine):
@@ -196,6 +202,12 @@ class EchoEngine(Engine):
 
     async def end_session(self, session_id: str) -> None:
         self._sessions.drop(session_id)
+
+    def deterministic_for(self, payload: RolloutPayload) -> bool:
+        return True  # every token is a pure function of the prompt, the seed and the weights held
+
+    def build(self, deterministic: bool) -> EngineBuild:
+        return EngineBuild(self.name, _ROLLFLEET_VERSION, deterministic=deterministic)
 
     def session_cache_stats(self) -> SessionCacheStats:
         return self._sessions.stats()

@@ -36,6 +36,8 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from rollfleet.runtime.aio import wait_event
-from rollfleet.schemas import Completion, RolloutPayload, SamplingParams, version_spans
+from rollfleet.schemas import Completion, EngineBuild, RolloutPayload, SamplingParams, version_spans
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest, RollfleetError
 from rollfleet.schemas.limits import check_payload
 from rollfleet.workers.engines import _kvrows, _weights
@@ -59,6 +61,17 @@ from rollfleet.workers.engines.session_cache import (
 )
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+try:
+    _TRANSFORMERS_VERSION = package_version("transformers")
+except PackageNotFoundError:
+    _TRANSFORMERS_VERSION = ""
+
+
+def _device_kind(device: torch.device) -> str:
+    """``cpu``, or ``cuda:`` and the device's name (kernels, and so bits, differ between models)."""
+    if device.type != "cuda":
+        return device.type
+    return f"cuda:{torch.cuda.get_device_name(device)}"
 
 
 @dataclass(eq=False)
@@ -87,6 +100,8 @@ class _Request:
     future: asyncio.Future[Generation]
     seqs: list[_Seq] = field(default_factory=list)
     session: str | None = None  # cleared by end_session: nothing is kept for it any more
+    alone: bool = False  # deterministic: each sample runs alone, a batch of one, and prefills whole
+    seed: int | None = None  # the seed drawn for it when it gave none (its samples: seed + index)
     lookup: Lookup | None = None  # what the session cache gave this turn (taken once)
     sink: TokenSink | None = None  # told each token as it is made (resumable jobs' checkpoints)
 
@@ -140,8 +155,13 @@ class HFEngine(Engine):
         stage_mode: str = "swap",
         session_cache_bytes: int = DEFAULT_MAX_BYTES,
         session_ttl_s: float = DEFAULT_TTL_S,
+        deterministic: bool = False,
     ) -> None:
-        """``session_cache_bytes`` and ``session_ttl_s`` bound the KV kept for sessions between
+        """``deterministic``: every request runs as a request with ``deterministic`` set does,
+        each sample alone (a batch of one; see ``_admit``), so its bits never depend on what
+        else the replica serves.
+
+        ``session_cache_bytes`` and ``session_ttl_s`` bound the KV kept for sessions between
         turns (on the engine's device); ``session_cache_bytes=0`` keeps none.
 
         ``seed``: None (the default, and what workers use) draws each unseeded job's samples
@@ -155,6 +175,9 @@ class HFEngine(Engine):
         self.dtype = dtype
         self.max_batch = max_batch
         self.seed = seed
+        self.deterministic = deterministic
+        if deterministic:  # (CUDA's nondeterministic kernels; a no-op for what CPU runs here)
+            torch.use_deterministic_algorithms(True, warn_only=True)
         self.stop_on_eos = stop_on_eos
         self.reprefill_after_activation = reprefill_after_activation
         self.attn_implementation = attn_implementation
@@ -304,17 +327,17 @@ class HFEngine(Engine):
             future=asyncio.get_running_loop().create_future(),
             session=session_id if self._rows and self._sessions.max_bytes > 0 else None,
             sink=sink,
+            alone=self.deterministic_for(payload),
         )
+        seed = params.seed
+        if seed is None and params.temperature > 0:
+            # One seed per request, recorded in its result (``Generation.seed``): sample i draws
+            # ``sample_seed(seed, i)``, as a seeded request's does, so any sample can be drawn again.
+            seed = req.seed = fresh_seed() if self.seed is None else (self.seed << 32) + next(self._seed_counter)
         for i in range(payload.n):
             gen = None
-            if params.temperature > 0:
-                if params.seed is not None:  # the same stream whether sample i is sent alone or not
-                    stream = sample_seed(params.seed, i)
-                elif self.seed is not None:
-                    stream = ((self.seed << 32) + next(self._seed_counter)) * 1_000_003 + i
-                else:
-                    stream = fresh_seed() * 1_000_003 + i
-                gen = make_generator(stream, self.device)
+            if params.temperature > 0:  # the same stream whether sample i is sent alone or not
+                gen = make_generator(sample_seed(seed, i), self.device)
             req.seqs.append(_Seq(req=req, index=i, tokens=list(prompt), gen=gen))
         self._requests[request_id] = req
         self._pending.extend(req.seqs)
@@ -324,6 +347,19 @@ class HFEngine(Engine):
         except asyncio.CancelledError:
             self._finish_request(req, "abort")  # the caller went away: free its batch rows
             raise
+
+    def deterministic_for(self, payload: RolloutPayload) -> bool:
+        return self.deterministic or payload.deterministic
+
+    def build(self, deterministic: bool) -> EngineBuild:
+        return EngineBuild(
+            self.name,
+            _TRANSFORMERS_VERSION,
+            str(torch.__version__),
+            str(getattr(self.model, "dtype", self.dtype) or "").removeprefix("torch."),
+            _device_kind(self.device),
+            deterministic,
+        )
 
     def prompt_ids(self, payload: RolloutPayload) -> list[int] | None:
         try:
@@ -393,6 +429,7 @@ class HFEngine(Engine):
                 prompt_tokens=req.prompt_len,
                 cached_tokens=min(joined, default=0),
                 cache_rebuilt=req.lookup is not None and req.lookup.stale,
+                seed=req.seed,
             )
         )
 
@@ -460,11 +497,24 @@ class HFEngine(Engine):
             await asyncio.sleep(0)  # let abort/pause/new requests in between steps
 
     def _admit(self) -> None:
+        """Pending sequences join the batch in their order. A deterministic one runs alone: it
+        waits at the head of the queue until the batch has drained (nothing overtakes it), then
+        runs as a batch of one, and nothing joins it until it is done. Alone, its prefill has no
+        padding and every matmul the shape of a batch of one, so its bits are those of any other
+        run of it alone (a replay's)."""
         self._active = [s for s in self._active if s.finish is None]
+        if any(s.req.alone for s in self._active):
+            return
         while self._pending and len(self._active) < self.max_batch:
-            seq = self._pending.popleft()
-            if seq.finish is None:
-                self._active.append(seq)
+            seq = self._pending[0]
+            if seq.finish is not None:
+                self._pending.popleft()
+                continue
+            if seq.req.alone:
+                if not self._active:
+                    self._active.append(self._pending.popleft())
+                return
+            self._active.append(self._pending.popleft())
 
     def _advance(self, seq: _Seq, token: int, logprob: float, version: int) -> None:
         if seq.finish is not None:  # aborted while its step ran
@@ -610,7 +660,7 @@ class HFEngine(Engine):
     def _reusable(self, seq: _Seq) -> tuple[_kvrows.KV, int]:
         """The session KV ``seq`` can start from (and how many of its tokens it covers)."""
         req = seq.req
-        if seq.out or req.session is None:
+        if seq.out or req.session is None or req.alone:  # (alone: prefilled whole, as a replay is)
             return [], 0
         if req.lookup is None:  # once per turn: samples admitted later reuse what the first got
             req.lookup = self._sessions.take(req.session, seq.tokens, self._kv_epoch)

@@ -1,0 +1,76 @@
+"""What it takes to generate a sample again, bit for bit: the replay coordinate, and its rules.
+
+A replica stamps one ``ReplayCoordinate`` on every result it stores (``RolloutResult.replay``):
+one per result, not per sample, since the samples of a request share their prompt, sampling,
+replica and engine build, and each sample's own part is already on its ``Completion``: its
+spans (``weight_versions``) and its random stream, ``sample_seed(seed, index)`` (``seeds``).
+A coordinate holds
+
+- ``prompt``: the xxh3-128 digest of the prompt's token ids as the engine read them
+  (``prompt_digest``; the prompt itself is in the job, and the digest proves a replay asks for
+  the same one);
+- ``sampling``: the request's sampling parameters with the seed actually used, drawn by the
+  replica when the request gave none (an engine whose unseeded output is random draws one and
+  says so; ``seed`` stays None only where the output does not depend on one);
+- ``versions``: each version any span was generated at, with that version's content digest
+  (``policy_store.digest.content_digest``: the same 16 bytes for the same tensors' bytes, from
+  whichever store or chain of deltas they were read);
+- ``replica`` and ``build``: which worker, and the engine's build (engine and package version,
+  torch, dtype, device, and whether it ran the request in deterministic mode).
+
+It is encoded as arrays, not maps (``array_like``), to stay small: the coordinate of a
+512-token sample adds about 1.5 % to its result (``benchmarks/bench_replay.py``). Fields may
+only be added at the end, with defaults. A result stored before coordinates existed decodes
+with ``replay=None``.
+
+The decisions over coordinates are pure functions in ``replay_rules``: which parts of two coordinates differ
+(``parts_differ``), where two samples first diverge (``first_divergence``), what a replay of a
+sample asks for or why it cannot be asked (``replay_request``), and the outcome of comparing a
+replay with its original (``judge_replay``).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import msgspec
+import xxhash
+
+from rollfleet.schemas.sampling import SamplingParams
+
+
+class EngineBuild(msgspec.Struct, frozen=True, array_like=True):
+    """The engine that generated a result, as far as its output can depend on it."""
+
+    engine: str  # "hf", "echo", "vllm", "sglang"
+    version: str = ""  # its package's version (transformers for hf, rollfleet for echo)
+    torch: str = ""
+    dtype: str = ""  # "float32", "bfloat16"
+    device: str = ""  # "cpu", or "cuda:" and the device's name
+    deterministic: bool = False  # this request ran batch-invariant (alone, or fixed-order kernels)
+
+    def same_build(self, other: EngineBuild) -> bool:
+        """The same engine build, whatever the mode it ran a request in."""
+        return msgspec.structs.replace(self, deterministic=other.deterministic) == other
+
+
+class VersionDigest(msgspec.Struct, frozen=True, array_like=True):
+    version: int
+    digest: bytes  # content_digest of the version's tensors; b"" where the replica had none
+
+
+class ReplayCoordinate(msgspec.Struct, frozen=True, array_like=True):
+    prompt: bytes
+    sampling: SamplingParams
+    versions: tuple[VersionDigest, ...]
+    replica: str
+    build: EngineBuild
+
+    def digest_of(self, version: int) -> bytes | None:
+        return next((v.digest for v in self.versions if v.version == version), None)
+
+
+def prompt_digest(token_ids: Sequence[int]) -> bytes:
+    """xxh3-128 of the prompt's token ids, each as a little-endian signed 64-bit integer."""
+    return xxhash.xxh3_128_digest(struct.pack(f"<{len(token_ids)}q", *token_ids))
