@@ -220,6 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="hf engine: cpu, cuda, auto")
     p.add_argument("--dtype", default=None, help="hf engine: float32, bfloat16 (default: the checkpoint's)")
     p.add_argument("--max-batch", type=int, default=32, help="hf engine: sequences decoded together")
+    p.add_argument("--deterministic", action="store_true", help="hf engine: every request batch-invariant (alone)")
     p.add_argument("--sglang-url", default=None, help="sglang engine: attach to this server")
     p.add_argument("--sglang-arg", action="append", default=[], help="sglang engine: extra launch_server argument")
     p.add_argument(
@@ -352,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="show the fleet, queue depths and the latest version")
     _add_conn(p)
     p.add_argument("--json", action="store_true")
+    from rollfleet.cli.replay import add_parser as add_replay
+
+    add_replay(sub, _add_conn)
     return parser
 
 
@@ -371,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(cmd_up(args))
         if args.command == "status":
             return asyncio.run(cmd_status(args))
+        if args.command == "replay":
+            from rollfleet.cli.replay import cmd_replay
+
+            return asyncio.run(cmd_replay(args, _conn_options(args)))
         if args.command == "autoscale":
             from rollfleet.cli.autoscale import cmd_autoscale
 
@@ -458,6 +466,7 @@ async def cmd_worker(args: argparse.Namespace) -> int:
         options |= {"prefill_s_per_token": args.echo_prefill_latency, **sessions}
     elif args.engine == "hf":
         options = {"device": args.device, "dtype": args.dtype, "max_batch": args.max_batch, **sessions}
+        options["deterministic"] = args.deterministic
     elif args.engine == "sglang":
         options = {"url": args.sglang_url, "launch_args": list(args.sglang_arg)}
         if args.sglang_pull_dir:
