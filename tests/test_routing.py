@@ -87,3 +87,29 @@ def test_work_a_replica_hears_of_late_is_aged_by_its_own_wait() -> None:
     # Nonsense from the wire (negative) counts as no wait.
     s.note_pending(("min", 1), now=101.0, waited_s=-50.0)
     assert s.order(now=101.0)[-1] == ("min", 1)
+
+
+def test_a_starving_subject_gives_way_once_what_it_serves_is_newer_than_an_older_subjects_work() -> None:
+    """Seed 101 of a campaign: a replica drained ``min-0`` (starving: a resubmitted job there had
+    waited long) job after job, newer ones included, while a turn moved to ``min-13`` 37 s into
+    the run waited behind them until it expired. A delivery says how old the job it brings was
+    (its stored time) and whether more wait behind it; those were stored no earlier, so the
+    subject's age becomes that job's: the older subject goes next."""
+    s = SubjectScheduler(ServedVersion(15), aging_s=5.0)
+    s.note_pending(("min", 0), now=100.0, waited_s=30.0)  # a resubmitted job, long waiting
+    s.note_pending(("min", 13), now=100.0, waited_s=6.0)  # the moved turn's subject
+    assert s.order(now=100.0) == [("min", 0), ("min", 13)]
+    # The old job is pulled; behind it, jobs stored 2 s ago at most.
+    s.note_delivered(("min", 0), now=100.1, age_s=2.0, pending=3)
+    s.note_served(("min", 0), now=100.0)  # (the pull that brought it: its delivery's word stands)
+    assert s.order(now=100.2) == [("min", 13), ("min", 0)]
+    # A delivery whose queue is as old keeps its place (one job per aging_s would starve it).
+    s.note_delivered(("min", 13), now=100.3, age_s=6.2, pending=2)
+    assert s.order(now=100.4)[0] == ("min", 13)
+    # The last job of a subject: it is empty, and the pull's own note does not bring it back.
+    s.note_delivered(("min", 13), now=100.5, age_s=6.3, pending=0)
+    s.note_served(("min", 13), now=100.4)
+    assert s.order(now=100.6) == [("min", 0)]
+    # A clock behind the broker's (a negative age) counts as no wait.
+    s.note_delivered(("min", 0), now=100.7, age_s=-3.0, pending=1)
+    assert not s.starving(now=100.8)

@@ -436,11 +436,12 @@ class JobPuller:
                 await puller.request(free, wait_s=self.wait_pull_s)
                 self.scheduler.note_served(subject, now)
             elif not puller.busy:
+                asked = time.monotonic()
                 fetched = await puller.fetch_now(free)
                 if self._debug:
                     self._log.debug("backlog fetched", subject=str(subject), fetched=fetched, missing=puller.missing)
                 if fetched:
-                    self.scheduler.note_served(subject, time.monotonic())
+                    self.scheduler.note_served(subject, asked)
                 elif not puller.missing:  # (a missing consumer is looked up on the next pass)
                     self.scheduler.note_empty(subject)
             else:
@@ -482,9 +483,11 @@ class JobPuller:
         if subject is not None:
             now = time.monotonic()
             self._hot[subject] = now
-            if info is not None and info[2] > 0:  # more queued behind it: backlog to pull now
-                if self.scheduler.note_pending(subject, now):
+            if info is not None:
+                # More queued behind it is backlog to pull now, as old as this job at most. (Its
+                # stored time is by the broker's clock: a skewed host shifts every subject alike.)
+                _, stored_at, pending = info
+                self.scheduler.note_delivered(subject, now, time.time() - stored_at, pending)
+                if pending > 0:
                     self._wake.set()
-            elif info is not None:
-                self.scheduler.note_empty(subject)
         self._run_job(msg, info)

@@ -22,11 +22,13 @@ class SubjectScheduler:
     aging_s: float = 5.0
     # subject -> when it was first seen with work we have not pulled since
     _waiting_since: dict[Subject, float] = field(default_factory=dict)
+    _delivered_at: dict[Subject, float] = field(default_factory=dict)  # subject -> its last delivery's word
 
     def _prune(self) -> None:
         """Forget subjects the live version can no longer serve (it moved on)."""
-        for subject in [s for s in self._waiting_since if not self.served.accepts(s)]:
-            del self._waiting_since[subject]
+        for book in (self._waiting_since, self._delivered_at):
+            for subject in [s for s in book if not self.served.accepts(s)]:
+                del book[subject]
 
     def note_pending(self, subject: Subject, now: float, waited_s: float = 0.0) -> bool:
         """Work may be waiting on ``subject``, for ``waited_s`` already (what a client's stalled
@@ -42,10 +44,26 @@ class SubjectScheduler:
             self._waiting_since[subject] = since
         return True
 
+    def note_delivered(self, subject: Subject, now: float, age_s: float, pending: int) -> None:
+        """A job was delivered from ``subject``, stored ``age_s`` ago, with ``pending`` jobs still
+        queued behind it. Those were stored no earlier (a stream keeps its order), so the subject's
+        age becomes that job's: a starving subject keeps its place while what it serves is as old,
+        and gives way to an older subject's work once what it serves is newer (seed 101: a replica
+        drained ``min-0``, newer jobs included, while a turn moved to ``min-13`` waited behind them
+        until it expired). Nothing behind it: the subject is empty."""
+        self._delivered_at[subject] = now
+        if pending <= 0:
+            self.note_empty(subject)
+        elif self.served.accepts(subject):
+            self._waiting_since[subject] = now - max(0.0, age_s)
+
     def note_served(self, subject: Subject, now: float) -> None:
-        """Pulled from ``subject``; there may be more behind. Its age restarts now, unless it was
-        starving: then what waits behind is at least as old, and it keeps its place until it is
-        empty (one job per ``aging_s`` would starve it still, behind a steady stream of newer work)."""
+        """Pulled from ``subject`` (a request asked at ``now``); there may be more behind. A
+        delivery since then said how old that is (``note_delivered``), and its word stands.
+        Else its age restarts now, unless it was starving: then it keeps its place (one job per
+        ``aging_s`` would starve it still, behind a steady stream of newer work)."""
+        if self._delivered_at.get(subject, -1.0) >= now:
+            return
         since = self._waiting_since.get(subject)
         if since is None or now - since < self.aging_s:
             self._waiting_since[subject] = now
@@ -57,7 +75,6 @@ class SubjectScheduler:
 
     def note_empty(self, subject: Subject) -> None:
         self._waiting_since.pop(subject, None)
-
     def order(self, now: float) -> list[Subject]:
         """Candidates, best first."""
         self._prune()
