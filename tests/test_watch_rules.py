@@ -20,6 +20,7 @@ from rollfleet.trainer_client.watch_rules import (
     STALL_JOBS_PER_BELL,
     OrphanWatch,
     expired,
+    queued_since,
     stall_bells,
     stalled_since,
 )
@@ -181,6 +182,18 @@ def test_a_stalled_subject_is_rung_with_the_wait_of_its_oldest_job() -> None:
     # (a job stored under a second ago is not stalled yet; a sticky turn is watched apart)
     assert stalled_since(jobs, now=100.0, after_s=1.0) == {old: 90.0, new: 95.0}
     assert stalled_since(jobs, now=95.5, after_s=1.0) == {old: 90.0}
+
+
+def test_a_stalled_bell_says_the_wait_of_the_oldest_job_still_queued_not_of_one_a_replica_runs() -> None:
+    """Seed 101 of a campaign: a long job a replica ran for 16 s kept ``min-0``'s oldest unanswered
+    job 16 s old, so the bells for it made the woken replicas drain ``min-0``'s newer jobs first
+    while a turn on ``min-13`` expired. A job stored after the consumer's delivered floor was
+    never delivered (it delivers in stream order): only those are queued work."""
+    jobs = [(10.0, 5), (30.0, 9), (20.0, 12), (40.0, None)]  # (submitted at, stream sequence)
+    assert queued_since(jobs, delivered_floor=9) == 20.0  # 5 and 9 were delivered (run, or held)
+    assert queued_since(jobs, delivered_floor=4) == 10.0
+    assert queued_since(jobs, delivered_floor=12) is None  # all delivered: the caller keeps its own
+    assert queued_since([], delivered_floor=0) is None
 
 
 def test_a_bells_wait_crosses_the_wire_as_a_header_old_workers_ignore() -> None:

@@ -22,7 +22,14 @@ from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.placement import JobPlacement
 from rollfleet.trainer_client.sessions import Session, expire_idle
-from rollfleet.trainer_client.watch_rules import STALL_AFTER_S, OrphanWatch, expired, stall_bells, stalled_since
+from rollfleet.trainer_client.watch_rules import (
+    STALL_AFTER_S,
+    OrphanWatch,
+    expired,
+    queued_since,
+    stall_bells,
+    stalled_since,
+)
 
 log = get_logger("rollfleet.client")
 
@@ -172,9 +179,9 @@ class JobWatch:
         while True:
             await asyncio.sleep(STALL_AFTER_S)
             now = time.time()
-            unanswered = [(h.job.constraint, h.job.submitted_at, h.replica) for h in self._handles.values()
-                          if not h.done()]  # fmt: skip
-            waiting = stalled_since(unanswered, now, STALL_AFTER_S)
+            unanswered = [(h.job.constraint, h.job.submitted_at, h.replica, h.stream_seq)
+                          for h in self._handles.values() if not h.done()]  # fmt: skip
+            waiting = stalled_since([(c, t, r) for c, t, r, _ in unanswered], now, STALL_AFTER_S)
             for constraint, since in waiting.items():
                 consumer = self._names.job_consumer(constraint.kind, constraint.version)
                 try:
@@ -186,6 +193,11 @@ class JobWatch:
                     log.debug("stall check failed", subject=consumer, error=str(exc))
                     continue
                 bells = stall_bells(info.num_waiting or 0, info.num_pending or 0, info.num_ack_pending or 0)
+                # The wait a bell says is that of the oldest job still queued, where one is.
+                floor = (info.delivered.stream_seq or 0) if info.delivered is not None else 0
+                mine = [(t, seq) for c, t, r, seq in unanswered if c == constraint and r is None]
+                queued = queued_since(mine, floor)
+                since = since if queued is None else queued
                 log.debug(
                     "stall check",
                     subject=consumer,

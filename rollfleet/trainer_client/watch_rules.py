@@ -41,6 +41,19 @@ def stalled_since(
     return out
 
 
+def queued_since(jobs: Iterable[tuple[float, int | None]], delivered_floor: int) -> float | None:
+    """When the oldest job still queued on a subject was submitted: ``jobs`` are this client's
+    unanswered jobs there (submitted at, stream sequence), ``delivered_floor`` the last stream
+    sequence its consumer delivered (it delivers in stream order, so a job stored after it was
+    never delivered). None if every one was delivered. A job some replica runs (for as long as a
+    long generation takes) is not work waiting to be pulled: a bell that counted its wait would
+    make the subject look starving to the replica it wakes, which then drains the subject's
+    newer jobs before older work elsewhere (seed 101: a turn on ``min-13`` expired behind ``min-0``
+    jobs submitted after it)."""
+    queued = [t for t, seq in jobs if seq is not None and seq > delivered_floor]
+    return min(queued, default=None)
+
+
 def stall_bells(num_waiting: int, num_pending: int, num_ack_pending: int) -> int:
     """How many replicas to ring for a subject: none while a pull request waits there (a replica
     is already asking); else one per few jobs queued, and one for jobs delivered to a holder that
