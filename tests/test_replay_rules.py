@@ -21,7 +21,7 @@ from rollfleet.schemas.errors import NotReplayable
 from rollfleet.schemas.replay_rules import first_divergence, judge_replay, parts_differ, replay_request
 
 PROMPT = [5, 6, 7, 8]
-DIGEST = bytes(range(16))
+DIGEST = bytes(range(8))
 BUILD = EngineBuild("hf", "5.25.0", "2.13.0+cpu", "float32", "cpu", True)
 
 
@@ -66,7 +66,7 @@ def test_parts_differ_names_each_part_and_never_the_replica() -> None:
     base = coordinate()
     assert parts_differ(base, msgspec.structs.replace(base, replica="hf9")) == ()
     assert parts_differ(base, coordinate(seed=41)) == ("seed",)
-    assert parts_differ(base, coordinate(digest=b"\0" * 16)) == ("version_digest",)
+    assert parts_differ(base, coordinate(digest=b"\0" * 8)) == ("version_digest",)
     other = msgspec.structs.replace(BUILD, version="5.26.0")
     assert parts_differ(base, coordinate(build=other)) == ("engine_build",)
     assert parts_differ(base, coordinate(build=msgspec.structs.replace(BUILD, deterministic=False))) == (
@@ -124,9 +124,9 @@ def test_judging_a_replay_names_where_it_diverged_and_which_part_differs() -> No
     # A replica with another build, a version re-created with other bytes: named even where every bit matched.
     other = msgspec.structs.replace(served, build=msgspec.structs.replace(served.build, torch="2.14.0"))
     assert judge_replay(req, A, A, other, original.replay).differs == ("engine_build",)  # type: ignore[arg-type]
-    moved = msgspec.structs.replace(served, versions=(VersionDigest(3, b"\1" * 16),))
+    moved = msgspec.structs.replace(served, versions=(VersionDigest(3, b"\1" * 8),))
     assert judge_replay(req, A, A, moved, original.replay).differs == ("version_digest",)  # type: ignore[arg-type]
-    store = judge_replay(req, A, A, served, original.replay, store_digest=b"\2" * 16)  # type: ignore[arg-type]
+    store = judge_replay(req, A, A, served, original.replay, store_digest=b"\2" * 8)  # type: ignore[arg-type]
     assert not store.matched and store.differs == ("version_digest",)
     assert judge_replay(req, A, A, None, original.replay).differs == ("engine_build", "deterministic")  # type: ignore[arg-type]
 

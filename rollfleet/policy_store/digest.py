@@ -20,8 +20,10 @@ def weights_digest(checksums: Mapping[str, str]) -> str:
 
 
 def content_digest(checksums: Mapping[str, str]) -> bytes:
-    """The 16-byte digest of a version's content: every tensor's final-state checksum as
+    """The 8-byte digest of a version's content: every tensor's final-state checksum as
     ``"fmt:hex"`` (as a materialized checkpoint's marker records them, ``MaterializeResult.checksums``).
     The same tensors' bytes give the same digest whichever chain of deltas or store they came
-    from; what a replay coordinate records for each version a sample was generated at."""
-    return bytes.fromhex(weights_digest(checksums))
+    from; what a replay coordinate records for each version a sample was generated at. 64 bits
+    (the first half of ``weights_digest``'s 128) tell versions apart by accident, and keep the
+    coordinate on every result small; the store's per-tensor checksums guard the bytes."""
+    return bytes.fromhex(weights_digest(checksums))[:8]

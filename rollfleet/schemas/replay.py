@@ -6,20 +6,20 @@ replica and engine build, and each sample's own part is already on its ``Complet
 spans (``weight_versions``) and its random stream, ``sample_seed(seed, index)`` (``seeds``).
 A coordinate holds
 
-- ``prompt``: the xxh3-128 digest of the prompt's token ids as the engine read them
+- ``prompt``: the xxh3-64 digest of the prompt's token ids as the engine read them
   (``prompt_digest``; the prompt itself is in the job, and the digest proves a replay asks for
   the same one);
 - ``sampling``: the request's sampling parameters with the seed actually used, drawn by the
   replica when the request gave none (an engine whose unseeded output is random draws one and
   says so; ``seed`` stays None only where the output does not depend on one);
 - ``versions``: each version any span was generated at, with that version's content digest
-  (``policy_store.digest.content_digest``: the same 16 bytes for the same tensors' bytes, from
+  (``policy_store.digest.content_digest``: the same 8 bytes for the same tensors' bytes, from
   whichever store or chain of deltas they were read);
 - ``replica`` and ``build``: which worker, and the engine's build (engine and package version,
   torch, dtype, device, and whether it ran the request in deterministic mode).
 
 It is encoded as arrays, not maps (``array_like``), to stay small: the coordinate of a
-512-token sample adds about 1.5 % to its result (``benchmarks/bench_replay.py``). Fields may
+512-token sample adds under 2 % to its result (``benchmarks/bench_replay.py``). Fields may
 only be added at the end, with defaults. A result stored before coordinates existed decodes
 with ``replay=None``.
 
@@ -72,5 +72,7 @@ class ReplayCoordinate(msgspec.Struct, frozen=True, array_like=True):
 
 
 def prompt_digest(token_ids: Sequence[int]) -> bytes:
-    """xxh3-128 of the prompt's token ids, each as a little-endian signed 64-bit integer."""
-    return xxhash.xxh3_128_digest(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    """xxh3-64 of the prompt's token ids, each as a little-endian signed 64-bit integer. 64 bits
+    tell prompts apart by accident (a replay asked with the wrong prompt), nothing more: the
+    coordinate must stay small (see the module's docstring)."""
+    return xxhash.xxh3_64_digest(struct.pack(f"<{len(token_ids)}q", *token_ids))
