@@ -27,7 +27,7 @@ from rollfleet.trainer_client import RolloutClient
 from rollfleet.workers.engines.echo import EchoEngine
 from tests.helpers import REPO, payload
 
-COMMANDS = ("broker", "declare", "worker", "up", "gateway", "autoscale", "permissions", "status")
+COMMANDS = ("broker", "declare", "worker", "up", "gateway", "autoscale", "permissions", "status", "replay")
 README_URL = "nats://127.0.0.1:4222"
 
 
