@@ -74,3 +74,14 @@ async def progress_records(js: Any, names: Any, client_id: str, job_id: str) -> 
             return out
         out.append(decode(msg.data, ProgressRecord))
         seq = int(msg.seq) + 1
+
+
+async def stored_results(url: str, namespace: str, client_id: str, key: str) -> list[Any]:
+    """Every authentic answer the fleet stored for ``client_id``'s ``key``, read from the results
+    stream by a client of its own: what the worker stored, not what a door made of it."""
+    import uuid
+
+    from rollfleet.trainer_client import RolloutClient, answers
+
+    async with await RolloutClient.connect(url, namespace=namespace, client_id=f"reader-{uuid.uuid4().hex[:8]}") as r:
+        return [o async for _, o in answers.stored(r.js, r.names, client_id, key)]

@@ -25,12 +25,12 @@ from rollfleet.broker.connection import connect
 from rollfleet.broker.topology import DEFAULT_TOPOLOGY, TopologyConfig
 from rollfleet.gateway import protocol
 from rollfleet.gateway.app import serve
-from rollfleet.schemas import Completion, Names, RolloutResult, VersionSpan
+from rollfleet.schemas import Completion, Names, RolloutResult, VersionSpan, coordinate_from_wire, coordinate_wire
 from rollfleet.schemas.errors import Expired, InvalidRequest, NoCompatibleReplica
 from rollfleet.testing import ProcessGroup, running_worker, wait_until
 from rollfleet.testing.processes import rollfleet_command
 from rollfleet.trainer_client import RolloutClient, answers
-from tests.helpers import CountingEcho
+from tests.helpers import CountingEcho, stored_results
 
 # -- the contract, pure ------------------------------------------------------------------------
 
@@ -193,6 +193,11 @@ async def test_the_official_openai_client_gets_exact_tokens_logprobs_and_version
         assert len(extra["token_ids"]) == 6 and choice.finish_reason == "length"
         assert choice.logprobs is not None and len(choice.logprobs.token_logprobs or []) == 6
         assert extra["rollfleet"]["weight_versions"][0][:3] == [0, 0, 6]
+        # The sample's replay coordinate: the one the worker stored with its result, in the wire form.
+        (stored,) = await stored_results(nats_url, namespace, "gw", extra["rollfleet"]["idempotency_key"])
+        assert stored.replay is not None and stored.replay.sampling.max_tokens == 6
+        assert extra["rollfleet"]["replay"] == coordinate_wire(stored.replay, 0)
+        assert coordinate_from_wire(extra["rollfleet"]["replay"]) == (stored.replay, 0)
         chunks = [
             c async for c in await oa.completions.create(model="rollfleet", prompt="hello", max_tokens=5, stream=True)
         ]
@@ -228,6 +233,8 @@ async def test_generate_in_sglangs_shape_retried_by_key_runs_once(nats_url: str,
         meta = a["meta_info"]
         assert [t for _, t, _ in meta["output_token_logprobs"]] == a["output_ids"]
         assert meta["finish_reason"]["type"] == "length" and meta["weight_version"] == "0"
+        (stored,) = await stored_results(nats_url, namespace, "gw", "g-1")
+        assert stored.replay is not None and meta["rollfleet"]["replay"] == coordinate_wire(stored.replay, 0)
         # Bad input: a typed 400 naming the problem, and nothing submitted.
         for bad in (b"{not json", json.dumps({"input_ids": [1], "weight_version": {"min": 1}}).encode(),
                     b"[" * 100_000 + b"]" * 100_000):  # fmt: skip

@@ -26,12 +26,13 @@ from reliability.adversary.truth import recompute, tensors_key
 from rollfleet.broker import free_port
 from rollfleet.gateway import protocol
 from rollfleet.gateway.chat import ChatTemplate, ChatTemplateError
+from rollfleet.schemas import coordinate_wire
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.testing import ProcessGroup, running_worker, wait_until, write_base_checkpoint
 from rollfleet.testing.processes import rollfleet_command
 from rollfleet.testing.weights import tensors_at
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
-from tests.helpers import CountingEcho
+from tests.helpers import CountingEcho, stored_results
 from tests.test_gateway import gateway
 
 TEMPLATE = Path(__file__).parent / "fixtures" / "chatml_tools.jinja"
@@ -183,6 +184,9 @@ async def test_the_openai_client_chats_through_the_models_template(
         assert choice.message.role == "assistant" and choice.message.content == engine.detokenize(ids)
         assert choice.logprobs is not None and [c.token for c in choice.logprobs.content or []] == [str(t) for t in ids]
         assert (done.model_extra or {})["weight_version_end"] == 0 and choice.finish_reason == "length"
+        facts = (choice.model_extra or {})["rollfleet"]
+        (stored,) = await stored_results(nats_url, namespace, "gw", facts["idempotency_key"])
+        assert stored.replay is not None and facts["replay"] == coordinate_wire(stored.replay, 0)
         chunks = [c async for c in await oa.chat.completions.create(
             model="rollfleet", messages=CONVERSATION[:2], max_tokens=4, stream=True, logprobs=True)]  # fmt: skip
         streamed = [t for c in chunks for ch in c.choices for t in (ch.model_extra or {}).get("token_ids", [])]

@@ -42,7 +42,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from rollfleet.gateway.chat import ChatTemplate, messages_of, tools_of
-from rollfleet.schemas import DEFAULT_LIMITS, RolloutPayload, RolloutResult, SamplingParams
+from rollfleet.schemas import DEFAULT_LIMITS, RolloutPayload, RolloutResult, SamplingParams, coordinate_wire
 from rollfleet.schemas.bounded import load_json
 from rollfleet.schemas.errors import InvalidRequest, RollfleetError
 from rollfleet.schemas.progress import TokenChunk
@@ -649,7 +649,8 @@ def _finish(reason: str, tokens: int) -> dict[str, Any]:
 
 
 def _facts(result: RolloutResult, index: int) -> dict[str, Any]:
-    """rollfleet's own facts beside each shape's fields: which version made which tokens."""
+    """rollfleet's own facts beside each shape's fields: which version made which tokens, and what
+    it takes to generate the sample again (``replay``, the coordinate's wire form)."""
     out = result.outputs[index]
     return {
         "job_id": result.job_id,
@@ -658,6 +659,7 @@ def _facts(result: RolloutResult, index: int) -> dict[str, Any]:
         "weight_versions": [[s.version, s.start, s.end, s.replica or result.worker_id] for s in out.weight_versions],
         "queue_wait_s": result.queue_wait_s,
         "generation_s": result.generation_s,
+        "replay": coordinate_wire(result.replay, index),
     }
 
 

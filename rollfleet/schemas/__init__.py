@@ -37,7 +37,14 @@ from rollfleet.schemas.messages import (
     version_spans,
 )
 from rollfleet.schemas.names import Claim, Names, check_token, claim_key, job_token, key_token
-from rollfleet.schemas.replay import EngineBuild, ReplayCoordinate, VersionDigest, prompt_digest
+from rollfleet.schemas.replay import (
+    EngineBuild,
+    ReplayCoordinate,
+    VersionDigest,
+    coordinate_from_wire,
+    coordinate_wire,
+    prompt_digest,
+)
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -89,6 +96,8 @@ __all__ = [
     "job_token",
     "key_token",
     "prompt_digest",
+    "coordinate_wire",
+    "coordinate_from_wire",
     "request_fingerprint",
     "served_within",
     "version_spans",

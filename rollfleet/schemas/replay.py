@@ -23,6 +23,11 @@ It is encoded as arrays, not maps (``array_like``), to stay small: the coordinat
 only be added at the end, with defaults. A result stored before coordinates existed decodes
 with ``replay=None``.
 
+Every door that hands out samples (the rollout loop's ``Sample``, the gateway's ``rollfleet``
+facts, miles' ``Sample.metadata``) carries a sample's coordinate in one JSON form,
+``coordinate_wire``, read back by ``coordinate_from_wire``: named fields, bytes in hex, and the
+sample's index within its result (its stream is ``sample_seed(sampling.seed, index)``).
+
 The decisions over coordinates are pure functions in ``replay_rules``: which parts of two coordinates differ
 (``parts_differ``), where two samples first diverge (``first_divergence``), what a replay of a
 sample asks for or why it cannot be asked (``replay_request``), and the outcome of comparing a
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import xxhash
@@ -76,3 +82,34 @@ def prompt_digest(token_ids: Sequence[int]) -> bytes:
     tell prompts apart by accident (a replay asked with the wrong prompt), nothing more: the
     coordinate must stay small (see the module's docstring)."""
     return xxhash.xxh3_64_digest(struct.pack(f"<{len(token_ids)}q", *token_ids))
+
+
+def coordinate_wire(coord: ReplayCoordinate | None, index: int) -> dict[str, Any] | None:
+    """Sample ``index``'s coordinate as every door carries it, in JSON's terms (None: the result
+    has none). The one wire form: a door never writes its own."""
+    if coord is None:
+        return None
+    return {
+        "index": index,
+        "prompt": coord.prompt.hex(),
+        "sampling": msgspec.structs.asdict(coord.sampling),
+        "versions": [[v.version, v.digest.hex()] for v in coord.versions],
+        "replica": coord.replica,
+        "build": msgspec.structs.asdict(coord.build),
+    }
+
+
+def coordinate_from_wire(wire: Any) -> tuple[ReplayCoordinate, int]:
+    """A coordinate and its sample's index from ``coordinate_wire``'s form (``ValueError`` for
+    anything else), so a sample taken from any door can be replayed (``RolloutClient.replay``)."""
+    try:
+        coord = ReplayCoordinate(
+            prompt=bytes.fromhex(wire["prompt"]),
+            sampling=msgspec.convert(wire["sampling"], SamplingParams),
+            versions=tuple(VersionDigest(int(v), bytes.fromhex(d)) for v, d in wire["versions"]),
+            replica=str(wire["replica"]),
+            build=EngineBuild(**wire["build"]),
+        )
+        return coord, int(wire["index"])
+    except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:
+        raise ValueError(f"not a replay coordinate's wire form: {exc}") from None
