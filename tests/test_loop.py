@@ -28,7 +28,7 @@ from rollfleet.testing.weights import tensors_at, write_base_checkpoint
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from rollfleet.trainer_client.loop import Batch, Group, LoopConfig, RolloutLoop
 from rollfleet.workers.engines.echo import EchoEngine
-from tests.helpers import REPO, CountingEcho
+from tests.helpers import REPO, CountingEcho, stored_results
 
 # -- the loop against real workers -----------------------------------------------------------
 
@@ -214,6 +214,14 @@ async def test_a_partial_rollout_continues_at_the_new_version_with_spans_tiling_
         made_at_0 = sum(sp.end - sp.start for sp in s.spans if sp.version == 0)
         assert s.continued_from >= made_at_0 and s.judged_version == 1
     assert [sp.version for sp in g.samples[0].spans] == [0, 1]
+    # Each run that made a sample's tokens carries the coordinate the worker stored with its
+    # answer, and where in the sample its tokens begin.
+    for s in g.samples:
+        assert [run.start for run in s.replay][-1] == s.continued_from and s.replay[0].start == 0
+        for run, end in zip(s.replay, [*(r.start for r in s.replay[1:]), len(s.tokens)], strict=True):
+            (stored,) = await stored_results(nats_url, namespace, "t", run.key)
+            assert stored.replay is not None and run.coordinate == stored.replay
+            assert stored.outputs[run.index].token_ids == s.tokens[run.start : end]
     # Judged by the tokens of its last run (version 1); its oldest tokens are one version old.
     assert g.staleness == 0 and g.token_staleness == 1
 

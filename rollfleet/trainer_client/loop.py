@@ -43,6 +43,7 @@ from rollfleet.trainer_client.loop_machine import (
     LoopConfig,
     LoopMachine,
     Sample,
+    SampleRun,
     utilization,
 )
 
@@ -50,7 +51,8 @@ if TYPE_CHECKING:
     from rollfleet.trainer_client.client import RolloutClient
     from rollfleet.trainer_client.handle import RolloutHandle
 
-__all__ = ["WASTE_CAUSES", "Batch", "FailedGroup", "Group", "LoopConfig", "RolloutLoop", "Sample", "StepStats"]
+__all__ = ["WASTE_CAUSES", "Batch", "FailedGroup", "Group", "LoopConfig", "RolloutLoop", "Sample", "SampleRun",
+           "StepStats"]  # fmt: skip
 
 log = get_logger("rollfleet.loop")
 

@@ -110,7 +110,15 @@ from typing import Any, Literal
 
 import msgspec
 
-from rollfleet.schemas import RetryPolicy, RolloutPayload, RolloutResult, SamplingParams, VersionSpan
+from rollfleet.schemas import (
+    ReplayCoordinate,
+    RetryPolicy,
+    RolloutPayload,
+    RolloutResult,
+    SamplingParams,
+    VersionSpan,
+    coordinate_wire,
+)
 from rollfleet.schemas.errors import Cancelled, ContractViolation, InvalidRequest
 from rollfleet.schemas.seeds import sample_seed
 
@@ -204,6 +212,22 @@ def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True)
+class SampleRun:
+    """One run that made a sample's tokens from ``start`` on: the job's key (its whole answer is
+    ``client.result(key)``), the sample's index in that answer, and the answer's replay
+    coordinate (None: stored by a replica that stamps none)."""
+
+    start: int
+    key: str
+    index: int
+    coordinate: ReplayCoordinate | None
+
+    def wire(self) -> dict[str, Any] | None:
+        """The coordinate as every door carries it (``schemas.replay.coordinate_wire``)."""
+        return coordinate_wire(self.coordinate, self.index)
+
+
+@dataclass(frozen=True)
 class Sample:
     tokens: list[int]
     logprobs: list[float] | None  # the behaviour policy's, per token
@@ -216,6 +240,9 @@ class Sample:
     # last run was conditioned on); 0 for a sample made in one run.
     continued_from: int = 0
     judged_version: int = 0  # what its staleness is judged from (rule 6)
+    # What it takes to generate it again: each run that made its tokens, in order (a continued
+    # sample has one per run), with that run's replay coordinate.
+    replay: tuple[SampleRun, ...] = ()
 
 
 @dataclass
@@ -553,11 +580,13 @@ def result_tokens(result: RolloutResult) -> int:
     return sum(len(o.token_ids) for o in result.outputs)
 
 
-def run_sample(result: RolloutResult, out: Any, prefix: Sample | None) -> Sample:
-    """A sample from one output of an answer, after ``prefix`` (what earlier runs made of it):
-    tokens, log-probs and spans joined (spans shifted past the earlier tokens; a span going on at
-    the same version and replica merges with the one before it; zero-width spans dropped)."""
+def run_sample(result: RolloutResult, out: Any, prefix: Sample | None, index: int = 0) -> Sample:
+    """A sample from output ``index`` of an answer, after ``prefix`` (what earlier runs made of
+    it): tokens, log-probs, spans and runs joined (spans shifted past the earlier tokens; a span
+    going on at the same version and replica merges with the one before it; zero-width spans
+    dropped)."""
     tokens = list(out.token_ids)
+    run = SampleRun(len(prefix.tokens) if prefix else 0, result.idempotency_key, index, result.replay)
     spans = [s for s in out.weight_versions if s.end > s.start] if out.weight_versions else []
     if tokens and not spans:  # (an engine that cannot tell: the run's first version bounds it)
         spans = [VersionSpan(version=result.version_start, start=0, end=len(tokens))]
@@ -565,7 +594,7 @@ def run_sample(result: RolloutResult, out: Any, prefix: Sample | None) -> Sample
     if prefix is None:
         oldest = min((s.version for s in spans), default=result.version_start)
         judged = judged_version(spans, 0, result.version_start)
-        return Sample(tokens, logprobs, spans, out.finish_reason, oldest, result.version_end, 0.0, 0, judged)
+        return Sample(tokens, logprobs, spans, out.finish_reason, oldest, result.version_end, 0.0, 0, judged, (run,))
     shift = len(prefix.tokens)
     joined = list(prefix.spans)
     for sp in spans:
@@ -579,8 +608,9 @@ def run_sample(result: RolloutResult, out: Any, prefix: Sample | None) -> Sample
     both = None if prefix.logprobs is None or logprobs is None else [*prefix.logprobs, *logprobs]
     oldest = min((s.version for s in joined), default=result.version_start)
     judged = judged_version(joined, shift, result.version_start)
+    runs = (*prefix.replay, run)
     return Sample(
-        [*prefix.tokens, *tokens], both, joined, out.finish_reason, oldest, result.version_end, 0.0, shift, judged
+        [*prefix.tokens, *tokens], both, joined, out.finish_reason, oldest, result.version_end, 0.0, shift, judged, runs
     )
 
 
@@ -778,9 +808,9 @@ class LoopMachine:
             return self._stop_group(now, g, "failed")
         actions: list[Action] = []
         base = g.prompt.payload
-        for i, out in zip(piece.indices, result.outputs, strict=True):
+        for at, (i, out) in enumerate(zip(piece.indices, result.outputs, strict=True)):
             slot = g.slots[i]
-            sample = run_sample(result, out, slot.prefix)
+            sample = run_sample(result, out, slot.prefix, at)
             left = piece.payload.sampling.max_tokens - len(out.token_ids)
             if out.finish_reason == "abort" and left > 0 and continuable(base):
                 if not out.token_ids and piece.stopping != "refresh":
