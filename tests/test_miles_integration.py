@@ -28,10 +28,12 @@ from safetensors.torch import load_file
 from rollfleet.integrations import miles
 from rollfleet.policy_store import list_versions, materialize, read_record
 from rollfleet.policy_store.store import read_index
+from rollfleet.schemas import coordinate_wire
 from rollfleet.schemas.errors import InvalidRequest, NoCompatibleReplica
 from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from rollfleet.workers.engines.echo import EchoEngine
+from tests.helpers import stored_results
 
 MILES_LIKE = Path(__file__).with_name("miles_like.py")
 pytestmark = pytest.mark.slow
@@ -313,6 +315,7 @@ async def test_generate_fills_a_miles_sample_with_per_token_versions(
     store = tmp_path / "store"
     config = {"rollfleet_nats": nats_url, "rollfleet_namespace": namespace, "rollfleet_store": str(store)}
     config["rollfleet_max_staleness"] = 0
+    config["rollfleet_client_id"] = "miles-t"
     async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="trainer") as client:
         publisher = PolicyPublisher(store, tmp_path / "hf")
         weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -340,6 +343,10 @@ async def test_generate_fills_a_miles_sample_with_per_token_versions(
             assert again.response_length == 90 and again.weight_versions == ["0", "1", "1"]
             assert again.metadata["rollfleet"]["weight_versions"][-1] == [1, 80, 90]
             assert len(again.metadata["rollfleet"]["calls"]) == 2
+            # Each call's replay coordinate is the one the worker stored with that call's answer.
+            for call in again.metadata["rollfleet"]["calls"]:
+                (stored,) = await stored_results(nats_url, namespace, "miles-t", call["idempotency_key"])
+                assert stored.replay is not None and call["replay"] == coordinate_wire(stored.replay, 0)
 
 
 async def test_generate_waits_for_a_compatible_replica_and_refuses_bad_input(

@@ -46,7 +46,9 @@ miles' SGLang path does: ``tokens``, ``response_length``, ``response``, ``rollou
 oldest first: two entries when an activation landed mid-generation; miles' staleness reads the
 oldest). The per-token detail is in ``sample.metadata["rollfleet"]``: ``weight_versions`` as
 ``[version, start, end]`` over the whole response (absent for engines that cannot tell), and per
-call the versions at start and end, the worker and the idempotency key.
+call the versions at start and end, the worker, the idempotency key and the sample's replay
+coordinate (``replay``: ``schemas.replay.coordinate_wire``, what it takes to generate the call's
+tokens again; None from a replica that stamps none).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ from rollfleet.policy_store.store import (
 from rollfleet.policy_store.verify import verify_version_dir
 from rollfleet.policy_store.writer import link_full
 from rollfleet.runtime.backoff import Backoff
-from rollfleet.schemas import Names, RolloutPayload, RolloutResult, SamplingParams, VersionRecord
+from rollfleet.schemas import Names, RolloutPayload, RolloutResult, SamplingParams, VersionRecord, coordinate_wire
 from rollfleet.schemas.errors import (
     CorruptArtifact,
     HostileName,
@@ -504,6 +506,7 @@ def fill_sample(sample: Any, input_ids: list[int], result: RolloutResult, tokeni
             "version_end": result.version_end,
             "worker_id": result.worker_id,
             "idempotency_key": result.idempotency_key,
+            "replay": coordinate_wire(result.replay, 0),
         }
     )
     status = {"length": "TRUNCATED", "stop": "COMPLETED", "abort": "ABORTED"}[out.finish_reason]
