@@ -136,12 +136,31 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: each subcommand's flags are built by its own ``_add_*_command``, in the
+    order ``rollfleet --help`` lists them."""
     parser = argparse.ArgumentParser(
         prog="rollfleet", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--log-level", default=None, help="debug, info, warning (env ROLLFLEET_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+    _add_broker_command(sub)
+    _add_declare_command(sub)
+    _add_worker_command(sub)
+    _add_up_command(sub)
+    _add_permissions_command(sub)
+    _add_gateway_command(sub)
+    from rollfleet.cli.autoscale import add_parser as add_autoscale
 
+    add_autoscale(sub, _add_conn, _add_topology, _DefaultsFormatter)
+    _add_status_command(sub)
+    from rollfleet.cli.replay import add_parser as add_replay
+
+    add_replay(sub, _add_conn)
+    return parser
+
+
+def _add_broker_command(sub: Any) -> None:
+    """``rollfleet broker``: the embedded nats-server, its store and the namespaces it declares."""
     p = sub.add_parser("broker", help="run the embedded nats-server and declare a namespace")
     p.add_argument("--store", default=".rollfleet/broker", help="JetStream store directory")
     p.add_argument("--port", type=int, default=4222)
@@ -150,15 +169,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", "-n", action="append", default=None, help="namespace(s) to declare")
     _add_topology(p)
 
+
+def _add_declare_command(sub: Any) -> None:
+    """``rollfleet declare``: a namespace's streams and buckets, on a broker already running."""
     p = sub.add_parser("declare", help="declare a namespace's streams and buckets on a running broker")
     _add_conn(p)
     _add_topology(p)
 
+
+def _add_worker_command(sub: Any) -> None:
+    """``rollfleet worker``: where it connects, what it serves and follows, then each engine's own flags."""
     p = sub.add_parser("worker", help="run a rollout worker")
     _add_conn(p)
     _add_topology(p)
     p.add_argument("--engine", default="echo", choices=["echo", "hf", "sglang", "vllm"])
     p.add_argument("--worker-id", default=None)
+    _add_worker_policy_flags(p)
+    _add_echo_engine_flags(p)
+    _add_session_cache_flags(p)
+    _add_hf_engine_flags(p)
+    _add_server_engine_flags(p)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+
+
+def _add_worker_policy_flags(p: argparse.ArgumentParser) -> None:
+    """``rollfleet worker``: which weights it serves (a fixed version or checkpoint, or the policy store it
+    follows), with the table of worker settings among them."""
     p.add_argument("--version", type=int, default=None, help="serve this fixed version (no policy following)")
     p.add_argument(
         "--hold-version",
@@ -183,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-dir", default=None, help="host-local checkpoint directory (with --store)")
     p.add_argument("--model-dir", default=None, help="serve this fixed checkpoint (without --store)")
     p.add_argument("--pre-read-hook", default=None, help="module:function run before reading a version")
+
+
+def _add_echo_engine_flags(p: argparse.ArgumentParser) -> None:
+    """``rollfleet worker --engine echo``: the timings and token rules of the model-free engine."""
     p.add_argument("--echo-latency", type=float, default=0.0, help="echo engine: seconds per job")
     p.add_argument("--echo-token-latency", type=float, default=0.0, help="echo engine: seconds per token")
     p.add_argument(
@@ -205,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="echo engine: each token a function of the weights it loaded, the context and the seed, so a checker "
         "holding a version's weights can recompute it (needs --store or --model-dir)",
     )
+
+
+def _add_session_cache_flags(p: argparse.ArgumentParser) -> None:
+    """``rollfleet worker``: the session context cache of the in-process engines (echo, hf)."""
     p.add_argument(
         "--session-cache-mb",
         type=_non_negative_float,
@@ -217,10 +261,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="echo, hf: drop a session's context idle this long",
     )
+
+
+def _add_hf_engine_flags(p: argparse.ArgumentParser) -> None:
+    """``rollfleet worker --engine hf``: the in-process Hugging Face engine."""
     p.add_argument("--device", default="auto", help="hf engine: cpu, cuda, auto")
     p.add_argument("--dtype", default=None, help="hf engine: float32, bfloat16 (default: the checkpoint's)")
     p.add_argument("--max-batch", type=int, default=32, help="hf engine: sequences decoded together")
     p.add_argument("--deterministic", action="store_true", help="hf engine: every request batch-invariant (alone)")
+
+
+def _add_server_engine_flags(p: argparse.ArgumentParser) -> None:
+    """``rollfleet worker --engine sglang|vllm``: the engines that are HTTP servers, attached to or launched."""
     p.add_argument("--sglang-url", default=None, help="sglang engine: attach to this server")
     p.add_argument("--sglang-arg", action="append", default=[], help="sglang engine: extra launch_server argument")
     p.add_argument(
@@ -241,7 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="vllm engine: extra server argument (--vllm-arg=--dtype=float32)",
     )
     p.add_argument("--vllm-log", default=None, help="vllm engine: append the launched server's output to this file")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+
+
+def _add_up_command(sub: Any) -> None:
+    """``rollfleet up``: a local fleet, its size, where it keeps its files and what its workers serve."""
+    from rollfleet.cli.autoscale import parse_bounds
 
     p = sub.add_parser(
         "up",
@@ -251,7 +307,6 @@ def build_parser() -> argparse.ArgumentParser:
         "Ctrl-C drains the workers and stops everything; the broker's store is kept for the next start.",
         formatter_class=_DefaultsFormatter,
     )
-    up = p
     p.add_argument("--workers", type=_positive_int, default=2, metavar="N", help="worker processes to start")
     p.add_argument(
         "--engine",
@@ -272,6 +327,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PORT",
         help="worker i serves Prometheus metrics on base+i (0: free ports)",
     )
+    _add_up_model_flags(p)
+    p.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more `rollfleet worker` argument for every worker, e.g. --worker-arg=--capacity=8 (repeatable)",
+    )
+    p.add_argument(
+        "--autoscale",
+        type=parse_bounds,
+        default=None,
+        metavar="MIN:MAX",
+        help="size the fleet on its demand between MIN and MAX workers (rollfleet autoscale's local driver) "
+        "instead of --workers",
+    )
+
+
+def _add_up_model_flags(p: argparse.ArgumentParser) -> None:
+    """``rollfleet up``: the base checkpoint and policy store its workers serve, and whether echo follows."""
     p.add_argument("--model-dir", default=None, metavar="DIR", help="hf: the base checkpoint, committed as version 0")
     p.add_argument(
         "--tiny-model", action="store_true", help="hf: build a tiny Qwen3-style model in HOME/models/tiny as the base"
@@ -286,14 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="echo: activate each version the trainer commits, as hf workers do (--no-follow-versions: "
         "stay at version 0)",
     )
-    p.add_argument(
-        "--worker-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="one more `rollfleet worker` argument for every worker, e.g. --worker-arg=--capacity=8 (repeatable)",
-    )
 
+
+def _add_permissions_command(sub: Any) -> None:
+    """``rollfleet permissions``: namespaces and their worker ids in, a nats-server auth config out."""
     p = sub.add_parser(
         "permissions", help="print a nats-server auth config with a trainer and one user per worker, per namespace"
     )
@@ -304,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a namespace and its worker ids, e.g. run1=w1,w2",
     )
 
+
+def _add_gateway_command(sub: Any) -> None:
+    """``rollfleet gateway``: the HTTP doors (SGLang's and OpenAI's) onto the fleet."""
     p = sub.add_parser(
         "gateway",
         help="serve the fleet over HTTP: SGLang's POST /generate and OpenAI's /v1/completions and chat",
@@ -337,26 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the served model's tokenizer files (its chat template), for /v1/chat/completions",
     )
 
-    from rollfleet.cli.autoscale import add_parser as add_autoscale
-    from rollfleet.cli.autoscale import parse_bounds
 
-    add_autoscale(sub, _add_conn, _add_topology, _DefaultsFormatter)
-    up.add_argument(
-        "--autoscale",
-        type=parse_bounds,
-        default=None,
-        metavar="MIN:MAX",
-        help="size the fleet on its demand between MIN and MAX workers (rollfleet autoscale's local driver) "
-        "instead of --workers",
-    )
-
+def _add_status_command(sub: Any) -> None:
+    """``rollfleet status``: the fleet, its queues and the latest version, as a table or JSON."""
     p = sub.add_parser("status", help="show the fleet, queue depths and the latest version")
     _add_conn(p)
     p.add_argument("--json", action="store_true")
-    from rollfleet.cli.replay import add_parser as add_replay
-
-    add_replay(sub, _add_conn)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -446,10 +506,10 @@ async def cmd_declare(args: argparse.Namespace, quiet: bool = False) -> int:
     return 0
 
 
-async def cmd_worker(args: argparse.Namespace) -> int:
-    from rollfleet.policy_store.bucket import check_store, is_store_url
-    from rollfleet.workers.engines import make_engine
-    from rollfleet.workers.worker import Worker, WorkerConfig, default_worker_id
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of ``make_engine`` for ``rollfleet worker --engine``, from its flags;
+    refuses the flag combinations that engine cannot honour."""
+    from rollfleet.policy_store.bucket import is_store_url
 
     options: dict[str, Any] = {}
     sessions = {"session_cache_bytes": int(args.session_cache_mb * 1024**2), "session_ttl_s": args.session_ttl}
@@ -476,6 +536,15 @@ async def cmd_worker(args: argparse.Namespace) -> int:
     elif args.engine == "vllm":
         options = {"url": args.vllm_url, "python": args.vllm_python, "launch_args": list(args.vllm_arg)}
         options["log_file"] = args.vllm_log
+    return options
+
+
+async def cmd_worker(args: argparse.Namespace) -> int:
+    from rollfleet.policy_store.bucket import check_store
+    from rollfleet.workers.engines import make_engine
+    from rollfleet.workers.worker import Worker, WorkerConfig, default_worker_id
+
+    options = _engine_options(args)
     store = check_store(args.store) if args.store else None  # a URL rollfleet cannot serve: one line
     for flag, value in (("--local-dir", args.local_dir), ("--store", store if isinstance(store, Path) else None)):
         if value:
