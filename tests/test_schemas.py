@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from rollfleet.schemas import (
     Completion,
+    JobAddress,
     Names,
     ReplicaStatus,
     RolloutFailure,
@@ -288,6 +289,38 @@ def test_a_job_built_with_its_payload_encoded_once_is_the_job_workers_decode() -
     assert decode(data, RolloutJob) == job
     assert set(RolloutJob.__struct_fields__) == set(RolloutJobWire.__struct_fields__)
     assert RolloutJob.__struct_fields__ == RolloutJobWire.__struct_fields__  # same order: same bytes
+
+
+def test_a_jobs_views_are_derived_from_the_job_so_a_new_field_reaches_them() -> None:
+    """``RolloutJobWire`` and ``JobAddress`` are views of ``RolloutJob`` built from its fields
+    (``struct_view``), not hand-kept copies: a field added to a struct is in its full view at once,
+    with its default, and a partial view reads only its own fields, each optional."""
+    import msgspec
+
+    from rollfleet.schemas.messages import struct_view
+
+    class Job(msgspec.Struct, kw_only=True):
+        job_id: str
+        payload: RolloutPayload
+        added_later: int = 7
+        tags: list[str] = msgspec.field(default_factory=list)
+
+    wire = struct_view("JobWire", Job, types={"payload": msgspec.Raw})
+    assert wire.__struct_fields__ == Job.__struct_fields__
+    raw = encode(RolloutPayload(prompt_token_ids=[1]))
+    sent = wire(job_id="j", payload=msgspec.Raw(raw))
+    assert (sent.added_later, sent.tags) == (7, [])
+    assert decode(encode(sent), Job) == Job(job_id="j", payload=RolloutPayload(prompt_token_ids=[1]))
+    address = struct_view("Address", Job, only={"job_id": None})
+    assert address.__struct_fields__ == ("job_id",)
+    assert decode(encode(Job(job_id="j", payload=RolloutPayload())), address).job_id == "j"
+    assert address().job_id is None
+    # The real ones: a job's address reads from its bytes; a job from before ``schema`` is 1.
+    job = RolloutJob(job_id="a", idempotency_key="k", client_id="c", constraint=VersionConstraint("min", 0),
+                     payload=RolloutPayload(), deadline=1.0, submitted_at=0.0, fingerprint="f")  # fmt: skip
+    got = decode(encode(job), JobAddress)
+    assert (got.job_id, got.idempotency_key, got.client_id, got.fingerprint, got.schema) == ("a", "k", "c", "f", 2)
+    assert decode(encode({"job_id": "a"}), JobAddress).schema == 1
 
 
 def test_a_timeout_counts_from_when_the_caller_asked_not_from_when_the_job_is_built() -> None:

@@ -129,34 +129,43 @@ class RolloutJob(msgspec.Struct, kw_only=True):
         return retry_behaviour(self.retry_policy)
 
 
-class RolloutJobWire(msgspec.Struct, kw_only=True):
-    """``RolloutJob`` with its payload already encoded: the same bytes on the wire (same fields,
-    same order; a test keeps them equal), so a client encodes each payload once."""
+def struct_view(
+    name: str, struct: type[msgspec.Struct], *, types: dict[str, Any] | None = None, only: dict[str, Any] | None = None
+) -> type[msgspec.Struct]:
+    """A view of ``struct`` derived from its fields, never copied by hand: the same fields in the
+    same order (so the same bytes on the wire), with ``types`` replacing some fields' types; or,
+    with ``only``, just those fields, each optional with the given default (and its type widened
+    to allow a ``None`` default). A field added to ``struct`` is in every full view at once."""
+    fields: list[Any] = []
+    for f in msgspec.structs.fields(struct):
+        if only is not None:
+            if f.name in only:
+                default = only[f.name]
+                fields.append((f.name, f.type | None if default is None else f.type, default))
+            continue
+        kind = (types or {}).get(f.name, f.type)
+        if f.default is not msgspec.NODEFAULT:
+            fields.append((f.name, kind, f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            fields.append((f.name, kind, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, kind))
+    return msgspec.defstruct(name, fields, kw_only=True, module=__name__)
 
-    job_id: str
-    idempotency_key: str
-    client_id: str
-    constraint: VersionConstraint
-    payload: msgspec.Raw
-    deadline: float
-    submitted_at: float
-    retry_policy: RetryPolicy = "replayable"
-    session_id: str | None = None
-    trainer_version: int | None = None
-    schema: int = SCHEMA_VERSION
-    fingerprint: str = ""
 
+# ``RolloutJob`` with its payload already encoded: the same bytes on the wire (same fields, same
+# order), so a client encodes each payload once.
+RolloutJobWire: Any = struct_view("RolloutJobWire", RolloutJob, types={"payload": msgspec.Raw})
 
-class JobAddress(msgspec.Struct, kw_only=True):
-    """What addresses a job's answer, read from a job that does not decode as a whole (a field
-    value this worker does not know, a newer schema): its answer must still reach its caller,
-    who accepts one only under a job id it issued and the request's fingerprint."""
-
-    job_id: str | None = None
-    idempotency_key: str | None = None
-    client_id: str | None = None
-    fingerprint: str = ""
-    schema: int = 1  # (a job without the field predates it)
+# What addresses a job's answer, read from a job that does not decode as a whole (a field value
+# this worker does not know, a newer schema): its answer must still reach its caller, who accepts
+# one only under a job id it issued and the request's fingerprint. (A job without ``schema``
+# predates the field: 1.)
+JobAddress: Any = struct_view(
+    "JobAddress",
+    RolloutJob,
+    only={"job_id": None, "idempotency_key": None, "client_id": None, "fingerprint": "", "schema": 1},
+)
 
 
 def request_fingerprint(written: str, payload: bytes, retry_policy: str, session_id: str | None) -> str:
