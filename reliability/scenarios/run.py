@@ -113,7 +113,12 @@ async def run_all(quick: bool, only: set[str] | None) -> list[Figures]:
             print(fig.summary(), flush=True)
             out.append(fig)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        # A run that found something keeps its work directory (the adversary removes those of
+        # the runs that passed): its logs, wiretap and oracle input are what explain a finding.
+        if any(f.problems for f in out):
+            print(f"work directories of the runs with findings kept in {root}", flush=True)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     return out
 
 
