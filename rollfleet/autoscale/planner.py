@@ -253,6 +253,8 @@ def plan(
     state: PlannerState,
     now: float,
 ) -> Plan:
+    """The next plan: each class's target (held versions first, then the followers in the room
+    they leave), the replicas to retire, the launches that fit, and the state for the next call."""
     counted = [r for r in fleet if r.counted]
     clock = state.startup.see(counted, now, forget_after_s=state.startup.estimate(policy.startup_s))
     lead_s = clock.estimate(policy.startup_s)
@@ -260,12 +262,59 @@ def plan(
     for r in counted:
         by_class.setdefault(r.klass, []).append(r)
     held_keys = sorted({k for k in [*signal.classes, *by_class, *state.classes] if k != LATEST}, key=lambda k: int(k))
-    decisions: list[Decision] = []
-    states: dict[ClassKey, ClassState] = {}
-    desired: dict[ClassKey, int] = {}
+    gates, decisions = _held_gates(signal, held_keys, by_class, state, policy, now)
+    desired, states, sized = _held_targets(signal, held_keys, by_class, gates, policy, now, lead_s)
+    decisions += sized
 
-    # -- held versions (rule 3), within their share of the bound (rule 2) ----------------------
-    caps: dict[ClassKey, tuple[int, int, ClassState]] = {}  # version -> (floor, own cap, state)
+    # -- the followers (rules 1, 2, 4, 5) -----------------------------------------------------
+    d, replicas = signal.demand(LATEST), by_class.get(LATEST, [])
+    floor = 1 if d.wanted else 0
+    hi = _followers_room(signal, held_keys, desired, policy)
+    target, states[LATEST], decision = _decide(
+        LATEST, d, replicas, floor, policy.min_replicas, hi, state.of(LATEST), policy, now, lead_s
+    )
+    desired[LATEST] = target
+    if decision is not None:
+        decisions.append(decision)
+
+    retire, retiring = _retirements(signal, counted, by_class, [LATEST, *held_keys], desired)
+    decisions += retiring
+    launched = _launches(signal, len(counted) - len(retire), by_class, held_keys, desired, policy)
+    launch = [Launch(None if k == LATEST else int(k), n) for k, n in launched.items()]
+    decisions += _launch_decisions(signal, by_class, [LATEST, *held_keys], desired, launched, policy)
+
+    keep = _kept_states(signal, states, by_class, desired, policy, now)
+    shown = {k: desired[k] for k in keep}
+    serving_in = {
+        k: eta
+        for k in shown
+        if (eta := clock.serving_in(by_class.get(k, []), launched.get(k, 0), lead_s, now)) is not None
+    }
+    return Plan(
+        desired=shown,
+        actual={k: len(by_class.get(k, [])) for k in shown},
+        launch=tuple(launch),
+        retire=tuple(retire),
+        decisions=tuple(decisions),
+        state=PlannerState(keep, clock.ask(launched.items(), now)),
+        startup_s=lead_s,
+        startup_measured=bool(clock.samples),
+        serving_in=serving_in,
+    )
+
+
+def _held_gates(
+    signal: Signal,
+    held_keys: list[ClassKey],
+    by_class: Mapping[ClassKey, list[ReplicaFacts]],
+    state: PlannerState,
+    policy: Policy,
+    now: float,
+) -> tuple[dict[ClassKey, tuple[int, int, ClassState]], list[Decision]]:
+    """Rule 3: per held version, (floor, own cap, state) before the shared bound; and the
+    ``unavailable`` decisions, once per episode, for versions the store cannot give a replica."""
+    gates: dict[ClassKey, tuple[int, int, ClassState]] = {}
+    decisions: list[Decision] = []
     for v in held_keys:
         d, replicas, st = signal.demand(v), by_class.get(v, []), state.of(v)
         st = replace(st, wanted_since=(st.wanted_since if st.wanted_since is not None else now) if d.wanted else None)
@@ -288,12 +337,29 @@ def plan(
             st = replace(st, unavailable_said=False)
         if int(v) in signal.cannot_hold:
             hi = 0
-        caps[v] = (floor, hi, st)
+        gates[v] = (floor, hi, st)
+    return gates, decisions
+
+
+def _held_targets(
+    signal: Signal,
+    held_keys: list[ClassKey],
+    by_class: Mapping[ClassKey, list[ReplicaFacts]],
+    gates: Mapping[ClassKey, tuple[int, int, ClassState]],
+    policy: Policy,
+    now: float,
+    lead_s: float,
+) -> tuple[dict[ClassKey, int], dict[ClassKey, ClassState], list[Decision]]:
+    """Rules 1, 2, 4 and 5 for the held versions: each one's target within its share of the held
+    replicas' budget, ``max_replicas - min_replicas``."""
 
     def _prev(v: ClassKey) -> int:
-        known = caps[v][2].desired
+        known = gates[v][2].desired
         return known if known is not None else len(by_class.get(v, []))
 
+    desired: dict[ClassKey, int] = {}
+    states: dict[ClassKey, ClassState] = {}
+    decisions: list[Decision] = []
     # The held replicas' share, max - min, goes to the versions that hold replicas now first (a
     # newcomer never takes an incumbent's replica), then to the most asked-for.
     budget = policy.max_held
@@ -301,7 +367,7 @@ def plan(
         held_keys,
         key=lambda k: (-_prev(k), -(signal.demand(k).refusals + signal.demand(k).sessions), -signal.demand(k).load),
     ):
-        floor, hi, st = caps[v]
+        floor, hi, st = gates[v]
         d, replicas = signal.demand(v), by_class.get(v, [])
         cap = max(0, min(hi, budget))
         # (a held version has no minimum: its floor is only asked for, and obeys the cooldown)
@@ -310,29 +376,35 @@ def plan(
         desired[v] = target
         if decision is not None:
             decisions.append(decision)
+    return desired, states, decisions
 
-    # -- the followers (rules 1, 2, 4, 5) -----------------------------------------------------
-    d, replicas = signal.demand(LATEST), by_class.get(LATEST, [])
-    floor = 1 if d.wanted else 0
+
+def _followers_room(signal: Signal, held_keys: list[ClassKey], desired: Mapping[ClassKey, int], policy: Policy) -> int:
+    """Rule 2 for the followers: the most they may grow to, the fleet's bound less the room the
+    held versions take (never below ``min_replicas``)."""
     # The room a held version will take is kept from the moment it is asked for (not only once it
     # has been asked for ``hold_after_s``), so a constant signal never grows the followers only to
     # shrink them again for it.
     asked = 1 if policy.max_per_version else 0
     claimed = sum(max(desired[v], asked if signal.demand(v).wanted and int(v) not in signal.cannot_hold else 0)
                   for v in held_keys)  # fmt: skip
-    hi = max(policy.min_replicas, policy.max_replicas - min(claimed, policy.max_held))
-    target, states[LATEST], decision = _decide(
-        LATEST, d, replicas, floor, policy.min_replicas, hi, state.of(LATEST), policy, now, lead_s
-    )
-    desired[LATEST] = target
-    if decision is not None:
-        decisions.append(decision)
+    return max(policy.min_replicas, policy.max_replicas - min(claimed, policy.max_held))
 
-    # -- retiring (rule 6) ---------------------------------------------------------------------
+
+def _retirements(
+    signal: Signal,
+    counted: list[ReplicaFacts],
+    by_class: Mapping[ClassKey, list[ReplicaFacts]],
+    classes: list[ClassKey],
+    desired: Mapping[ClassKey, int],
+) -> tuple[list[str], list[Decision]]:
+    """Rule 6: the replicas each class sheds down to its target, in ``_retire_order``, never the
+    only serving copy of a version asked for; with a ``retire`` decision each."""
     demanded = _demanded_versions(signal)
     retire: list[str] = []
     retired: set[str] = set()
-    for klass in [LATEST, *held_keys]:
+    decisions: list[Decision] = []
+    for klass in classes:
         replicas = by_class.get(klass, [])
         excess = len(replicas) - desired[klass]
         for r in sorted((r for r in replicas if r.managed), key=_retire_order):
@@ -360,9 +432,20 @@ def plan(
             decisions.append(
                 Decision(klass, "retire", len(replicas), desired[klass], how, signal.demand(klass), r.worker_id)
             )
+    return retire, decisions
 
-    # -- launching into the room there is (rule 2) ---------------------------------------------
-    room = policy.max_replicas - (len(counted) - len(retire))
+
+def _launches(
+    signal: Signal,
+    staying: int,
+    by_class: Mapping[ClassKey, list[ReplicaFacts]],
+    held_keys: list[ClassKey],
+    desired: Mapping[ClassKey, int],
+    policy: Policy,
+) -> dict[ClassKey, int]:
+    """Rule 2 for starts: replicas to launch per class, only into the room there is now
+    (``max_replicas`` less the ``staying`` replicas, those counted and not retired)."""
+    room = policy.max_replicas - staying
     # The followers' minimum first (a bound); then held versions (without one their requests are
     # refused, where followers' jobs only wait longer); then the followers' rest.
     by_need = sorted(held_keys, key=lambda k: -(signal.demand(k).refusals + signal.demand(k).sessions))
@@ -375,8 +458,21 @@ def plan(
         if count > 0:
             launched[klass] = launched.get(klass, 0) + count
             room -= count
-    launch = [Launch(None if k == LATEST else int(k), n) for k, n in launched.items()]
-    for klass in [LATEST, *held_keys]:
+    return launched
+
+
+def _launch_decisions(
+    signal: Signal,
+    by_class: Mapping[ClassKey, list[ReplicaFacts]],
+    classes: list[ClassKey],
+    desired: Mapping[ClassKey, int],
+    launched: Mapping[ClassKey, int],
+    policy: Policy,
+) -> list[Decision]:
+    """Rule 2, said: a ``launch`` decision per class that starts replicas, and a ``waits`` one per
+    class whose target the room left does not reach."""
+    decisions: list[Decision] = []
+    for klass in classes:
         have, count = len(by_class.get(klass, [])), launched.get(klass, 0)
         if count:
             why = f"{count} to reach {desired[klass]}"
@@ -384,9 +480,20 @@ def plan(
         if have + count < desired[klass]:
             why = f"{desired[klass] - have - count} wait for room under max {policy.max_replicas}"
             decisions.append(Decision(klass, "waits", have + count, desired[klass], why, signal.demand(klass)))
+    return decisions
 
-    # A class with no replica, no demand and a settled target is forgotten (its timers too).
-    keep = {
+
+def _kept_states(
+    signal: Signal,
+    states: Mapping[ClassKey, ClassState],
+    by_class: Mapping[ClassKey, list[ReplicaFacts]],
+    desired: Mapping[ClassKey, int],
+    policy: Policy,
+    now: float,
+) -> dict[ClassKey, ClassState]:
+    """The classes the next plan remembers: a class with no replica, no demand and a settled
+    target is forgotten (its timers too)."""
+    return {
         k: s
         for k, s in states.items()
         if k == LATEST
@@ -395,20 +502,3 @@ def plan(
         or desired.get(k, 0) > 0
         or now - s.changed_at < policy.cooldown_s  # (its cooldown outlives it)
     }
-    shown = {k: desired[k] for k in keep}
-    serving_in = {
-        k: eta
-        for k in shown
-        if (eta := clock.serving_in(by_class.get(k, []), launched.get(k, 0), lead_s, now)) is not None
-    }
-    return Plan(
-        desired=shown,
-        actual={k: len(by_class.get(k, [])) for k in shown},
-        launch=tuple(launch),
-        retire=tuple(retire),
-        decisions=tuple(decisions),
-        state=PlannerState(keep, clock.ask(launched.items(), now)),
-        startup_s=lead_s,
-        startup_measured=bool(clock.samples),
-        serving_in=serving_in,
-    )
