@@ -18,7 +18,14 @@ from rollfleet.schemas import (
     prompt_digest,
 )
 from rollfleet.schemas.errors import NotReplayable
-from rollfleet.schemas.replay_rules import first_divergence, judge_replay, parts_differ, replay_request
+from rollfleet.schemas.replay_rules import (
+    first_divergence,
+    judge_replay,
+    judge_segments,
+    parts_differ,
+    replay_request,
+    replay_segments,
+)
 
 PROMPT = [5, 6, 7, 8]
 DIGEST = bytes(range(8))
@@ -145,3 +152,44 @@ def test_a_replay_asked_under_an_altered_coordinate_names_the_alteration() -> No
     assert out.differs == ("deterministic",) and out.first_logprob == 3
     same = judge_replay(req, A, A, msgspec.structs.replace(req.expected), batched)
     assert same.matched  # bit for bit the same: the original's mode does not matter
+
+
+def test_a_resumed_sample_is_replayed_segment_by_segment_each_as_its_request_was_made() -> None:
+    """Kept tokens [0, 2) made at version 3 by the first run (one request of the job's samples);
+    the run that resumed it made [2, 4) at version 4 as a request of its own (a restart): the
+    prompt and the two kept tokens forced, its stream seeded anew at its own seed."""
+    spans = [VersionSpan(version=3, start=0, end=2, replica="a"), VersionSpan(version=4, start=2, end=4, replica="b")]
+    made = sample([1, 2, 3, 4], [-1.0, -2.0, -3.0, -4.0], spans)
+    coord = msgspec.structs.replace(coordinate(), versions=(VersionDigest(3, b""), VersionDigest(4, DIGEST)),
+                                    restarts=((), (2,)))  # fmt: skip
+    resumed = result(made, made, replay=coord, resumes=1)
+    first, then = replay_segments(resumed, 1, prompt=PROMPT)
+    assert (first.start, first.end, first.version, first.restart, first.prompt) == (0, 2, 3, False, tuple(PROMPT))
+    assert (first.sampling.seed, first.sampling.max_tokens, first.n, first.pick) == (41, 2, 1, 0)
+    assert (then.start, then.end, then.version, then.restart, then.prompt) == (2, 4, 4, True, (*PROMPT, 1, 2))
+    assert (then.sampling.seed, then.sampling.max_tokens) == (41, 2)
+    assert then.expected.prompt == prompt_digest([*PROMPT, 1, 2])
+    assert then.expected.versions == (VersionDigest(4, DIGEST),)
+    # Sample 0 had no restart: its tokens from 2 on ran on in one sampled stream across the activation.
+    with pytest.raises(NotReplayable) as err:
+        replay_segments(resumed, 0, prompt=PROMPT)
+    assert err.value.reason == "multi_span" and "advanced past 2 tokens" in err.value.message
+    # Greedy: no stream to advance, so a segment at an activation is replayable from its tokens.
+    greedy = msgspec.structs.replace(coord, sampling=SamplingParams(max_tokens=4, temperature=0.0))
+    assert [r.start for r in replay_segments(result(made, replay=greedy), 0, prompt=PROMPT)] == [0, 2]
+    with pytest.raises(NotReplayable) as needs:
+        replay_segments(resumed, 1)  # a later segment needs the prompt's ids
+    assert needs.value.reason == "prompt"
+    # Unseeded, the continuation drew a seed of its own: refused, naming it.
+    with pytest.raises(NotReplayable, match="no record keeps") as unseeded:
+        replay_segments(result(made, made, replay=msgspec.structs.replace(coord, sampling=SamplingParams()), resumes=1),
+                        1, prompt=PROMPT)  # fmt: skip
+    assert unseeded.value.reason == "unseeded"
+    # Judged per segment; the first diverging token is the first over all, an offset in the sample.
+    ok = judge_replay(first, made, sample([1, 2], [-1.0, -2.0]), first.expected, coord)
+    drift = judge_replay(then, made, sample([3, 9], [-3.0, -4.0]), msgspec.structs.replace(then.expected, replica="b2"),
+                         coord)  # fmt: skip
+    assert ok.matched and drift.differs == () and drift.first_token == 1 and drift.start == 2
+    whole = judge_segments([ok, drift])
+    assert not whole.matched and whole.first_token == 3 and whole.first_logprob is None
+    assert whole.segments == (ok, drift) and whole.tokens == 4

@@ -476,7 +476,8 @@ async def test_a_seeded_hf_job_resumed_after_a_kill_returns_samples_that_are_not
     from rollfleet.schemas import RolloutPayload, SamplingParams
 
     model = build_model_dir(tmp_path / "model", preset="tiny", seed=0)
-    hf = ("--engine", "hf", "--device", "cpu", "--model-dir", str(model))
+    # Deterministic replicas (each request alone), so that each segment replays bit for bit.
+    hf = ("--engine", "hf", "--device", "cpu", "--model-dir", str(model), "--deterministic")
     a = _start(nats_url, namespace, "a", tmp_path, *hf)
     b = None
     try:
@@ -494,6 +495,9 @@ async def test_a_seeded_hf_job_resumed_after_a_kill_returns_samples_that_are_not
             a.wait(10)
             b = _start(nats_url, namespace, "b", tmp_path, *hf)
             result = await handle.result(120)
+            # Each sample replayed segment by segment: the kept tokens as the first request made
+            # them, then the continuation from the prompt and the kept tokens, seeded anew.
+            replays = [await client.replay(result, job, index=i, timeout=120) for i in range(4)]
     finally:
         terminate(a, 10.0, signal.SIGKILL)
         if b is not None:
@@ -508,6 +512,17 @@ async def test_a_seeded_hf_job_resumed_after_a_kill_returns_samples_that_are_not
             after = list(zip(seqs[i][resumed_from:], seqs[j][resumed_from:], strict=True))
             same = sum(x == y for x, y in after)
             assert same < len(after) / 2, (i, j, same, len(after))
+    assert result.replay is not None
+    for i, (out, replayed) in enumerate(zip(result.outputs, replays, strict=True)):
+        # The segments' bounds from the raw spans: where replica b's tokens begin.
+        b_from = min(s.start for s in out.weight_versions if s.replica == "b")
+        assert result.replay.restarts_of(i) == (b_from,)
+        # (A sample with no token kept, deterministic replicas making samples one at a time, is
+        # one segment: the resumed run's.)
+        want = [(0, b_from), (b_from, 96 - b_from)] if b_from else [(0, 96)]
+        assert [(seg.start, seg.tokens) for seg in replayed.segments or (replayed,)] == want
+        assert replayed.matched, replayed  # every token and log-prob of every segment, bit for bit
+    assert any(len(r.segments) == 2 for r in replays)  # (at least the first sample had tokens kept)
 
 
 async def test_random_kills_across_many_jobs_never_lose_a_checkpointed_token(

@@ -33,7 +33,10 @@ from rollfleet.schemas.names import Claim
 
 class SampleDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Tokens ``[start, start + len(token_ids))`` of sample ``index``; ``spans`` cover exactly
-    those offsets, naming version and replica; ``finish`` once the sample ended with them."""
+    those offsets, naming version and replica; ``finish`` once the sample ended with them.
+    ``restarts``: the offsets among them at which a request of its own began the sample's tokens
+    (a run continuing it, or a segment of an engine that does not stream), its random stream
+    seeded anew: what a replay needs to remake each segment as it was made."""
 
     index: int
     start: int
@@ -41,6 +44,7 @@ class SampleDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: list[float] | None = None
     spans: list[VersionSpan] = msgspec.field(default_factory=list)
     finish: FinishReason | None = None
+    restarts: list[int] = msgspec.field(default_factory=list)
 
 
 MAC_HEADER = "Rollfleet-Mac"
@@ -116,6 +120,7 @@ class SampleSoFar:
     logprobs: list[float] = field(default_factory=list)
     spans: list[VersionSpan] = field(default_factory=list)
     finish: FinishReason | None = None
+    restarts: list[int] = field(default_factory=list)  # (``SampleDelta.restarts``)
 
     def completion(self, want_logprobs: bool) -> Completion:
         return Completion(
@@ -186,6 +191,7 @@ class Replay:
             if keep < len(sample.token_ids):
                 del sample.token_ids[keep:], sample.logprobs[keep:]
                 sample.spans = spans_between(sample.spans, 0, keep)
+                sample.restarts = [r for r in sample.restarts if r < keep]
                 sample.finish = None
                 chunks.append(TokenChunk(index=i, start=keep, token_ids=[], rewound=True))
         return chunks
@@ -215,6 +221,9 @@ class Replay:
             at = span.end
         if at != end:
             raise CorruptCheckpoint(f"sample {d.index}: version spans do not cover offsets {d.start}..{end}")
+        if d.restarts != sorted(set(d.restarts)) or any(not d.start <= r < end for r in d.restarts):
+            raise CorruptCheckpoint(f"sample {d.index}: restarts {d.restarts} not in order within {d.start}..{end}")
+        sample.restarts.extend(d.restarts)
         sample.token_ids.extend(d.token_ids)
         if self.want_logprobs:
             sample.logprobs.extend(d.logprobs or ())

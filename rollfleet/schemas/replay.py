@@ -16,7 +16,10 @@ A coordinate holds
   (``policy_store.digest.content_digest``: the same 8 bytes for the same tensors' bytes, from
   whichever store or chain of deltas they were read);
 - ``replica`` and ``build``: which worker, and the engine's build (engine and package version,
-  torch, dtype, device, and whether it ran the request in deterministic mode).
+  torch, dtype, device, and whether it ran the request in deterministic mode);
+- ``restarts``: where a resumable job's samples were made by requests of their own (a run that
+  continued one from the tokens kept before it, a segment of an engine that does not stream),
+  each with its stream seeded anew: the boundaries a replay remakes segment by segment.
 
 It is encoded as arrays, not maps (``array_like``), to stay small: the coordinate of a
 512-token sample adds under 2 % to its result (``benchmarks/bench_replay.py``). Fields may
@@ -72,9 +75,17 @@ class ReplayCoordinate(msgspec.Struct, frozen=True, array_like=True):
     versions: tuple[VersionDigest, ...]
     replica: str
     build: EngineBuild
+    # Per sample, the offsets at which a request of its own began its tokens, its stream seeded
+    # anew at ``sample_seed(seed, i)`` (a resumed run's continuation, a non-streaming engine's
+    # segment; ``SampleDelta.restarts``); samples past the end have none. ``()``: no sample was;
+    # None: not recorded (a replica before this field).
+    restarts: tuple[tuple[int, ...], ...] | None = None
 
     def digest_of(self, version: int) -> bytes | None:
         return next((v.digest for v in self.versions if v.version == version), None)
+
+    def restarts_of(self, index: int) -> tuple[int, ...]:
+        return self.restarts[index] if self.restarts is not None and index < len(self.restarts) else ()
 
 
 def prompt_digest(token_ids: Sequence[int]) -> bytes:
@@ -96,6 +107,7 @@ def coordinate_wire(coord: ReplayCoordinate | None, index: int) -> dict[str, Any
         "versions": [[v.version, v.digest.hex()] for v in coord.versions],
         "replica": coord.replica,
         "build": msgspec.structs.asdict(coord.build),
+        "restarts": None if coord.restarts is None else [list(r) for r in coord.restarts],
     }
 
 
@@ -109,6 +121,9 @@ def coordinate_from_wire(wire: Any) -> tuple[ReplayCoordinate, int]:
             versions=tuple(VersionDigest(int(v), bytes.fromhex(d)) for v, d in wire["versions"]),
             replica=str(wire["replica"]),
             build=EngineBuild(**wire["build"]),
+            restarts=None
+            if wire.get("restarts") is None
+            else tuple(tuple(int(r) for r in rs) for rs in wire["restarts"]),
         )
         return coord, int(wire["index"])
     except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:

@@ -17,7 +17,7 @@ import msgspec
 
 from rollfleet.schemas.errors import NotReplayable
 from rollfleet.schemas.messages import Completion, RolloutResult
-from rollfleet.schemas.replay import ReplayCoordinate, VersionDigest
+from rollfleet.schemas.replay import ReplayCoordinate, VersionDigest, prompt_digest
 from rollfleet.schemas.sampling import SamplingParams
 from rollfleet.schemas.seeds import sample_seed
 
@@ -26,12 +26,16 @@ Part = Literal["prompt", "sampling", "seed", "version", "version_digest", "engin
 
 
 class ReplayRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """What a replay of sample ``index`` of a result asks the fleet for, at its one version, in
-    deterministic mode: a request of ``n`` samples, seeded ``sampling.seed``, whose sample
-    ``pick`` is compared with the original; and what the replica should say back in its own
-    coordinate (``expected``). An engine that follows the seeds rule is asked for the sample
-    alone (``n`` 1, its own stream's seed); one whose samples depend on their index within the
-    request (echo) is asked for the request's first ``index + 1`` samples again."""
+    """What a replay of one segment of sample ``index`` of a result asks the fleet for, at the
+    segment's one version, in deterministic mode: a request of ``n`` samples, seeded
+    ``sampling.seed``, prompted ``prompt`` (the original prompt and the sample's tokens before
+    ``start``, forced; None where the caller's prompt was not given), whose sample ``pick`` is
+    compared with the original's tokens ``[start, end)``; and what the replica should say back in
+    its own coordinate (``expected``). An engine that follows the seeds rule is asked for the
+    sample alone (``n`` 1, its own stream's seed); one whose samples depend on their index within
+    the request (echo) is asked for the request's first ``index + 1`` samples again. A segment a
+    request of its own began (``restart``: a resumed run's continuation) is asked as that
+    request was: alone, its stream seeded anew at ``sample_seed(seed, index)``."""
 
     index: int
     version: int
@@ -39,6 +43,10 @@ class ReplayRequest(msgspec.Struct, frozen=True, kw_only=True):
     pick: int
     sampling: SamplingParams
     expected: ReplayCoordinate
+    start: int = 0
+    end: int | None = None  # None: to the sample's end
+    restart: bool = False
+    prompt: tuple[int, ...] | None = None
 
 
 class ReplayOutcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,6 +65,10 @@ class ReplayOutcome(msgspec.Struct, frozen=True, kw_only=True):
     first_logprob: int | None = None
     differs: tuple[str, ...] = ()
     replica: str = ""  # the replica that served the replay
+    start: int = 0  # a segment's: the offset of its first token in the sample (``first_*`` count from 0)
+    # A sample replayed segment by segment: each segment's outcome, in order (``first_token`` and
+    # ``first_logprob`` above are then the first over all, as offsets in the sample).
+    segments: tuple[ReplayOutcome, ...] = ()
 
 
 def parts_differ(a: ReplayCoordinate, b: ReplayCoordinate) -> tuple[Part, ...]:
@@ -96,9 +108,32 @@ def _bits(x: float) -> bytes:
     return struct.pack("<d", x)
 
 
-def replay_request(result: RolloutResult, index: int = 0, coordinate: ReplayCoordinate | None = None) -> ReplayRequest:
-    """What replaying sample ``index`` of ``result`` asks for, under ``coordinate`` (default:
-    the result's own); ``NotReplayable`` where it cannot be asked (``sample_request``)."""
+def replay_request(
+    result: RolloutResult,
+    index: int = 0,
+    coordinate: ReplayCoordinate | None = None,
+    prompt: Sequence[int] | None = None,
+) -> ReplayRequest:
+    """What replaying sample ``index`` of ``result`` (made in one segment) asks for, under
+    ``coordinate`` (default: the result's own); ``NotReplayable`` where it cannot be asked
+    (``segment_requests``), or where it was made in more than one segment."""
+    requests = replay_segments(result, index, coordinate, prompt)
+    if len(requests) > 1:
+        raise NotReplayable(
+            f"sample {index} was made in {len(requests)} segments; replay it segment by segment (replay_segments)",
+            reason="multi_span",
+            index=index,
+        )
+    return requests[0]
+
+
+def replay_segments(
+    result: RolloutResult,
+    index: int = 0,
+    coordinate: ReplayCoordinate | None = None,
+    prompt: Sequence[int] | None = None,
+) -> list[ReplayRequest]:
+    """The requests that replay sample ``index`` of ``result``, one a segment (``segment_requests``)."""
     coord = coordinate if coordinate is not None else result.replay
     if coord is None:
         raise NotReplayable(
@@ -107,57 +142,129 @@ def replay_request(result: RolloutResult, index: int = 0, coordinate: ReplayCoor
     if not 0 <= index < len(result.outputs):
         raise NotReplayable(f"the result has no sample {index}", reason="no_sample", index=index)
     resumed = bool(result.resumes or result.kept_tokens)
-    return sample_request(coord, result.outputs[index], index, resumed=resumed, version=result.version_start)
+    return segment_requests(
+        coord, result.outputs[index], index, resumed=resumed, version=result.version_start, prompt=prompt
+    )
 
 
 def sample_request(
     coord: ReplayCoordinate, sample: Completion, index: int, *, resumed: bool = False, version: int | None = None
 ) -> ReplayRequest:
-    """What replaying ``sample``, sample ``index`` of a request whose coordinate is ``coord``,
-    asks for. Raises ``NotReplayable`` naming why it cannot be asked: a sample made in more than
-    one segment (resumed, or spanning an activation: each segment would have to be replayed from
-    the tokens kept before it, which this version does not do), or an unseeded random sample (its
-    stream was never recorded). ``version``: where the sample has no span (no token), the
-    version it ran at."""
-    if resumed:
+    """``segment_requests`` of a sample made in one segment (``NotReplayable``, ``multi_span``,
+    for one made in more)."""
+    requests = segment_requests(coord, sample, index, resumed=resumed, version=version)
+    if len(requests) > 1:
         raise NotReplayable(
-            "a resumed sample is made in segments; replaying segment by segment is not supported yet",
-            reason="resumed",
-            index=index,
-        )
-    versions = sorted({span.version for span in sample.weight_versions})
-    if len(sample.weight_versions) > 1:
-        raise NotReplayable(
-            f"sample {index} spans versions {versions} in {len(sample.weight_versions)} segments; replaying "
-            "segment by segment is not supported yet",
+            f"sample {index} was made in {len(requests)} segments; replay it segment by segment",
             reason="multi_span",
             index=index,
         )
-    if versions:
-        at = versions[0]
-    elif version is not None:
-        at = version
-    elif len(coord.versions) == 1:
-        at = coord.versions[0].version
+    return requests[0]
+
+
+def segment_requests(
+    coord: ReplayCoordinate,
+    sample: Completion,
+    index: int,
+    *,
+    resumed: bool = False,
+    version: int | None = None,
+    prompt: Sequence[int] | None = None,
+) -> list[ReplayRequest]:
+    """What replaying ``sample``, sample ``index`` of a request whose coordinate is ``coord``,
+    asks for: one request a segment. A segment begins where the sample's version changes (a
+    span) or where a request of its own began its tokens (``coord.restarts``: a resumed run's
+    continuation, a non-streaming engine's segment). Each is asked at its own version, prompted
+    with ``prompt`` and the sample's tokens before it, for its own tokens.
+
+    Raises ``NotReplayable`` naming why: a resumed sample whose coordinate recorded no restarts
+    (``resumed``: a replica before they were recorded); a segment that begins mid-request, at an
+    activation, of a sampled (temperature > 0) request (``multi_span``: its request's random
+    stream ran on across the activation, and replaying from there would need the engine's stream
+    advanced past the draws of the tokens before it, which no engine takes; a greedy one needs
+    none); an unseeded random sample (``unseeded``: its stream was never recorded; a resumed
+    run's continuations, each its own request, drew seeds of their own that no record keeps);
+    a later segment with no ``prompt`` given (``prompt``). ``version``: where the sample has no
+    span (no token), the version it ran at."""
+    if resumed and coord.restarts is None:
+        raise NotReplayable(
+            "a resumed sample is made in segments, and this coordinate recorded no restarts (an older replica)",
+            reason="resumed",
+            index=index,
+        )
+    tokens = sample.token_ids
+    restarts = [r for r in coord.restarts_of(index) if r <= len(tokens)]
+    spans = [s for s in sample.weight_versions if s.end > s.start]
+    if spans:
+        version_at = {s.start: s.version for s in spans}
+        starts = sorted({0, *restarts, *version_at})
     else:
-        raise NotReplayable(f"sample {index} names no version to replay at", reason="multi_span", index=index)
+        if version is not None:
+            at = version
+        elif len(coord.versions) == 1:
+            at = coord.versions[0].version
+        else:
+            raise NotReplayable(f"sample {index} names no version to replay at", reason="multi_span", index=index)
+        version_at, starts = {0: at}, sorted({0, *restarts})
     indexed = coord.build.engine in _INDEXED_ENGINES
     seed = sample_seed(coord.sampling.seed, index)
     if seed is None and coord.sampling.temperature > 0 and not indexed:
+        why = "; the runs that continued it drew seeds of their own that no record keeps" if restarts else ""
         raise NotReplayable(
-            f"sample {index} was drawn unseeded by {coord.build.engine}, which recorded no seed",
+            f"sample {index} was drawn unseeded by {coord.build.engine}, which recorded no seed{why}",
             reason="unseeded",
             index=index,
         )
-    expected = sample_view(coord, index, at, deterministic=True)
-    n, pick = (index + 1, index) if indexed else (1, 0)
-    return ReplayRequest(index=index, version=at, n=n, pick=pick, sampling=expected.sampling, expected=expected)
+    requests: list[ReplayRequest] = []
+    current = version_at.get(0, 0)
+    for k, a in enumerate(starts):
+        b = starts[k + 1] if k + 1 < len(starts) else len(tokens)
+        current = version_at.get(a, current)
+        if a == b and (a > 0 or k + 1 < len(starts)):
+            continue  # (a request that made nothing: nothing to remake)
+        restart = a in restarts
+        if not restart and a > 0 and (coord.sampling.temperature > 0 or indexed):
+            began = max((r for r in restarts if r < a), default=0)
+            raise NotReplayable(
+                f"sample {index}'s tokens from {a} were made at version {current} by the request that began at "
+                f"{began}, its random stream running on across the activation; replaying them needs the engine's "
+                f"stream advanced past {a - began} tokens' draws, which no engine takes",
+                reason="multi_span",
+                index=index,
+            )
+        if a > 0 and prompt is None:
+            raise NotReplayable(
+                f"sample {index}'s segment from token {a} is replayed after the prompt; give the prompt's token ids",
+                reason="prompt",
+                index=index,
+            )
+        last = k + 1 == len(starts)
+        max_tokens = coord.sampling.max_tokens - a if last else b - a
+        view = sample_view(coord, index, current, deterministic=True)
+        if restart or not indexed:
+            n, pick, stream = 1, 0, seed
+        else:
+            n, pick, stream = index + 1, index, coord.sampling.seed
+        forced = None if prompt is None else (*prompt, *tokens[:a])
+        expected = msgspec.structs.replace(
+            view,
+            prompt=view.prompt if forced is None or a == 0 else prompt_digest(forced),
+            sampling=msgspec.structs.replace(view.sampling, seed=stream, max_tokens=max_tokens),
+            restarts=(),
+        )
+        requests.append(
+            ReplayRequest(
+                index=index, version=current, n=n, pick=pick, sampling=expected.sampling, expected=expected,
+                start=a, end=b, restart=restart, prompt=forced,
+            )
+        )  # fmt: skip
+    return requests
 
 
 def sample_view(coord: ReplayCoordinate, index: int, version: int, *, deterministic: bool) -> ReplayCoordinate:
     """Sample ``index``'s own part of a result's coordinate, as its replay's request would
     record it: its stream's seed (the request's, for an engine whose samples go by index), that
-    version's digest alone, ``deterministic``."""
+    version's digest alone, ``deterministic``, no restarts (a replay is one request)."""
     digest = coord.digest_of(version)
     seed = coord.sampling.seed if coord.build.engine in _INDEXED_ENGINES else sample_seed(coord.sampling.seed, index)
     return msgspec.structs.replace(
@@ -165,7 +272,24 @@ def sample_view(coord: ReplayCoordinate, index: int, version: int, *, determinis
         sampling=msgspec.structs.replace(coord.sampling, seed=seed),
         versions=(VersionDigest(version, digest if digest is not None else b""),),
         build=msgspec.structs.replace(coord.build, deterministic=deterministic),
+        restarts=(),
     )
+
+
+def segment_view(coord: ReplayCoordinate, request: ReplayRequest) -> ReplayCoordinate:
+    """``coord``'s part for the segment ``request`` replays, as that request would record it:
+    ``request.expected`` where ``coord`` is the coordinate it was asked under (so a coordinate
+    other than the one asked under names where it differs)."""
+    view = sample_view(coord, request.index, request.version, deterministic=True)
+    indexed = coord.build.engine in _INDEXED_ENGINES
+    stream = coord.sampling.seed if indexed and not request.restart else sample_seed(coord.sampling.seed, request.index)
+    prompt = view.prompt
+    if request.prompt is not None and request.start > 0:
+        asked = request.prompt[: len(request.prompt) - request.start]
+        if prompt_digest(asked) == coord.prompt:  # (else the prompts differ, and stay named)
+            prompt = prompt_digest(request.prompt)
+    sampling = msgspec.structs.replace(view.sampling, seed=stream, max_tokens=request.sampling.max_tokens)
+    return msgspec.structs.replace(view, prompt=prompt, sampling=sampling)
 
 
 # Engines whose samples are a pure function of their inputs and their index within the request,
@@ -190,16 +314,17 @@ def judge_replay(
     expected = request.expected
     differs: list[str] = []
     # Asked under another coordinate than the result's own: say where.
-    differs += parts_differ(sample_view(recorded, request.index, request.version, deterministic=True), expected)
+    differs += parts_differ(segment_view(recorded, request), expected)
     # The replica that served the replay says what it ran: a build, a mode or a version's bytes
     # other than those asked for is named, whatever the tokens say.
     differs += ["engine_build", "deterministic"] if served is None else parts_differ(expected, served)
     if store_digest is not None and expected.versions[0].digest != store_digest:
         differs.append("version_digest")
-    first_token = first_divergence(original.token_ids, replayed.token_ids)
+    end = len(original.token_ids) if request.end is None else request.end
+    first_token = first_divergence(original.token_ids[request.start : end], replayed.token_ids)
     first_logprob = None
     if original.logprobs is not None or replayed.logprobs is not None:
-        first_logprob = first_divergence(original.logprobs or [], replayed.logprobs or [])
+        first_logprob = first_divergence((original.logprobs or [])[request.start : end], replayed.logprobs or [])
     if (first_token is not None or first_logprob is not None) and not recorded.build.deterministic:
         differs.append("deterministic")  # the original ran batched: the likeliest cause, named
     order = {p: i for i, p in enumerate(get_args(Part))}
@@ -208,9 +333,36 @@ def judge_replay(
         matched=first_token is None and first_logprob is None and not parts,
         index=request.index,
         version=request.version,
-        tokens=len(original.token_ids),
+        tokens=end - request.start,
         first_token=first_token,
         first_logprob=first_logprob,
         differs=parts,
         replica=served.replica if served is not None else "",
+        start=request.start,
+    )
+
+
+def judge_segments(outcomes: Sequence[ReplayOutcome]) -> ReplayOutcome:
+    """A sample replayed segment by segment, judged whole: matched where every segment matched;
+    its first diverging token and log-prob the first of any segment, as offsets in the sample."""
+    if len(outcomes) == 1:
+        return outcomes[0]
+    first = outcomes[0]
+
+    def earliest(field: str) -> int | None:
+        found = [o.start + getattr(o, field) for o in outcomes if getattr(o, field) is not None]
+        return min(found) if found else None
+
+    order = {p: i for i, p in enumerate(get_args(Part))}
+    parts = tuple(sorted({p for o in outcomes for p in o.differs}, key=lambda p: order.get(p, len(order))))
+    return ReplayOutcome(
+        matched=all(o.matched for o in outcomes),
+        index=first.index,
+        version=first.version,
+        tokens=sum(o.tokens for o in outcomes),
+        first_token=earliest("first_token"),
+        first_logprob=earliest("first_logprob"),
+        differs=parts,
+        replica=outcomes[-1].replica,
+        segments=tuple(outcomes),
     )

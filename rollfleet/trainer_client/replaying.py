@@ -2,8 +2,10 @@
 
 ``replay`` carries out what the pure rules decide (``schemas.replay_rules``): it submits the
 sample's prompt with its recorded sampling and its own stream's seed as one exact-version job at
-the version its tokens were made at, in deterministic mode, and judges the answer against the
-original from their tokens, log-probs and coordinates: ``matched``, or the first token and
+the version its tokens were made at, in deterministic mode (a sample made in segments, resumed
+or across an activation: one job a segment, at the segment's version, prompted with the tokens
+before it), and judges each answer against the original from their tokens, log-probs and
+coordinates: ``matched``, or the first token and
 log-prob that diverged and which parts of the coordinate differ (the seed, the version's digest,
 the engine build, the mode). A replica at that version with another build, or whose bytes of the
 version differ from those recorded (a store re-created since), is named so, never a match.
@@ -21,7 +23,13 @@ import msgspec
 from rollfleet.policy_store.materialize import store_content_digest
 from rollfleet.schemas import Completion, ReplayCoordinate, RolloutPayload, RolloutResult, prompt_digest
 from rollfleet.schemas.errors import NotReplayable
-from rollfleet.schemas.replay_rules import ReplayOutcome, judge_replay, replay_request, sample_request
+from rollfleet.schemas.replay_rules import (
+    ReplayOutcome,
+    judge_replay,
+    judge_segments,
+    replay_segments,
+    segment_requests,
+)
 
 
 class ReplayHost(Protocol):
@@ -49,38 +57,43 @@ async def replay(
     directory whose digest of the version is compared too. Raises ``NotReplayable`` where the
     sample cannot be replayed, and what ``submit`` raises (``NoCompatibleReplica``: no replica at
     the version; ``wait_for_replica`` queues it for one)."""
+    prompt = _prompt_ids(payload)
     if isinstance(target, ReplayCoordinate):
         if original is None:
             raise NotReplayable("a coordinate alone needs the original sample to compare with", reason="no_sample")
         recorded = target
-        request = sample_request(coordinate or target, original, index)
+        requests = segment_requests(coordinate or target, original, index, prompt=prompt)
     else:
         if target.replay is None and coordinate is None:
             raise NotReplayable("the result carries no replay coordinate", reason="no_coordinate", index=index)
         recorded = target.replay or coordinate  # type: ignore[assignment]
-        request = replay_request(target, index, coordinate)
+        requests = replay_segments(target, index, coordinate, prompt)
         original = target.outputs[index]
-    prompt = _prompt_ids(payload)
-    if prompt_digest(prompt) != request.expected.prompt:
+    if prompt_digest(prompt) != (coordinate or recorded).prompt:
         raise NotReplayable("the prompt given is not the one the coordinate digests", reason="prompt", index=index)
-    store_digest = None
-    if store is not None:  # (a chain's indexes and checksums; hashed files only for a plain full version)
-        store_digest = await asyncio.to_thread(store_content_digest, Path(store), request.version)
-    again = msgspec.structs.replace(
-        payload,
-        prompt_token_ids=list(prompt),
-        prompt_text=None,
-        n=request.n,
-        sampling=request.sampling,
-        deterministic=True,
-    )
-    handle = await client.submit(
-        again, exact_version=request.version, timeout=timeout, wait_for_replica=wait_for_replica
-    )
-    replayed = await handle.result(timeout)
-    return judge_replay(
-        request, original, replayed.outputs[request.pick], replayed.replay, recorded, store_digest=store_digest
-    )
+    outcomes = []
+    for request in requests:  # (in order: a segment's prompt is the tokens before it, already checked)
+        store_digest = None
+        if store is not None:  # (a chain's indexes and checksums; hashed files only for a plain full version)
+            store_digest = await asyncio.to_thread(store_content_digest, Path(store), request.version)
+        again = msgspec.structs.replace(
+            payload,
+            prompt_token_ids=list(request.prompt if request.prompt is not None else prompt),
+            prompt_text=None,
+            n=request.n,
+            sampling=request.sampling,
+            deterministic=True,
+        )
+        handle = await client.submit(
+            again, exact_version=request.version, timeout=timeout, wait_for_replica=wait_for_replica
+        )
+        replayed = await handle.result(timeout)
+        outcomes.append(
+            judge_replay(
+                request, original, replayed.outputs[request.pick], replayed.replay, recorded, store_digest=store_digest
+            )
+        )
+    return judge_segments(outcomes)
 
 
 def _prompt_ids(payload: RolloutPayload) -> Sequence[int]:

@@ -206,6 +206,12 @@ class ProgressLog(TokenSink):
         if self._pending >= self.every_tokens:
             self._due.set()
 
+    def restart(self, index: int) -> None:
+        """A request of its own makes sample ``index``'s next tokens, its stream seeded anew."""
+        sample = self.samples[index]
+        if not sample.restarts or sample.restarts[-1] != len(sample.token_ids):
+            sample.restarts.append(len(sample.token_ids))
+
     def finished(self, index: int, reason: str) -> None:
         if reason != "abort":  # an aborted run did not finish the sample: a next run continues it
             self.samples[index].finish = reason  # type: ignore[assignment]
@@ -265,6 +271,7 @@ class ProgressLog(TokenSink):
                             logprobs=s.logprobs[start:end] if self._want_logprobs else None,
                             spans=spans_between(s.spans, start, end),
                             finish=finish,
+                            restarts=[r for r in s.restarts if start <= r < end],
                         )
                     )
                     upto.append((i, end, finish is not None))
@@ -379,6 +386,12 @@ class _OneSample(TokenSink):
 
     def token(self, index: int, token: int, logprob: float | None, version: int) -> None:
         self._log.token(self._index, token, logprob, version)
+
+    def restart(self, index: int) -> None:
+        """A request of its own makes sample ``index``'s next tokens, its stream seeded anew."""
+        sample = self.samples[index]
+        if not sample.restarts or sample.restarts[-1] != len(sample.token_ids):
+            sample.restarts.append(len(sample.token_ids))
 
     def finished(self, index: int, reason: str) -> None:
         self._log.finished(self._index, reason)

@@ -28,10 +28,14 @@ def stamp(
     if not versions:  # (no token made: the versions it ran at bound it)
         versions = sorted({generation.version_start, generation.version_end})
     build: EngineBuild = engine.build(engine.deterministic_for(payload))
+    restarts = [tuple(r) for r in generation.restarts or ()]
+    while restarts and not restarts[-1]:
+        restarts.pop()  # (samples past the end have none: the common case costs one byte)
     return ReplayCoordinate(
         prompt=prompt_digest(prompt) if prompt is not None else b"",
         sampling=sampling,
         versions=tuple(VersionDigest(v, digests.get(v, b"")) for v in versions),
         replica=replica,
         build=build,
+        restarts=tuple(restarts),
     )

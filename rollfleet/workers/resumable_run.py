@@ -138,6 +138,7 @@ class ResumableGenerator:
             v_end,
             prompt_tokens=prompt_tokens,
             seed=drawn,
+            restarts=[list(s.restarts) for s in plog.samples],
         )
 
     async def _continue(self, run: RunningJob, plog: ProgressLog, prompt: list[int] | None) -> int:
@@ -174,6 +175,7 @@ class ResumableGenerator:
                 else:
                     raise InvalidRequest("cannot continue a text prompt on an engine that cannot tokenize it")
                 sink = plog.for_sample(i) if streams else None
+                plog.restart(i)
                 gen = await engine.generate(run.request_ids[i], part, job.session_id, sink=sink)
                 out = gen.outputs[0]
                 if not streams:

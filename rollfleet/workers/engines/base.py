@@ -33,6 +33,9 @@ class Generation:
     # ``sample_seed(seed, i)``), so the result's replay coordinate can record it; None where the
     # request gave one, or the engine's output does not depend on one.
     seed: int | None = None
+    # A resumable job's: per sample, the offsets at which a request of its own began its tokens
+    # (``SampleDelta.restarts``); None for a generation made by one request.
+    restarts: list[list[int]] | None = None
 
 
 class TokenSink:
