@@ -27,9 +27,9 @@ version (or at once, below the newest version, if no index came).
 Downloads are parallel ranged reads: each file is cut into segments (``segment_bytes``, 128 MiB),
 each segment is one streamed GET of its byte range, written in place with ``pwrite``, and its
 progress is journaled every ``STEP_BYTES`` (8 MiB), so a download killed midway resumes where it
-stopped, to within a step. Few, long requests: object stores serve a range as cheaply as a
-whole object, and every request costs a round trip (some servers, moto among them, even read
-the whole object for each range). Each downloaded file is checked here against its pin (size,
+stopped, to within a step (``bucket_download.py``). Few, long requests: object stores serve a
+range as cheaply as a whole object, and every request costs a round trip (some servers, moto
+among them, even read the whole object for each range). Each downloaded file is checked here against its pin (size,
 blake3) before the version is handed on, and every tensor again where it is applied
 (``materialize`` verifies them against the published checksums).
 """
@@ -44,15 +44,22 @@ import os
 import re
 import secrets
 import shutil
-import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
+from rollfleet.policy_store.bucket_download import (
+    DownloadStats,
+    Segment,
+    SegmentJournal,
+    fetch_segments,
+    open_segments,
+    rename_into_place,
+)
 from rollfleet.policy_store.formats import new_hasher, valid_checksum
 from rollfleet.policy_store.store import dir_version, version_dir_name
 from rollfleet.runtime import faults
@@ -78,7 +85,6 @@ DEFAULT_CONNECTIONS = 8
 T = TypeVar("T")
 READ_PATIENCE_S = 15.0  # an idempotent read whose link keeps failing is asked again for this long
 PARTIAL_PREFIX = ".partial-"
-_JOURNAL = ".progress"
 OBJECTS_KEY = "rollfleet_objects"  # in a bucket index's metadata: the objects the version is made of
 UPLOAD_PREFIX = ".upload-"
 PIN_FORMAT = "blake3"  # cryptographic: no second publisher can make other bytes with the same pin
@@ -214,21 +220,6 @@ def _redact(text: str) -> str:
         if len(value) >= 4 and _SECRET_NAMES.search(name) and value in text:
             text = text.replace(value, "***")
     return text
-
-
-@dataclass
-class DownloadStats:
-    """What one version's download read: bytes fetched now, bytes a previous attempt had kept."""
-
-    fetched: int = 0
-    resumed: int = 0
-    files: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, fetched: int = 0, resumed: int = 0) -> None:
-        with self._lock:
-            self.fetched += fetched
-            self.resumed += resumed
 
 
 class Bucket:
@@ -402,81 +393,53 @@ class Bucket:
                 return final, stats
             shutil.rmtree(final)  # a copy of another publication of this number
         pins = pinned_files(indexed.index, f"{self.url}/{name}")
-        for pin in pins.values():
-            if pin.key not in listed:
-                raise CorruptArtifact(f"{self.url}/{name}/{pin.key} is missing (the index pins it)")
-            if listed[pin.key] != pin.size:
-                raise ChecksumMismatch(
-                    f"{self.url}/{name}/{pin.key} is {listed[pin.key]} bytes; the index pins {pin.size}"
-                )
+        _check_listed(f"{self.url}/{name}", pins, listed)
         partial = Path(store_dir) / f"{PARTIAL_PREFIX}{name}"
         partial.mkdir(parents=True, exist_ok=True)
-        jobs: list[tuple[str, int, int, int]] = []  # file, segment start, resume offset, segment end
-        journals: dict[str, _Journal] = {}
-        for file, pin in sorted(pins.items()):
-            size = pin.size
-            journal = journals[file] = _Journal(partial / file, size, pin.checksum)
-            for start in range(0, size, self.segment_bytes):
-                end = min(size, start + self.segment_bytes)
-                upto = min(max(journal.done.get(start, start), start), end)
-                stats.add(resumed=upto - start)
-                if upto < end:
-                    jobs.append((file, start, upto, end))
+        segments, journals = open_segments(partial, pins, self.segment_bytes, stats)
         stats.files = len(pins) + 1
 
-        def fetch(job: tuple[str, int, int, int]) -> None:
-            import obstore
+        def fetch(segment: Segment) -> None:
+            self._fetch_segment(name, pins[segment[0]], journals[segment[0]], segment, stats, on_chunk)
 
-            file, start, offset, end = job
-            key = f"{name}/{pins[file].key}"
-            got = self._call(key, obstore.get, key, options={"range": (offset, end)})
-            stream = got.stream(min_chunk_size=self.step_bytes)
-            while offset < end:
-                try:
-                    data = next(stream)
-                except StopIteration:
-                    break
-                except Exception as exc:
-                    raise _error(exc, f"{self.url}/{key}") from None
-                journals[file].write(start, offset, memoryview(data)[: end - offset])
-                offset += min(len(data), end - offset)
-                stats.add(fetched=len(data))
-                faults.point("bucket:mid-download")
-                if on_chunk is not None:
-                    on_chunk(len(data))
-            if offset != end:
-                raise CorruptArtifact(f"{self.url}/{key}: the range {start}-{end} ended at {offset}")
-
-        try:
-            if jobs:
-                with ThreadPoolExecutor(min(self.connections, len(jobs)), thread_name_prefix="rf-download") as pool:
-                    for _ in pool.map(fetch, jobs):
-                        pass
-        finally:
-            for journal in journals.values():
-                journal.close()
-        for journal in journals.values():
-            journal.finish()
-
-        def verify(file: str) -> None:
-            got = _digests(partial / file)[1]
-            if got != pins[file].checksum:
-                (partial / file).unlink()  # fetched afresh next time, not resumed
-                raise ChecksumMismatch(
-                    f"{self.url}/{name}/{pins[file].key}: its bytes hash to {got}, the index pins {pins[file].checksum}"
-                )
-
-        with ThreadPoolExecutor(min(self.connections, max(1, len(pins))), thread_name_prefix="rf-verify") as pool:
-            for _ in pool.map(verify, sorted(pins)):
-                pass
+        fetch_segments(segments, journals, fetch, self.connections)
+        _verify_pinned(partial, pins, f"{self.url}/{name}", self.connections)
         (partial / INDEX_FILE).write_bytes(indexed.raw)  # the bytes every pin was checked against
-        try:
-            os.rename(partial, final)
-        except OSError:
-            if not final.is_dir():
-                raise
-            shutil.rmtree(partial, ignore_errors=True)  # a concurrent download finished first
+        rename_into_place(partial, final)
         return final, stats
+
+    def _fetch_segment(
+        self,
+        name: str,
+        pin: Pin,
+        journal: SegmentJournal,
+        segment: Segment,
+        stats: DownloadStats,
+        on_chunk: Callable[[int], None] | None,
+    ) -> None:
+        """One segment of a pinned object: a ranged GET from its resume offset, streamed into its
+        file and journal ``step_bytes`` at a time."""
+        import obstore
+
+        _, start, offset, end = segment
+        key = f"{name}/{pin.key}"
+        got = self._call(key, obstore.get, key, options={"range": (offset, end)})
+        stream = got.stream(min_chunk_size=self.step_bytes)
+        while offset < end:
+            try:
+                data = next(stream)
+            except StopIteration:
+                break
+            except Exception as exc:
+                raise _error(exc, f"{self.url}/{key}") from None
+            journal.write(start, offset, memoryview(data)[: end - offset])
+            offset += min(len(data), end - offset)
+            stats.add(fetched=len(data))
+            faults.point("bucket:mid-download")
+            if on_chunk is not None:
+                on_chunk(len(data))
+        if offset != end:
+            raise CorruptArtifact(f"{self.url}/{key}: the range {start}-{end} ended at {offset}")
 
     # -- upload and delete ------------------------------------------------------------------
 
@@ -560,6 +523,32 @@ class Bucket:
             self._call(keys[i], obstore.delete, keys[i : i + 1000])
 
 
+def _check_listed(where: str, pins: Mapping[str, Pin], listed: Mapping[str, int]) -> None:
+    """Every object the index pins is listed, at its pinned size (before any byte is fetched)."""
+    for pin in pins.values():
+        if pin.key not in listed:
+            raise CorruptArtifact(f"{where}/{pin.key} is missing (the index pins it)")
+        if listed[pin.key] != pin.size:
+            raise ChecksumMismatch(f"{where}/{pin.key} is {listed[pin.key]} bytes; the index pins {pin.size}")
+
+
+def _verify_pinned(partial: Path, pins: Mapping[str, Pin], where: str, connections: int) -> None:
+    """Every downloaded file's bytes hash to its pin; a file that does not is deleted, so the next
+    attempt fetches it afresh instead of resuming it."""
+
+    def verify(file: str) -> None:
+        got = _digests(partial / file)[1]
+        if got != pins[file].checksum:
+            (partial / file).unlink()  # fetched afresh next time, not resumed
+            raise ChecksumMismatch(
+                f"{where}/{pins[file].key}: its bytes hash to {got}, the index pins {pins[file].checksum}"
+            )
+
+    with ThreadPoolExecutor(min(connections, max(1, len(pins))), thread_name_prefix="rf-verify") as pool:
+        for _ in pool.map(verify, sorted(pins)):
+            pass
+
+
 def _digests(path: Path) -> tuple[str, str]:
     """(MD5, ``PIN_FORMAT`` checksum) of a file's bytes, read once."""
     md5 = hashlib.md5(usedforsecurity=False)
@@ -581,51 +570,3 @@ def _read_or_none(path: Path) -> bytes | None:
         return path.read_bytes()
     except OSError:
         return None
-
-
-class _Journal:
-    """One file being downloaded: bytes written in place, each segment's progress recorded after its write.
-
-    The journal holds ``<segment start> <written up to>`` lines; the last line of a segment wins.
-    A process killed mid-step leaves that step unrecorded, so it is fetched again. The file's
-    expected size and pinned checksum head the journal: another object's (a version published
-    again under its number) restarts the file instead of mixing their bytes."""
-
-    def __init__(self, path: Path, size: int, pin: str) -> None:
-        self.path = path
-        self.size = size
-        self.done: dict[int, int] = {}
-        self._jpath = path.with_name(path.name + _JOURNAL)
-        fresh = True
-        with contextlib.suppress(OSError, ValueError):
-            lines = self._jpath.read_text().splitlines()
-            if lines and lines[0] == f"{size} {pin}" and path.stat().st_size == size:
-                fresh = False
-                for line in lines[1:]:
-                    start, _, upto = line.partition(" ")
-                    if upto:  # a torn last line is ignored
-                        self.done[int(start)] = max(self.done.get(int(start), 0), int(upto))
-        if fresh:
-            with open(path, "wb") as f:
-                f.truncate(size)
-            self._jpath.write_text(f"{size} {pin}\n")
-        self._fd = os.open(path, os.O_RDWR)
-        self._jfd = os.open(self._jpath, os.O_WRONLY | os.O_APPEND)
-        self._lock = threading.Lock()
-
-    def write(self, segment: int, offset: int, data: memoryview) -> None:
-        written = 0
-        while written < len(data):
-            written += os.pwrite(self._fd, data[written:], offset + written)
-        with self._lock:
-            os.write(self._jfd, f"{segment} {offset + len(data)}\n".encode())
-
-    def close(self) -> None:
-        for fd in (self._fd, self._jfd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-    def finish(self) -> None:
-        if os.stat(self.path).st_size != self.size:
-            raise CorruptArtifact(f"{self.path.name}: downloaded size differs from the listed {self.size}")
-        self._jpath.unlink(missing_ok=True)
