@@ -224,11 +224,35 @@ async def test_n_samples_seeds_and_no_fixed_seed(engine: VLLMEngine) -> None:
     assert len(seqs) == 3 and len({tuple(s) for s in seqs}) == 3  # independent samples
     assert seqs == [o.token_ids for o in b.outputs]  # the job's seed reproduces them
     assert all(len(o.logprobs or []) == 12 for o in a.outputs)
-    # A job without a seed gets none from the adapter (replicas would otherwise draw alike).
-    assert "seed" not in engine._generate_body("x", payload(temperature=1.0))["sampling_params"]
+    # A job without a seed gets one drawn from the OS (replicas never draw alike), recorded.
     c = await engine.generate("c", payload(max_tokens=12, n=2, temperature=1.0))
     d = await engine.generate("d", payload(max_tokens=12, n=2, temperature=1.0))
     assert [o.token_ids for o in c.outputs] != [o.token_ids for o in d.outputs]
+    assert c.seed is not None and d.seed is not None and c.seed != d.seed and a.seed is None
+
+
+async def test_deterministic_requests_run_alone_and_replay_bit_for_bit(shared: Shared) -> None:
+    """vLLM's CPU build, a deterministic adapter: three samples of an unseeded request made while
+    other requests run, each replayed alone as a request of one at its recorded stream
+    (``seed + i``): the same tokens, the same log-probs bit for bit."""
+    from rollfleet.schemas.replay_rules import first_divergence
+
+    eng = VLLMEngine(url=shared.server.url, python=PYTHON, deterministic=True, health_interval_s=0.5)
+    await eng.start(shared.base, 0)
+    try:
+        job = payload(max_tokens=24, n=3, temperature=1.0)
+        assert eng.deterministic_for(job) and eng.build(True).device == "cpu"
+        busy = [eng.generate(f"busy-{i}", payload(max_tokens=24, temperature=1.0, seed=i)) for i in range(3)]
+        original, *_ = await asyncio.gather(eng.generate("orig", job), *busy)
+        assert original.seed is not None
+        for i, out in enumerate(original.outputs):
+            again = await eng.generate(f"again-{i}", payload(max_tokens=24, temperature=1.0, seed=original.seed + i))
+            got = again.outputs[0]
+            assert first_divergence(out.token_ids, got.token_ids) is None, i
+            assert first_divergence(out.logprobs or [], got.logprobs or []) is None, i
+        assert len({tuple(o.token_ids) for o in original.outputs}) == 3
+    finally:
+        await eng.close()
 
 
 async def test_seeded_long_prompts_prefilled_together_leave_the_server_serving(

@@ -268,7 +268,7 @@ def _add_hf_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="hf engine: cpu, cuda, auto")
     p.add_argument("--dtype", default=None, help="hf engine: float32, bfloat16 (default: the checkpoint's)")
     p.add_argument("--max-batch", type=int, default=32, help="hf engine: sequences decoded together")
-    p.add_argument("--deterministic", action="store_true", help="hf engine: every request batch-invariant (alone)")
+    p.add_argument("--deterministic", action="store_true", help="hf, vllm: every request run alone (batch-invariant)")
 
 
 def _add_server_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -536,6 +536,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     elif args.engine == "vllm":
         options = {"url": args.vllm_url, "python": args.vllm_python, "launch_args": list(args.vllm_arg)}
         options["log_file"] = args.vllm_log
+        options["deterministic"] = args.deterministic
     return options
 
 

@@ -52,6 +52,16 @@ default on CPU); every request carries ``cache_salt`` naming the weight version 
 so nothing computed with other weights is reused, and the first turn after an activation is
 prefilled anew (``cache_rebuilt``). ``cached_tokens`` is vLLM's count for the request.
 
+Replay: a request that gives no seed but samples is sent one drawn here (62 bits from the OS),
+recorded in its result (``Generation.seed``; sample ``i`` draws ``seed + i``, vLLM's own rule for
+its parallel samples). A deterministic request (``deterministic=True`` here, or the payload's)
+runs alone: it waits until the requests before it are answered, nothing is sent beside it, and
+its samples are sent one at a time, each a request of one seeded ``seed + i``. vLLM 0.32's CPU
+build then returns the same tokens and bit-identical log-probs (``VLLM_BATCH_INVARIANT=1``
+crashes its CPU engine, so batch invariance comes from running alone); only there is a request
+said to be deterministic (``deterministic_for``): elsewhere, not measured, it still runs alone,
+and its coordinate says ``deterministic: false``.
+
 Log-probs: with ``processed_logprobs`` they are of the distribution sampled from (after
 temperature, and renormalised over what top-k/top-p keep); greedy requests get the model's own
 log-softmax. Without top-k/top-p that is the hf engine's rule.
@@ -60,9 +70,11 @@ log-softmax. Without top-k/top-p that is the hf engine's rule.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -70,12 +82,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 
 from rollfleet.policy_store.layout import CheckpointLayout, TensorSpec, check_layout
-from rollfleet.schemas import Completion, RolloutPayload
+from rollfleet.schemas import Completion, EngineBuild, RolloutPayload
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest
 from rollfleet.schemas.limits import check_payload
-from rollfleet.workers.engines.base import Generation, TokenSink
+from rollfleet.workers.engines.base import Generation, TokenSink, sample_seed
 from rollfleet.workers.engines.http_server import (
     HTTPServerEngine,
     error_message,
@@ -171,10 +184,12 @@ class VLLMEngine(HTTPServerEngine):
         health_timeout_s: float = 10.0,
         logprobs_mode: str = "processed_logprobs",
         version_cache_salt: bool = True,
+        deterministic: bool = False,
     ) -> None:
         """``url``: attach to a running server; otherwise launch one with ``python`` (a Python
         that has vLLM; default this one) on ``model_path`` or the checkpoint ``start`` is given.
-        ``launch_cmd`` replaces the whole command before ``--model`` (tests, wrappers)."""
+        ``launch_cmd`` replaces the whole command before ``--model`` (tests, wrappers).
+        ``deterministic``: every request runs alone, as a deterministic one does."""
         super().__init__(
             url,
             host=host,
@@ -201,6 +216,13 @@ class VLLMEngine(HTTPServerEngine):
         self.max_model_len: int | None = None
         self.reloads: list[float] = []  # seconds each reload took (inside the pause)
         self._cpu: bool | None = None  # whether the server's vLLM is a CPU build (``built_for_cpu``)
+        self.deterministic = deterministic
+        self._server_version = ""  # the server's ``/version``
+        # Deterministic requests run alone: one at a time, nothing beside them (``_take_turn``).
+        self._turns = asyncio.Condition()
+        self._sent = 0  # requests sent and not yet answered
+        self._alone_waiting = 0
+        self._alone_running = False
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -211,6 +233,10 @@ class VLLMEngine(HTTPServerEngine):
         if model_path is not None:
             self.vocab_size = _config_int(Path(model_path), "vocab_size")
         await self._connect(checkpoint_dir, version, model_path)
+        if self._cpu is None and self.python is not None:  # (an attached server, its Python named)
+            self._cpu = await asyncio.to_thread(built_for_cpu, self.python, self.env)
+        with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError):
+            self._server_version = str((await self._http.get("/version", timeout=10.0)).json().get("version", ""))
         self._start_watching()
         self.max_model_len = await self._served_max_model_len()
         served = await self.served_version()
@@ -252,11 +278,79 @@ class VLLMEngine(HTTPServerEngine):
 
     # -- requests ----------------------------------------------------------------------------
 
+    def deterministic_for(self, payload: RolloutPayload) -> bool:
+        """Only a CPU build's, as measured: a seeded request alone gave the same tokens and
+        bit-identical log-probs. Elsewhere a deterministic request still runs alone, unmeasured."""
+        return (self.deterministic or payload.deterministic) and self._cpu is True
+
+    def build(self, deterministic: bool) -> EngineBuild:
+        device = "cpu" if self._cpu else ""
+        return EngineBuild(self.name, self._server_version, device=device, deterministic=deterministic)
+
     async def generate(
         self, request_id: str, payload: RolloutPayload, session_id: str | None = None, sink: TokenSink | None = None
     ) -> Generation:
         check_payload(payload)
         self._check_tokens(payload)
+        drawn = None
+        if payload.sampling.seed is None and payload.sampling.temperature > 0:
+            # Drawn here and recorded (``Generation.seed``), so any sample can be drawn again;
+            # from the OS, so replicas never draw alike.
+            drawn = secrets.randbits(62)
+            payload = msgspec.structs.replace(payload, sampling=msgspec.structs.replace(payload.sampling, seed=drawn))
+        alone = self.deterministic or payload.deterministic
+        if not alone:
+            gen = await self._in_turn(False, request_id, payload, session_id)
+        else:  # each sample alone, a request of one on its own stream
+            parts: list[Generation] = []
+            for i in range(payload.n):
+                one = msgspec.structs.replace(
+                    payload,
+                    n=1,
+                    sampling=msgspec.structs.replace(payload.sampling, seed=sample_seed(payload.sampling.seed, i)),
+                )
+                if parts and parts[-1].outputs[0].finish_reason == "abort":
+                    parts.append(self._aborted_generation(1, parts[-1].version_end))  # (aborted: the rest too)
+                    continue
+                parts.append(await self._in_turn(True, request_id, one, session_id))
+            gen = Generation(
+                [p.outputs[0] for p in parts],
+                parts[0].version_start,
+                parts[-1].version_end,
+                prompt_tokens=parts[0].prompt_tokens,
+                cached_tokens=parts[0].cached_tokens,
+                cache_rebuilt=parts[0].cache_rebuilt,
+            )
+        gen.seed = drawn
+        return gen
+
+    async def _in_turn(
+        self, alone: bool, request_id: str, payload: RolloutPayload, session_id: str | None
+    ) -> Generation:
+        """``_generate`` once this request's turn came: a request alone waits until nothing else
+        is sent and keeps others from being sent until it is answered; others wait only while a
+        request alone runs or waits (it is at the head of the queue)."""
+        async with self._turns:
+            if alone:
+                self._alone_waiting += 1
+                try:
+                    await self._turns.wait_for(lambda: self._sent == 0 and not self._alone_running)
+                finally:
+                    self._alone_waiting -= 1
+                self._alone_running = True
+            else:
+                await self._turns.wait_for(lambda: not self._alone_running and not self._alone_waiting)
+            self._sent += 1
+        try:
+            return await self._generate(request_id, payload, session_id)
+        finally:
+            async with self._turns:
+                self._sent -= 1
+                if alone:
+                    self._alone_running = False
+                self._turns.notify_all()
+
+    async def _generate(self, request_id: str, payload: RolloutPayload, session_id: str | None) -> Generation:
         if await self._admit(request_id):  # aborted while an activation held it at the gate
             return self._aborted_generation(payload.n, self.version)
         body = self._generate_body(request_id, payload)
