@@ -121,6 +121,21 @@ class Worker:
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
+        """Start the replica, in this order (each phase below awaits the one before it): connect and
+        wait for the namespace, open the job runner and the puller, register as ``starting``, catch
+        up and start the engine, subscribe to the fleet's control subjects, register as ready, then
+        take the backlog and start the loops."""
+        await self._connect()
+        await self._open_job_runner()
+        self._open_puller()
+        await self._register_starting()
+        await self._catch_up_and_start_engine()
+        await self._subscribe_control()
+        await self._register_ready()
+        await self._start_loops()
+
+    async def _connect(self) -> None:
+        """Connect to the broker and wait until the namespace is declared."""
         cfg = self.config
         self.nc = await connect(
             cfg.nats_url,
@@ -137,6 +152,10 @@ class Worker:
         await until_ready(
             lambda: wait_for_topology(self.js, self.names, cfg.topology, bare_after_s=bare_after_s), what="namespace"
         )
+
+    async def _open_job_runner(self) -> None:
+        """The ``JobRunner`` that runs each pulled job (it needs the claims bucket)."""
+        cfg = self.config
         self.jobs = JobRunner(
             self.js,
             self.names,
@@ -153,6 +172,10 @@ class Worker:
             checkpoint_tokens=cfg.checkpoint_tokens,
             checkpoint_s=cfg.checkpoint_s,
         )
+
+    def _open_puller(self) -> None:
+        """The ``JobPuller`` that decides which jobs to pull and pulls them (not started yet)."""
+        cfg = self.config
         self.pulling = JobPuller(
             self.nc,
             self.js,
@@ -171,6 +194,10 @@ class Worker:
             run_job=self._run_job,
             stopping=self._stopping,
         )
+
+    async def _register_starting(self) -> None:
+        """The registry entry, ``starting`` (the metrics endpoint served first, so it names it)."""
+        cfg = self.config
         now = time.time()
         status = ReplicaStatus(
             worker_id=cfg.worker_id,
@@ -193,6 +220,11 @@ class Worker:
             status.metrics_url = f"http://{os.uname().nodename}:{port}/metrics"
         self.registration = Registration(self.js, self.names, status, refresh=self._refresh_status, nc=self.nc)
         await until_ready(self.registration.start, what="registry", typed=False)
+
+    async def _catch_up_and_start_engine(self) -> None:
+        """Start the engine: on the version caught up with where it follows versions (``VersionSync``),
+        else on its fixed checkpoint."""
+        cfg = self.config
         if cfg.store_dir is not None or cfg.follow_versions:
             # A new or restarted replica catches up before it registers as ready.
             self.sync = VersionSync(
@@ -225,10 +257,17 @@ class Worker:
                 await announce_start(self.sync, self.served.version)
         else:
             await self.engine.start(cfg.model_dir, self.served.version)
+
+    async def _subscribe_control(self) -> None:
+        """The core subjects that steer this replica: its bell, cancels, consumers declared, leader moves."""
+        cfg = self.config
         await self.nc.subscribe(self.names.bell_subject(cfg.worker_id), cb=self._on_bell)
         await self.nc.subscribe(self.names.cancel_subject(), cb=self._on_cancel)
         await self.nc.subscribe(self.names.consumers_declared, cb=self._on_declared)
         await self.nc.subscribe(self.names.consumer_leader_advisory(self.names.jobs_stream), cb=self._on_leader)
+
+    async def _register_ready(self) -> None:
+        """The registry entry, ``ready`` (or ``degraded``, saying why), and version sync's loop started."""
         # Started on an older version than the latest commit (it could not be served): say so and why.
         reason = self.sync.start_degraded if self.sync is not None else None
         await self.registration.write(
@@ -239,6 +278,11 @@ class Worker:
         )
         if self.sync is not None:
             self.sync.start(self.registration)
+
+    async def _start_loops(self) -> None:
+        """Take the backlog stored before this replica existed, then start pulling, progress
+        reports, the engine's health watch and the running jobs' keep-alive."""
+        cfg = self.config
         await self.pulling.scan_once()  # backlog stored before this replica existed
         self._tasks = [
             asyncio.create_task(self.pulling.run(), name="pull-loop"),
