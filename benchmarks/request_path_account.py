@@ -211,7 +211,7 @@ def contract_work() -> dict[str, dict[str, float]]:
     from rollfleet.schemas.names import check_token
     from rollfleet.trainer_client import answers
     from rollfleet.trainer_client.jobids import JobIds
-    from rollfleet.trainer_client.requests import constraint_from, written_constraint
+    from rollfleet.trainer_client.requests import asked_of
     from rollfleet.workers.engines.echo import EchoEngine
     from rollfleet.workers.serving import ServedVersion
 
@@ -220,7 +220,8 @@ def contract_work() -> dict[str, dict[str, float]]:
     issued = ids.issue(None)
 
     def request() -> tuple[Any, bytes]:  # (submit's argument checks, then the job built; its id is a step of its own)
-        constraint_from(0, None, None, 0), written_constraint(0, None, None)
+        asked = asked_of(None, 0, None, None)
+        asked.resolve(0), asked.written
         return rp.sample_job(job_id=issued)
 
     job, data = request()

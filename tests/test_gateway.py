@@ -25,7 +25,15 @@ from rollfleet.broker.connection import connect
 from rollfleet.broker.topology import DEFAULT_TOPOLOGY, TopologyConfig
 from rollfleet.gateway import protocol
 from rollfleet.gateway.app import serve
-from rollfleet.schemas import Completion, Names, RolloutResult, VersionSpan, coordinate_from_wire, coordinate_wire
+from rollfleet.schemas import (
+    AskedConstraint,
+    Completion,
+    Names,
+    RolloutResult,
+    VersionSpan,
+    coordinate_from_wire,
+    coordinate_wire,
+)
 from rollfleet.schemas.errors import Expired, InvalidRequest, NoCompatibleReplica
 from rollfleet.testing import ProcessGroup, running_worker, wait_until
 from rollfleet.testing.processes import rollfleet_command
@@ -47,15 +55,15 @@ def test_a_generate_body_becomes_a_payload_and_a_constraint() -> None:
     assert req.payload.prompt_token_ids == [3, 4, 5] and req.payload.n == 2
     assert req.payload.sampling.max_tokens == 7 and req.payload.sampling.top_k == 0
     assert req.payload.extra == {"ignore_eos": True}
-    assert req.constraint.as_kwargs() == {"min_version": 3} and req.idempotency_key == "k1" and req.logprobs
+    assert req.constraint == AskedConstraint("min", 3) and req.idempotency_key == "k1" and req.logprobs
     exact = protocol.parse_generate(
         {"text": "hi", "weight_version": {"exact_version": 2}}, key_header="h", default_max_staleness=1
     )
-    assert exact.constraint.as_kwargs() == {"exact_version": 2} and exact.idempotency_key == "h"
+    assert exact.constraint == AskedConstraint("exact", 2) and exact.idempotency_key == "h"
     default = protocol.parse_generate({"text": "hi"}, key_header=None, default_max_staleness=1)
-    assert default.constraint.as_kwargs() == {"max_staleness": 1}
+    assert default.constraint == AskedConstraint("staleness", 1)
     anyv = protocol.parse_generate({"text": "hi"}, key_header=None, default_max_staleness=None)
-    assert anyv.constraint.as_kwargs() == {"min_version": 0}
+    assert anyv.constraint == AskedConstraint("min", 0)
 
 
 @pytest.mark.parametrize(
@@ -112,7 +120,7 @@ def test_completions_bodies_as_the_openai_client_sends_them() -> None:
         default_max_staleness=None,
     )
     assert (
-        req.payload.prompt_token_ids == [1, 2] and req.logprobs and req.constraint.as_kwargs() == {"exact_version": 0}
+        req.payload.prompt_token_ids == [1, 2] and req.logprobs and req.constraint == AskedConstraint("exact", 0)
     )
     assert (
         protocol.parse_completions({"prompt": ["hi"]}, key_header=None, default_max_staleness=None).payload.prompt_text

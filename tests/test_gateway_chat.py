@@ -26,7 +26,7 @@ from reliability.adversary.truth import recompute, tensors_key
 from rollfleet.broker import free_port
 from rollfleet.gateway import protocol
 from rollfleet.gateway.chat import ChatTemplate, ChatTemplateError
-from rollfleet.schemas import coordinate_wire
+from rollfleet.schemas import AskedConstraint, coordinate_wire
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.testing import ProcessGroup, running_worker, wait_until, write_base_checkpoint
 from rollfleet.testing.processes import rollfleet_command
@@ -106,7 +106,7 @@ def test_bad_chat_requests_are_typed_errors(hf_tokenizer: Any, tmp_path: Path) -
                  "skip_special_tokens": False})  # fmt: skip
     assert req.route == "chat" and req.logprobs and req.payload.n == 2 and req.payload.sampling.max_tokens == 5
     assert req.payload.prompt_text is not None and req.payload.prompt_text.endswith("<|im_start|>assistant\n")
-    assert req.constraint.as_kwargs() == {"exact_version": 3}
+    assert req.constraint == AskedConstraint("exact", 3)
     assert req.payload.extra == {"sampling_params": {"skip_special_tokens": False}}
     with pytest.raises(InvalidRequest, match="--tokenizer"):
         parse({"messages": CONVERSATION}, None)

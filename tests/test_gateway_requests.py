@@ -25,6 +25,7 @@ from rollfleet.gateway.request_state import (
     Respond,
     on_leaving,
 )
+from rollfleet.schemas import AskedConstraint
 from rollfleet.schemas.errors import AuthorizationError, Cancelled, InvalidRequest, NoCompatibleReplica, SessionConflict
 
 # -- RequestState: every door, every promise ---------------------------------------------------
@@ -234,16 +235,16 @@ def test_a_request_may_wait_for_a_replica_through_its_weight_version() -> None:
     """``weight_version.wait_for_replica``: true or false beside exactly one version field, on
     every route; anything else is a 400 naming it; a trajectory's turn may not wait."""
     waits = generate(ONE | {"weight_version": {"exact_version": 1, "wait_for_replica": True}})
-    assert waits.constraint.wait_for_replica and waits.constraint.as_kwargs() == {"exact_version": 1}
+    assert waits.wait_for_replica and waits.constraint == AskedConstraint("exact", 1)
     for spec in ({"min_required_version": 3, "wait_for_replica": False}, {"min_required_version": 3,
                  "wait_for_replica": None}, {"min_required_version": 3}):  # fmt: skip
         req = generate(ONE | {"weight_version": spec})
-        assert not req.constraint.wait_for_replica and req.constraint.as_kwargs() == {"min_version": 3}
-    assert not generate(ONE).constraint.wait_for_replica
+        assert not req.wait_for_replica and req.constraint == AskedConstraint("min", 3)
+    assert not generate(ONE).wait_for_replica
     openai_way = completions({"prompt": "x", "weight_version": {"min_required_version": 0, "wait_for_replica": True}})
-    assert openai_way.constraint.wait_for_replica
+    assert openai_way.wait_for_replica
     batch = generate({"input_ids": [[1], [2]], "weight_version": {"exact_version": 2, "wait_for_replica": True}})
-    assert all(r.constraint.wait_for_replica for r in batch)
+    assert all(r.wait_for_replica for r in batch)
     for bad in ("yes", 1, 0, [], {}):
         with pytest.raises(InvalidRequest) as refused:
             generate(ONE | {"weight_version": {"exact_version": 1, "wait_for_replica": bad}})
@@ -310,13 +311,13 @@ def test_a_409_says_when_the_autoscaler_expects_a_replica_of_the_class_to_serve(
         rows = {name: {"desired": 1, "actual": 1, "serving_by": by} for name, by in classes.items()}
         return json.dumps({"at": at, "latest": 9, "classes": rows}).encode()
 
-    exact3, at_least5 = protocol.Constraint(exact_version=3), protocol.Constraint(min_version=5)
+    exact3, at_least5 = AskedConstraint("exact", 3), AskedConstraint("min", 5)
     starting = status(**{"3": now + 22.4, "latest": now + 10})
     assert protocol.retry_after_s(exact3, starting, now) == 23
     assert protocol.retry_after_s(at_least5, starting, now) == 10
-    assert protocol.retry_after_s(protocol.Constraint(max_staleness=1), starting, now) == 10
-    assert protocol.retry_after_s(protocol.Constraint(exact_version=9), starting, now) == 10  # (latest: followers)
-    assert protocol.retry_after_s(protocol.Constraint(min_version=12), starting, now) == 1  # (not published yet)
+    assert protocol.retry_after_s(AskedConstraint("staleness", 1), starting, now) == 10
+    assert protocol.retry_after_s(AskedConstraint("exact", 9), starting, now) == 10  # (latest: followers)
+    assert protocol.retry_after_s(AskedConstraint("min", 12), starting, now) == 1  # (not published yet)
     assert protocol.retry_after_s(exact3, status(**{"3": None}), now) == 1  # (one serves, or none starts)
     assert protocol.retry_after_s(exact3, status(**{"4": now + 20}), now) == 1
     assert protocol.retry_after_s(exact3, status(**{"3": now - 5}), now) == 1  # (late: any moment)

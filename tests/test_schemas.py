@@ -430,3 +430,30 @@ def test_a_claim_marked_stopped_reads_back_stopped_and_keeps_its_holder() -> Non
     stopped = held.as_stopped()
     assert stopped.stopped and stopped.holder == held.holder
     assert Claim.decode(stopped.encode()).stopped
+
+
+def test_a_constraint_is_checked_once_as_written_and_resolved_against_the_newest_version() -> None:
+    """``AskedConstraint``: the one check of a constraint from every door (the client's keywords,
+    a session and its turns, the HTTP endpoint), its written form (what a fingerprint covers:
+    a request asked again after a commit is the same request) and what it resolves to."""
+    from rollfleet.schemas import ANY_VERSION, AskedConstraint
+    from rollfleet.trainer_client.requests import asked_of
+
+    assert AskedConstraint.of(max_staleness=2).resolve(10) == VersionConstraint("min", 8)
+    assert AskedConstraint.of(max_staleness=20).resolve(10) == VersionConstraint("min", 0)
+    assert AskedConstraint.of(max_staleness=1).resolve(None) == VersionConstraint("min", 0)
+    assert AskedConstraint.of(exact_version=3).resolve(10) == VersionConstraint("exact", 3)
+    assert AskedConstraint.of(min_version=3).written == "min:3" and ANY_VERSION.written == "min:0"
+    assert AskedConstraint.of(max_staleness=1).written == "staleness:1"  # (not the version it resolves to)
+    assert AskedConstraint.of(exact_version=4).as_fields() == {"min_version": None, "exact_version": 4,
+                                                               "max_staleness": None}  # fmt: skip
+    for bad in ({}, {"min_version": 1, "exact_version": 1}, {"min_version": 1.0}, {"exact_version": True},
+                {"max_staleness": -1}, {"min_version": "3"}, {"exact_version": 2**63}):  # fmt: skip
+        with pytest.raises(E.InvalidRequest):
+            AskedConstraint.of(**bad)
+    built = AskedConstraint("exact", 2)
+    assert asked_of(built, None, None, None) is built
+    with pytest.raises(E.InvalidRequest):
+        asked_of(built, 2, None, None)  # (two ways at once)
+    with pytest.raises(E.InvalidRequest):
+        asked_of({"exact_version": 2}, None, None, None)  # (not the type)

@@ -186,7 +186,7 @@ class Gateway:
     async def submit(self, req: GatewayRequest) -> RolloutHandle:
         handle = await self.client.submit(
             req.payload, idempotency_key=req.idempotency_key, timeout=self.timeout_s,
-            wait_for_replica=req.constraint.wait_for_replica, **req.constraint.as_kwargs(),
+            wait_for_replica=req.wait_for_replica, constraint=req.constraint,
         )  # fmt: skip
         log.info("submitted", route=req.route, idempotency_key=handle.idempotency_key, job_id=handle.job_id,
                  **({"user": req.user} if req.user is not None else {}))  # fmt: skip
@@ -380,7 +380,7 @@ class Exchange:
                 session = await self.gateway.session(sid)
                 return await session.generate(req.payload, timeout=self.gateway.timeout_s, key=req.idempotency_key,
                                               submitted=lambda handle: self._stored(0, handle),
-                                              **req.constraint.as_kwargs())  # fmt: skip
+                                              constraint=req.constraint)  # fmt: skip
 
         turn = asyncio.ensure_future(run())
         try:

@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 from rollfleet.gateway.chat import ChatTemplate, messages_of, tools_of
 from rollfleet.schemas import DEFAULT_LIMITS, RolloutPayload, RolloutResult, SamplingParams, coordinate_wire
+from rollfleet.schemas.asked import ANY_VERSION, AskedConstraint
 from rollfleet.schemas.bounded import load_json
 from rollfleet.schemas.errors import InvalidRequest, RollfleetError
 from rollfleet.schemas.progress import TokenChunk
@@ -328,48 +329,29 @@ def session_of(headers: Mapping[str, str]) -> str | None:
 
 
 @dataclass(frozen=True)
-class Constraint:
-    """Which versions may serve: exactly one of the three, or none (the gateway's default); and
-    whether a request no replica serves now waits for one (``submit(..., wait_for_replica=True)``)
-    rather than taking ``NoCompatibleReplica``."""
-
-    min_version: int | None = None
-    exact_version: int | None = None
-    max_staleness: int | None = None
-    wait_for_replica: bool = False
-
-    def as_kwargs(self) -> dict[str, int]:
-        given = {
-            k: v
-            for k, v in (
-                ("min_version", self.min_version),
-                ("exact_version", self.exact_version),
-                ("max_staleness", self.max_staleness),
-            )
-            if v is not None
-        }
-        return given or {"min_version": 0}
-
-
-@dataclass(frozen=True)
 class GatewayRequest:
     route: Route
     payload: RolloutPayload
-    constraint: Constraint
+    constraint: AskedConstraint  # which versions may serve it, as Stitch's object or the default says
     idempotency_key: str | None  # the client's (None: it gave none)
     stream: bool
     logprobs: bool  # return them (the payload always asks the engine for them)
     model: str | None = None
     user: str | None = None  # OpenAI's end-user id: logged with the request, changes nothing generated
+    # A request no replica serves now waits for one (``submit(..., wait_for_replica=True)``) rather
+    # than taking ``NoCompatibleReplica``.
+    wait_for_replica: bool = False
 
 
-def constraint_of(body: dict[str, Any], default_max_staleness: int | None) -> Constraint:
+def constraint_of(body: dict[str, Any], default_max_staleness: int | None) -> tuple[AskedConstraint, bool]:
     """Stitch's ``weight_version`` object (exactly one of its two version fields, an integer, and
     optionally ``wait_for_replica``, true or false), else the gateway's default (``max_staleness``
-    below the latest version, or any version)."""
+    below the latest version, or any version); and whether it waits for a replica."""
     spec = body.get("weight_version")
     if spec is None:
-        return Constraint(max_staleness=default_max_staleness)
+        if default_max_staleness is None:
+            return ANY_VERSION, False
+        return AskedConstraint("staleness", default_max_staleness), False
     one_of = "weight_version: give exactly one of min_required_version or exact_version"
     if not isinstance(spec, dict):
         raise RefusedField("weight_version", f"{one_of}, in an object")
@@ -385,10 +367,7 @@ def constraint_of(body: dict[str, Any], default_max_staleness: int | None) -> Co
         raise RefusedField("weight_version", one_of)
     ((name, value),) = given.items()
     version = _int(value, f"weight_version.{name}", minimum=0)
-    waits = wait is True
-    if name == "exact_version":
-        return Constraint(exact_version=version, wait_for_replica=waits)
-    return Constraint(min_version=version, wait_for_replica=waits)
+    return AskedConstraint("exact" if name == "exact_version" else "min", version), wait is True
 
 
 def check_turn(parsed: GatewayRequest | list[GatewayRequest]) -> None:
@@ -397,7 +376,7 @@ def check_turn(parsed: GatewayRequest | list[GatewayRequest]) -> None:
     replica holding its context, and answers one no replica serves at once)."""
     if isinstance(parsed, list):
         raise InvalidRequest("a batch of inputs cannot be one session's turn: send the turns one by one")
-    if parsed.constraint.wait_for_replica:
+    if parsed.wait_for_replica:
         raise RefusedField("weight_version.wait_for_replica",
                            "weight_version.wait_for_replica is not honoured for a session's turn: send it without "
                            "X-Session-Id, or without wait_for_replica")  # fmt: skip
@@ -501,10 +480,12 @@ def _generate_one(
         n=n,
         extra=extra,
     )
+    constraint, waits = constraint_of(body, default_max_staleness)
     return GatewayRequest(
         route="generate",
         payload=payload,
-        constraint=constraint_of(body, default_max_staleness),
+        constraint=constraint,
+        wait_for_replica=waits,
         idempotency_key=key,
         stream=_bool(body.get("stream", False), "stream"),
         logprobs=_bool(body.get("return_logprob") or False, "return_logprob"),
@@ -586,10 +567,12 @@ def parse_completions(
     best_of = body.get("best_of")
     if best_of is not None and _int(best_of, "best_of", minimum=1) not in (1, n):
         raise RefusedField("best_of", "best_of is not honoured: only 1, or equal to n (every sample is returned)")
+    constraint, waits = constraint_of(body, default_max_staleness)
     return GatewayRequest(
         route="completions",
         payload=RolloutPayload(prompt_token_ids=ids, prompt_text=text, sampling=sampling, n=n, extra=extra),
-        constraint=constraint_of(body, default_max_staleness),
+        constraint=constraint,
+        wait_for_replica=waits,
         idempotency_key=_key(body, key_header),
         stream=_bool(body.get("stream") or False, "stream"),
         logprobs=logprobs is not None,
@@ -628,10 +611,12 @@ def parse_chat(
                              kwargs=kwargs, now=now)  # fmt: skip
     if not prompt:
         raise InvalidRequest("the chat template rendered the conversation to an empty prompt")
+    constraint, waits = constraint_of(body, default_max_staleness)
     return GatewayRequest(
         route="chat",
         payload=RolloutPayload(prompt_text=prompt, sampling=sampling, n=n, extra=extra),
-        constraint=constraint_of(body, default_max_staleness),
+        constraint=constraint,
+        wait_for_replica=waits,
         idempotency_key=_key(body, key_header),
         stream=_bool(body.get("stream") or False, "stream"),
         logprobs=_bool(body.get("logprobs") or False, "logprobs"),
@@ -889,7 +874,7 @@ AUTOSCALER_FRESH_S = 60.0  # a status older than this is not read (a live contro
 MAX_RETRY_AFTER_S = 3600
 
 
-def retry_after_s(constraint: Constraint, autoscaler_status: bytes | None, now: float) -> int:
+def retry_after_s(constraint: AskedConstraint, autoscaler_status: bytes | None, now: float) -> int:
     """What a 409's ``Retry-After`` says: the seconds until the fleet's autoscaler expects a
     replica of the class the constraint needs to serve, where its last published status (the
     fleet bucket's ``autoscaler.status``, written within ``AUTOSCALER_FRESH_S``) says one is
@@ -908,8 +893,8 @@ def retry_after_s(constraint: Constraint, autoscaler_status: bytes | None, now: 
         return 1  # (a status this gateway cannot read says nothing)
     if not isinstance(classes, dict) or not isinstance(latest, int) or now - at > AUTOSCALER_FRESH_S:
         return 1  # (a controller clock a little ahead of this one is no staleness)
-    exact = constraint.exact_version
-    version = exact if exact is not None else constraint.min_version
+    exact = constraint.value if constraint.kind == "exact" else None
+    version = None if constraint.kind == "staleness" else constraint.value
     if version is not None and version > latest:
         return 1
     klass = str(exact) if exact is not None and exact < latest else "latest"

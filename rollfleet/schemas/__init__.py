@@ -1,5 +1,6 @@
 """The contract every side reads: messages, names, errors, limits, version constraints."""
 
+from rollfleet.schemas.asked import ANY_VERSION, AskedConstraint
 from rollfleet.schemas.codec import decode, decode_event, decode_job, decode_outcome, encode, job_address
 from rollfleet.schemas.errors import *  # noqa: F403
 from rollfleet.schemas.errors import RollfleetError, error_from_code
@@ -47,9 +48,11 @@ from rollfleet.schemas.replay import (
 )
 
 __all__ = [
+    "ANY_VERSION",
     "DEFAULT_LIMITS",
     "SCHEMA_VERSION",
     "AnsweredNotice",
+    "AskedConstraint",
     "ChunkedOutcome",
     "Claim",
     "Completion",

@@ -51,6 +51,7 @@ from rollfleet.schemas import (
     check_token,
     claim_key,
 )
+from rollfleet.schemas.asked import AskedConstraint
 from rollfleet.schemas.errors import (
     Cancelled,
     ClientIdInUse,
@@ -72,7 +73,7 @@ from rollfleet.trainer_client.jobids import JobIds
 from rollfleet.trainer_client.lease import ClientLease
 from rollfleet.trainer_client.placement import PUBLISH_BUDGET_S, JobPlacement
 from rollfleet.trainer_client.refusals import RefusalNotes
-from rollfleet.trainer_client.requests import build_job, constraint_from, written_constraint
+from rollfleet.trainer_client.requests import asked_of, build_job
 from rollfleet.trainer_client.restore import restore_namespace
 from rollfleet.trainer_client.sessions import OpenSession, Session
 from rollfleet.trainer_client.settling import Settler, check_same_request, conflict
@@ -330,6 +331,7 @@ class RolloutClient:
         min_version: int | None = None,
         exact_version: int | None = None,
         max_staleness: int | None = None,
+        constraint: AskedConstraint | None = None,
         idempotency_key: str | None = None,
         deadline: float | None = None,
         timeout: float | None = None,
@@ -340,7 +342,8 @@ class RolloutClient:
         """Queue one rollout job and return its handle.
 
         Exactly one of ``min_version``, ``exact_version`` or ``max_staleness`` (meaning
-        ``min_version = latest - max_staleness``) says which policy versions may serve it.
+        ``min_version = latest - max_staleness``) says which policy versions may serve it, or
+        ``constraint``, the same built once (``AskedConstraint``, as the HTTP endpoint does).
         Resubmitting an ``idempotency_key`` yields the same answer, from whichever process and
         whenever, while the results stream keeps it, and never runs it again (within the duplicate
         window it makes no second job; after it, the copy stored is found answered by the replica
@@ -351,11 +354,11 @@ class RolloutClient:
         ``wait_for_replica`` it is queued instead and waits within its deadline for one to be
         started (the fleet's control loop hears it and starts a replica held at its version).
         """
-        constraint = constraint_from(min_version, exact_version, max_staleness, self.latest_version)
+        asked = asked_of(constraint, min_version, exact_version, max_staleness)
         return await self._submit(
             payload,
-            constraint,
-            written=written_constraint(min_version, exact_version, max_staleness),
+            asked.resolve(self.latest_version),
+            written=asked.written,
             idempotency_key=idempotency_key,
             deadline=deadline,
             timeout=timeout,

@@ -31,21 +31,11 @@ from rollfleet.schemas import (
     encode,
     request_fingerprint,
 )
+from rollfleet.schemas.asked import AskedConstraint, whole_number
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.schemas.messages import retry_behaviour
 
-_MAX_VERSION = 2**63 - 1
 RETRY_POLICIES: tuple[str, ...] = get_args(RetryPolicy)
-
-
-def whole_number(name: str, value: object, low: int = 0) -> int:
-    """``value`` as an int in ``[low, 2**63)``; bools, floats and strings are refused, not coerced."""
-    # (A plain int, as nearly always, skips the ABC check: bool is a type of its own.)
-    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-        raise InvalidRequest(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    if not low <= int(value) <= _MAX_VERSION:
-        raise InvalidRequest(f"{name} must be in [{low}, 2**63), got {value}")
-    return int(value)
 
 
 def seconds(name: str, value: object) -> float:
@@ -54,28 +44,18 @@ def seconds(name: str, value: object) -> float:
     return float(value)
 
 
-def constraint_from(
-    min_version: object, exact_version: object, max_staleness: object, latest: int | None
-) -> VersionConstraint:
-    given = (min_version is not None) + (exact_version is not None) + (max_staleness is not None)
-    if given != 1:
-        raise InvalidRequest("give exactly one of min_version, exact_version or max_staleness")
-    if exact_version is not None:
-        return VersionConstraint("exact", whole_number("exact_version", exact_version))
-    if min_version is not None:
-        return VersionConstraint("min", whole_number("min_version", min_version))
-    staleness = whole_number("max_staleness", max_staleness)
-    return VersionConstraint("min", max(0, (latest or 0) - staleness))
-
-
-def written_constraint(min_version: object, exact_version: object, max_staleness: object) -> str:
-    """The constraint as its caller wrote it (``staleness:1``, not the version that resolved to):
-    what a request's fingerprint covers, so resubmitting it after a commit asks the same thing."""
-    if exact_version is not None:
-        return f"exact:{exact_version}"
-    if min_version is not None:
-        return f"min:{min_version}"
-    return f"staleness:{max_staleness}"
+def asked_of(
+    constraint: object, min_version: object, exact_version: object, max_staleness: object
+) -> AskedConstraint:
+    """The constraint of a call that may give it built (``constraint``) or as keywords: exactly
+    one way, checked once (``AskedConstraint.of``)."""
+    if constraint is None:
+        return AskedConstraint.of(min_version, exact_version, max_staleness)
+    if not isinstance(constraint, AskedConstraint):
+        raise InvalidRequest(f"constraint must be an AskedConstraint, got {type(constraint).__name__}")
+    if (min_version, exact_version, max_staleness) != (None, None, None):
+        raise InvalidRequest("give exactly one of min_version, exact_version, max_staleness or constraint")
+    return constraint
 
 
 def build_job(
@@ -97,7 +77,7 @@ def build_job(
     asked_at: float | None = None,
 ) -> tuple[RolloutJob, bytes]:
     """The job and its wire bytes, or ``InvalidRequest`` naming what is wrong. ``written``: the
-    constraint as the caller wrote it (see ``written_constraint``); ``max_timeout_s``: the
+    constraint as the caller wrote it (``AskedConstraint.written``); ``max_timeout_s``: the
     longest an ``at_most_once`` job may wait (its claim must outlive it); ``asked_at``: when the
     caller asked, where that was before this call (a ``timeout`` counts from then)."""
     if not isinstance(payload, RolloutPayload):
@@ -168,9 +148,8 @@ def build_job(
 __all__ = [
     "RETRY_POLICIES",
     "RetryPolicy",
+    "asked_of",
     "build_job",
-    "constraint_from",
     "seconds",
     "whole_number",
-    "written_constraint",
 ]

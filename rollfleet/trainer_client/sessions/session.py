@@ -62,6 +62,7 @@ from rollfleet.schemas import (
     encode,
     error_from_code,
 )
+from rollfleet.schemas.asked import AskedConstraint
 from rollfleet.schemas.errors import (
     Expired,
     IdempotencyConflict,
@@ -74,7 +75,7 @@ from rollfleet.schemas.errors import (
 )
 from rollfleet.schemas.messages import refuses_while_activating
 from rollfleet.trainer_client.handle import RolloutHandle
-from rollfleet.trainer_client.requests import constraint_from, written_constraint
+from rollfleet.trainer_client.requests import asked_of
 from rollfleet.trainer_client.sessions.host import SessionHost
 from rollfleet.trainer_client.sessions.sticky import await_turn
 
@@ -89,7 +90,6 @@ _KEYS_KEPT = 256  # callers' own turn keys remembered in the record (asked again
 # turn (a retry under the caller's key while it runs, through another handle of the session)
 # waits for its answer instead of watching, and moving, it a second time.
 _WATCHED: weakref.WeakSet[RolloutHandle] = weakref.WeakSet()
-Own = tuple[int | None, int | None, int | None]  # a turn's own (min_version, exact_version, max_staleness)
 
 
 def turn_key(session_id: str, incarnation: str, turn: int) -> str:
@@ -119,7 +119,7 @@ class Session:
             raise InvalidRequest(f"ttl must be a positive number of seconds, got {ttl!r}")
         if not isinstance(affinity_wait_s, int | float) or not affinity_wait_s >= 0:
             raise InvalidRequest(f"affinity_wait_s must be >= 0 seconds, got {affinity_wait_s!r}")
-        constraint_from(min_version, exact_version, max_staleness, 0)  # the same checks as submit
+        AskedConstraint.of(min_version, exact_version, max_staleness)  # the same checks as submit
         sid = session_id if session_id is not None else uuid.uuid4().hex
         check_token(sid, "session_id")
         now = time.time()
@@ -268,6 +268,7 @@ class Session:
         min_version: int | None = None,
         exact_version: int | None = None,
         max_staleness: int | None = None,
+        constraint: AskedConstraint | None = None,
         submitted: Callable[[RolloutHandle], None] | None = None,
     ) -> RolloutResult:
         """Run the next turn (its prompt: the whole context so far) and return its result, or
@@ -278,15 +279,15 @@ class Session:
         ``key``: the caller's own idempotency key for the turn: its job is stored under it (the
         answer names it); asked again under it, the turn is answered from its one run and no
         index is spent; the key with another request is ``IdempotencyConflict``, as for
-        ``submit``. ``min_version``, ``exact_version``, ``max_staleness``: the turn's own
-        constraint (else the session's), under the session's version policy. ``submitted``:
+        ``submit``. ``min_version``, ``exact_version``, ``max_staleness`` (or ``constraint``, the
+        same built once): the turn's own constraint (else the session's), under the session's
+        version policy. ``submitted``:
         called with the turn's handle as soon as its job is stored (a caller that leaves may
         cancel it)."""
         asked_at = time.time()
-        own: Own | None = None
-        if (min_version, exact_version, max_staleness) != (None, None, None):
-            constraint_from(min_version, exact_version, max_staleness, 0)  # the same checks as submit
-            own = (min_version, exact_version, max_staleness)
+        own: AskedConstraint | None = None
+        if constraint is not None or (min_version, exact_version, max_staleness) != (None, None, None):
+            own = asked_of(constraint, min_version, exact_version, max_staleness)  # the same checks as submit
         if not self._opened:
             await self.open()
         if self._closed:
@@ -380,7 +381,7 @@ class Session:
         self,
         payload: RolloutPayload,
         key: str,
-        own: Own | None,
+        own: AskedConstraint | None,
         timeout: float | None,
         asked_at: float,
         submitted: Callable[[RolloutHandle], None] | None,
@@ -395,8 +396,7 @@ class Session:
         r = self._record
         # (Built again only if the key's job and answer are gone: at the constraint as asked, or
         # at the pin; the policy's floor has moved with the turns since, and is not this turn's.)
-        given = own if own is not None else (r.min_version, r.exact_version, r.max_staleness)
-        constraint = constraint_from(*given, self._host.latest_version)
+        constraint = (own or self._asked()).resolve(self._host.latest_version)
         if r.version_policy == "pinned" and r.last_version is not None:
             constraint = VersionConstraint("exact", r.last_version)
         handle = await self._host.submit_turn(
@@ -434,19 +434,23 @@ class Session:
         """The key turn ``turn``'s job was stored under: the caller's own, or the session's."""
         return next((k for k, t in self._record.keys.items() if t == turn), None) or self.turn_key(turn)
 
-    def _written(self, own: Own | None = None) -> str:
+    def _asked(self) -> AskedConstraint:
+        """The session's own constraint, as its record keeps it (checked when it was opened)."""
+        r = self._record
+        return AskedConstraint.of(r.min_version, r.exact_version, r.max_staleness)
+
+    def _written(self, own: AskedConstraint | None = None) -> str:
         """The turn's request as its caller wrote it: the session's settings, or the turn's own
         constraint (for the fingerprint: a key asked again with another constraint is another request)."""
         r = self._record
-        given = own if own is not None else (r.min_version, r.exact_version, r.max_staleness)
-        return f"session:{r.version_policy}:{written_constraint(*given)}"
+        return f"session:{r.version_policy}:{(own or self._asked()).written}"
 
-    def _constraint(self, own: Own | None = None) -> VersionConstraint:
+    def _constraint(self, own: AskedConstraint | None = None) -> VersionConstraint:
         """The turn's constraint: its own (else the session's), under the version policy. The
         policy narrows it, never widens it: a turn is never answered outside what it asked."""
         r = self._record
         latest = self._host.latest_version
-        base = constraint_from(*(own if own is not None else (r.min_version, r.exact_version, r.max_staleness)), latest)
+        base = (own or self._asked()).resolve(latest)
         if r.version_policy == "pinned":
             if r.last_version is None:
                 r.last_version = self._pin(base)
