@@ -401,6 +401,22 @@ def expired_though_its_answer_was_stored(h: History, never_stored: bool = False)
         h.doc["stored"].pop(key, None)
 
 
+def replay_coordinate_altered(h: History, part: str) -> None:
+    """One accepted echo answer's replay coordinate says another prompt, or another version's
+    bytes, than the harness's own facts (the request's prompt, the trainer's weights)."""
+    for r in h.answers():
+        wire = r.get("replay")
+        if r["key"] in h.cancelled or not wire or not any(d for _, d in wire["versions"]):
+            continue
+        if part == "prompt":
+            wire["prompt"] = "00" * 8
+        else:
+            wire["versions"] = [[v, "ff" * 8 if d else d] for v, d in wire["versions"]]
+        h.flagged = str(r["job_id"])
+        return
+    raise AssertionError("the recorded run has no answer with a replay coordinate and a digest")
+
+
 MUTATIONS: dict[str, tuple[Callable[[History], None], str]] = {
     "refuse-everything": (refuse_everything, "available"),
     "no-calls": (no_calls, "available"),
@@ -416,6 +432,8 @@ MUTATIONS: dict[str, tuple[Callable[[History], None], str]] = {
     "gateway-call-hangs-past-its-deadline": (gateway_call_hangs_past_its_deadline, "resolution"),
     "expired-though-its-answer-was-stored": (expired_though_its_answer_was_stored, "lost"),
     "reversed-tokens": (partial(swap_tokens, reverse=True), "served"),
+    "replay-coordinate-of-another-prompt": (partial(replay_coordinate_altered, part="prompt"), "replayed"),
+    "replay-coordinate-of-other-bytes": (partial(replay_coordinate_altered, part="digest"), "replayed"),
     "consumer-declared-with-the-default-ack-wait": (consumer_declared_with_the_default_ack_wait, "topology"),
     "jobs-stream-declared-with-its-declarers-window": (jobs_stream_declared_with_its_declarers_window, "topology"),
     "interrupted-though-a-frozen-holder-finished": (interrupted_though_a_frozen_holder_finished, "twice"),

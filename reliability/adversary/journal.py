@@ -111,7 +111,14 @@ def describe_result(result: Any) -> dict[str, Any]:
         "lengths": [len(c.token_ids) for c in result.outputs],
         "finishes": [c.finish_reason for c in result.outputs],
         "kept": getattr(result, "kept_tokens", 0),
+        "replay": _replay_wire(getattr(result, "replay", None)),  # (the oracle's ``replayed``)
     }
+
+
+def _replay_wire(coord: Any) -> dict[str, Any] | None:
+    from rollfleet.schemas.replay import coordinate_wire
+
+    return coordinate_wire(coord, 0)
 
 
 def describe_error(exc: BaseException) -> dict[str, Any]:
@@ -167,4 +174,5 @@ def http_answer(status: int, data: Any) -> dict[str, Any]:
         "kept": 0,
         "logprobs": [len(m.get("output_token_logprobs") or []) for m in meta],
         "status": 200,
+        "replay": facts[0].get("replay"),
     }

@@ -23,6 +23,13 @@ The invariants (``Oracle.checks`` counts each evaluation; each violation is one 
 - ``digest``: for every accepted result, the replica's last activation of that version before
   the result announced the digest of the trainer's weights at that version (``--verify-live``);
   a missing digest is a violation only for engines that provide one.
+- ``replayed``: every accepted result of an echo replica that carries a replay coordinate
+  (``RolloutResult.replay``, or a gateway answer's ``rollfleet.replay``) says what the harness
+  knows from its own facts: its prompt digest is the digest of the prompt of the request the
+  answer was for, every version a span of it names is listed, each listed version's digest is
+  the trainer's own bytes at that version (``TrainerWeights.digest``, computed here; a version
+  the stamping replica never held has none), and the seed it recorded is the request's, where
+  the request gave one.
 - ``served``: every token of every accepted result that a keyed echo engine made (``--echo-keyed``),
   or an sglang worker's keyed SGLang stand-in (``--sglang N``, ``reliability.adversary.engines``),
   is the token the trainer's own weights at its span's labelled version make, recomputed from
@@ -746,6 +753,7 @@ class Oracle:
         self._check_publisher_races()
         self._check_accepted()
         self._check_served()
+        self._check_replayed()
         self._check_forged_errors()
         self._check_once()
         self._check_lost_and_stranded()
@@ -1193,6 +1201,63 @@ class Oracle:
                 f"{bad[0].describe() if bad else ''}{more}",
                 "1",
             )
+
+    def _check_replayed(self) -> None:
+        """replayed, for every accepted echo result with a coordinate (``replay`` in its journal)."""
+        from rollfleet.schemas.replay import coordinate_from_wire
+        from rollfleet.schemas.replay import prompt_digest as replay_prompt_digest
+
+        engine_of = {w.worker_id: w.engine for w in self.tl.workers}
+        payload_of_job = {
+            (str(c.stored["job_id"]), c.stored.get("fingerprint")): c.req["payload"]
+            for c in self.calls
+            if c.stored and c.req
+        }
+        calls_of_key: dict[str, list[Call]] = defaultdict(list)
+        for c in self.calls:
+            for k in {c.key, self.idem.get(c.key, c.key)}:
+                calls_of_key[k].append(c)
+        done: set[tuple[str, str]] = set()
+        for call, key, desc in self._accepted():
+            sig = (str(desc.get("job_id")), str(desc.get("worker_id")))
+            wire = desc.get("replay")
+            if sig in done or desc.get("forged_tokens") or engine_of.get(str(desc.get("worker_id"))) != "echo":
+                continue
+            done.add(sig)
+            if wire is None:
+                self.unverified["replayed: the answer carries no coordinate"] += 1
+                continue
+            job_id = str(desc.get("job_id"))
+            payload, unknown = answer_payload(
+                desc,
+                call,
+                calls_of_key.get(key, []),
+                stored=payload_of_job.get((job_id, desc.get("fingerprint"))),
+                delivered={d.prompt for d in self.deliveries_by_job.get(job_id, []) if d.prompt},
+            )
+            if payload is None or payload.get("prompt") is None:
+                self.unverified[f"replayed: {unknown or 'the answer has no prompt'}"] += 1
+                continue
+            try:
+                coord, _ = coordinate_from_wire(wire)
+            except ValueError as exc:
+                self.check("replayed", False, key, f"job {job_id}: {exc}", "1")
+                continue
+            wrong: list[str] = []
+            if coord.prompt != replay_prompt_digest([int(t) for t in payload["prompt"]]):
+                wrong.append(f"prompt digest {coord.prompt.hex()} is not the request's prompt's")
+            listed = {v.version for v in coord.versions}
+            spanned = {int(s[0]) for spans in desc.get("spans") or [] for s in spans}
+            if spanned - listed:
+                wrong.append(f"spans at versions {sorted(spanned - listed)} its coordinate does not list")
+            for v in coord.versions:
+                want = self.weights.content_digest(v.version)
+                if v.digest and v.digest != want:  # (b"": a version the stamping replica never held)
+                    wrong.append(f"v{v.version}'s digest {v.digest.hex()}, the trainer's is {want.hex()}")
+            if payload.get("seed") is not None and coord.sampling.seed != payload["seed"]:
+                wrong.append(f"seed {coord.sampling.seed}, the request's is {payload['seed']}")
+            self.check("replayed", not wrong, key, f"served by {desc.get('worker_id')} (job {job_id}): "
+                       + "; ".join(wrong), "1")  # fmt: skip
 
     def _check_forged_errors(self) -> None:
         """A key whose answer a forgery decided: the trainer was handed an error (the forged

@@ -85,6 +85,15 @@ class TrainerWeights:
 
         return weights_digest({n: tensor_checksum(t, fmt) for n, t in self.at(version).items()})
 
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - one object per run, a handful of versions
+    def content_digest(self, version: int, fmt: str = "xxh3-128") -> bytes:
+        """content_digest of the trainer's tensors at ``version``, as a replay coordinate records
+        it (each tensor's checksum as ``"fmt:hex"``, as a store publishes it), computed here."""
+        from rollfleet.policy_store import tensor_checksum
+        from rollfleet.policy_store.digest import content_digest
+
+        return content_digest({n: f"{fmt}:{tensor_checksum(t, fmt)}" for n, t in self.at(version).items()})
+
 
 def perturb(tensors: dict[str, np.ndarray], names: list[str], version: int, seed: int, salt: int) -> None:
     """Move a few entries of one or two tensors, in place, by a stream of (seed, version, salt)'s
