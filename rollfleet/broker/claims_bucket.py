@@ -16,7 +16,7 @@ from typing import NamedTuple
 import nats.js.errors
 from nats.js.kv import KeyValue
 
-from rollfleet.broker.retry_publish import WRONG_LAST_SEQUENCE
+from rollfleet.broker.errors import is_wrong_last_sequence
 from rollfleet.schemas import Claim, claim_key
 from rollfleet.schemas.errors import Fenced
 
@@ -84,6 +84,6 @@ class ClaimsBucket:
         except nats.js.errors.KeyWrongLastSequenceError:
             raise Fenced(f"claim {key} moved past revision {revision}", subject=key, expected_seq=revision) from None
         except nats.js.errors.APIError as exc:  # (nats-py passes a delete's refusal on as it came)
-            if exc.err_code != WRONG_LAST_SEQUENCE:
+            if not is_wrong_last_sequence(exc):
                 raise
             raise Fenced(f"claim {key} moved past revision {revision}", subject=key, expected_seq=revision) from None

@@ -9,6 +9,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
+from rollfleet.broker.errors import refuses_credentials
 from rollfleet.runtime.logs import get_logger
 from rollfleet.runtime.secrets import has_secrets, redact_url, redact_urls
 from rollfleet.schemas.errors import AuthorizationError, ServiceUnavailable
@@ -146,7 +147,7 @@ async def connect(
 
     async def on_error_first(exc: Exception) -> None:
         # Wrong credentials never fix themselves: fail the first connect instead of retrying.
-        if "nc" not in conn and "authorization" in str(exc).lower() and not refused.done():
+        if "nc" not in conn and refuses_credentials(exc) and not refused.done():
             refused.set_result(exc)
         await on_error(exc)
 

@@ -34,10 +34,15 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from rollfleet.broker.errors import (
+    DESCRIPTION_HEADER,
+    MAX_WAITING_DESCRIPTION,
+    NO_RESPONDERS_STATUS,
+    STATUS_HEADER,
+    pull_refused,
+)
 from rollfleet.runtime.aio import wait_event
 
-_STATUS = "Status"
-_DESCRIPTION = "Description"
 _PENDING = "Nats-Pending-Messages"
 _HEARTBEAT = "100"
 GRACE_S = 2.0  # a request whose end was never seen is given up this long after its expiry
@@ -139,7 +144,7 @@ class PullConsumer:
 
     async def _receive(self, msg: Msg) -> None:
         headers = msg.headers
-        status = headers.get(_STATUS) if headers else None
+        status = headers.get(STATUS_HEADER) if headers else None
         if status is not None:
             self._ended(msg.subject, status, headers or {})
             return
@@ -166,10 +171,10 @@ class PullConsumer:
             undelivered = int(pending)  # 408 (and 409 on a leader change): exact
         elif status == "404":
             undelivered = self._left  # no_wait: it was the only open request
-        elif status == "503" or _header(headers, _DESCRIPTION).startswith(("Exceeded", "Bad Request")):
+        elif pull_refused(status, _header(headers, DESCRIPTION_HEADER)):
             undelivered = request.batch  # refused on arrival: nothing was delivered for it
-            self.missing = self.missing or status == "503"
-            if "MaxWaiting" in _header(headers, _DESCRIPTION):
+            self.missing = self.missing or status == NO_RESPONDERS_STATUS
+            if MAX_WAITING_DESCRIPTION in _header(headers, DESCRIPTION_HEADER):
                 self.refused_at = time.monotonic()
         else:  # e.g. 409 Consumer Deleted: the rest is unknown; end everything cleanly
             self._spawn(self.cancel())

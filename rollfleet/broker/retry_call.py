@@ -15,28 +15,23 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import nats.errors
-import nats.js.errors
 from nats.aio.client import Client as NATS
 
 from rollfleet.broker.connection import redialed
+from rollfleet.broker.errors import TRANSIENT_NATS
 from rollfleet.runtime.backoff import TRANSIENT_RETRY
 from rollfleet.runtime.logs import get_logger
-from rollfleet.schemas.errors import ServiceUnavailable
+from rollfleet.schemas.errors import BrokerError, BrokerUnavailable, ServiceUnavailable
 
 log = get_logger("rollfleet.broker.retry_call")
 
 T = TypeVar("T")
 
-# What a broker that is restarting, paused, electing a leader or not yet running JetStream answers.
+# What a broker that is restarting, paused, electing a leader or not yet running JetStream answers:
+# nats' own errors, or the typed one a port raised for them.
 TRANSIENT: tuple[type[BaseException], ...] = (
-    nats.errors.TimeoutError,
-    nats.errors.NoRespondersError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.OutboundBufferLimitError,
-    nats.errors.StaleConnectionError,
-    nats.js.errors.ServiceUnavailableError,
-    nats.js.errors.ServerError,
-    nats.js.errors.NoStreamResponseError,
+    *TRANSIENT_NATS,
+    BrokerUnavailable,
     OSError,  # (TimeoutError, asyncio's too, is one)
 )
 
@@ -79,5 +74,5 @@ async def call_retrying(call: Callable[[], Awaitable[T]], *, until: float, what:
             if not isinstance(exc, Redialed):  # (a reconnect: the broker is back, ask at once)
                 await asyncio.sleep(TRANSIENT_RETRY.delay_s(attempt))
             attempt += 1
-        except (nats.errors.Error, nats.js.errors.Error) as exc:
+        except (nats.errors.Error, BrokerError) as exc:
             raise ServiceUnavailable(f"cannot {what}: {exc}") from exc

@@ -20,6 +20,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
 from rollfleet.broker.connection import redialed
+from rollfleet.broker.errors import WRONG_LAST_SEQUENCE, no_responders
 from rollfleet.runtime.aio import wait_event
 from rollfleet.runtime.backoff import TRANSIENT_RETRY
 from rollfleet.runtime.logs import get_logger
@@ -30,9 +31,6 @@ log = get_logger("rollfleet.broker.retry_publish")
 
 ATTEMPT_S = 1.5
 _MAX_ACK_BYTES = 64 * 1024  # an acknowledgement is a few dozen bytes; an error one a few hundred
-# The broker's refusal of a conditional write (JSStreamWrongLastSequenceErrF): the only one
-# rollfleet acts on, read by its code, never by its text.
-WRONG_LAST_SEQUENCE = 10071
 _EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 _SWEEP_S = 0.25  # an attempt gives up between ATTEMPT_S and ATTEMPT_S + this
 
@@ -117,7 +115,7 @@ class _AckedPublisher:
             reply = await future
         finally:
             self._waiting.pop(token, None)
-        if reply.headers and reply.headers.get("Status") == "503":
+        if no_responders(reply.headers):
             raise _Retry("no stream answered (no responders)")
         try:
             ack = load_json(reply.data, what="the broker's acknowledgement", max_bytes=_MAX_ACK_BYTES, type_=_Ack)

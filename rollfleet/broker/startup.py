@@ -17,7 +17,7 @@ import nats.js.errors
 from rollfleet.broker.retry_call import TRANSIENT
 from rollfleet.runtime.backoff import Backoff
 from rollfleet.runtime.logs import get_logger
-from rollfleet.schemas.errors import RollfleetError, ServiceUnavailable
+from rollfleet.schemas.errors import BrokerError, ConnectionClosed, NotFound, RollfleetError, ServiceUnavailable
 
 T = TypeVar("T")
 
@@ -38,6 +38,8 @@ _NOT_READY = (
     nats.errors.ConnectionClosedError,
     nats.errors.NoServersError,
     nats.js.errors.NotFoundError,
+    ConnectionClosed,  # (the typed errors a port raised for those)
+    NotFound,
 )
 
 
@@ -74,7 +76,7 @@ async def until_ready(
         try:
             return await attempt()
         except Exception as raw:
-            if isinstance(raw, RollfleetError):
+            if isinstance(raw, RollfleetError) and not isinstance(raw, BrokerError):
                 exc: RollfleetError | None = raw if typed else None
             else:
                 exc = not_ready(raw, what)

@@ -24,6 +24,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
+from rollfleet.broker.errors import is_stream_name_in_use
 from rollfleet.runtime.backoff import Backoff
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import ConstraintKind, Names
@@ -214,7 +215,7 @@ async def ensure_topology(js: JetStreamContext, names: Names, cfg: TopologyConfi
                     await js.add_stream(scfg)
                     created.append(scfg.name or "")
                 except nats.js.errors.BadRequestError as exc:  # a racing declarer won
-                    if exc.err_code != 10058:  # stream name already in use
+                    if not is_stream_name_in_use(exc):
                         raise
         for kcfg in _bucket_configs(names, cfg):
             try:

@@ -202,6 +202,67 @@ class BrokerBinaryError(RollfleetError):
     retryable = False
 
 
+# What the broker said to an operation, typed once by ``rollfleet.broker.errors.typed`` from the
+# client library's exceptions: code outside ``broker/`` branches on these, never on a library's
+# exception, an API error code or a status. A conditional write refused because its key or subject
+# moved on is ``Fenced`` (above), not one of these.
+
+
+class BrokerError(RollfleetError):
+    """The broker refused an operation, or did not answer it (``status``, ``err_code``: the
+    JetStream API's, where it gave them)."""
+
+    code = "broker_error"
+    retryable = True
+
+    def __init__(self, message: str = "", *, status: int | None = None, err_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.err_code = err_code
+
+
+class BrokerUnavailable(BrokerError):
+    """The broker did not answer (a time-out, the connection redialing, a leader being elected, a
+    server error): whether the operation took effect is unknown, and asking again may pass."""
+
+    code = "broker_unavailable"
+
+
+class BrokerTimeout(BrokerUnavailable):
+    """No answer within the request's time-out: the broker, or whoever the subject reaches, is
+    slow, paused or gone without a word."""
+
+    code = "broker_timeout"
+
+
+class NoResponders(BrokerUnavailable):
+    """Nobody listens on the subject: the broker answered at once that no process (or, for a
+    JetStream request, no stream or consumer) took the request."""
+
+    code = "no_responders"
+
+
+class ConnectionClosed(BrokerError):
+    """The connection is closed or draining, or no server could be reached: nothing more is
+    asked on it."""
+
+    code = "connection_closed"
+
+
+class NotFound(BrokerError):
+    """The broker said nothing lies there: no such key (``deleted``: one deleted or purged), stored
+    message, stream, consumer or bucket."""
+
+    code = "not_found"
+    retryable = False
+
+    def __init__(
+        self, message: str = "", *, status: int | None = None, err_code: int | None = None, deleted: bool = False
+    ) -> None:
+        super().__init__(message, status=status, err_code=err_code)
+        self.deleted = deleted
+
+
 # -- policy versions -------------------------------------------------------------------------
 
 

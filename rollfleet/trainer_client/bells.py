@@ -13,6 +13,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from rollfleet.broker.errors import no_responders
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, VersionConstraint
 from rollfleet.trainer_client.fleet import FleetView
@@ -72,7 +73,7 @@ class Bells:
     async def _on_unanswered(self, msg: Msg) -> None:
         """No responders for a bell: that replica is gone. Drop it and ring the next one."""
         headers = msg.headers or {}
-        if headers.get("Status") != "503":
+        if not no_responders(headers):
             return
         self._fleet.mark_gone(headers.get("Nats-Subject", "").rpartition(".")[2])
         parsed = self._names.parse_bell_payload(msg.subject[len(self.inbox) + 1 :].encode())
