@@ -81,6 +81,9 @@ def test_facts_travel_as_fields() -> None:
     failed = typed(nats.js.errors.APIError(code=500, err_code=10999))
     assert isinstance(failed, BrokerError) and failed.retryable
     assert typed(nats.errors.NoRespondersError()).status == int(NO_RESPONDERS_STATUS)  # type: ignore[attr-defined]
+    # A time-out stays a TimeoutError, as nats' own was: code that catches its own and the broker's
+    # time-outs alike (``except TimeoutError``, ``OSError``) still does.
+    assert isinstance(typed(nats.errors.TimeoutError()), TimeoutError)
 
 
 def test_typed_errors_raises_the_typed_error_with_the_library_s_as_its_cause() -> None:

@@ -18,11 +18,10 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import nats.errors
-import nats.js.errors
-from nats.js.kv import KeyValue
-
+from rollfleet.broker.buckets import KVBucket
+from rollfleet.broker.types import KeyValue
 from rollfleet.schemas import Names
+from rollfleet.schemas.errors import BrokerError, Fenced
 
 LEASE_KEY = Names.AUTOSCALER_LEASE_KEY
 DEFAULT_TTL_S = 10.0
@@ -58,7 +57,7 @@ def may_act(renewed_at: float, now: float, ttl_s: float) -> bool:
 
 class BrokerLease:
     def __init__(self, kv: KeyValue, holder: str, ttl_s: float = DEFAULT_TTL_S) -> None:
-        self._kv, self.holder, self.ttl_s = kv, holder, ttl_s
+        self._kv, self.holder, self.ttl_s = KVBucket(kv), holder, ttl_s
         self._seen = Seen()
         self._revision: int | None = None  # the revision this holder wrote last (None: not holding)
         self._renewed_at = -1e18
@@ -76,43 +75,38 @@ class BrokerLease:
                 if not renew_due(self._renewed_at, now, self.ttl_s):
                     return self.holding
                 try:
-                    self._revision = await self._kv.update(LEASE_KEY, value, last=self._revision)
+                    self._revision = await self._kv.update(LEASE_KEY, value, self._revision)
                     self._renewed_at = now
-                except nats.js.errors.KeyWrongLastSequenceError:
+                except Fenced:
                     self._revision = None  # another took it: stop acting at once
                 return self.holding
-            try:
-                entry = await self._kv.get(LEASE_KEY)
-                revision: int | None = entry.revision
-            except nats.js.errors.KeyNotFoundError:
-                revision = None
+            entry = await self._kv.read(LEASE_KEY)
+            revision = None if entry is None else entry.revision
             self._seen, move = contend(self._seen, revision, now, self.ttl_s)
             try:
                 if move == "create":
                     self._revision = await self._kv.create(LEASE_KEY, value)
                 elif move == "take":
-                    self._revision = await self._kv.update(LEASE_KEY, value, last=revision)
+                    assert revision is not None  # (``contend`` takes only a lease it saw)
+                    self._revision = await self._kv.update(LEASE_KEY, value, revision)
                 else:
                     return False
-            except nats.js.errors.KeyWrongLastSequenceError:
+            except Fenced:
                 return False  # another contender won
             self._renewed_at = now
             return True
-        except (nats.errors.Error, nats.js.errors.Error, TimeoutError, OSError):
+        except (BrokerError, TimeoutError, OSError):
             return self.holding  # the broker did not answer: act only within the half lifetime
 
     async def holder_now(self) -> str | None:
-        try:
-            entry = await self._kv.get(LEASE_KEY)
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        return (entry.value or b"").decode(errors="replace") or None
+        entry = await self._kv.read(LEASE_KEY)
+        return None if entry is None else entry.value.decode(errors="replace") or None
 
     async def release(self) -> None:
         """Give the lease up (a clean stop): a waiting controller takes it at its next look."""
         if self._revision is not None:
             try:
-                await self._kv.delete(LEASE_KEY, last=self._revision)
+                await self._kv.delete(LEASE_KEY, self._revision)
             except Exception:
                 pass  # (taken meanwhile, or the broker away: it lapses)
             self._revision = None

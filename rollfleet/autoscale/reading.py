@@ -25,14 +25,10 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-import nats.errors
-import nats.js.errors
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-
 from rollfleet.autoscale.signal import ReplicaFacts, Signal, SubjectKey, SubjectLoad, demand_signal, with_own_pending
+from rollfleet.broker.buckets import KVBucket, open_bucket
 from rollfleet.broker.jobs_load import SubjectJobs, jobs_on_subjects
+from rollfleet.broker.types import NATS, JetStreamContext, Msg
 from rollfleet.broker.watch import watch_keys
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
@@ -121,7 +117,7 @@ class SignalReader:
         self._sub: Any = None
         self._checked: dict[int, tuple[float, bool]] = {}  # version -> (when checked, in the store)
         self._commits: dict[int, tuple[float, bool]] = {}  # version -> (when read, its record says committed)
-        self._policy_kv: Any = None
+        self._policy_kv: KVBucket | None = None
         self.clock = time.monotonic  # (what the store's answers are timed by)
 
     async def start(self) -> SignalReader:
@@ -231,8 +227,8 @@ class SignalReader:
         """Whether ``v.<version>`` says the version was committed (absent, unreadable: no)."""
         try:
             if self._policy_kv is None:
-                self._policy_kv = await self._js.key_value(self._names.policy_bucket)
+                self._policy_kv = await open_bucket(self._js, self._names.policy_bucket)
             entry = await self._policy_kv.get(self._names.version_key(version))
             return decode(entry.value or b"", VersionRecord, what="version record").committed
-        except (nats.errors.Error, nats.js.errors.Error, RollfleetError):
+        except RollfleetError:  # (the broker's errors are ones)
             return False

@@ -4,19 +4,18 @@ A claim (``schemas.names.Claim``: a holder and when it last said it still runs t
 under ``claim_key(job_id)``. Every write that decides something is conditional on the revision
 the writer judged: one verdict wins, and the loser learns it by a typed refusal, ``Fenced``,
 never by an error's text. A missing claim (never written, released, or deleted) is ``None``,
-not an error. The broker's own errors pass through unchanged (``nats.errors.Error``,
-``nats.js.errors.Error``, timeouts): whether an unanswered write was stored is unknown, and each
-caller decides what that means for its job (a worker judges nothing then; a client says nothing).
+not an error. The broker's other errors are typed ones (``BrokerError``: a time-out, the
+connection away, ...): whether an unanswered write was stored is unknown, and each caller
+decides what that means for its job (a worker judges nothing then; a client says nothing).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-import nats.js.errors
 from nats.js.kv import KeyValue
 
-from rollfleet.broker.errors import is_wrong_last_sequence
+from rollfleet.broker.buckets import KVBucket
 from rollfleet.schemas import Claim, claim_key
 from rollfleet.schemas.errors import Fenced
 
@@ -31,21 +30,19 @@ class ClaimsBucket:
 
     def __init__(self, kv: KeyValue) -> None:
         self.kv = kv
+        self._bucket = KVBucket(kv)
 
     async def get(self, job_id: str) -> ClaimEntry | None:
         """The job's claim as stored and its revision; None if there is none."""
-        try:
-            entry = await self.kv.get(claim_key(job_id))
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            return None
-        return ClaimEntry(entry.value or b"", entry.revision or 0)
+        entry = await self._bucket.read(claim_key(job_id))
+        return None if entry is None else ClaimEntry(entry.value, entry.revision)
 
     async def create(self, job_id: str, value: bytes) -> int:
         """Write the job's first claim; its revision. ``Fenced`` if a claim is there already."""
         key = claim_key(job_id)
         try:
-            return await self.kv.create(key, value)
-        except nats.js.errors.KeyWrongLastSequenceError:
+            return await self._bucket.create(key, value)
+        except Fenced:
             raise Fenced(f"claim {key} exists", subject=key) from None
 
     async def replace(self, job_id: str, value: bytes, revision: int) -> int:
@@ -53,8 +50,8 @@ class ClaimsBucket:
         it moved since (refreshed, taken over, marked stopped, released)."""
         key = claim_key(job_id)
         try:
-            return await self.kv.update(key, value, last=revision)
-        except nats.js.errors.KeyWrongLastSequenceError:
+            return await self._bucket.update(key, value, revision)
+        except Fenced:
             raise Fenced(f"claim {key} moved past revision {revision}", subject=key, expected_seq=revision) from None
 
     async def write(self, job_id: str, value: bytes, revision: int | None) -> int:
@@ -71,19 +68,12 @@ class ClaimsBucket:
 
     async def put(self, job_id: str, value: bytes) -> int:
         """Write the claim whatever is there (an unconditional refresh)."""
-        return await self.kv.put(claim_key(job_id), value)
+        return await self._bucket.put(claim_key(job_id), value)
 
     async def delete(self, job_id: str, revision: int | None = None) -> None:
         """Remove the claim (only the one at ``revision`` if given: ``Fenced`` if it moved)."""
         key = claim_key(job_id)
-        if revision is None:
-            await self.kv.delete(key)
-            return
         try:
-            await self.kv.delete(key, last=revision)
-        except nats.js.errors.KeyWrongLastSequenceError:
-            raise Fenced(f"claim {key} moved past revision {revision}", subject=key, expected_seq=revision) from None
-        except nats.js.errors.APIError as exc:  # (nats-py passes a delete's refusal on as it came)
-            if not is_wrong_last_sequence(exc):
-                raise
+            await self._bucket.delete(key, revision)
+        except Fenced:
             raise Fenced(f"claim {key} moved past revision {revision}", subject=key, expected_seq=revision) from None

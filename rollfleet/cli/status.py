@@ -7,13 +7,14 @@ import time
 from typing import Any
 
 import msgspec
-import nats.js.errors
 
+from rollfleet.broker.buckets import KVBucket, open_bucket
 from rollfleet.broker.connection import connect
 from rollfleet.broker.kv import read_latest, read_replicas
 from rollfleet.broker.topology import queue_depths
 from rollfleet.runtime.secrets import redact_urls
 from rollfleet.schemas import HeardClock, Names, ReplicaStatus, heartbeat_on_readers_clock
+from rollfleet.schemas.errors import NotFound
 
 
 async def collect_status(
@@ -33,12 +34,12 @@ async def collect_status(
     try:
         js = nc.jetstream()
         try:
-            fleet = await js.key_value(names.fleet_bucket)
-            policy = await js.key_value(names.policy_bucket)
-        except nats.js.errors.BucketNotFoundError:
+            fleet = await open_bucket(js, names.fleet_bucket)
+            policy = await open_bucket(js, names.policy_bucket)
+        except NotFound:
             return {"namespace": namespace, "declared": False, "replicas": [], "queues": {}, "latest_version": None}
-        replicas = list((await read_replicas(fleet)).values())
-        latest = await read_latest(policy)
+        replicas = list((await read_replicas(fleet.kv)).values())
+        latest = await read_latest(policy.kv)
         depths = await queue_depths(js, names)
         autoscaler = await _autoscaler(fleet)
     finally:
@@ -59,12 +60,14 @@ async def collect_status(
     }
 
 
-async def _autoscaler(fleet: Any) -> dict[str, Any] | None:
+async def _autoscaler(fleet: KVBucket) -> dict[str, Any] | None:
     """The plan the acting controller (``rollfleet autoscale``) last wrote, if one ever ran."""
+    entry = await fleet.read(Names.AUTOSCALER_STATUS_KEY)
+    if entry is None:
+        return None
     try:
-        entry = await fleet.get(Names.AUTOSCALER_STATUS_KEY)
         doc = json.loads(entry.value or b"null")
-    except (nats.js.errors.KeyNotFoundError, ValueError):
+    except ValueError:
         return None
     return doc if isinstance(doc, dict) else None
 

@@ -228,9 +228,10 @@ class BrokerUnavailable(BrokerError):
     code = "broker_unavailable"
 
 
-class BrokerTimeout(BrokerUnavailable):
+class BrokerTimeout(BrokerUnavailable, TimeoutError):
     """No answer within the request's time-out: the broker, or whoever the subject reaches, is
-    slow, paused or gone without a word."""
+    slow, paused or gone without a word. (A ``TimeoutError`` too, as nats' own is: code that
+    waits on time-outs of its own and the broker's alike catches both.)"""
 
     code = "broker_timeout"
 

@@ -20,14 +20,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Literal
 
-import nats.errors
-import nats.js.errors
 import xxhash
-from nats.js import JetStreamContext
 
+from rollfleet.broker.errors import typed_errors
 from rollfleet.broker.stream_reads import stored_on
+from rollfleet.broker.types import JetStreamContext
 from rollfleet.schemas import ChunkedOutcome, Names, Outcome, StoredOutcome, decode_outcome, job_token, key_token
-from rollfleet.schemas.errors import InvalidRequest
+from rollfleet.schemas.errors import BrokerError, InvalidRequest
 
 Verdict = Literal["accept", "conflict", "foreign"]
 JobFilter = Callable[[str | None], bool]  # whether a job id answers the request in hand
@@ -68,7 +67,8 @@ async def whole(js: JetStreamContext, names: Names, head_subject: str, stored: S
     parts = []
     for i in range(stored.chunks):
         subject = names.result_chunk_subject(head_subject, stored.nonce, i)
-        parts.append((await js.get_last_msg(names.results_stream, subject, direct=True)).data or b"")
+        with typed_errors():
+            parts.append((await js.get_last_msg(names.results_stream, subject, direct=True)).data or b"")
     data = b"".join(parts)
     if len(data) != stored.size or xxhash.xxh3_128_hexdigest(data) != stored.digest:
         raise InvalidRequest(f"the chunks of {stored.idempotency_key!r} do not add up to the stored answer")
@@ -99,14 +99,15 @@ async def stored(
     ``strict``: a broker that does not answer is raised, never taken for "nothing stored"."""
     heads = stored_on(js, names.results_stream, names.results_of_key(client_id, key), limit=_MAX_HEADS)
     try:
-        async for raw in heads:
-            try:
-                outcome = await whole(js, names, raw.subject or "", decode_outcome(raw.data or b""))
-            except (InvalidRequest, nats.errors.Error, nats.js.errors.Error):
-                continue
-            if authentic(names, raw.subject or "", outcome):
-                yield raw.subject or "", outcome
-    except (nats.errors.Error, nats.js.errors.Error):  # (the look-up itself: whole's are caught above)
+        with typed_errors():  # (the look-up itself: whole's are caught below)
+            async for raw in heads:
+                try:
+                    outcome = await whole(js, names, raw.subject or "", decode_outcome(raw.data or b""))
+                except (InvalidRequest, BrokerError):
+                    continue
+                if authentic(names, raw.subject or "", outcome):
+                    yield raw.subject or "", outcome
+    except BrokerError:
         if strict:
             raise
 

@@ -15,14 +15,9 @@ from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-import nats.errors
-import nats.js.errors
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
-
+from rollfleet.broker.buckets import KVBucket, open_bucket
 from rollfleet.broker.connection import connect
+from rollfleet.broker.errors import typed_errors
 from rollfleet.broker.retry_call import call_retrying
 from rollfleet.broker.startup import not_ready
 from rollfleet.broker.topology import (
@@ -34,6 +29,7 @@ from rollfleet.broker.topology import (
     given_up_seq,
     topology_streams,
 )
+from rollfleet.broker.types import NATS, JetStreamContext, Msg
 from rollfleet.runtime.aio import stop_tasks, wait_event
 from rollfleet.runtime.logs import debug_enabled, get_logger
 from rollfleet.schemas import (
@@ -53,6 +49,7 @@ from rollfleet.schemas import (
 )
 from rollfleet.schemas.asked import AskedConstraint
 from rollfleet.schemas.errors import (
+    BrokerError,
     Cancelled,
     ClientIdInUse,
     NoCompatibleReplica,
@@ -142,7 +139,7 @@ class RolloutClient:
         self.bells = Bells(nc, names, self.fleet, self._spawn)
         self.refusals = RefusalNotes(nc, names)  # (what the fleet's control loop hears of refusals)
         self.consumers = JobConsumers(self.js, nc, names, topology, ring=lambda c: self.bells.ring(c, fresh=True))
-        self._sessions_bucket: KeyValue | None = None
+        self._sessions_bucket: KVBucket | None = None
         self.keeper: TopologyKeeper | None = None  # declares again what the broker lost (restore.py)
         self.placement = JobPlacement(
             self.client_id,
@@ -601,10 +598,10 @@ class RolloutClient:
         handle.adopt(job, data, subject, seq, self.names.parse_replica_job_subject(subject))
         return True
 
-    async def sessions_kv(self) -> KeyValue:
+    async def sessions_kv(self) -> KVBucket:
         """The sessions bucket, looked up once per client."""
         if self._sessions_bucket is None:
-            self._sessions_bucket = await self.js.key_value(self.names.sessions_bucket)
+            self._sessions_bucket = await open_bucket(self.js, self.names.sessions_bucket)
         return self._sessions_bucket
 
     async def submit_turn(
@@ -712,7 +709,7 @@ class RolloutClient:
             handle.set_error(Cancelled(f"{key!r} withdrawn before a replica took it"))
             self.metrics.cancelled.labels(client_id=self.client_id, outcome="withdrawn").inc()
             return "withdrawn"
-        with suppress(nats.errors.Error):
+        with suppress(BrokerError), typed_errors():
             await self.nc.publish(self.names.cancel_subject(), claim_key(handle.job_id).encode())
         answer: RolloutResult | RollfleetError | None = None
         try:

@@ -15,12 +15,10 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 
-import nats.errors
-from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
-
+from rollfleet.broker.errors import typed_errors
 from rollfleet.broker.retry_call import call_retrying
 from rollfleet.broker.topology import TopologyConfig, declare_job_consumer, declare_replica_consumer
+from rollfleet.broker.types import NATS, JetStreamContext
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, VersionConstraint
 from rollfleet.schemas.errors import RollfleetError
@@ -77,10 +75,11 @@ class JobConsumers:
         existed): create it again, tell replicas to look again, and ring one."""
         self._known.pop(str(constraint), None)
         try:
-            if await self.shared(constraint):
-                log.warning("job consumer was missing; declared it again", subject=str(constraint))
-                await self._nc.publish(self._names.consumers_declared, b"")
-        except (RollfleetError, nats.errors.Error) as exc:
+            with typed_errors():
+                if await self.shared(constraint):
+                    log.warning("job consumer was missing; declared it again", subject=str(constraint))
+                    await self._nc.publish(self._names.consumers_declared, b"")
+        except RollfleetError as exc:  # (the broker's errors are ones)
             log.debug("declaring a missing job consumer failed", subject=str(constraint), error=str(exc))
             return
         self._ring(constraint)

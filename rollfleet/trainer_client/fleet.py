@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import nats.js.errors
-from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
 
+from rollfleet.broker.buckets import KVBucket
 from rollfleet.broker.kv import read_latest, read_replicas
+from rollfleet.broker.types import JetStreamContext, KeyValue
 from rollfleet.broker.watch import watch_keys
 from rollfleet.runtime.aio import stop_tasks, wait_event
 from rollfleet.runtime.logs import get_logger
@@ -195,9 +194,8 @@ class FleetView:
 
     async def version_record(self, version: int) -> VersionRecord | None:
         assert self._policy_kv is not None
-        try:
-            entry = await self._policy_kv.get(self._names.version_key(version))
-        except nats.js.errors.KeyNotFoundError:
+        entry = await KVBucket(self._policy_kv).read(self._names.version_key(version))
+        if entry is None:
             return None
         return decode(entry.value or b"", VersionRecord, what="version record") if entry.value else None
 

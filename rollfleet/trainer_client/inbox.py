@@ -22,13 +22,9 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-import nats.errors
-import nats.js.errors
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-
+from rollfleet.broker.errors import typed_errors
 from rollfleet.broker.pull import PullConsumer
+from rollfleet.broker.types import NATS, JetStreamContext, Msg
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
@@ -39,7 +35,7 @@ from rollfleet.schemas import (
     decode,
     decode_outcome,
 )
-from rollfleet.schemas.errors import RollfleetError, ServiceUnavailable
+from rollfleet.schemas.errors import BrokerError, RollfleetError, ServiceUnavailable
 from rollfleet.trainer_client import answers
 from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.jobids import JobIds
@@ -131,8 +127,9 @@ class ResultsInbox:
                     await asyncio.sleep(0.25)
                 try:
                     if puller.outstanding <= _RESULTS_BATCH // 2 and (puller.waiting or not puller.busy):
-                        await puller.request(_RESULTS_BATCH, wait_s=_RESULTS_WAIT_S)
-                except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:  # reconnecting
+                        with typed_errors():
+                            await puller.request(_RESULTS_BATCH, wait_s=_RESULTS_WAIT_S)
+                except (BrokerError, OSError) as exc:  # reconnecting
                     log.debug("results pull failed", error=str(exc))
                     await asyncio.sleep(0.5)
                     continue
@@ -163,9 +160,7 @@ class ResultsInbox:
                 outcome = await answers.whole(self._js, self._names, subject, stored)
             else:
                 outcome = stored
-        except RollfleetError as exc:
-            log.warning("undecodable result dropped", error=exc.message, subject=subject)
-        except (nats.errors.Error, nats.js.errors.Error) as exc:  # chunks unreadable now: redelivered later
+        except BrokerError as exc:  # chunks unreadable now: redelivered later (before RollfleetError)
             if _deliveries(msg) < _CHUNKS_PATIENCE:
                 log.warning("result chunks not readable yet", error=str(exc), subject=subject)
                 with suppress(Exception):
@@ -173,6 +168,8 @@ class ResultsInbox:
                 return
             log.error("result chunks never became readable; answer dropped", subject=subject)
             self._chunks_lost(stored)
+        except RollfleetError as exc:
+            log.warning("undecodable result dropped", error=exc.message, subject=subject)
         else:
             if not answers.authentic(self._names, subject, outcome):
                 log.warning(

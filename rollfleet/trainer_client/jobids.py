@@ -23,11 +23,8 @@ import os
 import secrets
 import threading
 
-import nats.errors
-import nats.js.errors
-from nats.js.kv import KeyValue
-
-from rollfleet.schemas.errors import ServiceUnavailable
+from rollfleet.broker.buckets import KVBucket
+from rollfleet.schemas.errors import BrokerError, Fenced, ServiceUnavailable
 
 _NONCE_HEX = 16
 _MAC_HEX = 16
@@ -69,34 +66,32 @@ class JobIds:
         self._head = self._client + b"\x00"  # what every MAC'd message starts with
 
     @classmethod
-    async def load(cls, kv: KeyValue, client_id: str) -> JobIds:
+    async def load(cls, kv: KVBucket, client_id: str) -> JobIds:
         """This client id's secret, created by its first client (and touched by each one after, so
         the bucket's age limit never removes it while the client id is in use)."""
         key = f"c.{client_id}"
         try:
-            try:
-                secret = (await kv.get(key)).value or b""
-            except nats.js.errors.KeyNotFoundError:
-                secret = b""
+            found = await kv.read(key)
+            secret = b"" if found is None else found.value
             if len(secret) < 16:
                 try:
                     secret = secrets.token_bytes(32)
                     await kv.create(key, secret)
-                except nats.js.errors.KeyWrongLastSequenceError:  # created meanwhile: that one
-                    secret = (await kv.get(key)).value or b""
+                except Fenced:  # created meanwhile: that one
+                    secret = (await kv.get(key)).value
             else:
                 await kv.put(key, secret)
-        except (nats.errors.Error, nats.js.errors.Error) as exc:
+        except (BrokerError, Fenced) as exc:
             raise ServiceUnavailable(f"cannot read the client's job id secret: {exc}") from exc
         return cls(client_id, secret)
 
-    async def restore(self, kv: KeyValue) -> None:
+    async def restore(self, kv: KVBucket) -> None:
         """Write this client id's secret back where the broker lost it (a store wiped, or the
         sessions bucket deleted): a restarted trainer, or a re-ask, must recognise the ids issued
         under it. A secret found there already (another client's) is left as it is."""
         try:
             await kv.create(f"c.{self._client.decode()}", self._secret)
-        except nats.js.errors.KeyWrongLastSequenceError:
+        except Fenced:
             pass
 
     def issue(self, idempotency_key: str | None) -> str:

@@ -19,15 +19,11 @@ import uuid
 from contextlib import suppress
 from typing import Literal
 
-import nats.errors
-import nats.js.errors
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext
-
+from rollfleet.broker.buckets import open_bucket
+from rollfleet.broker.requests import ask
+from rollfleet.broker.types import NATS, JetStreamContext, Msg, Subscription
 from rollfleet.schemas import Names
-from rollfleet.schemas.errors import ClientIdInUse
+from rollfleet.schemas.errors import BrokerTimeout, ClientIdInUse, Fenced, NoResponders
 
 _ASK_S = 1.0
 # A key naming another instance that does not answer: dead, or reconnecting (the broker restarted,
@@ -77,13 +73,10 @@ class ClientLease:
         client that read the key before another's write loses the compare-and-set; one that
         read it after finds the other answering (it answers before it writes)."""
         subject = self._names.client_alive_subject(self._client_id)
-        kv = await self._js.key_value(self._names.fleet_bucket)
+        kv = await open_bucket(self._js, self._names.fleet_bucket)
         key = self._names.client_key(self._client_id)
-        try:
-            entry = await kv.get(key)
-            seen, named = entry.revision, _named(entry.value)
-        except nats.js.errors.KeyNotFoundError:
-            seen, named = None, None
+        entry = await kv.read(key)
+        seen, named = (None, None) if entry is None else (entry.revision, _named(entry.value))
         holder = await self._ask(subject)
         wait = takeover_wait_s(named, self.instance)
         if holder is None and wait > 0:
@@ -96,8 +89,8 @@ class ClientLease:
             if seen is None:
                 await kv.create(key, self.instance.encode())
             else:
-                await kv.update(key, self.instance.encode(), last=seen)
-        except nats.js.errors.KeyWrongLastSequenceError:
+                await kv.update(key, self.instance.encode(), seen)
+        except Fenced:
             await self.release()
             raise ClientIdInUse(self._in_use("a client starting at the same moment")) from None
 
@@ -108,12 +101,9 @@ class ClientLease:
         lost it (a store wiped: no key) or gone back to an older copy of it (a store rolled back:
         the key names a holder that died before). Only another live client answering on the
         id's subject is (``lease_held``); without one, the key is written back."""
-        kv = await self._js.key_value(self._names.fleet_bucket)
+        kv = await open_bucket(self._js, self._names.fleet_bucket)
         key = self._names.client_key(self._client_id)
-        try:
-            entry = await kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
-            entry = None
+        entry = await kv.read(key)
         named = None if entry is None else _named(entry.value)
         others = [] if named == self.instance else await self._others_answering()
         verdict = lease_held(named, self.instance, others)
@@ -123,14 +113,12 @@ class ClientLease:
             if entry is None:
                 await kv.create(key, self.instance.encode())
             else:
-                await kv.update(key, self.instance.encode(), last=entry.revision)
-        except nats.js.errors.KeyWrongLastSequenceError:
+                await kv.update(key, self.instance.encode(), entry.revision)
+        except Fenced:
             # Written meanwhile: by this client's other look (a reconnect's check and the
             # namespace's restore race), or by another client starting now.
-            try:
-                return (await kv.get(key)).value == self.instance.encode()
-            except nats.js.errors.KeyNotFoundError:
-                return False
+            now = await kv.read(key)
+            return now is not None and now.value == self.instance.encode()
         return True
 
     async def restore(self) -> None:
@@ -166,8 +154,8 @@ class ClientLease:
 
     async def _ask(self, subject: str) -> str | None:
         try:
-            reply = await self._nc.request(subject, b"", timeout=_ASK_S)
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+            reply = await ask(self._nc, subject, b"", timeout=_ASK_S)
+        except (NoResponders, BrokerTimeout):
             return None
         return reply.data.decode(errors="replace") or "another client"
 
@@ -191,7 +179,7 @@ class ClientLease:
                 pass
             self._sub = None
             with suppress(Exception):  # (best effort: a key left behind costs the next one the grace)
-                kv = await self._js.key_value(self._names.fleet_bucket)
+                kv = await open_bucket(self._js, self._names.fleet_bucket)
                 entry = await kv.get(self._names.client_key(self._client_id))
                 if entry.value == self.instance.encode():
-                    await kv.delete(entry.key, last=entry.revision)
+                    await kv.delete(entry.key, entry.revision)

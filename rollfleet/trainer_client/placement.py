@@ -16,16 +16,16 @@ from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from typing import Any
 
-import nats.errors
-import nats.js.errors
-from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
-
+from rollfleet.broker.buckets import open_bucket
 from rollfleet.broker.claims_bucket import ClaimsBucket
+from rollfleet.broker.errors import typed_errors
+from rollfleet.broker.requests import ask
 from rollfleet.broker.retry_publish import publish_retrying
+from rollfleet.broker.stream_reads import consumer_state, delivered_through, message_at, remove_message
+from rollfleet.broker.types import NATS, JetStreamContext
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Claim, Names, RolloutJob, VersionConstraint, decode
-from rollfleet.schemas.errors import Fenced, RollfleetError
+from rollfleet.schemas.errors import BrokerError, BrokerTimeout, Fenced, NoResponders, NotFound, RollfleetError
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
 from rollfleet.trainer_client.client_metrics import ClientMetrics
 from rollfleet.trainer_client.fleet import FleetView
@@ -80,16 +80,16 @@ class JobPlacement:
         return await publish_retrying(self._js, subject, handle.data, headers, until=until)
 
     async def _read_job(self, seq: int) -> tuple[RolloutJob, bytes, str]:
-        """The job stored at ``seq`` of the jobs stream; raises ``NotFoundError`` if nothing lies
-        there, a broker error if it did not answer, ``RollfleetError`` if the bytes are no job."""
-        raw = await self._js.get_msg(self._names.jobs_stream, seq)
+        """The job stored at ``seq`` of the jobs stream; raises ``NotFound`` if nothing lies there,
+        another ``BrokerError`` if it did not answer, ``RollfleetError`` if the bytes are no job."""
+        raw = await message_at(self._js, self._names.jobs_stream, seq)
         return decode(raw.data or b"", RolloutJob, what="stored job"), raw.data or b"", raw.subject or ""
 
     async def job_at(self, seq: int) -> tuple[RolloutJob, bytes, str] | None:
         """The job stored at ``seq`` of the jobs stream, if it is still there."""
         try:
             return await self._read_job(seq)
-        except (nats.errors.Error, nats.js.errors.Error, RollfleetError):
+        except RollfleetError:  # (the broker's errors are ones)
             return None
 
     async def store_where_it_lies(
@@ -128,15 +128,17 @@ class JobPlacement:
         try:
             if (await self._read_job(handle.stream_seq))[0].job_id != handle.job_id:
                 return "gone"
-        except (nats.js.errors.NotFoundError, RollfleetError):  # nothing there, or not a job
+        except NotFound:  # nothing there
             return "gone"
-        except (nats.errors.Error, nats.js.errors.Error):
+        except BrokerError:
             return "unknown"
-        try:
-            return "removed" if await self._js.delete_msg(self._names.jobs_stream, handle.stream_seq) else "gone"
-        except nats.js.errors.NotFoundError:  # taken (acknowledged and removed) just now
+        except RollfleetError:  # not a job
             return "gone"
-        except (nats.errors.Error, nats.js.errors.Error):
+        try:
+            return "removed" if await remove_message(self._js, self._names.jobs_stream, handle.stream_seq) else "gone"
+        except NotFound:  # taken (acknowledged and removed) just now
+            return "gone"
+        except BrokerError:
             return "unknown"
 
     async def delete(self, handle: RolloutHandle) -> bool:
@@ -157,8 +159,9 @@ class JobPlacement:
             return decision == "store_again"
         assert self._settle_stored is not None
         try:
-            return not await self._settle_stored(handle)
-        except (nats.errors.Error, nats.js.errors.Error, RollfleetError):
+            with typed_errors():  # (the client's reads of stored answers)
+                return not await self._settle_stored(handle)
+        except RollfleetError:
             return False  # the broker did not answer: the next look decides
 
     async def taken(self, handle: RolloutHandle) -> bool:
@@ -180,17 +183,16 @@ class JobPlacement:
             else names.job_consumer(handle.job.constraint.kind, handle.job.constraint.version)
         )
         try:
-            info = await self._js.consumer_info(names.jobs_stream, consumer)
-        except nats.js.errors.NotFoundError:
+            info = await consumer_state(self._js, names.jobs_stream, consumer)
+        except NotFound:
             if handle.replica is None:
                 return None  # a shared consumer deleted: what it delivered before is unknown
             with suppress(RollfleetError):
                 await self._declare_replica(handle.replica)
             return False
-        except (nats.errors.Error, nats.js.errors.Error):
+        except BrokerError:
             return None  # the broker is away
-        delivered = info.delivered.stream_seq if info.delivered is not None else 0
-        return (delivered or 0) >= handle.stream_seq
+        return delivered_through(info) >= handle.stream_seq
 
     # -- moving --------------------------------------------------------------------------------
     async def move_to_shared(self, handle: RolloutHandle) -> bool:
@@ -260,7 +262,7 @@ class JobPlacement:
 
     async def _claims(self) -> ClaimsBucket:
         if self._claims_bucket is None:
-            self._claims_bucket = ClaimsBucket(await self._js.key_value(self._names.claims_bucket))
+            self._claims_bucket = ClaimsBucket((await open_bucket(self._js, self._names.claims_bucket)).kv)
         return self._claims_bucket
 
     async def holder(self, handle: RolloutHandle, *, strict: bool = False) -> Claim | None:
@@ -268,7 +270,7 @@ class JobPlacement:
         (``strict``: a broker error is raised, not taken for "unclaimed")."""
         try:
             entry = await (await self._claims()).get(handle.job_id)
-        except (nats.errors.Error, nats.js.errors.Error):
+        except BrokerError:
             if strict:
                 raise
             return None
@@ -294,7 +296,7 @@ class JobPlacement:
                 return False  # a process of that replica is connected (perhaps a new one), or no answer
             await claims.mark_stopped(handle.job_id, claim, entry.revision)
             return True
-        except (Fenced, nats.errors.Error, nats.js.errors.Error):
+        except (Fenced, BrokerError):
             return False  # it changed since (one verdict wins), or the broker did not say: nothing to say
 
     async def listening(self, worker_id: str) -> bool | None:
@@ -302,11 +304,11 @@ class JobPlacement:
         responders" at once when none does; a live one lets the probe time out); None if the
         request could not be made (the connection down)."""
         try:
-            await self._nc.request(self._names.bell_subject(worker_id), Names.PROBE_BELL, timeout=_LISTENING_S)
-        except nats.errors.NoRespondersError:
+            await ask(self._nc, self._names.bell_subject(worker_id), Names.PROBE_BELL, timeout=_LISTENING_S)
+        except NoResponders:
             return False
-        except (nats.errors.TimeoutError, TimeoutError):
+        except (BrokerTimeout, TimeoutError):
             return True
-        except nats.errors.Error:
+        except BrokerError:
             return None
         return True

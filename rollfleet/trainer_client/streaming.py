@@ -16,13 +16,11 @@ from collections.abc import AsyncIterator
 from contextlib import suppress
 from typing import Any
 
-import nats.errors
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-
+from rollfleet.broker.errors import typed_errors
+from rollfleet.broker.types import JetStreamContext, Msg
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, RolloutResult, decode
-from rollfleet.schemas.errors import InvalidRequest
+from rollfleet.schemas.errors import BrokerError, InvalidRequest
 from rollfleet.schemas.progress import ProgressRecord, Replay, TokenChunk, sealed, spans_between
 from rollfleet.trainer_client.handle import RolloutHandle
 
@@ -43,13 +41,14 @@ async def stream_tokens(js: JetStreamContext, names: Names, handle: RolloutHandl
             records.put_nowait(msg)
 
         try:
-            sub = await js.subscribe(
-                names.progress_subject(job.client_id, job.job_id),
-                stream=names.progress_stream,
-                cb=on_record,
-                ordered_consumer=True,
-            )
-        except nats.errors.Error as exc:
+            with typed_errors():
+                sub = await js.subscribe(
+                    names.progress_subject(job.client_id, job.job_id),
+                    stream=names.progress_stream,
+                    cb=on_record,
+                    ordered_consumer=True,
+                )
+        except BrokerError as exc:
             # The broker did not make the consumer (a cluster electing, a node cut off): the stream
             # comes from the answer alone, whole, which the checkpoints would only have preceded.
             log.warning("progress not followed; the answer carries the tokens", job_id=job.job_id, error=repr(exc))

@@ -10,10 +10,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import nats.js.errors
-from nats.js import JetStreamContext
-
+from rollfleet.broker.buckets import open_bucket
 from rollfleet.broker.kv import advance_latest, mark_committed, move_latest, read_latest
+from rollfleet.broker.types import JetStreamContext
 from rollfleet.policy_store import verify_version_dir
 from rollfleet.policy_store.store import version_dir_name
 from rollfleet.runtime import faults
@@ -38,11 +37,11 @@ async def commit_or_finish(js: JetStreamContext, names: Names, record: VersionRe
         await commit_version(js, names, record)
         return True
     except VersionConflict:
-        kv = await js.key_value(names.policy_bucket)
-        try:
-            entry = await kv.get(names.version_key(record.version))
-        except nats.js.errors.KeyNotFoundError:
+        bucket = await open_bucket(js, names.policy_bucket)
+        entry = await bucket.read(names.version_key(record.version))
+        if entry is None:
             raise VersionConflict(f"latest is already past version {record.version}") from None
+        kv = bucket.kv
         held = decode(entry.value or b"", VersionRecord, what="version record")
         if (held.publisher, held.path) != (record.publisher, record.path):
             raise

@@ -11,13 +11,11 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
-import nats.errors
-import nats.js.errors
-from nats.js import JetStreamContext
-
+from rollfleet.broker.stream_reads import consumer_state, delivered_through
+from rollfleet.broker.types import JetStreamContext
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, VersionConstraint
-from rollfleet.schemas.errors import Expired, NoCompatibleReplica
+from rollfleet.schemas.errors import BrokerError, Expired, NoCompatibleReplica, NotFound
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.placement import JobPlacement
@@ -162,7 +160,7 @@ class JobWatch:
             return True  # delivered, or unknown (broker away, its consumer deleted): leave it be
         try:
             holder = await self.placement.holder(handle, strict=True)
-        except (nats.errors.Error, nats.js.errors.Error):
+        except BrokerError:
             return True
         return holder is not None and holder.worker_id in holders
 
@@ -185,16 +183,16 @@ class JobWatch:
             for constraint, since in waiting.items():
                 consumer = self._names.job_consumer(constraint.kind, constraint.version)
                 try:
-                    info = await self._js.consumer_info(self._names.jobs_stream, consumer)
-                except nats.js.errors.NotFoundError:
+                    info = await consumer_state(self._js, self._names.jobs_stream, consumer)
+                except NotFound:
                     await self._redeclare(constraint)
                     continue
-                except (nats.errors.Error, nats.js.errors.Error) as exc:
+                except BrokerError as exc:
                     log.debug("stall check failed", subject=consumer, error=str(exc))
                     continue
                 bells = stall_bells(info.num_waiting or 0, info.num_pending or 0, info.num_ack_pending or 0)
                 # The wait a bell says is that of the oldest job still queued, where one is.
-                floor = (info.delivered.stream_seq or 0) if info.delivered is not None else 0
+                floor = delivered_through(info)
                 mine = [(t, seq) for c, t, r, seq in unanswered if c == constraint and r is None]
                 queued = queued_since(mine, floor)
                 since = since if queued is None else queued

@@ -26,13 +26,11 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import nats.errors
-import nats.js.errors
-from nats.js.kv import KeyValue
-
 from rollfleet.broker.claims_bucket import ClaimsBucket
+from rollfleet.broker.errors import typed_errors
+from rollfleet.broker.types import KeyValue
 from rollfleet.schemas import RolloutJob
-from rollfleet.schemas.errors import Fenced, RollfleetError
+from rollfleet.schemas.errors import BrokerError, Fenced, RollfleetError
 from rollfleet.schemas.names import Claim
 from rollfleet.schemas.progress import open_claim, seal_claim
 from rollfleet.workers.result_store import RESULT_PUBLISH_BUDGET_S
@@ -196,7 +194,7 @@ class ClaimKeeper:
             try:
                 entry = await self.bucket.get(job_id)
                 claim = self.read(run.job, entry.value) if entry is not None else Claim("", 0.0)
-            except (nats.errors.Error, TimeoutError):  # the broker did not answer: it judges nothing
+            except (BrokerError, TimeoutError):  # the broker did not answer: it judges nothing
                 if run.handed_back or watch.given_up(time.monotonic()):
                     return "held"
                 watch.unanswered()
@@ -242,7 +240,7 @@ class ClaimKeeper:
                 run.claim_revision = await self.bucket.mark_stopped(job_id, claim, entry.revision)
         except Fenced:
             return "held"
-        except (nats.errors.Error, TimeoutError):  # unknown whether it was written: judge nothing
+        except (BrokerError, TimeoutError):  # unknown whether it was written: judge nothing
             return "held"
         if run.job.behaviour.takeover:
             run.claimed_at = time.monotonic()
@@ -356,15 +354,16 @@ class ClaimKeeper:
         stored yet gets its claim back the same way; the records decide which run goes on.)"""
         job_id = run.job.job_id
         try:
-            if run.progress is not None and await run.progress.taken_over():
-                self.lose(run)
-                return False
+            with typed_errors():  # (the progress log reads the stream)
+                if run.progress is not None and await run.progress.taken_over():
+                    self.lose(run)
+                    return False
             entry = await self.bucket.get(job_id)
             revision = None if entry is None else entry.revision
             stamp = time.time()
             run.claim_revision = await self.bucket.write(job_id, self.value(run.job, stamp), revision)
             run.claim_proved_at = stamp
-        except (nats.errors.Error, RollfleetError):  # the broker away, or written again meanwhile
+        except RollfleetError:  # the broker away (a BrokerError), or written again meanwhile
             return None
         self._log.warning("resumable job's claim rewritten by someone else; written back", job_id=run.job.job_id)
         return True

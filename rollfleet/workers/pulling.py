@@ -30,16 +30,13 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-import nats.errors
-import nats.js.errors
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-
+from rollfleet.broker.errors import typed_errors
 from rollfleet.broker.pull import PullConsumer, delivery_info
 from rollfleet.broker.topology import bind_job_consumer, bind_replica_consumer, queue_depths
+from rollfleet.broker.types import NATS, JetStreamContext, Msg
 from rollfleet.runtime.logs import debug_enabled
 from rollfleet.schemas import Names
+from rollfleet.schemas.errors import BrokerError, Fenced
 from rollfleet.schemas.names import listened_subjects
 from rollfleet.workers.scheduler import SubjectScheduler
 from rollfleet.workers.serving import ServedVersion, Subject
@@ -266,8 +263,9 @@ class JobPuller:
         while not self._stopping.is_set():
             self._wake.clear()
             try:
-                await self._fill(time.monotonic())
-            except (nats.errors.Error, nats.js.errors.Error, OSError) as exc:
+                with typed_errors():
+                    await self._fill(time.monotonic())
+            except (BrokerError, Fenced, OSError) as exc:  # (any error of the broker's, typed)
                 self._log.warning("pull failed", error=str(exc))
                 await asyncio.sleep(0.2)
                 continue

@@ -30,13 +30,12 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any, Literal
 
-import nats.errors
-import nats.js.errors
 import xxhash
-from nats.js import JetStreamContext
 
+from rollfleet.broker.errors import typed_errors
 from rollfleet.broker.retry_publish import publish_retrying
 from rollfleet.broker.stream_reads import next_stored
+from rollfleet.broker.types import JetStreamContext
 from rollfleet.runtime import faults
 from rollfleet.schemas import (
     AnsweredNotice,
@@ -48,7 +47,7 @@ from rollfleet.schemas import (
     encode,
     job_token,
 )
-from rollfleet.schemas.errors import Fenced, InvalidRequest, ResultUnstorable, RollfleetError
+from rollfleet.schemas.errors import BrokerError, Fenced, InvalidRequest, ResultUnstorable, RollfleetError
 from rollfleet.schemas.names import HDR_MSG_ID, check_token
 
 RESULT_PUBLISH_BUDGET_S = 20.0  # then the job stays unacked and is redelivered
@@ -162,8 +161,9 @@ class ResultStore:
         except Fenced:
             assert answers_of_job is not None  # (only a conditional store is fenced)
             try:
-                first = await next_stored(self._js, self._names.results_stream, answers_of_job)
-            except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:  # the broker did not say
+                with typed_errors():
+                    first = await next_stored(self._js, self._names.results_stream, answers_of_job)
+            except (BrokerError, TimeoutError) as exc:  # the broker did not say
                 self._log.warning("answer refused; the stored one not read", error=str(exc))
                 return "unstored"
             return after_refusal(None if first is None else first.data, data)

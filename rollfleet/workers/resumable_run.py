@@ -18,11 +18,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-import nats.errors
-from nats.js import JetStreamContext
 
+from rollfleet.broker.errors import typed_errors
+from rollfleet.broker.types import JetStreamContext
 from rollfleet.schemas import Completion, Names, RolloutJob
-from rollfleet.schemas.errors import InvalidRequest, ServiceUnavailable, Superseded
+from rollfleet.schemas.errors import BrokerError, InvalidRequest, ServiceUnavailable, Superseded
 from rollfleet.workers.engines import Engine, Generation
 from rollfleet.workers.engines.base import sample_seed
 from rollfleet.workers.progress_log import ProgressLog
@@ -94,11 +94,12 @@ class ResumableGenerator:
         plog = self.progress_log(job, log, on_superseded=lambda: asyncio.ensure_future(run.abort(engine)))
         prompt = engine.prompt_ids(job.payload)
         try:
-            await plog.open(took_over=run.took_over, can_continue=prompt is not None)
+            with typed_errors():
+                await plog.open(took_over=run.took_over, can_continue=prompt is not None)
         except Superseded:
             log.warning("job taken over by another run before this one started")
             return None
-        except (nats.errors.Error, TimeoutError, ServiceUnavailable) as exc:  # the broker, not the job
+        except (BrokerError, TimeoutError, ServiceUnavailable) as exc:  # the broker, not the job
             log.warning("cannot read the job's progress; handing it back", error=str(exc))
             await self._hand_back(run, log)
             return None

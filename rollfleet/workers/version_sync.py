@@ -59,12 +59,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import nats.errors
-import nats.js.errors
-from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
-
+from rollfleet.broker.buckets import KVBucket
 from rollfleet.broker.kv import read_latest
+from rollfleet.broker.types import JetStreamContext, KeyValue
 from rollfleet.policy_store import CheckpointLayout, MaterializeResult
 from rollfleet.policy_store.bucket import Bucket
 from rollfleet.policy_store.digest import content_digest, weights_digest
@@ -206,9 +203,9 @@ class VersionSync:
         """Whether ``v.<version>`` says the version was committed (unknown, unreadable: no)."""
         assert self._kv is not None
         try:
-            entry = await self._kv.get(self._names.version_key(version))
+            entry = await KVBucket(self._kv).get(self._names.version_key(version))
             return decode(entry.value or b"", VersionRecord, what="version record").committed
-        except (nats.errors.Error, nats.js.errors.Error, RollfleetError):
+        except RollfleetError:  # (the broker's errors are ones)
             return False
 
     async def _older_committed(self, latest: int) -> list[int]:

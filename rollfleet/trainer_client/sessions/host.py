@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from nats.js.kv import KeyValue
-
+from rollfleet.broker.buckets import KVBucket
 from rollfleet.schemas import Claim, Names, RetryPolicy, RolloutPayload, RolloutResult, VersionConstraint
 from rollfleet.trainer_client.client_metrics import ClientMetrics
 from rollfleet.trainer_client.fleet import FleetView
@@ -94,7 +93,7 @@ class SessionHost(Protocol):
     @property
     def latest_version(self) -> int | None: ...
 
-    async def sessions_kv(self) -> KeyValue: ...
+    async def sessions_kv(self) -> KVBucket: ...
 
     async def submit_turn(
         self,

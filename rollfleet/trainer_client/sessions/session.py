@@ -44,10 +44,7 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import suppress
 
-import nats.errors
-import nats.js.errors
-from nats.js.kv import KeyValue
-
+from rollfleet.broker.buckets import KVBucket
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
     RetryPolicy,
@@ -64,10 +61,13 @@ from rollfleet.schemas import (
 )
 from rollfleet.schemas.asked import AskedConstraint
 from rollfleet.schemas.errors import (
+    BrokerError,
     Expired,
+    Fenced,
     IdempotencyConflict,
     InvalidRequest,
     NoCompatibleReplica,
+    NotFound,
     RollfleetError,
     ServiceUnavailable,
     SessionConflict,
@@ -138,7 +138,7 @@ class Session:
             incarnation=uuid.uuid4().hex[:12],
         )
         self.affinity_wait_s = float(affinity_wait_s)
-        self._kv: KeyValue | None = None
+        self._kv: KVBucket | None = None
         self._revision: int | None = None  # of the record as this handle last wrote or read it
         self._opened = False
         self._closed = False
@@ -193,9 +193,9 @@ class Session:
                         f"asked for {self._record.settings()}"
                     )
                 self._record, self._revision = stored, revision
-        except nats.js.errors.KeyWrongLastSequenceError:
+        except Fenced:
             raise SessionConflict(f"session {self.session_id!r} was opened concurrently elsewhere") from None
-        except (nats.errors.Error, nats.js.errors.Error) as exc:
+        except BrokerError as exc:
             raise ServiceUnavailable(f"cannot open session {self.session_id!r}: {exc}") from exc
         self._opened = True
         host.sessions[self.session_id] = self
@@ -217,7 +217,7 @@ class Session:
             with suppress(Exception):
                 revision = await self._current_revision()
                 if revision is not None:
-                    await self._kv.delete(host.names.session_key(self.session_id), last=revision)
+                    await self._kv.delete(host.names.session_key(self.session_id), revision)
         log.debug("session closed", session_id=self.session_id, turns=self._record.next_turn)
 
     def idle_past_ttl(self, now: float) -> bool:
@@ -611,8 +611,8 @@ class Session:
     async def _store(self, key: str) -> None:
         assert self._kv is not None
         try:
-            self._revision = await self._kv.update(key, encode(self._record), last=self._revision)
-        except nats.js.errors.KeyWrongLastSequenceError:
+            self._revision = await self._kv.update(key, encode(self._record), self._revision)
+        except Fenced:
             await self._save_over_newer(key)
 
     async def _save_over_newer(self, key: str) -> None:
@@ -632,7 +632,7 @@ class Session:
                 self._record.next_turn = other.next_turn
             self._record.failures = {**other.failures, **self._record.failures}
             self._record.keys = {**other.keys, **self._record.keys}
-            self._revision = await self._kv.update(key, encode(self._record), last=revision)
+            self._revision = await self._kv.update(key, encode(self._record), revision)
         except Exception as exc:
             log.warning("session record not stored", session_id=self.session_id, error=str(exc))
 
@@ -644,14 +644,14 @@ def fewest_held(able: list[str], held: Counter[str | None], rng: random.Random |
     return min(able, key=lambda w: (held[w], draw()))
 
 
-async def _read(kv: KeyValue, host: SessionHost, session_id: str) -> tuple[SessionRecord, int] | None:
+async def _read(kv: KVBucket, host: SessionHost, session_id: str) -> tuple[SessionRecord, int] | None:
     """A live session's record and its revision; None if there is none or it expired (then it is removed)."""
     key = host.names.session_key(session_id)
     try:
         entry = await kv.get(key)
-    except nats.js.errors.KeyNotFoundError:
+    except NotFound:
         return None
-    except (nats.errors.Error, nats.js.errors.Error) as exc:
+    except BrokerError as exc:
         raise ServiceUnavailable(f"cannot read session {session_id!r}: {exc}") from exc
     if not entry.value:
         return None
@@ -662,7 +662,7 @@ async def _read(kv: KeyValue, host: SessionHost, session_id: str) -> tuple[Sessi
         return None
     if time.time() - record.touched_at > record.ttl_s:
         with suppress(Exception):
-            await kv.delete(key, last=entry.revision)
+            await kv.delete(key, entry.revision)
         return None
     return record, int(entry.revision or 0)
 
