@@ -162,3 +162,31 @@ def test_the_client_and_its_sessions_are_one_way() -> None:
     assert sessions, "the sessions room exists"
     for module in sessions:
         assert "rollfleet.trainer_client.client" not in graph[module], module
+
+
+# broker/ is the only room that talks to NATS: every other room goes through its ports
+# (``buckets``, ``stream_reads``, ``requests``, ``claims_bucket``, ...), names the client library's
+# types through ``broker.types`` and catches the typed errors of ``broker.errors.typed``, so its
+# decisions can be tested without a broker. Rooms that may import nats besides broker/ (the shared
+# test harness, if it ever needs to), and modules elsewhere that still do, each with its reason:
+# the list may only shrink.
+NATS_ROOMS = {"broker", "testing"}
+NATS_IMPORTS_LEFT: dict[str, str] = {}
+
+
+def _imports_nats(path: Path) -> bool:
+    for node in ast.walk(_parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name == "nats" or a.name.startswith("nats.") for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").partition(".")[0] == "nats":
+            return True
+    return False
+
+
+def test_only_the_broker_imports_nats() -> None:
+    importing = {_module(p) for p in PACKAGE.rglob("*.py") if _imports_nats(p)}
+    assert any(_room(m) == "broker" for m in importing), "the check sees the broker's own imports"
+    wrong = sorted(m for m in importing if _room(m) not in NATS_ROOMS and m not in NATS_IMPORTS_LEFT)
+    assert not wrong, f"import nats only in rollfleet/broker/ (use its ports and broker.types): {wrong}"
+    gone = sorted(m for m in NATS_IMPORTS_LEFT if m not in importing)
+    assert not gone, f"no longer import nats: take them off NATS_IMPORTS_LEFT: {gone}"

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from nats.aio.client import Client as NATS
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from rollfleet.autoscale.drivers.base import Driver, Run
@@ -37,6 +36,7 @@ from rollfleet.autoscale.signal import LAUNCHING, ClassKey, ReplicaFacts, Signal
 from rollfleet.broker.connection import connect
 from rollfleet.broker.startup import until_ready
 from rollfleet.broker.topology import DEFAULT_TOPOLOGY, TopologyConfig, ensure_topology
+from rollfleet.broker.types import NATS
 from rollfleet.runtime.aio import wait_event
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names

@@ -65,12 +65,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
-
 from rollfleet.broker.connection import connect
 from rollfleet.broker.kv import read_latest
 from rollfleet.broker.topology import DEFAULT_TOPOLOGY, ensure_topology
+from rollfleet.broker.types import NATS, JetStreamContext
 from rollfleet.policy_store.formats import DEFAULT_CHECKSUM
 from rollfleet.policy_store.layout import CheckpointLayout, TensorSpec
 from rollfleet.policy_store.publisher import publish_checkpoint

@@ -10,10 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-
 from rollfleet.broker.errors import no_responders
+from rollfleet.broker.types import NATS, Msg
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, VersionConstraint
 from rollfleet.trainer_client.fleet import FleetView

@@ -13,8 +13,7 @@ from __future__ import annotations
 import time
 from contextlib import suppress
 
-from nats.aio.client import Client as NATS
-
+from rollfleet.broker.types import NATS
 from rollfleet.schemas import Names, VersionConstraint
 
 NOTE_GAP_S = 1.0

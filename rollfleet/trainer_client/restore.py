@@ -21,8 +21,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from nats.aio.client import Client as NATS
-
+from rollfleet.broker.types import NATS
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names
 from rollfleet.trainer_client.fleet import FleetView

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from nats.js import JetStreamContext
-
+from rollfleet.broker.types import JetStreamContext
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
     Names,

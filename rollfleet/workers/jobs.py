@@ -51,11 +51,8 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
-
 from rollfleet.broker.pull import delivery_info
+from rollfleet.broker.types import JetStreamContext, KeyValue, Msg
 from rollfleet.runtime import faults
 from rollfleet.runtime.aio import wait_event
 from rollfleet.runtime.logs import debug_enabled

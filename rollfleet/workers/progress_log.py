@@ -27,10 +27,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
 from typing import Any
 
-from nats.js import JetStreamContext
-
 from rollfleet.broker.retry_publish import publish_retrying
 from rollfleet.broker.stream_reads import stored_on
+from rollfleet.broker.types import JetStreamContext
 from rollfleet.runtime.aio import wait_event
 from rollfleet.schemas import Completion, Names, RolloutJob, VersionSpan, decode, encode
 from rollfleet.schemas.errors import CorruptCheckpoint, Fenced, InvalidRequest, RollfleetError, Superseded

@@ -24,10 +24,7 @@ import socket
 import time
 from collections.abc import Callable
 
-from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
-
+from rollfleet.broker.types import NATS, JetStreamContext, KeyValue
 from rollfleet.runtime.aio import wait_event
 from rollfleet.runtime.logs import get_logger
 from rollfleet.runtime.secrets import redact_urls

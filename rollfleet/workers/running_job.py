@@ -7,8 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from nats.aio.msg import Msg
-
+from rollfleet.broker.types import Msg
 from rollfleet.schemas import RolloutJob
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.progress_log import ProgressLog

@@ -19,10 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-
 from rollfleet.broker.connection import connect, logs_in
 from rollfleet.broker.startup import until_ready
 from rollfleet.broker.topology import (
@@ -31,6 +27,7 @@ from rollfleet.broker.topology import (
     TopologyConfig,
     wait_for_topology,
 )
+from rollfleet.broker.types import NATS, JetStreamContext, Msg
 from rollfleet.runtime.aio import cancel_until_done, stop_tasks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
