@@ -1,5 +1,5 @@
 """Shared pieces of the fleet benchmarks (brokers, processes, CPU time and the broker's counters
-come from ``rollfleet.testing``): percentiles, machine load, a streaming JetStream pull (the
+come from ``harness``): percentiles, machine load, a streaming JetStream pull (the
 baseline's receive loop), and the baseline worker itself.
 
 ``python -m benchmarks._fleet baseline-worker ...`` runs the baseline worker as its own process,

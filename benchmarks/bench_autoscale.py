@@ -65,6 +65,7 @@ from typing import Any, Literal
 
 from benchmarks._fleet import machine_load, percentile
 from benchmarks.report import RESULTS_DIR, Row
+from harness import temp_broker, wait_until
 from rollfleet.autoscale.controller import Controller, ControllerConfig
 from rollfleet.autoscale.drivers.base import Run
 from rollfleet.autoscale.drivers.local import LocalDriver
@@ -73,7 +74,6 @@ from rollfleet.broker.jobs_load import jobs_on_subjects
 from rollfleet.schemas import Names, RolloutPayload, SamplingParams, VersionRecord
 from rollfleet.schemas.errors import Expired, NoCompatibleReplica, RollfleetError
 from rollfleet.schemas.names import key_token
-from rollfleet.testing import temp_broker, wait_until
 from rollfleet.trainer_client import RolloutClient
 from rollfleet.workers.engines.echo import EchoEngine
 from rollfleet.workers.worker import Worker, WorkerConfig

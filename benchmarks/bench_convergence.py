@@ -34,11 +34,11 @@ import torch
 from benchmarks._fleet import REPO, machine_load
 from benchmarks.bench_activation import rl_step
 from benchmarks.report import Row
+from harness import spawn, stop_all, temp_broker, worker_command
 from rollfleet.models import build_model_dir, param_count
 from rollfleet.models import load_model_tensors as load_tensors
 from rollfleet.policy_store import materialize
 from rollfleet.schemas import Names, ReplicaStatus, RolloutPayload, SamplingParams, VersionActivated, decode
-from rollfleet.testing import spawn, stop_all, temp_broker, worker_command
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from rollfleet.workers.engines.hf import HFEngine
 

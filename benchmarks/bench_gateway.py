@@ -30,9 +30,9 @@ import openai
 
 from benchmarks._fleet import REPO, machine_load, percentile
 from benchmarks.report import Row
+from harness import cpu_seconds, spawn, stop_all, temp_broker, wait_until, worker_command
+from harness.processes import rollfleet_command
 from rollfleet.schemas import RolloutPayload, SamplingParams
-from rollfleet.testing import cpu_seconds, spawn, stop_all, temp_broker, wait_until, worker_command
-from rollfleet.testing.processes import rollfleet_command
 from rollfleet.trainer_client import RolloutClient
 
 PROMPT = list(range(3, 35))

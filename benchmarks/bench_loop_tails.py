@@ -47,9 +47,9 @@ from typing import Any
 
 from benchmarks._fleet import machine_load
 from benchmarks.report import Row
+from harness import running_worker, temp_broker
+from harness.weights import tensors_at, write_base_checkpoint
 from rollfleet.schemas import Completion, RolloutPayload, SamplingParams, version_spans
-from rollfleet.testing import running_worker, temp_broker
-from rollfleet.testing.weights import tensors_at, write_base_checkpoint
 from rollfleet.trainer_client import LoopConfig, PolicyPublisher, RolloutClient, RolloutLoop
 from rollfleet.workers.engines.echo import EchoEngine
 

@@ -35,11 +35,12 @@ from benchmarks._fleet import REPO, machine_load
 from benchmarks.bench_activation import rl_step
 from benchmarks.bench_convergence import Observer
 from benchmarks.report import Row
+from rollfleet.cli import local_s3 as s3
+from rollfleet.cli import spawn, stop_all, temp_broker, worker_command
 from rollfleet.models import build_model_dir, load_model_tensors, param_count
 from rollfleet.policy_store.bucket import Bucket
 from rollfleet.policy_store.remote import materialize_from, open_store
 from rollfleet.policy_store.store import version_dir_name
-from rollfleet.testing import s3, spawn, stop_all, temp_broker, worker_command
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 GOAL = 1.5  # S3 within 1.5x of the shared directory, commit -> all serving

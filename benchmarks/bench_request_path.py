@@ -42,6 +42,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolic
 
 from benchmarks._fleet import REPO, PullStream, baseline_worker, machine_load, percentile
 from benchmarks.report import Row
+from harness import check_alive, cpu_seconds, spawn, stop_all, temp_broker, wait_until, worker_command
 from rollfleet.schemas import (
     DEFAULT_LIMITS,
     Completion,
@@ -52,7 +53,6 @@ from rollfleet.schemas import (
     VersionConstraint,
     encode,
 )
-from rollfleet.testing import check_alive, cpu_seconds, spawn, stop_all, temp_broker, wait_until, worker_command
 from rollfleet.trainer_client import RolloutClient
 from rollfleet.trainer_client.requests import build_job
 from rollfleet.workers.engines.echo import EchoEngine

@@ -51,11 +51,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks._fleet import REPO, machine_load
 from benchmarks.report import Row
+from harness import cpu_seconds, spawn, stop_all, temp_broker, terminate, wait_until, worker_command
+from harness.processes import CHILD_LOG_ENV
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.models import build_model_dir
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams, encode
-from rollfleet.testing import cpu_seconds, spawn, stop_all, temp_broker, terminate, wait_until, worker_command
-from rollfleet.testing.processes import CHILD_LOG_ENV
 from rollfleet.trainer_client import RolloutClient
 
 BASELINE = "replayable"

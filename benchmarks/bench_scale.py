@@ -44,10 +44,7 @@ from typing import Any
 
 from benchmarks._fleet import REPO, machine_load, percentile
 from benchmarks.report import Row
-from rollfleet.broker import EmbeddedBroker, free_port
-from rollfleet.broker.topology import TopologyConfig
-from rollfleet.schemas import RolloutPayload, SamplingParams, VersionActivated, VersionRecord, decode
-from rollfleet.testing import (
+from harness import (
     CLUSTER_PORTS,
     BrokerCounters,
     ProcessGroup,
@@ -57,6 +54,9 @@ from rollfleet.testing import (
     wait_failover,
     wait_until,
 )
+from rollfleet.broker import EmbeddedBroker, free_port
+from rollfleet.broker.topology import TopologyConfig
+from rollfleet.schemas import RolloutPayload, SamplingParams, VersionActivated, VersionRecord, decode
 from rollfleet.trainer_client import RolloutClient
 
 SIZES, QUICK_SIZES = (16, 128, 1000), (4, 8)

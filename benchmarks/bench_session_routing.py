@@ -38,10 +38,10 @@ import torch
 from benchmarks._fleet import REPO, machine_load, percentile
 from benchmarks.bench_activation import rl_step
 from benchmarks.report import Row
+from harness import spawn, stop_all, temp_broker, worker_command
 from rollfleet.models import build_model_dir
 from rollfleet.models import load_model_tensors as load_tensors
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams, VersionConstraint
-from rollfleet.testing import spawn, stop_all, temp_broker, worker_command
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 BASELINE = "same turns without affinity"

@@ -39,10 +39,8 @@ import torch
 from benchmarks._fleet import machine_load
 from benchmarks.bench_activation import rl_step
 from benchmarks.report import Row
-from rollfleet.models import build_model_dir, load_model_tensors
-from rollfleet.schemas import RolloutPayload, SamplingParams
-from rollfleet.testing import running_worker, temp_broker
-from rollfleet.testing.vllm import (
+from harness import running_worker, temp_broker
+from harness.vllm import (
     LAUNCH_ARGS,
     MODEL,
     PYTHON,
@@ -51,6 +49,8 @@ from rollfleet.testing.vllm import (
     unavailable,
     write_version,
 )
+from rollfleet.models import build_model_dir, load_model_tensors
+from rollfleet.schemas import RolloutPayload, SamplingParams
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from rollfleet.workers.engines.vllm import GENERATE, VLLMEngine
 

@@ -40,7 +40,7 @@ from typing import Any
 
 from benchmarks import bench_request_path as rp
 from benchmarks._fleet import REPO
-from rollfleet.testing import temp_broker
+from harness import temp_broker
 
 RESULTS = REPO / "benchmarks" / "results"
 WINDOW = 256
@@ -205,15 +205,15 @@ def contract_work() -> dict[str, dict[str, float]]:
     from prometheus_client import CollectorRegistry, Histogram
 
     from rollfleet.schemas import Names, RolloutResult, VersionConstraint, encode
-    from rollfleet.schemas.codec import decode_job
     from rollfleet.schemas.limits import DEFAULT_LIMITS, check_job
     from rollfleet.schemas.messages import served_within
     from rollfleet.schemas.names import check_token
+    from rollfleet.schemas.wire import decode_job
     from rollfleet.trainer_client import answers
-    from rollfleet.trainer_client.jobids import JobIds
+    from rollfleet.trainer_client.own_job_ids import JobIds
     from rollfleet.trainer_client.requests import asked_of
     from rollfleet.workers.engines.echo import EchoEngine
-    from rollfleet.workers.serving import ServedVersion
+    from rollfleet.workers.served_version import ServedVersion
 
     names, ids = Names("bench"), JobIds("bench", b"s" * 32)
 

@@ -1,6 +1,6 @@
 """Repository facts the deployment tests need: where broker_config/ is, the secrets its configs read.
 
-The harness that runs those configs (on free ports, with temporary stores) is ``rollfleet.testing``.
+The harness that runs those configs (on free ports, with temporary stores) is ``harness``.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from rollfleet.testing import rollfleet_command
+from harness import rollfleet_command
 
 REPO = Path(__file__).resolve().parents[1]
 BROKER_CONFIG = REPO / "broker_config"

@@ -1,4 +1,4 @@
-"""Test-only pieces; the shared harness (brokers, workers, waiting, stopping) is ``rollfleet.testing``."""
+"""Test-only pieces; the shared harness (brokers, workers, waiting, stopping) is ``harness``."""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from sglang_contract import api_types, check_request
 
-from rollfleet.testing.json_http import JsonServer
+from harness.json_http import JsonServer
 
 
 @dataclass

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from harness import wait_until
 from reliability.adversary.machine import Machine, WorkerProc
 from reliability.adversary.run import Adversary, Config, print_report, run_one
-from rollfleet.testing import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from rollfleet.broker import EmbeddedBroker
+from rollfleet.broker.kv_watch import watch_keys
 from rollfleet.broker.topology import ensure_topology
-from rollfleet.broker.watch import watch_keys
 from rollfleet.runtime.aio import KeyedLocks, cancel_until_done, stop_tasks, wait_event
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names

@@ -37,8 +37,6 @@ ALLOWED = {
     "autoscale": {"schemas", "runtime", "broker", "policy_store", "trainer_client"},
     "cli": {"schemas", "runtime", "broker", "policy_store", "models", "trainer_client", "workers", "gateway"}
     | {"autoscale"},
-    "testing": {"schemas", "runtime", "broker", "policy_store", "models", "trainer_client", "workers", "cli"}
-    | {"autoscale"},
 }
 
 # reliability/'s rooms: the numbered scenarios (``python -m reliability``, its ``__main__``) and the
@@ -114,6 +112,23 @@ def test_rooms_import_only_what_the_map_allows() -> None:
     assert not wrong, wrong
 
 
+def test_the_product_ships_no_test_harness_and_never_imports_it() -> None:
+    """The harness that tests, benchmarks and the reliability suite share (brokers, worker
+    processes, a vLLM server, link faults, clock skew) lives in ``harness/``, outside what
+    ``pip install rollfleet`` ships; nothing in the package imports it."""
+    assert not (PACKAGE / "testing").exists()
+    assert (PACKAGE.parent / "harness" / "__init__.py").exists()
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = _parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            wrong += [f"{_module(path)} -> {n}" for n in names if n == "harness" or n.startswith("harness.")]
+    assert not wrong, wrong
+
+
 def test_reliability_rooms_import_only_what_the_map_allows() -> None:
     graph = _graph(RELIABILITY, named=True)
     unplaced = sorted(m for m in graph if m != "reliability" and _room(m) not in RELIABILITY_ALLOWED)
@@ -167,10 +182,9 @@ def test_the_client_and_its_sessions_are_one_way() -> None:
 # broker/ is the only room that talks to NATS: every other room goes through its ports
 # (``buckets``, ``stream_reads``, ``requests``, ``claims_bucket``, ...), names the client library's
 # types through ``broker.types`` and catches the typed errors of ``broker.errors.typed``, so its
-# decisions can be tested without a broker. Rooms that may import nats besides broker/ (the shared
-# test harness, if it ever needs to), and modules elsewhere that still do, each with its reason:
-# the list may only shrink.
-NATS_ROOMS = {"broker", "testing"}
+# decisions can be tested without a broker (the shared test harness, ``harness/``, lies outside the
+# package). Modules elsewhere that still import nats, each with its reason: the list may only shrink.
+NATS_ROOMS = {"broker"}
 NATS_IMPORTS_LEFT: dict[str, str] = {}
 
 

@@ -26,13 +26,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from harness import wait_until
 from rollfleet.autoscale.controller import Controller, ControllerConfig
 from rollfleet.autoscale.drivers.compose import ComposeDriver
 from rollfleet.autoscale.planner import Policy
 from rollfleet.broker import free_port
 from rollfleet.schemas import Names
 from rollfleet.schemas.errors import NoCompatibleReplica
-from rollfleet.testing import wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from tests.helpers import payload
 from tests.test_compose_e2e import COMPOSE_FILE, REPO, docker_setup

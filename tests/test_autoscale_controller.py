@@ -16,6 +16,7 @@ import httpx
 import pytest
 import structlog
 
+from harness import temp_broker, wait_until
 from rollfleet.autoscale.controller import Controller, ControllerConfig, fleet_of
 from rollfleet.autoscale.drivers.base import Run
 from rollfleet.autoscale.drivers.local import LocalDriver, _worker_of
@@ -28,7 +29,6 @@ from rollfleet.broker.topology import ensure_topology
 from rollfleet.runtime.logs import configure as configure_logs
 from rollfleet.schemas import Names, VersionRecord
 from rollfleet.schemas.errors import NoCompatibleReplica
-from rollfleet.testing import temp_broker, wait_until
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import payload
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import running_worker, temp_broker, wait_until, write_base_checkpoint
 from rollfleet.autoscale.reading import SignalReader, store_has
 from rollfleet.autoscale.signal import LATEST, ClassDemand
 from rollfleet.broker import EmbeddedBroker
@@ -21,9 +22,8 @@ from rollfleet.policy_store.publisher import PolicyPublisher
 from rollfleet.policy_store.store import version_path
 from rollfleet.schemas import Names, SessionRecord, VersionRecord, encode
 from rollfleet.schemas.errors import NoCompatibleReplica
-from rollfleet.testing import running_worker, temp_broker, wait_until, write_base_checkpoint
 from rollfleet.trainer_client import RolloutClient
-from rollfleet.trainer_client.watch_rules import OrphanWatch
+from rollfleet.trainer_client.job_watch_rules import OrphanWatch
 from rollfleet.workers.engines.echo import EchoEngine
 from rollfleet.workers.worker import Worker, WorkerConfig
 from tests.helpers import payload

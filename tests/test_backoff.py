@@ -10,7 +10,7 @@ from rollfleet.broker.startup import STARTUP_RETRY
 from rollfleet.broker.topology import TOPOLOGY_RETRY
 from rollfleet.integrations.miles import SUBMIT_RETRY
 from rollfleet.runtime.backoff import TRANSIENT_RETRY, Backoff
-from rollfleet.workers.following import VERSION_RETRY
+from rollfleet.workers.version_following import VERSION_RETRY
 
 
 def schedule(policy: Backoff, n: int) -> list[float]:

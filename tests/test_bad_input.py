@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from harness import running_worker, wait_until
 from rollfleet.broker import ensure_job_consumer
 from rollfleet.schemas import (
     SCHEMA_VERSION,
@@ -25,7 +26,6 @@ from rollfleet.schemas import (
 )
 from rollfleet.schemas.errors import InvalidRequest, UnsupportedSchema
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
-from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient, answers, requests
 from tests.helpers import CountingEcho, payload
 

@@ -14,6 +14,7 @@ import nats
 import nats.aio.msg
 import nats.js.errors
 
+from harness import running_worker, wait_until
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.topology import (
     ensure_topology,
@@ -21,7 +22,6 @@ from rollfleet.broker.topology import (
     topology_check_due,
 )
 from rollfleet.schemas.errors import Expired
-from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient
 from rollfleet.trainer_client.lease import lease_held
 from rollfleet.trainer_client.restore import versions_to_declare

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from nats.aio.msg import Msg
 
+from harness import running_worker, wait_until
 from rollfleet.schemas import Completion, RolloutResult, claim_key
 from rollfleet.schemas.errors import Cancelled, Expired
-from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient, answers
 from rollfleet.trainer_client.cancelling import must_stop, next_cancel, on_leaving, outcome_of
 from tests.helpers import CountingEcho, payload

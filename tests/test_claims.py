@@ -14,6 +14,8 @@ from pathlib import Path
 import nats
 import pytest
 
+from harness import start_worker_process, terminate, wait_until
+from harness.link import LinkProxy
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.topology import TopologyConfig, ensure_topology
 from rollfleet.runtime import faults
@@ -29,14 +31,12 @@ from rollfleet.schemas import (
     encode,
 )
 from rollfleet.schemas.errors import Interrupted
-from rollfleet.testing import start_worker_process, terminate, wait_until
-from rollfleet.testing.link import LinkProxy
 from rollfleet.trainer_client import RolloutClient, answers
-from rollfleet.workers.claims import ClaimKeeper
 from rollfleet.workers.engines.echo import EchoEngine
-from rollfleet.workers.jobs import JobRunner, RunningJob
+from rollfleet.workers.job_claim import ClaimKeeper
+from rollfleet.workers.job_runner import JobRunner, RunningJob
 from rollfleet.workers.result_store import after_refusal, looked_up_first
-from rollfleet.workers.serving import ServedVersion
+from rollfleet.workers.served_version import ServedVersion
 from rollfleet.workers.worker_metrics import WorkerMetrics
 from tests.helpers import payload
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from harness import running_worker, terminate
+from harness.link import LinkProxy
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.schemas.errors import ClientIdInUse
-from rollfleet.testing import running_worker, terminate
-from rollfleet.testing.link import LinkProxy
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import REPO, payload
 

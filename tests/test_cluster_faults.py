@@ -18,10 +18,10 @@ from pathlib import Path
 
 import nats
 
+from harness import wait_until
+from harness.cluster import cut_plan
 from reliability.adversary.cluster_nodes import NODE_KINDS, ClusterNode, NodeCluster
 from reliability.adversary.schedule import NODE_EVENT_KINDS, make_schedule
-from rollfleet.testing import wait_until
-from rollfleet.testing.cluster import cut_plan
 
 
 def test_node_events_are_drawn_only_for_a_cluster_and_leave_every_other_event_in_place() -> None:

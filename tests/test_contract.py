@@ -15,9 +15,9 @@ from typing import Any
 import nats.js.errors
 import pytest
 
+from harness import ProcessGroup, running_worker, tensors_at, wait_until, write_base_checkpoint
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams, served_within
 from rollfleet.schemas.errors import Expired, NoCompatibleReplica, RollfleetError
-from rollfleet.testing import ProcessGroup, running_worker, tensors_at, wait_until, write_base_checkpoint
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from rollfleet.workers.engines.echo import EchoEngine
 

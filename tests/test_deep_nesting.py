@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
+from harness import running_worker, wait_until
 from rollfleet.broker.retry_publish import publish_retrying
 from rollfleet.models import build_model_dir
 from rollfleet.policy_store import materialize, read_marker
@@ -28,10 +29,9 @@ from rollfleet.schemas import (
     decode,
     encode,
 )
-from rollfleet.schemas.bounded import MAX_DEPTH, depth_within, json_depth_within, load_json
+from rollfleet.schemas.bounded_json import MAX_DEPTH, depth_within, json_depth_within, load_json
 from rollfleet.schemas.errors import CorruptArtifact, InvalidRequest, ServiceUnavailable
 from rollfleet.schemas.index import INDEX_FILE, PublicationIndex, parse_weight_map
-from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from tests.helpers import built_job, payload
 

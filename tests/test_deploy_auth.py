@@ -17,6 +17,7 @@ import nats
 import nats.errors
 import pytest
 
+from harness import make_dev_certs, start_worker_process, terminate, wait_until
 from rollfleet.broker import (
     EmbeddedBroker,
     TopologyConfig,
@@ -27,7 +28,6 @@ from rollfleet.broker import (
 )
 from rollfleet.broker.connection import connect
 from rollfleet.schemas import Names
-from rollfleet.testing import make_dev_certs, start_worker_process, terminate, wait_until
 from tests.deploy_helpers import BROKER_CONFIG, DEV_CERTS_SCRIPT, ECHO_V0, TEST_SECRETS, run_cli
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,9 +15,7 @@ from typing import Any
 import nats
 import pytest
 
-from rollfleet.broker import TopologyConfig, ensure_job_consumer, ensure_topology
-from rollfleet.schemas import Names
-from rollfleet.testing import (
+from harness import (
     LEAF_PORTS,
     LocalCluster,
     NatsProcess,
@@ -27,6 +25,8 @@ from rollfleet.testing import (
     terminate,
     wait_until,
 )
+from rollfleet.broker import TopologyConfig, ensure_job_consumer, ensure_topology
+from rollfleet.schemas import Names
 from tests.deploy_helpers import BROKER_CONFIG, CLUSTER_DIR, ECHO_V0, run_cli
 
 pytestmark = pytest.mark.timeout(120)

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
+from harness import make_dev_certs
 from rollfleet.broker import check_server_binary
 from rollfleet.broker.server import MIN_SERVER_VERSION
-from rollfleet.testing import make_dev_certs
 from tests.deploy_helpers import BROKER_CONFIG, DEV_CERTS_SCRIPT, REPO, TEST_SECRETS
 
 COMPOSE_FILE = REPO / "docker-compose.yml"

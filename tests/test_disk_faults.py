@@ -24,10 +24,10 @@ import pytest
 import torch
 from policy_helpers import make_checkpoint
 
+from harness import start_worker_process, terminate, wait_until
 from reliability.adversary.disks import can_mount, disk_verdict, mount_readonly, unmount
 from rollfleet.policy_store.local_disk import as_local_disk_error, is_local_disk_failure
 from rollfleet.policy_store.materialize import STAGING, materialize, read_marker
-from rollfleet.testing import start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from tests.helpers import payload
 

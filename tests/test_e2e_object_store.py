@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollfleet.cli import local_s3 as s3
+from rollfleet.cli import start_worker_process, terminate, wait_until
 from rollfleet.models import build_model_dir, load_model_tensors
 from rollfleet.policy_store.digest import weights_digest
 from rollfleet.schemas import RolloutPayload, SamplingParams, VersionActivated, decode
-from rollfleet.testing import s3, start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(s3.unavailable() is not None, reason=str(s3.unavailable()))]

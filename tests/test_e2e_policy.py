@@ -10,11 +10,11 @@ import msgspec
 import pytest
 import torch
 
+from harness import start_worker_process, terminate, wait_until
 from rollfleet.models import build_model_dir, load_model_tensors
 from rollfleet.policy_store.digest import weights_digest
 from rollfleet.schemas import RolloutPayload, SamplingParams, VersionActivated, decode, served_within
 from rollfleet.schemas.errors import RollfleetError
-from rollfleet.testing import start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 pytestmark = pytest.mark.slow

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness.weights import tensors_at, write_base_checkpoint
 from reliability.adversary.truth import recompute, tensors_key
 from rollfleet.schemas import RolloutPayload, SamplingParams
 from rollfleet.schemas.errors import InvalidRequest
-from rollfleet.testing.weights import tensors_at, write_base_checkpoint
 from rollfleet.workers.engines.echo import EchoEngine
 from rollfleet.workers.engines.keyed import VOCAB, context_state, keyed_token, keyed_tokens, weights_key
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
+from harness import running_worker, wait_until
 from rollfleet.cli.status import collect_status, render_table
 from rollfleet.schemas import Outcome, RolloutPayload, SamplingParams, VersionConstraint
 from rollfleet.schemas.errors import EngineFailure, Interrupted
-from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient
 from rollfleet.workers.engines.base import EngineHealth
 from rollfleet.workers.engines.echo import EchoEngine

@@ -1,6 +1,6 @@
 """An SGLang server restarted under an attached sglang engine never serves with a wrong label.
 
-The server is the keyed stand-in (``rollfleet.testing.sglang_keyed``): its tokens are a function
+The server is the keyed stand-in (``harness.sglang_keyed``): its tokens are a function
 of the tensor bytes it loaded, so each answer is checked token by token against the trainer's own
 tensors at the version the answer is labelled with (``reliability.adversary.truth``'s key, computed here
 from the tensors, never from the server or the checkpoint). A real process, SIGKILLed and started
@@ -18,13 +18,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness import wait_until
+from harness.weights import write_base_checkpoint
 from reliability.adversary.trainer_weights import TrainerWeights
 from reliability.adversary.truth import tensors_key
 from rollfleet.policy_store import materialize
 from rollfleet.schemas import RolloutPayload, SamplingParams
 from rollfleet.schemas.errors import EngineFailure
-from rollfleet.testing import wait_until
-from rollfleet.testing.weights import write_base_checkpoint
 from rollfleet.trainer_client import PolicyPublisher
 from rollfleet.workers.engines.http_server import free_port
 from rollfleet.workers.engines.keyed import VOCAB, keyed_tokens
@@ -66,7 +66,7 @@ async def test_a_restarted_server_never_serves_a_newer_materialized_version_unde
 
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
-    launch = [sys.executable, "-m", "rollfleet.testing.sglang_keyed", "--model-path", str(base), "--port", str(port)]
+    launch = [sys.executable, "-m", "harness.sglang_keyed", "--model-path", str(base), "--port", str(port)]
     server = subprocess.Popen(launch)
     eng = SGLangEngine(url=url, startup_timeout_s=30, control_timeout_s=10)
 
@@ -129,7 +129,7 @@ def test_a_directory_is_reloaded_as_the_live_version_only_while_its_marker_is_un
 
 
 def test_the_keyed_standin_makes_the_keyed_echo_engines_tokens() -> None:
-    from rollfleet.testing.sglang_keyed import stream_of
+    from harness.sglang_keyed import stream_of
     from rollfleet.workers.engines.base import sample_seed
     from rollfleet.workers.engines.keyed import keyed_token
 
@@ -158,7 +158,7 @@ async def test_an_engine_attached_to_a_server_refusing_pauses_for_a_while_starts
     await asyncio.to_thread(materialize, local, store, 1)
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
-    launch = [sys.executable, "-m", "rollfleet.testing.sglang_keyed", "--model-path", str(base), "--port", str(port)]
+    launch = [sys.executable, "-m", "harness.sglang_keyed", "--model-path", str(base), "--port", str(port)]
     server = subprocess.Popen(launch)
     eng = SGLangEngine(url=url, startup_timeout_s=30, control_timeout_s=10)
     try:

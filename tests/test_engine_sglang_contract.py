@@ -423,7 +423,7 @@ async def test_an_attached_server_restarted_on_its_launch_checkpoint_is_reloaded
 
     import httpx
 
-    from rollfleet.testing import wait_until
+    from harness import wait_until
     from rollfleet.workers.engines.http_server import free_port
 
     script = Path(__file__).with_name("sglang_standin.py")
@@ -762,10 +762,10 @@ async def test_a_resumable_job_runs_in_segments_and_continues_another_runs_token
     checkpointed 8 tokens of (that run died) starts from them. Every body fits SGLang's types."""
     import signal
 
+    from harness import running_worker, start_worker_process, terminate, wait_until
     from rollfleet.broker.topology import TopologyConfig
     from rollfleet.schemas import encode
     from rollfleet.schemas.progress import MAC_HEADER, SampleDelta, TokensRecord, record_mac
-    from rollfleet.testing import running_worker, start_worker_process, terminate, wait_until
     from rollfleet.trainer_client import RolloutClient
 
     topology = TopologyConfig(ack_wait_s=1.0)  # the frozen replica may have pulled the job: redelivered soon
@@ -813,7 +813,7 @@ async def test_a_seeded_resumable_job_in_segments_returns_samples_that_are_not_c
 ) -> None:
     """Issue 30, item 4: a resumable job on SGLang runs each sample alone, in segments; sample i must
     draw its own stream (``sampling_seed`` 7 + i, as in one /generate of n), not sample 0's."""
-    from rollfleet.testing import running_worker
+    from harness import running_worker
     from rollfleet.trainer_client import RolloutClient
 
     async with await RolloutClient.connect(nats_url, namespace=namespace, client_id="c") as client:
@@ -837,7 +837,7 @@ async def test_a_worker_whose_server_fails_a_pause_or_a_continue_keeps_serving_a
     activation (still at version 0) and jobs are served as before. A /continue_generation that
     fails after a successful reload does not leave the registry at the old version: version 2 is
     live, announced, and served once a health look got the server going again."""
-    from rollfleet.testing import running_worker, tensors_at, wait_until, write_base_checkpoint
+    from harness import running_worker, tensors_at, wait_until, write_base_checkpoint
     from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
     publisher = PolicyPublisher(tmp_path / "store", write_base_checkpoint(tmp_path / "base"), keep_last=None)

@@ -23,9 +23,9 @@ import httpx
 import pytest
 import torch
 
+from harness import running_worker, start_worker_process, stop_all, wait_until
 from rollfleet.schemas import Outcome, RolloutPayload, SamplingParams, served_within
 from rollfleet.schemas.errors import CorruptArtifact, EngineFailure, InvalidRequest, LayoutMismatch
-from rollfleet.testing import running_worker, start_worker_process, stop_all, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from rollfleet.workers.engines import make_engine
 from rollfleet.workers.engines.base import Generation

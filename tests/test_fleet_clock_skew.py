@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from harness import start_worker_process, terminate, wait_until
+from harness.clocks import _working_setting, faketime_library, skewed_environment
 from rollfleet.schemas import Names, ReplicaStatus, encode
-from rollfleet.testing import start_worker_process, terminate, wait_until
-from rollfleet.testing.clocks import _working_setting, faketime_library, skewed_environment
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import payload
 

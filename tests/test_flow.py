@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from harness import ProcessGroup, running_worker, start_worker_process, terminate, wait_until
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.schemas.errors import NoCompatibleReplica
-from rollfleet.testing import ProcessGroup, running_worker, start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import CountingEcho, payload
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rollfleet.workers.following import (
+from rollfleet.workers.version_following import (
     FIRST_RETRY_S,
     MAX_RETRY_S,
     FailedVersion,

@@ -21,6 +21,8 @@ import openai
 import pytest
 from sglang_contract import api_types
 
+from harness import ProcessGroup, running_worker, wait_until
+from harness.processes import rollfleet_command
 from rollfleet.broker.connection import connect
 from rollfleet.broker.topology import DEFAULT_TOPOLOGY, TopologyConfig
 from rollfleet.gateway import protocol
@@ -35,8 +37,6 @@ from rollfleet.schemas import (
     coordinate_wire,
 )
 from rollfleet.schemas.errors import Expired, InvalidRequest, NoCompatibleReplica
-from rollfleet.testing import ProcessGroup, running_worker, wait_until
-from rollfleet.testing.processes import rollfleet_command
 from rollfleet.trainer_client import RolloutClient, answers
 from tests.helpers import CountingEcho, stored_results
 

@@ -22,15 +22,15 @@ import openai
 import pytest
 from sglang_contract import api_types
 
+from harness import ProcessGroup, running_worker, wait_until, write_base_checkpoint
+from harness.processes import rollfleet_command
+from harness.weights import tensors_at
 from reliability.adversary.truth import recompute, tensors_key
 from rollfleet.broker import free_port
 from rollfleet.gateway import protocol
 from rollfleet.gateway.chat import ChatTemplate, ChatTemplateError
 from rollfleet.schemas import AskedConstraint, coordinate_wire
 from rollfleet.schemas.errors import InvalidRequest
-from rollfleet.testing import ProcessGroup, running_worker, wait_until, write_base_checkpoint
-from rollfleet.testing.processes import rollfleet_command
-from rollfleet.testing.weights import tensors_at
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from tests.helpers import CountingEcho, stored_results
 from tests.test_gateway import gateway

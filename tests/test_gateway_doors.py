@@ -22,10 +22,10 @@ import httpx
 import openai
 import pytest
 
+from harness import running_worker, wait_until
 from rollfleet.broker.topology import DEFAULT_TOPOLOGY
 from rollfleet.gateway import app as gateway_app
 from rollfleet.gateway.app import serve
-from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import CountingEcho
 

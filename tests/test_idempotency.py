@@ -11,12 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rollfleet.broker import EmbeddedBroker
-from rollfleet.broker.topology import TopologyConfig
-from rollfleet.runtime import faults
-from rollfleet.schemas import AnsweredNotice, Names, VersionConstraint, claim_key, encode
-from rollfleet.schemas.errors import Expired, IdempotencyConflict, Interrupted, InvalidRequest, NoCompatibleReplica
-from rollfleet.testing import (
+from harness import (
     running_worker,
     start_worker_process,
     tensors_at,
@@ -24,11 +19,16 @@ from rollfleet.testing import (
     wait_until,
     write_base_checkpoint,
 )
+from rollfleet.broker import EmbeddedBroker
+from rollfleet.broker.topology import TopologyConfig
+from rollfleet.runtime import faults
+from rollfleet.schemas import AnsweredNotice, Names, VersionConstraint, claim_key, encode
+from rollfleet.schemas.errors import Expired, IdempotencyConflict, Interrupted, InvalidRequest, NoCompatibleReplica
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient, answers
 from rollfleet.trainer_client.cancelling import CancelOutcome
 from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.inbox import ResultsInbox
-from rollfleet.trainer_client.jobids import JobIds
+from rollfleet.trainer_client.own_job_ids import JobIds
 from tests.helpers import CountingEcho, built_job, payload
 
 TOPO = TopologyConfig(ack_wait_s=1.5)

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
+from harness import broker_counters, running_worker, temp_broker, wait_until
 from rollfleet.broker.kv import advance_latest
 from rollfleet.schemas import VersionRecord
-from rollfleet.testing import broker_counters, running_worker, temp_broker, wait_until
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import payload
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness import running_worker
+from harness.processes import start_worker_process, stop_all
 from rollfleet.runtime import faults
-from rollfleet.testing import running_worker
-from rollfleet.testing.processes import start_worker_process, stop_all
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import payload
 

@@ -1,5 +1,5 @@
 """A client's link to the broker that stops carrying bytes, through a real TCP proxy
-(``rollfleet.testing.link``) in front of a real nats-server.
+(``harness.link``) in front of a real nats-server.
 
 A stall shorter than the ping bound is lived through on the same connection, nothing lost;
 a longer one is given up by the product's own ping bound (``broker.connection``) and the
@@ -16,10 +16,10 @@ from typing import Any
 import nats.errors
 import pytest
 
+from harness import wait_until
+from harness.link import LinkProxy
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.connection import MAX_OUTSTANDING_PINGS, PING_INTERVAL_S, connect
-from rollfleet.testing import wait_until
-from rollfleet.testing.link import LinkProxy
 
 
 @pytest.fixture

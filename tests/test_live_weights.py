@@ -20,12 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from harness import running_worker, wait_until
 from rollfleet.models import build_model_dir
 from rollfleet.policy_store import tensor_checksum
 from rollfleet.policy_store.digest import weights_digest
 from rollfleet.policy_store.store import version_path
 from rollfleet.schemas import RolloutPayload, SamplingParams, VersionActivated, decode
-from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from rollfleet.workers.engines.echo import EchoEngine
 

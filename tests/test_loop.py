@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
+from harness import ProcessGroup, running_worker, wait_until
+from harness.weights import tensors_at, write_base_checkpoint
 from reliability.adversary.truth import recompute, tensors_key
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.runtime.processes import terminate
 from rollfleet.schemas import RolloutPayload, SamplingParams
 from rollfleet.schemas.errors import InvalidRequest
-from rollfleet.testing import ProcessGroup, running_worker, wait_until
-from rollfleet.testing.weights import tensors_at, write_base_checkpoint
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from rollfleet.trainer_client.loop import Batch, Group, LoopConfig, RolloutLoop
 from rollfleet.workers.engines.echo import EchoEngine

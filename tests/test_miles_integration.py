@@ -25,12 +25,12 @@ import torch
 from policy_helpers import make_checkpoint, raw, read_local
 from safetensors.torch import load_file
 
+from harness import running_worker, wait_until
 from rollfleet.integrations import miles
 from rollfleet.policy_store import list_versions, materialize, read_record
 from rollfleet.policy_store.store import read_index
 from rollfleet.schemas import coordinate_wire
 from rollfleet.schemas.errors import InvalidRequest, NoCompatibleReplica
-from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from rollfleet.workers.engines.echo import EchoEngine
 from tests.helpers import stored_results

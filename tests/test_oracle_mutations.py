@@ -722,9 +722,9 @@ def test_publisher_faults_come_from_a_stream_of_their_own() -> None:
 
 
 def test_a_race_won_by_the_perturbed_copy_becomes_the_trainers_lineage(tmp_path: Path) -> None:
+    from harness.weights import write_base_checkpoint
     from reliability.adversary.trainer_weights import TrainerWeights
     from reliability.adversary.truth import tensors_key
-    from rollfleet.testing.weights import write_base_checkpoint
 
     w = TrainerWeights(write_base_checkpoint(tmp_path / "base"), SEED)
     won = w.adopting({3: 77})

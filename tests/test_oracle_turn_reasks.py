@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
+from harness.weights import write_base_checkpoint
 from reliability.adversary.journal import prompt_digest
 from reliability.adversary.oracle import Oracle
 from reliability.adversary.tap import Delivery
 from reliability.adversary.trainer_weights import TrainerWeights
 from reliability.adversary.truth import tensors_key
-from rollfleet.testing.weights import write_base_checkpoint
 from rollfleet.workers.engines.keyed import keyed_tokens
 from tests.oracle_histories import echo_worker, history_oracle
 

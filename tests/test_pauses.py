@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from harness import ProcessGroup, wait_until
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.schemas import RolloutResult, claim_key
 from rollfleet.schemas.errors import Expired, Interrupted
-from rollfleet.testing import ProcessGroup, wait_until
 from rollfleet.trainer_client import RolloutClient, answers
-from rollfleet.workers.claims import (
+from rollfleet.workers.job_claim import (
     ClaimKeeper,
     ClaimWatch,
     judge_claim,

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from policy_helpers import Trainer, forge_version, make_checkpoint, raw, read_local
 from safetensors import safe_open
 
-from rollfleet.policy_store import codecs, materialize, read_record, tensor_checksum, verify_version_dir
+from rollfleet.policy_store import delta_codecs as codecs
+from rollfleet.policy_store import materialize, read_record, tensor_checksum, verify_version_dir
 from rollfleet.policy_store.formats import CHECKSUM_FORMATS, DELTA_ENCODINGS, new_hasher
 from rollfleet.policy_store.layout import CheckpointLayout
 from rollfleet.policy_store.publisher import PolicyPublisher

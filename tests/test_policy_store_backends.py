@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from policy_helpers import Trainer, kill_at_pause, make_checkpoint, raw, read_local
 
+from rollfleet.cli import local_s3 as s3
 from rollfleet.policy_store import list_versions, read_marker
 from rollfleet.policy_store.bucket import OBJECTS_KEY, PIN_FORMAT, Bucket, check_store
 from rollfleet.policy_store.formats import new_hasher
@@ -38,7 +39,6 @@ from rollfleet.schemas.errors import (
     VersionConflict,
 )
 from rollfleet.schemas.index import INDEX_FILE
-from rollfleet.testing import s3
 
 pytestmark = pytest.mark.skipif(s3.unavailable() is not None, reason=str(s3.unavailable()))
 

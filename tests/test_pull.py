@@ -8,8 +8,8 @@ import nats
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
 
-from rollfleet.broker.pull import PullConsumer, delivery_info
-from rollfleet.testing import wait_until
+from harness import wait_until
+from rollfleet.broker.pull_consumer import PullConsumer, delivery_info
 
 STREAM, SUBJECT = "PULLTEST", "pulltest.jobs"
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from harness import running_worker, wait_until
 from rollfleet.broker import free_port
 from rollfleet.cli.main import build_parser
 from rollfleet.cli.status import collect_status, render_table
 from rollfleet.schemas import VersionRecord
-from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient
 from rollfleet.workers.engines.echo import EchoEngine
 from tests.helpers import REPO, payload

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from harness import running_worker, wait_until
 from rollfleet.schemas import ReplicaStatus
 from rollfleet.schemas.errors import Expired, NoCompatibleReplica
-from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient
 from rollfleet.workers.engines.echo import EchoEngine
 from tests.helpers import CountingEcho, payload

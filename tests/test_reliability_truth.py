@@ -20,6 +20,9 @@ from typing import Any
 
 import pytest
 
+from harness import start_worker_process, temp_broker, wait_until
+from harness.processes import CHILD_LOG_ENV, spawn, worker_command
+from harness.weights import write_base_checkpoint
 from reliability.adversary.journal import describe_result
 from reliability.adversary.oracle import Oracle
 from reliability.adversary.trainer_weights import TrainerWeights
@@ -28,9 +31,6 @@ from rollfleet.broker.topology import TopologyConfig
 from rollfleet.runtime.processes import terminate
 from rollfleet.schemas import Names, RolloutPayload, SamplingParams
 from rollfleet.schemas.progress import TokensRecord
-from rollfleet.testing import start_worker_process, temp_broker, wait_until
-from rollfleet.testing.processes import CHILD_LOG_ENV, spawn, worker_command
-from rollfleet.testing.weights import write_base_checkpoint
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from tests.helpers import progress_records
 

@@ -13,12 +13,12 @@ import msgspec
 import torch
 from transformers import AutoModelForCausalLM
 
+from harness import start_worker_process, stop_all
 from rollfleet.models import build_model_dir, load_model_tensors
 from rollfleet.policy_store.digest import content_digest
 from rollfleet.policy_store.materialize import store_content_digest
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams
 from rollfleet.schemas.errors import NotReplayable
-from rollfleet.testing import start_worker_process, stop_all
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 PROMPT = [5, 6, 7, 8, 9]

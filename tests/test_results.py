@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import ProcessGroup, running_worker, wait_until
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.runtime import faults
 from rollfleet.schemas import (
@@ -22,7 +23,6 @@ from rollfleet.schemas import (
 )
 from rollfleet.schemas.errors import ContractViolation, ResultUnstorable
 from rollfleet.schemas.names import HDR_MSG_ID
-from rollfleet.testing import ProcessGroup, running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import built_job
 

@@ -17,12 +17,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from harness import start_worker_process, terminate, wait_until
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.cli.status import collect_status, render_table
 from rollfleet.schemas import RolloutResult
 from rollfleet.schemas.errors import NoCompatibleReplica
 from rollfleet.schemas.progress import DoneRecord, ResumeRecord, TokenChunk, TokensRecord
-from rollfleet.testing import start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import RolloutClient
 from rollfleet.trainer_client.handle import RolloutHandle
 from tests.helpers import payload, progress_records

@@ -16,12 +16,12 @@ import nats
 import nats.js.errors
 import pytest
 
+from harness import start_worker_process, terminate, wait_until
 from rollfleet.broker import EmbeddedBroker, free_port
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.runtime import faults
 from rollfleet.schemas import Claim, Names, claim_key
 from rollfleet.schemas.progress import DoneRecord, TokenChunk, TokensRecord
-from rollfleet.testing import start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import RolloutClient
 from rollfleet.trainer_client.handle import RolloutHandle
 from tests.deploy_helpers import BROKER_CONFIG, TEST_SECRETS
@@ -297,8 +297,8 @@ async def test_a_hand_back_deletes_only_the_claim_it_still_holds(nc: nats.NATS, 
     from rollfleet.schemas import DEFAULT_LIMITS, RolloutJob, VersionConstraint
     from rollfleet.schemas.progress import open_claim
     from rollfleet.workers.engines.echo import EchoEngine
-    from rollfleet.workers.jobs import JobRunner
-    from rollfleet.workers.serving import ServedVersion
+    from rollfleet.workers.job_runner import JobRunner
+    from rollfleet.workers.served_version import ServedVersion
     from rollfleet.workers.worker_metrics import WorkerMetrics
 
     js, names = nc.jetstream(), Names(namespace)

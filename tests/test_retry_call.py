@@ -14,13 +14,13 @@ import nats.js.errors
 import pytest
 from nats.aio.msg import Msg
 
+from harness import wait_until
 from rollfleet.broker import EmbeddedBroker, retry_publish
 from rollfleet.broker.connection import connect
 from rollfleet.broker.retry_call import call_retrying
 from rollfleet.broker.retry_publish import publish_retrying
 from rollfleet.runtime.backoff import TRANSIENT_RETRY
 from rollfleet.schemas.errors import ServiceUnavailable
-from rollfleet.testing import wait_until
 
 
 async def test_an_unanswered_call_is_asked_again_until_it_is_answered() -> None:

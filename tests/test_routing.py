@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from harness import running_worker
 from rollfleet.schemas.errors import NoCompatibleReplica
-from rollfleet.testing import running_worker
 from rollfleet.trainer_client import RolloutClient
 from rollfleet.workers.scheduler import SubjectScheduler
-from rollfleet.workers.serving import ServedVersion, compatible
+from rollfleet.workers.served_version import ServedVersion, compatible
 from tests.helpers import payload
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from harness import start_worker_process, stop_all, wait_until
 from rollfleet.models import build_model_dir
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams
-from rollfleet.testing import start_worker_process, stop_all, wait_until
 from rollfleet.trainer_client import RolloutClient
 from rollfleet.workers.engines.sglang import SGLangEngine
 from tests.sglang_standin import SGLangStandin

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from harness import ProcessGroup, running_worker, wait_until, write_base_checkpoint
+from harness.weights import tensors_at
 from rollfleet.cli.status import collect_status, render_table
 from rollfleet.schemas import Outcome, RolloutPayload, RolloutResult, SamplingParams, VersionConstraint
 from rollfleet.schemas.errors import (
@@ -27,8 +29,6 @@ from rollfleet.schemas.errors import (
     SessionConflict,
     UnknownSession,
 )
-from rollfleet.testing import ProcessGroup, running_worker, wait_until, write_base_checkpoint
-from rollfleet.testing.weights import tensors_at
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from rollfleet.trainer_client.sessions.session import fewest_held
 from rollfleet.workers.engines.echo import EchoEngine

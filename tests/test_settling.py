@@ -20,10 +20,10 @@ from rollfleet.schemas import (
     VersionSpan,
 )
 from rollfleet.schemas.errors import ContractViolation, Expired, IdempotencyConflict
+from rollfleet.trainer_client.answer_settling import Settler, check_same_request
 from rollfleet.trainer_client.client_metrics import ClientMetrics
 from rollfleet.trainer_client.handle import RolloutHandle
-from rollfleet.trainer_client.jobids import JobIds
-from rollfleet.trainer_client.settling import Settler, check_same_request
+from rollfleet.trainer_client.own_job_ids import JobIds
 
 KEY = "k1"
 

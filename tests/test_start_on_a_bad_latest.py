@@ -12,11 +12,11 @@ import torch
 import xxhash
 from policy_helpers import make_checkpoint
 
+from harness import start_worker_process, terminate, wait_until
 from rollfleet.policy_store.digest import weights_digest
 from rollfleet.schemas import ReplicaStatus, VersionActivated, decode
-from rollfleet.testing import start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
-from rollfleet.workers.following import fallback_versions
+from rollfleet.workers.version_following import fallback_versions
 from tests.helpers import payload
 
 

@@ -19,14 +19,14 @@ import nats.errors
 import nats.js.errors
 import pytest
 
+from harness import ProcessGroup, start_worker_process, wait_until
+from harness.processes import rollfleet_command
 from rollfleet.broker import EmbeddedBroker, check_server_binary, free_port
 from rollfleet.broker.server import wait_for_port
 from rollfleet.broker.startup import not_ready, try_again, until_ready
 from rollfleet.runtime.backoff import Backoff
 from rollfleet.runtime.processes import terminate
 from rollfleet.schemas.errors import InvalidRequest, ServiceUnavailable
-from rollfleet.testing import ProcessGroup, start_worker_process, wait_until
-from rollfleet.testing.processes import rollfleet_command
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import payload
 

@@ -14,11 +14,11 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+from harness import ProcessGroup, wait_until
+from harness.link import LinkProxy
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.broker.connection import redialed
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams
-from rollfleet.testing import ProcessGroup, wait_until
-from rollfleet.testing.link import LinkProxy
 from rollfleet.trainer_client import RolloutClient, answers
 
 HELD_S = 0.5  # the holder stays cut off this long after that probe (until the fix: judged gone by then)

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from harness import rollfleet_command, start_worker_process, terminate, wait_until
 from rollfleet.broker import free_port
-from rollfleet.testing import rollfleet_command, start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import RolloutClient
 from tests.helpers import REPO
 

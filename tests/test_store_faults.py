@@ -1,4 +1,4 @@
-"""A replica's reads of an object store through a fault proxy (``rollfleet.testing.link``) in front of
+"""A replica's reads of an object store through a fault proxy (``harness.link``) in front of
 a real S3 API (``moto_server``): what the adversary's ``--store s3`` does to every worker.
 
 A response cut short is never taken for the object: the catch-up fails with a typed, retryable
@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from harness.link import LinkProxy
+from harness.weights import expected_digest, local_digest, tensors_at, write_base_checkpoint
+from rollfleet.cli import local_s3 as s3
 from rollfleet.policy_store import list_versions, read_marker
 from rollfleet.policy_store.bucket import Bucket
 from rollfleet.policy_store.publisher import PolicyPublisher
 from rollfleet.policy_store.remote import CACHE_DIR, materialize_from
 from rollfleet.schemas.errors import PolicyError
 from rollfleet.schemas.index import INDEX_FILE, MAX_INDEX_BYTES
-from rollfleet.testing import s3
-from rollfleet.testing.link import LinkProxy
-from rollfleet.testing.weights import expected_digest, local_digest, tensors_at, write_base_checkpoint
 
 pytestmark = pytest.mark.skipif(s3.unavailable() is not None, reason=str(s3.unavailable()))
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
+from harness import running_worker, wait_until
 from rollfleet.broker import free_port
 from rollfleet.models import build_model_dir
-from rollfleet.testing import running_worker, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from tests.helpers import REPO, payload
 

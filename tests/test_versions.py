@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from harness import running_worker, start_worker_process, terminate, wait_until
 from rollfleet.models import build_model_dir
 from rollfleet.policy_store import list_versions
 from rollfleet.schemas.errors import HostileName, ServiceUnavailable, VersionConflict
-from rollfleet.testing import running_worker, start_worker_process, terminate, wait_until
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from tests.helpers import payload
 

@@ -11,10 +11,10 @@ from typing import Any
 import msgspec
 from nats.aio.msg import Msg
 
+from harness import ProcessGroup, running_worker, wait_until
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.schemas import ReplicaStatus, VersionConstraint
 from rollfleet.schemas.names import LISTENED_MIN_VERSIONS
-from rollfleet.testing import ProcessGroup, running_worker, wait_until
 from rollfleet.trainer_client import RolloutClient
 from rollfleet.trainer_client.fleet import with_room_first
 from tests.helpers import CountingEcho, payload

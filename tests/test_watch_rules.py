@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 from rollfleet.broker.connection import logs_in
 from rollfleet.broker.topology import topology_step
 from rollfleet.schemas import Names, VersionConstraint
-from rollfleet.trainer_client.placement_rules import after_withdrawal
-from rollfleet.trainer_client.watch_rules import (
+from rollfleet.trainer_client.job_watch_rules import (
     ORPHAN_GRACE_S,
     STALL_BELLS_MAX,
     STALL_JOBS_PER_BELL,
@@ -24,6 +23,7 @@ from rollfleet.trainer_client.watch_rules import (
     stall_bells,
     stalled_since,
 )
+from rollfleet.trainer_client.placement_rules import after_withdrawal
 
 
 def test_a_deadline_passes_only_after_its_grace() -> None:

@@ -1,4 +1,4 @@
-"""What the vllm engine's tests share beyond ``rollfleet.testing.vllm`` (the cached vLLM
+"""What the vllm engine's tests share beyond ``harness.vllm`` (the cached vLLM
 environment, the model, the server): the trainer-side view of weights.
 """
 
@@ -9,9 +9,8 @@ from pathlib import Path
 
 import torch
 
-import rollfleet.testing.vllm as harness
-from rollfleet.models import load_model_tensors as load_tensors  # noqa: F401  (for the tests)
-from rollfleet.testing.vllm import (  # noqa: F401  (re-exported for the tests)
+import harness.vllm as harness
+from harness.vllm import (  # noqa: F401  (re-exported for the tests)
     BLOCK,
     LAUNCH_ARGS,
     MODEL,
@@ -23,6 +22,7 @@ from rollfleet.testing.vllm import (  # noqa: F401  (re-exported for the tests)
     unavailable,
     write_version,
 )
+from rollfleet.models import load_model_tensors as load_tensors  # noqa: F401  (for the tests)
 from rollfleet.workers.engines.vllm import EMPTY_SHA256
 
 

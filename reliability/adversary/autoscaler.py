@@ -52,10 +52,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from harness.processes import CHILD_LOG_ENV, sigterm_then_kill, spawn
 from reliability.adversary.journal import Journal, describe_error, describe_result
 from reliability.adversary.machine import WorkerProc, _log_level
 from rollfleet.autoscale.drivers.local import command_flag
-from rollfleet.testing.processes import CHILD_LOG_ENV, sigterm_then_kill, spawn
 
 AUTOSCALER_KINDS = (
     "autoscaler_kill",

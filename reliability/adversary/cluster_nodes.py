@@ -9,7 +9,7 @@ faults, each on one node at a time (the victim at random, or the leader of the j
 ``node_pause``  SIGSTOP for ``for_s``, then SIGCONT: alive, heard by nobody, its Raft terms stale.
 ``node_cut``    cut off from the other two for ``for_s`` while its own clients stay connected to
                 it (a minority partition): every route byte it sends is held. Each route runs
-                through a relay of the harness (``rollfleet.testing.cluster.RouteRelays``: one
+                through a relay of the harness (``harness.cluster.RouteRelays``: one
                 per ordered pair of nodes, in this process), so a cut needs no root and no
                 firewall, and runs wherever the cluster does.
 
@@ -28,8 +28,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.cluster import RouteRelays
 from rollfleet.broker import EmbeddedBroker, free_port
-from rollfleet.testing.cluster import RouteRelays
 
 NODES = ("a", "b", "c")
 NODE_KINDS = ("node_kill", "node_pause", "node_cut")

@@ -19,7 +19,7 @@ does meanwhile), or ``preparing`` (a version is published right after the fault 
 replica prepares it on the failing disk). The promise judged (``converged``, per fault): the
 replica keeps serving what it has (``served``, ``available`` judge that as always) and, once its
 disk is back, reaches the version latest then within ``CONVERGE_S``: a failed prepare is retried
-after the backoff of ``rollfleet.workers.following`` (2, 4, 8 s), and a half-written version is
+after the backoff of ``rollfleet.workers.version_following`` (2, 4, 8 s), and a half-written version is
 never trusted (its marker absent: the retry reseeds).
 
 The adversary calls ``disk_event`` (one line in ``run_event``) and ``watch_after_disks`` (one in

@@ -2,7 +2,7 @@
 
 With ``--sglang N`` the adversary adds N ``rollfleet worker --engine sglang`` replicas (ids
 ``s1``, ``s2``), each attached (``--sglang-url``) to a server process of its own: the keyed
-SGLang stand-in (``rollfleet.testing.sglang_keyed``), launched on the trainer's base checkpoint
+SGLang stand-in (``harness.sglang_keyed``), launched on the trainer's base checkpoint
 (the store's version 0) under SGLang's default label. Its tokens are a function of the bytes it
 loaded, so the oracle's ``served`` recomputes every one of them from the trainer's weights, as
 it does the keyed echo workers'.
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.processes import spawn
 from rollfleet.runtime.processes import terminate
-from rollfleet.testing.processes import spawn
 
 SGLANG_POOL = ("s1", "s2")  # worker ids of sglang replicas (broker users of their own)
 ENGINE_KINDS = ("engine_kill", "engine_pause_error", "engine_freeze")
@@ -101,7 +101,7 @@ class EngineServers:
         port = self.ports.setdefault(worker_id, free_port())
         log = self.workdir / "logs" / f"engine-{worker_id}.{len(self.lives)}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "rollfleet.testing.sglang_keyed", "--model-path", str(model_path),
+        cmd = [sys.executable, "-m", "harness.sglang_keyed", "--model-path", str(model_path),
                "--port", str(port), "--token-delay", "0.003"]  # fmt: skip
         proc = spawn(cmd, log, env=self.child_env, cwd=self.cwd)
         es = EngineServerProc(worker_id, proc, log, time.time(), port, str(model_path))

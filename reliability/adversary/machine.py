@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.clocks import faketime_library, skewed_environment
+from harness.link import LinkProxy
+from harness.processes import CHILD_LOG_ENV, sigterm_then_kill, spawn
 from reliability.adversary.cluster_nodes import NodeCluster
 from reliability.adversary.engines import SGLANG_POOL, EngineServers
 from rollfleet.broker import EmbeddedBroker, free_port
 from rollfleet.runtime.processes import terminate
-from rollfleet.testing.clocks import faketime_library, skewed_environment
-from rollfleet.testing.link import LinkProxy
-from rollfleet.testing.processes import CHILD_LOG_ENV, sigterm_then_kill, spawn
 
 MAX_PAYLOAD = "32KB"  # answers over ~16 KB are stored in chunks (the worker keeps 16 KB headroom)
 ECHO_POOL = tuple(f"w{i}" for i in range(1, 7))
@@ -210,7 +210,7 @@ class Machine:
         return self.broker.url.replace("nats://", f"nats://{user}:{self.passwords[user]}@")
 
     async def start_links(self, worker_ids: list[str]) -> None:
-        """A proxy per worker id, between it and the broker (``rollfleet.testing.link``)."""
+        """A proxy per worker id, between it and the broker (``harness.link``)."""
         assert self.broker is not None
         for wid in worker_ids:
             self.links[wid] = await LinkProxy("127.0.0.1", self.broker.port).start()

@@ -1,6 +1,6 @@
 """The adversary's object store (``--store s3``): a real S3 API (moto's server) holding the policy
 store, the trainer's publishers writing to it directly, and every worker reading it through a
-fault proxy of its own (``rollfleet.testing.link.LinkProxy``: truncate, drop, lag).
+fault proxy of its own (``harness.link.LinkProxy``: truncate, drop, lag).
 
 One proxy per worker, as for the broker links: a fault can hit one replica (its downloads cut
 short while the others' are whole, so the fleet splits across versions) or all of them (each
@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from rollfleet.testing.link import LinkProxy
-from rollfleet.testing.s3 import BUCKET, S3Server
+from harness.link import LinkProxy
+from rollfleet.cli.local_s3 import BUCKET, S3Server
 
 PREFIX = "adv"  # the policy store: s3://rollfleet-weights/adv
 INDEX = "model.safetensors.index.json"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 async def publish(args: argparse.Namespace) -> int:
-    from rollfleet.testing.weights import tensors_at
+    from harness.weights import tensors_at
     from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
     tensors = tensors_at

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.clocks import faketime_library
 from reliability.adversary.autoscaler import AUTOSCALER_KINDS, autoscaler_event
 from reliability.adversary.cluster_nodes import NODE_KINDS
 from reliability.adversary.engines import ENGINE_KINDS, SGLANG_POOL, engine_event
@@ -46,7 +47,6 @@ from reliability.adversary.journal import Journal, describe_error, describe_resu
 from reliability.adversary.machine import ECHO_POOL, GATEWAY_CLIENT, GATEWAYS, HF_POOL, ROGUE, Machine, WorkerProc
 from reliability.adversary.oracle import AVAILABLE_S
 from reliability.adversary.schedule import Event, make_schedule
-from rollfleet.testing.clocks import faketime_library
 
 REPO = Path(__file__).resolve().parents[2]
 NAMESPACE = "adv"
@@ -247,7 +247,7 @@ class Adversary:
 
             await asyncio.to_thread(build_model_dir, base, "tiny", 0)
         else:
-            from rollfleet.testing.weights import write_base_checkpoint
+            from harness.weights import write_base_checkpoint
 
             write_base_checkpoint(base)
         self.weights = TrainerWeights(base, cfg.seed)

@@ -33,7 +33,7 @@ and with what else, it happens:
 ``pause_worker``    SIGSTOP a worker (at random, or one holding a session turn, an exact job, a
                     large answer or an at_most_once job) for 1.5-6 s, then SIGCONT: frozen, alive
 ``pause_broker``    SIGSTOP the broker for 1.5-5 s, then SIGCONT (its store and connections kept)
-``partition``       one worker's link to the broker stalls (``rollfleet.testing.link``) one way (its
+``partition``       one worker's link to the broker stalls (``harness.link``) one way (its
                     messages unheard, or the broker's undelivered) or both, for 1-8 s; bytes are
                     held, as TCP holds them, and delivered when it heals
 ``lag``             one worker's link adds 50-500 ms to every chunk, for 3-10 s

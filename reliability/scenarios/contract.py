@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import ProcessGroup, tensors_at, write_base_checkpoint
 from reliability.scenarios.common import REPO, Figures, Ledger, gather_outcomes, read_activations, start_broker
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams, served_within
 from rollfleet.schemas.errors import RollfleetError
-from rollfleet.testing import ProcessGroup, tensors_at, write_base_checkpoint
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 DRAINS = (0.2, 1.0, 5.0)  # --exact-drain of each worker

@@ -251,8 +251,8 @@ class VersionFixture:
     """A real store with a base and one delta; each example damages a copy of the delta."""
 
     def __init__(self) -> None:
+        from harness.weights import tensors_at, write_base_checkpoint
         from rollfleet.policy_store import CheckpointLayout
-        from rollfleet.testing.weights import tensors_at, write_base_checkpoint
         from rollfleet.trainer_client import PolicyPublisher
 
         self.root = Path(tempfile.mkdtemp(prefix="rf-fuzz-"))

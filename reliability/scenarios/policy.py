@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import ProcessGroup, wait_until
+from harness.weights import expected_digest, local_digest, tensors_at, write_base_checkpoint
 from reliability.scenarios.common import REPO, Figures, Ledger, job_payload, read_activations, start_broker
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.policy_store import list_versions, read_marker, verify_version_dir
@@ -18,8 +20,6 @@ from rollfleet.policy_store.store import version_path
 from rollfleet.runtime import faults
 from rollfleet.schemas.errors import NoCompatibleReplica, RollfleetError
 from rollfleet.schemas.index import INDEX_FILE
-from rollfleet.testing import ProcessGroup, wait_until
-from rollfleet.testing.weights import expected_digest, local_digest, tensors_at, write_base_checkpoint
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 PUBLISH_POINTS = (

@@ -40,8 +40,8 @@ class Journal:
 
 
 async def trainer(args: argparse.Namespace) -> int:
+    from harness.weights import tensors_at
     from reliability.scenarios.common import Ledger, job_payload
-    from rollfleet.testing.weights import tensors_at
     from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
     journal_path = Path(args.journal)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import ProcessGroup, wait_until
 from reliability.scenarios.common import (
     BROKER_CONFIG,
     REPO,
@@ -23,7 +24,6 @@ from reliability.scenarios.common import (
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.runtime import faults
 from rollfleet.schemas.errors import NoCompatibleReplica
-from rollfleet.testing import ProcessGroup, wait_until
 from rollfleet.trainer_client import RolloutClient
 
 ACK_WAIT_S = 2.0
@@ -260,7 +260,7 @@ async def cluster_node_loss(
     """A 3-node cluster (broker_config/cluster/) with R3 streams; the jobs stream leader's node is
     SIGKILLed under load. Fail-over: kill -> the jobs stream has a leader on a live node and
     accepts a write. Stall: the longest gap in result deliveries around the kill."""
-    from rollfleet.testing import kill_stream_leader, start_cluster, wait_failover
+    from harness import kill_stream_leader, start_cluster, wait_failover
 
     fig = Figures("3", "3-node cluster, R3 streams, stream leader's node SIGKILLed", {"jobs": jobs})
     t_start = time.monotonic()

@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import ProcessGroup, wait_until
+from harness.weights import tensors_at, write_base_checkpoint
 from reliability.scenarios.common import BROKER_CONFIG, REPO, Figures, job_payload, start_broker
 from rollfleet.broker import EmbeddedBroker
 from rollfleet.policy_store.store import read_record
 from rollfleet.schemas.errors import RollfleetError
 from rollfleet.schemas.index import INDEX_FILE
-from rollfleet.testing import ProcessGroup, wait_until
-from rollfleet.testing.weights import tensors_at, write_base_checkpoint
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 HOSTILE = ("shard-path-escape", "tensor-name-escape", "absolute-shard", "symlinked-shard")
@@ -182,8 +182,8 @@ async def token_end_to_end(workdir: Path, token: str = "rf-reliability-token-012
 async def tls_end_to_end(workdir: Path) -> Figures:
     """broker_config/tls (mutual TLS): a worker process and a client with certificates make a round trip;
     a client without a certificate is refused."""
+    from harness import make_dev_certs
     from rollfleet.broker import free_port
-    from rollfleet.testing import make_dev_certs
 
     fig = Figures("9c", "Mutual TLS end to end", {})
     t0 = time.monotonic()

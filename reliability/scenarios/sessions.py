@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import ProcessGroup, tensors_at, write_base_checkpoint
 from reliability.scenarios.common import REPO, Figures, Ledger, read_activations, start_broker
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams
 from rollfleet.schemas.errors import Interrupted, NoCompatibleReplica, RollfleetError
-from rollfleet.testing import ProcessGroup, tensors_at, write_base_checkpoint
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 POLICIES = ("pinned", "monotonic", "free")

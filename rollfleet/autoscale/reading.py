@@ -28,8 +28,8 @@ from typing import Any
 from rollfleet.autoscale.signal import ReplicaFacts, Signal, SubjectKey, SubjectLoad, demand_signal, with_own_pending
 from rollfleet.broker.buckets import KVBucket, open_bucket
 from rollfleet.broker.jobs_load import SubjectJobs, jobs_on_subjects
+from rollfleet.broker.kv_watch import watch_keys
 from rollfleet.broker.types import NATS, JetStreamContext, Msg
-from rollfleet.broker.watch import watch_keys
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, ReplicaStatus, SessionRecord, VersionRecord, decode

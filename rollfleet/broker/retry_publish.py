@@ -24,7 +24,7 @@ from rollfleet.broker.errors import WRONG_LAST_SEQUENCE, no_responders
 from rollfleet.runtime.aio import wait_event
 from rollfleet.runtime.backoff import TRANSIENT_RETRY
 from rollfleet.runtime.logs import get_logger
-from rollfleet.schemas.bounded import load_json
+from rollfleet.schemas.bounded_json import load_json
 from rollfleet.schemas.errors import Fenced, InvalidRequest, ServiceUnavailable
 
 log = get_logger("rollfleet.broker.retry_publish")

@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rollfleet.schemas.bounded import load_json
+from rollfleet.schemas.bounded_json import load_json
 from rollfleet.schemas.errors import InvalidRequest
 
 MAX_TEMPLATE_BYTES = 1024 * 1024

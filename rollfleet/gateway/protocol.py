@@ -44,7 +44,7 @@ from typing import Any, Literal
 from rollfleet.gateway.chat import ChatTemplate, messages_of, tools_of
 from rollfleet.schemas import DEFAULT_LIMITS, RolloutPayload, RolloutResult, SamplingParams, coordinate_wire
 from rollfleet.schemas.asked import ANY_VERSION, AskedConstraint
-from rollfleet.schemas.bounded import load_json
+from rollfleet.schemas.bounded_json import load_json
 from rollfleet.schemas.errors import InvalidRequest, RollfleetError
 from rollfleet.schemas.progress import TokenChunk
 

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rollfleet.policy_store import codecs
+from rollfleet.policy_store import delta_codecs as codecs
 from rollfleet.policy_store.digest import content_digest
 from rollfleet.policy_store.files import check_file
 from rollfleet.policy_store.formats import CHECKSUM_FORMATS, DEFAULT_CHECKSUM, new_hasher
@@ -52,7 +52,7 @@ from rollfleet.policy_store.layout import CheckpointLayout, TensorLocation, chec
 from rollfleet.policy_store.store import SIDECAR, list_versions, read_index, version_path
 from rollfleet.policy_store.verify import OpenVersion, check_delta_against, open_version
 from rollfleet.runtime import faults
-from rollfleet.schemas.bounded import load_json
+from rollfleet.schemas.bounded_json import load_json
 from rollfleet.schemas.errors import (
     ChecksumMismatch,
     CorruptArtifact,

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from rollfleet.policy_store import codecs
+from rollfleet.policy_store import delta_codecs as codecs
 from rollfleet.policy_store.bucket import Bucket
 from rollfleet.policy_store.formats import (
     COMPRESSION_FORMATS,

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import zstandard as zstd
 
-from rollfleet.policy_store import codecs
+from rollfleet.policy_store import delta_codecs as codecs
 from rollfleet.policy_store.files import check_file
 from rollfleet.policy_store.formats import (
     XOR,

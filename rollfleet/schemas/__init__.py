@@ -1,7 +1,6 @@
 """The contract every side reads: messages, names, errors, limits, version constraints."""
 
 from rollfleet.schemas.asked import ANY_VERSION, AskedConstraint
-from rollfleet.schemas.codec import decode, decode_event, decode_job, decode_outcome, encode, job_address
 from rollfleet.schemas.errors import *  # noqa: F403
 from rollfleet.schemas.errors import RollfleetError, error_from_code
 from rollfleet.schemas.limits import DEFAULT_LIMITS, Limits, check_job, check_payload
@@ -46,6 +45,7 @@ from rollfleet.schemas.replay import (
     coordinate_wire,
     prompt_digest,
 )
+from rollfleet.schemas.wire import decode, decode_event, decode_job, decode_outcome, encode, job_address
 
 __all__ = [
     "ANY_VERSION",

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollfleet.schemas.bounded import load_json
+from rollfleet.schemas.bounded_json import load_json
 from rollfleet.schemas.errors import CorruptArtifact, HostileName
 
 INDEX_FILE = "model.safetensors.index.json"

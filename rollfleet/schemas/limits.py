@@ -6,7 +6,7 @@ import math
 
 import msgspec
 
-from rollfleet.schemas.bounded import MAX_DEPTH, depth_within
+from rollfleet.schemas.bounded_json import MAX_DEPTH, depth_within
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.schemas.messages import RolloutJob, RolloutPayload
 

@@ -59,6 +59,7 @@ from rollfleet.schemas.errors import (
 from rollfleet.schemas.progress import TokenChunk
 from rollfleet.schemas.replay_rules import ReplayOutcome
 from rollfleet.trainer_client import answers, cancelling, replaying
+from rollfleet.trainer_client.answer_settling import Settler, check_same_request, conflict
 from rollfleet.trainer_client.bells import Bells
 from rollfleet.trainer_client.cancelling import CancelOutcome
 from rollfleet.trainer_client.client_metrics import ClientMetrics
@@ -66,17 +67,16 @@ from rollfleet.trainer_client.consumers import JobConsumers
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.inbox import ResultsInbox
-from rollfleet.trainer_client.jobids import JobIds
+from rollfleet.trainer_client.job_watch import JobWatch
 from rollfleet.trainer_client.lease import ClientLease
+from rollfleet.trainer_client.own_job_ids import JobIds
 from rollfleet.trainer_client.placement import PUBLISH_BUDGET_S, JobPlacement
 from rollfleet.trainer_client.refusals import RefusalNotes
 from rollfleet.trainer_client.requests import asked_of, build_job
 from rollfleet.trainer_client.restore import restore_namespace
 from rollfleet.trainer_client.sessions import OpenSession, Session
-from rollfleet.trainer_client.settling import Settler, check_same_request, conflict
 from rollfleet.trainer_client.streaming import stream_tokens
 from rollfleet.trainer_client.versions import adopt_version, commit_version
-from rollfleet.trainer_client.watch import JobWatch
 
 log = get_logger("rollfleet.client")
 _DEBUG = debug_enabled(log)  # (fixed with the logger: the per-job debug line's fields are built only then)

@@ -26,8 +26,8 @@ import msgspec
 
 from rollfleet.broker.buckets import KVBucket
 from rollfleet.broker.kv import read_latest, read_replicas
+from rollfleet.broker.kv_watch import watch_keys
 from rollfleet.broker.types import JetStreamContext, KeyValue
-from rollfleet.broker.watch import watch_keys
 from rollfleet.runtime.aio import stop_tasks, wait_event
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (

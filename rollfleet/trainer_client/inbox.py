@@ -23,7 +23,7 @@ from contextlib import suppress
 from typing import Any
 
 from rollfleet.broker.errors import typed_errors
-from rollfleet.broker.pull import PullConsumer
+from rollfleet.broker.pull_consumer import PullConsumer
 from rollfleet.broker.types import NATS, JetStreamContext, Msg
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
@@ -38,7 +38,7 @@ from rollfleet.schemas import (
 from rollfleet.schemas.errors import BrokerError, RollfleetError, ServiceUnavailable
 from rollfleet.trainer_client import answers
 from rollfleet.trainer_client.handle import RolloutHandle
-from rollfleet.trainer_client.jobids import JobIds
+from rollfleet.trainer_client.own_job_ids import JobIds
 
 log = get_logger("rollfleet.client")
 

@@ -27,7 +27,7 @@ from rollfleet.workers.engines import Engine, Generation
 from rollfleet.workers.engines.base import sample_seed
 from rollfleet.workers.progress_log import ProgressLog
 from rollfleet.workers.running_job import RunningJob
-from rollfleet.workers.serving import ServedVersion
+from rollfleet.workers.served_version import ServedVersion
 from rollfleet.workers.worker_metrics import WorkerMetrics
 
 

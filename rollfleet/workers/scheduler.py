@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rollfleet.workers.serving import ServedVersion, Subject, compatible
+from rollfleet.workers.served_version import ServedVersion, Subject, compatible
 
 __all__ = ["Subject", "SubjectScheduler", "compatible"]
 

@@ -75,7 +75,9 @@ from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, VersionActivated, VersionRecord, decode, encode
 from rollfleet.schemas.errors import NoServableVersion, PolicyError, PrepareTimeout, RollfleetError
 from rollfleet.workers.engines import Engine
-from rollfleet.workers.following import (
+from rollfleet.workers.registry import Registration
+from rollfleet.workers.served_version import ServedVersion
+from rollfleet.workers.version_following import (
     Attempt,
     FailedVersion,
     after_failure,
@@ -84,8 +86,6 @@ from rollfleet.workers.following import (
     follow,
     start_step,
 )
-from rollfleet.workers.registry import Registration
-from rollfleet.workers.serving import ServedVersion
 from rollfleet.workers.worker_metrics import WorkerMetrics
 
 FALLBACK_SLOT = ".rollfleet-fallback"  # the second checkpoint directory, inside the first

@@ -41,11 +41,11 @@ from rollfleet.schemas import (
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.schemas.names import check_token
 from rollfleet.workers.engines import Engine
-from rollfleet.workers.jobs import JobRunner
-from rollfleet.workers.pulling import JobPuller
+from rollfleet.workers.job_puller import JobPuller
+from rollfleet.workers.job_runner import JobRunner
 from rollfleet.workers.registry import Registration
 from rollfleet.workers.scheduler import SubjectScheduler
-from rollfleet.workers.serving import ServedVersion
+from rollfleet.workers.served_version import ServedVersion
 from rollfleet.workers.version_sync import VersionSync, announce_start
 from rollfleet.workers.worker_metrics import WorkerMetrics
 from rollfleet.workers.worker_settings import worker_default
@@ -106,7 +106,7 @@ class Worker:
         self.js: JetStreamContext | None = None
         self.registration: Registration | None = None
         self.sync: VersionSync | None = None
-        self.pulling: JobPuller | None = None  # which jobs to pull, and pulling them (pulling.py)
+        self.pulling: JobPuller | None = None  # which jobs to pull, and pulling them (job_puller.py)
         self._keepalive_task: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()

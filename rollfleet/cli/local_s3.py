@@ -1,5 +1,6 @@
-"""A real S3 API server for tests and benchmarks: moto's server (``python -m moto.server``) in its
-own process.
+"""A real S3 API server, moto's (``python -m moto.server``), in its own process: for trying a
+bucket store without a cloud (``python -m rollfleet.cli.local_s3``, Compose's ``objects``
+profile; the ``s3server`` extra), and for the tests and benchmarks of bucket stores.
 
 ``S3Server`` starts it on a free loopback port with IAM checks on (``INITIAL_NO_AUTH_ACTION_COUNT``:
 the first few calls set up a user, its policy, its access key and the bucket; every later call
@@ -118,14 +119,14 @@ class S3Server:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m rollfleet.testing.s3 [PORT]``: a local S3 API holding the bucket, any key
+    """``python -m rollfleet.cli.local_s3 [PORT]``: a local S3 API holding the bucket, any key
     accepted, until stopped; ``/tmp/rollfleet-s3-ready`` exists once the bucket does."""
     import argparse
     import signal
     import tempfile
 
     parser = argparse.ArgumentParser(
-        prog="python -m rollfleet.testing.s3",
+        prog="python -m rollfleet.cli.local_s3",
         description=f"A local S3 API (moto) with the bucket {BUCKET!r}; any key is accepted. For trying "
         "the compose `objects` profile, not for production.",
     )

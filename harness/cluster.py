@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from harness.link import LinkProxy
 from rollfleet.broker import check_server_binary, free_port
 from rollfleet.broker.server import wait_for_port
 from rollfleet.runtime.processes import terminate
 from rollfleet.schemas import Names
-from rollfleet.testing.link import LinkProxy
 
 _T = TypeVar("_T")
 

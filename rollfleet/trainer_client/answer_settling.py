@@ -29,7 +29,7 @@ from rollfleet.schemas.errors import ContractViolation, IdempotencyConflict
 from rollfleet.trainer_client import answers
 from rollfleet.trainer_client.client_metrics import ClientMetrics
 from rollfleet.trainer_client.handle import RolloutHandle
-from rollfleet.trainer_client.jobids import JobIds
+from rollfleet.trainer_client.own_job_ids import JobIds
 
 log = get_logger("rollfleet.client")
 

@@ -15,9 +15,7 @@ bounded; processes are stopped by PID, politely first.
   :class:`BrokerCounters` (messages in/out, JetStream API requests, CPU), :func:`cpu_seconds`
 """
 
-from rollfleet.cli.local_fleet import LocalFleet
-from rollfleet.runtime.processes import die_with_parent, terminate
-from rollfleet.testing.cluster import (
+from harness.cluster import (
     CLUSTER_PORTS,
     LEAF_PORTS,
     NODES,
@@ -30,8 +28,8 @@ from rollfleet.testing.cluster import (
     start_cluster,
     wait_failover,
 )
-from rollfleet.testing.monitor import BrokerCounters, Counters, cpu_seconds
-from rollfleet.testing.processes import (
+from harness.monitor import BrokerCounters, Counters, cpu_seconds
+from harness.processes import (
     ProcessGroup,
     check_alive,
     rollfleet_command,
@@ -40,9 +38,11 @@ from rollfleet.testing.processes import (
     stop_all,
     worker_command,
 )
-from rollfleet.testing.waiting import WaitTimeout, wait_until
-from rollfleet.testing.weights import expected_digest, local_digest, tensors_at, write_base_checkpoint
-from rollfleet.testing.workers import broker_counters, running_worker, temp_broker
+from harness.waiting import WaitTimeout, wait_until
+from harness.weights import expected_digest, local_digest, tensors_at, write_base_checkpoint
+from harness.workers import broker_counters, running_worker, temp_broker
+from rollfleet.cli.local_fleet import LocalFleet
+from rollfleet.runtime.processes import die_with_parent, terminate
 
 __all__ = [
     "CLUSTER_PORTS",

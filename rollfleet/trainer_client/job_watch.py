@@ -18,9 +18,7 @@ from rollfleet.schemas import Names, VersionConstraint
 from rollfleet.schemas.errors import BrokerError, Expired, NoCompatibleReplica, NotFound
 from rollfleet.trainer_client.fleet import FleetView
 from rollfleet.trainer_client.handle import RolloutHandle
-from rollfleet.trainer_client.placement import JobPlacement
-from rollfleet.trainer_client.sessions import Session, expire_idle
-from rollfleet.trainer_client.watch_rules import (
+from rollfleet.trainer_client.job_watch_rules import (
     STALL_AFTER_S,
     OrphanWatch,
     expired,
@@ -28,6 +26,8 @@ from rollfleet.trainer_client.watch_rules import (
     stall_bells,
     stalled_since,
 )
+from rollfleet.trainer_client.placement import JobPlacement
+from rollfleet.trainer_client.sessions import Session, expire_idle
 
 log = get_logger("rollfleet.client")
 

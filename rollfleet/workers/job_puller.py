@@ -31,7 +31,7 @@ from contextlib import suppress
 from typing import Any
 
 from rollfleet.broker.errors import typed_errors
-from rollfleet.broker.pull import PullConsumer, delivery_info
+from rollfleet.broker.pull_consumer import PullConsumer, delivery_info
 from rollfleet.broker.topology import bind_job_consumer, bind_replica_consumer, queue_depths
 from rollfleet.broker.types import NATS, JetStreamContext, Msg
 from rollfleet.runtime.logs import debug_enabled
@@ -39,7 +39,7 @@ from rollfleet.schemas import Names
 from rollfleet.schemas.errors import BrokerError, Fenced
 from rollfleet.schemas.names import listened_subjects
 from rollfleet.workers.scheduler import SubjectScheduler
-from rollfleet.workers.serving import ServedVersion, Subject
+from rollfleet.workers.served_version import ServedVersion, Subject
 
 
 class JobPuller:

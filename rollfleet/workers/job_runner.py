@@ -51,7 +51,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-from rollfleet.broker.pull import delivery_info
+from rollfleet.broker.pull_consumer import delivery_info
 from rollfleet.broker.types import JetStreamContext, KeyValue, Msg
 from rollfleet.runtime import faults
 from rollfleet.runtime.aio import wait_event
@@ -78,13 +78,13 @@ from rollfleet.schemas.errors import (
     Superseded,
 )
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, check_token
-from rollfleet.workers.claims import ClaimKeeper
 from rollfleet.workers.engines import Engine
+from rollfleet.workers.job_claim import ClaimKeeper
 from rollfleet.workers.replay_stamp import stamp
 from rollfleet.workers.result_store import ResultStore, looked_up_first
 from rollfleet.workers.resumable_run import ResumableGenerator
 from rollfleet.workers.running_job import RunningJob
-from rollfleet.workers.serving import ServedVersion
+from rollfleet.workers.served_version import ServedVersion
 from rollfleet.workers.worker_metrics import WorkerMetrics
 
 _HEADROOM = 16 * 1024  # message size left for headers and protocol overhead

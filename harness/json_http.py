@@ -1,5 +1,5 @@
 """A threaded HTTP server that speaks JSON: the plumbing the engine stand-ins share
-(``rollfleet.testing.sglang_keyed``, ``tests/sglang_standin.py``). Each supplies one function,
+(``harness.sglang_keyed``, ``tests/sglang_standin.py``). Each supplies one function,
 ``answer(method, path, body) -> (status, payload)``; a body that is not JSON is refused with 400
 before it is called, and a ``str`` payload goes out as text."""
 

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+from harness.monitor import BrokerCounters
 from rollfleet.broker import EmbeddedBroker, free_port
-from rollfleet.testing.monitor import BrokerCounters
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.worker import Worker, WorkerConfig
 

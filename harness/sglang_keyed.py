@@ -21,7 +21,7 @@ A restarted process starts again on its ``--model-path`` with its ``--weight-ver
 Fault hooks (for the machine adversary; not SGLang's): ``POST /_fault/pause_error``
 ``{"for_s": S}`` makes ``/pause_generation`` answer HTTP 500 for ``S`` seconds.
 
-    python -m rollfleet.testing.sglang_keyed --model-path DIR --port N
+    python -m harness.sglang_keyed --model-path DIR --port N
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from rollfleet.testing.json_http import JsonServer
+from harness.json_http import JsonServer
 from rollfleet.workers.engines.keyed import VOCAB, context_state, keyed_token, weights_key
 
 
@@ -257,7 +257,7 @@ def _answer(state: KeyedState, method: str, path: str, body: Any) -> tuple[int, 
 
 def main(argv: list[str] | None = None) -> None:
     """Serve with SGLang's launch flags (unknown ones are ignored), until killed."""
-    p = argparse.ArgumentParser(prog="python -m rollfleet.testing.sglang_keyed")
+    p = argparse.ArgumentParser(prog="python -m harness.sglang_keyed")
     p.add_argument("--model-path", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
