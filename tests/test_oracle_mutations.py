@@ -772,16 +772,22 @@ def _relabel(h: History, submit: dict[str, Any], answer: dict[str, Any], version
         for i, t in enumerate(answer["token_ids"])
     ]
     digest = tokens_digest([SimpleNamespace(token_ids=t) for t in ids])
+    # (its replay coordinate lists the version, with the trainer's content digest of its bytes)
+    listed = [[version, TrainerWeights(h.dir / "base", SEED).content_digest(version).hex()]]
     job = answer["job_id"]
     for r in [*h.answers(), *h.doc["finals"].values(), *(x for x in h.trainer if x.get("ev") == "reask")]:
         if r.get("kind") == "result" and r.get("job_id") == job:
             r.update(token_ids=ids, tokens=digest, version_start=version, version_end=version)
             r["spans"] = [[[version, 0, len(t)]] for t in ids]
+            if r.get("replay"):
+                r["replay"] = {**r["replay"], "versions": listed}
     for p in h.tap["published"]:
         if p.get("job_id") == job and p.get("kind") == "result":
             p["digest"] = digest
             if p.get("desc"):
                 p["desc"].update(tokens=digest, version_start=version, version_end=version)
+                if p["desc"].get("replay"):
+                    p["desc"]["replay"] = {**p["desc"]["replay"], "versions": listed}
 
 
 def _kill_fact(version: int, point: str, t_start: float, t_end: float, committed: bool) -> dict[str, Any]:
