@@ -29,6 +29,17 @@ def worker_command(url: str, namespace: str, worker_id: str, *args: str) -> list
     return rollfleet_command("worker", "--nats", url, "--namespace", namespace, "--worker-id", worker_id, *args)
 
 
+_ROOT = str(Path(__file__).resolve().parents[1])  # the checkout: harness/ lies beside the package
+
+
+def _with_harness(env: dict[str, str]) -> dict[str, str]:
+    """A child's environment with the checkout on its path, after whatever it had: a child that
+    runs ``-m harness...`` or imports it finds it from any working directory (``harness/`` is
+    not installed with the package), and a ``PYTHONPATH`` naming another checkout still wins."""
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return env if _ROOT in paths else {**env, "PYTHONPATH": os.pathsep.join([*paths, _ROOT])}
+
+
 def spawn(
     cmd: Sequence[str],
     log_path: Path | None = None,
@@ -49,7 +60,7 @@ def spawn(
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=cwd,
-            env={**os.environ, **(env or {})},
+            env=_with_harness({**os.environ, **(env or {})}),
             preexec_fn=die_with_parent if tie_to_parent else None,
             start_new_session=not tie_to_parent,
         )

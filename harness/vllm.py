@@ -21,7 +21,7 @@ import httpx
 from rollfleet.broker import free_port
 from rollfleet.workers.engines.vllm import SERVER_ENV, built_for_cpu, server_command
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("ROLLFLEET_VLLM_VENV") or REPO / ".venv-vllm")
 if not VENV.is_absolute():
     VENV = REPO / VENV

@@ -25,6 +25,7 @@ launch flags: ``python tests/sglang_standin.py --model-path P --port N``.
 from __future__ import annotations
 
 import argparse
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from typing import Any
 
 from sglang_contract import api_types, check_request
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (run as a script: the checkout's harness/)
 from harness.json_http import JsonServer
 
 
