@@ -328,6 +328,8 @@ class Oracle:
         self.checks: dict[str, int] = defaultdict(int)
         self.unverified: dict[str, int] = defaultdict(int)
         self.notes: dict[str, Any] = {}
+        # (job id, fingerprint) -> its request's payload; key -> its calls (``_payload_of``)
+        self._requests: tuple[dict[tuple[str, Any], Any], dict[str, list[Any]]] | None = None
         self.violations: list[Violation] = []
         self.ack_wait = float(cfg.ack_wait)
         self.window = float(cfg.duplicate_window)
@@ -1139,6 +1141,36 @@ class Oracle:
                     "1",
                 )
 
+    def _payload_of(self, check: str, call: Any, key: str, desc: dict[str, Any]) -> dict[str, Any] | None:
+        """The request an accepted answer answers (``answer_payload``), its prompt known; else None,
+        counted unverified under ``check``. A result's request is the one stored as its job (a
+        reused key's other request is not it: a key has one job id, so the request is told by its
+        fingerprint too); a turn's re-ask is found by its product key."""
+        if self._requests is None:
+            payload_of_job = {
+                (str(c.stored["job_id"]), c.stored.get("fingerprint")): c.req["payload"]
+                for c in self.calls
+                if c.stored and c.req
+            }
+            calls_of_key: dict[str, list[Call]] = defaultdict(list)
+            for c in self.calls:
+                for k in {c.key, self.idem.get(c.key, c.key)}:
+                    calls_of_key[k].append(c)
+            self._requests = (payload_of_job, calls_of_key)
+        payload_of_job, calls_of_key = self._requests
+        job_id = str(desc.get("job_id"))
+        payload, unknown = answer_payload(
+            desc,
+            call,
+            calls_of_key.get(key, []),
+            stored=payload_of_job.get((job_id, desc.get("fingerprint"))),
+            delivered={d.prompt for d in self.deliveries_by_job.get(job_id, []) if d.prompt},
+        )
+        if payload is None or payload.get("prompt") is None:
+            self.unverified[f"{check}: {unknown or 'the answer has no prompt'}"] += 1
+            return None
+        return payload
+
     def _check_served(self) -> None:
         """served: each accepted answer's tokens are what its labelled versions' weights make."""
         try:
@@ -1148,17 +1180,6 @@ class Oracle:
             return
         truth = Truth(self.weights)
         engine_of = {w.worker_id: w.engine for w in self.tl.workers}
-        # A result's prompt: the request stored as its job (a reused key's other request is not it:
-        # a key has one job id, so the request is told by its fingerprint too).
-        payload_of_job = {
-            (str(c.stored["job_id"]), c.stored.get("fingerprint")): c.req["payload"]
-            for c in self.calls
-            if c.stored and c.req
-        }
-        calls_of_key: dict[str, list[Call]] = defaultdict(list)  # (a turn's re-ask is by its product key)
-        for c in self.calls:
-            for k in {c.key, self.idem.get(c.key, c.key)}:
-                calls_of_key[k].append(c)
         versions = sorted({v for _, v in self.commits})
         done: set[tuple[str, str, str]] = set()
         for call, key, desc in self._accepted():
@@ -1170,16 +1191,8 @@ class Oracle:
             if "token_ids" not in desc:
                 self.unverified["served: the journal has no token ids (a run before keyed echo)"] += 1
                 continue
-            job_id = str(desc.get("job_id"))
-            payload, unknown = answer_payload(
-                desc,
-                call,
-                calls_of_key.get(key, []),
-                stored=payload_of_job.get((job_id, desc.get("fingerprint"))),
-                delivered={d.prompt for d in self.deliveries_by_job.get(job_id, []) if d.prompt},
-            )
-            if payload is None or payload.get("prompt") is None:
-                self.unverified[f"served: {unknown or 'the answer has no prompt'}"] += 1
+            payload = self._payload_of("served", call, key, desc)
+            if payload is None:
                 continue
             verdict = truth.judge(
                 desc,
@@ -1208,15 +1221,6 @@ class Oracle:
         from rollfleet.schemas.replay import prompt_digest as replay_prompt_digest
 
         engine_of = {w.worker_id: w.engine for w in self.tl.workers}
-        payload_of_job = {
-            (str(c.stored["job_id"]), c.stored.get("fingerprint")): c.req["payload"]
-            for c in self.calls
-            if c.stored and c.req
-        }
-        calls_of_key: dict[str, list[Call]] = defaultdict(list)
-        for c in self.calls:
-            for k in {c.key, self.idem.get(c.key, c.key)}:
-                calls_of_key[k].append(c)
         done: set[tuple[str, str]] = set()
         for call, key, desc in self._accepted():
             sig = (str(desc.get("job_id")), str(desc.get("worker_id")))
@@ -1228,15 +1232,8 @@ class Oracle:
                 self.unverified["replayed: the answer carries no coordinate"] += 1
                 continue
             job_id = str(desc.get("job_id"))
-            payload, unknown = answer_payload(
-                desc,
-                call,
-                calls_of_key.get(key, []),
-                stored=payload_of_job.get((job_id, desc.get("fingerprint"))),
-                delivered={d.prompt for d in self.deliveries_by_job.get(job_id, []) if d.prompt},
-            )
-            if payload is None or payload.get("prompt") is None:
-                self.unverified[f"replayed: {unknown or 'the answer has no prompt'}"] += 1
+            payload = self._payload_of("replayed", call, key, desc)
+            if payload is None:
                 continue
             try:
                 coord, _ = coordinate_from_wire(wire)

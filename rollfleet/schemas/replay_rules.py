@@ -117,7 +117,11 @@ def replay_request(
     """What replaying sample ``index`` of ``result`` (made in one segment) asks for, under
     ``coordinate`` (default: the result's own); ``NotReplayable`` where it cannot be asked
     (``segment_requests``), or where it was made in more than one segment."""
-    requests = replay_segments(result, index, coordinate, prompt)
+    return _one_segment(replay_segments(result, index, coordinate, prompt), index)
+
+
+def _one_segment(requests: list[ReplayRequest], index: int) -> ReplayRequest:
+    """The one request of a sample made in one segment; ``NotReplayable`` (``multi_span``) else."""
     if len(requests) > 1:
         raise NotReplayable(
             f"sample {index} was made in {len(requests)} segments; replay it segment by segment (replay_segments)",
@@ -152,14 +156,7 @@ def sample_request(
 ) -> ReplayRequest:
     """``segment_requests`` of a sample made in one segment (``NotReplayable``, ``multi_span``,
     for one made in more)."""
-    requests = segment_requests(coord, sample, index, resumed=resumed, version=version)
-    if len(requests) > 1:
-        raise NotReplayable(
-            f"sample {index} was made in {len(requests)} segments; replay it segment by segment",
-            reason="multi_span",
-            index=index,
-        )
-    return requests[0]
+    return _one_segment(segment_requests(coord, sample, index, resumed=resumed, version=version), index)
 
 
 def segment_requests(
