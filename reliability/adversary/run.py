@@ -1574,7 +1574,8 @@ def _child_cwd() -> Path:
 
 def use_code(code: str | None) -> None:
     """Make this process and its children import rollfleet from ``code`` (a checkout) and
-    reliability from here: re-executes itself once with a PYTHONPATH of symlinks."""
+    reliability from here (the harness from ``code`` too, where it has one): re-executes itself
+    once with a PYTHONPATH of symlinks."""
     if os.environ.get("RF_ADV_SHIM"):
         return
     import hashlib
@@ -1585,7 +1586,10 @@ def use_code(code: str | None) -> None:
     tag = hashlib.blake2b(f"{target}|{REPO}".encode(), digest_size=6).hexdigest()
     shim = Path(tempfile.gettempdir()) / f"rf-adv-shim-{tag}"
     shim.mkdir(exist_ok=True)
-    for name, dest in (("rollfleet", target), ("reliability", REPO / "reliability")):
+    # The harness (not installed with the package) from the checkout under test where it has one:
+    # it is built against that checkout's modules.
+    harness = target.parent / "harness" if (target.parent / "harness").is_dir() else REPO / "harness"
+    for name, dest in (("rollfleet", target), ("reliability", REPO / "reliability"), ("harness", harness)):
         link = shim / name
         if not link.is_symlink() or os.readlink(link) != str(dest):
             link.unlink(missing_ok=True)
