@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sglang_contract import api_types
 
 from rollfleet.gateway import protocol
@@ -25,7 +27,7 @@ from rollfleet.gateway.request_state import (
     Respond,
     on_leaving,
 )
-from rollfleet.schemas import AskedConstraint
+from rollfleet.schemas import AskedConstraint, bounded_json
 from rollfleet.schemas.errors import AuthorizationError, Cancelled, InvalidRequest, NoCompatibleReplica, SessionConflict
 
 # -- RequestState: every door, every promise ---------------------------------------------------
@@ -276,6 +278,52 @@ def test_a_body_with_a_key_twice_is_refused_whole() -> None:
     with pytest.raises(InvalidRequest, match="'max_new_tokens' appears twice"):
         protocol.read_body(b'{"sampling_params": {"max_new_tokens": 1, "max_new_tokens": 900}}', 1024)
     assert protocol.read_body(b'{"a": {"b": 1}, "b": {"a": 2}}', 1024) == {"a": {"b": 1}, "b": {"a": 2}}
+
+
+def _json_text(draw: st.DrawFn, depth: int = 0) -> str:
+    """A JSON text written by hand: objects from a few keys (so one often has a key twice),
+    random spacing, escapes, numbers past float and int64 range, ``NaN``."""
+    space = draw(st.sampled_from(["", " ", "\n\t "]))
+    kind = draw(st.sampled_from(["scalar", "list", "dict"] if depth < 4 else ["scalar"]))
+    if kind == "list":
+        items = [_json_text(draw, depth + 1) for _ in range(draw(st.integers(0, 4)))]
+        return "[" + f",{space}".join(items) + "]"
+    if kind == "dict":
+        pairs = []
+        for _ in range(draw(st.integers(0, 4))):
+            key = json.dumps(draw(st.sampled_from(["a", "b", "a:b", 'q"', "\\", "é", ":"])),
+                             ensure_ascii=draw(st.booleans()))  # fmt: skip
+            pairs.append(f"{key}{space}:{space}{_json_text(draw, depth + 1)}")
+        return "{" + f",{space}".join(pairs) + "}"
+    scalar = draw(st.one_of(st.none(), st.booleans(), st.integers(-(10**30), 10**30), st.floats(),
+                            st.text(st.characters(codec="utf-8"), max_size=5)))  # fmt: skip
+    return json.dumps(scalar, ensure_ascii=draw(st.booleans()))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_a_body_is_read_exactly_as_the_standard_library_reads_it(data: st.DataObject) -> None:
+    """The body's fast decoder (msgspec) is kept only where it gives what ``json.loads`` gives:
+    the same value, a key twice refused naming it, what it cannot read (``NaN``, a cut or
+    corrupted text) the same error as ever."""
+    raw = _json_text(data.draw).encode()
+    if data.draw(st.booleans()):  # a corrupted text: a byte changed, or the text cut short
+        at = data.draw(st.integers(0, max(0, len(raw) - 1)))
+        raw = raw[:at] + data.draw(st.binary(max_size=1)) + raw[at + 1 :]
+    try:
+        expected: Any = json.loads(raw, object_pairs_hook=bounded_json._unique_keys)
+    except bounded_json._DuplicateKey as exc:
+        expected = InvalidRequest(f"the request body: {exc}")
+    except (ValueError, UnicodeDecodeError) as exc:
+        expected = InvalidRequest(f"the request body is not valid JSON: {exc}")
+    try:
+        got: Any = protocol.read_body(raw, 1 << 20)
+    except InvalidRequest as exc:
+        got = exc
+    if isinstance(expected, InvalidRequest):
+        assert isinstance(got, InvalidRequest) and got.message == expected.message, raw
+    else:  # (repr: NaN equal to NaN, 0.0 told from -0.0, 1 from 1.0 and True)
+        assert repr(got) == repr(expected), raw
 
 
 def test_headers_must_be_text_and_are_never_echoed() -> None:

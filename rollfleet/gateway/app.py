@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
@@ -79,6 +78,12 @@ class GatewayMetrics:
             "rollfleet_gateway_request_seconds", "Request latency by route", ("route",), registry=self.registry
         )
         self.in_flight = Gauge("rollfleet_gateway_in_flight", "Requests being served", registry=self.registry)
+
+
+def _json_response(body: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """``web.json_response`` with the gateway's encoder (``protocol.json_bytes``)."""
+    return web.Response(body=protocol.json_bytes(body), status=status, headers=headers,
+                        content_type="application/json", charset="utf-8")  # fmt: skip
 
 
 _LABEL = web.RequestKey("rollfleet_status", int)  # (where a request's handler leaves the status it ended with)
@@ -174,7 +179,7 @@ class Gateway:
         reply = protocol.error_reply(exc)
         request[_LABEL] = reply.status
         log.info("request refused", route=route, status=reply.status, code=exc.code, error=exc.message)
-        return web.json_response(reply.body, status=reply.status, headers=reply.headers)
+        return _json_response(reply.body, status=reply.status, headers=reply.headers)
 
     async def _body(self, request: web.Request) -> Any:
         try:
@@ -204,7 +209,7 @@ class Gateway:
         replicas = len(self.client.fleet.replicas())
         body = {"status": "ok" if connected else "broker unreachable", "replicas": replicas,
                 "latest_version": self.client.latest_version}  # fmt: skip
-        return web.json_response(body, status=200 if connected else 503)
+        return _json_response(body, status=200 if connected else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         data = generate_latest(self.metrics.registry) + generate_latest(self.client.metrics.registry)
@@ -213,7 +218,7 @@ class Gateway:
     async def _models(self, request: web.Request) -> web.Response:
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rollfleet",
                  "latest_version": self.client.latest_version}  # fmt: skip
-        return web.json_response({"object": "list", "data": [model]})
+        return _json_response({"object": "list", "data": [model]})
 
     async def session(self, sid: str) -> Session:
         """The rollfleet session a trajectory's header names: resumed (also by a restarted
@@ -320,7 +325,7 @@ class Exchange:
             if isinstance(action, EndStream) and self.response is not None:
                 await self._end_stream([self._event(reply.body)])
                 return self.response
-        return web.json_response(reply.body, status=reply.status, headers=reply.headers)
+        return _json_response(reply.body, status=reply.status, headers=reply.headers)
 
     # -- plain requests and batches ----------------------------------------------------------------
     async def _store(self, index: int, req: GatewayRequest) -> RolloutHandle:
@@ -349,12 +354,12 @@ class Exchange:
         self._do(self.state.answered())
         model = self.gateway.model_name
         if self.state.door != "batch":
-            return web.json_response(protocol.answer(self.req, results[0], model=model, created=self.created))
+            return _json_response(protocol.answer(self.req, results[0], model=model, created=self.created))
         items: list[Any] = []  # (a batch: one flat list, input by input, sample by sample)
         for req, result in zip(self.reqs, results, strict=True):
             one = protocol.answer(req, result, model=model, created=self.created)
             items.extend(one if isinstance(one, list) else [one])
-        return web.json_response(items)
+        return _json_response(items)
 
     async def _job_events(self, handle: RolloutHandle) -> AsyncIterator[Event]:
         """A job's tokens as the fleet checkpoints them (a resumable job) or at the end, then its answer."""
@@ -392,11 +397,11 @@ class Exchange:
         if any(isinstance(a, OpenStream) for a in self._do(self.state.answered())):
             # A turn may move between replicas while it waits: streamed, it comes whole once answered.
             return await self._stream(_answered(result), decided=True)
-        return web.json_response(protocol.answer(req, result, model=self.gateway.model_name, created=self.created))
+        return _json_response(protocol.answer(req, result, model=self.gateway.model_name, created=self.created))
 
     # -- streams -------------------------------------------------------------------------------
     def _event(self, body: Any) -> bytes:
-        return f"data: {json.dumps(body)}\n\n".encode()
+        return protocol.sse_event(body)
 
     async def _open(self) -> None:
         self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -535,7 +540,7 @@ class _GatewayHandler(web.RequestHandler):
             log.info("request refused before it was read", status=status, error=type(exc).__name__)
             error = InvalidRequest("the request line or headers are malformed, or longer than allowed")
         self.gateway.metrics.requests.labels(route="unread", status=str(status)).inc()
-        response = web.json_response(protocol.error_reply(error).body, status=status)
+        response = _json_response(protocol.error_reply(error).body, status=status)
         response.force_close()
         return response
 
