@@ -25,6 +25,7 @@ from harness import ProcessGroup, running_worker, wait_until
 from harness.processes import rollfleet_command
 from rollfleet.broker.connection import connect
 from rollfleet.broker.topology import DEFAULT_TOPOLOGY, TopologyConfig
+from rollfleet.cli import event_loop
 from rollfleet.gateway import protocol
 from rollfleet.gateway.app import serve
 from rollfleet.schemas import (
@@ -305,6 +306,7 @@ async def gateway_process(procs: ProcessGroup, name: str, url: str, namespace: s
     await wait_until(lambda: "rollfleet gateway on" in (log.read_text() if log.exists() else ""), timeout=30,
                      what=f"{name} listening")  # fmt: skip
     line = next(x for x in log.read_text().splitlines() if "rollfleet gateway on" in x)
+    assert f"loop {event_loop.resolved('gateway')})" in line, line  # (it owns its loop: the one it was asked for)
     return line.split()[3]
 
 

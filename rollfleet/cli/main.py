@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollfleet.cli import event_loop
+from rollfleet.cli.event_loop import EVENT_LOOP_ENV, LOOP_CHOICES
 from rollfleet.runtime import logs
 from rollfleet.schemas import Names
 from rollfleet.schemas.errors import InvalidRequest, RollfleetError
@@ -142,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rollfleet", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--log-level", default=None, help="debug, info, warning (env ROLLFLEET_LOG_LEVEL)")
+    parser.add_argument(
+        "--event-loop",
+        choices=LOOP_CHOICES,
+        default=None,
+        help=f"the loop of worker, gateway, up: auto (worker and gateway on uvloop where installed), uvloop, "
+        f"asyncio (env {EVENT_LOOP_ENV})",
+    )
     sub = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
     _add_broker_command(sub)
     _add_declare_command(sub)
@@ -423,16 +432,20 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logs.configure(args.log_level)
     try:
+        # The processes that own a long-lived loop run on the chosen one; the environment carries
+        # the choice to the processes they start (``up``'s workers).
+        loop = event_loop.chosen(args.event_loop)
+        os.environ[EVENT_LOOP_ENV] = loop
         if args.command == "broker":
             return cmd_broker(args)
         if args.command == "declare":
             return asyncio.run(cmd_declare(args))
         if args.command == "worker":
-            return asyncio.run(cmd_worker(args))
+            return event_loop.run(cmd_worker(args), loop, command="worker")
         if args.command == "up":
             from rollfleet.cli.up import cmd_up
 
-            return asyncio.run(cmd_up(args))
+            return event_loop.run(cmd_up(args), loop, command="up")
         if args.command == "status":
             return asyncio.run(cmd_status(args))
         if args.command == "replay":
@@ -444,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return asyncio.run(cmd_autoscale(args, _conn_options(args), _topology(args)))
         if args.command == "gateway":
-            return asyncio.run(cmd_gateway(args))
+            return event_loop.run(cmd_gateway(args), loop, command="gateway")
         if args.command == "permissions":
             return cmd_permissions(args)
     except RollfleetError as exc:
@@ -629,7 +642,8 @@ async def cmd_gateway(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, task.cancel)  # type: ignore[union-attr]
 
     def started(port: int) -> None:
-        print(f"rollfleet gateway on http://{args.host}:{port} (namespace {args.namespace})", flush=True)
+        on = type(loop).__module__.split(".")[0]  # (uvloop or asyncio: which loop it runs on)
+        print(f"rollfleet gateway on http://{args.host}:{port} (namespace {args.namespace}, loop {on})", flush=True)
 
     from rollfleet.broker.startup import until_ready
 
