@@ -144,3 +144,18 @@ def test_fallback_versions_are_older_committed_ones_newest_first() -> None:
     assert fallback_versions([4], 4, committed=[4]) == []
     # v3's directory is complete, but its publisher was killed before the commit: never served
     assert fallback_versions([0, 1, 2, 3], 4, committed=[0, 1, 2]) == [2, 1, 0]
+
+
+def test_a_failed_newest_version_is_waited_for_at_the_newest_version_below_it_that_has_not_failed() -> None:
+    """``fall_back_to``: while the newest commit has failed here lately, the newest committed
+    version between the served one and it that has not failed lately; none when every one has,
+    or none lies between (seed 366222: replicas at v13 while v19 and v20 were whole)."""
+    from rollfleet.workers.version_following import fall_back_to
+
+    failures = {23: FailedVersion(23, 1, 50.0), 22: FailedVersion(22, 1, 48.0), 21: FailedVersion(21, 2, 60.0)}
+    older = [22, 21, 20, 19, 13, 12]  # (``fallback_versions``: committed, in the store, newest first)
+    assert fall_back_to(older, 13, failures, now=45.0) == 20  # 22 and 21 failed lately
+    assert fall_back_to(older, 13, failures, now=48.0) == 22  # 22's retry is due: it may be tried
+    assert fall_back_to(older, 20, failures, now=45.0) is None  # nothing newer than 20 left to try
+    assert fall_back_to([], 13, failures, now=45.0) is None
+    assert fall_back_to([12, 11], 13, {}, now=0.0) is None  # (never back below the served version)

@@ -10,6 +10,10 @@ behind for good. The backoff doubles from ``FIRST_RETRY_S`` to ``MAX_RETRY_S`` p
 the same version, so a version that is broken for good costs one attempt a minute, and a newer
 commit is followed at once, whatever failed before it.
 
+A newest version that failed here lately is not waited for idly: the replica moves meanwhile to
+the newest committed version between its own and that one which has not failed here
+(``fall_back_to``), and tries the newest again at its retry.
+
 A prepare that runs past its bound (a read that is slow, or never returns) is not a verdict on
 the version: its thread goes on, holding the checkpoint directory it writes, and its work is kept.
 While it runs, a serving replica keeps its version and moves nowhere (``follow``'s ``busy``); its
@@ -77,6 +81,24 @@ def follow(
     if failed is not None and latest <= failed.version and now < failed.retry_at:
         return FollowDecision(None, wake_at=failed.retry_at)  # that version failed here lately
     return FollowDecision(latest)
+
+
+def fall_back_to(
+    older: Sequence[int], served: int, failures: Mapping[int, FailedVersion], now: float
+) -> int | None:
+    """While the newest commit has failed here lately (``follow`` waits for its retry): the
+    newest committed version between the one served and it (``older``, newest first, as
+    ``fallback_versions`` lists them) that has not failed here lately, to serve meanwhile; None if
+    none. A replica behind serves fewer of the trainer's requests than one a version or two below
+    the newest (seed 366222: three replicas stayed at v13 for 19.5 s, the store hiding v21, v22's
+    chain broken, v23 corrupt, while v19 and v20 were whole; nothing was served for 18.6 s). The
+    newest is tried again at its retry, as before."""
+
+    def cooling(version: int) -> bool:
+        failed = failures.get(version)
+        return failed is not None and now < failed.retry_at
+
+    return next((v for v in older if v > served and not cooling(v)), None)
 
 
 def after_late_prepare(failed: FailedVersion | None, version: int) -> FailedVersion | None:

@@ -82,6 +82,7 @@ from rollfleet.workers.version_following import (
     FailedVersion,
     after_failure,
     after_late_prepare,
+    fall_back_to,
     fallback_versions,
     follow,
     start_step,
@@ -158,7 +159,9 @@ class VersionSync:
         self._announced: int | None = None  # the newest version announced since the last read
         self._reread = True  # read `latest` at the next wake (start, resync, reconnect)
         self._tasks: list[asyncio.Task[None]] = []
-        self._failed: FailedVersion | None = None  # the last version that failed here (retried later)
+        # Each version that failed here, and when it may be tried again (``following``); the
+        # newest of those above the served one is what ``follow`` waits on.
+        self._failures: dict[int, FailedVersion] = {}
         self._stopping = False
         self._retry_wake: asyncio.TimerHandle | None = None
         # Why the replica started on a version older than the latest commit (None: it did not).
@@ -325,8 +328,9 @@ class VersionSync:
             asyncio.create_task(self._resync(), name="policy-resync"),
             asyncio.create_task(self._follow(), name="policy-follow"),
         ]
-        if self._failed is not None:  # (the version it could not start on is retried too)
-            self._wake_at(self._failed.retry_at)
+        failed = self._failed
+        if failed is not None:  # (the version it could not start on is retried too)
+            self._wake_at(failed.retry_at)
 
     async def stop(self) -> None:
         # The flag as well as the cancel: on Python 3.11 an asyncio.wait_for whose inner await
@@ -337,17 +341,23 @@ class VersionSync:
             self._retry_wake.cancel()
         await stop_tasks(self._tasks)
 
+    @property
+    def _failed(self) -> FailedVersion | None:
+        """The newest version above the served one that failed here (what ``follow`` waits on)."""
+        above = [f for v, f in self._failures.items() if v > self._served.version]
+        return max(above, key=lambda f: f.version, default=None)
+
     def _fail(self, version: int) -> None:
         """``version`` failed here: the follow loop tries it again after a backoff (``following``)."""
-        self._failed = after_failure(self._failed, version, time.monotonic())
+        failed = self._failures[version] = after_failure(self._failures.get(version), version, time.monotonic())
         self.log.info(
             "version failed here; retried later",
             version=version,
-            failures=self._failed.failures,
-            retry_in_s=round(self._failed.retry_at - time.monotonic(), 3),
+            failures=failed.failures,
+            retry_in_s=round(failed.retry_at - time.monotonic(), 3),
         )
         if self._tasks:
-            self._wake_at(self._failed.retry_at)
+            self._wake_at(min(f.retry_at for f in self._failures.values() if f.version > self._served.version))
 
     def _wake_at(self, at: float) -> None:
         """Read ``latest`` again at monotonic time ``at`` (one timer: a newer call replaces it)."""
@@ -399,8 +409,16 @@ class VersionSync:
             )
             if decision.wake_at is not None:
                 self._wake_at(decision.wake_at)  # that version failed here lately: try it again then
-            if decision.target is not None:
-                await self.update_to(decision.target)
+            target = decision.target
+            if target is None and decision.wake_at is not None and latest is not None and self.store is not None:
+                # Meanwhile the newest committed version below it that has not failed here.
+                older = await self._older_committed(latest)
+                target = fall_back_to(older, self._served.version, self._failures, time.monotonic())
+                if target is not None:
+                    self.log.info("newest version failed here; moving to an older one meanwhile",
+                                  version=target, latest=latest)  # fmt: skip
+            if target is not None:
+                await self.update_to(target)
 
     async def _read_latest(self) -> int | None:
         assert self._kv is not None
@@ -521,7 +539,8 @@ class VersionSync:
             error=None if exc is None else str(exc),
         )
         if exc is None and flight.where == self.local_dir:
-            self._failed = after_late_prepare(self._failed, flight.version)
+            # (a failure of that version or an older one is moot: the checkpoint holds it now)
+            self._failures = {v: f for v, f in self._failures.items() if after_late_prepare(f, flight.version)}
         if self._tasks:
             self.notice(None)
 
@@ -555,6 +574,9 @@ class VersionSync:
         # A long drain may have let newer versions be committed: go straight to the newest (once),
         # rather than activate a version already superseded.
         newest = await self._read_latest()
+        failed = self._failures.get(newest) if newest is not None else None
+        if failed is not None and time.monotonic() < failed.retry_at:
+            newest = None  # (it failed here lately: this is the version below it, served meanwhile)
         if newest is not None and newest > result.version:
             t_more = time.perf_counter()
             more = await self._prepare(newest, log.bind(version=newest), since=result)
@@ -613,7 +635,8 @@ class VersionSync:
             self._metrics.density.set(result.density)
             self._metrics.activations.inc()
             self._metrics.drain.observe(drain_s)
-        self._failed = None
+        # What failed at or below the version now served is moot; a newer one's retry stands.
+        self._failures = {v: f for v, f in self._failures.items() if v > result.version}
         if self._verify_live:
             # After resume, off the pause: hashing every live tensor is not free.
             live = await asyncio.to_thread(self._engine.live_checksums)
