@@ -35,8 +35,8 @@ from benchmarks._fleet import REPO, machine_load
 from benchmarks.bench_activation import rl_step
 from benchmarks.bench_convergence import Observer
 from benchmarks.report import Row
+from harness import spawn, stop_all, temp_broker, worker_command
 from rollfleet.cli import local_s3 as s3
-from rollfleet.cli import spawn, stop_all, temp_broker, worker_command
 from rollfleet.models import build_model_dir, load_model_tensors, param_count
 from rollfleet.policy_store.bucket import Bucket
 from rollfleet.policy_store.remote import materialize_from, open_store

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness import start_worker_process, terminate, wait_until
 from rollfleet.cli import local_s3 as s3
-from rollfleet.cli import start_worker_process, terminate, wait_until
 from rollfleet.models import build_model_dir, load_model_tensors
 from rollfleet.policy_store.digest import weights_digest
 from rollfleet.schemas import RolloutPayload, SamplingParams, VersionActivated, decode

@@ -221,7 +221,9 @@ async def test_sticky_replica_sigkilled_mid_turn_the_turn_is_answered_once(
                 else:
                     with pytest.raises(Interrupted):
                         await asyncio.wait_for(turn, 30)
-                assert time.monotonic() - t0 < 10.0  # the probe noticed; not the 30 s ack wait
+                # The probe noticed, not the 30 s ack wait (a resumed turn also waits out the dead
+                # holder's claim and reads its checkpoints: 12.5 s seen on a loaded suite).
+                assert time.monotonic() - t0 < 20.0
                 await asyncio.sleep(0.5)
                 assert seen[s.turn_key(1)] == 1
                 third = await s.generate(turn_payload([5, 6], max_tokens=2))  # the session goes on
