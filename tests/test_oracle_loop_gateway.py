@@ -327,9 +327,11 @@ def gone(
     gateway_stops: list[list[float]] | None = None,
     gateway_end: float | None = None,
     acks: dict[str, list[tuple[float, str]]] | None = None,
+    reused_at: float | None = None,
 ) -> Judged:
     """A keyless caller that left g1 at 100.0; its job delivered (time, worker) and answered (time,
-    worker, kind) as given."""
+    worker, kind) as given; ``reused_at``: the same job id delivered then with another request
+    (another try's prompt, asking the same session turn)."""
     prompt = [11, 1, 5000, 6000, 7000]
     records = [
         {"ev": "gw_call", "rid": "r1", "kind": "plain", "traj": None, "turn": None, "key": None, "t0": 99.0,
@@ -339,6 +341,9 @@ def gone(
     ]  # fmt: skip
     deliveries = [SimpleNamespace(t=t, job_id="job1", client_id="gateway", prompt=prompt_digest(prompt), worker=w,
                                   ack=f"ack{i}") for i, (t, w) in enumerate(delivered)]  # fmt: skip
+    if reused_at is not None:
+        deliveries.append(SimpleNamespace(t=reused_at, job_id="job1", client_id="gateway", worker="w1", ack="ackx",
+                                          prompt=prompt_digest([11, 1, 5000, 6000, 7001])))  # fmt: skip
     published = [SimpleNamespace(t=t, job_id="job1", worker=w, kind=kind) for t, w, kind in answered]
     j = Judged()
     judge_gone(
@@ -375,6 +380,18 @@ def test_a_job_whose_caller_left_stops_within_the_bound() -> None:
     assert "gone" in gone([(99.8, "w1"), (106.0, "w1")], [(100.5, "w1", "result"), (108.0, "w1", "result")]).flagged()
     # Handed back at once (a nak) counts as ended.
     assert gone([(99.8, "w1")], [], acks={"ack0": [(100.3, "-NAK")]}).flagged() == {}
+
+
+def test_a_job_id_that_later_carries_another_tries_request_is_judged_by_its_own_request_only() -> None:
+    """Seed 8080 of a campaign: a keyless try's caller left; its turn's job was held, then handed
+    back unrun. A keyless retry through another gateway asked the same session turn with its own
+    prompt, under the same job id, and that request ran 6.2 s later for a caller still waiting.
+    That run is the retry's, not the first try's: nothing ran for the caller that left. The same
+    timing with the first try's own request delivered again is a run for nobody."""
+    handed_back = {"ack0": [(100.3, "+WPI"), (101.6, "-NAK")]}
+    assert gone([(99.8, "w1")], [(107.4, "w1", "result")], acks=handed_back, reused_at=106.3).flagged() == {}
+    found = gone([(99.8, "w1"), (106.3, "w1")], [(107.4, "w1", "result")], acks=handed_back).flagged()
+    assert "gone" in found
 
 
 def test_the_bound_waits_for_a_frozen_gateway_and_a_dead_one_cannot_cancel() -> None:

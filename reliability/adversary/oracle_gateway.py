@@ -286,9 +286,17 @@ def judge_gone(
                     judge.unverified["gone: the caller's gateway ended before the bound"] += 1
                 continue
             for job in jobs:
-                late = _generating_after(
-                    deliveries_by_job[job], answers_by_job[job], acks, worker_lives, t_gone, windows, run_end
-                )
+                # Only the job as this try's request made it: a session turn's job id can carry
+                # another try's request later (a keyless retry through another gateway asked the
+                # same turn again, with its own prompt; seed 8080): its run and its answer are that
+                # request's, judged by its own caller's leaving.
+                own = [d for d in deliveries_by_job[job] if not d.prompt or d.prompt in digests]
+                others = [d.t for d in deliveries_by_job[job] if d.prompt and d.prompt not in digests]
+                reused = min(others, default=None)
+                answers = [p for p in answers_by_job[job] if reused is None or p.t < reused]
+                if reused is not None:
+                    notes["gateway_job_ids_carrying_another_request"] += 1
+                late = _generating_after(own, answers, acks, worker_lives, t_gone, windows, run_end)
                 if late is not None and any(a <= late[1] and t_gone <= b for a, b in gaps):
                     judge.unverified["gone: the wiretap away meanwhile"] += 1
                     continue
