@@ -1465,3 +1465,24 @@ def test_a_write_heard_just_after_a_loss_took_effect_was_lost_with_it(recorded: 
     assert oracle.lost_with_store(at + LOSS_MARGIN_S / 2, "claims") is not None
     assert oracle.lost_with_store(at + 1.0, "claims") is None  # written to the bucket declared again
     assert oracle.lost_with_store(at - 5.0, "results") is None  # another stream's facts
+
+
+@pytest.mark.timeout(240)
+def test_a_withdrawal_the_broker_lost_with_its_store_is_unverified_not_a_lie(recorded: Path, tmp_path: Path) -> None:
+    """Campaign seed 1905: cancel() withdrew a queued job 0.66 s after the broker's store was copied;
+    the broker then restarted on that copy, where the job still lay, and a replica ran it. The
+    withdrawal was lost with the store: unverified. Without the loss, the same history is a lie
+    ("withdrawn", yet answered)."""
+    for name, lost in (("lost", True), ("kept", False)):
+        h = History(recorded, tmp_path / name)
+        submit, answer = _once_delivered(h, "replayable", convert=True)
+        published = min(float(p["t"]) for p in h.tap["published"] if p.get("job_id") == answer["job_id"])
+        asked = max(float(submit["t"]), published - 0.3)  # withdrawn, then run from the older copy
+        h.trainer.append({"ev": "cancel", "rid": answer["rid"], "key": answer["key"], "t_asked": asked,
+                          "outcome": "withdrawn", "t": asked + 0.01, "inc": answer["inc"]})  # fmt: skip
+        _error(answer, "Cancelled", "cancelled")
+        if lost:  # (the broker back on a copy taken before the withdrawal, before the job ran)
+            _lost(h, "rollback", asked - 0.5, (asked + published) / 2)
+        found = h.judge()
+        flagged = [m for m in found.get("cancelled", []) if "said withdrawn" in m]
+        assert bool(flagged) is not lost, found
