@@ -35,8 +35,6 @@ def whole_number(name: str, value: object, low: int = 0) -> int:
     return int(value)
 
 
-_FIELDS: dict[AskedKind, str] = {"min": "min_version", "exact": "exact_version", "staleness": "max_staleness"}
-
 
 class AskedConstraint(msgspec.Struct, frozen=True):
     """``kind:value`` as written: ``min:3``, ``exact:3``, ``staleness:1``. Build it with ``of``
@@ -70,10 +68,6 @@ class AskedConstraint(msgspec.Struct, frozen=True):
         """As its caller wrote it (``staleness:1``, not the version that resolved to): what a
         request's fingerprint covers."""
         return f"{self.kind}:{self.value}"
-
-    def as_fields(self) -> dict[str, int | None]:
-        """The three keyword fields, the given one set (a session's record keeps them so)."""
-        return {field: self.value if kind == self.kind else None for kind, field in _FIELDS.items()}
 
 
 ANY_VERSION = AskedConstraint("min", 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
@@ -180,6 +181,10 @@ class JobWatch:
             unanswered = [(h.job.constraint, h.job.submitted_at, h.replica, h.stream_seq)
                           for h in self._handles.values() if not h.done()]  # fmt: skip
             waiting = stalled_since([(c, t, r) for c, t, r, _ in unanswered], now, STALL_AFTER_S)
+            on_shared: dict[VersionConstraint, list[tuple[float, int | None]]] = defaultdict(list)
+            for c, t, r, seq in unanswered:  # (grouped once, not scanned again per subject)
+                if r is None:
+                    on_shared[c].append((t, seq))
             for constraint, since in waiting.items():
                 consumer = self._names.job_consumer(constraint.kind, constraint.version)
                 try:
@@ -193,8 +198,7 @@ class JobWatch:
                 bells = stall_bells(info.num_waiting or 0, info.num_pending or 0, info.num_ack_pending or 0)
                 # The wait a bell says is that of the oldest job still queued, where one is.
                 floor = delivered_through(info)
-                mine = [(t, seq) for c, t, r, seq in unanswered if c == constraint and r is None]
-                queued = queued_since(mine, floor)
+                queued = queued_since(on_shared[constraint], floor)
                 since = since if queued is None else queued
                 log.debug(
                     "stall check",

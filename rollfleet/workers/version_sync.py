@@ -211,8 +211,10 @@ class VersionSync:
         except RollfleetError:  # (the broker's errors are ones)
             return False
 
-    async def _older_committed(self, latest: int) -> list[int]:
-        """The versions below ``latest`` a replica may fall back to, newest first."""
+    async def _older_committed(self, latest: int, above: int = -1) -> list[int]:
+        """The versions below ``latest`` (and above ``above``) a replica may fall back to, newest
+        first. Only those are looked up in the broker: a record read per version, so a serving
+        replica asks of the few between its own version and the newest, not of the whole store."""
         store = self.store
         assert store is not None  # (without a store nothing is read, so nothing fails)
         try:
@@ -223,7 +225,7 @@ class VersionSync:
         except (PolicyError, OSError) as exc:
             self.log.error("listing the store failed", error=str(exc))
             present = []
-        committed = [v for v in present if v < latest and await self._committed(v)]
+        committed = [v for v in present if above < v < latest and await self._committed(v)]
         return fallback_versions(present, latest, committed)
 
     async def _start_on(self, latest: int, registration: Registration | None) -> MaterializeResult:
@@ -412,7 +414,7 @@ class VersionSync:
             target = decision.target
             if target is None and decision.wake_at is not None and latest is not None and self.store is not None:
                 # Meanwhile the newest committed version below it that has not failed here.
-                older = await self._older_committed(latest)
+                older = await self._older_committed(latest, above=self._served.version)
                 target = fall_back_to(older, self._served.version, self._failures, time.monotonic())
                 if target is not None:
                     self.log.info("newest version failed here; moving to an older one meanwhile",
