@@ -72,6 +72,31 @@ def redialed(nc: NATS | None) -> asyncio.Event | None:
     return nc.redialed() if isinstance(nc, _Client) else None
 
 
+def _credentials(
+    token: str | None,
+    user: str | None,
+    password: str | None,
+    creds_file: str | None,
+    tls_ca: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+) -> dict[str, Any]:
+    """The nats client's options for the credentials and TLS given (none given: none)."""
+    opts: dict[str, Any] = {}
+    if token:
+        opts["token"] = token
+    if user:
+        opts["user"], opts["password"] = user, password
+    if creds_file:
+        opts["user_credentials"] = creds_file
+    if tls_ca or tls_cert:
+        ctx = ssl.create_default_context(cafile=tls_ca)
+        if tls_cert:
+            ctx.load_cert_chain(tls_cert, tls_key)
+        opts["tls"] = ctx
+    return opts
+
+
 async def connect(
     url: str,
     *,
@@ -131,18 +156,7 @@ async def connect(
         ping_interval=PING_INTERVAL_S,
         max_outstanding_pings=MAX_OUTSTANDING_PINGS,
     )
-    if token:
-        opts["token"] = token
-    if user:
-        opts["user"], opts["password"] = user, password
-    if creds_file:
-        opts["user_credentials"] = creds_file
-    if tls_ca or tls_cert:
-        ctx = ssl.create_default_context(cafile=tls_ca)
-        if tls_cert:
-            ctx.load_cert_chain(tls_cert, tls_key)
-        opts["tls"] = ctx
-    opts.update(extra)
+    opts.update(_credentials(token, user, password, creds_file, tls_ca, tls_cert, tls_key), **extra)
     refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
 
     async def on_error_first(exc: Exception) -> None:
@@ -153,6 +167,16 @@ async def connect(
 
     opts["error_cb"] = on_error_first
     client = _Client()
+    conn["nc"] = await _first_connect(client, opts, refused, initial_timeout, shown)
+    return client
+
+
+async def _first_connect(
+    client: NATS, opts: dict[str, Any], refused: asyncio.Future[Exception], initial_timeout: float, shown: str
+) -> NATS:
+    """The first connection: up to ``initial_timeout`` for the broker to come up, or at once
+    ``AuthorizationError`` where it refused the credentials (``refused``, set by the error
+    callback). ``shown``: the URL as errors may say it (no secrets)."""
     attempt = asyncio.ensure_future(client.connect(**opts))
     try:
         done, _ = await asyncio.wait({attempt, refused}, timeout=initial_timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -162,11 +186,10 @@ async def connect(
     if attempt in done:
         try:
             attempt.result()
-            conn["nc"] = client
         except Exception as exc:  # nats raises several unrelated types here
             # (from None: the chained exception's text and traceback may carry the URL as given)
             raise ServiceUnavailable(f"cannot connect to NATS at {shown}: {redact_urls(str(exc))}") from None
-        return conn["nc"]
+        return client
     attempt.cancel()
     if refused.done():
         raise AuthorizationError(f"NATS at {shown} refused these credentials: {redact_urls(str(refused.result()))}")

@@ -159,6 +159,29 @@ def sample_request(
     return _one_segment(segment_requests(coord, sample, index, resumed=resumed, version=version), index)
 
 
+def _versions_from(coord: ReplayCoordinate, sample: Completion, index: int, version: int | None) -> dict[int, int]:
+    """The version each of the sample's spans began at, by its first token; a sample with no
+    span (no token) ran at ``version``, or at the coordinate's one version."""
+    spans = [s for s in sample.weight_versions if s.end > s.start]
+    if spans:
+        return {s.start: s.version for s in spans}
+    if version is not None:
+        return {0: version}
+    if len(coord.versions) == 1:
+        return {0: coord.versions[0].version}
+    raise NotReplayable(f"sample {index} names no version to replay at", reason="multi_span", index=index)
+
+
+def _across_activation(index: int, start: int, version: int, began: int) -> NotReplayable:
+    return NotReplayable(
+        f"sample {index}'s tokens from {start} were made at version {version} by the request that began at "
+        f"{began}, its random stream running on across the activation; replaying them needs the engine's "
+        f"stream advanced past {start - began} tokens' draws, which no engine takes",
+        reason="multi_span",
+        index=index,
+    )
+
+
 def segment_requests(
     coord: ReplayCoordinate,
     sample: Completion,
@@ -191,18 +214,8 @@ def segment_requests(
         )
     tokens = sample.token_ids
     restarts = [r for r in coord.restarts_of(index) if r <= len(tokens)]
-    spans = [s for s in sample.weight_versions if s.end > s.start]
-    if spans:
-        version_at = {s.start: s.version for s in spans}
-        starts = sorted({0, *restarts, *version_at})
-    else:
-        if version is not None:
-            at = version
-        elif len(coord.versions) == 1:
-            at = coord.versions[0].version
-        else:
-            raise NotReplayable(f"sample {index} names no version to replay at", reason="multi_span", index=index)
-        version_at, starts = {0: at}, sorted({0, *restarts})
+    version_at = _versions_from(coord, sample, index, version)
+    starts = sorted({0, *restarts, *version_at})
     indexed = coord.build.engine in _INDEXED_ENGINES
     seed = sample_seed(coord.sampling.seed, index)
     if seed is None and coord.sampling.temperature > 0 and not indexed:
@@ -222,13 +235,7 @@ def segment_requests(
         restart = a in restarts
         if not restart and a > 0 and (coord.sampling.temperature > 0 or indexed):
             began = max((r for r in restarts if r < a), default=0)
-            raise NotReplayable(
-                f"sample {index}'s tokens from {a} were made at version {current} by the request that began at "
-                f"{began}, its random stream running on across the activation; replaying them needs the engine's "
-                f"stream advanced past {a - began} tokens' draws, which no engine takes",
-                reason="multi_span",
-                index=index,
-            )
+            raise _across_activation(index, a, current, began)
         if a > 0 and prompt is None:
             raise NotReplayable(
                 f"sample {index}'s segment from token {a} is replayed after the prompt; give the prompt's token ids",
@@ -236,26 +243,44 @@ def segment_requests(
                 index=index,
             )
         last = k + 1 == len(starts)
-        max_tokens = coord.sampling.max_tokens - a if last else b - a
-        view = sample_view(coord, index, current, deterministic=True)
-        if restart or not indexed:
-            n, pick, stream = 1, 0, seed
-        else:
-            n, pick, stream = index + 1, index, coord.sampling.seed
         forced = None if prompt is None else (*prompt, *tokens[:a])
-        expected = msgspec.structs.replace(
-            view,
-            prompt=view.prompt if forced is None or a == 0 else prompt_digest(forced),
-            sampling=msgspec.structs.replace(view.sampling, seed=stream, max_tokens=max_tokens),
-            restarts=(),
-        )
-        requests.append(
-            ReplayRequest(
-                index=index, version=current, n=n, pick=pick, sampling=expected.sampling, expected=expected,
-                start=a, end=b, restart=restart, prompt=forced,
-            )
-        )  # fmt: skip
+        requests.append(_segment(coord, index, current, a, b, last=last, restart=restart, seed=seed, forced=forced))
     return requests
+
+
+def _segment(
+    coord: ReplayCoordinate,
+    index: int,
+    version: int,
+    a: int,
+    b: int,
+    *,
+    last: bool,
+    restart: bool,
+    seed: int | None,
+    forced: tuple[int, ...] | None,
+) -> ReplayRequest:
+    """The request that remakes tokens ``[a, b)`` of sample ``index`` at ``version``: prompted
+    with ``forced`` (the prompt and the tokens before ``a``), seeded as its original request was
+    (a request of its own, ``restart`` or of an engine that does not index samples: one sample,
+    its stream ``seed``; else the original's first ``index + 1`` samples, picking the last)."""
+    indexed = coord.build.engine in _INDEXED_ENGINES
+    max_tokens = coord.sampling.max_tokens - a if last else b - a
+    view = sample_view(coord, index, version, deterministic=True)
+    if restart or not indexed:
+        n, pick, stream = 1, 0, seed
+    else:
+        n, pick, stream = index + 1, index, coord.sampling.seed
+    expected = msgspec.structs.replace(
+        view,
+        prompt=view.prompt if forced is None or a == 0 else prompt_digest(forced),
+        sampling=msgspec.structs.replace(view.sampling, seed=stream, max_tokens=max_tokens),
+        restarts=(),
+    )
+    return ReplayRequest(
+        index=index, version=version, n=n, pick=pick, sampling=expected.sampling, expected=expected,
+        start=a, end=b, restart=restart, prompt=forced,
+    )  # fmt: skip
 
 
 def sample_view(coord: ReplayCoordinate, index: int, version: int, *, deterministic: bool) -> ReplayCoordinate:

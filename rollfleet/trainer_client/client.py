@@ -141,11 +141,17 @@ class RolloutClient:
         self.consumers = JobConsumers(self.js, nc, names, topology, ring=lambda c: self.bells.ring(c, fresh=True))
         self._sessions_bucket: KVBucket | None = None
         self.keeper: TopologyKeeper | None = None  # declares again what the broker lost (restore.py)
-        self.placement = JobPlacement(
+        self.placement = self._job_placement()
+        self.sessions: dict[str, OpenSession] = {}  # open sessions of this client, by id
+        self.watch = self._job_watch(deadline_grace_s, fail_fast)
+
+    def _job_placement(self) -> JobPlacement:
+        """Where this client's jobs are stored, and stored again after a broker lost them."""
+        return JobPlacement(
             self.client_id,
             self.js,
-            nc,
-            names,
+            self.nc,
+            self.names,
             self.fleet,
             self.metrics,
             declare_shared=self.consumers.shared,
@@ -153,15 +159,17 @@ class RolloutClient:
             ring=lambda constraint: self.bells.ring(constraint, fresh=True),
             forget=lambda key: self._handles.pop(key, None) and None,
             settle_stored=self.settler.settle_stored,
-            duplicate_window_s=topology.duplicate_window_s,
+            duplicate_window_s=self.topology.duplicate_window_s,
         )
-        self.sessions: dict[str, OpenSession] = {}  # open sessions of this client, by id
-        self.watch = JobWatch(
+
+    def _job_watch(self, deadline_grace_s: float, fail_fast: bool) -> JobWatch:
+        """What watches this client's unanswered jobs: deadlines, stalls, replicas gone."""
+        return JobWatch(
             self._handles,
             self.fleet,
             self.placement,
             self.js,
-            names,
+            self.names,
             deadline_grace_s=deadline_grace_s,
             fail_fast=fail_fast,
             sessions=lambda: self.sessions,
@@ -407,6 +415,7 @@ class RolloutClient:
             return existing
         if self.placement.withdrawn.conflicts(key, job.fingerprint, time.monotonic()):
             raise conflict(key)  # (its job was withdrawn; the key stays its request's)
+        key_given = idempotency_key is not None
         handle = RolloutHandle(job, data, self._cancel_handle)
         # The caller's choice, whatever the fleet holds now: a replica at the version that could
         # serve the job at submit may move on before it does, and the job then waits all the same.
@@ -416,57 +425,82 @@ class RolloutClient:
         if idempotency_key is not None and await self._answered_before(handle):
             return handle
         until = min(handle.job.deadline, time.time() + PUBLISH_BUDGET_S)  # (as storing it waits)
-        if self.fail_fast and replica is None and not self.fleet.will_serve(constraint):
-            try:  # the view may lag a replica that just registered
-                await call_retrying(self.fleet.refresh, until=until, what="read the fleet registry", nc=self.nc)
-            except RollfleetError:
-                raise
-            except Exception as exc:  # (a forged record): a retryable error, never a raw one
-                raise ServiceUnavailable(f"cannot read the fleet registry: {exc}") from exc
-            if not self.fleet.will_serve(constraint):
-                # An answer already stored for this key wins: resubmitting is always safe.
-                if idempotency_key is not None and await self.settler.settle_stored(handle):
-                    handle.stored = True
-                    return handle
-                await self.refusals.note(constraint)
-                if not wait_for_replica:
-                    handle.set_error(NoCompatibleReplica(self._no_replica_message(constraint)))
-                    return handle
-                # (else queued: JobWatch keeps it, and says its demand again)
+        if self.fail_fast and replica is None and await self._settled_unservable(handle, until, keyed=key_given):
+            return handle
         self._handles[key] = handle
         # An answer that came while the look-ups above awaited went to the unclaimed ones.
         if self._settle_unclaimed(handle):
             self._handles.pop(key, None)
             return handle
-        subject: str | None = None
+        if replica is None:
+            subject = self.names.job_subject(constraint.kind, constraint.version)
+        else:
+            subject = self.names.replica_job_subject(replica)
         try:
-            if replica is None:
-                subject = self.names.job_subject(constraint.kind, constraint.version)
-                # (Declared lately, as on almost every submit: known without a coroutine and a closure.)
-                known = self.consumers.known(str(constraint))
-                fresh = False if known else await self.consumers.shared(constraint, until)
-            else:
-                subject = self.names.replica_job_subject(replica)
-                await self.consumers.replica(replica, until)
+            fresh = await self._declare_consumer(constraint, replica, until)
             ack = await self.placement.store(handle, subject, key)
         except RollfleetError:
             self._handles.pop(key, None)
             raise
         except asyncio.CancelledError:
-            self._left_while_storing(handle, subject, replica, keyed=idempotency_key is not None)
+            self._left_while_storing(handle, subject, replica, keyed=key_given)
             raise
+        await self._stored(handle, subject, replica, ack, fresh=fresh)
+        return handle
+
+    async def _stored(self, handle: RolloutHandle, subject: str, replica: str | None, ack: Any, *, fresh: bool) -> None:
+        """The broker stored the handle's job (``ack``; a duplicate: another handle's, of this
+        key, adopted unless it is settled): ring the replicas that may take it."""
         handle.stored = True
         if not ack.duplicate:
             handle.subject, handle.stream_seq, handle.replica = subject, ack.seq, replica
         elif not await self._adopt(handle, ack.seq):
-            return handle  # settled: answered before, or the key answers another request
+            return  # settled: answered before, or the key answers another request
         if handle.replica is None:
             self.bells.ring(handle.job.constraint, fresh=replica is None and fresh)
         else:
             self.bells.ring_replica(handle.replica)
         if _DEBUG:
-            log.debug("submitted", idempotency_key=key, constraint=str(constraint), duplicate=bool(ack.duplicate))
-        return handle
+            log.debug(
+                "submitted",
+                idempotency_key=handle.idempotency_key,
+                constraint=str(handle.job.constraint),
+                duplicate=bool(ack.duplicate),
+            )
+
+    async def _settled_unservable(self, handle: RolloutHandle, until: float, *, keyed: bool) -> bool:
+        """Whether a job no replica will serve is settled here rather than stored: an answer
+        already stored for its key (resubmitting is always safe), or ``NoCompatibleReplica``
+        unless it waits for a replica (then queued: JobWatch keeps it, and says its demand again)."""
+        constraint = handle.job.constraint
+        if self.fleet.will_serve(constraint):
+            return False
+        try:  # the view may lag a replica that just registered
+            await call_retrying(self.fleet.refresh, until=until, what="read the fleet registry", nc=self.nc)
+        except RollfleetError:
+            raise
+        except Exception as exc:  # (a forged record): a retryable error, never a raw one
+            raise ServiceUnavailable(f"cannot read the fleet registry: {exc}") from exc
+        if self.fleet.will_serve(constraint):
+            return False
+        if keyed and await self.settler.settle_stored(handle):
+            handle.stored = True
+            return True
+        await self.refusals.note(constraint)
+        if handle.waits_for_replica:
+            return False
+        handle.set_error(NoCompatibleReplica(self._no_replica_message(constraint)))
+        return True
+
+    async def _declare_consumer(self, constraint: VersionConstraint, replica: str | None, until: float) -> bool:
+        """The consumer a job's subject needs, declared before it is stored; whether it is new."""
+        if replica is not None:
+            await self.consumers.replica(replica, until)
+            return False
+        # (Declared lately, as on almost every submit: known without a coroutine and a closure.)
+        if self.consumers.known(str(constraint)):
+            return False
+        return await self.consumers.shared(constraint, until)
 
     def _left_while_storing(
         self, handle: RolloutHandle, subject: str | None, replica: str | None, *, keyed: bool

@@ -44,9 +44,7 @@ def seconds(name: str, value: object) -> float:
     return float(value)
 
 
-def asked_of(
-    constraint: object, min_version: object, exact_version: object, max_staleness: object
-) -> AskedConstraint:
+def asked_of(constraint: object, min_version: object, exact_version: object, max_staleness: object) -> AskedConstraint:
     """The constraint of a call that may give it built (``constraint``) or as keywords: exactly
     one way, checked once (``AskedConstraint.of``)."""
     if constraint is None:
@@ -56,6 +54,31 @@ def asked_of(
     if (min_version, exact_version, max_staleness) != (None, None, None):
         raise InvalidRequest("give exactly one of min_version, exact_version, max_staleness or constraint")
     return constraint
+
+
+def _deadline(deadline: object, timeout: object, default_timeout_s: float, now: float) -> float:
+    """When a job asked at ``now`` ends: its ``deadline``, or ``now`` and its ``timeout`` (or the
+    client's default), checked."""
+    if deadline is not None and timeout is not None:
+        raise InvalidRequest("give deadline or timeout, not both")
+    if deadline is not None:
+        when = seconds("deadline", deadline)
+        if when <= now:
+            raise InvalidRequest(f"deadline {when} is not in the future")
+        return when
+    wait = default_timeout_s if timeout is None else seconds("timeout", timeout)
+    if wait <= 0:
+        raise InvalidRequest(f"timeout must be > 0 seconds, got {wait}")
+    return now + wait
+
+
+def _encoded(payload: RolloutPayload) -> bytes:
+    try:
+        return encode(payload)
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
+        raise InvalidRequest(f"the request cannot be encoded: {exc}") from None
+    except RecursionError:  # (the encoder recurses per level; check_payload bounds extra's depth)
+        raise InvalidRequest("the request nests deeper than it can be encoded") from None
 
 
 def build_job(
@@ -91,17 +114,7 @@ def build_job(
     if session_id is not None:
         check_token(session_id, "session_id")  # type: ignore[arg-type]
     now = time.time() if asked_at is None else asked_at
-    if deadline is not None and timeout is not None:
-        raise InvalidRequest("give deadline or timeout, not both")
-    if deadline is not None:
-        when = seconds("deadline", deadline)
-        if when <= now:
-            raise InvalidRequest(f"deadline {when} is not in the future")
-    else:
-        wait = default_timeout_s if timeout is None else seconds("timeout", timeout)
-        if wait <= 0:
-            raise InvalidRequest(f"timeout must be > 0 seconds, got {wait}")
-        when = now + wait
+    when = _deadline(deadline, timeout, default_timeout_s, now)
     # A job whose holder's death ends it must find its claim until its deadline: a redelivery
     # after the claim expired would start it a second time.
     if (
@@ -115,12 +128,7 @@ def build_job(
         )
     if constraint.version < 0:
         raise InvalidRequest(f"version constraint must be >= 0, got {constraint}")
-    try:
-        raw = encode(payload)
-    except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as exc:
-        raise InvalidRequest(f"the request cannot be encoded: {exc}") from None
-    except RecursionError:  # (the encoder recurses per level; check_payload bounds extra's depth)
-        raise InvalidRequest("the request nests deeper than it can be encoded") from None
+    raw = _encoded(payload)
     # Decode what a worker will decode: every field's type is checked, nothing silently coerced.
     payload = decode(raw, RolloutPayload, what="rollout payload")
     check_payload(payload, limits)  # type: ignore[arg-type]

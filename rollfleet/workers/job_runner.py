@@ -78,7 +78,7 @@ from rollfleet.schemas.errors import (
     Superseded,
 )
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID, check_token
-from rollfleet.workers.engines import Engine
+from rollfleet.workers.engines import Engine, Generation
 from rollfleet.workers.job_claim import ClaimKeeper
 from rollfleet.workers.replay_stamp import stamp
 from rollfleet.workers.result_store import ResultStore, looked_up_first
@@ -301,59 +301,17 @@ class JobRunner:
         await self._run(run, attempt, stored_at, log)
 
     async def _run(self, run: RunningJob, attempt: int, stored_at: float, log: Any) -> None:
-        msg, job = run.msg, run.job
+        """Generate, check and store one run's answer: each step may end the run (the claim lost,
+        handed back, a checkpoint superseded), and says so in its log line."""
+        job = run.job
         started = time.time()
-        try:
-            if job.behaviour.checkpoints:
-                generation = await self.resumable.generate(run, log)
-                if generation is None:
-                    return  # another run has the job now: nothing of this one is stored
-            else:
-                generation = await self._engine.generate(job.job_id, job.payload, job.session_id)
-        except Exception as exc:
-            if run.claim_lost:  # (its requests were aborted for that)
-                return
-            if await self._engine_died(run, exc, attempt, log):
-                return
-            if isinstance(exc, RollfleetError):
-                log.warning("generation refused", error=exc.message, code=exc.code)
-                err: RollfleetError = exc
-            else:
-                log.exception("engine failed")
-                err = EngineFailure(f"engine {self._engine.name} failed: {exc}")
-            if not await self.claims.still_holds(run):
-                return
-            await self._answer_and_close(run, err, attempt)
-            return
-        if run.claim_lost:
-            return  # another replica has the job: nothing of this run is stored
+        generation = await self._generate(run, attempt, log)
+        if generation is None or run.claim_lost:
+            return  # (failed and answered, or another replica has the job: nothing of this run is stored)
         if run.handed_back and not run.cancelled:  # (a cancelled run is answered, not run again)
             await self._hand_back(run, log)
             return
-        finished = time.time()
-        result = RolloutResult(
-            job_id=job.job_id,
-            idempotency_key=job.idempotency_key,
-            client_id=job.client_id,
-            outputs=generation.outputs,
-            version_start=generation.version_start,
-            version_end=generation.version_end,
-            worker_id=self._worker_id,
-            engine=self._engine.name,
-            queue_wait_s=max(0.0, started - min(stored_at, job.submitted_at if job.submitted_at > 0 else stored_at)),
-            generation_s=finished - started,
-            delivery_attempt=attempt,
-            finished_at=finished,
-            session_id=job.session_id,
-            prompt_tokens=generation.prompt_tokens,
-            fingerprint=job.fingerprint,
-            cached_tokens=generation.cached_tokens,
-            cache_rebuilt=generation.cache_rebuilt,
-            constraint=job.constraint,
-            kept_tokens=run.progress.kept_tokens if run.progress is not None else 0,
-            resumes=run.progress.resumes if run.progress is not None else 0,
-            replay=stamp(job.payload, generation, self._engine, self._served.content_digests, self._worker_id),
-        )
+        result = self._result_of(run, generation, attempt, started, stored_at)
         if job.session_id is not None:
             self._metrics.session_turns.inc()
             self._metrics.prefix_tokens_reused.inc(generation.cached_tokens)
@@ -380,37 +338,101 @@ class JobRunner:
             except RollfleetError as exc:
                 log.warning("last checkpoint not stored; leaving the job to be redelivered", error=exc.message)
                 return
-        # Why no second answer can follow, whatever the duplicate window: the claim is checked
-        # here (refreshed by revision), yet it can still be taken between this check and the
-        # store (this process frozen or cut off past the claim's staleness, another replica
-        # judging it gone). The store itself is the fence: the broker stores the answer only
-        # where no answer to the job is stored (``ResultStore.store``), so of the two runs the
-        # first to store is the job's answer and the other is refused, in either order. The check
-        # stays: it stops a run that lost its claim before it spends a store. The claim is then
-        # released only where it is still this run's (``ClaimKeeper.release``): a taker that runs
-        # the job on keeps its claim until its own store is refused.
+        if await self._store_answer(run, result, attempt, log):
+            self._done(run, result, log)
+
+    async def _generate(self, run: RunningJob, attempt: int, log: Any) -> Generation | None:
+        """The engine's generation of the run's job; None where there is none to answer with (a
+        failure already answered or left to a redelivery, or another run has the job)."""
+        job = run.job
+        try:
+            if job.behaviour.checkpoints:
+                return await self.resumable.generate(run, log)  # (None: another run has the job now)
+            return await self._engine.generate(job.job_id, job.payload, job.session_id)
+        except Exception as exc:
+            if run.claim_lost:  # (its requests were aborted for that)
+                return None
+            if await self._engine_died(run, exc, attempt, log):
+                return None
+            if isinstance(exc, RollfleetError):
+                log.warning("generation refused", error=exc.message, code=exc.code)
+                err: RollfleetError = exc
+            else:
+                log.exception("engine failed")
+                err = EngineFailure(f"engine {self._engine.name} failed: {exc}")
+            if await self.claims.still_holds(run):
+                await self._answer_and_close(run, err, attempt)
+            return None
+
+    def _result_of(
+        self, run: RunningJob, generation: Generation, attempt: int, started: float, stored_at: float
+    ) -> RolloutResult:
+        """The run's answer, with its timings and its replay coordinate."""
+        job = run.job
+        finished = time.time()
+        asked = min(stored_at, job.submitted_at if job.submitted_at > 0 else stored_at)
+        return RolloutResult(
+            job_id=job.job_id,
+            idempotency_key=job.idempotency_key,
+            client_id=job.client_id,
+            outputs=generation.outputs,
+            version_start=generation.version_start,
+            version_end=generation.version_end,
+            worker_id=self._worker_id,
+            engine=self._engine.name,
+            queue_wait_s=max(0.0, started - asked),
+            generation_s=finished - started,
+            delivery_attempt=attempt,
+            finished_at=finished,
+            session_id=job.session_id,
+            prompt_tokens=generation.prompt_tokens,
+            fingerprint=job.fingerprint,
+            cached_tokens=generation.cached_tokens,
+            cache_rebuilt=generation.cache_rebuilt,
+            constraint=job.constraint,
+            kept_tokens=run.progress.kept_tokens if run.progress is not None else 0,
+            resumes=run.progress.resumes if run.progress is not None else 0,
+            replay=stamp(job.payload, generation, self._engine, self._served.content_digests, self._worker_id),
+        )
+
+    async def _store_answer(self, run: RunningJob, result: RolloutResult, attempt: int, log: Any) -> bool:
+        """Store the run's answer and ack its job; False where this run's answer is not the job's.
+
+        Why no second answer can follow, whatever the duplicate window: the claim is checked
+        here (refreshed by revision), yet it can still be taken between this check and the
+        store (this process frozen or cut off past the claim's staleness, another replica
+        judging it gone). The store itself is the fence: the broker stores the answer only
+        where no answer to the job is stored (``ResultStore.store``), so of the two runs the
+        first to store is the job's answer and the other is refused, in either order. The check
+        stays: it stops a run that lost its claim before it spends a store. The claim is then
+        released only where it is still this run's (``ClaimKeeper.release``): a taker that runs
+        the job on keeps its claim until its own store is refused."""
+        job = run.job
         if not await self.claims.still_holds(run):
-            return  # (said when the claim was found lost)
+            return False  # (said when the claim was found lost)
         faults.point("worker:before-result-store")
         try:
             stored = await self.results.store(job.client_id, job.idempotency_key, job.job_id, result)
         except ResultUnstorable as exc:
             log.error("result cannot be stored", error=exc.message)
             await self._answer_and_close(run, exc, attempt)
-            return
+            return False
         if stored == "unstored":  # broker away: leave the job unacked (and claimed) so it is redelivered
             log.warning("answer not stored (the broker did not take it); the job is left to be redelivered")
-            return
+            return False
         if stored == "answered":  # another run's answer came first: the job is answered, not by this run
             log.warning("another run's answer to this job is stored; this run's is not")
             await self._answered_elsewhere(run)
             self._count("answered_elsewhere")
-            return
+            return False
         faults.point("worker:after-result-before-ack")
-        await msg.ack()
+        await run.msg.ack()
         if run.progress is not None:
             await run.progress.done()
         await self.claims.release(job, run.claim_revision)
+        return True
+
+    def _done(self, run: RunningJob, result: RolloutResult, log: Any) -> None:
         self.jobs_done += 1
         self._count("cancelled" if run.cancelled else "ok")
         self._metrics.queue_wait.observe(result.queue_wait_s)

@@ -573,25 +573,94 @@ class VersionSync:
         faults.point("worker:mid-drain")
         if self._drain_exact is not None:
             drain_s, handed_back = await self._drain_watching(previous, result.version)
-        # A long drain may have let newer versions be committed: go straight to the newest (once),
-        # rather than activate a version already superseded.
-        newest = await self._read_latest()
-        failed = self._failures.get(newest) if newest is not None else None
-        if failed is not None and time.monotonic() < failed.retry_at:
-            newest = None  # (it failed here lately: this is the version below it, served meanwhile)
-        if newest is not None and newest > result.version:
-            t_more = time.perf_counter()
-            more = await self._prepare(newest, log.bind(version=newest), since=result)
-            if more is None:
-                self._served.activating = None  # degraded (said by _prepare); keep serving `previous`
-                return None
-            result = more
+        t_more = time.perf_counter()
+        newer = await self._newer_after_drain(result, log)
+        if newer is None:
+            self._served.activating = None  # degraded (said by _prepare); keep serving `previous`
+            return None
+        if newer is not result:
+            result = newer
             self._served.activating = result.version
             prepare_s += time.perf_counter() - t_more
             log = log.bind(version=result.version)
         if self._stopping:  # (a stop whose cancel was lost: never activate on a draining replica)
             self._served.activating = None
             return None
+        paused = await self._swap_weights(result, target, log)
+        if paused is None:
+            return None
+        pause_s, pause_wait_s = paused
+        if result.checksums:
+            self.engine_sums = dict(result.checksums)
+            self._served.record_digest(result.version, content_digest(result.checksums))
+        activation = VersionActivated(
+            worker_id=self._worker_id,
+            version=result.version,
+            previous_version=previous,
+            prepare_s=prepare_s,
+            pause_s=pause_s,
+            wire_bytes=result.wire_bytes,
+            density=result.density,
+            activated_at=time.time(),
+            changed_tensors=len(result.changed),
+            drain_s=drain_s,
+            handed_back=handed_back,
+        )
+        self.activations.append(activation)
+        self._observe(activation)
+        # What failed at or below the version now served is moot; a newer one's retry stands.
+        self._failures = {v: f for v, f in self._failures.items() if v > result.version}
+        if not await self._announce(activation, result, log):
+            return None
+        log.info(
+            "activated",
+            prepare_s=round(prepare_s, 4),
+            pause_s=round(pause_s, 5),
+            pause_wait_s=round(pause_wait_s, 5),
+            drain_s=round(drain_s, 4),
+            handed_back=handed_back,
+            wire_bytes=result.wire_bytes,
+            density=round(result.density, 6),
+            changed_tensors=len(result.changed),
+            versions_applied=result.applied,
+        )
+        return activation
+
+    async def _announce(self, activation: VersionActivated, result: MaterializeResult, log: Any) -> bool:
+        """Announce, then serve: the registry entry and the announcement say the new version
+        before the worker takes a single job for it. False where the live weights are not the
+        checkpoint's (``--verify-live``; the replica is degraded and says why)."""
+        assert self._registration is not None
+        if self._verify_live:
+            # After resume, off the pause: hashing every live tensor is not free.
+            live = await asyncio.to_thread(self._engine.live_checksums)
+            if live is not None and not await self._live_matches(live, result, log):
+                return False
+            activation.weights_digest = weights_digest(live) if live is not None else None
+        await self._registration.write(
+            state="ready", active_version=result.version, preparing_version=None, degraded_reason=None
+        )
+        with suppress(Exception):
+            await self._js.publish(self._names.versions_activated, encode(activation))
+        self._served.version, self._served.activating = result.version, None
+        self._on_activated()
+        return True
+
+    async def _newer_after_drain(self, result: MaterializeResult, log: Any) -> MaterializeResult | None:
+        """A long drain may have let newer versions be committed: go straight to the newest (once),
+        rather than activate a version already superseded. ``result`` itself where there is none
+        newer to go to (or the newest failed here lately: ``result`` is then the version below it,
+        served meanwhile); None where preparing the newest failed."""
+        newest = await self._read_latest()
+        failed = self._failures.get(newest) if newest is not None else None
+        if newest is None or newest <= result.version or (failed is not None and time.monotonic() < failed.retry_at):
+            return result
+        return await self._prepare(newest, log.bind(version=newest), since=result)
+
+    async def _swap_weights(self, result: MaterializeResult, target: int, log: Any) -> tuple[float, float] | None:
+        """Pause the engine, load the prepared version, resume: (the pause, the wait for it), or
+        None where the load failed (the replica is degraded and says why)."""
+        assert self._registration is not None
         t1 = time.perf_counter()
         try:
             faults.point("worker:mid-activation")
@@ -611,62 +680,16 @@ class VersionSync:
                 state="degraded", preparing_version=None, degraded_reason=f"activation of {target} failed: {reason}"
             )
             return None
-        pause_s = time.perf_counter() - t2  # the stall: no step runs between pause and resume
-        pause_wait_s = t2 - t1
-        if result.checksums:
-            self.engine_sums = dict(result.checksums)
-            self._served.record_digest(result.version, content_digest(result.checksums))
-        activation = VersionActivated(
-            worker_id=self._worker_id,
-            version=result.version,
-            previous_version=previous,
-            prepare_s=prepare_s,
-            pause_s=pause_s,
-            wire_bytes=result.wire_bytes,
-            density=result.density,
-            activated_at=time.time(),
-            changed_tensors=len(result.changed),
-            drain_s=drain_s,
-            handed_back=handed_back,
-        )
-        self.activations.append(activation)
+        return time.perf_counter() - t2, t2 - t1  # (the stall: no step runs between pause and resume)
+
+    def _observe(self, activation: VersionActivated) -> None:
         if self._metrics is not None:
-            self._metrics.prepare.observe(prepare_s)
-            self._metrics.pause.observe(pause_s)
-            self._metrics.wire_bytes.inc(result.wire_bytes)
-            self._metrics.density.set(result.density)
+            self._metrics.prepare.observe(activation.prepare_s)
+            self._metrics.pause.observe(activation.pause_s)
+            self._metrics.wire_bytes.inc(activation.wire_bytes)
+            self._metrics.density.set(activation.density)
             self._metrics.activations.inc()
-            self._metrics.drain.observe(drain_s)
-        # What failed at or below the version now served is moot; a newer one's retry stands.
-        self._failures = {v: f for v, f in self._failures.items() if v > result.version}
-        if self._verify_live:
-            # After resume, off the pause: hashing every live tensor is not free.
-            live = await asyncio.to_thread(self._engine.live_checksums)
-            if live is not None and not await self._live_matches(live, result, log):
-                return None
-            activation.weights_digest = weights_digest(live) if live is not None else None
-        # Announce, then serve: the registry entry and the announcement say the new version
-        # before the worker takes a single job for it.
-        await self._registration.write(
-            state="ready", active_version=result.version, preparing_version=None, degraded_reason=None
-        )
-        with suppress(Exception):
-            await self._js.publish(self._names.versions_activated, encode(activation))
-        self._served.version, self._served.activating = result.version, None
-        self._on_activated()
-        log.info(
-            "activated",
-            prepare_s=round(prepare_s, 4),
-            pause_s=round(pause_s, 5),
-            pause_wait_s=round(pause_wait_s, 5),
-            drain_s=round(drain_s, 4),
-            handed_back=handed_back,
-            wire_bytes=result.wire_bytes,
-            density=round(result.density, 6),
-            changed_tensors=len(result.changed),
-            versions_applied=result.applied,
-        )
-        return activation
+            self._metrics.drain.observe(activation.drain_s)
 
     async def _live_matches(self, live: dict[str, str], result: MaterializeResult, log: Any) -> bool:
         """The live weights hash to the checkpoint's bytes; if not, every tensor is reloaded once,

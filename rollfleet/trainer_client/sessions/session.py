@@ -281,32 +281,17 @@ class Session:
         index is spent; the key with another request is ``IdempotencyConflict``, as for
         ``submit``. ``min_version``, ``exact_version``, ``max_staleness`` (or ``constraint``, the
         same built once): the turn's own constraint (else the session's), under the session's
-        version policy. ``submitted``:
-        called with the turn's handle as soon as its job is stored (a caller that leaves may
-        cancel it)."""
+        version policy. ``submitted``: called with the turn's handle as soon as its job is stored
+        (a caller that leaves may cancel it)."""
         asked_at = time.time()
-        own: AskedConstraint | None = None
-        if constraint is not None or (min_version, exact_version, max_staleness) != (None, None, None):
-            own = asked_of(constraint, min_version, exact_version, max_staleness)  # the same checks as submit
-        if not self._opened:
-            await self.open()
-        if self._closed:
-            raise UnknownSession(f"session {self.session_id!r} is closed")
-        if self.idle_past_ttl(time.time()):
-            await self.close()
-            raise UnknownSession(f"session {self.session_id!r} expired (no turn for {self._record.ttl_s:g} s)")
+        own = _own_constraint(constraint, min_version, exact_version, max_staleness)
+        await self._usable()
         nxt = self._record.next_turn
-        if turn is not None and (not isinstance(turn, int) or isinstance(turn, bool) or turn < 0):
-            raise InvalidRequest(f"turn must be a non-negative int, got {turn!r}")
-        if turn is not None and turn < nxt:
+        if turn is not None and self._asked_turn(turn, nxt) < nxt:
             return await self._stored_answer(turn, timeout)
-        if turn is not None and turn > nxt:
-            raise SessionConflict(f"turn {turn} is out of order: the next turn of {self.session_id!r} is {nxt}")
         if key is not None and key in self._record.keys:
             return await self._asked_again(payload, key, own, timeout, asked_at, submitted)
-        if self._running is not None:
-            raise SessionConflict(f"turn {self._running} of {self.session_id!r} is still running")
-        await self._check_still_open()
+        await self._may_start()
         constraint = self._constraint(own)
         previous, sticky = self._record.replica, self._sticky(constraint)
         self._running, self._heading = nxt, sticky  # (no await between: the next burst's choice sees it)
@@ -326,21 +311,9 @@ class Session:
             )
             spent, due = handle.stored, handle.job.deadline  # stored: this turn is answered once
             if spent:
-                self._record.next_turn = nxt + 1
-                self._record.touched_at = time.time()
-                if key is not None:
-                    self._note_key(key, nxt)
-                if submitted is not None:
-                    submitted(handle)
+                self._note_spent(nxt, key, handle, submitted)
             result = await self._watch(handle)
-            self._record.replica = result.worker_id  # where its context is cached now
-            if self._record.version_policy == "monotonic":
-                self._record.last_version = max(self._record.last_version or 0, result.version_end)
-            elif self._record.version_policy == "pinned":
-                # The pin is the version its turns were served at: a resumed session's first turn
-                # may be the one a dead client stored, pinned to the newest version of its moment
-                # (its pin was never saved); this handle's own guess yields to it.
-                self._record.last_version = result.version_end
+            self._note_served(result)
         except IdempotencyConflict as exc:
             if key is not None:
                 # The caller's key answers another request: nothing of this turn ran, and the
@@ -350,19 +323,8 @@ class Session:
                     self._record.keys.pop(key, None)
                 spent = False
                 raise
-            # A turn's key is the session's own (``turn_key``): another request under it means this
-            # index was stored by another handle of this incarnation whose record of it this one
-            # never read (its save lost with a broker store rolled back, or its client killed
-            # before saving; campaign 12, seed 167). The index is taken, not failed: its own answer
-            # is what ``generate(turn=nxt)`` returns, and the caller's next turn is the one after.
-            self._record.next_turn = max(self._record.next_turn, nxt + 1)
-            self._record.touched_at = time.time()
             spent = True
-            raise SessionConflict(
-                f"turn {nxt} of session {self.session_id!r} was already asked with another prompt (by another "
-                f"handle of this session, or by a client before a restart whose record of it was lost); "
-                f"generate(turn={nxt}) returns its answer, and the next turn is {nxt + 1}"
-            ) from exc
+            raise self._index_taken(nxt) from exc
         except RollfleetError as exc:
             explained = self._explained(exc)
             if spent:
@@ -376,6 +338,68 @@ class Session:
                 await self._save(due)
         self._answered(nxt, result, previous)
         return result
+
+    async def _usable(self) -> None:
+        """Open the session where this handle has not yet; raise where it is closed or expired."""
+        if not self._opened:
+            await self.open()
+        if self._closed:
+            raise UnknownSession(f"session {self.session_id!r} is closed")
+        if self.idle_past_ttl(time.time()):
+            await self.close()
+            raise UnknownSession(f"session {self.session_id!r} expired (no turn for {self._record.ttl_s:g} s)")
+
+    def _asked_turn(self, turn: object, nxt: int) -> int:
+        """The turn index a caller asked for, checked: an earlier one or the next (a later one is
+        out of order)."""
+        if not isinstance(turn, int) or isinstance(turn, bool) or turn < 0:
+            raise InvalidRequest(f"turn must be a non-negative int, got {turn!r}")
+        if turn > nxt:
+            raise SessionConflict(f"turn {turn} is out of order: the next turn of {self.session_id!r} is {nxt}")
+        return turn
+
+    def _note_spent(
+        self, nxt: int, key: str | None, handle: RolloutHandle, submitted: Callable[[RolloutHandle], None] | None
+    ) -> None:
+        """Turn ``nxt``'s job is stored: the index is spent, whatever its answer; the caller is
+        handed the turn's handle (``submitted``)."""
+        self._record.next_turn = nxt + 1
+        self._record.touched_at = time.time()
+        if key is not None:
+            self._note_key(key, nxt)
+        if submitted is not None:
+            submitted(handle)
+
+    async def _may_start(self) -> None:
+        """A new turn may start: none of this handle's is running, and the session is open."""
+        if self._running is not None:
+            raise SessionConflict(f"turn {self._running} of {self.session_id!r} is still running")
+        await self._check_still_open()
+
+    def _note_served(self, result: RolloutResult) -> None:
+        """Where the session's context is cached now, and the version its policy holds it to."""
+        self._record.replica = result.worker_id
+        if self._record.version_policy == "monotonic":
+            self._record.last_version = max(self._record.last_version or 0, result.version_end)
+        elif self._record.version_policy == "pinned":
+            # The pin is the version its turns were served at: a resumed session's first turn
+            # may be the one a dead client stored, pinned to the newest version of its moment
+            # (its pin was never saved); this handle's own guess yields to it.
+            self._record.last_version = result.version_end
+
+    def _index_taken(self, nxt: int) -> SessionConflict:
+        """A turn's key is the session's own (``turn_key``): another request under it means this
+        index was stored by another handle of this incarnation whose record of it this one
+        never read (its save lost with a broker store rolled back, or its client killed
+        before saving; campaign 12, seed 167). The index is taken, not failed: its own answer
+        is what ``generate(turn=nxt)`` returns, and the caller's next turn is the one after."""
+        self._record.next_turn = max(self._record.next_turn, nxt + 1)
+        self._record.touched_at = time.time()
+        return SessionConflict(
+            f"turn {nxt} of session {self.session_id!r} was already asked with another prompt (by another "
+            f"handle of this session, or by a client before a restart whose record of it was lost); "
+            f"generate(turn={nxt}) returns its answer, and the next turn is {nxt + 1}"
+        )
 
     async def _asked_again(
         self,
@@ -698,3 +722,12 @@ def pin_may_be_served(replicas: list[tuple[str, int, int | None]], pin: int, lat
         if active < pin and (latest is None or latest <= pin):
             return True
     return False
+
+
+def _own_constraint(
+    constraint: AskedConstraint | None, min_version: int | None, exact_version: int | None, max_staleness: int | None
+) -> AskedConstraint | None:
+    """A turn's own constraint where it gives one (checked as ``submit`` checks it), else None."""
+    if constraint is None and (min_version, exact_version, max_staleness) == (None, None, None):
+        return None
+    return asked_of(constraint, min_version, exact_version, max_staleness)
