@@ -34,7 +34,16 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from reliability.scenarios import contract, fuzz, machine_adversary, policy, request_path, security, sessions
+from reliability.scenarios import (
+    contract,
+    fuzz,
+    machine_adversary,
+    policy,
+    replay_truth,
+    request_path,
+    security,
+    sessions,
+)
 from reliability.scenarios.common import REPO, Figures
 
 Scenario = Callable[[Path], Awaitable[Figures]]
@@ -79,6 +88,7 @@ def scenarios(quick: bool) -> list[tuple[str, Scenario]]:
                 d, sessions=8 if q else 40, turns=5 if q else 8, workers=3, kills=2 if q else 8
             ),
         ),
+        ("13", lambda d: replay_truth.replay_truth(d, jobs=10 if q else 50, load_jobs=2 if q else 10)),
         (
             "12",
             lambda d: machine_adversary.campaign(
@@ -230,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m reliability", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="CI sizes")
-    parser.add_argument("--only", default=None, help="comma-separated scenario ids (1-12)")
+    parser.add_argument("--only", default=None, help="comma-separated scenario ids (1-13)")
     parser.add_argument("--out", default=str(REPO / "docs" / "reliability.md"))
     args = parser.parse_args(argv)
     os.environ.setdefault("ROLLFLEET_LOG_LEVEL", "warning")
