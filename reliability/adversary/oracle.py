@@ -2182,11 +2182,27 @@ class Oracle:
                 continue
             self.check(
                 "second-client",
-                r.get("cls") == "ClientIdInUse" or not r.get("trainer_alive", True),
+                r.get("cls") == "ClientIdInUse" or not r.get("trainer_alive", True) or not self._both_held(r),
                 TRAINER,
                 f"a second client with the trainer's id got {r.get('cls') or r.get('kind')} "
                 f"({r.get('message', '')[:120]})",
             )
+
+    def _both_held(self, second: dict[str, Any]) -> bool:
+        """Whether a second client that connected held the trainer's id while a trainer
+        incarnation held it too: an incarnation that said it connected (its journal's
+        ``connected``, written once its lease is taken) before the second client closed, and
+        ended after the second client connected. A trainer starting at the same moment that was
+        refused (``ClientIdInUse``) never says it connected: one of the two holding the id is the
+        promise (campaign seed 7). A record without the times (an older run) is judged as held."""
+        if "t_connected" not in second:
+            return True
+        start, end = float(second["t_connected"]), float(second.get("t_closed") or second["t_connected"])
+        ends = {int(tr["incarnation"]): float(tr.get("end") or float("inf")) for tr in self.tl.trainers}
+        return any(
+            rec.get("ev") == "connected" and float(rec["t"]) <= end and ends.get(int(rec.get("inc", 0)), 0.0) >= start
+            for rec in self.trainer
+        )
 
     def _check_reask_turns(self) -> None:
         firsts: dict[tuple[str, int], Call] = {}

@@ -1245,8 +1245,9 @@ class Adversary:
         except Exception as exc:
             record.update(describe_error(exc))
         else:
-            record.update(kind="connected")
+            record.update(kind="connected", t_connected=time.time())
             await client.close()
+            record["t_closed"] = time.time()
         record["trainer_alive"] = m.trainer_alive()
         m.timeline.second_clients.append(record)
         self.say("second client", outcome=record.get("cls", record.get("kind")))
