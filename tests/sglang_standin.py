@@ -11,8 +11,12 @@ control bodies are checked against io_struct's request classes (``PauseGeneratio
 requests and their order.
 
 Generation is fake but shaped like the real thing: output token ``i`` of a sample is
-``(sum(input_ids) + i) % vocab``, plus ``sampling_seed * 7919`` where the sample has a seed (its
-random stream), one token per ``token_delay_s``. A request in flight during
+``(sum(input_ids) + i + stream * 7919) % vocab``, one token per ``token_delay_s``. The sample's
+random ``stream``: under ``--enable-deterministic-inference`` (``deterministic``) SGLang's own
+rule (``SamplingBatchInfo``): the request's ``sampling_seed``, or 42 for every unseeded one.
+Otherwise SGLang ignores ``sampling_seed`` and draws at random; the stand-in still follows the
+seed (0 unseeded), so that a test can name a sample's tokens. ``/server_info`` answers the resolved arguments a test reads (``enable_deterministic_inference``,
+``version``, ``dtype``, ``device``). A request in flight during
 an in-place pause waits and then continues, and reports the weight version live when it
 finished. A prefix cache keyed like SGLang's radix cache (token ids within a ``cache_salt``
 namespace) answers ``meta_info.cached_tokens``: the longest prefix of a finished request's
@@ -66,6 +70,7 @@ class StandinState:
     cond: threading.Condition = field(default_factory=threading.Condition)
     radix: dict[str | None, list[list[int]]] = field(default_factory=dict)  # cache_salt -> cached sequences
     closed_sessions: list[str] = field(default_factory=list)
+    deterministic: bool = False  # launched with --enable-deterministic-inference
 
     def paths(self) -> list[str]:
         return [c.path for c in self.calls]
@@ -128,6 +133,18 @@ def _prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+# SGLang's seed for an unseeded request under deterministic inference (``SamplingBatchInfo``).
+DEFAULT_SAMPLING_SEED = 42
+
+
+def _stream(state: StandinState, params: dict[str, Any]) -> int:
+    """The sample's random stream, as SGLang draws it."""
+    seed = params.get("sampling_seed")
+    if seed is not None:
+        return int(seed)
+    return DEFAULT_SAMPLING_SEED if state.deterministic else 0
+
+
 def _one(state: StandinState, prompt: list[int], rid: str, params: dict[str, Any], body: dict[str, Any]) -> Any:
     t = api_types()
     salt = body.get("cache_salt") or None
@@ -135,7 +152,7 @@ def _one(state: StandinState, prompt: list[int], rid: str, params: dict[str, Any
         held = state.radix.get(salt, [])
         cached = min(max((_prefix(seq, prompt) for seq in held), default=0), len(prompt) - 1)
     max_new = int(params.get("max_new_tokens", 128))
-    seeded = int(params.get("sampling_seed") or 0) * 7919  # a seeded sample's own stream
+    seeded = _stream(state, params) * 7919
     stops = set(params.get("stop_token_ids") or [])
     out: list[int] = []
     versions: list[str] = []  # the weight version live when each output token was produced
@@ -296,8 +313,20 @@ def _model_info(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
     return 200, info.to_json_value()
 
 
+def _server_info(state: StandinState, body: dict[str, Any]) -> tuple[int, Any]:
+    return 200, {
+        "model_path": state.model_path,
+        "enable_deterministic_inference": state.deterministic,
+        "dtype": "bfloat16",
+        "device": "cuda",
+        "version": "0.5.23",
+    }
+
+
 _ROUTES = {
     ("*", "/generate"): _generate,
+    ("GET", "/server_info"): _server_info,
+    ("GET", "/get_server_info"): _server_info,  # deprecated in 0.5.23, kept for older servers
     ("POST", "/pause_generation"): _checked("PauseGenerationReqInput", _pause),
     ("POST", "/continue_generation"): _checked("ContinueGenerationReqInput", _continue),
     ("POST", "/update_weights_from_disk"): _checked("UpdateWeightFromDiskReqInput", _update),
@@ -347,8 +376,13 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
     args, _ = parser.parse_known_args()
-    state = StandinState(model_path=args.model_path, weight_version=args.weight_version)
+    state = StandinState(
+        model_path=args.model_path,
+        weight_version=args.weight_version,
+        deterministic=args.enable_deterministic_inference,
+    )
     server = JsonServer((args.host, args.port), partial(_answer, state))
     server.serve_forever()
 

@@ -97,14 +97,17 @@ async def test_generate_sends_sglang_request_and_reads_output(engine: SGLangEngi
                 "top_p": 0.9,
                 "top_k": -1,
                 "stop_token_ids": [999],
+                "sampling_seed": gen.seed,  # drawn for an unseeded sampled request, and recorded
             },
             "return_logprob": True,
             "stream": False,
             "cache_salt": "rollfleet-v0",  # the radix cache never matches KV of other weights
         }
     ]
+    assert isinstance(gen.seed, int)
     out = gen.outputs[0]
-    assert out.token_ids == [12, 13, 14, 15, 16, 17]  # the stand-in's (sum(prompt) + i) % vocab
+    # the stand-in's (sum(prompt) + i + seed * 7919) % vocab
+    assert out.token_ids == [(12 + i + gen.seed * 7919) % 1000 for i in range(6)]
     assert out.logprobs == [-0.5] * 6 and out.finish_reason == "length"
     assert (gen.version_start, gen.version_end, gen.prompt_tokens) == (0, 0, 3)
 
@@ -169,7 +172,7 @@ async def test_a_connection_the_server_closes_on_reuse_fails_no_request() -> Non
             await eng.start(None, 0)
             try:
                 for i in range(4):
-                    gen = await eng.generate(f"req-{i}", payload(max_tokens=3))
+                    gen = await eng.generate(f"req-{i}", payload(max_tokens=3, temperature=0.0))
                     assert gen.outputs[0].token_ids == [12, 13, 14]
                     assert (await eng.health()).ok
             finally:
@@ -190,7 +193,7 @@ async def test_n_samples_go_as_a_batch_with_one_rid_and_seed_each(engine: SGLang
 
 
 async def test_stop_token_and_logprobs_off(engine: SGLangEngine, standin: SGLangStandin) -> None:
-    gen = await engine.generate("s", payload(max_tokens=20, stop_token_ids=[14], logprobs=False))
+    gen = await engine.generate("s", payload(max_tokens=20, stop_token_ids=[14], logprobs=False, temperature=0.0))
     out = gen.outputs[0]
     assert out.token_ids == [12, 13, 14] and out.finish_reason == "stop" and out.logprobs is None
     assert standin.state.bodies("/generate")[0]["return_logprob"] is False
@@ -802,7 +805,8 @@ async def test_a_resumable_job_runs_in_segments_and_continues_another_runs_token
     made = list(dead.token_ids)
     for body in bodies:
         assert body["input_ids"] == PROMPT + made and body["sampling_params"]["max_new_tokens"] == 8
-        made += [(sum(body["input_ids"]) + i) % standin.state.vocab for i in range(8)]
+        stream = body["sampling_params"].get("sampling_seed") or 0  # (drawn per segment: the job gave none)
+        made += [(sum(body["input_ids"]) + i + stream * 7919) % standin.state.vocab for i in range(8)]
     assert out.token_ids == made and len(out.token_ids) == 40 and out.finish_reason == "length"
     assert out.logprobs[:8] == [-0.25] * 8 and result.kept_tokens == 8 and result.engine == "sglang"
     assert [(s.replica, s.start, s.end) for s in out.weight_versions] == [("dead", 0, 8), ("sgl", 8, 40)]
@@ -860,3 +864,43 @@ async def test_a_worker_whose_server_fails_a_pause_or_a_continue_keeps_serving_a
             await client.wait_for_version(2, replicas=1, timeout=30)
             result = await (await client.submit(payload(max_tokens=2), exact_version=2, timeout=20)).result(20)
             assert result.version_start == result.version_end == 2 and standin.state.paused is None
+
+
+# -- deterministic inference --------------------------------------------------------------------
+
+
+async def test_deterministic_inference_is_launched_read_from_the_server_and_unseeded_samples_stay_distinct(
+    tmp_path: Path, standin: SGLangStandin
+) -> None:
+    """``deterministic`` launches SGLang with ``--enable-deterministic-inference``; whether a
+    server runs it is read from its own ``/server_info``. Under it SGLang seeds every unseeded
+    request with 42, so the adapter draws each request's seed itself and records it: ``n``
+    unseeded samples are ``n`` streams, not one sample ``n`` times."""
+    standin_script = Path(__file__).with_name("sglang_standin.py")
+    eng = SGLangEngine(
+        launch_cmd=[sys.executable, str(standin_script)], deterministic=True, startup_timeout_s=30,
+        log_file=tmp_path / "server.log",
+    )  # fmt: skip
+    await eng.start(tmp_path / "ckpt", 0)
+    try:
+        # (the stand-in says so only where it was launched with the flag)
+        assert eng.process is not None and eng.server_info["enable_deterministic_inference"] is True
+        unseeded = payload(max_tokens=4, n=4)
+        assert eng.deterministic_for(unseeded)
+        gen = await eng.generate("d", unseeded)
+        assert isinstance(gen.seed, int)
+        assert len({tuple(o.token_ids) for o in gen.outputs}) == 4  # four streams, seed + 0..3
+        again = await eng.generate("d2", payload(max_tokens=4, n=4, seed=gen.seed))
+        assert [o.token_ids for o in again.outputs] == [o.token_ids for o in gen.outputs]  # drawn again
+        build = eng.build(True)
+        assert (build.engine, build.version, build.dtype, build.device) == ("sglang", "0.5.23", "bfloat16", "cuda")
+    finally:
+        await eng.close()
+    # A server started without it (attached: it runs as it was started) is said not to be.
+    attached = SGLangEngine(url=standin.url, deterministic=True)
+    await attached.start(None, 0)
+    try:
+        assert not attached.deterministic_for(payload(max_tokens=4))
+        assert attached.server_info["enable_deterministic_inference"] is False
+    finally:
+        await attached.close()

@@ -277,7 +277,11 @@ def _add_hf_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="hf engine: cpu, cuda, auto")
     p.add_argument("--dtype", default=None, help="hf engine: float32, bfloat16 (default: the checkpoint's)")
     p.add_argument("--max-batch", type=int, default=32, help="hf engine: sequences decoded together")
-    p.add_argument("--deterministic", action="store_true", help="hf, vllm: every request run alone (batch-invariant)")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="hf, vllm: every request run alone (batch-invariant); sglang: --enable-deterministic-inference",
+    )
 
 
 def _add_server_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -542,6 +546,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["deterministic"] = args.deterministic
     elif args.engine == "sglang":
         options = {"url": args.sglang_url, "launch_args": list(args.sglang_arg)}
+        options["deterministic"] = args.deterministic
         if args.sglang_pull_dir:
             if args.store and is_store_url(args.store):
                 raise InvalidRequest("--sglang-pull-dir reads the store as a directory; with an object store, omit it")

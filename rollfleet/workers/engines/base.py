@@ -8,13 +8,28 @@ engine only generates and swaps weights when told.
 from __future__ import annotations
 
 import abc
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from rollfleet.schemas import Completion, EngineBuild, RolloutPayload
 from rollfleet.schemas.seeds import sample_seed as sample_seed  # (the rule lives with the contract)
 from rollfleet.workers.engines.session_cache import SessionCacheStats
+
+
+def with_drawn_seed(payload: RolloutPayload) -> tuple[RolloutPayload, int | None]:
+    """``payload`` with a seed drawn for it where it samples and gives none, and that seed (None:
+    none drawn). An engine server sends it and records it (``Generation.seed``), so any sample
+    can be drawn again; from the OS, so replicas never draw alike. (A server that seeds every
+    unseeded request alike, as SGLang's deterministic inference does with 42, would otherwise
+    make ``n`` copies of one sample.)"""
+    if payload.sampling.seed is not None or payload.sampling.temperature <= 0:
+        return payload, None
+    drawn = secrets.randbits(62)
+    return msgspec.structs.replace(payload, sampling=msgspec.structs.replace(payload.sampling, seed=drawn)), drawn
 
 
 @dataclass

@@ -79,10 +79,10 @@ from typing import Any
 
 import httpx
 
-from rollfleet.schemas import Completion, RolloutPayload
+from rollfleet.schemas import Completion, EngineBuild, RolloutPayload
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest, RollfleetError
 from rollfleet.schemas.limits import check_payload
-from rollfleet.workers.engines.base import Generation, TokenSink, sample_seed
+from rollfleet.workers.engines.base import Generation, TokenSink, sample_seed, with_drawn_seed
 from rollfleet.workers.engines.http_server import (
     HTTPServerEngine,
     error_message,
@@ -94,6 +94,7 @@ from rollfleet.workers.engines.http_server import (
 )
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
 
 
 class SGLangEngine(HTTPServerEngine):
@@ -123,10 +124,13 @@ class SGLangEngine(HTTPServerEngine):
         pull_dir: str | Path | None = None,
         store_dir: str | Path | None = None,
         version_cache_salt: bool = True,
+        deterministic: bool = False,
     ) -> None:
         """``pull_dir`` (with ``store_dir``, the policy store): activate through SGLang's own
         ``/pull_weights`` into this host-local directory instead of reloading the worker's.
-        ``version_cache_salt``: namespace the server's prefix cache by weight version."""
+        ``version_cache_salt``: namespace the server's prefix cache by weight version.
+        ``deterministic``: launch the server with ``--enable-deterministic-inference`` (an
+        attached server runs as it was started; ``/server_info`` says which)."""
         super().__init__(
             url,
             host=host,
@@ -154,6 +158,10 @@ class SGLangEngine(HTTPServerEngine):
         self.flush_cache = flush_cache
         self.load_format = load_format
         self.last_flush_ok: bool | None = None
+        self.deterministic = deterministic
+        # What the server says of itself (``/server_info``): its SGLang version, and whether it
+        # runs deterministic inference, which alone makes a seeded sample come out again.
+        self.server_info: dict[str, Any] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -166,6 +174,7 @@ class SGLangEngine(HTTPServerEngine):
             model_path = self.model_path or (str(checkpoint_dir) if checkpoint_dir is not None else None)
             launch_version = version
         await self._connect(checkpoint_dir, launch_version, model_path)
+        self.server_info = await self._server_info()
         served = await self.served_version()
         attached = self.process is None
         if served != version and ((attached and checkpoint_dir is not None) or self.pull_dir is not None):
@@ -201,7 +210,40 @@ class SGLangEngine(HTTPServerEngine):
         cmd = [*self.launch_cmd, "--model-path", model_path, "--host", self.host, "--port", str(port)]
         if self.pass_weight_version:
             cmd += ["--weight-version", str(version)]
+        if self.deterministic and DETERMINISTIC_FLAG not in self.launch_args:
+            cmd.append(DETERMINISTIC_FLAG)
         return cmd + self.launch_args
+
+    async def _server_info(self) -> dict[str, Any]:
+        """The server's resolved arguments and version (``/server_info``; ``/get_server_info``
+        before 0.5.23); empty where it answers neither (then nothing is claimed of it)."""
+        for path in ("/server_info", "/get_server_info"):
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                r = await self._http.get(path, timeout=10.0)
+                if r.status_code == 200 and isinstance(info := r.json(), dict):
+                    return info
+        return {}
+
+    # -- replay ------------------------------------------------------------------------------
+
+    def deterministic_for(self, payload: RolloutPayload) -> bool:
+        """Whether the server says it runs deterministic inference: SGLang seeds a request's
+        sampling from its ``sampling_seed`` only then (and every unseeded one with 42), and its
+        batch-invariant kernels make the log-probs the same whatever runs beside it. Not measured
+        here (SGLang needs a GPU); the server's own resolved arguments are the fact."""
+        return self.server_info.get("enable_deterministic_inference") is True
+
+    def build(self, deterministic: bool) -> EngineBuild:
+        info = self.server_info
+        version = info.get("version")
+        dtype, device = info.get("dtype"), info.get("device")
+        return EngineBuild(
+            self.name,
+            version if isinstance(version, str) else "",
+            dtype=dtype if isinstance(dtype, str) and dtype != "auto" else "",
+            device=device if isinstance(device, str) else "",
+            deterministic=deterministic,
+        )
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -212,6 +254,7 @@ class SGLangEngine(HTTPServerEngine):
         if await self._admit(request_id):  # aborted while an activation held it at the gate
             return self._aborted_generation(payload.n, self.version)
         rids = [request_id] if payload.n == 1 else [f"{request_id}-{i}" for i in range(payload.n)]
+        payload, drawn = with_drawn_seed(payload)
         body = self._generate_body(rids, payload, session_id)
         version_start = salted = self.version
         r = await self._post_request(request_id, rids, "/generate", body)
@@ -241,6 +284,7 @@ class SGLangEngine(HTTPServerEngine):
             prompt_tokens=prompt_tokens,
             cached_tokens=min(cached, default=0),
             cache_rebuilt=self._session_turn(session_id, salted),
+            seed=drawn,
         )
 
     async def end_session(self, session_id: str) -> None:
