@@ -37,7 +37,29 @@ from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 # Fast checkpoints, so that a kill at a random moment leaves kept tokens to resume from, and a
 # short claim life, so that a killed replica's jobs are taken over in about a second.
 FAST = ("--ack-wait", "1.0", "--checkpoint-tokens", "16", "--checkpoint-s", "0.2")
-TOLERANCE = 1e-4  # |replica's log-prob - transformers' log-prob| (float32, another kernel order)
+# |replica's log-prob - transformers' log-prob|, float32: the same maths in another kernel order
+# (hf), or in vLLM's CPU kernels (as its engine tests state).
+TOLERANCE = {"hf": 1e-4, "vllm": 2e-4}
+
+
+def engine_args(engine: str, workdir: Path, name: str) -> list[str]:
+    """A worker's engine flags: hf in the worker's process, or a vLLM server it launches."""
+    if engine == "hf":
+        return ["--engine", "hf", "--device", "cpu"]
+    from harness import vllm
+
+    server = [f"--vllm-arg={a}" for a in vllm.LAUNCH_ARGS]
+    log = ["--vllm-log", str(workdir / f"{name}.vllm.log")]
+    return ["--engine", "vllm", "--vllm-python", str(vllm.PYTHON), *server, *log]
+
+
+def server_env(engine: str) -> dict[str, str] | None:
+    """What a launched vLLM server needs on shared cores: few threads, a small KV cache."""
+    if engine != "vllm":
+        return None
+    from harness import vllm
+
+    return dict(vllm.SERVER_ENV_CPU)
 
 
 def _prompt(i: int) -> list[int]:
@@ -87,6 +109,7 @@ class TrainerBytes:
 
 async def replay_truth(
     workdir: Path,
+    engine: str = "hf",
     jobs: int = 50,
     n: int = 4,
     load_jobs: int = 10,
@@ -98,15 +121,23 @@ async def replay_truth(
     import torch
 
     fig = Figures(
-        "13",
-        "Every sample of a faulted hf run replayed; log-probs against the trainer's bytes",
+        "13a" if engine == "hf" else "13b",
+        f"Every sample of a faulted {engine} run replayed; log-probs against the trainer's bytes",
         {"samples": jobs * n, "load_samples": load_jobs * n, "max_tokens": max_tokens, "versions": versions + 1},
     )
     t0 = time.monotonic()
     workdir.mkdir(parents=True, exist_ok=True)
     from rollfleet.models import build_model_dir
 
-    base = build_model_dir(workdir / "base", preset="tiny", seed=0)
+    if engine == "vllm":
+        from harness import vllm
+
+        if (why := vllm.unavailable()) is not None:
+            fig.problems.append(f"no vLLM to run: {why}")
+            return fig
+        base = vllm.build_model(workdir / "base", seed=0)
+    else:
+        base = build_model_dir(workdir / "base", preset="tiny", seed=0)
     store = workdir / "store"
     broker = start_broker(workdir)
     procs = ProcessGroup(workdir, cwd=REPO)
@@ -115,10 +146,16 @@ async def replay_truth(
     trainer = TrainerBytes(base)
     tensors = _load_torch(base)
     gen = torch.Generator().manual_seed(13)
-    follower = ["--engine", "hf", "--device", "cpu", "--store", str(store), "--capacity", "8", *FAST]
+    tolerance = TOLERANCE[engine]
+    follower = ["--store", str(store), "--capacity", "8", *FAST]
+    # (vLLM's CPU build reloading while it generates can hold a worker's loop for seconds)
+    beat = ["--heartbeat", "5"] if engine == "vllm" else []
 
     def follow(name: str) -> None:
-        procs.worker(broker.url, ns, name, *follower, "--local-dir", str(workdir / f"local-{name}"))
+        local = ["--local-dir", str(workdir / f"local-{name}")]
+        procs.worker(
+            broker.url, ns, name, *engine_args(engine, workdir, name), *follower, *local, *beat, env=server_env(engine)
+        )
 
     try:
         topo = TopologyConfig(ack_wait_s=1.0)
@@ -127,7 +164,7 @@ async def replay_truth(
             trainer.keep(0, tensors, publisher)
             for i in range(workers):
                 follow(f"w{i}")
-            await client.wait_for_version(0, replicas=workers, timeout=180)
+            await client.wait_for_version(0, replicas=workers, timeout=600)
 
             payloads: dict[str, RolloutPayload] = {}
             for j in range(jobs + load_jobs):
@@ -184,7 +221,7 @@ async def replay_truth(
                             continue
                         diff = max((abs(a - b) for a, b in zip(got, ref, strict=True)), default=0.0)
                         worst = max(worst, diff)
-                        fig.expect(diff <= TOLERANCE, f"{key}[{i}] v{version} {start}:{end}: |Δ logprob| {diff:.3g}")
+                        fig.expect(diff <= tolerance, f"{key}[{i}] v{version} {start}:{end}: |Δ logprob| {diff:.3g}")
                 digests = {v.version: v.digest for v in (result.replay.versions if result.replay else ())}
                 for version, digest in digests.items():
                     fig.expect(
@@ -203,8 +240,9 @@ async def replay_truth(
             held = sorted({v for r in results.values() for o in r.outputs for v in _versions(o)})
             for v in held:
                 procs.worker(
-                    broker.url, ns, f"hold{v}", "--engine", "hf", "--device", "cpu", "--store", str(store),
-                    "--local-dir", str(workdir / f"local-hold{v}"), "--hold-version", str(v), "--deterministic",
+                    broker.url, ns, f"hold{v}", *engine_args(engine, workdir, f"hold{v}"), "--store", str(store),
+                    "--local-dir", str(workdir / f"local-hold{v}"), "--hold-version", str(v), "--deterministic", *beat,
+                    env=server_env(engine),
                 )  # fmt: skip
             await replay_all(client, results, payloads, store, fig)
     finally:

@@ -88,7 +88,8 @@ def scenarios(quick: bool) -> list[tuple[str, Scenario]]:
                 d, sessions=8 if q else 40, turns=5 if q else 8, workers=3, kills=2 if q else 8
             ),
         ),
-        ("13", lambda d: replay_truth.replay_truth(d, jobs=10 if q else 50, load_jobs=2 if q else 10)),
+        ("13a", lambda d: replay_truth.replay_truth(d, "hf", jobs=10 if q else 50, load_jobs=2 if q else 10)),
+        ("13b", lambda d: replay_truth.replay_truth(d, "vllm", jobs=5 if q else 50, load_jobs=1 if q else 10)),
         (
             "12",
             lambda d: machine_adversary.campaign(
