@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -148,45 +148,45 @@ def encode(
 
 def absorb(new: np.ndarray, old: np.ndarray, checksum_format: str) -> Encoded:
     """Copy ``new`` into ``old`` and count changed bytes, without encoding (for full versions)."""
-    n = new.size
     hasher = new_hasher(checksum_format)
+    changed = sum(c for _, c in _xor_chunks(new, old, hasher, update_old=True))
+    if new.size == 0:
+        hasher.update(b"")
+    return Encoded(None, changed, hasher.hexdigest())
+
+
+def _xor_chunks(
+    new: np.ndarray, old: np.ndarray, hasher: Hasher, *, update_old: bool
+) -> Iterator[tuple[np.ndarray, int]]:
+    """Chunk by chunk (L2-sized): each chunk's XOR against ``old`` (a view of one scratch buffer,
+    valid until the next chunk) and its count of changed bytes; ``new`` hashed on the way, and
+    ``old`` advanced to it where asked."""
+    n = new.size
     scratch = _chunk_buffer()
-    changed = 0
     for s in range(0, n, CHUNK):
         e = min(n, s + CHUNK)
         x = scratch[: e - s]
         np.bitwise_xor(new[s:e], old[s:e], out=x)
         c = int(np.count_nonzero(x))
-        changed += c
         hasher.update(new[s:e])
-        if c:
+        if c and update_old:
             old[s:e] = new[s:e]
-    if n == 0:
-        hasher.update(b"")
-    return Encoded(None, changed, hasher.hexdigest())
+        yield x, c
 
 
 def _encode_xor(new: np.ndarray, old: np.ndarray, fmt: str, level: int, update_old: bool) -> Encoded:
-    """Chunk by chunk (L2-sized): XOR, count, stream into one zstd frame, hash, advance the state."""
+    """XOR, count, stream into one zstd frame, hash, advance the state."""
     n = new.size
     hasher = new_hasher(fmt)
     if n == 0:
         hasher.update(b"")
         return Encoded(None, 0, hasher.hexdigest())
     cobj = _compressor(level).compressobj(size=n)
-    scratch = _chunk_buffer()
     parts: list[bytes] = []
     changed = 0
-    for s in range(0, n, CHUNK):
-        e = min(n, s + CHUNK)
-        x = scratch[: e - s]
-        np.bitwise_xor(new[s:e], old[s:e], out=x)
-        c = int(np.count_nonzero(x))
+    for x, c in _xor_chunks(new, old, hasher, update_old=update_old):
         changed += c
         parts.append(cobj.compress(x))
-        hasher.update(new[s:e])
-        if c and update_old:
-            old[s:e] = new[s:e]
     parts.append(cobj.flush())
     return Encoded(b"".join(parts) if changed else None, changed, hasher.hexdigest())
 
