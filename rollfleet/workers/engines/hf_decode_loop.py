@@ -107,13 +107,13 @@ class DecodeLoop:
                 if not self.running.is_set() or self.closed:
                     continue  # paused between our check and the lock: do not step
                 batch = self.queue.next_batch(self.max_batch)
-                if not batch:
+                if not batch or not await self._step(loop, batch):
                     continue
-                await self._step(loop, batch)
             await asyncio.sleep(0)  # let abort/pause/new requests in between steps
 
-    async def _step(self, loop: asyncio.AbstractEventLoop, batch: list[HFSeq]) -> None:
-        """One forward pass over ``batch`` on the step thread, its tokens then given to each."""
+    async def _step(self, loop: asyncio.AbstractEventLoop, batch: list[HFSeq]) -> bool:
+        """One forward pass over ``batch`` on the step thread, its tokens then given to each;
+        False when the pass failed (its requests failed with it)."""
         version = self.engine.version
         try:
             sampled = await loop.run_in_executor(self.executor, self.stepper.step, batch)
@@ -122,8 +122,9 @@ class DecodeLoop:
             err = EngineFailure(f"hf forward failed: {type(exc).__name__}: {exc}")
             for req in {s.req for s in batch}:
                 self.queue.fail(req, err)
-            return
+            return False
         self.steps += 1
         self.step_log.append((self.steps, version, tuple(sorted({s.req.rid for s in batch}))))
         for seq, (token, logprob) in zip(batch, sampled, strict=True):
             self.queue.advance(seq, token, logprob, version, self.max_len)
+        return True
