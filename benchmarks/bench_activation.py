@@ -63,7 +63,7 @@ def full_reload_s(checkpoint: Path, *, own: bool) -> float:
     """
     from transformers import AutoModelForCausalLM
 
-    from rollfleet.workers.engines.hf import own_memory
+    from rollfleet.workers.engines.hf_loading import own_memory
 
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype="auto", local_files_only=True)

@@ -15,13 +15,14 @@ Generation is fake but shaped like the real thing: output token ``i`` of a sampl
 random ``stream``: under ``--enable-deterministic-inference`` (``deterministic``) SGLang's own
 rule (``SamplingBatchInfo``): the request's ``sampling_seed``, or 42 for every unseeded one.
 Otherwise SGLang ignores ``sampling_seed`` and draws at random; the stand-in still follows the
-seed (0 unseeded), so that a test can name a sample's tokens. ``/server_info`` answers the resolved arguments a test reads (``enable_deterministic_inference``,
-``version``, ``dtype``, ``device``). A request in flight during
-an in-place pause waits and then continues, and reports the weight version live when it
-finished. A prefix cache keyed like SGLang's radix cache (token ids within a ``cache_salt``
-namespace) answers ``meta_info.cached_tokens``: the longest prefix of a finished request's
-prompt and output (all but its last token, whose KV is never computed) that a new prompt starts
-with, at most all but its last token; a flush empties it. ``/close_session`` is recorded.
+seed (0 unseeded), so that a test can name a sample's tokens. ``/server_info`` answers the
+resolved arguments a test reads (``enable_deterministic_inference``, ``version``, ``dtype``,
+``device``). A request in flight during an in-place pause waits and then continues, and reports
+the weight version live when it finished. A prefix cache keyed like SGLang's radix cache (token
+ids within a ``cache_salt`` namespace) answers ``meta_info.cached_tokens``: the longest prefix
+of a finished request's prompt and output (all but its last token, whose KV is never computed)
+that a new prompt starts with, at most all but its last token; a flush empties it.
+``/close_session`` is recorded.
 Standard library only (``http.server`` in a thread); it also runs as a process with SGLang's
 launch flags: ``python tests/sglang_standin.py --model-path P --port N``.
 """

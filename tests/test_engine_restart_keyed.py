@@ -26,8 +26,8 @@ from rollfleet.policy_store import materialize
 from rollfleet.schemas import RolloutPayload, SamplingParams
 from rollfleet.schemas.errors import EngineFailure
 from rollfleet.trainer_client import PolicyPublisher
-from rollfleet.workers.engines.http_server import free_port
 from rollfleet.workers.engines.keyed import VOCAB, keyed_tokens
+from rollfleet.workers.engines.server_process import free_port
 from rollfleet.workers.engines.sglang import SGLangEngine
 
 PROMPT = [5, 17, 301, 9]
@@ -120,7 +120,7 @@ async def test_a_restarted_server_never_serves_a_newer_materialized_version_unde
 
 
 def test_a_directory_is_reloaded_as_the_live_version_only_while_its_marker_is_unchanged() -> None:
-    from rollfleet.workers.engines.http_server import reload_refusal
+    from rollfleet.workers.engines.server_restart import reload_refusal
 
     assert reload_refusal(3, 3) is None and reload_refusal(None, None) is None  # (a plain checkpoint dir)
     assert reload_refusal(3, 4) == "now holds version 4"

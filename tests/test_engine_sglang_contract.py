@@ -21,7 +21,8 @@ from sglang_standin import SGLangStandin
 from rollfleet.schemas import RolloutPayload, SamplingParams, VersionSpan
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest
 from rollfleet.workers.engines import make_engine
-from rollfleet.workers.engines.http_server import gate_decision, restart_suspected
+from rollfleet.workers.engines.server_gate import gate_decision
+from rollfleet.workers.engines.server_restart import restart_suspected
 from rollfleet.workers.engines.sglang import SGLangEngine
 
 pytestmark = pytest.mark.contract
@@ -427,7 +428,7 @@ async def test_an_attached_server_restarted_on_its_launch_checkpoint_is_reloaded
     import httpx
 
     from harness import wait_until
-    from rollfleet.workers.engines.http_server import free_port
+    from rollfleet.workers.engines.server_process import free_port
 
     script = Path(__file__).with_name("sglang_standin.py")
     port = free_port("127.0.0.1")

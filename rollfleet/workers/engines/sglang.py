@@ -83,8 +83,8 @@ from rollfleet.schemas import Completion, EngineBuild, RolloutPayload
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest, RollfleetError
 from rollfleet.schemas.limits import check_payload
 from rollfleet.workers.engines.base import Generation, TokenSink, sample_seed, with_drawn_seed
-from rollfleet.workers.engines.http_server import (
-    HTTPServerEngine,
+from rollfleet.workers.engines.http_server import HTTPServerEngine
+from rollfleet.workers.engines.server_protocol import (
     error_message,
     generation_versions,
     parse_spans,

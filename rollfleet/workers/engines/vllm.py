@@ -72,38 +72,45 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import os
 import secrets
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import httpx
 import msgspec
 
 from rollfleet.policy_store.layout import CheckpointLayout, TensorSpec, check_layout
-from rollfleet.schemas import Completion, EngineBuild, RolloutPayload
+from rollfleet.schemas import EngineBuild, RolloutPayload
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest
 from rollfleet.schemas.limits import check_payload
-from rollfleet.workers.engines.base import Generation, TokenSink, sample_seed
-from rollfleet.workers.engines.http_server import (
-    HTTPServerEngine,
+from rollfleet.workers.engines.base import Generation, TokenSink
+from rollfleet.workers.engines.http_server import HTTPServerEngine
+from rollfleet.workers.engines.server_protocol import (
     error_message,
     generation_versions,
-    parse_spans,
     parse_version,
     response_json,
     span_labels,
 )
+from rollfleet.workers.engines.vllm_protocol import (
+    check_spans,
+    check_tokens,
+    config_int,
+    generate_body,
+    join_samples,
+    parse_choices,
+    prompt_usage,
+    sample_alone,
+)
+from rollfleet.workers.engines.vllm_turns import Turns
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 GENERATE = "/inference/v1/generate"
 ABORT = "/inference/v1/abort_requests"
 REQUEST_PREFIX = "generate-tokens-"  # what vLLM's generate route puts before a request's id
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
@@ -211,18 +218,15 @@ class VLLMEngine(HTTPServerEngine):
         self._layout: dict[str, TensorSpec] | None = None  # what every reload must match
         self._live: set[int] = set()  # versions made live here (what spans may name)
         # Checked here because vLLM 0.32 without a tokenizer does not: an id past the vocabulary
-        # kills its engine (an index error in the embedding), not just the request.
+        # kills its engine (an index error in the embedding), not just the request (``check_tokens``).
         self.vocab_size: int | None = None
         self.max_model_len: int | None = None
         self.reloads: list[float] = []  # seconds each reload took (inside the pause)
         self._cpu: bool | None = None  # whether the server's vLLM is a CPU build (``built_for_cpu``)
         self.deterministic = deterministic
         self._server_version = ""  # the server's ``/version``
-        # Deterministic requests run alone: one at a time, nothing beside them (``_take_turn``).
-        self._turns = asyncio.Condition()
-        self._sent = 0  # requests sent and not yet answered
-        self._alone_waiting = 0
-        self._alone_running = False
+        # Deterministic requests run alone: one at a time, nothing beside them (``_in_turn``).
+        self._turns = Turns()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -231,7 +235,7 @@ class VLLMEngine(HTTPServerEngine):
         if checkpoint_dir is not None:
             self._layout = self._read_layout(checkpoint_dir)
         if model_path is not None:
-            self.vocab_size = _config_int(Path(model_path), "vocab_size")
+            self.vocab_size = config_int(Path(model_path), "vocab_size")
         await self._connect(checkpoint_dir, version, model_path)
         if self._cpu is None and self.python is not None:  # (an attached server, its Python named)
             self._cpu = await asyncio.to_thread(built_for_cpu, self.python, self.env)
@@ -291,7 +295,7 @@ class VLLMEngine(HTTPServerEngine):
         self, request_id: str, payload: RolloutPayload, session_id: str | None = None, sink: TokenSink | None = None
     ) -> Generation:
         check_payload(payload)
-        self._check_tokens(payload)
+        check_tokens(payload, self.vocab_size, self.max_model_len)
         drawn = None
         if payload.sampling.seed is None and payload.sampling.temperature > 0:
             # Drawn here and recorded (``Generation.seed``), so any sample can be drawn again;
@@ -304,23 +308,11 @@ class VLLMEngine(HTTPServerEngine):
         else:  # each sample alone, a request of one on its own stream
             parts: list[Generation] = []
             for i in range(payload.n):
-                one = msgspec.structs.replace(
-                    payload,
-                    n=1,
-                    sampling=msgspec.structs.replace(payload.sampling, seed=sample_seed(payload.sampling.seed, i)),
-                )
                 if parts and parts[-1].outputs[0].finish_reason == "abort":
                     parts.append(self._aborted_generation(1, parts[-1].version_end))  # (aborted: the rest too)
                     continue
-                parts.append(await self._in_turn(True, request_id, one, session_id))
-            gen = Generation(
-                [p.outputs[0] for p in parts],
-                parts[0].version_start,
-                parts[-1].version_end,
-                prompt_tokens=parts[0].prompt_tokens,
-                cached_tokens=parts[0].cached_tokens,
-                cache_rebuilt=parts[0].cache_rebuilt,
-            )
+                parts.append(await self._in_turn(True, request_id, sample_alone(payload, i), session_id))
+            gen = join_samples(parts)
         gen.seed = drawn
         return gen
 
@@ -330,30 +322,13 @@ class VLLMEngine(HTTPServerEngine):
         """``_generate`` once this request's turn came: a request alone waits until nothing else
         is sent and keeps others from being sent until it is answered; others wait only while a
         request alone runs or waits (it is at the head of the queue)."""
-        async with self._turns:
-            if alone:
-                self._alone_waiting += 1
-                try:
-                    await self._turns.wait_for(lambda: self._sent == 0 and not self._alone_running)
-                finally:
-                    self._alone_waiting -= 1
-                self._alone_running = True
-            else:
-                await self._turns.wait_for(lambda: not self._alone_running and not self._alone_waiting)
-            self._sent += 1
-        try:
+        async with self._turns.turn(alone):
             return await self._generate(request_id, payload, session_id)
-        finally:
-            async with self._turns:
-                self._sent -= 1
-                if alone:
-                    self._alone_running = False
-                self._turns.notify_all()
 
     async def _generate(self, request_id: str, payload: RolloutPayload, session_id: str | None) -> Generation:
         if await self._admit(request_id):  # aborted while an activation held it at the gate
             return self._aborted_generation(payload.n, self.version)
-        body = self._generate_body(request_id, payload)
+        body = generate_body(request_id, payload, self._cache_salt())
         sent_on = salted = self.version
         headers = {"X-Session-ID": session_id} if session_id is not None else None
         r = await self._post_request(request_id, [REQUEST_PREFIX + request_id], GENERATE, body, headers)
@@ -366,101 +341,20 @@ class VLLMEngine(HTTPServerEngine):
         answer = response_json(r)
         choices = [c for c in answer.get("choices") or () if isinstance(c, Mapping)]
         self._refuse_foreign([label for c in choices for label in span_labels(c.get("weight_versions"))])
-        outputs = self._parse_choices(answer, payload.sampling.logprobs, aborted)
+        outputs = parse_choices(answer, payload.sampling.logprobs, aborted)
         if len(outputs) != payload.n:
             raise EngineFailure(f"vLLM answered {len(outputs)} outputs for n={payload.n}")
-        self._check_spans(outputs, sent_on)
+        check_spans(outputs, sent_on, self.version, self._live)
         version_start, version_end = generation_versions(outputs, sent_on, (), self.version)
-        usage = answer.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+        prompt_tokens, cached = prompt_usage(answer, len(payload.prompt_token_ids or ()))
         return Generation(
             outputs,
             version_start,
             version_end,
-            prompt_tokens=_count(usage.get("prompt_tokens")) or len(payload.prompt_token_ids),
-            cached_tokens=_count(cached),
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached,
             cache_rebuilt=self._session_turn(session_id, salted),
         )
-
-    def _check_tokens(self, payload: RolloutPayload) -> None:
-        ids = payload.prompt_token_ids
-        if ids is None:
-            raise InvalidRequest("the vllm engine takes prompt_token_ids (its server runs without a tokenizer)")
-        if self.vocab_size is not None:
-            outside = [t for t in ids if not 0 <= t < self.vocab_size]
-            if outside:
-                raise InvalidRequest(f"token id {outside[0]} is outside the model's vocabulary of {self.vocab_size}")
-        if self.max_model_len is not None and len(ids) + payload.sampling.max_tokens > self.max_model_len:
-            raise InvalidRequest(
-                f"the prompt ({len(ids)} tokens) and max_tokens ({payload.sampling.max_tokens}) exceed the "
-                f"model's context of {self.max_model_len} tokens"
-            )
-
-    def _generate_body(self, request_id: str, payload: RolloutPayload) -> dict[str, Any]:
-        s = payload.sampling
-        params: dict[str, Any] = {
-            "n": payload.n,
-            "max_tokens": s.max_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k if s.top_k > 0 else 0,  # vLLM: 0 means no top-k cut
-            "detokenize": False,
-        }
-        if s.logprobs:
-            params["logprobs"] = 0  # the sampled token's own log-prob, no alternatives
-        if s.stop_token_ids:
-            params["stop_token_ids"] = list(s.stop_token_ids)
-        if payload.extra.get("ignore_eos"):
-            params["ignore_eos"] = True
-        if s.seed is not None:  # never a seed the job did not ask for: replicas would draw alike
-            params["seed"] = s.seed
-        params.update(payload.extra.get("sampling_params", {}))  # vLLM-specific pass-through
-        body: dict[str, Any] = {
-            "request_id": request_id,
-            "token_ids": list(payload.prompt_token_ids or []),
-            "sampling_params": params,
-            "stream": False,
-        }
-        salt = self._cache_salt()
-        if salt is not None:
-            body["cache_salt"] = salt
-        return body
-
-    @staticmethod
-    def _parse_choices(answer: Mapping[str, Any], want_logprobs: bool, aborted: bool) -> list[Completion]:
-        choices = answer.get("choices")
-        if not isinstance(choices, list):
-            raise EngineFailure(f"vLLM answered without choices: {str(answer)[:300]}")
-        outputs = []
-        for choice in sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, Mapping) else 0):
-            tokens = [int(t) for t in choice.get("token_ids") or []]
-            logprobs = None
-            if want_logprobs:
-                content = (choice.get("logprobs") or {}).get("content") or []
-                logprobs = [float(entry["logprob"]) for entry in content]
-                if len(logprobs) != len(tokens):
-                    raise EngineFailure(f"vLLM returned {len(logprobs)} log-probs for {len(tokens)} tokens")
-            reason = "abort" if aborted else _FINISH.get(str(choice.get("finish_reason")), "stop")
-            outputs.append(
-                Completion(
-                    token_ids=tokens,
-                    finish_reason=reason,  # type: ignore[arg-type]
-                    logprobs=logprobs,
-                    weight_versions=parse_spans(choice.get("weight_versions"), len(tokens)),
-                )
-            )
-        return outputs
-
-    def _check_spans(self, outputs: Sequence[Completion], sent_on: int) -> None:
-        """Every version a span names must have been live here while the request ran."""
-        for out in outputs:
-            for span in out.weight_versions:
-                if not sent_on <= span.version <= self.version or span.version not in self._live:
-                    raise EngineFailure(
-                        f"vLLM attributes tokens {span.start}..{span.end} to version {span.version}, but this "
-                        f"replica had versions {sent_on}..{self.version} live while the request ran"
-                    )
 
     async def _send_abort(self, ids: list[str]) -> None:
         await self._http.post(ABORT, json={"request_ids": ids}, timeout=self.control_timeout_s)
@@ -552,16 +446,3 @@ class VLLMEngine(HTTPServerEngine):
         answer = await self._control("/weight_checker", {"action": "checksum"})
         checksums = answer.get("checksums") or {}
         return {name.rsplit(":", 1)[-1]: digest for name, digest in checksums.items()}
-
-
-def _config_int(model_dir: Path, key: str) -> int | None:
-    """An integer of the checkpoint's config.json (None where it has none)."""
-    try:
-        value = json.loads((model_dir / "config.json").read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) and value > 0 else None
-
-
-def _count(value: object) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
