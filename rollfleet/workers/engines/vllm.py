@@ -73,20 +73,18 @@ import asyncio
 import contextlib
 import hashlib
 import os
-import secrets
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
-import msgspec
 
 from rollfleet.policy_store.layout import CheckpointLayout, TensorSpec, check_layout
 from rollfleet.schemas import EngineBuild, RolloutPayload
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest
 from rollfleet.schemas.limits import check_payload
-from rollfleet.workers.engines.base import Generation, TokenSink
+from rollfleet.workers.engines.base import Generation, TokenSink, with_drawn_seed
 from rollfleet.workers.engines.http_server import HTTPServerEngine
 from rollfleet.workers.engines.server_protocol import (
     error_message,
@@ -296,12 +294,7 @@ class VLLMEngine(HTTPServerEngine):
     ) -> Generation:
         check_payload(payload)
         check_tokens(payload, self.vocab_size, self.max_model_len)
-        drawn = None
-        if payload.sampling.seed is None and payload.sampling.temperature > 0:
-            # Drawn here and recorded (``Generation.seed``), so any sample can be drawn again;
-            # from the OS, so replicas never draw alike.
-            drawn = secrets.randbits(62)
-            payload = msgspec.structs.replace(payload, sampling=msgspec.structs.replace(payload.sampling, seed=drawn))
+        payload, drawn = with_drawn_seed(payload)  # (recorded: any sample can be drawn again)
         alone = self.deterministic or payload.deterministic
         if not alone:
             gen = await self._in_turn(False, request_id, payload, session_id)
