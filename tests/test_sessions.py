@@ -30,7 +30,7 @@ from rollfleet.schemas.errors import (
     UnknownSession,
 )
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
-from rollfleet.trainer_client.sessions.session import fewest_held
+from rollfleet.trainer_client.sessions.turn_replica import fewest_held
 from rollfleet.workers.engines.echo import EchoEngine
 from tests.helpers import CountingEcho
 
