@@ -20,13 +20,10 @@ from rollfleet.broker.startup import not_ready
 from rollfleet.broker.topology import (
     DEFAULT_TOPOLOGY,
     TopologyConfig,
-    TopologyKeeper,
     ensure_results_consumer,
     ensure_topology,
-    given_up_seq,
-    topology_streams,
 )
-from rollfleet.broker.types import NATS, JetStreamContext, Msg
+from rollfleet.broker.types import NATS, JetStreamContext
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
@@ -45,7 +42,6 @@ from rollfleet.schemas import (
 )
 from rollfleet.schemas.asked import AskedConstraint
 from rollfleet.schemas.errors import (
-    ClientIdInUse,
     ServiceUnavailable,
 )
 from rollfleet.schemas.progress import TokenChunk
@@ -64,13 +60,14 @@ from rollfleet.trainer_client.job_watch import JobWatch
 from rollfleet.trainer_client.lease import ClientLease
 from rollfleet.trainer_client.own_job_ids import JobIds
 from rollfleet.trainer_client.placement import JobPlacement
+from rollfleet.trainer_client.reconnects import Reconnects
 from rollfleet.trainer_client.refusals import RefusalNotes
 from rollfleet.trainer_client.requests import asked_of
 from rollfleet.trainer_client.restore import restore_namespace
 from rollfleet.trainer_client.sessions import OpenSession, Session
 from rollfleet.trainer_client.streaming import stream_tokens
 from rollfleet.trainer_client.submitting import Submitter, no_replica_message
-from rollfleet.trainer_client.versions import adopt_version, commit_version
+from rollfleet.trainer_client.versions import VersionCommits
 
 log = get_logger("rollfleet.client")
 
@@ -125,13 +122,26 @@ class RolloutClient:
         self.refusals = RefusalNotes(nc, names)  # (what the fleet's control loop hears of refusals)
         self.consumers = JobConsumers(self.js, nc, names, topology, ring=lambda c: self.bells.ring(c, fresh=True))
         self._sessions_bucket: KVBucket | None = None
-        self.keeper: TopologyKeeper | None = None  # declares again what the broker lost (restore.py)
         self.placement = self._job_placement()
         self.sessions: dict[str, OpenSession] = {}  # open sessions of this client, by id
         self.watch = self._job_watch(deadline_grace_s, fail_fast)
         self.earlier = EarlierAnswers(self, self._handles)  # answers that came before they were asked for
         self.canceller = Canceller(nc, names, self.client_id, self._handles, self.placement, self.metrics)
         self.submitter = Submitter(self, self._handles, self.earlier, self.canceller.cancel, self._spawn)
+        self.versions = VersionCommits(self.js, names, self.fleet, self.declare_version_consumers)
+        self.reconnects = Reconnects(
+            nc,
+            self.js,
+            names,
+            self.client_id,
+            lease=None if shared else self._lease,
+            handles=self._handles,
+            inbox=self.inbox,
+            fleet=self.fleet,
+            placement=self.placement,
+            earlier=self.earlier,
+            spawn=self._spawn,
+        )
 
     def _job_placement(self) -> JobPlacement:
         """Where this client's jobs are stored, and stored again after a broker lost them."""
@@ -229,7 +239,7 @@ class RolloutClient:
             fail_fast=fail_fast,
             shared=shared,
         )
-        hooks.append(client._on_reconnect)
+        hooks.append(client.reconnects.on_reconnect)
         try:
             await client._start()
         except BaseException as exc:
@@ -267,24 +277,14 @@ class RolloutClient:
         # A bell rung at a replica that is gone comes back as "no responders" on this inbox.
         await self.bells.start()
         self.placement.probe_reply = self.bells.probe_reply
-        advisory = self.names.consumer_leader_advisory(self.names.results_stream)
-        await self.nc.subscribe(advisory, cb=self._on_results_leader)
-        await self.nc.subscribe(self.names.max_deliveries_advisory(self.names.jobs_stream), cb=self._on_given_up)
+        await self.reconnects.listen_leader()
+        await self.nc.subscribe(self.names.max_deliveries_advisory(self.names.jobs_stream), cb=self.watch.given_up)
         self.inbox.start(self._results_consumer, self._ids)
         self._started = True
         self._expiry_task = asyncio.create_task(self.watch.deadlines(), name="deadlines")
         self._stall_task = asyncio.create_task(self.watch.stalls(), name="stalls")
         self._spawn(self.consumers.follow(self.fleet))
-        self.keeper = TopologyKeeper(
-            self.js, self.names, self.topology, on_declared=lambda created: restore_namespace(self, created)
-        )
-        self._spawn(self.keeper.run())
-        for stream in topology_streams(self.names):  # (looked at again only when one is deleted)
-            await self.nc.subscribe(self.names.stream_deleted_advisory(stream), cb=self._on_stream_deleted)
-
-    async def _on_stream_deleted(self, _: Msg) -> None:
-        if self.keeper is not None:
-            self.keeper.poke()
+        await self.reconnects.keep_topology(self.topology, lambda created: restore_namespace(self, created))
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -366,32 +366,10 @@ class RolloutClient:
             self._sessions_bucket = await open_bucket(self.js, self.names.sessions_bucket)
         return self._sessions_bucket
 
-    async def submit_turn(
-        self,
-        payload: RolloutPayload,
-        constraint: VersionConstraint,
-        *,
-        written: str,
-        key: str,
-        timeout: float | None,
-        retry_policy: RetryPolicy,
-        session_id: str,
-        replica: str | None,
-        asked_at: float,
-    ) -> RolloutHandle:
-        """A session's turn: a job under the turn's key, on ``replica``'s own subject if given."""
-        return await self.submitter.submit(
-            payload,
-            constraint,
-            written=written,
-            idempotency_key=key,
-            deadline=None,
-            timeout=timeout,
-            retry_policy=retry_policy,
-            session_id=session_id,
-            replica=replica,
-            asked_at=asked_at,
-        )
+    async def submit_turn(self, payload: RolloutPayload, constraint: VersionConstraint, **turn: Any) -> RolloutHandle:
+        """A session's turn (``SessionHost.submit_turn``): a job under the turn's key, on its
+        replica's own subject if it names one (``Submitter.submit_turn``)."""
+        return await self.submitter.submit_turn(payload, constraint, **turn)
 
     async def end_session(self, replica: str, session_id: str) -> None:
         await self.nc.publish(self.names.bell_subject(replica), self.names.end_session_payload(session_id))
@@ -444,22 +422,15 @@ class RolloutClient:
 
         The first call records the base checkpoint as version 0 and commits that.
         """
-        record = await asyncio.to_thread(publisher.publish, named_tensors)
-        return await self.commit_version(record)
+        return await self.versions.publish(publisher, named_tensors)
 
     async def commit_version(self, record: VersionRecord) -> VersionRecord:
         """Make a written version visible to the fleet (create ``v.<N>``, CAS ``latest``, announce)."""
-        await self.declare_version_consumers(record.version)  # before replicas hear of it
-        record = await commit_version(self.js, self.names, record)
-        self.fleet.note_committed(record.version)
-        return record
+        return await self.versions.commit(record)
 
     async def adopt_version(self, store_dir: str | Path, version_dir: str | Path) -> VersionRecord:
         """Verify and commit a version directory written by another publisher, without re-encoding."""
-        record = await adopt_version(self.js, self.names, Path(store_dir), Path(version_dir))
-        self.fleet.note_committed(record.version)
-        await self.declare_version_consumers(record.version)  # (adopt verifies, then commits)
-        return record
+        return await self.versions.adopt(store_dir, version_dir)
 
     # -- what restoring a lost namespace needs (``restore.RestoreHost``) ----------------------------
     def forget_consumers(self) -> None:
@@ -512,48 +483,6 @@ class RolloutClient:
         """The unclaimed answer under ``idempotency_key``, removed (a caller that will never ask
         for the key counts it instead: ``RolloutLoop``'s answers of a predecessor); None if none."""
         return self.inbox.take(idempotency_key)
-
-    def _on_reconnect(self) -> None:
-        self.earlier.note_reconnected()  # (see EarlierAnswers.answered_before)
-        self.inbox.renew()  # re-request at once instead of waiting out the old one
-        self.fleet.note_reconnected()
-        self.placement.note_reconnected()  # (a holder is judged only once it could be back: HolderWatch)
-        if self.keeper is not None:  # (the broker may be back on an empty or older store)
-            self.keeper.poke()
-        self._spawn(self._check_lease())
-
-    async def _check_lease(self) -> None:
-        """After a partition another client may have taken the id over: then stop taking results."""
-        if self.shared:
-            return
-        try:
-            held = await self._lease.held()
-        except Exception:  # the broker went away again; the next reconnect checks again
-            return
-        if held or not self.inbox.receiving:
-            return
-        log.error("client_id taken over by another client while disconnected; no longer receiving results")
-        await self.inbox.stop()
-        for handle in list(self._handles.values()):
-            handle.set_error(ClientIdInUse(f"client_id {self.client_id!r} was taken over by another client"))
-        self._handles.clear()
-
-    async def _on_results_leader(self, msg: Msg) -> None:
-        """The results consumer has a new leader (a cluster fail-over): our request is gone."""
-        self.inbox.on_leader_change(msg.subject.rpartition(".")[2])
-
-    async def _on_given_up(self, msg: Msg) -> None:
-        """The broker gave up on a job: delivered ``max_deliver`` times (its holders died, or handed
-        it back), it is never delivered again. A resumable job is stored again, the same job, so
-        the next replica resumes it from its checkpoints: outliving its holders is what it is for.
-        (Other jobs keep the broker's bound on a job that kills its workers: their deadline.)"""
-        seq = given_up_seq(msg.data or b"")
-        for handle in list(self._handles.values()):
-            if seq is None or handle.stream_seq != seq or handle.done() or not handle.job.behaviour.checkpoints:
-                continue
-            place = self.placement
-            stored = await (place.requeue(handle) if handle.replica is None else place.move_to_shared(handle))
-            log.info("resumable job given up on by the broker; stored again", key=handle.idempotency_key, stored=stored)
 
     # Called with every answer message received, before deduplication (for audits and tests).
     @property

@@ -164,6 +164,33 @@ class Submitter:
         await self._stored(handle, subject, replica, ack, fresh=fresh)
         return handle
 
+    async def submit_turn(
+        self,
+        payload: RolloutPayload,
+        constraint: VersionConstraint,
+        *,
+        written: str,
+        key: str,
+        timeout: float | None,
+        retry_policy: RetryPolicy,
+        session_id: str,
+        replica: str | None,
+        asked_at: float,
+    ) -> RolloutHandle:
+        """A session's turn: a job under the turn's key, on ``replica``'s own subject if given."""
+        return await self.submit(
+            payload,
+            constraint,
+            written=written,
+            idempotency_key=key,
+            deadline=None,
+            timeout=timeout,
+            retry_policy=retry_policy,
+            session_id=session_id,
+            replica=replica,
+            asked_at=asked_at,
+        )
+
     async def _stored(self, handle: RolloutHandle, subject: str, replica: str | None, ack: Any, *, fresh: bool) -> None:
         """The broker stored the handle's job (``ack``; a duplicate: another handle's, of this
         key, adopted unless it is settled): ring the replicas that may take it."""
