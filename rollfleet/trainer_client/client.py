@@ -17,15 +17,9 @@ from typing import Any
 from rollfleet.broker.buckets import KVBucket, open_bucket
 from rollfleet.broker.connection import connect
 from rollfleet.broker.startup import not_ready
-from rollfleet.broker.topology import (
-    DEFAULT_TOPOLOGY,
-    TopologyConfig,
-    ensure_results_consumer,
-    ensure_topology,
-)
+from rollfleet.broker.topology import DEFAULT_TOPOLOGY, TopologyConfig, ensure_results_consumer, ensure_topology
 from rollfleet.broker.types import NATS, JetStreamContext
 from rollfleet.runtime.aio import stop_tasks
-from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import (
     DEFAULT_LIMITS,
     Limits,
@@ -41,9 +35,7 @@ from rollfleet.schemas import (
     check_token,
 )
 from rollfleet.schemas.asked import AskedConstraint
-from rollfleet.schemas.errors import (
-    ServiceUnavailable,
-)
+from rollfleet.schemas.errors import ServiceUnavailable
 from rollfleet.schemas.progress import TokenChunk
 from rollfleet.schemas.replay_rules import ReplayOutcome
 from rollfleet.trainer_client import replaying
@@ -68,8 +60,6 @@ from rollfleet.trainer_client.sessions import OpenSession, Session
 from rollfleet.trainer_client.streaming import stream_tokens
 from rollfleet.trainer_client.submitting import Submitter, no_replica_message
 from rollfleet.trainer_client.versions import VersionCommits
-
-log = get_logger("rollfleet.client")
 
 
 class RolloutClient:
@@ -129,19 +119,7 @@ class RolloutClient:
         self.canceller = Canceller(nc, names, self.client_id, self._handles, self.placement, self.metrics)
         self.submitter = Submitter(self, self._handles, self.earlier, self.canceller.cancel, self._spawn)
         self.versions = VersionCommits(self.js, names, self.fleet, self.declare_version_consumers)
-        self.reconnects = Reconnects(
-            nc,
-            self.js,
-            names,
-            self.client_id,
-            lease=None if shared else self._lease,
-            handles=self._handles,
-            inbox=self.inbox,
-            fleet=self.fleet,
-            placement=self.placement,
-            earlier=self.earlier,
-            spawn=self._spawn,
-        )
+        self.reconnects = Reconnects(self, None if shared else self._lease, self._handles, self._spawn)
 
     def _job_placement(self) -> JobPlacement:
         """Where this client's jobs are stored, and stored again after a broker lost them."""

@@ -12,7 +12,7 @@ the results consumer's leader, or a stream deleted, is heard as an advisory.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from rollfleet.broker.topology import TopologyConfig, TopologyKeeper, topology_streams
 from rollfleet.broker.types import NATS, JetStreamContext, Msg
@@ -29,28 +29,33 @@ from rollfleet.trainer_client.placement import JobPlacement
 log = get_logger("rollfleet.client")
 
 
+class ReconnectHost(Protocol):
+    """What the reactions need of their client (``RolloutClient`` is one)."""
+
+    nc: NATS
+    js: JetStreamContext
+    names: Names
+    client_id: str
+    inbox: ResultsInbox
+    fleet: FleetView
+    placement: JobPlacement
+    earlier: EarlierAnswers
+
+
 class Reconnects:
     """A client's reactions to its connection and to the broker's advisories."""
 
     def __init__(
         self,
-        nc: NATS,
-        js: JetStreamContext,
-        names: Names,
-        client_id: str,
-        *,
+        host: ReconnectHost,
         lease: ClientLease | None,
         handles: dict[str, RolloutHandle],
-        inbox: ResultsInbox,
-        fleet: FleetView,
-        placement: JobPlacement,
-        earlier: EarlierAnswers,
         spawn: Callable[[Any], None],
     ) -> None:
-        self.nc, self.js, self.names, self.client_id = nc, js, names, client_id
+        self.nc, self.js, self.names, self.client_id = host.nc, host.js, host.names, host.client_id
+        self.inbox, self.fleet, self.placement, self.earlier = host.inbox, host.fleet, host.placement, host.earlier
         self._lease = lease  # (None for a shared client id: no lease)
         self._handles = handles
-        self.inbox, self.fleet, self.placement, self.earlier = inbox, fleet, placement, earlier
         self._spawn = spawn
         self.keeper: TopologyKeeper | None = None  # declares again what the broker lost (restore.py)
 

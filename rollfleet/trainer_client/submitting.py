@@ -148,6 +148,16 @@ class Submitter:
         if self._earlier.settle_unclaimed(handle):
             self._handles.pop(key, None)
             return handle
+        await self._store(handle, constraint, replica, until, keyed=key_given)
+        return handle
+
+    async def _store(
+        self, handle: RolloutHandle, constraint: VersionConstraint, replica: str | None, until: float, *, keyed: bool
+    ) -> None:
+        """Store the handle's job on the constraint's shared subject, or ``replica``'s own, its
+        consumer declared first; ``keyed``: under a key of the caller's."""
+        host = self._host
+        key = handle.idempotency_key
         if replica is None:
             subject = host.names.job_subject(constraint.kind, constraint.version)
         else:
@@ -159,10 +169,9 @@ class Submitter:
             self._handles.pop(key, None)
             raise
         except asyncio.CancelledError:
-            self._left_while_storing(handle, subject, replica, keyed=key_given)
+            self._left_while_storing(handle, subject, replica, keyed=keyed)
             raise
         await self._stored(handle, subject, replica, ack, fresh=fresh)
-        return handle
 
     async def submit_turn(
         self,
