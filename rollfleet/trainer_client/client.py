@@ -338,6 +338,7 @@ class RolloutClient:
             wait_for_replica=wait_for_replica,
         )
 
+    # -- sessions ------------------------------------------------------------------------------
     async def sessions_kv(self) -> KVBucket:
         """The sessions bucket, looked up once per client."""
         if self._sessions_bucket is None:
