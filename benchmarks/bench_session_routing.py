@@ -90,7 +90,7 @@ async def _session(
             if affinity:
                 result = await session.generate(payload, timeout=600)
             else:
-                handle = await client._submit(
+                handle = await client.submitter.submit(
                     payload,
                     VersionConstraint("min", last_version),
                     written=f"min:{last_version}",

@@ -30,7 +30,8 @@ from rollfleet.schemas.errors import (
     UnknownSession,
 )
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
-from rollfleet.trainer_client.sessions.session import fewest_held
+from rollfleet.trainer_client.sessions import version_policy
+from rollfleet.trainer_client.sessions.turn_replica import fewest_held
 from rollfleet.workers.engines.echo import EchoEngine
 from tests.helpers import CountingEcho
 
@@ -598,8 +599,8 @@ async def test_a_resumed_pinned_session_keeps_the_pin_of_the_turn_its_dead_clien
             sid, first = s.session_id, turn_payload([1])
             # What generate() does for turn 0, short of saving the session afterwards (A dies then).
             handle = await a.submit_turn(
-                first, VersionConstraint("exact", 0), written=s._written(), key=s.turn_key(0), timeout=None,
-                retry_policy="replayable", session_id=sid, replica=None, asked_at=time.time(),
+                first, VersionConstraint("exact", 0), written=version_policy.written(s.record), key=s.turn_key(0),
+                timeout=None, retry_policy="replayable", session_id=sid, replica=None, asked_at=time.time(),
             )  # fmt: skip
             assert (await handle.result(10)).version_end == 0
             a.sessions.pop(sid, None)  # (A's handle is gone with it; its close would delete the record)
@@ -625,8 +626,9 @@ async def test_a_resumed_session_whose_record_lost_a_stored_turn_moves_past_it(n
             s = await a.session(min_version=0).open()
             sid = s.session_id
             handle = await a.submit_turn(
-                turn_payload([1, 2]), VersionConstraint("min", 0), written=s._written(), key=s.turn_key(0),
-                timeout=None, retry_policy="replayable", session_id=sid, replica=None, asked_at=time.time(),
+                turn_payload([1, 2]), VersionConstraint("min", 0), written=version_policy.written(s.record),
+                key=s.turn_key(0), timeout=None, retry_policy="replayable", session_id=sid, replica=None,
+                asked_at=time.time(),
             )  # fmt: skip
             first = await handle.result(10)
             a.sessions.pop(sid, None)  # (A's handle is gone with it; its close would delete the record)

@@ -116,7 +116,7 @@ def test_jobs_no_longer_pending_are_forgotten() -> None:
 
 
 def test_a_pinned_sessions_version_may_be_served_only_by_a_replica_that_can_still_reach_it() -> None:
-    from rollfleet.trainer_client.sessions.session import pin_may_be_served
+    from rollfleet.trainer_client.sessions.version_policy import pin_may_be_served
 
     # At the pin: serving, or its engine down (it may come back), but not stopping for good.
     assert pin_may_be_served([("ready", 5, None)], 5, 7)

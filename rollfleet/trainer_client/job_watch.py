@@ -1,7 +1,8 @@
 """The client's watch over its jobs in flight: deadlines, exact jobs nobody can serve any more,
-and subjects whose jobs wait unpulled. Two loops (``deadlines``, ``stalls``) that carry out the
-decisions of ``watch_rules`` against the broker; one sweep over what is in flight per tick
-instead of a timer per job, and nothing asked of the broker while nothing is pending.
+subjects whose jobs wait unpulled, and resumable jobs the broker gave up on. Two loops
+(``deadlines``, ``stalls``) that carry out the decisions of ``watch_rules`` against the broker;
+one sweep over what is in flight per tick instead of a timer per job, and nothing asked of the
+broker while nothing is pending.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import Any
 
 from rollfleet.broker.stream_reads import consumer_state, delivered_through
-from rollfleet.broker.types import JetStreamContext
+from rollfleet.broker.topology import given_up_seq
+from rollfleet.broker.types import JetStreamContext, Msg
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, VersionConstraint
 from rollfleet.schemas.errors import BrokerError, Expired, NoCompatibleReplica, NotFound
@@ -164,6 +166,20 @@ class JobWatch:
         except BrokerError:
             return True
         return holder is not None and holder.worker_id in holders
+
+    # -- jobs the broker gave up on -------------------------------------------------------------
+    async def given_up(self, msg: Msg) -> None:
+        """The broker gave up on a job: delivered ``max_deliver`` times (its holders died, or handed
+        it back), it is never delivered again. A resumable job is stored again, the same job, so
+        the next replica resumes it from its checkpoints: outliving its holders is what it is for.
+        (Other jobs keep the broker's bound on a job that kills its workers: their deadline.)"""
+        seq = given_up_seq(msg.data or b"")
+        for handle in list(self._handles.values()):
+            if seq is None or handle.stream_seq != seq or handle.done() or not handle.job.behaviour.checkpoints:
+                continue
+            place = self.placement
+            stored = await (place.requeue(handle) if handle.replica is None else place.move_to_shared(handle))
+            log.info("resumable job given up on by the broker; stored again", key=handle.idempotency_key, stored=stored)
 
     # -- stalls --------------------------------------------------------------------------------
     async def stalls(self) -> None:
