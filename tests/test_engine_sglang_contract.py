@@ -24,6 +24,7 @@ from rollfleet.workers.engines import make_engine
 from rollfleet.workers.engines.server_gate import gate_decision
 from rollfleet.workers.engines.server_restart import restart_suspected
 from rollfleet.workers.engines.sglang import SGLangEngine
+from rollfleet.workers.engines.sglang_protocol import parse_item
 
 pytestmark = pytest.mark.contract
 
@@ -485,10 +486,10 @@ async def test_an_attached_server_restarted_on_its_launch_checkpoint_is_reloaded
 
 def test_parsing_tolerates_older_response_shapes() -> None:
     item = {"meta_info": {"finish_reason": "length", "output_token_logprobs": [[-0.1, 7, None], [-0.2, 8, "x"]]}}
-    completion, version, prompt_tokens = SGLangEngine._parse_item(item, True, False)
+    completion, version, prompt_tokens = parse_item(item, True, False)
     assert completion.token_ids == [7, 8] and completion.logprobs == [-0.1, -0.2]
     assert completion.finish_reason == "length" and version is None and prompt_tokens == 0
-    aborted, _, _ = SGLangEngine._parse_item({"output_ids": [1], "meta_info": {"finish_reason": None}}, False, False)
+    aborted, _, _ = parse_item({"output_ids": [1], "meta_info": {"finish_reason": None}}, False, False)
     assert aborted.finish_reason == "abort" and aborted.logprobs is None
 
 
@@ -505,7 +506,7 @@ def spans(*triples: tuple[str, int, int]) -> list:
 
 def test_weight_version_spans_become_integer_spans() -> None:
     item = meta(weight_version="5", weight_versions=spans(("4", 0, 1), ("5", 1, 3)))
-    completion, version, _ = SGLangEngine._parse_item(item, False, False)
+    completion, version, _ = parse_item(item, False, False)
     assert completion.weight_versions == [
         VersionSpan(version=4, start=0, end=1),
         VersionSpan(version=5, start=1, end=3),
@@ -525,7 +526,7 @@ def test_weight_version_spans_become_integer_spans() -> None:
     ],
 )
 def test_spans_that_are_not_rollfleet_versions_or_do_not_tile_the_tokens_are_unknown(bad: list) -> None:
-    completion, _, _ = SGLangEngine._parse_item(meta(weight_versions=bad), False, False)
+    completion, _, _ = parse_item(meta(weight_versions=bad), False, False)
     assert completion.weight_versions == [] and completion.token_ids == [7, 8, 9]
 
 

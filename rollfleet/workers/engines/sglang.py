@@ -79,21 +79,26 @@ from typing import Any
 
 import httpx
 
-from rollfleet.schemas import Completion, EngineBuild, RolloutPayload
+from rollfleet.schemas import EngineBuild, RolloutPayload
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest, RollfleetError
 from rollfleet.schemas.limits import check_payload
-from rollfleet.workers.engines.base import Generation, TokenSink, sample_seed, with_drawn_seed
+from rollfleet.workers.engines.base import Generation, TokenSink, with_drawn_seed
 from rollfleet.workers.engines.http_server import HTTPServerEngine
 from rollfleet.workers.engines.server_protocol import (
     error_message,
     generation_versions,
-    parse_spans,
     parse_version,
     response_json,
-    span_labels,
+)
+from rollfleet.workers.engines.sglang_protocol import (
+    cached_tokens,
+    generate_body,
+    labels,
+    parse_item,
+    runs_deterministic,
+    server_build,
 )
 
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"
 
 
@@ -227,23 +232,10 @@ class SGLangEngine(HTTPServerEngine):
     # -- replay ------------------------------------------------------------------------------
 
     def deterministic_for(self, payload: RolloutPayload) -> bool:
-        """Whether the server says it runs deterministic inference: SGLang seeds a request's
-        sampling from its ``sampling_seed`` only then (and every unseeded one with 42), and its
-        batch-invariant kernels make the log-probs the same whatever runs beside it. Not measured
-        here (SGLang needs a GPU); the server's own resolved arguments are the fact."""
-        return self.server_info.get("enable_deterministic_inference") is True
+        return runs_deterministic(self.server_info)
 
     def build(self, deterministic: bool) -> EngineBuild:
-        info = self.server_info
-        version = info.get("version")
-        dtype, device = info.get("dtype"), info.get("device")
-        return EngineBuild(
-            self.name,
-            version if isinstance(version, str) else "",
-            dtype=dtype if isinstance(dtype, str) and dtype != "auto" else "",
-            device=device if isinstance(device, str) else "",
-            deterministic=deterministic,
-        )
+        return server_build(self.server_info, deterministic)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -255,7 +247,7 @@ class SGLangEngine(HTTPServerEngine):
             return self._aborted_generation(payload.n, self.version)
         rids = [request_id] if payload.n == 1 else [f"{request_id}-{i}" for i in range(payload.n)]
         payload, drawn = with_drawn_seed(payload)
-        body = self._generate_body(rids, payload, session_id)
+        body = generate_body(rids, payload, session_id, self._cache_salt())
         version_start = salted = self.version
         r = await self._post_request(request_id, rids, "/generate", body)
         aborted = self._take_aborted(request_id)
@@ -268,11 +260,11 @@ class SGLangEngine(HTTPServerEngine):
             raise EngineFailure(f"SGLang answered {len(items)} outputs for n={payload.n}")
         outputs, served, prompt_tokens = [], [], len(payload.prompt_token_ids or [])
         cached: list[int] = []
-        self._refuse_foreign([label for item in items for label in _labels(item)])
+        self._refuse_foreign([label for item in items for label in labels(item)])
         for item in items:
-            completion, version, prompt_len = self._parse_item(item, payload.sampling.logprobs, aborted)
+            completion, version, prompt_len = parse_item(item, payload.sampling.logprobs, aborted)
             outputs.append(completion)
-            cached.append(_cached_tokens(item))
+            cached.append(cached_tokens(item))
             if not completion.weight_versions and version is not None:
                 served.append(version)
             prompt_tokens = prompt_len or prompt_tokens
@@ -295,70 +287,6 @@ class SGLangEngine(HTTPServerEngine):
             return
         with contextlib.suppress(httpx.HTTPError):
             await self._http.post("/close_session", json={"session_id": session_id})
-
-    def _generate_body(self, rids: list[str], payload: RolloutPayload, session_id: str | None = None) -> dict[str, Any]:
-        s = payload.sampling
-        base: dict[str, Any] = {
-            "max_new_tokens": s.max_tokens,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "top_k": s.top_k if s.top_k > 0 else -1,  # SGLang: -1 means no top-k cut
-        }
-        if s.stop_token_ids:
-            base["stop_token_ids"] = list(s.stop_token_ids)
-        if payload.extra.get("ignore_eos"):
-            base["ignore_eos"] = True
-        base.update(payload.extra.get("sampling_params", {}))  # SGLang-specific pass-through
-        per_sample = []
-        for i in range(len(rids)):
-            params = dict(base)
-            if (seed := sample_seed(s.seed, i)) is not None:
-                params["sampling_seed"] = seed
-            per_sample.append(params)
-        single = len(rids) == 1
-        body: dict[str, Any] = {
-            "rid": rids[0] if single else rids,
-            "sampling_params": per_sample[0] if single else per_sample,
-            "return_logprob": s.logprobs,
-            "stream": False,
-        }
-        if payload.prompt_token_ids is not None:
-            ids = list(payload.prompt_token_ids)
-            body["input_ids"] = ids if single else [ids] * len(rids)
-        else:
-            body["text"] = payload.prompt_text if single else [payload.prompt_text] * len(rids)
-        salt = self._cache_salt()
-        if salt is not None:
-            body["cache_salt"] = salt
-        if session_id is not None:
-            body["session_id"] = body["routing_key"] = session_id
-        return body
-
-    @staticmethod
-    def _parse_item(item: Mapping[str, Any], want_logprobs: bool, aborted: bool) -> tuple[Completion, int | None, int]:
-        meta = item.get("meta_info") or {}
-        triples = meta.get("output_token_logprobs") or []
-        tokens = item.get("output_ids")
-        if tokens is None:
-            tokens = [int(t[1]) for t in triples]
-        logprobs = None
-        if want_logprobs:
-            logprobs = [float(t[0]) if t[0] is not None else float("nan") for t in triples]
-            if len(logprobs) != len(tokens):
-                raise EngineFailure(f"SGLang returned {len(logprobs)} log-probs for {len(tokens)} tokens")
-        finish = meta.get("finish_reason")
-        kind = finish.get("type") if isinstance(finish, Mapping) else finish
-        reason = _FINISH.get(str(kind), "abort") if kind is not None else "abort"
-        if aborted:
-            reason = "abort"
-        completion = Completion(
-            token_ids=[int(t) for t in tokens],
-            finish_reason=reason,  # type: ignore[arg-type]
-            logprobs=logprobs,
-            text=item.get("text") if isinstance(item.get("text"), str) else None,
-            weight_versions=parse_spans(meta.get("weight_versions"), len(tokens)),
-        )
-        return completion, parse_version(meta.get("weight_version")), int(meta.get("prompt_tokens") or 0)
 
     async def _send_abort(self, ids: list[str]) -> None:
         for rid in ids:
@@ -440,14 +368,3 @@ class SGLangEngine(HTTPServerEngine):
             if r.status_code == 200:
                 return response_json(r).get("weight_version")
         raise failure
-
-
-def _labels(item: Mapping[str, Any]) -> list[object]:
-    """The weight-version labels an answer attributes its tokens to (as SGLang sent them)."""
-    meta = item.get("meta_info") or {}
-    return span_labels(meta.get("weight_versions")) or ([meta["weight_version"]] if "weight_version" in meta else [])
-
-
-def _cached_tokens(item: Mapping[str, Any]) -> int:
-    value = (item.get("meta_info") or {}).get("cached_tokens")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
