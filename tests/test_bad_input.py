@@ -24,6 +24,7 @@ from rollfleet.schemas import (
     VersionConstraint,
     encode,
 )
+from rollfleet.schemas.bell_wire import bell_payload
 from rollfleet.schemas.errors import InvalidRequest, UnsupportedSchema
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
 from rollfleet.trainer_client import RolloutClient, answers, requests
@@ -48,7 +49,7 @@ async def store_raw(client: RolloutClient, names: Names, data: bytes, headers: d
     the bell to the worker."""
     await ensure_job_consumer(client.js, names, "min", 0)
     await client.js.publish(names.job_subject("min", 0), data, headers=headers)
-    await client.nc.publish(names.bell_subject(worker_id), names.bell_payload("min", 0))
+    await client.nc.publish(names.bell_subject(worker_id), bell_payload("min", 0))
 
 
 CASES = {

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from rollfleet.broker.connection import logs_in
 from rollfleet.broker.topology import topology_step
-from rollfleet.schemas import Names, VersionConstraint
+from rollfleet.schemas import VersionConstraint
+from rollfleet.schemas.bell_wire import BELL_WAITED_HEADER, BELL_WAITED_MAX_S, bell_waited_headers, bell_waited_s
 from rollfleet.trainer_client.job_watch_rules import (
     ORPHAN_GRACE_S,
     STALL_BELLS_MAX,
@@ -197,10 +198,10 @@ def test_a_stalled_bell_says_the_wait_of_the_oldest_job_still_queued_not_of_one_
 
 
 def test_a_bells_wait_crosses_the_wire_as_a_header_old_workers_ignore() -> None:
-    headers = Names.bell_waited_headers(6.25)
-    assert headers == {Names.BELL_WAITED_HEADER: "6250"}
-    assert Names.bell_waited_s(headers) == 6.25
-    assert Names.bell_waited_headers(0.0) is None  # (a fresh job's bell carries nothing)
-    for bad in (None, {}, {Names.BELL_WAITED_HEADER: "x"}, {Names.BELL_WAITED_HEADER: "-5"}):
-        assert Names.bell_waited_s(bad) == 0.0
-    assert Names.bell_waited_s({Names.BELL_WAITED_HEADER: str(10**12)}) == Names.BELL_WAITED_MAX_S
+    headers = bell_waited_headers(6.25)
+    assert headers == {BELL_WAITED_HEADER: "6250"}
+    assert bell_waited_s(headers) == 6.25
+    assert bell_waited_headers(0.0) is None  # (a fresh job's bell carries nothing)
+    for bad in (None, {}, {BELL_WAITED_HEADER: "x"}, {BELL_WAITED_HEADER: "-5"}):
+        assert bell_waited_s(bad) == 0.0
+    assert bell_waited_s({BELL_WAITED_HEADER: str(10**12)}) == BELL_WAITED_MAX_S

@@ -33,6 +33,7 @@ from rollfleet.broker.types import NATS, JetStreamContext, Msg
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, ReplicaStatus, SessionRecord, VersionRecord, decode
+from rollfleet.schemas.bell_wire import parse_bell_payload
 from rollfleet.schemas.errors import InvalidRequest, PolicyError, RollfleetError
 from rollfleet.trainer_client.fleet import FleetView
 
@@ -149,7 +150,7 @@ class SignalReader:
             self._pins.pop(entry.key, None)
 
     async def _on_refused(self, msg: Msg) -> None:
-        parsed = Names.parse_bell_payload(msg.data)
+        parsed = parse_bell_payload(msg.data)
         if parsed is not None:
             (kind, version), _ = parsed
             self._refusals.append((time.monotonic(), kind, version))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
@@ -172,39 +171,6 @@ class Names:
         versions are asked for that no replica serves. Nobody stores it."""
         return f"{self._root}.demand.refused"
 
-    @staticmethod
-    def bell_payload(kind: ConstraintKind, version: int, *, stalled: bool = False) -> bytes:
-        """``stalled``: the client saw jobs there and no pull request waiting for them."""
-        return f"{kind}.{int(version)}{'.stalled' if stalled else ''}".encode()
-
-    # How long the oldest job a stalled bell rings for has waited, in ms by its client's clock: a
-    # header, so a worker that does not read it still takes the bell.
-    BELL_WAITED_HEADER = "Rollfleet-Waited-Ms"
-    BELL_WAITED_MAX_S = 86_400.0
-
-    @staticmethod
-    def bell_waited_headers(waited_s: float) -> dict[str, str] | None:
-        """The headers of a bell for jobs that have waited ``waited_s`` (None: no wait to say)."""
-        ms = int(waited_s * 1000)
-        return {Names.BELL_WAITED_HEADER: str(ms)} if ms > 0 else None
-
-    @staticmethod
-    def bell_waited_s(headers: Mapping[str, str] | None) -> float:
-        """A bell's ``BELL_WAITED_HEADER`` in seconds: 0 when absent or not a whole number of ms,
-        at most ``BELL_WAITED_MAX_S`` (anyone may ring: a wait is a hint, bounded)."""
-        raw = (headers or {}).get(Names.BELL_WAITED_HEADER, "")
-        if not (raw.isascii() and raw.isdigit()):
-            return 0.0
-        return min(int(raw) / 1000, Names.BELL_WAITED_MAX_S)
-
-    @staticmethod
-    def parse_bell_payload(data: bytes) -> tuple[tuple[ConstraintKind, int], bool] | None:
-        """``((kind, version), stalled)`` of a bell; None for anything else."""
-        text = data.decode(errors="replace")
-        stalled = text.endswith(".stalled")
-        subject = _parse_constraint("", text.removesuffix(".stalled"))
-        return None if subject is None else (subject, stalled)
-
     # -- sessions: a replica's own jobs subject, session records --------------------------------
     def replica_job_subject(self, worker_id: str) -> str:
         """Jobs for one replica only (a session's next turn where its context is cached); in the
@@ -224,19 +190,6 @@ class Names:
 
     REPLICA_BELL = b"replica"  # a bell saying: a job waits on your own subject
     PROBE_BELL = b"ping"  # a bell saying nothing: sent with a reply subject, no responders = gone
-
-    @staticmethod
-    def end_session_payload(session_id: str) -> bytes:
-        """A bell saying: drop this session's cached context (the session ended)."""
-        return f"end.{check_token(session_id, 'session_id')}".encode()
-
-    @staticmethod
-    def parse_end_session(data: bytes) -> str | None:
-        text = data.decode(errors="replace")
-        if not text.startswith("end."):
-            return None
-        session_id = text[4:]
-        return session_id if _TOKEN.match(session_id) else None
 
     @property
     def sessions_bucket(self) -> str:

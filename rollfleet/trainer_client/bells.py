@@ -14,6 +14,7 @@ from rollfleet.broker.errors import no_responders
 from rollfleet.broker.types import NATS, Msg
 from rollfleet.runtime.logs import get_logger
 from rollfleet.schemas import Names, VersionConstraint
+from rollfleet.schemas.bell_wire import bell_payload, bell_waited_headers, parse_bell_payload
 from rollfleet.trainer_client.fleet import FleetView
 
 log = get_logger("rollfleet.client")
@@ -57,9 +58,9 @@ class Bells:
             return  # nobody serves it yet; a replica activating the version pulls it then
         self._rung[key] = now
         log.debug("bell rung", kind=constraint.kind, version=constraint.version, stalled=stalled, to=target.worker_id)
-        data = self._names.bell_payload(constraint.kind, constraint.version, stalled=stalled)
+        data = bell_payload(constraint.kind, constraint.version, stalled=stalled)
         reply = f"{self.inbox}.{constraint.kind}.{constraint.version}{'.stalled' if stalled else ''}"
-        headers = Names.bell_waited_headers(waited_s)
+        headers = bell_waited_headers(waited_s)
         self._spawn(self._nc.publish(self._names.bell_subject(target.worker_id), data, reply=reply, headers=headers))
 
     def ring_replica(self, worker_id: str) -> None:
@@ -74,7 +75,7 @@ class Bells:
         if not no_responders(headers):
             return
         self._fleet.mark_gone(headers.get("Nats-Subject", "").rpartition(".")[2])
-        parsed = self._names.parse_bell_payload(msg.subject[len(self.inbox) + 1 :].encode())
+        parsed = parse_bell_payload(msg.subject[len(self.inbox) + 1 :].encode())
         if parsed is not None:
             (kind, version), _ = parsed
             self.ring(VersionConstraint(kind, version), stalled=True)

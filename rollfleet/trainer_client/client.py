@@ -35,6 +35,7 @@ from rollfleet.schemas import (
     check_token,
 )
 from rollfleet.schemas.asked import AskedConstraint
+from rollfleet.schemas.bell_wire import end_session_payload
 from rollfleet.schemas.errors import ServiceUnavailable
 from rollfleet.schemas.progress import TokenChunk
 from rollfleet.schemas.replay_rules import ReplayOutcome
@@ -351,7 +352,7 @@ class RolloutClient:
         return await self.submitter.submit_turn(payload, constraint, **turn)
 
     async def end_session(self, replica: str, session_id: str) -> None:
-        await self.nc.publish(self.names.bell_subject(replica), self.names.end_session_payload(session_id))
+        await self.nc.publish(self.names.bell_subject(replica), end_session_payload(session_id))
 
     def session(
         self,

@@ -15,6 +15,7 @@ from contextlib import suppress
 
 from rollfleet.broker.types import NATS
 from rollfleet.schemas import Names, VersionConstraint
+from rollfleet.schemas.bell_wire import bell_payload
 
 NOTE_GAP_S = 1.0
 
@@ -34,4 +35,4 @@ class RefusalNotes:
             for key, _ in sorted(self._last.items(), key=lambda kv: kv[1])[:512]:
                 del self._last[key]
         with suppress(Exception):  # (a note lost with a broker away: the next refusal says it again)
-            await self._nc.publish(self._subject, Names.bell_payload(constraint.kind, constraint.version))
+            await self._nc.publish(self._subject, bell_payload(constraint.kind, constraint.version))

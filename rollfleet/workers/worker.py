@@ -38,6 +38,7 @@ from rollfleet.schemas import (
     VersionPublished,
     decode,
 )
+from rollfleet.schemas.bell_wire import bell_waited_s, parse_bell_payload, parse_end_session
 from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.schemas.names import check_token
 from rollfleet.workers.engines import Engine
@@ -455,15 +456,15 @@ class Worker:
         if msg.data == Names.REPLICA_BELL:  # a session's turn waits on this replica's own subject
             self.pulling.own_pending()
             return
-        ended = Names.parse_end_session(msg.data)
+        ended = parse_end_session(msg.data)
         if ended is not None:
             self._spawn(self.engine.end_session(ended))
             return
-        parsed = self.names.parse_bell_payload(msg.data)
+        parsed = parse_bell_payload(msg.data)
         if parsed is None:
             return  # (a client's liveness probe, or noise)
         subject, stalled = parsed
-        self.pulling.bell(subject, stalled, waited_s=Names.bell_waited_s(msg.headers))
+        self.pulling.bell(subject, stalled, waited_s=bell_waited_s(msg.headers))
 
     async def _on_declared(self, _: Msg) -> None:
         if self.pulling is not None:
