@@ -46,7 +46,8 @@ from rollfleet.workers.job_runner import JobRunner
 from rollfleet.workers.registry import Registration
 from rollfleet.workers.scheduler import SubjectScheduler
 from rollfleet.workers.served_version import ServedVersion
-from rollfleet.workers.version_sync import VersionSync, announce_start
+from rollfleet.workers.version_sync import VersionSync
+from rollfleet.workers.weight_swap import announce_start
 from rollfleet.workers.worker_metrics import WorkerMetrics
 from rollfleet.workers.worker_settings import worker_default
 
@@ -251,7 +252,7 @@ class Worker:
             self.served.version = caught_up.version
             await self.engine.start(self.sync.local_dir if cfg.store_dir is not None else None, self.served.version)
             if cfg.verify_live:
-                await announce_start(self.sync, self.served.version)
+                await announce_start(self.js, self.names, self.engine, cfg.worker_id, self.served.version)
         else:
             await self.engine.start(cfg.model_dir, self.served.version)
 
