@@ -149,6 +149,13 @@ class WorkerMetrics:
         self.activations.inc()
         self.drain.observe(activation.drain_s)
 
+    def observe_turn(self, cached_tokens: int, cache_rebuilt: bool) -> None:
+        """A session's turn answered: the prefix it reused, and whether its cache was rebuilt."""
+        self.session_turns.inc()
+        self.prefix_tokens_reused.inc(cached_tokens)
+        if cache_rebuilt:
+            self.session_rebuilds.inc()
+
     def _count_outcome(self, outcome: str) -> None:
         child = self._job_children.get(outcome)
         if child is None:  # one labelled child per outcome, looked up once
