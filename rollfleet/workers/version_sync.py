@@ -62,14 +62,15 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from rollfleet.broker.kv import read_latest
-from rollfleet.broker.types import JetStreamContext, KeyValue
+from rollfleet.broker.types import JetStreamContext, KeyValue, Msg
 from rollfleet.policy_store import MaterializeResult
 from rollfleet.policy_store.bucket import Bucket
 from rollfleet.policy_store.digest import content_digest
 from rollfleet.policy_store.remote import open_store, store_label
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.runtime.logs import get_logger
-from rollfleet.schemas import Names, VersionActivated
+from rollfleet.schemas import Names, VersionActivated, VersionPublished, decode
+from rollfleet.schemas.errors import InvalidRequest
 from rollfleet.workers.committed_versions import older_committed
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.registry import Registration
@@ -276,6 +277,15 @@ class VersionSync:
         elif self._announced is None or version > self._announced:
             self._announced = version
         self._wake.set()
+
+    async def on_published(self, msg: Msg) -> None:
+        """A ``versions.published`` announcement."""
+        try:
+            announced = decode(msg.data, VersionPublished, what="version announcement")
+        except InvalidRequest:
+            self.notice(None)  # unreadable: read the version from the policy KV instead
+            return
+        self.notice(announced.record.version)
 
     async def _resync(self) -> None:
         """A periodic re-read of ``latest``: the guard against a missed announcement."""
