@@ -100,8 +100,7 @@ class Worker:
 
     async def _connect(self) -> None:
         """Connect to the broker and wait until the namespace is declared."""
-        self.nc = await parts.connection(self.config, self.names, on_reconnect=self._on_reconnect)
-        self.js = self.nc.jetstream()
+        self.nc, self.js = await parts.connection(self.config, self.names, on_reconnect=self._on_reconnect)
 
     async def _open_job_runner(self) -> None:
         """The ``JobRunner`` that runs each pulled job (it needs the claims bucket)."""

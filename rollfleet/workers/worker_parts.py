@@ -25,8 +25,11 @@ from rollfleet.workers.worker_metrics import WorkerMetrics
 from rollfleet.workers.worker_status import held_version, starting_status
 
 
-async def connection(cfg: WorkerConfig, names: Names, *, on_reconnect: Callable[[], None]) -> NATS:
-    """The replica's connection to the broker, once its namespace is declared."""
+async def connection(
+    cfg: WorkerConfig, names: Names, *, on_reconnect: Callable[[], None]
+) -> tuple[NATS, JetStreamContext]:
+    """The replica's connection to the broker and its JetStream context, once its namespace is
+    declared."""
     nc = await connect(
         cfg.nats_url,
         name=f"rollfleet-worker-{cfg.worker_id}",
@@ -40,7 +43,7 @@ async def connection(cfg: WorkerConfig, names: Names, *, on_reconnect: Callable[
     # broker read of the start below, should the broker stall meanwhile)
     bare_after_s = WORKER_DECLARE_BARE_AFTER_S if logs_in(cfg.nats_url, cfg.connect_options) else 0.0
     await until_ready(lambda: wait_for_topology(js, names, cfg.topology, bare_after_s=bare_after_s), what="namespace")
-    return nc
+    return nc, js
 
 
 def job_runner(
