@@ -103,13 +103,9 @@ class JobRunner:
         checkpoint_tokens: int = 64,
         checkpoint_s: float = 2.0,
     ) -> None:
-        self._js = js
-        self._names = names
-        self._engine = engine
-        self._worker_id = worker_id
+        self._js, self._names, self._engine, self._worker_id = js, names, engine, worker_id
         self._own_subject = names.replica_job_subject(worker_id)  # sessions' turns for this replica
-        self._limits = limits
-        self._ack_wait_s = ack_wait_s
+        self._limits, self._ack_wait_s = limits, ack_wait_s
         self._chunk_bytes = max(1024, max_message_bytes - _HEADROOM)
         self._metrics = metrics
         self._log = log

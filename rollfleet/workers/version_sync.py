@@ -145,8 +145,7 @@ class VersionSync:
             stopping=lambda: self._stopping,
             log=self.log,
         )
-        self._resync_s = resync_s
-        self.hold_version = hold_version
+        self._resync_s, self.hold_version = resync_s, hold_version
         self._kv: KeyValue | None = None
         self._announced: int | None = None  # the newest version announced since the last read
         self._reread = True  # read `latest` at the next wake (start, resync, reconnect)
