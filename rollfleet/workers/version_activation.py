@@ -93,7 +93,7 @@ class VersionActivation:
         t_more = time.perf_counter()
         newer = await self._newer_after_drain(result, log)
         if newer is None:
-            self._served.activating = None  # degraded (said by _prepare); keep serving `previous`
+            self._served.activating = None  # degraded (said by the preparer); keep serving `previous`
             return None
         if newer is not result:
             result = newer
