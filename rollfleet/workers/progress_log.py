@@ -15,7 +15,8 @@ damaged) is not the job's: it is ignored, and it cannot fence this run off eithe
 refused for the subject's sequence looks at what came in between, and goes on if nothing there
 is the job's). A sealed record that does not continue the output where it stands, tokens over
 ``max_tokens`` or at a version outside the job's constraint make the run start again from the
-first token (``reason`` logged and stored).
+first token (``reason`` logged and stored). What a checkpoint stores, and which stored versions
+a run may continue from, are ``checkpoint_records``'s pure rules.
 """
 
 from __future__ import annotations
@@ -39,14 +40,13 @@ from rollfleet.schemas.progress import (
     ProgressRecord,
     Replay,
     ResumeRecord,
-    SampleDelta,
     SampleSoFar,
     TokensRecord,
     append_spans,
     record_mac,
     sealed,
-    spans_between,
 )
+from rollfleet.workers.checkpoint_records import check_versions, new_deltas
 from rollfleet.workers.engines.base import TokenSink
 from rollfleet.workers.worker_metrics import WorkerMetrics
 
@@ -177,20 +177,12 @@ class ProgressLog(TokenSink):
                     raise record
                 replay.apply(record)
                 if isinstance(record, TokensRecord):
-                    self._check_versions(record)
+                    check_versions(record, self.job.constraint)
             except CorruptCheckpoint as exc:
                 reason = exc.message
         if reason is None and replay.done:
             reason = "a done record: the job was answered already"
         return replay, reason, read
-
-    def _check_versions(self, record: TokensRecord) -> None:
-        for delta in record.samples:
-            for span in delta.spans:
-                if not self.job.constraint.allows(span.version):
-                    raise CorruptCheckpoint(
-                        f"stored tokens at version {span.version}, outside the job's constraint {self.job.constraint}"
-                    )
 
     # -- this run's tokens (TokenSink) ------------------------------------------------------------
 
@@ -254,26 +246,9 @@ class ProgressLog(TokenSink):
             while True:
                 if self.superseded:
                     raise Superseded("another run took this job over")
-                deltas, upto, room = [], [], tokens
-                for i, s in enumerate(self.samples):
-                    start, have = self.stored[i], len(s.token_ids)
-                    end = min(have, start + room)
-                    finish = s.finish if end == have else None
-                    if end == start and (finish is None or self._finish_stored[i]):
-                        continue
-                    room -= end - start
-                    deltas.append(
-                        SampleDelta(
-                            index=i,
-                            start=start,
-                            token_ids=s.token_ids[start:end],
-                            logprobs=s.logprobs[start:end] if self._want_logprobs else None,
-                            spans=spans_between(s.spans, start, end),
-                            finish=finish,
-                            restarts=[r for r in s.restarts if start <= r < end],
-                        )
-                    )
-                    upto.append((i, end, finish is not None))
+                deltas, upto = new_deltas(
+                    self.samples, self.stored, self._finish_stored, tokens, logprobs=self._want_logprobs
+                )
                 if not deltas:
                     return wrote
                 record = TokensRecord(run=self._run, samples=deltas)
@@ -394,4 +369,3 @@ class _OneSample(TokenSink):
 
     def finished(self, index: int, reason: str) -> None:
         self._log.finished(self._index, reason)
-

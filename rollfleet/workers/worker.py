@@ -6,92 +6,43 @@ decides where its pull requests wait and what it fetches; ``scheduler`` orders t
 Each pulled job runs as its own task in ``jobs.JobRunner``. SIGTERM drains: no new pulls,
 running jobs finish, the registry entry is removed. The engine's health is watched locally: a
 dead or hung engine makes the replica ``down`` (taking no jobs) until it is back.
+
+Its settings are ``worker_config.WorkerConfig``'s; its parts are built from them in
+``worker_parts``; the jobs it runs now are ``jobs_in_flight``'s, the engine's health
+``engine_watch``'s, the core subjects that steer it ``control_subjects``'s, its registry entry's
+contents ``worker_status``'s and its progress lines ``progress_report``'s. This module is the
+order in which they start and stop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import time
-import uuid
 from contextlib import suppress
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from rollfleet.broker.connection import connect, logs_in
 from rollfleet.broker.startup import until_ready
-from rollfleet.broker.topology import (
-    DEFAULT_TOPOLOGY,
-    WORKER_DECLARE_BARE_AFTER_S,
-    TopologyConfig,
-    wait_for_topology,
-)
-from rollfleet.broker.types import NATS, JetStreamContext, Msg
+from rollfleet.broker.types import NATS, JetStreamContext
 from rollfleet.runtime.aio import cancel_until_done, stop_tasks
 from rollfleet.runtime.logs import get_logger
-from rollfleet.schemas import (
-    DEFAULT_LIMITS,
-    Limits,
-    Names,
-    ReplicaStatus,
-    VersionPublished,
-    decode,
-)
-from rollfleet.schemas.bell_wire import bell_waited_s, parse_bell_payload, parse_end_session
-from rollfleet.schemas.errors import InvalidRequest
+from rollfleet.schemas import Names, ReplicaStatus
 from rollfleet.schemas.names import check_token
+from rollfleet.workers import worker_parts as parts
+from rollfleet.workers.control_subjects import ControlSubjects
+from rollfleet.workers.engine_watch import EngineWatch
 from rollfleet.workers.engines import Engine
 from rollfleet.workers.job_puller import JobPuller
 from rollfleet.workers.job_runner import JobRunner
+from rollfleet.workers.jobs_in_flight import JobsInFlight
+from rollfleet.workers.progress_report import Progress, report_progress
 from rollfleet.workers.registry import Registration
 from rollfleet.workers.scheduler import SubjectScheduler
 from rollfleet.workers.served_version import ServedVersion
-from rollfleet.workers.version_sync import VersionSync, announce_start
+from rollfleet.workers.version_sync import VersionSync
+from rollfleet.workers.weight_swap import announce_start
+from rollfleet.workers.worker_config import WorkerConfig
 from rollfleet.workers.worker_metrics import WorkerMetrics
-from rollfleet.workers.worker_settings import worker_default
-
-
-@dataclass
-class WorkerConfig:
-    nats_url: str
-    namespace: str
-    worker_id: str = field(default_factory=lambda: f"w-{uuid.uuid4().hex[:8]}")
-    version: int = 0
-    # Every default below that is a number or a switch comes from the one table of worker settings
-    # (``worker_settings.py``: what each means, its ``rollfleet worker`` flag), written nowhere else.
-    capacity: int = worker_default("capacity")
-    heartbeat_s: float = worker_default("heartbeat_s")
-    aging_s: float = worker_default("aging_s")
-    wait_pull_s: float = worker_default("wait_pull_s")
-    hot_s: float = worker_default("hot_s")
-    max_waiting_pulls: int = worker_default("max_waiting_pulls")
-    rebalance_s: float = worker_default("rebalance_s")
-    standby_s: float = worker_default("standby_s")
-    progress_s: float = worker_default("progress_s")
-    health_s: float = worker_default("health_s")
-    drain_timeout_s: float = worker_default("drain_timeout_s")
-    exact_drain_s: float = worker_default("exact_drain_s")
-    # Weights: follow published versions from a store (store_dir + local_dir), or serve a
-    # fixed checkpoint (model_dir) at ``version``. Neither: a model-free engine such as echo,
-    # which follows committed versions only with ``follow_versions``.
-    store_dir: Path | str | None = None  # a directory or an object store URL (s3://, gs://, az://)
-    store_endpoint: str | None = None  # an S3-compatible endpoint for an s3:// store
-    local_dir: Path | None = None
-    model_dir: Path | None = None
-    follow_versions: bool = worker_default("follow_versions")
-    catch_up_wait_s: float = worker_default("catch_up_wait_s")
-    resync_s: float = worker_default("resync_s")
-    pre_read_hook: str | None = None
-    prepare_timeout_s: float = worker_default("prepare_timeout_s")
-    verify_live: bool = worker_default("verify_live")
-    checkpoint_tokens: int = worker_default("checkpoint_tokens")
-    checkpoint_s: float = worker_default("checkpoint_s")
-    hold_version: int | None = None  # serve this version of the store and no other (see VersionSync)
-    metrics_port: int | None = None  # Prometheus endpoint; 0 picks a free port
-    limits: Limits = DEFAULT_LIMITS
-    topology: TopologyConfig = DEFAULT_TOPOLOGY
-    connect_options: dict[str, Any] = field(default_factory=dict)
+from rollfleet.workers.worker_status import refresh
 
 
 class Worker:
@@ -109,13 +60,28 @@ class Worker:
         self.sync: VersionSync | None = None
         self.pulling: JobPuller | None = None  # which jobs to pull, and pulling them (job_puller.py)
         self._keepalive_task: asyncio.Task[None] | None = None
-        self._inflight: set[asyncio.Task[None]] = set()
+        self._inflight = JobsInFlight(
+            config.capacity,
+            handle=lambda msg, info: self._runner.handle(msg, info),
+            registration=lambda: self.registration,
+            on_done=self._wake_puller,
+        )
         self._stopping = asyncio.Event()
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
         self.metrics = WorkerMetrics(config.worker_id, engine.name)
         self.jobs: JobRunner | None = None
+        self.health = EngineWatch(
+            engine,
+            self.served,
+            self.metrics,
+            self.log,
+            health_s=config.health_s,
+            registration=lambda: self.registration,
+            served_changed=self._served_changed,
+            spawn=self._spawn,
+        )
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -134,85 +100,44 @@ class Worker:
 
     async def _connect(self) -> None:
         """Connect to the broker and wait until the namespace is declared."""
-        cfg = self.config
-        self.nc = await connect(
-            cfg.nats_url,
-            name=f"rollfleet-worker-{cfg.worker_id}",
-            reconnect_hooks=[self._on_reconnect],
-            inbox_prefix=self.names.inbox_prefix("worker", cfg.worker_id),  # its deliveries are its own
-            **cfg.connect_options,
-        )
-        self.js = self.nc.jetstream()
-        # (a trainer declares the namespace: a worker started while it is missing waits for it, and
-        # one started while the broker is not ready, a cluster electing, tries again; so does each
-        # broker read of the start below, should the broker stall meanwhile)
-        bare_after_s = WORKER_DECLARE_BARE_AFTER_S if logs_in(cfg.nats_url, cfg.connect_options) else 0.0
-        await until_ready(
-            lambda: wait_for_topology(self.js, self.names, cfg.topology, bare_after_s=bare_after_s), what="namespace"
-        )
+        self.nc, self.js = await parts.connection(self.config, self.names, on_reconnect=self._on_reconnect)
 
     async def _open_job_runner(self) -> None:
         """The ``JobRunner`` that runs each pulled job (it needs the claims bucket)."""
         cfg = self.config
-        self.jobs = JobRunner(
+        self.jobs = parts.job_runner(
+            cfg,
             self.js,
             self.names,
             self.engine,
-            worker_id=cfg.worker_id,
-            limits=cfg.limits,
-            ack_wait_s=cfg.topology.ack_wait_s,
+            self.served,
+            claims=await until_ready(lambda: self.js.key_value(self.names.claims_bucket), what="claims", typed=False),
+            max_payload=self.nc.max_payload,
             metrics=self.metrics,
             log=self.log,
-            served=self.served,
-            claims=await until_ready(lambda: self.js.key_value(self.names.claims_bucket), what="claims", typed=False),
             on_engine_down=self.engine_down,
-            max_message_bytes=min(self.nc.max_payload, cfg.topology.max_msg_bytes),
-            checkpoint_tokens=cfg.checkpoint_tokens,
-            checkpoint_s=cfg.checkpoint_s,
         )
 
     def _open_puller(self) -> None:
         """The ``JobPuller`` that decides which jobs to pull and pulls them (not started yet)."""
         cfg = self.config
-        self.pulling = JobPuller(
+        self.pulling = parts.job_puller(
+            cfg,
             self.nc,
             self.js,
             self.names,
             self.served,
             self.scheduler,
-            worker_id=cfg.worker_id,
-            capacity=cfg.capacity,
-            wait_pull_s=cfg.wait_pull_s,
-            hot_s=cfg.hot_s,
-            max_waiting_pulls=cfg.max_waiting_pulls,
-            rebalance_s=cfg.rebalance_s,
-            standby_s=cfg.standby_s,
             log=self.log,
             in_flight=lambda: len(self._inflight),
-            run_job=self._run_job,
+            run_job=self._inflight.run,
             stopping=self._stopping,
         )
 
     async def _register_starting(self) -> None:
         """The registry entry, ``starting`` (the metrics endpoint served first, so it names it)."""
         cfg = self.config
-        now = time.time()
-        status = ReplicaStatus(
-            worker_id=cfg.worker_id,
-            state="starting",
-            active_version=self.version,
-            engine=self.engine.name,
-            capacity=cfg.capacity,
-            in_flight=0,
-            heartbeat_at=now,
-            heartbeat_interval_s=cfg.heartbeat_s,
-            started_at=now,
-            held_version=cfg.hold_version
-            if cfg.hold_version is not None
-            else None
-            if cfg.store_dir is not None or cfg.follow_versions
-            else cfg.version,
-        )
+        status = parts.first_status(cfg, self.engine, self.version)
         if cfg.metrics_port is not None:
             port = self.metrics.serve(cfg.metrics_port)
             status.metrics_url = f"http://{os.uname().nodename}:{port}/metrics"
@@ -225,26 +150,17 @@ class Worker:
         cfg = self.config
         if cfg.store_dir is not None or cfg.follow_versions:
             # A new or restarted replica catches up before it registers as ready.
-            self.sync = VersionSync(
+            self.sync = parts.version_sync(
+                cfg,
                 self.js,
                 self.names,
                 self.engine,
                 self.served,
-                cfg.store_dir,
-                cfg.local_dir or Path(f".rollfleet/replicas/{cfg.worker_id}"),
-                worker_id=cfg.worker_id,
                 on_activated=self._activated,
-                drain_exact=self.jobs.drain_exact,
-                exact_drain_s=cfg.exact_drain_s,
-                resync_s=cfg.resync_s,
-                pre_read_hook=cfg.pre_read_hook,
+                drain_exact=self._runner.drain_exact,
                 metrics=self.metrics,
-                verify_live=cfg.verify_live,
-                prepare_timeout_s=cfg.prepare_timeout_s,
-                hold_version=cfg.hold_version,
-                store_endpoint=cfg.store_endpoint,
             )
-            await self.nc.subscribe(self.names.versions_published, cb=self._on_published)
+            await self.nc.subscribe(self.names.versions_published, cb=self.sync.on_published)
             sync = self.sync
             caught_up = await until_ready(
                 lambda: sync.catch_up(cfg.catch_up_wait_s, self.registration), what="policy", typed=False
@@ -252,17 +168,22 @@ class Worker:
             self.served.version = caught_up.version
             await self.engine.start(self.sync.local_dir if cfg.store_dir is not None else None, self.served.version)
             if cfg.verify_live:
-                await announce_start(self.sync, self.served.version)
+                await announce_start(self.js, self.names, self.engine, cfg.worker_id, self.served.version)
         else:
             await self.engine.start(cfg.model_dir, self.served.version)
 
     async def _subscribe_control(self) -> None:
         """The core subjects that steer this replica: its bell, cancels, consumers declared, leader moves."""
-        cfg = self.config
-        await self.nc.subscribe(self.names.bell_subject(cfg.worker_id), cb=self._on_bell)
-        await self.nc.subscribe(self.names.cancel_subject(), cb=self._on_cancel)
-        await self.nc.subscribe(self.names.consumers_declared, cb=self._on_declared)
-        await self.nc.subscribe(self.names.consumer_leader_advisory(self.names.jobs_stream), cb=self._on_leader)
+        assert self.pulling is not None and self.nc is not None
+        control = ControlSubjects(
+            self.names,
+            self.config.worker_id,
+            pulling=self.pulling,
+            jobs=self._runner,
+            engine=self.engine,
+            spawn=self._spawn,
+        )
+        await control.subscribe(self.nc)
 
     async def _register_ready(self) -> None:
         """The registry entry, ``ready`` (or ``degraded``, saying why), and version sync's loop started."""
@@ -284,8 +205,8 @@ class Worker:
         await self.pulling.scan_once()  # backlog stored before this replica existed
         self._tasks = [
             asyncio.create_task(self.pulling.run(), name="pull-loop"),
-            asyncio.create_task(self._report_progress(), name="progress"),
-            asyncio.create_task(self._watch_engine(), name="engine-health"),
+            asyncio.create_task(report_progress(self.log, cfg.progress_s, self._progress), name="progress"),
+            asyncio.create_task(self.health.watch(), name="engine-health"),
         ]
         self._keepalive_task = asyncio.create_task(self.jobs.keep_alive(), name="keep-alive")
         self.log.info("worker ready", version=self.version, engine=self.engine.name, capacity=cfg.capacity)
@@ -312,41 +233,8 @@ class Worker:
 
     # -- the engine's health ------------------------------------------------------------------
     def engine_down(self, detail: str) -> None:
-        """The engine is dead or hung: take no more jobs (the pull loop cancels every request),
-        say so in one line and in the registry (``down``, with the reason), until it is back."""
-        if self.served.down:
-            return
-        self.served.down = True
-        self.log.error("engine down; taking no jobs until it is back", engine=self.engine.name, reason=detail)
-        self.metrics.engine_down.set(1)
-        if self.registration is not None:
-            reason = f"engine {self.engine.name} down: {detail}"
-            self._spawn(self.registration.write(state="down", degraded_reason=reason))
-        self._served_changed()
-
-    async def _engine_up(self) -> None:
-        self.served.down = False
-        self.metrics.engine_down.set(0)
-        self.log.info("engine back; taking jobs again", engine=self.engine.name)
-        if self.registration is not None:
-            await self.registration.write(state="ready", degraded_reason=None)
-        self._served_changed()
-
-    async def _watch_engine(self) -> None:
-        """Check the engine's health every ``health_s`` (a local call: an HTTP engine asks its
-        server, the others look at themselves); a failed generation says so at once too."""
-        while True:
-            await asyncio.sleep(self.config.health_s)
-            try:
-                bound = max(self.engine.health_timeout_s + 1.0, 2 * self.config.health_s)
-                health = await asyncio.wait_for(self.engine.health(), bound)
-                ok, detail = health.ok, health.detail
-            except Exception as exc:  # a hung check is a hung engine
-                ok, detail = False, f"health check failed: {exc!r}"
-            if not ok:
-                self.engine_down(detail)
-            elif self.served.down:
-                await self._engine_up()
+        """The engine is dead or hung: the replica takes no jobs until it is back (``EngineWatch``)."""
+        self.health.down(detail)
 
     def _served_changed(self) -> None:
         if self.pulling is not None:
@@ -409,11 +297,7 @@ class Worker:
         # left unacked (an at_most_once job must not be bounced).
         if self.pulling is not None:
             await self.pulling.cancel_all()
-        deadline = time.monotonic() + self.config.drain_timeout_s
-        while self._inflight and time.monotonic() < deadline:
-            await asyncio.wait(list(self._inflight), timeout=0.1)
-        for task in list(self._inflight):  # past the drain time-out: redelivered elsewhere
-            task.cancel()
+        await self._inflight.drain(self.config.drain_timeout_s)
         if self._keepalive_task is not None:  # only now: draining jobs still need progress acks
             await stop_tasks([self._keepalive_task])
         await stop_tasks(list(self._background))
@@ -432,93 +316,29 @@ class Worker:
         self._stopped.set()
         self.log.info("stopped", jobs_done=self.jobs_done)
 
+    def _progress(self) -> Progress:
+        return Progress(self.version, self.jobs_done, len(self._inflight), self.outcomes)
+
     def _refresh_status(self, status: ReplicaStatus) -> None:
         self.metrics.in_flight.set(len(self._inflight))
         self.metrics.active_version.set(self.version)
-        status.in_flight = len(self._inflight)
-        status.jobs_done = self.jobs_done
-        if self.jobs is not None:
-            status.resumed = self.jobs.resumable.resumed
-            status.tokens_kept = self.jobs.resumable.tokens_kept
-            status.tokens_regenerated = self.jobs.resumable.tokens_regenerated
         stats = self.engine.session_cache_stats()
-        status.sessions = stats.entries if stats is not None else 0
+        resumable = self.jobs.resumable if self.jobs is not None else None
+        refresh(status, in_flight=len(self._inflight), jobs_done=self.jobs_done, resumable=resumable, sessions=stats)
         self.metrics.sessions.set(status.sessions)
         self.metrics.session_cache_bytes.set(stats.bytes if stats is not None else 0)
 
     # -- hearing about work -----------------------------------------------------------------
-    async def _on_cancel(self, msg: Msg) -> None:
-        """A trainer cancelled a job: if it runs here, it stops and is answered with what it made."""
-        self.jobs.cancel(msg.data.decode(errors="replace")[:64])
 
-    async def _on_bell(self, msg: Msg) -> None:
-        assert self.pulling is not None
-        if msg.data == Names.REPLICA_BELL:  # a session's turn waits on this replica's own subject
-            self.pulling.own_pending()
-            return
-        ended = parse_end_session(msg.data)
-        if ended is not None:
-            self._spawn(self.engine.end_session(ended))
-            return
-        parsed = parse_bell_payload(msg.data)
-        if parsed is None:
-            return  # (a client's liveness probe, or noise)
-        subject, stalled = parsed
-        self.pulling.bell(subject, stalled, waited_s=bell_waited_s(msg.headers))
-
-    async def _on_declared(self, _: Msg) -> None:
-        if self.pulling is not None:
-            self.pulling.declared()
-
-    async def _on_leader(self, msg: Msg) -> None:
-        if self.pulling is not None:
-            self.pulling.leader_changed(msg.subject.rpartition(".")[2])
-
-    async def _on_published(self, msg: Msg) -> None:
-        if self.sync is None:
-            return
-        try:
-            announced = decode(msg.data, VersionPublished, what="version announcement")
-        except InvalidRequest:
-            self.sync.notice(None)  # unreadable: read the version from the policy KV instead
-            return
-        self.sync.notice(announced.record.version)
-
-    def _run_job(self, msg: Msg, info: tuple[int, float, int] | None) -> None:
-        """A delivered job runs as its own task; its slot is free again when it ends."""
+    @property
+    def _runner(self) -> JobRunner:
         assert self.jobs is not None
-        task = asyncio.create_task(self.jobs.handle(msg, info))
-        self._inflight.add(task)
-        task.add_done_callback(self._job_done)
-        # Turned busy, or full: `status` shows it within a second, and clients ring the bells of
-        # replicas with a free slot first (``FleetView.bell_target``).
-        if len(self._inflight) in (1, self.config.capacity) and self.registration is not None:
-            self.registration.note_busy_changed()
+        return self.jobs
 
-    def _job_done(self, task: asyncio.Task[None]) -> None:
-        self._inflight.discard(task)
+    def _wake_puller(self) -> None:
+        """A job ended: its slot is free again."""
         if self.pulling is not None:
             self.pulling.wake()
-        if len(self._inflight) in (0, self.config.capacity - 1) and self.registration is not None:
-            self.registration.note_busy_changed()  # idle again, or a slot free again
-
-    async def _report_progress(self) -> None:
-        """An info line per interval for operators (per-job lines are at debug level)."""
-        last_done, last_t = self.jobs_done, time.monotonic()
-        while True:
-            await asyncio.sleep(self.config.progress_s)
-            now = time.monotonic()
-            done = self.jobs_done - last_done
-            if done or self._inflight:
-                self.log.info(
-                    "progress",
-                    version=self.version,
-                    jobs_done=self.jobs_done,
-                    jobs_per_s=round(done / (now - last_t), 2),
-                    in_flight=len(self._inflight),
-                    outcomes=self.outcomes,
-                )
-            last_done, last_t = self.jobs_done, now
 
 
 def default_worker_id() -> str:

@@ -9,6 +9,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.registry import Collector
 
+from rollfleet.schemas import VersionActivated
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _PAUSE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
@@ -137,6 +139,22 @@ class WorkerMetrics:
 
     def job(self, outcome: str) -> None:
         self._outcomes.observe(outcome)
+
+    def observe_activation(self, activation: VersionActivated) -> None:
+        """What one activation cost, as it was announced."""
+        self.prepare.observe(activation.prepare_s)
+        self.pause.observe(activation.pause_s)
+        self.wire_bytes.inc(activation.wire_bytes)
+        self.density.set(activation.density)
+        self.activations.inc()
+        self.drain.observe(activation.drain_s)
+
+    def observe_turn(self, cached_tokens: int, cache_rebuilt: bool) -> None:
+        """A session's turn answered: the prefix it reused, and whether its cache was rebuilt."""
+        self.session_turns.inc()
+        self.prefix_tokens_reused.inc(cached_tokens)
+        if cache_rebuilt:
+            self.session_rebuilds.inc()
 
     def _count_outcome(self, outcome: str) -> None:
         child = self._job_children.get(outcome)

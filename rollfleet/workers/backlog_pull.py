@@ -1,0 +1,83 @@
+"""Pulling known backlog: subjects the scheduler knows hold jobs (a delivery said more waits
+behind it, a bell, a scan of the queue depths), best subject first, into the free slots.
+
+A subject whose waiting request takes what is queued at once is served by it; one with no
+request open is fetched at once (``no_wait``). A subject whose waiting request got nothing for
+``rebalance_s`` has no backlog left (others took it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from rollfleet.runtime.logs import debug_enabled
+from rollfleet.workers.pull_placement import QuietClock
+from rollfleet.workers.scheduler import SubjectScheduler
+from rollfleet.workers.served_version import ServedVersion, Subject
+from rollfleet.workers.subject_pullers import SubjectPullers
+
+
+class BacklogPull:
+    def __init__(
+        self,
+        subjects: SubjectPullers,
+        scheduler: SubjectScheduler,
+        served: ServedVersion,
+        quiet: QuietClock,
+        *,
+        wait_pull_s: float,
+        free: Callable[[], int],
+        stopping: asyncio.Event,
+        log: Any,
+    ) -> None:
+        self._subjects = subjects
+        self._scheduler = scheduler
+        self._served = served
+        self._quiet = quiet
+        self._wait_pull_s = wait_pull_s
+        self._free = free  # slots neither running a job nor promised to an open request
+        self._stopping = stopping
+        self._log = log
+        self._debug = debug_enabled(log)
+
+    def forget_drained(self, now: float) -> None:
+        """A subject known to have backlog whose waiting request got nothing for rebalance_s has
+        none left (others took it): stop treating it as backlog."""
+        for subject in self._scheduler.order(now):
+            puller = self._subjects.by_subject.get(subject)
+            if puller is not None and puller.waiting and self._quiet.quiet(puller, now):
+                self._scheduler.note_empty(subject)
+
+    async def pull(self, free: int, now: float, listen: list[Subject]) -> int:
+        """Pull known backlog, best subject first; returns the slots still free."""
+        for subject in self._scheduler.order(now):
+            if free <= 0 or self._stopping.is_set():
+                break
+            if not self._served.accepts(subject):
+                continue
+            puller = await self._subjects.bound(subject)
+            if puller is None:  # no job was ever submitted there
+                self._scheduler.note_empty(subject)
+                continue
+            if puller.waiting or (subject in listen and not puller.busy):
+                # A waiting request takes what is queued at once, and what comes next; deliveries
+                # say when the queue is empty again (num_pending 0).
+                await puller.request(free, wait_s=self._wait_pull_s)
+                self._scheduler.note_served(subject, now)
+            elif not puller.busy:
+                asked = time.monotonic()
+                fetched = await puller.fetch_now(free)
+                if self._debug:
+                    self._log.debug("backlog fetched", subject=str(subject), fetched=fetched, missing=puller.missing)
+                if fetched:
+                    self._scheduler.note_served(subject, asked)
+                elif not puller.missing:  # (a missing consumer is looked up on the next pass)
+                    self._scheduler.note_empty(subject)
+            else:
+                if self._debug:
+                    self._log.debug("backlog left to a busy request", subject=str(subject))
+            free = self._free()
+        return free
