@@ -361,11 +361,5 @@ class _OneSample(TokenSink):
     def token(self, index: int, token: int, logprob: float | None, version: int) -> None:
         self._log.token(self._index, token, logprob, version)
 
-    def restart(self, index: int) -> None:
-        """A request of its own makes sample ``index``'s next tokens, its stream seeded anew."""
-        sample = self.samples[index]
-        if not sample.restarts or sample.restarts[-1] != len(sample.token_ids):
-            sample.restarts.append(len(sample.token_ids))
-
     def finished(self, index: int, reason: str) -> None:
         self._log.finished(self._index, reason)
