@@ -11,13 +11,35 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from rollfleet.runtime.logs import debug_enabled
 from rollfleet.workers.pull_placement import QuietClock
 from rollfleet.workers.scheduler import SubjectScheduler
 from rollfleet.workers.served_version import ServedVersion, Subject
 from rollfleet.workers.subject_pullers import SubjectPullers
+
+# How long the pull loop waits for a ``no_wait`` request's answer before it goes on to the next
+# subject. A live broker answers one at once (its messages, or 404); one unanswered for this long
+# was delayed or lost, and every other subject's backlog waited behind it while the loop waited
+# its whole 5 s (campaign seed 747605: a replica just thawed from SIGSTOP sat 5 s with free
+# slots, its first fetch unanswered, while a job it could serve expired). The request stays
+# open: what it delivers later is run, and its end frees it as any request's does.
+NO_WAIT_ANSWER_S = 0.5
+
+FetchTold = Literal["served", "empty", "unknown", "unanswered"]
+
+
+def fetch_told(fetched: int, *, answered: bool, missing: bool) -> FetchTold:
+    """What a ``no_wait`` fetch says of its subject's backlog: ``served`` (it delivered),
+    ``empty`` (answered with nothing), ``unknown`` (the consumer was missing: looked up on the
+    next pass) or ``unanswered`` (no answer yet: neither served nor empty; the next pass, or a
+    bell, looks again)."""
+    if fetched:
+        return "served"
+    if not answered:
+        return "unanswered"
+    return "unknown" if missing else "empty"
 
 
 class BacklogPull:
@@ -69,12 +91,13 @@ class BacklogPull:
                 self._scheduler.note_served(subject, now)
             elif not puller.busy:
                 asked = time.monotonic()
-                fetched = await puller.fetch_now(free)
+                fetched = await puller.fetch_now(free, timeout=NO_WAIT_ANSWER_S)
+                told = fetch_told(fetched, answered=not puller.busy, missing=puller.missing)
                 if self._debug:
-                    self._log.debug("backlog fetched", subject=str(subject), fetched=fetched, missing=puller.missing)
-                if fetched:
+                    self._log.debug("backlog fetched", subject=str(subject), fetched=fetched, told=told)
+                if told == "served":
                     self._scheduler.note_served(subject, asked)
-                elif not puller.missing:  # (a missing consumer is looked up on the next pass)
+                elif told == "empty":
                     self._scheduler.note_empty(subject)
             else:
                 if self._debug:

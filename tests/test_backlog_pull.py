@@ -1,0 +1,77 @@
+"""The pull loop's walk over known backlog, when a subject's ``no_wait`` fetch goes unanswered.
+
+A live broker answers a ``no_wait`` pull request at once. One left unanswered (campaign seed
+747605: a replica just thawed from SIGSTOP, its first fetch never answered) held the whole loop
+for the fetch's 5 s while a job the replica could serve, on another subject, expired. The loop
+now waits ``NO_WAIT_ANSWER_S`` and goes on; the unanswered subject stays known backlog.
+The pullers here stand in for ``broker.PullConsumer`` (the loop's decisions are under test, not
+NATS; ``tests/test_wakeups.py`` and the campaign drive the real consumers)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from rollfleet.workers.backlog_pull import NO_WAIT_ANSWER_S, BacklogPull, fetch_told
+from rollfleet.workers.pull_placement import QuietClock
+from rollfleet.workers.scheduler import SubjectScheduler
+from rollfleet.workers.served_version import ServedVersion, Subject
+
+
+class Puller:
+    """A subject's pull consumer: ``answers`` says whether its ``no_wait`` request is answered
+    (with ``queued`` messages) or left open."""
+
+    def __init__(self, answers: bool, queued: int) -> None:
+        self.answers, self.queued = answers, queued
+        self.waiting = self.missing = False
+        self.busy = False
+        self.asked_timeouts: list[float] = []
+
+    async def fetch_now(self, batch: int, timeout: float = 5.0) -> int:
+        self.asked_timeouts.append(timeout)
+        if self.answers:
+            return min(batch, self.queued)
+        self.busy = True  # (its request stays open)
+        await asyncio.sleep(timeout)
+        return 0
+
+
+class Pullers:
+    def __init__(self, by_subject: dict[Subject, Puller]) -> None:
+        self.by_subject = by_subject
+
+    async def bound(self, subject: Subject) -> Puller | None:
+        return self.by_subject.get(subject)
+
+
+def test_what_a_fetch_says_of_its_subject() -> None:
+    assert fetch_told(2, answered=True, missing=False) == "served"
+    assert fetch_told(1, answered=False, missing=False) == "served"
+    assert fetch_told(0, answered=True, missing=False) == "empty"
+    assert fetch_told(0, answered=True, missing=True) == "unknown"
+    assert fetch_told(0, answered=False, missing=False) == "unanswered"
+
+
+async def test_an_unanswered_fetch_holds_the_loop_only_briefly_and_its_subject_stays_backlog() -> None:
+    served = ServedVersion(13)
+    scheduler = SubjectScheduler(served)
+    stuck, ready = Puller(answers=False, queued=1), Puller(answers=True, queued=1)
+    # min-5 has waited longest (it is fetched first); min-12 holds the job that must not wait.
+    scheduler.note_pending(("min", 5), 100.0, waited_s=12.0)
+    scheduler.note_pending(("min", 12), 100.0, waited_s=3.0)
+    free = [3]
+    loop = BacklogPull(
+        Pullers({("min", 5): stuck, ("min", 12): ready}),  # type: ignore[arg-type]
+        scheduler,
+        served,
+        QuietClock(1.0),
+        wait_pull_s=5.0,
+        free=lambda: free[0],
+        stopping=asyncio.Event(),
+        log=logging.getLogger("test"),
+    )
+    left = await loop.pull(3, 100.0, [])
+    assert stuck.asked_timeouts == [NO_WAIT_ANSWER_S] and NO_WAIT_ANSWER_S <= 1.0
+    assert ready.asked_timeouts  # the loop went on to min-12
+    assert left == 3 and ("min", 5) in scheduler.order(100.0)  # unanswered: neither served nor empty
