@@ -15,6 +15,7 @@ from rollfleet.broker.pull_consumer import PullConsumer
 from rollfleet.broker.topology import bind_replica_consumer
 from rollfleet.broker.types import NATS, JetStreamContext, Msg
 from rollfleet.schemas import Names
+from rollfleet.workers.backlog_pull import NO_WAIT_ANSWER_S, fetch_told
 
 
 class OwnSubjectPull:
@@ -48,7 +49,10 @@ class OwnSubjectPull:
             self.consumer.missing = False
         if self.consumer.busy:
             return False
-        got = await self.consumer.fetch_now(free)
+        got = await self.consumer.fetch_now(free, timeout=NO_WAIT_ANSWER_S)
+        told = fetch_told(got, answered=not self.consumer.busy, missing=self.consumer.missing)
+        if told == "unanswered":
+            return False  # (still pending: the next pass looks again)
         if got < free:
             self.pending = False  # drained (more turns ring again)
             return False
