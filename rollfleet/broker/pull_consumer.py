@@ -42,9 +42,14 @@ from rollfleet.broker.errors import (
     pull_refused,
 )
 from rollfleet.runtime.aio import wait_event
+from rollfleet.runtime.logs import get_logger
 
 _PENDING = "Nats-Pending-Messages"
 _HEARTBEAT = "100"
+log = get_logger("rollfleet.broker.pull")
+# A cancel whose old inbox took longer than this to drain is said (it holds whatever awaits it,
+# the pull loop included).
+_SLOW_DRAIN_S = 1.0
 GRACE_S = 2.0  # a request whose end was never seen is given up this long after its expiry
 _DRAIN_S = 5.0
 
@@ -132,10 +137,13 @@ class PullConsumer:
         await self._nc.publish(self._api, body, reply=f"{self._prefix}.{token}")
 
     async def fetch_now(self, batch: int, timeout: float = 5.0) -> int:
-        """A ``no_wait`` request, awaited to its end: how many messages it delivered."""
+        """A ``no_wait`` request, awaited to its end or ``timeout``: how many messages it
+        delivered (``busy`` after it: no answer yet, the request still open)."""
         before = self.delivered
         await self.request(batch)
         await self.wait_idle(timeout)
+        if self.busy:
+            log.debug("no_wait pull unanswered", consumer=self.consumer, waited_s=timeout)
         return self.delivered - before
 
     async def wait_idle(self, timeout: float | None = None) -> None:
@@ -220,11 +228,14 @@ class PullConsumer:
             self._prefix = self._nc.new_inbox()
             self._sub = await self._nc.subscribe(self._prefix + ".*", cb=self._receive)
             if old is not None:
+                began = time.monotonic()
                 try:
                     await asyncio.wait_for(old.drain(), _DRAIN_S)
                 except Exception:  # connection closed or reconnecting: nothing more can come
                     with suppress(Exception):
                         await old.unsubscribe()
+                if (took := time.monotonic() - began) > _SLOW_DRAIN_S:
+                    log.info("pull cancel slow to drain", consumer=self.consumer, drain_s=round(took, 3))
         finally:
             done, self._cancelling = self._cancelling, None
             done.set_result(None)
