@@ -6,10 +6,11 @@ flight whose last chance it is. ``loop_machine.LoopMachine.take`` carries the de
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
-from rollfleet.trainer_client.loop_types import Group, StalePolicy
+from rollfleet.trainer_client.loop_groups import GroupInFlight
+from rollfleet.trainer_client.loop_types import Group, Note, StalePolicy
 
 
 def staleness(consumed_at: int, versions: Sequence[int]) -> int:
@@ -77,9 +78,30 @@ def judge_ready(
     return keep, dropped
 
 
+def stale_note(group: Group, version: int, action: str) -> Note:
+    return Note("loop_group_stale", {"admitted": group.admitted, "version": version,
+        "judged_from": group.judged_version, "tokens": group.tokens, "action": action})  # fmt: skip
+
+
 def pick_batch(ready: list[Group], batch_groups: int) -> list[Group]:
     """Takes up to ``batch_groups`` groups out of ``ready``, by ``next_to_consume``."""
     taken: list[Group] = []
     while ready and len(taken) < batch_groups:
         taken.append(ready.pop(next_to_consume([g.judged_version for g in ready])))
     return taken
+
+
+def must_wait_for(
+    ready: Sequence[Group], in_flight: Iterable[GroupInFlight], version: int, max_staleness: int, batch_groups: int
+) -> set[int] | None:
+    """Rule 8's wait at ``version``: None (the batch need not wait), or the admission numbers of
+    the groups in flight it waits for (each can still be judged from a version whose last chance
+    is at or before the one ``wait_for_in_flight`` names)."""
+    flying = {g.no: v for g in in_flight if (v := g.oldest_judged()) is not None}
+    urgent = wait_for_in_flight(
+        [g.judged_version for g in ready], list(flying.values()), version, max_staleness, batch_groups
+    )
+    if urgent is None:
+        return None
+    last = urgent - max_staleness
+    return {no for no, v in flying.items() if v <= last}

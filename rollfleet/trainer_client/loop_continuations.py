@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollfleet.schemas import RolloutPayload, RolloutResult
-from rollfleet.schemas.errors import InvalidRequest
+from rollfleet.schemas.errors import ContractViolation, InvalidRequest
 from rollfleet.trainer_client.loop_groups import GroupInFlight, Piece
 from rollfleet.trainer_client.loop_samples import continuable, continuation, run_sample
 
@@ -25,10 +25,14 @@ class GoOn:
 
 def take_outputs(
     g: GroupInFlight, piece: Piece, result: RolloutResult, floor_now: int | None
-) -> tuple[list[GoOn], InvalidRequest | None]:
+) -> tuple[list[GoOn], BaseException | None]:
     """Fill ``g``'s slots from ``piece``'s answer (one output per sample it asked for): what goes
-    on, and why the group fails (None: it does not). ``floor_now``: the floor new jobs would ask
-    for now (None: none yet). The continuations met before a failing output are returned with it."""
+    on, and why the group fails (None: it does not): an answer with other than one output per
+    sample asked for, or a sample aborted before its first token not by the loop. ``floor_now``:
+    the floor new jobs would ask for now (None: none yet). The continuations met before a failing
+    output are returned with its error."""
+    if len(result.outputs) != len(piece.indices):
+        return [], ContractViolation(f"{len(result.outputs)} samples answered for {len(piece.indices)} asked")
     going_on: list[GoOn] = []
     base = g.prompt.payload
     for at, (i, out) in enumerate(zip(piece.indices, result.outputs, strict=True)):

@@ -1,15 +1,18 @@
 """The rollout loop machine's state of a group in flight: its prompt, a slot per sample (what
 earlier runs made of it, and the sample once finished), and its jobs (pieces) still out. Small
-state holders; ``loop_machine.LoopMachine`` owns them and decides what happens to them.
+state holders, and ``InFlight``, the table of groups in flight and their jobs;
+``loop_machine.LoopMachine`` owns them and decides what happens to them.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rollfleet.schemas import RolloutPayload, RolloutResult
-from rollfleet.trainer_client.loop_types import Group, Sample, StopCause
+from rollfleet.trainer_client.loop_keys import job_key
+from rollfleet.trainer_client.loop_types import Group, Sample, StopCause, Submit
 
 
 @dataclass
@@ -89,3 +92,40 @@ class GroupInFlight:
             continued_at=self.continued_at,
             prompt_no=self.prompt.no,
         )
+
+
+class InFlight:
+    """Groups admitted and not complete (generating, stopping or being scored), by admission
+    number, and their jobs asked for and not answered, by key."""
+
+    def __init__(self, loop_id: str) -> None:
+        self.loop_id = loop_id
+        self.groups: dict[int, GroupInFlight] = {}
+        self.pieces: dict[str, Piece] = {}
+        self._numbers = itertools.count()  # admission numbers
+
+    def admit(self, prompt: QueuedPrompt, now: float, group_size: int) -> GroupInFlight:
+        g = GroupInFlight(next(self._numbers), prompt, now, [Slot() for _ in range(group_size)])
+        self.groups[g.no] = g
+        return g
+
+    def ask(
+        self, g: GroupInFlight, indices: tuple[int, ...], round_: int, payload: RolloutPayload, floor: int, latest: int
+    ) -> Submit:
+        """A job of ``g`` for samples ``indices`` at ``floor`` (written as its distance below
+        ``latest``, rule 3), under its key (rule 5)."""
+        allowance = max(0, latest - floor)
+        key = job_key(self.loop_id, g.prompt.no, g.prompt.attempts, round_, indices, allowance)
+        piece = Piece(key, g.no, indices, round_, payload, latest - allowance)
+        g.pieces[key] = piece
+        self.pieces[key] = piece
+        return Submit(key, g.no, payload, allowance)
+
+    def settle(self, key: str) -> tuple[Piece, GroupInFlight] | None:
+        """The job under ``key`` answered or failed: it is out no more. None: no job waits for it."""
+        piece = self.pieces.pop(key, None)
+        if piece is None:
+            return None
+        g = self.groups[piece.group]
+        del g.pieces[key]
+        return piece, g

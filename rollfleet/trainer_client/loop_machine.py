@@ -100,29 +100,32 @@ The rules (each written once, in the function or method named):
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
-import re
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from rollfleet.schemas import RetryPolicy, RolloutPayload, RolloutResult, SamplingParams
-from rollfleet.schemas.errors import Cancelled, ContractViolation, InvalidRequest
+from rollfleet.schemas import RolloutResult
+from rollfleet.schemas.errors import Cancelled, InvalidRequest
+from rollfleet.trainer_client.loop_admission import Admission, admission_room, submit_floor
+from rollfleet.trainer_client.loop_config import LoopConfig, is_number
 from rollfleet.trainer_client.loop_consume import (
     judge_ready,
+    must_wait_for,
     next_to_consume,
     on_stale,
     pick_batch,
+    stale_note,
     staleness,
     too_stale,
     wait_for_in_flight,
 )
 from rollfleet.trainer_client.loop_continuations import take_outputs
-from rollfleet.trainer_client.loop_groups import GroupInFlight, Piece, Slot
+from rollfleet.trainer_client.loop_failures import FailureLog, failure_note, failure_reason, on_failure, stop_jobs
+from rollfleet.trainer_client.loop_groups import GroupInFlight, InFlight
+from rollfleet.trainer_client.loop_keys import job_key, key_owner
 from rollfleet.trainer_client.loop_ledger import TokenLedger
-from rollfleet.trainer_client.loop_prompts import PromptBook
+from rollfleet.trainer_client.loop_prompts import PromptBook, prompt_payload
 from rollfleet.trainer_client.loop_refresh import at_risk, batch_tails, must_refresh, refresh_stops, tails
 from rollfleet.trainer_client.loop_samples import (
     continuable,
@@ -164,138 +167,11 @@ __all__ = [
     "submit_floor", "tails", "too_stale", "uninformative", "utilization", "wait_for_in_flight",
 ]  # fmt: skip
 
-_RETRY_POLICIES = ("replayable", "at_most_once", "resume")
-_LOOP_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-# -- the configuration ---------------------------------------------------------------------------
-
-
-@dataclass
-class LoopConfig:
-    group_size: int = 8
-    batch_groups: int = 4
-    max_staleness: int = 1
-    split_groups: bool = False  # n jobs of one sample each, instead of one job of n samples
-    stale: StalePolicy = "drop"
-    on_failure: FailurePolicy = "requeue"
-    max_attempts: int = 3  # tries of one prompt before its group is reported failed
-    oversample: int = 0  # tails continued at the fresh floor per batch (rule 7); no room beyond the bound
-    group_deadline_s: float | None = None
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill
-    # Stop a job still generating when a commit puts its group at risk of going stale, and
-    # continue each stopped sample at the new version from its tokens so far (token-id prompts).
-    partial_rollout: bool = False
-    max_in_flight: int | None = None  # groups; None: the staleness bound alone
-    sampling: SamplingParams = field(default_factory=SamplingParams)  # for prompts given as tokens/text
-    extra: dict[str, Any] = field(default_factory=dict)
-    retry_policy: RetryPolicy = "replayable"
-    job_timeout_s: float | None = 600.0
-    # A fresh version with no replica at (or preparing) it yet: wait this long before admitting
-    # groups that an older version may serve (they would be the first to go stale).
-    activation_grace_s: float = 30.0
-    # Names the loop: its jobs' idempotency keys and its metrics' ``loop`` label. A loop restarted
-    # with the same client id, ``loop_id`` and prompts reclaims its predecessor's jobs and answers.
-    # None: a fresh id for each loop (nothing is reclaimed).
-    loop_id: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("group_size", "batch_groups", "max_attempts"):
-            _check_int(name, getattr(self, name), 1)
-        _check_int("max_staleness", self.max_staleness, 0)
-        _check_int("oversample", self.oversample, 0)
-        if self.max_in_flight is not None:
-            _check_int("max_in_flight", self.max_in_flight, 1)
-        _check_choice("stale", self.stale, ("drop", "requeue", "keep"))
-        _check_choice("on_failure", self.on_failure, ("requeue", "report"))
-        _check_choice("retry_policy", self.retry_policy, _RETRY_POLICIES)
-        for name in ("split_groups", "dynamic_sampling", "partial_rollout"):
-            if not isinstance(getattr(self, name), bool):
-                raise _bad(name, f"must be a bool, got {getattr(self, name)!r}")
-        for name in ("group_deadline_s", "job_timeout_s"):
-            value = getattr(self, name)
-            if value is not None and not (_number(value) and math.isfinite(value) and value > 0):
-                raise _bad(name, f"must be None or a finite number of seconds > 0, got {value!r}")
-        grace = self.activation_grace_s
-        if not (_number(grace) and math.isfinite(grace) and grace >= 0):
-            raise _bad("activation_grace_s", f"must be a finite number of seconds >= 0, got {grace!r}")
-        if not isinstance(self.sampling, SamplingParams):
-            raise _bad("sampling", f"must be a SamplingParams, got {type(self.sampling).__name__}")
-        if not isinstance(self.extra, dict):
-            raise _bad("extra", f"must be a dict, got {type(self.extra).__name__}")
-        if self.loop_id is not None and not (isinstance(self.loop_id, str) and _LOOP_ID.match(self.loop_id)):
-            raise _bad("loop_id", f"must match [A-Za-z0-9_-]{{1,64}}, got {self.loop_id!r}")
-
-
-def _bad(name: str, what: str) -> InvalidRequest:
-    return InvalidRequest(f"LoopConfig.{name} {what}", detail=name)
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: object, least: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise _bad(name, f"must be an int >= {least}, got {value!r}")
-
-
-def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise _bad(name, f"must be one of {', '.join(allowed)}, got {value!r}")
-
-
 # -- the rules, as functions ------------------------------------------------------------------------
-
-
-def admission_room(
-    *,
-    max_staleness: int,
-    batch_groups: int,
-    ready: int,
-    in_flight: int,
-    next_at_latest: bool = True,
-    max_in_flight: int | None = None,
-) -> int:
-    """How many more groups may be admitted now (rule 2; never negative). ``in_flight``: groups
-    admitted and not complete (generating, stopping or being scored); ``ready``: complete, not yet
-    handed out. Dropped, filtered, failed and handed-out groups are in neither: their room is back.
-    ``next_at_latest``: the next batch will be judged at the latest version (else the trainer may
-    commit first, and one batch of room is held back). Nothing is ever admitted beyond the bound:
-    every group held may complete at once, and one more than the batches left before its last
-    chance would go stale."""
-    batches = max_staleness + (1 if next_at_latest else 0)
-    room = batches * batch_groups - (ready + in_flight)
-    if max_in_flight is not None:
-        room = min(room, max_in_flight - in_flight)
-    return max(0, room)
-
-
-def submit_floor(
-    *, latest: int, first: int, max_staleness: int, fresh_served: bool, waited_s: float, grace_s: float
-) -> int | None:
-    """The minimum version new jobs ask for (rule 3): the trainer's latest once a replica is at or
-    preparing it; None (wait) until then, for at most ``grace_s``; then ``max_staleness`` below it
-    (never below the loop's first version)."""
-    if fresh_served:
-        return latest
-    if waited_s < grace_s:
-        return None
-    return max(min(first, latest), latest - max_staleness)
 
 
 def past_deadline(admitted_at: float, now: float, deadline_s: float | None) -> bool:
     return deadline_s is not None and now - admitted_at > deadline_s
-
-
-def on_failure(
-    policy: FailurePolicy, cause: StopCause, attempts: int, max_attempts: int
-) -> Literal["requeue", "report", "forget"]:
-    """What becomes of a group that did not complete (rule 9): one closed with the loop is
-    forgotten; otherwise its prompt goes back until it was tried ``max_attempts`` times."""
-    if cause == "closed":
-        return "forget"
-    return "requeue" if policy == "requeue" and attempts < max_attempts else "report"
 
 
 def uninformative(rewards: Sequence[float], tol: float = 1e-12) -> bool:
@@ -309,7 +185,7 @@ def check_rewards(rewards: Sequence[Any], samples: int) -> str | None:
     if len(rewards) != samples:
         return f"reward gave {len(rewards)} values for {samples} samples"
     for i, r in enumerate(rewards):
-        if not _number(r) or not math.isfinite(r):
+        if not is_number(r) or not math.isfinite(r):
             return f"reward of sample {i} is {r!r}, not a finite number"
     return None
 
@@ -318,36 +194,6 @@ def utilization(busy: Sequence[int], capacity: Sequence[int]) -> float | None:
     """Busy fraction of the fleet's slots (None when the fleet has none)."""
     total = sum(capacity)
     return min(1.0, sum(busy) / total) if total > 0 else None
-
-
-def prompt_payload(item: Any, config: LoopConfig) -> RolloutPayload | InvalidRequest:
-    """Rule 1: the request an item of the source asks for, or why it cannot be one."""
-    if isinstance(item, RolloutPayload):
-        base = item
-    elif isinstance(item, str):
-        base = RolloutPayload(prompt_text=item, sampling=config.sampling, extra=dict(config.extra))
-    elif isinstance(item, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-        base = RolloutPayload(prompt_token_ids=list(item), sampling=config.sampling, extra=dict(config.extra))
-    else:
-        return InvalidRequest(f"a prompt is a RolloutPayload, a str or a list of token ids, got {type(item).__name__}")
-    if not base.prompt_token_ids and not base.prompt_text:
-        return InvalidRequest("a prompt is empty")
-    return base
-
-
-def job_key(loop_id: str, prompt_no: int, attempt: int, round_: int, indices: Sequence[int], allowance: int) -> str:
-    """Rule 5: the idempotency key of a job (``allowance``: its floor's distance below latest)."""
-    samples = "g" if len(indices) > 1 else f"s{indices[0]}"
-    return f"loop:{loop_id}:p{prompt_no}:a{attempt}:r{round_}:{samples}:d{allowance}"
-
-
-_KEY = re.compile(r"^loop:(?P<loop>[A-Za-z0-9_-]+):p(?P<prompt>\d+):a(?P<attempt>\d+):r\d+:(g|s\d+):d\d+$")
-
-
-def key_owner(key: str) -> tuple[str, int, int] | None:
-    """(loop id, prompt number, attempt) of a key ``job_key`` made; None for any other key."""
-    m = _KEY.match(key)
-    return (m["loop"], int(m["prompt"]), int(m["attempt"])) if m else None
 
 
 class LoopMachine:
@@ -359,32 +205,32 @@ class LoopMachine:
         self.scored_groups = scored
         self.loop_id = loop_id
         self.first_version = first_version
-        self.latest = first_version
-        self.fresh = True
-        self._fresh_wait_since: float | None = None
-        self._numbers = itertools.count()  # admission numbers
+        self.admission = Admission(config, first_version)
         self.prompts = PromptBook()
-        self._groups: dict[int, GroupInFlight] = {}  # admitted, not complete (generating, stopping, scoring)
-        self._pieces: dict[str, Piece] = {}  # jobs asked for and not answered, by key
+        self.flight = InFlight(loop_id)
         self._ready: list[Group] = []
-        self._failed_since: list[FailedGroup] = []  # reported since the last batch
-        self.failed: list[FailedGroup] = []  # reported over the loop's life
-        self._source: Literal["open", "dry", "failed"] = "open"
-        self._source_error: BaseException | None = None
-        self._error_raised = False
         self.closed = False
         self._step = 0
-        # Whether the next batch will be judged at ``latest``: False from a batch handed out until
-        # the trainer asks again or a newer version is seen (rule 2).
-        self._next_at_latest = True
         self.ledger = TokenLedger()
         self.totals = self.ledger.totals  # (rule 11; the ledger's own counter, never replaced)
+        self.failures = FailureLog(self.totals)
+        self.failed = self.failures.failed  # (the log's own list, never replaced)
 
     # -- what the driver reads -------------------------------------------------------------------
     @property
+    def latest(self) -> int:
+        """The trainer's latest version, as last seen."""
+        return self.admission.latest
+
+    @property
+    def fresh(self) -> bool:
+        """Whether a replica is at or preparing ``latest``, as last seen."""
+        return self.admission.fresh
+
+    @property
     def in_flight(self) -> int:
         """Groups admitted and not yet complete (generating, stopping, or being scored)."""
-        return len(self._groups)
+        return len(self.flight.groups)
 
     @property
     def ready(self) -> int:
@@ -393,22 +239,14 @@ class LoopMachine:
     @property
     def held_tokens(self) -> int:
         """Tokens generated for groups not yet trained on nor wasted (rule 11)."""
-        return sum(g.generated for g in self._groups.values()) + sum(g.tokens for g in self._ready)
+        return sum(g.generated for g in self.flight.groups.values()) + sum(g.tokens for g in self._ready)
 
     def room(self) -> int:
-        cfg = self.config
-        return admission_room(
-            max_staleness=cfg.max_staleness,
-            batch_groups=cfg.batch_groups,
-            ready=len(self._ready),
-            in_flight=len(self._groups),
-            next_at_latest=self._next_at_latest,
-            max_in_flight=cfg.max_in_flight,
-        )
+        return self.admission.room(ready=len(self._ready), in_flight=len(self.flight.groups))
 
     def wants_prompts(self) -> int:
         """How many more items the source may be read for now (never more than there is room)."""
-        if self.closed or self._source != "open":
+        if self.closed or self.prompts.source != "open":
             return 0
         return max(0, self.room() - len(self.prompts.pending))
 
@@ -417,25 +255,12 @@ class LoopMachine:
         count as orphaned now: a key of this loop (rule 5) whose prompt was read and is past the
         attempt it names (a group of that attempt will never ask for it), or any of its keys once
         closed. A key of a prompt not yet read may still be asked (a restarted loop reclaims it)."""
-        owner = key_owner(key)
-        if owner is None or owner[0] != self.loop_id or key in self._pieces:
-            return False
-        if self.closed:
-            return True
-        _, prompt_no, attempt = owner
-        return self.prompts.past_attempt(prompt_no, attempt, (g.prompt for g in self._groups.values()))
+        return self.prompts.owns(key, self.loop_id, self.closed, self.flight)
 
     # -- events ----------------------------------------------------------------------------------
     def version_seen(self, now: float, latest: int, fresh_served: bool) -> list[Action]:
         """The trainer's latest version, and whether a replica is at or preparing it."""
-        if fresh_served:
-            self._fresh_wait_since = None
-        elif self._fresh_wait_since is None or latest > self.latest:
-            self._fresh_wait_since = now  # (a newer version: its grace starts now)
-        if latest > self.latest:
-            self._next_at_latest = True
-        self.latest = max(self.latest, latest)
-        self.fresh = fresh_served
+        self.admission.version_seen(now, latest, fresh_served)
         return self._decide(now)
 
     def tick(self, now: float) -> list[Action]:
@@ -447,62 +272,58 @@ class LoopMachine:
         no = self.prompts.number()
         payload = prompt_payload(item, self.config)
         if isinstance(payload, InvalidRequest):
-            self._report(FailedGroup(item, f"InvalidRequest: {payload.message}", 0, payload))
+            self.failures.report(FailedGroup(item, f"InvalidRequest: {payload.message}", 0, payload))
             return [Note("loop_prompt_refused", {"prompt_no": no, "reason": payload.message})]
         self.prompts.add(no, item, payload)
         return self._decide(now)
 
     def source_done(self, now: float) -> list[Action]:
-        self._source = "dry"
+        self.prompts.source = "dry"
         return self._decide(now)
 
     def source_failed(self, now: float, error: BaseException) -> list[Action]:
-        self._source, self._source_error = "failed", error
+        self.prompts.source, self.prompts.source_error = "failed", error
         return [Note("loop_source_failed", {"error": f"{type(error).__name__}: {error}"}), *self._decide(now)]
 
     def submitted(self, key: str, floor: int) -> None:
         """The job under ``key`` is stored (or was found stored) asking for ``floor``."""
-        piece = self._pieces.get(key)
+        piece = self.flight.pieces.get(key)
         if piece is not None:
             piece.floor = floor
 
     def answered(self, now: float, key: str, result: RolloutResult) -> list[Action]:
-        piece = self._pieces.pop(key, None)
-        if piece is None:  # nobody here waits for it
+        settled = self.flight.settle(key)
+        if settled is None:  # nobody here waits for it
             return self.orphan(key, result)
-        tokens = self.ledger.answered(key, result)
-        g = self._groups[piece.group]
-        del g.pieces[key]
-        g.generated += tokens
+        piece, g = settled
+        g.generated += self.ledger.answered(key, result)
         g.results.append(result)
         if g.stop is not None:
             return self._settle_stopped(now, g)
-        if len(result.outputs) != len(piece.indices):
-            g.error = ContractViolation(f"{len(result.outputs)} samples answered for {len(piece.indices)} asked")
-            return self._stop_group(now, g, "failed")
-        going_on, error = take_outputs(g, piece, result, self._floor(now))
-        asks: list[Action] = [self._ask(g, (c.index,), piece.round + 1, c.payload, c.floor) for c in going_on]
+        going_on, error = take_outputs(g, piece, result, self.admission.floor(now))
+        asks: list[Action] = [
+            self.flight.ask(g, (c.index,), piece.round + 1, c.payload, c.floor, self.latest) for c in going_on
+        ]
         if error is not None:
             g.error = error
             return self._stop_group(now, g, "failed")
         return [*asks, *self._maybe_complete(now, g)]
 
     def job_failed(self, now: float, key: str, error: BaseException) -> list[Action]:
-        piece = self._pieces.pop(key, None)
-        if piece is None:
+        settled = self.flight.settle(key)
+        if settled is None:
             return []
-        g = self._groups[piece.group]
-        del g.pieces[key]
+        piece, g = settled
         if g.stop is not None:
             return self._settle_stopped(now, g)
         if piece.stopping == "refresh" and isinstance(error, Cancelled):
             # Stopped before it made anything: the same samples asked again, at the fresher floor.
-            return [self._ask(g, piece.indices, piece.round + 1, piece.payload, piece.refresh_floor)]
+            return [self.flight.ask(g, piece.indices, piece.round + 1, piece.payload, piece.refresh_floor, self.latest)]
         g.error = error
         return self._stop_group(now, g, "failed")
 
     def scored(self, now: float, group_no: int, rewards: Sequence[Any]) -> list[Action]:
-        g = self._groups.get(group_no)
+        g = self.flight.groups.get(group_no)
         if g is None or g.scoring is None or g.stop is not None:
             return []
         why = check_rewards(rewards, len(g.scoring.samples))
@@ -513,7 +334,7 @@ class LoopMachine:
         return self._accept(now, g, group)
 
     def score_failed(self, now: float, group_no: int, error: BaseException) -> list[Action]:
-        g = self._groups.get(group_no)
+        g = self.flight.groups.get(group_no)
         if g is None or g.scoring is None or g.stop is not None:
             return []
         g.scoring, g.error = None, error
@@ -525,46 +346,40 @@ class LoopMachine:
         tokens, repeated = self.ledger.orphaned(key, outcome)
         if repeated:
             return [Note("loop_answer_repeated", {"key": key, "tokens": tokens})]
-        return [*self._waste(tokens, "orphaned", groups=0), Note("loop_orphan", {"key": key, "tokens": tokens})]
+        return [self.ledger.waste(tokens, "orphaned", groups=0), Note("loop_orphan", {"key": key, "tokens": tokens})]
 
     def take(self, now: float) -> tuple[Decision, list[Action]]:
         """The trainer asks for its next batch, at version ``self.latest``."""
-        if self._source_error is not None and not self._error_raised:
-            self._error_raised = True
-            return Raise(self._source_error), []
+        error = self.prompts.error_to_raise()
+        if error is not None:
+            return Raise(error), []
         if self.closed:
             return End(), []
-        cfg = self.config
-        self._next_at_latest = True  # it asks at this version (rule 2)
+        cfg, groups = self.config, self.flight.groups
+        self.admission.next_at_latest = True  # it asks at this version (rule 2)
         actions = self._judge_ready(now)
-        more = self._source == "open" or bool(self.prompts.pending) or bool(self._groups)
+        more = self.prompts.source == "open" or bool(self.prompts.pending) or bool(groups)
         if len(self._ready) < cfg.batch_groups and more:
             return Wait(), actions
-        if not self._ready:
-            if not self._failed_since:
-                return End(), actions
+        if not self._ready and not self.failures.since:
+            return End(), actions
         if cfg.stale != "keep":
-            flying = {g.no: v for g in self._groups.values() if (v := g.oldest_judged()) is not None}
-            urgent = wait_for_in_flight(
-                [g.judged_version for g in self._ready], list(flying.values()), self.latest, cfg.max_staleness,
-                cfg.batch_groups,
-            )  # fmt: skip
-            if urgent is not None:
+            waited = must_wait_for(self._ready, groups.values(), self.latest, cfg.max_staleness, cfg.batch_groups)
+            if waited is not None:
                 if cfg.partial_rollout or cfg.oversample:  # (rule 7: it goes on at the fresh floor)
-                    last = urgent - cfg.max_staleness
-                    actions += self._refresh(now, {no for no, v in flying.items() if v <= last})
+                    actions += self._refresh(now, waited)
                 return Wait(), actions
         taken = pick_batch(self._ready, cfg.batch_groups)
         for g in taken:
             self.prompts.resolve(g.prompt_no)
         self._step += 1
-        self._next_at_latest = False
+        self.admission.next_at_latest = False
         waste_tokens, waste_groups = self.ledger.handed_out(taken)
         staleness_counts = dict(sorted(Counter(g.staleness for g in taken).items()))
-        out = Handout(self._step, self.latest, taken, self._failed_since, waste_tokens, waste_groups, staleness_counts)
-        self._failed_since = []
+        failed = self.failures.handed_out()
+        out = Handout(self._step, self.latest, taken, failed, waste_tokens, waste_groups, staleness_counts)
         admitted = [g.admitted for g in taken]
-        tail = batch_tails(self._groups.values(), admitted, self.latest, cfg.max_staleness, cfg.oversample)
+        tail = batch_tails(groups.values(), admitted, self.latest, cfg.max_staleness, cfg.oversample)
         actions += self._refresh(now, tail)
         actions += self._admit(now)
         return out, actions
@@ -575,14 +390,12 @@ class LoopMachine:
             return []
         self.closed = True
         self.prompts.pending.clear()
-        actions: list[Action] = []
-        for group in self._ready:
-            actions += self._waste(group.tokens, "unused")
+        actions: list[Action] = [self.ledger.waste(group.tokens, "unused") for group in self._ready]
         self._ready.clear()
-        for g in list(self._groups.values()):
+        for g in list(self.flight.groups.values()):
             if g.scoring is not None:
-                del self._groups[g.no]
-                actions += self._waste(g.generated, "unused")
+                del self.flight.groups[g.no]
+                actions.append(self.ledger.waste(g.generated, "unused"))
             elif g.stop is None:
                 actions += self._stop_group(now, g, "closed")
         self.prompts.unresolved.clear()
@@ -593,7 +406,7 @@ class LoopMachine:
         if self.closed:
             return []
         actions: list[Action] = []
-        for g in list(self._groups.values()):
+        for g in list(self.flight.groups.values()):
             if g.running and past_deadline(g.admitted_at, now, self.config.group_deadline_s):
                 g.error = Cancelled("past the group's deadline")
                 actions += self._stop_group(now, g, "deadline")
@@ -601,48 +414,27 @@ class LoopMachine:
             actions += self._refresh(now, set())
         return actions + self._admit(now)
 
-    def _floor(self, now: float) -> int | None:
-        waited = 0.0 if self._fresh_wait_since is None else now - self._fresh_wait_since
-        return submit_floor(
-            latest=self.latest,
-            first=self.first_version,
-            max_staleness=self.config.max_staleness,
-            fresh_served=self.fresh,
-            waited_s=waited,
-            grace_s=self.config.activation_grace_s,
-        )
-
     def _admit(self, now: float) -> list[Action]:
-        floor = self._floor(now)
+        cfg = self.config
+        floor = self.admission.floor(now)
         actions: list[Action] = []
         while not self.closed and self.prompts.pending and floor is not None and self.room() > 0:
             p = self.prompts.pending.popleft()
             p.attempts += 1
-            g = GroupInFlight(next(self._numbers), p, now, [Slot() for _ in range(self.config.group_size)])
-            self._groups[g.no] = g
+            g = self.flight.admit(p, now, cfg.group_size)
             self.totals["admitted"] += 1
-            for indices, payload in first_pieces(p.payload, self.config.group_size, self.config.split_groups):
-                actions.append(self._ask(g, indices, 0, payload, floor))
+            for indices, payload in first_pieces(p.payload, cfg.group_size, cfg.split_groups):
+                actions.append(self.flight.ask(g, indices, 0, payload, floor, self.latest))
         return actions
-
-    def _ask(
-        self, g: GroupInFlight, indices: tuple[int, ...], round_: int, payload: RolloutPayload, floor: int
-    ) -> Submit:
-        allowance = max(0, self.latest - floor)
-        key = job_key(self.loop_id, g.prompt.no, g.prompt.attempts, round_, indices, allowance)
-        piece = Piece(key, g.no, indices, round_, payload, self.latest - allowance)
-        g.pieces[key] = piece
-        self._pieces[key] = piece
-        return Submit(key, g.no, payload, allowance)
 
     def _refresh(self, now: float, tail: set[int]) -> list[Action]:
         """Rule 7, for every running group (partial rollouts) and the tails given."""
-        fresh_floor = self._floor(now)
+        fresh_floor = self.admission.floor(now)
         if fresh_floor is None:
             return []
         cfg = self.config
         cancels, continued = refresh_stops(
-            self._groups.values(), tail, fresh_floor, self.latest, cfg.max_staleness, cfg.partial_rollout
+            self.flight.groups.values(), tail, fresh_floor, self.latest, cfg.max_staleness, cfg.partial_rollout
         )
         if continued:
             self.totals["continued"] += continued
@@ -655,15 +447,9 @@ class LoopMachine:
         self._ready, too_stale_groups = judge_ready(self._ready, self.latest, cfg.max_staleness, cfg.stale)
         for group in too_stale_groups:
             action = on_stale(cfg.stale)
-            actions += self._waste(group.tokens, "stale")
-            actions.append(Note("loop_group_stale", {"admitted": group.admitted, "version": self.latest,
-                "judged_from": group.judged_version, "tokens": group.tokens, "action": action}))  # fmt: skip
-            p = self.prompts.unresolved.get(group.prompt_no)
-            if action == "requeue" and p is not None:
-                self.prompts.requeue(p)
+            actions += [self.ledger.waste(group.tokens, "stale"), stale_note(group, self.latest, action)]
+            if self.prompts.requeue_or_resolve(group.prompt_no, action == "requeue"):
                 self.totals["requeued"] += 1
-            else:
-                self.prompts.resolve(group.prompt_no)
         return actions + self._admit(now)
 
     def _maybe_complete(self, now: float, g: GroupInFlight) -> list[Action]:
@@ -676,54 +462,37 @@ class LoopMachine:
         return self._accept(now, g, group)
 
     def _accept(self, now: float, g: GroupInFlight, group: Group) -> list[Action]:
-        del self._groups[g.no]
+        del self.flight.groups[g.no]
         if self.config.dynamic_sampling and uninformative(group.rewards):
             self.prompts.resolve(g.prompt.no)
-            return [*self._waste(g.generated, "filtered"), *self._admit(now)]
+            return [self.ledger.waste(g.generated, "filtered"), *self._admit(now)]
         self.totals["completed"] += 1
         self._ready.append(group)
         return self._admit(now)
 
     def _stop_group(self, now: float, g: GroupInFlight, cause: StopCause) -> list[Action]:
-        """Stop the whole group for ``cause``: cancel each job not yet cancelled for it; settled
-        once every job has answered."""
-        g.stop = cause
-        actions: list[Action] = []
-        for piece in g.pieces.values():
-            if piece.stopping != "group":
-                piece.stopping = "group"
-                actions.append(Cancel(piece.key, cause))
-        return actions + self._settle_stopped(now, g)
+        """Stop the whole group for ``cause`` (``stop_jobs``); settled once every job has answered."""
+        return [*stop_jobs(g, cause), *self._settle_stopped(now, g)]
 
     def _settle_stopped(self, now: float, g: GroupInFlight) -> list[Action]:
         if g.pieces:
             return []  # (every job answers: a cancel settles it)
         cause = g.stop
         assert cause is not None
-        del self._groups[g.no]
-        actions = self._waste(g.generated, cause)
+        del self.flight.groups[g.no]
+        actions: list[Action] = [self.ledger.waste(g.generated, cause)]
         verdict = on_failure(self.config.on_failure, cause, g.prompt.attempts, self.config.max_attempts)
         if verdict == "forget":
             return actions
-        exc = g.error
-        reason = f"cancelled ({cause})" if isinstance(exc, Cancelled) or exc is None else f"{type(exc).__name__}: {exc}"
-        actions.append(Note("loop_group_failed", {"admitted": g.no, "cause": cause, "reason": reason,
-            "attempts": g.prompt.attempts, "tokens": g.generated, "then": verdict}))  # fmt: skip
+        reason = failure_reason(cause, g.error)
+        actions.append(failure_note(g, cause, reason, verdict))
         if verdict == "requeue" and not self.closed:
             self.prompts.requeue(g.prompt)
             self.totals["requeued"] += 1
         else:
             self.prompts.resolve(g.prompt.no)
-            self._report(FailedGroup(g.prompt.item, reason, g.prompt.attempts, exc))
+            self.failures.report(FailedGroup(g.prompt.item, reason, g.prompt.attempts, g.error))
         return actions + self._admit(now)
-
-    def _report(self, failure: FailedGroup) -> None:
-        self._failed_since.append(failure)
-        self.failed.append(failure)
-        self.totals["failed"] += 1
-
-    def _waste(self, tokens: int, cause: WasteCause, groups: int = 1) -> list[Action]:
-        return [self.ledger.waste(tokens, cause, groups)]
 
 
 def _rewarded(s: Sample, reward: float) -> Sample:
