@@ -1,11 +1,23 @@
 """The rollout loop's decisions: a state machine fed events, returning actions.
 
-Everything that decides what the rollout loop does lives in this file, and nothing in it awaits,
-reads a clock or touches the client: time (``now``), the trainer's version and whether a replica
-serves it are arguments. ``loop.py`` (``RolloutLoop``) is the driver: it reads the prompt source,
-carries out the actions (submit, cancel, score), and feeds back what happened (a prompt arrived, a
-job answered or failed, a version was seen, a timer ticked, the trainer took a batch, close).
+Everything that decides what the rollout loop does lives in this file and the ``loop_*`` modules
+it draws on (below), and nothing in them awaits, reads a clock or touches the client: time
+(``now``), the trainer's version and whether a replica serves it are arguments. ``loop.py``
+(``RolloutLoop``) is the driver: it reads the prompt source, carries out the actions (submit,
+cancel, score), and feeds back what happened (a prompt arrived, a job answered or failed, a
+version was seen, a timer ticked, the trainer took a batch, close).
 ``tests/test_loop_machine.py`` drives it as sequences of events.
+
+Where each part lives (the rules and types are re-exported here, so ``loop_machine.X`` finds them):
+``loop_types`` (what crosses the boundary: samples, groups, actions, ``take``'s decisions),
+``loop_config`` (``LoopConfig``), ``loop_prompts`` (rule 1; rule 5's ``owns``; rule 10:
+``PromptBook``), ``loop_admission`` (rules 2 and 3: ``Admission``), ``loop_samples`` (rules 4 and
+6), ``loop_keys`` (rule 5), ``loop_groups`` (a group in flight and its jobs: ``GroupInFlight``,
+``InFlight``), ``loop_continuations`` (an answer's samples, finished or going on),
+``loop_refresh`` (rule 7), ``loop_consume`` (rules 6 and 8 at consume time), ``loop_failures``
+(rule 9: ``FailureLog``) and ``loop_ledger`` (rule 11: ``TokenLedger``). This file holds the
+machine, which owns their state and carries each event through them, and the rules too small for
+a file of their own (deadlines, rewards, utilization).
 
 The rules (each written once, in the function or method named):
 
