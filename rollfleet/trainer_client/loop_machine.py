@@ -1,11 +1,23 @@
 """The rollout loop's decisions: a state machine fed events, returning actions.
 
-Everything that decides what the rollout loop does lives in this file, and nothing in it awaits,
-reads a clock or touches the client: time (``now``), the trainer's version and whether a replica
-serves it are arguments. ``loop.py`` (``RolloutLoop``) is the driver: it reads the prompt source,
-carries out the actions (submit, cancel, score), and feeds back what happened (a prompt arrived, a
-job answered or failed, a version was seen, a timer ticked, the trainer took a batch, close).
+Everything that decides what the rollout loop does lives in this file and the ``loop_*`` modules
+it draws on (below), and nothing in them awaits, reads a clock or touches the client: time
+(``now``), the trainer's version and whether a replica serves it are arguments. ``loop.py``
+(``RolloutLoop``) is the driver: it reads the prompt source, carries out the actions (submit,
+cancel, score), and feeds back what happened (a prompt arrived, a job answered or failed, a
+version was seen, a timer ticked, the trainer took a batch, close).
 ``tests/test_loop_machine.py`` drives it as sequences of events.
+
+Where each part lives (the rules and types are re-exported here, so ``loop_machine.X`` finds them):
+``loop_types`` (what crosses the boundary: samples, groups, actions, ``take``'s decisions),
+``loop_config`` (``LoopConfig``), ``loop_prompts`` (rule 1; rule 5's ``owns``; rule 10:
+``PromptBook``), ``loop_admission`` (rules 2 and 3: ``Admission``), ``loop_samples`` (rules 4 and
+6), ``loop_keys`` (rule 5), ``loop_groups`` (a group in flight and its jobs: ``GroupInFlight``,
+``InFlight``), ``loop_continuations`` (an answer's samples, finished or going on),
+``loop_refresh`` (rule 7), ``loop_consume`` (rules 6 and 8 at consume time), ``loop_failures``
+(rule 9: ``FailureLog``) and ``loop_ledger`` (rule 11: ``TokenLedger``). This file holds the
+machine, which owns their state and carries each event through them, and the rules too small for
+a file of their own (deadlines, rewards, utilization).
 
 The rules (each written once, in the function or method named):
 
@@ -100,404 +112,78 @@ The rules (each written once, in the function or method named):
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
-import re
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-import msgspec
-
-from rollfleet.schemas import (
-    ReplayCoordinate,
-    RetryPolicy,
-    RolloutPayload,
-    RolloutResult,
-    SamplingParams,
-    VersionSpan,
-    coordinate_wire,
+from rollfleet.schemas import RolloutResult
+from rollfleet.schemas.errors import Cancelled, InvalidRequest
+from rollfleet.trainer_client.loop_admission import Admission, admission_room, submit_floor
+from rollfleet.trainer_client.loop_config import LoopConfig, is_number
+from rollfleet.trainer_client.loop_consume import (
+    judge_ready,
+    must_wait_for,
+    next_to_consume,
+    on_stale,
+    pick_batch,
+    stale_note,
+    staleness,
+    too_stale,
+    wait_for_in_flight,
 )
-from rollfleet.schemas.errors import Cancelled, ContractViolation, InvalidRequest
-from rollfleet.schemas.seeds import sample_seed
+from rollfleet.trainer_client.loop_continuations import take_outputs
+from rollfleet.trainer_client.loop_failures import FailureLog, failure_note, failure_reason, on_failure, stop_jobs
+from rollfleet.trainer_client.loop_groups import GroupInFlight, InFlight
+from rollfleet.trainer_client.loop_keys import job_key, key_owner
+from rollfleet.trainer_client.loop_ledger import TokenLedger
+from rollfleet.trainer_client.loop_prompts import PromptBook, prompt_payload
+from rollfleet.trainer_client.loop_refresh import at_risk, batch_tails, must_refresh, refresh_stops, tails
+from rollfleet.trainer_client.loop_samples import (
+    continuable,
+    continuation,
+    first_pieces,
+    judged_version,
+    result_tokens,
+    run_sample,
+)
+from rollfleet.trainer_client.loop_types import (
+    WASTE_CAUSES,
+    Action,
+    Cancel,
+    Decision,
+    End,
+    FailedGroup,
+    FailurePolicy,
+    Group,
+    Handout,
+    Note,
+    Raise,
+    Sample,
+    SampleRun,
+    Score,
+    StalePolicy,
+    StopCause,
+    Submit,
+    Wait,
+    WasteCause,
+    Wasted,
+)
 
-StalePolicy = Literal["drop", "requeue", "keep"]
-FailurePolicy = Literal["requeue", "report"]
-WasteCause = Literal["stale", "filtered", "failed", "deadline", "closed", "unused", "orphaned"]
-WASTE_CAUSES: tuple[WasteCause, ...] = ("stale", "filtered", "failed", "deadline", "closed", "unused", "orphaned")
-StopCause = Literal["failed", "deadline", "closed"]
-_RETRY_POLICIES = ("replayable", "at_most_once", "resume")
-_LOOP_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-# -- the configuration ---------------------------------------------------------------------------
-
-
-@dataclass
-class LoopConfig:
-    group_size: int = 8
-    batch_groups: int = 4
-    max_staleness: int = 1
-    split_groups: bool = False  # n jobs of one sample each, instead of one job of n samples
-    stale: StalePolicy = "drop"
-    on_failure: FailurePolicy = "requeue"
-    max_attempts: int = 3  # tries of one prompt before its group is reported failed
-    oversample: int = 0  # tails continued at the fresh floor per batch (rule 7); no room beyond the bound
-    group_deadline_s: float | None = None
-    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill
-    # Stop a job still generating when a commit puts its group at risk of going stale, and
-    # continue each stopped sample at the new version from its tokens so far (token-id prompts).
-    partial_rollout: bool = False
-    max_in_flight: int | None = None  # groups; None: the staleness bound alone
-    sampling: SamplingParams = field(default_factory=SamplingParams)  # for prompts given as tokens/text
-    extra: dict[str, Any] = field(default_factory=dict)
-    retry_policy: RetryPolicy = "replayable"
-    job_timeout_s: float | None = 600.0
-    # A fresh version with no replica at (or preparing) it yet: wait this long before admitting
-    # groups that an older version may serve (they would be the first to go stale).
-    activation_grace_s: float = 30.0
-    # Names the loop: its jobs' idempotency keys and its metrics' ``loop`` label. A loop restarted
-    # with the same client id, ``loop_id`` and prompts reclaims its predecessor's jobs and answers.
-    # None: a fresh id for each loop (nothing is reclaimed).
-    loop_id: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("group_size", "batch_groups", "max_attempts"):
-            _check_int(name, getattr(self, name), 1)
-        _check_int("max_staleness", self.max_staleness, 0)
-        _check_int("oversample", self.oversample, 0)
-        if self.max_in_flight is not None:
-            _check_int("max_in_flight", self.max_in_flight, 1)
-        _check_choice("stale", self.stale, ("drop", "requeue", "keep"))
-        _check_choice("on_failure", self.on_failure, ("requeue", "report"))
-        _check_choice("retry_policy", self.retry_policy, _RETRY_POLICIES)
-        for name in ("split_groups", "dynamic_sampling", "partial_rollout"):
-            if not isinstance(getattr(self, name), bool):
-                raise _bad(name, f"must be a bool, got {getattr(self, name)!r}")
-        for name in ("group_deadline_s", "job_timeout_s"):
-            value = getattr(self, name)
-            if value is not None and not (_number(value) and math.isfinite(value) and value > 0):
-                raise _bad(name, f"must be None or a finite number of seconds > 0, got {value!r}")
-        grace = self.activation_grace_s
-        if not (_number(grace) and math.isfinite(grace) and grace >= 0):
-            raise _bad("activation_grace_s", f"must be a finite number of seconds >= 0, got {grace!r}")
-        if not isinstance(self.sampling, SamplingParams):
-            raise _bad("sampling", f"must be a SamplingParams, got {type(self.sampling).__name__}")
-        if not isinstance(self.extra, dict):
-            raise _bad("extra", f"must be a dict, got {type(self.extra).__name__}")
-        if self.loop_id is not None and not (isinstance(self.loop_id, str) and _LOOP_ID.match(self.loop_id)):
-            raise _bad("loop_id", f"must match [A-Za-z0-9_-]{{1,64}}, got {self.loop_id!r}")
-
-
-def _bad(name: str, what: str) -> InvalidRequest:
-    return InvalidRequest(f"LoopConfig.{name} {what}", detail=name)
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _check_int(name: str, value: object, least: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
-        raise _bad(name, f"must be an int >= {least}, got {value!r}")
-
-
-def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise _bad(name, f"must be one of {', '.join(allowed)}, got {value!r}")
-
-
-# -- what the trainer receives -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SampleRun:
-    """One run that made a sample's tokens from ``start`` on: the job's key (its whole answer is
-    ``client.result(key)``), the sample's index in that answer, and the answer's replay
-    coordinate (None: stored by a replica that stamps none)."""
-
-    start: int
-    key: str
-    index: int
-    coordinate: ReplayCoordinate | None
-
-    def wire(self) -> dict[str, Any] | None:
-        """The coordinate as every door carries it (``schemas.replay.coordinate_wire``)."""
-        return coordinate_wire(self.coordinate, self.index)
-
-
-@dataclass(frozen=True)
-class Sample:
-    tokens: list[int]
-    logprobs: list[float] | None  # the behaviour policy's, per token
-    spans: list[VersionSpan]  # which version generated which tokens (never zero-width)
-    finish_reason: str
-    version_start: int  # the oldest version that made any of its tokens
-    version_end: int
-    reward: float = 0.0
-    # A continued sample: its tokens before this index were made by earlier runs (the context its
-    # last run was conditioned on); 0 for a sample made in one run.
-    continued_from: int = 0
-    judged_version: int = 0  # what its staleness is judged from (rule 6)
-    # What it takes to generate it again: each run that made its tokens, in order (a continued
-    # sample has one per run), with that run's replay coordinate.
-    replay: tuple[SampleRun, ...] = ()
-
-
-@dataclass
-class Group:
-    prompt: Any  # the source's item, as it came
-    payload: RolloutPayload
-    samples: list[Sample]
-    results: list[RolloutResult]
-    attempts: int
-    admitted: int  # admission number (order of admission over the loop's life)
-    staleness: int = 0  # at consume time, by rule 6: the trainer's version minus the judged version
-    # A partial rollout or refreshed tail: the newest version a sample of it was continued at.
-    continued_at: int | None = None
-    prompt_no: int = 0  # the item's number in the source's order
-    token_staleness: int = 0  # at consume time: the trainer's version minus its oldest token's
-
-    @property
-    def rewards(self) -> list[float]:
-        return [s.reward for s in self.samples]
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(s.tokens) for s in self.samples)
-
-    @property
-    def judged_version(self) -> int:
-        return min(s.judged_version for s in self.samples)
-
-
-@dataclass(frozen=True)
-class FailedGroup:
-    prompt: Any
-    reason: str
-    attempts: int
-    error: BaseException | None = None
-
-
-# -- actions (what the driver carries out) and take's decisions -----------------------------------
-
-
-@dataclass(frozen=True)
-class Submit:
-    key: str
-    group: int
-    payload: RolloutPayload
-    max_staleness: int  # the floor, written as its distance below latest (rule 3)
-
-
-@dataclass(frozen=True)
-class Cancel:
-    key: str
-    cause: str
-
-
-@dataclass(frozen=True)
-class Score:
-    group: int
-    candidate: Group
-
-
-@dataclass(frozen=True)
-class Wasted:
-    cause: WasteCause
-    tokens: int
-
-
-@dataclass(frozen=True)
-class Note:
-    """A line for the log."""
-
-    event: str
-    fields: dict[str, Any]
-
-
-Action = Submit | Cancel | Score | Wasted | Note
-
-
-@dataclass(frozen=True)
-class Handout:
-    step: int
-    version: int
-    groups: list[Group]
-    failed: list[FailedGroup]
-    waste_tokens: dict[str, int]  # since the last batch
-    waste_groups: dict[str, int]
-    staleness: dict[int, int]  # staleness -> groups
-
-
-@dataclass(frozen=True)
-class Wait:
-    """Nothing to hand over yet; more can come."""
-
-
-@dataclass(frozen=True)
-class End:
-    """Nothing left and nothing more can come."""
-
-
-@dataclass(frozen=True)
-class Raise:
-    error: BaseException
-
-
-Decision = Handout | Wait | End | Raise
-
+__all__ = [
+    "WASTE_CAUSES", "Action", "Cancel", "Decision", "End", "FailedGroup", "FailurePolicy", "Group", "Handout",
+    "LoopConfig", "LoopMachine", "Note", "Raise", "Sample", "SampleRun", "Score", "StalePolicy", "StopCause",
+    "Submit", "Wait", "WasteCause", "Wasted", "admission_room", "at_risk", "check_rewards", "continuable",
+    "continuation", "first_pieces", "job_key", "judged_version", "key_owner", "must_refresh", "next_to_consume",
+    "on_failure", "on_stale", "past_deadline", "prompt_payload", "result_tokens", "run_sample", "staleness",
+    "submit_floor", "tails", "too_stale", "uninformative", "utilization", "wait_for_in_flight",
+]  # fmt: skip
 
 # -- the rules, as functions ------------------------------------------------------------------------
 
 
-def admission_room(
-    *,
-    max_staleness: int,
-    batch_groups: int,
-    ready: int,
-    in_flight: int,
-    next_at_latest: bool = True,
-    max_in_flight: int | None = None,
-) -> int:
-    """How many more groups may be admitted now (rule 2; never negative). ``in_flight``: groups
-    admitted and not complete (generating, stopping or being scored); ``ready``: complete, not yet
-    handed out. Dropped, filtered, failed and handed-out groups are in neither: their room is back.
-    ``next_at_latest``: the next batch will be judged at the latest version (else the trainer may
-    commit first, and one batch of room is held back). Nothing is ever admitted beyond the bound:
-    every group held may complete at once, and one more than the batches left before its last
-    chance would go stale."""
-    batches = max_staleness + (1 if next_at_latest else 0)
-    room = batches * batch_groups - (ready + in_flight)
-    if max_in_flight is not None:
-        room = min(room, max_in_flight - in_flight)
-    return max(0, room)
-
-
-def submit_floor(
-    *, latest: int, first: int, max_staleness: int, fresh_served: bool, waited_s: float, grace_s: float
-) -> int | None:
-    """The minimum version new jobs ask for (rule 3): the trainer's latest once a replica is at or
-    preparing it; None (wait) until then, for at most ``grace_s``; then ``max_staleness`` below it
-    (never below the loop's first version)."""
-    if fresh_served:
-        return latest
-    if waited_s < grace_s:
-        return None
-    return max(min(first, latest), latest - max_staleness)
-
-
-def judged_version(spans: Sequence[VersionSpan], continued_from: int, fallback: int) -> int:
-    """Rule 6: the oldest version that made a token at or after ``continued_from`` (zero-width
-    spans never count); ``fallback`` (the version its last run started at) when it made none."""
-    versions = [s.version for s in spans if s.end > s.start and s.end > continued_from]
-    return min(versions) if versions else fallback
-
-
-def staleness(consumed_at: int, versions: Sequence[int]) -> int:
-    """Versions between the trainer's version at consume time and the oldest of ``versions``
-    (never negative: a replica may be ahead of the trainer's view of latest)."""
-    return max(0, consumed_at - min(versions)) if versions else 0
-
-
-def too_stale(consumed_at: int, versions: Sequence[int], max_staleness: int) -> bool:
-    return staleness(consumed_at, versions) > max_staleness
-
-
-def on_stale(policy: StalePolicy) -> Literal["train", "drop", "requeue"]:
-    """What becomes of a group found too stale at consume time."""
-    return "train" if policy == "keep" else policy
-
-
-def next_to_consume(judged_from: Sequence[int]) -> int:
-    """Which ready group goes into the batch next (rule 8): the one judged from the oldest version
-    (the first to go stale if left waiting), the earliest completed among equals."""
-    return min(range(len(judged_from)), key=lambda i: (judged_from[i], i))
-
-
-def wait_for_in_flight(
-    ready: Sequence[int], in_flight: Sequence[int], version: int, max_staleness: int, batch_groups: int
-) -> int | None:
-    """Rule 8: whether the batch at ``version`` must wait for a group still in flight, and for
-    which: None (it need not), or the latest last chance ``D`` such that the groups in flight whose
-    last chance is at most ``D`` are waited for. ``ready``: the judged versions of the ready groups;
-    ``in_flight``: for each group in flight, the oldest version it can be judged from (its finished
-    samples' judged versions, its jobs' floors). A group judged from ``j`` may go into a batch at
-    ``j + max_staleness`` at the latest; with one commit per batch, after this batch at most
-    ``k * batch_groups`` groups with a last chance at or before ``version + k`` may be left. A batch
-    of the ready groups by earliest last chance that would leave more, where a group in flight
-    could have been taken instead, waits for it. A group already past its last chance is not
-    waited for (no wait saves it), nor an excess that a batch full of earlier ones cannot take."""
-    ready_d = sorted(j + max_staleness for j in ready if j + max_staleness >= version)
-    flying_d = sorted(j + max_staleness for j in in_flight if j + max_staleness >= version)
-    taken = ready_d[:batch_groups]
-    urgent = None
-    # (Only where a group in flight has its last chance: where none has, the batch either took
-    # every ready group up to there, or is full of them, and no wait changes that.)
-    for last in sorted(set(flying_d)):
-        got = sum(1 for d in taken if d <= last)
-        left = sum(1 for d in ready_d if d <= last) + sum(1 for d in flying_d if d <= last) - got
-        if left > (last - version) * batch_groups and got < batch_groups:
-            urgent = last
-    return urgent
-
-
-def at_risk(piece_floor: int, latest: int, max_staleness: int) -> bool:
-    """Whether a job whose tokens may be as old as ``piece_floor`` could miss every batch that may
-    take it: two batches are left at most, at ``latest`` (which may be handed out already) and at
-    the next commit; it must complete before the one after, where ``latest + 2 - piece_floor >
-    max_staleness`` (a job that completes while its stop is on the way is still on time; waiting
-    for its very last chance lost every group that completed just after a batch was handed out)."""
-    return latest - piece_floor > max(max_staleness - 2, 0)
-
-
-def must_refresh(
-    piece_floor: int,
-    fresh_floor: int | None,
-    latest: int,
-    max_staleness: int,
-    *,
-    at_risk_only: bool,
-    finished_judged: int | None = None,
-) -> bool:
-    """Rule 7: whether a running job whose tokens may be as old as ``piece_floor`` is stopped and
-    continued at ``fresh_floor``. Never unless that is fresher, and never once a finished sample of
-    its group is judged from ``finished_judged`` <= ``piece_floor``: the group is judged by its
-    oldest-judged sample, so going on at a fresher version would gain it nothing (and the churn of
-    stopping would only delay the group while that sample ages). A partial rollout
-    (``at_risk_only``) waits until it is ``at_risk``; a tail goes on at once."""
-    if fresh_floor is None or fresh_floor <= piece_floor:
-        return False
-    if finished_judged is not None and finished_judged <= piece_floor:
-        return False
-    return not at_risk_only or at_risk(piece_floor, latest, max_staleness)
-
-
-def tails(
-    in_flight_admitted: Sequence[int], batch_admitted: Sequence[int], oversample: int, risky: Sequence[int] = ()
-) -> list[int]:
-    """The tails when a batch is handed out: admission numbers of groups still in flight that were
-    admitted before every group of the batch (a whole batch overtook them) or are ``risky`` (a job
-    of theirs ``at_risk``), oldest first, at most ``oversample`` of them."""
-    if oversample <= 0 or not batch_admitted:
-        return []
-    first = min(batch_admitted)
-    return sorted(a for a in in_flight_admitted if a < first or a in risky)[:oversample]
-
-
 def past_deadline(admitted_at: float, now: float, deadline_s: float | None) -> bool:
     return deadline_s is not None and now - admitted_at > deadline_s
-
-
-def on_failure(
-    policy: FailurePolicy, cause: StopCause, attempts: int, max_attempts: int
-) -> Literal["requeue", "report", "forget"]:
-    """What becomes of a group that did not complete (rule 9): one closed with the loop is
-    forgotten; otherwise its prompt goes back until it was tried ``max_attempts`` times."""
-    if cause == "closed":
-        return "forget"
-    return "requeue" if policy == "requeue" and attempts < max_attempts else "report"
 
 
 def uninformative(rewards: Sequence[float], tol: float = 1e-12) -> bool:
@@ -511,7 +197,7 @@ def check_rewards(rewards: Sequence[Any], samples: int) -> str | None:
     if len(rewards) != samples:
         return f"reward gave {len(rewards)} values for {samples} samples"
     for i, r in enumerate(rewards):
-        if not _number(r) or not math.isfinite(r):
+        if not is_number(r) or not math.isfinite(r):
             return f"reward of sample {i} is {r!r}, not a finite number"
     return None
 
@@ -520,142 +206,6 @@ def utilization(busy: Sequence[int], capacity: Sequence[int]) -> float | None:
     """Busy fraction of the fleet's slots (None when the fleet has none)."""
     total = sum(capacity)
     return min(1.0, sum(busy) / total) if total > 0 else None
-
-
-def prompt_payload(item: Any, config: LoopConfig) -> RolloutPayload | InvalidRequest:
-    """Rule 1: the request an item of the source asks for, or why it cannot be one."""
-    if isinstance(item, RolloutPayload):
-        base = item
-    elif isinstance(item, str):
-        base = RolloutPayload(prompt_text=item, sampling=config.sampling, extra=dict(config.extra))
-    elif isinstance(item, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
-        base = RolloutPayload(prompt_token_ids=list(item), sampling=config.sampling, extra=dict(config.extra))
-    else:
-        return InvalidRequest(f"a prompt is a RolloutPayload, a str or a list of token ids, got {type(item).__name__}")
-    if not base.prompt_token_ids and not base.prompt_text:
-        return InvalidRequest("a prompt is empty")
-    return base
-
-
-def continuable(base: RolloutPayload) -> bool:
-    """Whether a stopped sample of this prompt can go on from its tokens (a token-id prompt)."""
-    return bool(base.prompt_token_ids)
-
-
-def first_pieces(base: RolloutPayload, group_size: int, split: bool) -> list[tuple[tuple[int, ...], RolloutPayload]]:
-    """Rule 4: a group's first jobs, with the samples each makes."""
-    if not split:
-        return [(tuple(range(group_size)), msgspec.structs.replace(base, n=group_size))]
-    return [((i,), _alone(base, i, base.prompt_token_ids, base.sampling.max_tokens)) for i in range(group_size)]
-
-
-def continuation(base: RolloutPayload, index: int, prefix: Sequence[int], left: int) -> RolloutPayload:
-    """Rule 4: sample ``index`` going on from its tokens so far, for the ``left`` it has left."""
-    return _alone(base, index, [*(base.prompt_token_ids or []), *prefix], left)
-
-
-def _alone(base: RolloutPayload, index: int, prompt: list[int] | None, max_tokens: int) -> RolloutPayload:
-    sampling = msgspec.structs.replace(
-        base.sampling, max_tokens=max_tokens, seed=sample_seed(base.sampling.seed, index)
-    )
-    return msgspec.structs.replace(base, prompt_token_ids=prompt, sampling=sampling, n=1)
-
-
-def job_key(loop_id: str, prompt_no: int, attempt: int, round_: int, indices: Sequence[int], allowance: int) -> str:
-    """Rule 5: the idempotency key of a job (``allowance``: its floor's distance below latest)."""
-    samples = "g" if len(indices) > 1 else f"s{indices[0]}"
-    return f"loop:{loop_id}:p{prompt_no}:a{attempt}:r{round_}:{samples}:d{allowance}"
-
-
-_KEY = re.compile(r"^loop:(?P<loop>[A-Za-z0-9_-]+):p(?P<prompt>\d+):a(?P<attempt>\d+):r\d+:(g|s\d+):d\d+$")
-
-
-def key_owner(key: str) -> tuple[str, int, int] | None:
-    """(loop id, prompt number, attempt) of a key ``job_key`` made; None for any other key."""
-    m = _KEY.match(key)
-    return (m["loop"], int(m["prompt"]), int(m["attempt"])) if m else None
-
-
-def result_tokens(result: RolloutResult) -> int:
-    return sum(len(o.token_ids) for o in result.outputs)
-
-
-def run_sample(result: RolloutResult, out: Any, prefix: Sample | None, index: int = 0) -> Sample:
-    """A sample from output ``index`` of an answer, after ``prefix`` (what earlier runs made of
-    it): tokens, log-probs, spans and runs joined (spans shifted past the earlier tokens; a span
-    going on at the same version and replica merges with the one before it; zero-width spans
-    dropped)."""
-    tokens = list(out.token_ids)
-    run = SampleRun(len(prefix.tokens) if prefix else 0, result.idempotency_key, index, result.replay)
-    spans = [s for s in out.weight_versions if s.end > s.start] if out.weight_versions else []
-    if tokens and not spans:  # (an engine that cannot tell: the run's first version bounds it)
-        spans = [VersionSpan(version=result.version_start, start=0, end=len(tokens))]
-    logprobs = list(out.logprobs) if out.logprobs is not None else ([] if not tokens else None)
-    if prefix is None:
-        oldest = min((s.version for s in spans), default=result.version_start)
-        judged = judged_version(spans, 0, result.version_start)
-        return Sample(tokens, logprobs, spans, out.finish_reason, oldest, result.version_end, 0.0, 0, judged, (run,))
-    shift = len(prefix.tokens)
-    joined = list(prefix.spans)
-    for sp in spans:
-        last = joined[-1] if joined else None
-        if last is not None and (last.version, last.replica, last.end) == (sp.version, sp.replica, sp.start + shift):
-            joined[-1] = VersionSpan(version=sp.version, start=last.start, end=sp.end + shift, replica=sp.replica)
-        else:
-            joined.append(
-                VersionSpan(version=sp.version, start=sp.start + shift, end=sp.end + shift, replica=sp.replica)
-            )
-    both = None if prefix.logprobs is None or logprobs is None else [*prefix.logprobs, *logprobs]
-    oldest = min((s.version for s in joined), default=result.version_start)
-    judged = judged_version(joined, shift, result.version_start)
-    runs = (*prefix.replay, run)
-    return Sample(
-        [*prefix.tokens, *tokens], both, joined, out.finish_reason, oldest, result.version_end, 0.0, shift, judged, runs
-    )
-
-
-# -- the machine's state --------------------------------------------------------------------------
-
-
-@dataclass
-class _Prompt:
-    no: int
-    item: Any
-    payload: RolloutPayload
-    attempts: int = 0  # tries begun
-
-
-@dataclass
-class _Slot:
-    prefix: Sample | None = None  # what earlier runs made of a continued sample
-    done: Sample | None = None
-
-
-@dataclass
-class _Piece:
-    key: str
-    group: int
-    indices: tuple[int, ...]
-    round: int
-    payload: RolloutPayload
-    floor: int
-    stopping: Literal["refresh", "group"] | None = None
-    refresh_floor: int = 0  # where a refreshed job's samples go on
-
-
-@dataclass
-class _Group:
-    no: int
-    prompt: _Prompt
-    admitted_at: float
-    slots: list[_Slot]
-    pieces: dict[str, _Piece] = field(default_factory=dict)
-    results: list[RolloutResult] = field(default_factory=list)
-    generated: int = 0  # tokens of every answer it received, every round
-    stop: StopCause | None = None
-    error: BaseException | None = None
-    continued_at: int | None = None
-    scoring: Group | None = None  # complete, being scored
 
 
 class LoopMachine:
@@ -667,38 +217,32 @@ class LoopMachine:
         self.scored_groups = scored
         self.loop_id = loop_id
         self.first_version = first_version
-        self.latest = first_version
-        self.fresh = True
-        self._fresh_wait_since: float | None = None
-        self._numbers = itertools.count()  # admission numbers
-        self._next_prompt_no = 0
-        self._pending: deque[_Prompt] = deque()  # read, not yet admitted (re-queued ones first)
-        self._unresolved: dict[int, _Prompt] = {}  # prompts pending or in a group not yet complete
-        self._groups: dict[int, _Group] = {}  # admitted, not complete (generating, stopping, scoring)
-        self._pieces: dict[str, _Piece] = {}  # jobs asked for and not answered, by key
-        self._received: dict[str, tuple[str, int]] = {}  # key -> (job id, tokens) of the answer used
+        self.admission = Admission(config, first_version)
+        self.prompts = PromptBook()
+        self.flight = InFlight(loop_id)
         self._ready: list[Group] = []
-        self._failed_since: list[FailedGroup] = []  # reported since the last batch
-        self.failed: list[FailedGroup] = []  # reported over the loop's life
-        self._source: Literal["open", "dry", "failed"] = "open"
-        self._source_error: BaseException | None = None
-        self._error_raised = False
         self.closed = False
         self._step = 0
-        # Whether the next batch will be judged at ``latest``: False from a batch handed out until
-        # the trainer asks again or a newer version is seen (rule 2).
-        self._next_at_latest = True
-        self._waste_tokens: Counter[str] = Counter()  # since the last batch
-        self._waste_groups: Counter[str] = Counter()
-        # Over the loop's life: admitted, completed, requeued, failed, continued, batches, groups,
-        # samples, tokens (trained), generated_tokens, waste_tokens_<cause>, waste_groups_<cause>.
-        self.totals: Counter[str] = Counter()
+        self.ledger = TokenLedger()
+        self.totals = self.ledger.totals  # (rule 11; the ledger's own counter, never replaced)
+        self.failures = FailureLog(self.totals)
+        self.failed = self.failures.failed  # (the log's own list, never replaced)
 
     # -- what the driver reads -------------------------------------------------------------------
     @property
+    def latest(self) -> int:
+        """The trainer's latest version, as last seen."""
+        return self.admission.latest
+
+    @property
+    def fresh(self) -> bool:
+        """Whether a replica is at or preparing ``latest``, as last seen."""
+        return self.admission.fresh
+
+    @property
     def in_flight(self) -> int:
         """Groups admitted and not yet complete (generating, stopping, or being scored)."""
-        return len(self._groups)
+        return len(self.flight.groups)
 
     @property
     def ready(self) -> int:
@@ -707,56 +251,28 @@ class LoopMachine:
     @property
     def held_tokens(self) -> int:
         """Tokens generated for groups not yet trained on nor wasted (rule 11)."""
-        return sum(g.generated for g in self._groups.values()) + sum(g.tokens for g in self._ready)
+        return sum(g.generated for g in self.flight.groups.values()) + sum(g.tokens for g in self._ready)
 
     def room(self) -> int:
-        cfg = self.config
-        return admission_room(
-            max_staleness=cfg.max_staleness,
-            batch_groups=cfg.batch_groups,
-            ready=len(self._ready),
-            in_flight=len(self._groups),
-            next_at_latest=self._next_at_latest,
-            max_in_flight=cfg.max_in_flight,
-        )
+        return self.admission.room(ready=len(self._ready), in_flight=len(self.flight.groups))
 
     def wants_prompts(self) -> int:
         """How many more items the source may be read for now (never more than there is room)."""
-        if self.closed or self._source != "open":
+        if self.closed or self.prompts.source != "open":
             return 0
-        return max(0, self.room() - len(self._pending))
+        return max(0, self.room() - len(self.prompts.pending))
 
     def owns(self, key: str) -> bool:
         """Whether an answer under ``key`` that no job of this loop waits for is this loop's to
         count as orphaned now: a key of this loop (rule 5) whose prompt was read and is past the
         attempt it names (a group of that attempt will never ask for it), or any of its keys once
         closed. A key of a prompt not yet read may still be asked (a restarted loop reclaims it)."""
-        owner = key_owner(key)
-        if owner is None or owner[0] != self.loop_id or key in self._pieces:
-            return False
-        if self.closed:
-            return True
-        _, prompt_no, attempt = owner
-        if prompt_no >= self._next_prompt_no:
-            return False  # not read yet
-        p = self._unresolved.get(prompt_no)
-        if p is None or attempt < p.attempts:
-            return True  # resolved, or an earlier attempt's
-        if attempt > p.attempts:
-            return False  # an attempt still to come
-        return not any(g.prompt is p for g in self._groups.values())  # (a live group may go on asking)
+        return self.prompts.owns(key, self.loop_id, self.closed, self.flight)
 
     # -- events ----------------------------------------------------------------------------------
     def version_seen(self, now: float, latest: int, fresh_served: bool) -> list[Action]:
         """The trainer's latest version, and whether a replica is at or preparing it."""
-        if fresh_served:
-            self._fresh_wait_since = None
-        elif self._fresh_wait_since is None or latest > self.latest:
-            self._fresh_wait_since = now  # (a newer version: its grace starts now)
-        if latest > self.latest:
-            self._next_at_latest = True
-        self.latest = max(self.latest, latest)
-        self.fresh = fresh_served
+        self.admission.version_seen(now, latest, fresh_served)
         return self._decide(now)
 
     def tick(self, now: float) -> list[Action]:
@@ -765,83 +281,61 @@ class LoopMachine:
 
     def prompt(self, now: float, item: Any) -> list[Action]:
         """The source gave ``item``."""
-        no = self._next_prompt_no
-        self._next_prompt_no += 1
+        no = self.prompts.number()
         payload = prompt_payload(item, self.config)
         if isinstance(payload, InvalidRequest):
-            self._report(FailedGroup(item, f"InvalidRequest: {payload.message}", 0, payload))
+            self.failures.report(FailedGroup(item, f"InvalidRequest: {payload.message}", 0, payload))
             return [Note("loop_prompt_refused", {"prompt_no": no, "reason": payload.message})]
-        p = _Prompt(no, item, payload)
-        self._pending.append(p)
-        self._unresolved[no] = p
+        self.prompts.add(no, item, payload)
         return self._decide(now)
 
     def source_done(self, now: float) -> list[Action]:
-        self._source = "dry"
+        self.prompts.source = "dry"
         return self._decide(now)
 
     def source_failed(self, now: float, error: BaseException) -> list[Action]:
-        self._source, self._source_error = "failed", error
+        self.prompts.source, self.prompts.source_error = "failed", error
         return [Note("loop_source_failed", {"error": f"{type(error).__name__}: {error}"}), *self._decide(now)]
 
     def submitted(self, key: str, floor: int) -> None:
         """The job under ``key`` is stored (or was found stored) asking for ``floor``."""
-        piece = self._pieces.get(key)
+        piece = self.flight.pieces.get(key)
         if piece is not None:
             piece.floor = floor
 
     def answered(self, now: float, key: str, result: RolloutResult) -> list[Action]:
-        tokens = result_tokens(result)
-        piece = self._pieces.pop(key, None)
-        if piece is None:  # nobody here waits for it
+        settled = self.flight.settle(key)
+        if settled is None:  # nobody here waits for it
             return self.orphan(key, result)
-        self.totals["generated_tokens"] += tokens
-        self._received[key] = (result.job_id, tokens)
-        g = self._groups[piece.group]
-        del g.pieces[key]
-        g.generated += tokens
+        piece, g = settled
+        g.generated += self.ledger.answered(key, result)
         g.results.append(result)
         if g.stop is not None:
             return self._settle_stopped(now, g)
-        if len(result.outputs) != len(piece.indices):
-            g.error = ContractViolation(f"{len(result.outputs)} samples answered for {len(piece.indices)} asked")
+        going_on, error = take_outputs(g, piece, result, self.admission.floor(now))
+        asks: list[Action] = [
+            self.flight.ask(g, (c.index,), piece.round + 1, c.payload, c.floor, self.latest) for c in going_on
+        ]
+        if error is not None:
+            g.error = error
             return self._stop_group(now, g, "failed")
-        actions: list[Action] = []
-        base = g.prompt.payload
-        for at, (i, out) in enumerate(zip(piece.indices, result.outputs, strict=True)):
-            slot = g.slots[i]
-            sample = run_sample(result, out, slot.prefix, at)
-            left = piece.payload.sampling.max_tokens - len(out.token_ids)
-            if out.finish_reason == "abort" and left > 0 and continuable(base):
-                if not out.token_ids and piece.stopping != "refresh":
-                    g.error = InvalidRequest(f"sample {i} was aborted before its first token, not by the loop")
-                    return self._stop_group(now, g, "failed")
-                slot.prefix = sample
-                floor = piece.refresh_floor if piece.stopping == "refresh" else self._floor(now)
-                floor = piece.floor if floor is None else floor
-                payload = continuation(base, i, sample.tokens, left)
-                actions.append(self._ask(g, (i,), piece.round + 1, payload, floor))
-                g.continued_at = max(g.continued_at if g.continued_at is not None else floor, floor)
-            else:
-                slot.done = sample
-        return [*actions, *self._maybe_complete(now, g)]
+        return [*asks, *self._maybe_complete(now, g)]
 
     def job_failed(self, now: float, key: str, error: BaseException) -> list[Action]:
-        piece = self._pieces.pop(key, None)
-        if piece is None:
+        settled = self.flight.settle(key)
+        if settled is None:
             return []
-        g = self._groups[piece.group]
-        del g.pieces[key]
+        piece, g = settled
         if g.stop is not None:
             return self._settle_stopped(now, g)
         if piece.stopping == "refresh" and isinstance(error, Cancelled):
             # Stopped before it made anything: the same samples asked again, at the fresher floor.
-            return [self._ask(g, piece.indices, piece.round + 1, piece.payload, piece.refresh_floor)]
+            return [self.flight.ask(g, piece.indices, piece.round + 1, piece.payload, piece.refresh_floor, self.latest)]
         g.error = error
         return self._stop_group(now, g, "failed")
 
     def scored(self, now: float, group_no: int, rewards: Sequence[Any]) -> list[Action]:
-        g = self._groups.get(group_no)
+        g = self.flight.groups.get(group_no)
         if g is None or g.scoring is None or g.stop is not None:
             return []
         why = check_rewards(rewards, len(g.scoring.samples))
@@ -852,78 +346,52 @@ class LoopMachine:
         return self._accept(now, g, group)
 
     def score_failed(self, now: float, group_no: int, error: BaseException) -> list[Action]:
-        g = self._groups.get(group_no)
+        g = self.flight.groups.get(group_no)
         if g is None or g.scoring is None or g.stop is not None:
             return []
         g.scoring, g.error = None, error
         return self._stop_group(now, g, "failed")
 
     def orphan(self, key: str, outcome: Any) -> list[Action]:
-        """An answer under this loop's key that no job waits for (``owns(key)`` said so). The very
-        answer it already received for the key (the same job, as many tokens: a delivery repeated,
-        e.g. to a restarted loop that also found it stored) is no new token: not counted."""
-        tokens = result_tokens(outcome) if isinstance(outcome, RolloutResult) else 0
-        if isinstance(outcome, RolloutResult) and self._received.get(key) == (outcome.job_id, tokens):
+        """An answer under this loop's key that no job waits for (``owns(key)`` said so); the very
+        answer it already received for the key is no new token (``TokenLedger.orphaned``)."""
+        tokens, repeated = self.ledger.orphaned(key, outcome)
+        if repeated:
             return [Note("loop_answer_repeated", {"key": key, "tokens": tokens})]
-        self.totals["generated_tokens"] += tokens
-        return [*self._waste(tokens, "orphaned", groups=0), Note("loop_orphan", {"key": key, "tokens": tokens})]
+        return [self.ledger.waste(tokens, "orphaned", groups=0), Note("loop_orphan", {"key": key, "tokens": tokens})]
 
     def take(self, now: float) -> tuple[Decision, list[Action]]:
         """The trainer asks for its next batch, at version ``self.latest``."""
-        if self._source_error is not None and not self._error_raised:
-            self._error_raised = True
-            return Raise(self._source_error), []
+        error = self.prompts.error_to_raise()
+        if error is not None:
+            return Raise(error), []
         if self.closed:
             return End(), []
-        cfg = self.config
-        self._next_at_latest = True  # it asks at this version (rule 2)
+        cfg, groups = self.config, self.flight.groups
+        self.admission.next_at_latest = True  # it asks at this version (rule 2)
         actions = self._judge_ready(now)
-        more = self._source == "open" or bool(self._pending) or bool(self._groups)
+        more = self.prompts.source == "open" or bool(self.prompts.pending) or bool(groups)
         if len(self._ready) < cfg.batch_groups and more:
             return Wait(), actions
-        if not self._ready:
-            if not self._failed_since:
-                return End(), actions
+        if not self._ready and not self.failures.since:
+            return End(), actions
         if cfg.stale != "keep":
-            flying = {g.no: v for g in self._groups.values() if (v := self._oldest_judged(g)) is not None}
-            urgent = wait_for_in_flight(
-                [g.judged_version for g in self._ready], list(flying.values()), self.latest, cfg.max_staleness,
-                cfg.batch_groups,
-            )  # fmt: skip
-            if urgent is not None:
+            waited = must_wait_for(self._ready, groups.values(), self.latest, cfg.max_staleness, cfg.batch_groups)
+            if waited is not None:
                 if cfg.partial_rollout or cfg.oversample:  # (rule 7: it goes on at the fresh floor)
-                    last = urgent - cfg.max_staleness
-                    actions += self._refresh(now, {no for no, v in flying.items() if v <= last})
+                    actions += self._refresh(now, waited)
                 return Wait(), actions
-        taken: list[Group] = []
-        while self._ready and len(taken) < cfg.batch_groups:
-            taken.append(self._ready.pop(next_to_consume([g.judged_version for g in self._ready])))
+        taken = pick_batch(self._ready, cfg.batch_groups)
         for g in taken:
-            self._unresolved.pop(g.prompt_no, None)
+            self.prompts.resolve(g.prompt_no)
         self._step += 1
-        self._next_at_latest = False
-        out = Handout(
-            step=self._step,
-            version=self.latest,
-            groups=taken,
-            failed=self._failed_since,
-            waste_tokens=dict(self._waste_tokens),
-            waste_groups=dict(self._waste_groups),
-            staleness=dict(sorted(Counter(g.staleness for g in taken).items())),
-        )
-        self._failed_since = []
-        self._waste_tokens, self._waste_groups = Counter(), Counter()
-        self.totals.update(
-            batches=1,
-            groups=len(taken),
-            samples=sum(len(g.samples) for g in taken),
-            tokens=sum(g.tokens for g in taken),
-        )
-        running = [g for g in self._groups.values() if g.stop is None and g.scoring is None]
-        risky = [
-            g.no for g in running if any(at_risk(p.floor, self.latest, cfg.max_staleness) for p in g.pieces.values())
-        ]
-        tail = set(tails([g.no for g in running], [g.admitted for g in taken], cfg.oversample, risky))
+        self.admission.next_at_latest = False
+        waste_tokens, waste_groups = self.ledger.handed_out(taken)
+        staleness_counts = dict(sorted(Counter(g.staleness for g in taken).items()))
+        failed = self.failures.handed_out()
+        out = Handout(self._step, self.latest, taken, failed, waste_tokens, waste_groups, staleness_counts)
+        admitted = [g.admitted for g in taken]
+        tail = batch_tails(groups.values(), admitted, self.latest, cfg.max_staleness, cfg.oversample)
         actions += self._refresh(now, tail)
         actions += self._admit(now)
         return out, actions
@@ -933,18 +401,16 @@ class LoopMachine:
         if self.closed:
             return []
         self.closed = True
-        self._pending.clear()
-        actions: list[Action] = []
-        for group in self._ready:
-            actions += self._waste(group.tokens, "unused")
+        self.prompts.pending.clear()
+        actions: list[Action] = [self.ledger.waste(group.tokens, "unused") for group in self._ready]
         self._ready.clear()
-        for g in list(self._groups.values()):
+        for g in list(self.flight.groups.values()):
             if g.scoring is not None:
-                del self._groups[g.no]
-                actions += self._waste(g.generated, "unused")
+                del self.flight.groups[g.no]
+                actions.append(self.ledger.waste(g.generated, "unused"))
             elif g.stop is None:
                 actions += self._stop_group(now, g, "closed")
-        self._unresolved.clear()
+        self.prompts.unresolved.clear()
         return actions
 
     # -- decisions -------------------------------------------------------------------------------
@@ -952,186 +418,93 @@ class LoopMachine:
         if self.closed:
             return []
         actions: list[Action] = []
-        for g in list(self._groups.values()):
-            if g.stop is None and g.scoring is None and past_deadline(g.admitted_at, now, self.config.group_deadline_s):
+        for g in list(self.flight.groups.values()):
+            if g.running and past_deadline(g.admitted_at, now, self.config.group_deadline_s):
                 g.error = Cancelled("past the group's deadline")
                 actions += self._stop_group(now, g, "deadline")
         if self.config.partial_rollout:
             actions += self._refresh(now, set())
         return actions + self._admit(now)
 
-    def _floor(self, now: float) -> int | None:
-        waited = 0.0 if self._fresh_wait_since is None else now - self._fresh_wait_since
-        return submit_floor(
-            latest=self.latest,
-            first=self.first_version,
-            max_staleness=self.config.max_staleness,
-            fresh_served=self.fresh,
-            waited_s=waited,
-            grace_s=self.config.activation_grace_s,
-        )
-
     def _admit(self, now: float) -> list[Action]:
-        floor = self._floor(now)
+        cfg = self.config
+        floor = self.admission.floor(now)
         actions: list[Action] = []
-        while not self.closed and self._pending and floor is not None and self.room() > 0:
-            p = self._pending.popleft()
+        while not self.closed and self.prompts.pending and floor is not None and self.room() > 0:
+            p = self.prompts.pending.popleft()
             p.attempts += 1
-            g = _Group(next(self._numbers), p, now, [_Slot() for _ in range(self.config.group_size)])
-            self._groups[g.no] = g
+            g = self.flight.admit(p, now, cfg.group_size)
             self.totals["admitted"] += 1
-            for indices, payload in first_pieces(p.payload, self.config.group_size, self.config.split_groups):
-                actions.append(self._ask(g, indices, 0, payload, floor))
+            for indices, payload in first_pieces(p.payload, cfg.group_size, cfg.split_groups):
+                actions.append(self.flight.ask(g, indices, 0, payload, floor, self.latest))
         return actions
-
-    def _ask(self, g: _Group, indices: tuple[int, ...], round_: int, payload: RolloutPayload, floor: int) -> Submit:
-        allowance = max(0, self.latest - floor)
-        key = job_key(self.loop_id, g.prompt.no, g.prompt.attempts, round_, indices, allowance)
-        piece = _Piece(key, g.no, indices, round_, payload, self.latest - allowance)
-        g.pieces[key] = piece
-        self._pieces[key] = piece
-        return Submit(key, g.no, payload, allowance)
 
     def _refresh(self, now: float, tail: set[int]) -> list[Action]:
         """Rule 7, for every running group (partial rollouts) and the tails given."""
-        fresh_floor = self._floor(now)
+        fresh_floor = self.admission.floor(now)
         if fresh_floor is None:
             return []
         cfg = self.config
-        actions: list[Action] = []
-        for g in self._groups.values():
-            if g.stop is not None or g.scoring is not None or not continuable(g.prompt.payload):
-                continue
-            if g.no not in tail and not cfg.partial_rollout:
-                continue
-            stopped = 0
-            finished = [s.done.judged_version for s in g.slots if s.done is not None]
-            pinned = min(finished) if finished else None
-            for piece in g.pieces.values():
-                if piece.stopping is None and must_refresh(
-                    piece.floor,
-                    fresh_floor,
-                    self.latest,
-                    cfg.max_staleness,
-                    at_risk_only=g.no not in tail,
-                    finished_judged=pinned,
-                ):
-                    piece.stopping, piece.refresh_floor = "refresh", fresh_floor
-                    actions.append(Cancel(piece.key, "tail" if g.no in tail else "refresh"))
-                    stopped += 1
-            if stopped:
-                self.totals["continued"] += 1
-        return actions
-
-    def _oldest_judged(self, g: _Group) -> int | None:
-        """The oldest version group ``g``, in flight, can be judged from once complete (rule 6):
-        its finished samples' judged versions and the floors of its jobs (a job stopped to go on
-        at a fresher floor may still answer whole before its stop lands). None for a group being
-        stopped (it will not complete)."""
-        if g.stop is not None:
-            return None
-        if g.scoring is not None:
-            return g.scoring.judged_version
-        versions = [s.done.judged_version for s in g.slots if s.done is not None]
-        versions += [p.floor for p in g.pieces.values()]
-        return min(versions) if versions else None
+        cancels, continued = refresh_stops(
+            self.flight.groups.values(), tail, fresh_floor, self.latest, cfg.max_staleness, cfg.partial_rollout
+        )
+        if continued:
+            self.totals["continued"] += continued
+        return list(cancels)
 
     def _judge_ready(self, now: float) -> list[Action]:
         """Rule 6 at consume time, for every ready group at the trainer's version."""
         cfg = self.config
         actions: list[Action] = []
-        keep: list[Group] = []
-        for group in self._ready:
-            group.staleness = staleness(self.latest, [group.judged_version])
-            group.token_staleness = staleness(self.latest, [s.version_start for s in group.samples])
-            if group.staleness <= cfg.max_staleness or on_stale(cfg.stale) == "train":
-                keep.append(group)
-                continue
+        self._ready, too_stale_groups = judge_ready(self._ready, self.latest, cfg.max_staleness, cfg.stale)
+        for group in too_stale_groups:
             action = on_stale(cfg.stale)
-            actions += self._waste(group.tokens, "stale")
-            actions.append(Note("loop_group_stale", {"admitted": group.admitted, "version": self.latest,
-                "judged_from": group.judged_version, "tokens": group.tokens, "action": action}))  # fmt: skip
-            p = self._unresolved.get(group.prompt_no)
-            if action == "requeue" and p is not None:
-                self._pending.appendleft(p)
+            actions += [self.ledger.waste(group.tokens, "stale"), stale_note(group, self.latest, action)]
+            if self.prompts.requeue_or_resolve(group.prompt_no, action == "requeue"):
                 self.totals["requeued"] += 1
-            else:
-                self._unresolved.pop(group.prompt_no, None)
-        self._ready = keep
         return actions + self._admit(now)
 
-    def _maybe_complete(self, now: float, g: _Group) -> list[Action]:
-        if g.pieces or any(s.done is None for s in g.slots):
+    def _maybe_complete(self, now: float, g: GroupInFlight) -> list[Action]:
+        group = g.complete()
+        if group is None:
             return []
-        samples = [s.done for s in g.slots if s.done is not None]
-        group = Group(
-            prompt=g.prompt.item,
-            payload=g.prompt.payload,
-            samples=samples,
-            results=g.results,
-            attempts=g.prompt.attempts,
-            admitted=g.no,
-            continued_at=g.continued_at,
-            prompt_no=g.prompt.no,
-        )
         if self.scored_groups:
             g.scoring = group
             return [Score(g.no, group)]
         return self._accept(now, g, group)
 
-    def _accept(self, now: float, g: _Group, group: Group) -> list[Action]:
-        del self._groups[g.no]
+    def _accept(self, now: float, g: GroupInFlight, group: Group) -> list[Action]:
+        del self.flight.groups[g.no]
         if self.config.dynamic_sampling and uninformative(group.rewards):
-            self._unresolved.pop(g.prompt.no, None)
-            return [*self._waste(g.generated, "filtered"), *self._admit(now)]
+            self.prompts.resolve(g.prompt.no)
+            return [self.ledger.waste(g.generated, "filtered"), *self._admit(now)]
         self.totals["completed"] += 1
         self._ready.append(group)
         return self._admit(now)
 
-    def _stop_group(self, now: float, g: _Group, cause: StopCause) -> list[Action]:
-        """Stop the whole group for ``cause``: cancel each job not yet cancelled for it; settled
-        once every job has answered."""
-        g.stop = cause
-        actions: list[Action] = []
-        for piece in g.pieces.values():
-            if piece.stopping != "group":
-                piece.stopping = "group"
-                actions.append(Cancel(piece.key, cause))
-        return actions + self._settle_stopped(now, g)
+    def _stop_group(self, now: float, g: GroupInFlight, cause: StopCause) -> list[Action]:
+        """Stop the whole group for ``cause`` (``stop_jobs``); settled once every job has answered."""
+        return [*stop_jobs(g, cause), *self._settle_stopped(now, g)]
 
-    def _settle_stopped(self, now: float, g: _Group) -> list[Action]:
+    def _settle_stopped(self, now: float, g: GroupInFlight) -> list[Action]:
         if g.pieces:
             return []  # (every job answers: a cancel settles it)
         cause = g.stop
         assert cause is not None
-        del self._groups[g.no]
-        actions = self._waste(g.generated, cause)
+        del self.flight.groups[g.no]
+        actions: list[Action] = [self.ledger.waste(g.generated, cause)]
         verdict = on_failure(self.config.on_failure, cause, g.prompt.attempts, self.config.max_attempts)
         if verdict == "forget":
             return actions
-        exc = g.error
-        reason = f"cancelled ({cause})" if isinstance(exc, Cancelled) or exc is None else f"{type(exc).__name__}: {exc}"
-        actions.append(Note("loop_group_failed", {"admitted": g.no, "cause": cause, "reason": reason,
-            "attempts": g.prompt.attempts, "tokens": g.generated, "then": verdict}))  # fmt: skip
+        reason = failure_reason(cause, g.error)
+        actions.append(failure_note(g, cause, reason, verdict))
         if verdict == "requeue" and not self.closed:
-            self._pending.appendleft(g.prompt)
+            self.prompts.requeue(g.prompt)
             self.totals["requeued"] += 1
         else:
-            self._unresolved.pop(g.prompt.no, None)
-            self._report(FailedGroup(g.prompt.item, reason, g.prompt.attempts, exc))
+            self.prompts.resolve(g.prompt.no)
+            self.failures.report(FailedGroup(g.prompt.item, reason, g.prompt.attempts, g.error))
         return actions + self._admit(now)
-
-    def _report(self, failure: FailedGroup) -> None:
-        self._failed_since.append(failure)
-        self.failed.append(failure)
-        self.totals["failed"] += 1
-
-    def _waste(self, tokens: int, cause: WasteCause, groups: int = 1) -> list[Action]:
-        self._waste_tokens[cause] += tokens
-        self._waste_groups[cause] += groups
-        self.totals[f"waste_tokens_{cause}"] += tokens
-        self.totals[f"waste_groups_{cause}"] += groups
-        return [Wasted(cause, tokens)]
 
 
 def _rewarded(s: Sample, reward: float) -> Sample:
