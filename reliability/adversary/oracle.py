@@ -1304,6 +1304,30 @@ class Oracle:
             default=None,
         )
 
+    def _check_reused_key(self, key: str, c: Call, first: Call, ref: Call) -> None:
+        """Another request under a key (``c``) that got a result: never the first request's
+        result (the same job and tokens), and never a run of its own while the first request's
+        job stood. A job id is the key's, so a run under a freed key carries the same job id
+        with tokens of its own: it is legitimate where the first request's job was lost with
+        the store before ``c`` was asked (campaign seed 2, broker-stores: a rollback took the
+        first job, the other request ran, a wipe took its answer, and the first request asked
+        again ran once more)."""
+        a, b = ref.answer or {}, c.answer or {}
+        if (a.get("job_id"), a.get("tokens")) == (b.get("job_id"), b.get("tokens")):
+            handed = "a key reused for another request was answered with the first request's result"
+            self.check("once", False, key, handed)
+            return
+        first_t = float(first.stored["t"]) if first.stored else first.t0
+        if b.get("job_id") == a.get("job_id") and self.lost_with_store(first_t, "jobs", after=c.t0):
+            self.unverified[f"once: a key reused after its first request's job was {LOST_WITH_STORE}"] += 1
+            return
+        self.check(
+            "once",
+            b.get("job_id") != a.get("job_id"),
+            key,
+            "a key reused for another request ran under the first request's job while it stood",
+        )
+
     def _check_once(self) -> None:
         for key, calls in self.by_key.items():
             calls = sorted(calls, key=lambda c: c.t0)
@@ -1335,12 +1359,7 @@ class Oracle:
                         self.unverified[f"once: a key reused after its answer was {LOST_WITH_STORE}"] += 1
                         continue
                     if c.is_result and ref is not None:
-                        self.check(
-                            "once",
-                            c.answer.get("job_id") != ref.answer.get("job_id"),
-                            key,
-                            "a key reused for another request was answered with the first request's result",
-                        )
+                        self._check_reused_key(key, c, first, ref)
                     else:
                         self.checks["once"] += 1
                     continue
