@@ -1,7 +1,8 @@
 """Replicas sample independently: the same prompt sent as many n=1 jobs to two real hf worker
 processes gives distinct completions, across replicas and across a restart; a job with an
-explicit seed gives the same tokens on every replica. The sglang adapter leaves an unseeded
-job to the server's own random state (seeded at random per launch unless `--random-seed`)."""
+explicit seed gives the same tokens on every replica. The sglang adapter draws a seed for an
+unseeded sampled job and sends each sample its own stream (SGLang seeds every unseeded request
+alike, 42, under deterministic inference, and ignores seeds otherwise)."""
 
 from __future__ import annotations
 
@@ -73,16 +74,20 @@ async def test_unseeded_jobs_differ_across_replicas_and_restarts(nats_url: str, 
 
 
 @pytest.mark.contract
-async def test_the_sglang_adapter_sends_a_seed_only_for_a_seeded_job() -> None:
+async def test_the_sglang_adapter_sends_each_sample_its_own_stream_seeded_or_drawn() -> None:
     with SGLangStandin(weight_version="0") as standin:
         engine = SGLangEngine(url=standin.url)
         await engine.start(None, 0)
         try:
             unseeded = RolloutPayload(prompt_token_ids=PROMPT, n=3, sampling=SamplingParams(max_tokens=2))
-            await engine.generate("u", unseeded)
+            drawn = (await engine.generate("u", unseeded)).seed
+            greedy = RolloutPayload(prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=2, temperature=0.0))
+            await engine.generate("g", greedy)
             await engine.generate("s", job(seed=7))
         finally:
             await engine.close()
-        first, second = standin.state.bodies("/generate")
-    assert all("sampling_seed" not in params for params in first["sampling_params"]), first
-    assert second["sampling_params"]["sampling_seed"] == 7
+        first, plain, seeded = standin.state.bodies("/generate")
+    assert isinstance(drawn, int)  # (recorded: the replay coordinate names it)
+    assert [params["sampling_seed"] for params in first["sampling_params"]] == [drawn, drawn + 1, drawn + 2]
+    assert "sampling_seed" not in plain["sampling_params"]  # greedy: no stream to seed
+    assert seeded["sampling_params"]["sampling_seed"] == 7
