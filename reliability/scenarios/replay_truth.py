@@ -193,10 +193,19 @@ async def replay_truth(
                     fig.versions_published += 1
 
             async def kill() -> None:
-                await asyncio.sleep(5.0)  # mid-run: every replica holds jobs half made
-                procs.kill("w0")
+                # Mid-run, a replica running jobs (their tokens checkpointed): SIGKILLed, its
+                # resumable jobs taken over by the others, which go on from the kept tokens.
+                victim = None
+                while victim is None:
+                    await asyncio.sleep(0.2)
+                    done = sum(h.done() for h in handles.values())
+                    if done >= len(handles) // 5:
+                        running = [r.worker_id for r in client.fleet.replicas() if r.in_flight]
+                        victim = running[0] if running else None
+                procs.kill(victim)
                 fig.faults += 1
-                follow("w0-again")
+                fig.notes["killed"] = victim
+                follow(f"{victim}-again")
 
             await asyncio.gather(train(), kill())
             results, errors = await gather_outcomes(handles, timeout=600)
