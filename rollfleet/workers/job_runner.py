@@ -71,6 +71,7 @@ from rollfleet.workers.engines import Engine, Generation
 from rollfleet.workers.exact_drain import drain_exact
 from rollfleet.workers.job_claim import ClaimKeeper
 from rollfleet.workers.job_result import result_of
+from rollfleet.workers.recent_cancels import RecentCancels
 from rollfleet.workers.result_store import ResultStore
 from rollfleet.workers.resumable_run import ResumableGenerator
 from rollfleet.workers.run_endings import HAND_BACK_DELAY_S, RunEndings
@@ -113,6 +114,7 @@ class JobRunner:
         self._served = served
         self._on_engine_down = on_engine_down  # tells the worker to stop taking jobs
         self._running: dict[int, RunningJob] = {}
+        self._recent_cancels = RecentCancels()
         self.claims = ClaimKeeper(
             claims,
             worker_id=worker_id,
@@ -154,11 +156,16 @@ class JobRunner:
         """Stop the run of the job whose ``claim_key`` is ``claim_digest``, if it runs here: its
         engine requests are aborted, and it is answered with the tokens made so far (finish
         reason "abort"), or ``Cancelled`` if it had not started generating."""
+        matched = False
         for run in self._running.values():
-            if not run.cancelled and claim_key(run.job.job_id) == claim_digest:
-                run.cancelled = True
-                self._log.info("job cancelled by its trainer", idempotency_key=run.job.idempotency_key)
-                self._spawn_abort(run)
+            if claim_key(run.job.job_id) == claim_digest:
+                matched = True
+                if not run.cancelled:
+                    run.cancelled = True
+                    self._log.info("job cancelled by its trainer", idempotency_key=run.job.idempotency_key)
+                    self._spawn_abort(run)
+        if not matched:  # (its delivery may be handled after this: kept, see recent_cancels)
+            self._recent_cancels.note(claim_digest, time.monotonic())
 
     async def handle(self, msg: Msg, delivery: tuple[int, float, int] | None = None) -> None:
         """Run one delivered job to its answer (or hand it back). An error nothing here expected
@@ -210,6 +217,9 @@ class JobRunner:
             return
         run_id = next(self._ids)
         run = self._running[run_id] = RunningJob(msg, job)
+        if self._recent_cancels.taken(claim_key(job.job_id), time.monotonic()):
+            run.cancelled = True  # (cancelled as it was delivered: answered Cancelled, never run)
+            log.info("job cancelled by its trainer as it was delivered")
         self._holding.set()
         try:
             await self._serve(run, attempt, stored_at, log)
