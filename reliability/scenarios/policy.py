@@ -136,7 +136,7 @@ async def publisher_kills(workdir: Path, points: tuple[str, ...] = PUBLISH_POINT
 # -- scenario 5 --------------------------------------------------------------------------------
 
 
-def _load_torch(model_dir: Path) -> dict[str, Any]:
+def load_torch(model_dir: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     tensors: dict[str, Any] = {}
@@ -145,7 +145,7 @@ def _load_torch(model_dir: Path) -> dict[str, Any]:
     return tensors
 
 
-def _rl_step(tensors: dict[str, Any], gen: Any, density: float = 0.01) -> None:
+def rl_step(tensors: dict[str, Any], gen: Any, density: float = 0.01) -> None:
     import torch
 
     for t in tensors.values():
@@ -175,13 +175,13 @@ async def replica_killed_mid_apply(workdir: Path, points: tuple[str, ...] = APPL
     ns = "rel5"
     hf = ["--engine", "hf", "--device", "cpu", "--store", str(store), "--local-dir", str(local), "--verify-live"]
     publisher = PolicyPublisher(store, base, keyframe_every=0, keep_last=None)
-    tensors = _load_torch(base)
+    tensors = load_torch(base)
     gen = torch.Generator().manual_seed(0)
     try:
         async with await RolloutClient.connect(broker.url, namespace=ns, client_id="trainer") as client:
 
             async def publish() -> int:
-                _rl_step(tensors, gen)
+                rl_step(tensors, gen)
                 record = await client.publish_policy(publisher, tensors)
                 fig.versions_published += 1
                 return record.version

@@ -26,7 +26,7 @@ from typing import Any
 
 from harness import ProcessGroup
 from reliability.scenarios.common import REPO, Figures, gather_outcomes, start_broker
-from reliability.scenarios.policy import _load_torch, _rl_step
+from reliability.scenarios.policy import load_torch, rl_step
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.policy_store.digest import content_digest
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams
@@ -144,7 +144,7 @@ async def replay_truth(
     ns = "rel13"
     publisher = PolicyPublisher(store, base, keyframe_every=0, keep_last=None)
     trainer = TrainerBytes(base)
-    tensors = _load_torch(base)
+    tensors = load_torch(base)
     gen = torch.Generator().manual_seed(13)
     tolerance = TOLERANCE[engine]
     follower = ["--store", str(store), "--capacity", "8", *FAST]
@@ -187,7 +187,7 @@ async def replay_truth(
             async def train() -> None:
                 for _ in range(versions):
                     await asyncio.sleep(3.0)
-                    _rl_step(tensors, gen)
+                    rl_step(tensors, gen)
                     record = await client.publish_policy(publisher, tensors)
                     trainer.keep(record.version, tensors, publisher)
                     fig.versions_published += 1

@@ -10,8 +10,6 @@ make every log-prob 0 and tell the trainer nothing.
 
 from __future__ import annotations
 
-import secrets
-
 import torch
 
 from rollfleet.schemas import SamplingParams
@@ -19,14 +17,6 @@ from rollfleet.schemas import SamplingParams
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-
-
-def fresh_seed() -> int:
-    """A seed for a job that names none: from the OS's entropy, so replicas, restarts and
-    re-runs never share a random stream (a seed derived from a counter or from torch's
-    default generator would be the same on every replica). 62 bits: a sample's stream,
-    ``seed + index``, stays within the unsigned 64-bit integers a result's MessagePack holds."""
-    return secrets.randbits(62)
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> tuple[int, float]:

@@ -20,6 +20,14 @@ from rollfleet.schemas.seeds import sample_seed as sample_seed  # (the rule live
 from rollfleet.workers.engines.session_cache import SessionCacheStats
 
 
+def fresh_seed() -> int:
+    """A seed for a job that names none: from the OS's entropy, so replicas, restarts and
+    re-runs never share a random stream (a seed derived from a counter or from torch's
+    default generator would be the same on every replica). 62 bits: a sample's stream,
+    ``seed + index``, stays within the unsigned 64-bit integers a result's MessagePack holds."""
+    return secrets.randbits(62)
+
+
 def with_drawn_seed(payload: RolloutPayload) -> tuple[RolloutPayload, int | None]:
     """``payload`` with a seed drawn for it where it samples and gives none, and that seed (None:
     none drawn). An engine server sends it and records it (``Generation.seed``), so any sample
@@ -28,7 +36,7 @@ def with_drawn_seed(payload: RolloutPayload) -> tuple[RolloutPayload, int | None
     make ``n`` copies of one sample.)"""
     if payload.sampling.seed is not None or payload.sampling.temperature <= 0:
         return payload, None
-    drawn = secrets.randbits(62)
+    drawn = fresh_seed()
     return msgspec.structs.replace(payload, sampling=msgspec.structs.replace(payload.sampling, seed=drawn)), drawn
 
 

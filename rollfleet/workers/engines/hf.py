@@ -48,8 +48,7 @@ import torch
 from rollfleet.schemas import EngineBuild, RolloutPayload
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest
 from rollfleet.workers.engines import hf_requests
-from rollfleet.workers.engines._sampling import fresh_seed
-from rollfleet.workers.engines.base import Engine, EngineHealth, Generation, TokenSink
+from rollfleet.workers.engines.base import Engine, EngineHealth, Generation, TokenSink, fresh_seed
 from rollfleet.workers.engines.hf_batch import BatchStepper
 from rollfleet.workers.engines.hf_decode_loop import DecodeLoop
 from rollfleet.workers.engines.hf_live_weights import LiveWeights
