@@ -77,9 +77,7 @@ def trainer_permissions(n: Names) -> dict[str, dict[str, list[str]]]:
     }
 
 
-def worker_permissions(
-    n: Names, worker_id: str, others: Sequence[str] = ()
-) -> dict[str, dict[str, list[str]]]:
+def worker_permissions(n: Names, worker_id: str, others: Sequence[str] = ()) -> dict[str, dict[str, list[str]]]:
     """``others``: the namespace's other worker ids, whose own subjects (their sessions' turns)
     this worker may neither pull nor ack (a subject wildcard covers whole tokens only, so they
     are named)."""

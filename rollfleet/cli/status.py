@@ -51,7 +51,8 @@ async def collect_status(
         "declared": True,
         "latest_version": latest,
         "replicas": [
-            msgspec.to_builtins(r) | _liveness(r, now)
+            msgspec.to_builtins(r)
+            | _liveness(r, now)
             # an entry an older worker wrote may quote a URL with its credentials: never shown
             | {"degraded_reason": r.degraded_reason and redact_urls(r.degraded_reason)}
             for r in sorted(replicas, key=lambda r: r.worker_id)

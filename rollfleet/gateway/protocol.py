@@ -473,8 +473,10 @@ def _generate_one(
     unknown = set(params) - SAMPLING_FIELDS
     if unknown:
         name = sorted(unknown)[0]
-        raise RefusedField(f"sampling_params.{name}",
-                           f"sampling_params has unknown fields {sorted(unknown)} (SGLang's names are expected)")
+        raise RefusedField(
+            f"sampling_params.{name}",
+            f"sampling_params has unknown fields {sorted(unknown)} (SGLang's names are expected)",
+        )
     sampling, extra, n = _sampling(params, where="sampling_params.")
     payload = RolloutPayload(
         prompt_token_ids=_token_ids(ids, "input_ids") if ids is not None else None,
@@ -500,6 +502,7 @@ def _sampling(params: dict[str, Any], *, where: str, max_tokens: str = "max_new_
     """The sampling fields every route shares (SGLang's names; OpenAI's routes name the token limit
     and the seed their own way): the parameters, what passes to the engine as it is (``ignore_eos``,
     SGLang's text options), and ``n``."""
+
     def given(name: str, default: Any) -> Any:
         value = params.get(name)
         return default if value is None else value

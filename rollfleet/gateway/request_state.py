@@ -37,8 +37,6 @@ Phase = Literal["storing", "waiting", "streaming", "done"]
 CLIENT_CLOSED = 499  # nginx's "client closed request": the label of a request whose client left first
 
 
-
-
 @dataclass(frozen=True)
 class CancelJob:
     """Cancel job ``index`` in the fleet (its handle is held)."""

@@ -35,7 +35,6 @@ def whole_number(name: str, value: object, low: int = 0) -> int:
     return int(value)
 
 
-
 class AskedConstraint(msgspec.Struct, frozen=True):
     """``kind:value`` as written: ``min:3``, ``exact:3``, ``staleness:1``. Build it with ``of``
     (keyword form, checked) or directly from values already checked as whole numbers."""

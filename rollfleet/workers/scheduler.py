@@ -75,6 +75,7 @@ class SubjectScheduler:
 
     def note_empty(self, subject: Subject) -> None:
         self._waiting_since.pop(subject, None)
+
     def order(self, now: float) -> list[Subject]:
         """Candidates, best first."""
         self._prune()

@@ -83,9 +83,7 @@ def follow(
     return FollowDecision(latest)
 
 
-def fall_back_to(
-    older: Sequence[int], served: int, failures: Mapping[int, FailedVersion], now: float
-) -> int | None:
+def fall_back_to(older: Sequence[int], served: int, failures: Mapping[int, FailedVersion], now: float) -> int | None:
     """While the newest commit has failed here lately (``follow`` waits for its retry): the
     newest committed version between the one served and it (``older``, newest first, as
     ``fallback_versions`` lists them) that has not failed here lately, to serve meanwhile; None if

@@ -154,8 +154,14 @@ class EchoEngine(Engine):
                 if self.per_token_s:
                     await asyncio.sleep(self.per_token_s)
                 if self.keyed:
-                    tok = keyed_token(self._key, context, seed=payload.sampling.seed, sample=sample,
-                                      first=not tokens, vocab=self.vocab)
+                    tok = keyed_token(
+                        self._key,
+                        context,
+                        seed=payload.sampling.seed,
+                        sample=sample,
+                        first=not tokens,
+                        vocab=self.vocab,
+                    )
                     context = context_state((tok,), context)
                 else:
                     tok = (sum(prompt) + sample + i) % self.vocab
