@@ -362,12 +362,27 @@ async def ensure_results_consumer(
     cfg: TopologyConfig = DEFAULT_TOPOLOGY,
     instance: str | None = None,
 ) -> str:
+    await declare_results_consumer(js, names, client_id, cfg, instance)
+    return names.results_consumer(client_id, instance)
+
+
+async def declare_results_consumer(
+    js: JetStreamContext,
+    names: Names,
+    client_id: str,
+    cfg: TopologyConfig = DEFAULT_TOPOLOGY,
+    instance: str | None = None,
+) -> bool:
+    """Declare the results consumer of a client id (or of one instance of a shared id) if the
+    broker lacks it; True when it had to be created. A shared instance's consumer starts at new
+    answers, so one created again has missed whatever was stored while it was missing."""
     name = names.results_consumer(client_id, instance)
     try:
         await js.consumer_info(names.results_stream, name)
     except nats.js.errors.NotFoundError:
         await js.add_consumer(names.results_stream, cfg.results_consumer_config(names, client_id, instance))
-    return name
+        return True
+    return False
 
 
 async def queue_depths(js: JetStreamContext, names: Names) -> dict[tuple[ConstraintKind, int], int]:

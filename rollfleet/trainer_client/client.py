@@ -17,7 +17,13 @@ from typing import Any
 from rollfleet.broker.buckets import KVBucket, open_bucket
 from rollfleet.broker.connection import connect
 from rollfleet.broker.startup import not_ready
-from rollfleet.broker.topology import DEFAULT_TOPOLOGY, TopologyConfig, ensure_results_consumer, ensure_topology
+from rollfleet.broker.topology import (
+    DEFAULT_TOPOLOGY,
+    TopologyConfig,
+    declare_results_consumer,
+    ensure_results_consumer,
+    ensure_topology,
+)
 from rollfleet.broker.types import NATS, JetStreamContext
 from rollfleet.runtime.aio import stop_tasks
 from rollfleet.schemas import (
@@ -417,8 +423,12 @@ class RolloutClient:
         self.consumers.forget()
 
     async def restore_results_consumer(self) -> None:
-        await ensure_results_consumer(self.js, self.names, self.client_id, self.topology, self._instance)
+        created = await declare_results_consumer(self.js, self.names, self.client_id, self.topology, self._instance)
         self.inbox.renew()
+        if created and self.shared:
+            # This instance's consumer starts at new answers: one stored while it was missing (a
+            # replica answering into the stream declared again before it) reaches no handle by it.
+            self._spawn(self.earlier.settle_waiting())
 
     async def restore_job_ids(self) -> None:
         await self._ids.restore(await self.sessions_kv())

@@ -99,18 +99,41 @@ class EarlierAnswers:
         answer stored for the request settles it, judged as any answer (``Settler.settle``)."""
         key = handle.idempotency_key
         try:
-            found = await self.stored_answer(handle)
+            found = await self._settle_stored(handle)
         except RollfleetError as exc:  # (the broker away past the publish budget: its deadline ends it)
             log.warning("a replica found the job answered; its answer not read", idempotency_key=key, code=exc.code)
             return
-        if found is None:
+        if not found:
             log.warning("a replica found the job answered; no answer is stored", idempotency_key=key)
-            return
+
+    async def settle_waiting(self) -> None:
+        """Every handle still waiting is settled from an answer stored for it, if there is one
+        (a results consumer declared again from new answers on has missed what was stored while
+        it was missing); one with none stored waits on as before."""
+        settled = 0
+        for handle in list(self._handles.values()):
+            if handle.done():
+                continue
+            try:
+                settled += await self._settle_stored(handle) and handle.done()
+            except RollfleetError as exc:  # (the broker away again: its reconnect asks once more)
+                log.warning("stored answers not read for the waiting handles", code=exc.code)
+                return
+        if settled:
+            log.info("handles settled from answers stored while the results consumer was missing", settled=settled)
+
+    async def _settle_stored(self, handle: RolloutHandle) -> bool:
+        """Settle the handle from the answer stored for its request; False when none is stored."""
+        key = handle.idempotency_key
+        found = await self.stored_answer(handle)
+        if found is None:
+            return False
         if handle.done() or not self._host.settler.settle(handle, found):
-            return
+            return True
         if self._handles.get(key) is handle:
             del self._handles[key]
         self._host.inbox.remember((key, found.job_id))  # (asked again here: looked up before storing)
+        return True
 
     async def stored_answer(self, handle: RolloutHandle) -> Outcome | None:
         """The oldest stored answer to the handle's request, asked until the broker answers (as

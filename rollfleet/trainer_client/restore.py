@@ -7,7 +7,8 @@ them that this client owns, so the fleet comes back to service by itself:
 
 - the jobs stream: its consumers (the shared consumer of every version live replicas serve, and
   the latest one's), and the replicas told to bind again (``consumers_declared``);
-- the results stream: this client's results consumer, its pull requests renewed;
+- the results stream: this client's results consumer, its pull requests renewed (a shared id's
+  instance consumer starts at new answers, so its waiting handles look up what was stored meanwhile);
 - the sessions bucket: this client id's job-id secret (a restarted trainer, or a re-ask, must
   recognise the ids issued under it);
 - the fleet bucket: this client's lease key; and its watches of the registry and the policy
