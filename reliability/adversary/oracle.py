@@ -616,6 +616,13 @@ class Oracle:
         i = bisect.bisect_right(self.commits, (t, float("inf")))
         return max((v for _, v in self.commits[:i]), default=0)
 
+    def latest_may_be_at(self, t: float) -> int:
+        """The newest version a client may have seen as `latest` at ``t``: one whose commit had
+        begun by then (a racing or killed publisher's commit lands anywhere in its window, and the
+        adversary notes it only once the process is over: campaign 6, seed 844418, a session turn
+        stored at min:18 while the race for v18 was still being noted)."""
+        return max([self.latest_at(t), *(v for v, start in self.commit_started.items() if start <= t)])
+
     def proc_at(self, worker: str, t: float) -> Any:
         """The worker's process running (and not stopped at a fault point) at ``t``."""
         for w in self.tl.workers:
@@ -1666,7 +1673,7 @@ class Oracle:
         if "min_version" in base:
             floor = int(base["min_version"])
         else:
-            floor = max(0, self.latest_at(c.t0) - int(base.get("max_staleness", 0)))
+            floor = max(0, self.latest_may_be_at(c.t0) - int(base.get("max_staleness", 0)))
         if opened.get("policy") == "monotonic":
             before = [o for o in self.calls if o.sid == c.sid and o.t0 < c.t0 and o.answer]
             states = [((o.answer or {}).get("session") or {}).get("last_version") for o in before]
