@@ -6,6 +6,7 @@ acknowledged publish (``broker.retry_publish``) still unanswered at a reconnect 
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from nats.aio.msg import Msg
 from harness import wait_until
 from rollfleet.broker import EmbeddedBroker, retry_publish
 from rollfleet.broker.connection import connect
-from rollfleet.broker.retry_call import call_retrying
+from rollfleet.broker.retry_call import Redialed, _attempt, call_retrying
 from rollfleet.broker.retry_publish import publish_retrying
 from rollfleet.runtime.backoff import TRANSIENT_RETRY
 from rollfleet.schemas.errors import ServiceUnavailable
@@ -130,3 +131,36 @@ async def test_a_publish_whose_acknowledgement_a_restarted_broker_lost_is_sent_a
             await nc.close()
     finally:
         broker.stop()
+
+
+async def test_a_call_given_up_at_a_redial_that_ends_in_an_error_is_read() -> None:
+    """The cancel of a call given up at a redial can land as the broker's answer comes; asyncio's
+    wait_for then swallows it and the call ends with the answer (an error here). Nobody reads
+    that task otherwise: asyncio reported "Task exception was never retrieved" (campaign 7)."""
+    loop = asyncio.get_running_loop()
+    reported: list[dict] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    redial, answered = asyncio.Event(), asyncio.Event()
+
+    async def call() -> str:
+        try:
+            await answered.wait()
+        except asyncio.CancelledError:
+            pass  # (as wait_for does when the answer is already there)
+        raise nats.js.errors.NotFoundError
+
+    try:
+        attempt = asyncio.ensure_future(_attempt(call, redial))
+        await asyncio.sleep(0)
+        redial.set()
+        with pytest.raises(Redialed):
+            await attempt
+        del attempt  # (its exception's frames hold the call's task)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert [c.get("message") for c in reported] == []

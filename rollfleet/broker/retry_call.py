@@ -52,9 +52,18 @@ async def _attempt(call: Callable[[], Awaitable[T]], reconnect: asyncio.Event | 
         redial.cancel()
         if not answer.done():
             answer.cancel()  # (an idempotent call: asked again at once)
+            # A cancel that lands as the answer comes is swallowed by the call's own wait (asyncio's
+            # wait_for), and the call ends with the broker's answer, an error perhaps: it is read
+            # here, else asyncio says "Task exception was never retrieved" (campaign 7).
+            answer.add_done_callback(_read_given_up)
     if not answer.done():
         raise Redialed()
     return answer.result()
+
+
+def _read_given_up(answer: asyncio.Future[object]) -> None:
+    if not answer.cancelled() and (exc := answer.exception()) is not None:
+        log.debug("a call given up at a redial ended", error=type(exc).__name__)
 
 
 async def call_retrying(call: Callable[[], Awaitable[T]], *, until: float, what: str, nc: NATS | None = None) -> T:
