@@ -771,6 +771,7 @@ async def test_a_resumable_job_runs_in_segments_and_continues_another_runs_token
     from rollfleet.broker.topology import TopologyConfig
     from rollfleet.schemas import encode
     from rollfleet.schemas.progress import MAC_HEADER, SampleDelta, TokensRecord, record_mac
+    from rollfleet.schemas.seeds import job_seed
     from rollfleet.trainer_client import RolloutClient
 
     topology = TopologyConfig(ack_wait_s=1.0)  # the frozen replica may have pulled the job: redelivered soon
@@ -805,11 +806,15 @@ async def test_a_resumable_job_runs_in_segments_and_continues_another_runs_token
     bodies = standin.state.bodies("/generate")
     assert len(bodies) == 4  # 32 tokens left, 8 per segment
     made = list(dead.token_ids)
+    # The job gave no seed: every segment, of this run or any other, draws the job's one stream,
+    # and the answer's replay coordinate names it (a seed drawn per request would name none).
+    stream = job_seed(handle.job_id)
     for body in bodies:
         assert body["input_ids"] == PROMPT + made and body["sampling_params"]["max_new_tokens"] == 8
-        stream = body["sampling_params"].get("sampling_seed") or 0  # (drawn per segment: the job gave none)
+        assert body["sampling_params"]["sampling_seed"] == stream
         made += [(sum(body["input_ids"]) + i + stream * 7919) % standin.state.vocab for i in range(8)]
     assert out.token_ids == made and len(out.token_ids) == 40 and out.finish_reason == "length"
+    assert result.replay is not None and result.replay.sampling.seed == stream
     assert out.logprobs[:8] == [-0.25] * 8 and result.kept_tokens == 8 and result.engine == "sglang"
     assert [(s.replica, s.start, s.end) for s in out.weight_versions] == [("dead", 0, 8), ("sgl", 8, 40)]
 

@@ -111,7 +111,15 @@ def sample_record(sample: Any) -> dict[str, Any]:
         "tokens": list(sample.tokens),
         "spans": [[int(s.version), int(s.start), int(s.end), s.replica] for s in sample.spans],
         "finish": sample.finish_reason,
+        # Each run that made its tokens: where it began, the sample's index in its answer, and the
+        # seed its replica used (the request's, or one drawn for an unseeded request).
+        "runs": [[int(r.start), int(r.index), _seed_of(r.coordinate)] for r in sample.replay],
     }
+
+
+def _seed_of(coordinate: Any) -> int | None:
+    seed = None if coordinate is None else coordinate.sampling.seed
+    return None if seed is None else int(seed)
 
 
 def group_record(group: Any) -> dict[str, Any]:

@@ -304,6 +304,18 @@ def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
+
+def seed_used(payload: dict[str, Any], desc: dict[str, Any]) -> int | None:
+    """The seed an answer's samples were drawn from: the request's, or, where it gave none, the
+    one the replica drew and recorded in the answer's replay coordinate (an engine server is sent
+    a seed drawn for every unseeded request: campaign 7, the sglang replicas' answers judged as
+    unseeded). A recorded seed is no licence: the tokens must still be what the labelled
+    version's weights make under it."""
+    if payload.get("seed") is not None:
+        return int(payload["seed"])
+    sampling = (desc.get("replay") or {}).get("sampling") or {}
+    return None if sampling.get("seed") is None else int(sampling["seed"])
+
 class Oracle:
     def __init__(
         self,
@@ -1207,7 +1219,7 @@ class Oracle:
             verdict = truth.judge(
                 desc,
                 payload["prompt"],
-                seed=payload.get("seed"),
+                seed=seed_used(payload, desc),
                 versions=versions,
                 keyed_replica=lambda w: engine_of.get(w) in ("echo", "sglang"),  # (sglang: its keyed stand-in)
             )

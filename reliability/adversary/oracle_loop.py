@@ -157,24 +157,48 @@ def streams(seed: int | None, n: int) -> list[tuple[int | None, int]]:
     return [(seed + i, 0) for i in range(n)]
 
 
+Stream = tuple[int | None, int]
+
+
+def drawn_streams(runs: Sequence[Sequence[Any]]) -> Callable[[int], Stream | None] | None:
+    """For a sample of an unseeded group: the stream its replica drew for the run that made the
+    token at a position (a seed drawn for an unseeded request, recorded in the run's replay
+    coordinate; sample ``i`` of it draws ``sample_seed(seed, i)``), None where that run drew none.
+    None when no run of it drew one (``runs``: the journal's ``[start, index, seed]`` per run)."""
+    drawn = sorted((int(start), int(index), seed) for start, index, seed in runs)
+    if not any(seed is not None for _, _, seed in drawn):
+        return None
+
+    def stream_at(position: int) -> Stream | None:
+        run = [r for r in drawn if r[0] <= position]
+        if not run or run[-1][2] is None:
+            return None
+        _, index, seed = run[-1]
+        return int(seed) + index, 0
+
+    return stream_at
+
+
 def span_misfits(
     key_of: Callable[[int], bytes],
     prompt: Sequence[int],
     tokens: Sequence[int],
     spans: Sequence[Sequence[Any]],
-    stream: tuple[int | None, int],
+    stream: Stream,
     keyed: Callable[[Any], bool],
+    drawn: Callable[[int], Stream | None] | None = None,
 ) -> list[int | None]:
     """Per span that made tokens (``made``'s order), for one sample drawing ``stream``: its first
     token that is not what its version's weights make from the context before it (-1: every one
-    is; None: a span of an engine that is not keyed, not recomputed)."""
-    seed, index = stream
+    is; None: a span of an engine that is not keyed, not recomputed). ``drawn``: the stream a
+    replica drew for the run that made a span, where it drew one (``drawn_streams``)."""
     out: list[int | None] = []
     ctx = context_state(prompt)
     at = 0
     for v, start, end, replica in made(spans):
         if start > at:  # (tokens no span made: their context still counts)
             ctx = context_state([int(t) for t in tokens[at:start]], ctx)
+        seed, index = (drawn(start) if drawn is not None else None) or stream
         first: int | None = -1 if keyed(replica) else None
         key = key_of(v) if first is not None else b""
         for j in range(start, min(end, len(tokens))):
@@ -252,7 +276,8 @@ def judge_group(
         tokens, spans = [int(t) for t in s["tokens"]], s.get("spans") or []
         runs = made(spans)
         try:
-            per_stream = [span_misfits(key_of, group["prompt"], tokens, spans, c, keyed) for c in candidates]
+            drawn = drawn_streams(s.get("runs") or []) if seed is None else None
+            per_stream = [span_misfits(key_of, group["prompt"], tokens, spans, c, keyed, drawn) for c in candidates]
         except Exception as exc:  # (a version the trainer never had: no weights to key)
             misfits.append(f"sample {i}: its spans name a version with no weights ({exc!r:.80})")
             fits.append(set())

@@ -5,7 +5,9 @@ appended at an expected sequence, so a run that another replica took over can st
 A fresh run on an engine that streams its tokens is one request whose tokens go straight to the
 log; any other run continues each unfinished sample from its kept tokens (the prompt and the
 tokens so far prefilled), as one request per sample, or, on an engine that does not stream, in
-segments of ``checkpoint_tokens`` with a checkpoint after each.
+segments of ``checkpoint_tokens`` with a checkpoint after each. A job that samples and gives no
+seed runs on its job's seed (``schemas.seeds.job_seed``) in every run: an engine server would draw
+a seed per request, and a continued sample would change streams unrecorded.
 
 ``jobs.JobRunner`` decides when a job is run and what becomes of its answer; this module is only
 how its tokens are made.
@@ -21,10 +23,10 @@ import msgspec
 
 from rollfleet.broker.errors import typed_errors
 from rollfleet.broker.types import JetStreamContext
-from rollfleet.schemas import Completion, Names, RolloutJob
+from rollfleet.schemas import Completion, Names, RolloutJob, RolloutPayload
 from rollfleet.schemas.errors import BrokerError, InvalidRequest, ServiceUnavailable, Superseded
+from rollfleet.schemas.seeds import job_seed, sample_seed
 from rollfleet.workers.engines import Engine, Generation
-from rollfleet.workers.engines.base import sample_seed
 from rollfleet.workers.progress_log import ProgressLog
 from rollfleet.workers.running_job import RunningJob
 from rollfleet.workers.served_version import ServedVersion
@@ -118,13 +120,13 @@ class ResumableGenerator:
         writer = asyncio.create_task(plog.keep_writing())
         try:
             fresh = not any(s.token_ids or s.finish for s in plog.samples)
-            drawn = None  # the seed the engine drew, where one request made every token
+            payload, drawn = resumable_payload(job.payload, job.job_id)
             if fresh and engine.streams_tokens:
                 run.request_ids = [job.job_id]
-                generation = await engine.generate(job.job_id, job.payload, job.session_id, sink=plog)
-                prompt_tokens, drawn = generation.prompt_tokens, generation.seed
+                generation = await engine.generate(job.job_id, payload, job.session_id, sink=plog)
+                prompt_tokens = generation.prompt_tokens
             else:
-                prompt_tokens = await self._continue(run, plog, prompt)
+                prompt_tokens = await self._continue(run, plog, prompt, payload)
         finally:
             plog.stop()
             await writer
@@ -142,12 +144,14 @@ class ResumableGenerator:
             restarts=[list(s.restarts) for s in plog.samples],
         )
 
-    async def _continue(self, run: RunningJob, plog: ProgressLog, prompt: list[int] | None) -> int:
+    async def _continue(
+        self, run: RunningJob, plog: ProgressLog, prompt: list[int] | None, payload: RolloutPayload
+    ) -> int:
         """Generate every unfinished sample on from its kept tokens, each as its own request
         (the prompt and its tokens so far prefilled). An engine that does not stream its tokens
-        runs them in segments of ``checkpoint_tokens``, a checkpoint after each."""
+        runs them in segments of ``checkpoint_tokens``, a checkpoint after each. ``payload``: the
+        job's, with the seed it runs on (``resumable_payload``)."""
         job, engine = run.job, self._engine
-        payload = job.payload
         streams = engine.streams_tokens
         segment = plog.every_tokens if not streams else None
         run.request_ids = [f"{job.job_id}.{i}" for i in range(len(plog.samples))]
@@ -195,3 +199,14 @@ class ResumableGenerator:
 
         await asyncio.gather(*(one(i) for i in range(len(plog.samples))))
         return len(prompt) if prompt is not None else 0
+
+
+def resumable_payload(payload: RolloutPayload, job_id: str) -> tuple[RolloutPayload, int | None]:
+    """The job's payload as every run of it generates it, and the seed given it (None: none):
+    one that samples and gives no seed runs on ``job_seed(job_id)``, so a run that continues a
+    sample, or a segment of an engine that does not stream, keeps its stream (an engine server
+    would draw a new seed for each request), and the replay coordinate names that seed."""
+    if payload.sampling.seed is not None or payload.sampling.temperature <= 0:
+        return payload, None
+    seed = job_seed(job_id)
+    return msgspec.structs.replace(payload, sampling=msgspec.structs.replace(payload.sampling, seed=seed)), seed
