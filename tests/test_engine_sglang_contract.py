@@ -911,3 +911,17 @@ async def test_deterministic_inference_is_launched_read_from_the_server_and_unse
         assert attached.server_info["enable_deterministic_inference"] is False
     finally:
         await attached.close()
+
+
+def test_an_abort_after_the_last_token_ends_nothing() -> None:
+    """A request the adapter aborted (an activation) that had made every token asked for is
+    whole: SGLang's own reason stands, and an ``abort`` with all tokens made is ``length``
+    (campaign 7, seed 4242: a rollout loop trained a sample of 45 of 45 tokens labelled abort).
+    One aborted short of its tokens is ``abort``, whatever SGLang said."""
+    done = {"output_ids": [7, 8, 9], "meta_info": {"finish_reason": {"type": "length", "length": 3}}}
+    assert parse_item(done, False, True, max_tokens=3)[0].finish_reason == "length"
+    said_abort = {"output_ids": [7, 8, 9], "meta_info": {"finish_reason": {"type": "abort"}}}
+    assert parse_item(said_abort, False, True, max_tokens=3)[0].finish_reason == "length"
+    assert parse_item(said_abort, False, False, max_tokens=3)[0].finish_reason == "length"
+    assert parse_item(done, False, True, max_tokens=4)[0].finish_reason == "abort"
+    assert parse_item(said_abort, False, False, max_tokens=5)[0].finish_reason == "abort"

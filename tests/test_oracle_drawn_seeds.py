@@ -51,3 +51,15 @@ def test_each_run_of_a_continued_sample_is_judged_by_the_stream_its_replica_drew
     keyed = lambda replica: True  # noqa: E731
     assert span_misfits(KEYS.__getitem__, PROMPT, tokens, spans, (None, 0), keyed, drawn) == [-1, -1]
     assert drawn_streams([[0, 0, None]]) is None
+
+
+def test_one_span_joining_two_runs_is_judged_token_by_token() -> None:
+    """Campaign 7 (engines, seed 1): a run made tokens [0, 112) at v0 then v1, the loop continued
+    the sample from 112 at v1 on the same replica, and the sample's spans joined them into one
+    span [105, 214) at v1; each of its tokens is judged by the run that made it."""
+    first = keyed_tokens(KEYS[3], PROMPT, 6, seed=11, sample=0, vocab=VOCAB)
+    rest = keyed_tokens(KEYS[3], PROMPT + first, 4, seed=22, sample=0, vocab=VOCAB)
+    drawn = drawn_streams([[0, 0, 11], [6, 0, 22]])
+    keyed = lambda replica: True  # noqa: E731
+    got = span_misfits(KEYS.__getitem__, PROMPT, first + rest, [[3, 0, 10, "w2"]], (None, 0), keyed, drawn)
+    assert got == [-1]

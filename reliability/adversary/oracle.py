@@ -2830,6 +2830,7 @@ class Oracle:
         def served(answer: dict[str, Any], prompt: list[int], seed: int | None) -> list[str] | None:
             if truth is None or not answer.get("token_ids"):
                 return None
+            seed = seed_used({"seed": seed}, answer)
             verdict = truth.judge(answer, prompt, seed=seed, keyed_replica=self._keyed, versions=versions)
             if not verdict.checked and not verdict.mismatches:
                 return None

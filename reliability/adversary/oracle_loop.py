@@ -191,19 +191,20 @@ def span_misfits(
     """Per span that made tokens (``made``'s order), for one sample drawing ``stream``: its first
     token that is not what its version's weights make from the context before it (-1: every one
     is; None: a span of an engine that is not keyed, not recomputed). ``drawn``: the stream a
-    replica drew for the run that made a span, where it drew one (``drawn_streams``)."""
+    replica drew for the run that made a token, where it drew one (``drawn_streams``)."""
     out: list[int | None] = []
     ctx = context_state(prompt)
     at = 0
     for v, start, end, replica in made(spans):
         if start > at:  # (tokens no span made: their context still counts)
             ctx = context_state([int(t) for t in tokens[at:start]], ctx)
-        seed, index = (drawn(start) if drawn is not None else None) or stream
         first: int | None = -1 if keyed(replica) else None
         key = key_of(v) if first is not None else b""
         for j in range(start, min(end, len(tokens))):
             tok = int(tokens[j])
             if first == -1:
+                # (per token: one span of a version may join the tail of one run to the next run)
+                seed, index = (drawn(j) if drawn is not None else None) or stream
                 want = keyed_token(key, ctx, seed=seed, sample=index, first=j == 0, vocab=VOCAB)
                 # (an unseeded sample sent alone before its first token is made as sample 0 is)
                 alone = seed is None and j == 0 and keyed_token(key, ctx, seed=None, sample=0, first=True,

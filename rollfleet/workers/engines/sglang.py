@@ -261,8 +261,9 @@ class SGLangEngine(HTTPServerEngine):
         outputs, served, prompt_tokens = [], [], len(payload.prompt_token_ids or [])
         cached: list[int] = []
         self._refuse_foreign([label for item in items for label in labels(item)])
+        sampling = payload.sampling
         for item in items:
-            completion, version, prompt_len = parse_item(item, payload.sampling.logprobs, aborted)
+            completion, version, prompt_len = parse_item(item, sampling.logprobs, aborted, sampling.max_tokens)
             outputs.append(completion)
             cached.append(cached_tokens(item))
             if not completion.weight_versions and version is not None:

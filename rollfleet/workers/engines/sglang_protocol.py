@@ -55,9 +55,14 @@ def generate_body(rids: list[str], payload: RolloutPayload, session_id: str | No
     return body
 
 
-def parse_item(item: Mapping[str, Any], want_logprobs: bool, aborted: bool) -> tuple[Completion, int | None, int]:
+def parse_item(
+    item: Mapping[str, Any], want_logprobs: bool, aborted: bool, max_tokens: int | None = None
+) -> tuple[Completion, int | None, int]:
     """One sample of a ``/generate`` answer: its completion, the version SGLang says served it
-    (None: no rollfleet version) and the prompt's length."""
+    (None: no rollfleet version) and the prompt's length. ``aborted``: the adapter aborted the
+    request (it finished ``abort`` unless it had made all ``max_tokens`` tokens by then: an abort
+    that came after the last token ends nothing; campaign 7, seed 4242, a loop trained a whole
+    sample labelled ``abort``)."""
     meta = item.get("meta_info") or {}
     triples = meta.get("output_token_logprobs") or []
     tokens = item.get("output_ids")
@@ -71,8 +76,11 @@ def parse_item(item: Mapping[str, Any], want_logprobs: bool, aborted: bool) -> t
     finish = meta.get("finish_reason")
     kind = finish.get("type") if isinstance(finish, Mapping) else finish
     reason = FINISH.get(str(kind), "abort") if kind is not None else "abort"
-    if aborted:
+    whole = max_tokens is not None and len(tokens) >= max_tokens
+    if aborted and not whole:
         reason = "abort"
+    elif reason == "abort" and whole:
+        reason = "length"
     completion = Completion(
         token_ids=[int(t) for t in tokens],
         finish_reason=reason,  # type: ignore[arg-type]
