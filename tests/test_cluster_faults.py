@@ -73,7 +73,14 @@ async def test_a_cut_node_loses_its_peers_and_a_killed_one_comes_back(tmp_path: 
     try:
         nc = await nats.connect(cluster.url().split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.2)
         js = nc.jetstream()
-        await js.add_stream(name="S", subjects=["s.>"], num_replicas=3)
+        # (Asked until the nodes have elected their meta leader: a fresh cluster on a loaded
+        # machine may take longer than one request's 5 s, and a request before it times out.)
+        await wait_until(
+            lambda: js.add_stream(name="S", subjects=["s.>"], num_replicas=3),
+            40.0,
+            retry_errors=True,
+            what="the stream created",
+        )
         leader = cluster.by_server_name(await _leader(js, "S"))
         assert leader is not None
         before = {name: _routes(node) for name, node in cluster.nodes.items()}

@@ -24,13 +24,14 @@ from harness import start_worker_process, temp_broker, wait_until
 from harness.processes import CHILD_LOG_ENV, spawn, worker_command
 from harness.weights import write_base_checkpoint
 from reliability.adversary.journal import describe_result
-from reliability.adversary.oracle import Oracle
+from reliability.adversary.oracle import Oracle, seed_used
 from reliability.adversary.trainer_weights import TrainerWeights
 from reliability.adversary.truth import Truth, recompute
 from rollfleet.broker.topology import TopologyConfig
 from rollfleet.runtime.processes import terminate
 from rollfleet.schemas import Names, RolloutPayload, SamplingParams
 from rollfleet.schemas.progress import TokensRecord
+from rollfleet.schemas.seeds import job_seed
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 from tests.helpers import progress_records
 
@@ -201,10 +202,13 @@ async def test_a_job_resumed_on_another_worker_at_another_version_is_recomputed_
     desc = describe_result(result)
     assert desc["kept"] > 0 and [s[-1][0] for s in desc["spans"]] == [0, 1], desc["spans"]  # v0 by a, then v1 by b
     assert {r for names in desc["replicas"] for r in names} == {"a", "b"}
+    # The job gave no seed: both runs drew its job's seed, which its replay coordinate names.
+    seed = seed_used({}, desc)
+    assert seed == job_seed(handle.job_id)
     truth = Truth(weights)
-    verdict = truth.judge(desc, prompt, seed=None, versions=[0, 1], keyed_replica=lambda w: w in ("a", "b"))
+    verdict = truth.judge(desc, prompt, seed=seed, versions=[0, 1], keyed_replica=lambda w: w in ("a", "b"))
     assert verdict.mismatches == [] and verdict.checked == 160, verdict
     # Labelled all v0 (b's tokens told as a's version), the resumed span is caught.
     as_v0 = {**desc, "spans": [[[0, s, e] for _, s, e in spans] for spans in desc["spans"]]}
-    bad = truth.judge(as_v0, prompt, seed=None, versions=[0, 1], keyed_replica=lambda w: True).mismatches
+    bad = truth.judge(as_v0, prompt, seed=seed, versions=[0, 1], keyed_replica=lambda w: True).mismatches
     assert [(m.sample, m.fits) for m in bad] == [(1, (1,))], bad
