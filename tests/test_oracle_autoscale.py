@@ -7,6 +7,7 @@ scale-in answered with a hole in it)."""
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -350,3 +351,24 @@ def test_the_facts_know_who_acts_from_the_lease_as_the_broker_stored_it() -> Non
     assert f.acting_at(T0 + 5.0)["name"] == "c1"
     assert f.acting_at(T0 + 12.5) is None  # (its last renewal 4 s before: it may not act)
     assert f.acting_at(T0 + 0.2) is None  # (no lease written yet)
+
+
+def test_a_resumable_jobs_tokens_are_judged_by_the_seed_its_coordinate_records(tmp_path: Path) -> None:
+    """A resumable job that gives no seed runs on its job's seed (``schemas.seeds.job_seed``);
+    campaign 8's autoscaler run judged such answers as unseeded and flagged 4 of them."""
+    from harness.weights import write_base_checkpoint
+    from reliability.adversary.oracle_autoscale import _served_by
+    from reliability.adversary.trainer_weights import TrainerWeights
+    from reliability.adversary.truth import tensors_key
+    from rollfleet.workers.engines.keyed import VOCAB, keyed_tokens
+
+    weights = TrainerWeights(write_base_checkpoint(tmp_path / "base"), 5)
+    seed = 1469226431842401052
+    tokens = keyed_tokens(tensors_key(weights.at(3)), [5, 6], 4, seed=seed, sample=0, vocab=VOCAB)
+    answer = {**_result(3, 20.0), "token_ids": [tokens], "spans": [[[3, 0, 4]]], "replicas": [["w1"]],
+              "replay": {"sampling": {"seed": seed}}}  # fmt: skip
+    served = _served_by(SimpleNamespace(weights=weights, commits=[(T0 - 9.0, 3)]))
+    assert served is not None
+    assert served(_burst(answer), answer) is None
+    unseeded = {k: v for k, v in answer.items() if k != "replay"}
+    assert "not what their labels' weights make" in (served(_burst(unseeded), unseeded) or "")

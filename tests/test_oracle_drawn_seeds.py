@@ -63,3 +63,12 @@ def test_one_span_joining_two_runs_is_judged_token_by_token() -> None:
     keyed = lambda replica: True  # noqa: E731
     got = span_misfits(KEYS.__getitem__, PROMPT, first + rest, [[3, 0, 10, "w2"]], (None, 0), keyed, drawn)
     assert got == [-1]
+
+
+def test_a_run_that_made_nothing_gives_way_to_the_next_at_the_same_offset() -> None:
+    """Campaign 8, seed 99: sample 1 of a job of four was aborted before its first token and
+    continued from offset 0 by a job of its own; both runs start at 0, the later made them all."""
+    tokens = _sample(4423820359866001532, 5, KEYS[3])
+    drawn = drawn_streams([[0, 1, 1469226431842401052], [0, 0, 4423820359866001532]])
+    keyed = lambda replica: True  # noqa: E731
+    assert span_misfits(KEYS.__getitem__, PROMPT, tokens, [[3, 0, 5, "w2"]], (None, 0), keyed, drawn) == [-1]

@@ -446,11 +446,15 @@ def _served_by(oracle: Any) -> Callable[[dict[str, Any], dict[str, Any]], str | 
         from reliability.adversary.truth import Truth
     except ImportError:
         return None
+    from reliability.adversary.oracle import seed_used
+
     truth = Truth(oracle.weights)
     versions = sorted({v for _, v in oracle.commits})
 
     def served(e: dict[str, Any], ans: dict[str, Any]) -> str | None:
-        verdict = truth.judge(ans, e["prompt"], seed=None, keyed_replica=lambda w: True, versions=versions)
+        # (unseeded: a resumable job runs on its job's seed, which its coordinate records)
+        seed = seed_used({}, ans)
+        verdict = truth.judge(ans, e["prompt"], seed=seed, keyed_replica=lambda w: True, versions=versions)
         if verdict.mismatches:
             return "its tokens are not what their labels' weights make: " + verdict.mismatches[0].describe()
         return None

@@ -165,7 +165,9 @@ def drawn_streams(runs: Sequence[Sequence[Any]]) -> Callable[[int], Stream | Non
     token at a position (a seed drawn for an unseeded request, recorded in the run's replay
     coordinate; sample ``i`` of it draws ``sample_seed(seed, i)``), None where that run drew none.
     None when no run of it drew one (``runs``: the journal's ``[start, index, seed]`` per run)."""
-    drawn = sorted((int(start), int(index), seed) for start, index, seed in runs)
+    # (In the order they ran: a run that made nothing, aborted before its first token, is
+    # followed by one that starts at the same offset, which made the tokens.)
+    drawn = [(int(start), int(index), seed) for start, index, seed in runs]
     if not any(seed is not None for _, _, seed in drawn):
         return None
 

@@ -82,11 +82,15 @@ class BacklogPull:
                 continue
             puller = await self._subjects.bound(subject)
             if puller is None:  # no job was ever submitted there
+                if self._debug:  # (said: a subject dropped here waits for its next bell)
+                    self._log.debug("backlog subject has no consumer", subject=str(subject))
                 self._scheduler.note_empty(subject)
                 continue
             if puller.waiting or (subject in listen and not puller.busy):
                 # A waiting request takes what is queued at once, and what comes next; deliveries
                 # say when the queue is empty again (num_pending 0).
+                if self._debug:
+                    self._log.debug("backlog requested", subject=str(subject), waiting=puller.waiting, free=free)
                 await puller.request(free, wait_s=self._wait_pull_s)
                 self._scheduler.note_served(subject, now)
             elif not puller.busy:
