@@ -6,7 +6,7 @@ weights make under it."""
 
 from __future__ import annotations
 
-from reliability.adversary.oracle import seed_used
+from reliability.adversary.journal import seed_used
 from reliability.adversary.oracle_loop import drawn_streams, span_misfits
 from rollfleet.workers.engines.keyed import VOCAB, keyed_tokens
 

@@ -23,8 +23,8 @@ import pytest
 from harness import start_worker_process, temp_broker, wait_until
 from harness.processes import CHILD_LOG_ENV, spawn, worker_command
 from harness.weights import write_base_checkpoint
-from reliability.adversary.journal import describe_result
-from reliability.adversary.oracle import Oracle, seed_used
+from reliability.adversary.journal import describe_result, seed_used
+from reliability.adversary.oracle import Oracle
 from reliability.adversary.trainer_weights import TrainerWeights
 from reliability.adversary.truth import Truth, recompute
 from rollfleet.broker.topology import TopologyConfig

@@ -176,3 +176,15 @@ def http_answer(status: int, data: Any) -> dict[str, Any]:
         "status": 200,
         "replay": facts[0].get("replay"),
     }
+
+
+def seed_used(payload: dict[str, Any], desc: dict[str, Any]) -> int | None:
+    """The seed an answer's samples were drawn from: the request's, or, where it gave none, the
+    one the replica drew and recorded in the answer's replay coordinate (an engine server is sent
+    a seed drawn for every unseeded request: campaign 7, the sglang replicas' answers judged as
+    unseeded). A recorded seed is no licence: the tokens must still be what the labelled
+    version's weights make under it."""
+    if payload.get("seed") is not None:
+        return int(payload["seed"])
+    sampling = (desc.get("replay") or {}).get("sampling") or {}
+    return None if sampling.get("seed") is None else int(sampling["seed"])

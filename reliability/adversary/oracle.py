@@ -112,7 +112,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reliability.adversary.engines import engine_out
-from reliability.adversary.journal import prompt_digest
+from reliability.adversary.journal import prompt_digest, seed_used
 
 RESOLVE_SLACK_S = 5.0  # the client's deadline grace (2 s) and its sweep, with room to spare
 STARVE_S = 10.0
@@ -304,17 +304,6 @@ def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-
-def seed_used(payload: dict[str, Any], desc: dict[str, Any]) -> int | None:
-    """The seed an answer's samples were drawn from: the request's, or, where it gave none, the
-    one the replica drew and recorded in the answer's replay coordinate (an engine server is sent
-    a seed drawn for every unseeded request: campaign 7, the sglang replicas' answers judged as
-    unseeded). A recorded seed is no licence: the tokens must still be what the labelled
-    version's weights make under it."""
-    if payload.get("seed") is not None:
-        return int(payload["seed"])
-    sampling = (desc.get("replay") or {}).get("sampling") or {}
-    return None if sampling.get("seed") is None else int(sampling["seed"])
 
 class Oracle:
     def __init__(

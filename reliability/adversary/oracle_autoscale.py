@@ -53,6 +53,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from reliability.adversary.journal import seed_used
+
 SLACK_S = 0.5  # a log line's or the broker's time stamp against the moment it stands for
 STAMP_SLACK_S = 0.2  # the broker's clock, the kernel's start times and the log's against each other
 REACT_SLACK_S = 3.0  # besides two intervals: a tick's reads and the harness's look at /proc
@@ -446,8 +448,6 @@ def _served_by(oracle: Any) -> Callable[[dict[str, Any], dict[str, Any]], str | 
         from reliability.adversary.truth import Truth
     except ImportError:
         return None
-    from reliability.adversary.oracle import seed_used
-
     truth = Truth(oracle.weights)
     versions = sorted({v for _, v in oracle.commits})
 
