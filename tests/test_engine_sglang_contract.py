@@ -917,7 +917,16 @@ def test_an_abort_after_the_last_token_ends_nothing() -> None:
     """A request the adapter aborted (an activation) that had made every token asked for is
     whole: SGLang's own reason stands, and an ``abort`` with all tokens made is ``length``
     (campaign 7, seed 4242: a rollout loop trained a sample of 45 of 45 tokens labelled abort).
-    One aborted short of its tokens is ``abort``, whatever SGLang said."""
+    One aborted short of its tokens is ``abort``, whatever SGLang said. The vLLM adapter's
+    parser follows the same rule (``server_protocol.finish_reason``)."""
+    from rollfleet.workers.engines.vllm_protocol import parse_choices
+
+    def vllm(reason: str, made: int, aborted: bool, max_tokens: int) -> str:
+        answer = {"choices": [{"index": 0, "token_ids": list(range(made)), "finish_reason": reason}]}
+        return parse_choices(answer, False, aborted, max_tokens)[0].finish_reason
+
+    assert vllm("length", 3, True, 3) == "length" and vllm("abort", 3, False, 3) == "length"
+    assert vllm("length", 3, True, 4) == "abort" and vllm("abort", 2, False, 5) == "abort"
     done = {"output_ids": [7, 8, 9], "meta_info": {"finish_reason": {"type": "length", "length": 3}}}
     assert parse_item(done, False, True, max_tokens=3)[0].finish_reason == "length"
     said_abort = {"output_ids": [7, 8, 9], "meta_info": {"finish_reason": {"type": "abort"}}}

@@ -115,7 +115,8 @@ class EarlierAnswers:
             if handle.done():
                 continue
             try:
-                settled += await self._settle_stored(handle) and handle.done()
+                if await self._settle_stored(handle) and handle.done():
+                    settled += 1
             except RollfleetError as exc:  # (the broker away again: its reconnect asks once more)
                 log.warning("stored answers not read for the waiting handles", code=exc.code)
                 return

@@ -27,6 +27,7 @@ from rollfleet.schemas import Completion, Names, RolloutJob, RolloutPayload
 from rollfleet.schemas.errors import BrokerError, InvalidRequest, ServiceUnavailable, Superseded
 from rollfleet.schemas.seeds import job_seed, sample_seed
 from rollfleet.workers.engines import Engine, Generation
+from rollfleet.workers.engines.base import with_drawn_seed
 from rollfleet.workers.progress_log import ProgressLog
 from rollfleet.workers.running_job import RunningJob
 from rollfleet.workers.served_version import ServedVersion
@@ -120,7 +121,8 @@ class ResumableGenerator:
         writer = asyncio.create_task(plog.keep_writing())
         try:
             fresh = not any(s.token_ids or s.finish for s in plog.samples)
-            payload, drawn = resumable_payload(job.payload, job.job_id)
+            # (Every run of the job, on any replica, draws the job's own seed: ``job_seed``.)
+            payload, drawn = with_drawn_seed(job.payload, job_seed(job.job_id))
             if fresh and engine.streams_tokens:
                 run.request_ids = [job.job_id]
                 generation = await engine.generate(job.job_id, payload, job.session_id, sink=plog)
@@ -150,7 +152,7 @@ class ResumableGenerator:
         """Generate every unfinished sample on from its kept tokens, each as its own request
         (the prompt and its tokens so far prefilled). An engine that does not stream its tokens
         runs them in segments of ``checkpoint_tokens``, a checkpoint after each. ``payload``: the
-        job's, with the seed it runs on (``resumable_payload``)."""
+        job's, with the seed it runs on (its job's)."""
         job, engine = run.job, self._engine
         streams = engine.streams_tokens
         segment = plog.every_tokens if not streams else None
@@ -199,14 +201,3 @@ class ResumableGenerator:
 
         await asyncio.gather(*(one(i) for i in range(len(plog.samples))))
         return len(prompt) if prompt is not None else 0
-
-
-def resumable_payload(payload: RolloutPayload, job_id: str) -> tuple[RolloutPayload, int | None]:
-    """The job's payload as every run of it generates it, and the seed given it (None: none):
-    one that samples and gives no seed runs on ``job_seed(job_id)``, so a run that continues a
-    sample, or a segment of an engine that does not stream, keeps its stream (an engine server
-    would draw a new seed for each request), and the replay coordinate names that seed."""
-    if payload.sampling.seed is not None or payload.sampling.temperature <= 0:
-        return payload, None
-    seed = job_seed(job_id)
-    return msgspec.structs.replace(payload, sampling=msgspec.structs.replace(payload.sampling, seed=seed)), seed

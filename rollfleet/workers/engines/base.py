@@ -28,15 +28,16 @@ def fresh_seed() -> int:
     return secrets.randbits(62)
 
 
-def with_drawn_seed(payload: RolloutPayload) -> tuple[RolloutPayload, int | None]:
+def with_drawn_seed(payload: RolloutPayload, seed: int | None = None) -> tuple[RolloutPayload, int | None]:
     """``payload`` with a seed drawn for it where it samples and gives none, and that seed (None:
     none drawn). An engine server sends it and records it (``Generation.seed``), so any sample
     can be drawn again; from the OS, so replicas never draw alike. (A server that seeds every
     unseeded request alike, as SGLang's deterministic inference does with 42, would otherwise
-    make ``n`` copies of one sample.)"""
+    make ``n`` copies of one sample.) ``seed``: the one to give it instead of a fresh draw (a
+    resumable job's own, ``schemas.seeds.job_seed``)."""
     if payload.sampling.seed is not None or payload.sampling.temperature <= 0:
         return payload, None
-    drawn = fresh_seed()
+    drawn = fresh_seed() if seed is None else seed
     return msgspec.structs.replace(payload, sampling=msgspec.structs.replace(payload.sampling, seed=drawn)), drawn
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from rollfleet.schemas import Completion, EngineBuild, RolloutPayload
 from rollfleet.schemas.errors import EngineFailure
 from rollfleet.workers.engines.base import sample_seed
-from rollfleet.workers.engines.server_protocol import parse_spans, parse_version, span_labels
+from rollfleet.workers.engines.server_protocol import finish_reason, parse_spans, parse_version, span_labels
 
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -60,9 +60,7 @@ def parse_item(
 ) -> tuple[Completion, int | None, int]:
     """One sample of a ``/generate`` answer: its completion, the version SGLang says served it
     (None: no rollfleet version) and the prompt's length. ``aborted``: the adapter aborted the
-    request (it finished ``abort`` unless it had made all ``max_tokens`` tokens by then: an abort
-    that came after the last token ends nothing; campaign 7, seed 4242, a loop trained a whole
-    sample labelled ``abort``)."""
+    request (``server_protocol.finish_reason`` says how the sample ended)."""
     meta = item.get("meta_info") or {}
     triples = meta.get("output_token_logprobs") or []
     tokens = item.get("output_ids")
@@ -75,12 +73,8 @@ def parse_item(
             raise EngineFailure(f"SGLang returned {len(logprobs)} log-probs for {len(tokens)} tokens")
     finish = meta.get("finish_reason")
     kind = finish.get("type") if isinstance(finish, Mapping) else finish
-    reason = FINISH.get(str(kind), "abort") if kind is not None else "abort"
-    whole = max_tokens is not None and len(tokens) >= max_tokens
-    if aborted and not whole:
-        reason = "abort"
-    elif reason == "abort" and whole:
-        reason = "length"
+    said = FINISH.get(str(kind), "abort") if kind is not None else "abort"
+    reason = finish_reason(said, len(tokens), max_tokens, aborted)  # type: ignore[arg-type]
     completion = Completion(
         token_ids=[int(t) for t in tokens],
         finish_reason=reason,  # type: ignore[arg-type]

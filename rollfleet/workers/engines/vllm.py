@@ -334,7 +334,7 @@ class VLLMEngine(HTTPServerEngine):
         answer = response_json(r)
         choices = [c for c in answer.get("choices") or () if isinstance(c, Mapping)]
         self._refuse_foreign([label for c in choices for label in span_labels(c.get("weight_versions"))])
-        outputs = parse_choices(answer, payload.sampling.logprobs, aborted)
+        outputs = parse_choices(answer, payload.sampling.logprobs, aborted, payload.sampling.max_tokens)
         if len(outputs) != payload.n:
             raise EngineFailure(f"vLLM answered {len(outputs)} outputs for n={payload.n}")
         check_spans(outputs, sent_on, self.version, self._live)

@@ -18,7 +18,7 @@ import msgspec
 from rollfleet.schemas import Completion, RolloutPayload
 from rollfleet.schemas.errors import EngineFailure, InvalidRequest
 from rollfleet.workers.engines.base import Generation, sample_seed
-from rollfleet.workers.engines.server_protocol import parse_spans
+from rollfleet.workers.engines.server_protocol import finish_reason, parse_spans
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -72,9 +72,11 @@ def generate_body(request_id: str, payload: RolloutPayload, cache_salt: str | No
     return body
 
 
-def parse_choices(answer: Mapping[str, Any], want_logprobs: bool, aborted: bool) -> list[Completion]:
-    """The completions of the generate route's answer, in sample order (``aborted``: each says
-    ``abort``)."""
+def parse_choices(
+    answer: Mapping[str, Any], want_logprobs: bool, aborted: bool, max_tokens: int | None = None
+) -> list[Completion]:
+    """The completions of the generate route's answer, in sample order (``aborted``: the adapter
+    aborted the request; ``server_protocol.finish_reason`` says how each sample ended)."""
     choices = answer.get("choices")
     if not isinstance(choices, list):
         raise EngineFailure(f"vLLM answered without choices: {str(answer)[:300]}")
@@ -87,7 +89,8 @@ def parse_choices(answer: Mapping[str, Any], want_logprobs: bool, aborted: bool)
             logprobs = [float(entry["logprob"]) for entry in content]
             if len(logprobs) != len(tokens):
                 raise EngineFailure(f"vLLM returned {len(logprobs)} log-probs for {len(tokens)} tokens")
-        reason = "abort" if aborted else _FINISH.get(str(choice.get("finish_reason")), "stop")
+        said = _FINISH.get(str(choice.get("finish_reason")), "stop")
+        reason = finish_reason(said, len(tokens), max_tokens, aborted)  # type: ignore[arg-type]
         outputs.append(
             Completion(
                 token_ids=tokens,
