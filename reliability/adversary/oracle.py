@@ -579,18 +579,25 @@ class Oracle:
             ]
             if seen and c.stored is None:
                 d = seen[0]
-                # The call is due by its job's deadline, or by its own when it came after the job (a
-                # key asked again: the gateway's answer for the call, the job's long stored). A try
-                # that found no job for the key (lost with the broker's store, or past the duplicate
-                # window) stored it again with a deadline of its own: the call is due by the last
-                # such copy's (campaign seed 778).
-                due = [getattr(d, "deadline", 0.0) or 0.0]
+                # The call is due by its job's deadline. One that found its key's job stored before
+                # its first try joined it, deadline included: the gateway follows that job, and a
+                # retry's timeout does not extend it (campaign 9, seed 19: a restarted trainer asked
+                # again 2.4 s before the job's deadline, with a timeout of its own, and got the
+                # job's Expired; the oracle had dated it by its own timeout). A try that found no
+                # job for the key (lost with the broker's store, or past the duplicate window)
+                # stored it again with a deadline of its own: the call is due by the last such
+                # copy's (campaign seed 778).
+                first_sent = min(float(a["t_sent"]) for a in c.attempts) if c.attempts else c.t0
+                joined_deadline = float(getattr(d, "deadline", 0.0) or 0.0)
+                joined = bool(joined_deadline) and float(d.submitted_at or d.t) < first_sent
+                due = [joined_deadline]
                 due += [
                     float(getattr(o, "deadline", 0.0) or 0.0)
                     for o in seen[1:]
                     if any(float(a["t_sent"]) <= float(o.submitted_at or 0.0) <= float(a["t"]) for a in c.attempts)
                 ]
-                due += [float(a["t_sent"]) + float((c.req or {}).get("timeout") or 0.0) for a in c.attempts[:1]]
+                if not joined:
+                    due += [first_sent + float((c.req or {}).get("timeout") or 0.0)]
                 c.stored = {"ev": "stored", "rid": c.rid, "key": c.key, "job_id": d.job_id,
                             "deadline": max(due) or None, "constraint": list(d.constraint or ()),
                             "fingerprint": d.fingerprint, "stream_seq": d.stream_seq, "t": d.submitted_at or d.t,
