@@ -23,8 +23,13 @@ KEY, JOB, TIMEOUT = "http-0-2", "job-http-0-2", 20.0
 
 def _oracle(published_after: float) -> Oracle:
     t = time.time()
-    req = {"kind": "min", "value": 0, "retry": "replayable",
-           "payload": {"prompt": [3, 6], "max_tokens": 8, "n": 1}, "timeout": TIMEOUT}
+    req = {
+        "kind": "min",
+        "value": 0,
+        "retry": "replayable",
+        "payload": {"prompt": [3, 6], "max_tokens": 8, "n": 1},
+        "timeout": TIMEOUT,
+    }
     journal: list[dict[str, Any]] = [
         {"ev": "submit", "rid": "0:1", "op": "new", "key": KEY, "req": req, "client": "gateway", "t": t, "inc": 0},
         {"ev": "http_attempt", "rid": "0:1", "key": KEY, "gateway": "g1", "address": "http://127.0.0.1:1",
