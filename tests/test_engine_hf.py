@@ -8,6 +8,7 @@ import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -19,6 +20,7 @@ from rollfleet.models import build_model_dir
 from rollfleet.schemas import RolloutPayload, SamplingParams
 from rollfleet.schemas.errors import InvalidRequest, LayoutMismatch
 from rollfleet.workers.engines import make_engine
+from rollfleet.workers.engines._sampling import advance_stream, make_generator, sample_token
 from rollfleet.workers.engines.base import sample_seed
 from rollfleet.workers.engines.hf import HFEngine
 
@@ -210,6 +212,47 @@ async def test_activation_mid_request_copies_only_changed_tensors(engine: HFEngi
     assert out.logprobs is not None
     new_lp = forward_logprobs(engine, out.token_ids)
     assert out.logprobs[old_steps:] == pytest.approx(new_lp[old_steps:], abs=1e-4)
+
+
+def test_advancing_a_stream_leaves_it_where_the_real_draws_did() -> None:
+    """What a replay from inside a request relies on: the draws of ``sample_token`` depend on the
+    logits' shape alone (top-k, top-p, zeros and all), so advancing a stream past ``k`` of them
+    leaves the generator in the state ``k`` real draws did, and the next token the same."""
+    rows = torch.randn(9, 97, generator=torch.Generator().manual_seed(3)) * 4
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.8)):
+        real, advanced = make_generator(11, torch.device("cpu")), make_generator(11, torch.device("cpu"))
+        for row in rows[:8]:
+            sample_token(row, params, real)
+        advance_stream(advanced, 8, rows[0])
+        assert torch.equal(real.get_state(), advanced.get_state())
+        assert sample_token(rows[8], params, real) == sample_token(rows[8], params, advanced)
+
+
+async def test_a_sample_across_an_activation_is_remade_from_its_stream_advanced(engine: HFEngine, ckpt: Path) -> None:
+    """A seeded sample whose request ran on across an activation: its tokens after it are made again,
+    bit for bit, by a request at the new version prompted with the tokens before it, its stream
+    advanced past their draws (``stream_offset``); without the offset its stream starts over."""
+    asked = RolloutPayload(
+        prompt_token_ids=list(PROMPT), sampling=SamplingParams(max_tokens=60, temperature=1.0, seed=1234),
+        deterministic=True, extra={"ignore_eos": True},
+    )  # fmt: skip
+    task = asyncio.create_task(engine.generate("r", asked))
+    await wait_steps(engine, 5)
+    await engine.pause()
+    publish(ckpt, perturbed(engine, CHANGED))
+    await engine.load_weights(ckpt, CHANGED, version=1)
+    await engine.resume()
+    out = (await asyncio.wait_for(task, 30)).outputs[0]
+    (_, _, k), (v1, _, end) = [(w.version, w.start, w.end) for w in out.weight_versions]
+    assert v1 == 1 and 0 < k < end == 60
+    tail = RolloutPayload(
+        prompt_token_ids=[*PROMPT, *out.token_ids[:k]], sampling=SamplingParams(max_tokens=60 - k, temperature=1.0,
+        seed=1234), deterministic=True, extra={"ignore_eos": True}, stream_offset=k,
+    )  # fmt: skip
+    again = (await engine.generate("again", tail)).outputs[0]
+    assert again.token_ids == out.token_ids[k:] and again.logprobs == out.logprobs[k:]  # type: ignore[index]
+    fresh = (await engine.generate("fresh", msgspec.structs.replace(tail, stream_offset=0))).outputs[0]
+    assert fresh.token_ids != out.token_ids[k:]
 
 
 async def test_prepared_delta_is_staged_sparse_and_applied_in_the_pause(engine: HFEngine, ckpt: Path) -> None:

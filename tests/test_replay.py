@@ -125,5 +125,12 @@ async def test_results_replay_bit_for_bit_and_every_altered_part_is_named(nats_u
             assert said.replay.sampling.seed is None and said.replay.versions[0].digest == b""  # (no store)
             echoed = [await echo.replay(said, plain, index=i) for i in range(3)]
             assert all(o.matched for o in echoed), echoed
+            # A stream offset asked of an engine that cannot advance its streams: refused, typed.
+            offset = msgspec.structs.replace(plain, sampling=SamplingParams(max_tokens=16, seed=3), stream_offset=2)
+            try:
+                await (await echo.submit(offset, exact_version=0)).result(30)
+                raise AssertionError("echo took a stream offset it cannot honour")
+            except NotReplayable as err:
+                assert "stream_offset" in str(err) and not err.retryable
     finally:
         stop_all(procs)

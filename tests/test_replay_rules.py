@@ -108,7 +108,7 @@ def test_a_request_asks_for_the_samples_own_stream_at_its_version_in_determinist
 )  # fmt: skip
 def test_what_cannot_be_replayed_is_refused_naming_why(built: RolloutResult, reason: str) -> None:
     with pytest.raises(NotReplayable) as err:
-        replay_request(built, 0)
+        replay_request(built, 0, prompt=PROMPT)  # (one request: a sample made in two is multi_span)
     assert err.value.reason == reason and not err.value.retryable
 
 
@@ -170,10 +170,20 @@ def test_a_resumed_sample_is_replayed_segment_by_segment_each_as_its_request_was
     assert (then.sampling.seed, then.sampling.max_tokens) == (41, 2)
     assert then.expected.prompt == prompt_digest([*PROMPT, 1, 2])
     assert then.expected.versions == (VersionDigest(4, DIGEST),)
-    # Sample 0 had no restart: its tokens from 2 on ran on in one sampled stream across the activation.
-    with pytest.raises(NotReplayable) as err:
-        replay_segments(resumed, 0, prompt=PROMPT)
-    assert err.value.reason == "multi_span" and "advanced past 2 tokens" in err.value.message
+    # Sample 0 had no restart: its tokens from 2 on ran on in one sampled stream across the
+    # activation. On hf, replayed as that request was, its stream advanced past the 2 draws before.
+    whole, across = replay_segments(resumed, 0, prompt=PROMPT)
+    assert (whole.start, whole.end, whole.stream_offset) == (0, 2, 0)
+    assert (across.start, across.end, across.version, across.restart) == (2, 4, 4, False)
+    assert across.prompt == (*PROMPT, 1, 2)
+    assert (across.sampling.seed, across.stream_offset, across.n, across.pick) == (40, 2, 1, 0)
+    # An engine that takes no offset (vLLM, SGLang), or echo, whose tokens go by their place: refused, naming it.
+    for engine in ("vllm", "sglang", "echo"):
+        other = msgspec.structs.replace(coord, build=msgspec.structs.replace(BUILD, engine=engine))
+        with pytest.raises(NotReplayable) as err:
+            replay_segments(result(made, made, replay=other, resumes=1), 0, prompt=PROMPT)
+        assert err.value.reason == "multi_span"
+        assert f"past 2 tokens' draws, which {engine} does not" in err.value.message
     # Greedy: no stream to advance, so a segment at an activation is replayable from its tokens.
     greedy = msgspec.structs.replace(coord, sampling=SamplingParams(max_tokens=4, temperature=0.0))
     assert [r.start for r in replay_segments(result(made, replay=greedy), 0, prompt=PROMPT)] == [0, 2]

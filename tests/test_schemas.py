@@ -131,11 +131,22 @@ def test_decode_rejects_oversized_before_parsing() -> None:
         (RolloutPayload(prompt_token_ids=[1], sampling=SamplingParams(top_k=-2)), "top_k"),
         (RolloutPayload(prompt_token_ids=[1], n=0), "n must be"),
         (RolloutPayload(prompt_token_ids=list(range(40_000))), "over the limit"),
+        (RolloutPayload(prompt_token_ids=[1], stream_offset=-1, sampling=SamplingParams(seed=1)), "stream_offset"),
+        (RolloutPayload(prompt_token_ids=[1], stream_offset=40_000, sampling=SamplingParams(seed=1)), "stream_offset"),
+        (RolloutPayload(prompt_token_ids=[1], stream_offset=3), "give sampling.seed"),
     ],
 )
 def test_impossible_payloads_are_invalid(payload: RolloutPayload, fragment: str) -> None:
     with pytest.raises(E.InvalidRequest, match=fragment):
         check_job(_job(payload=payload))
+
+
+def test_a_stream_offset_is_a_replays_one_request_never_a_resumable_jobs() -> None:
+    """A run that takes a resumable job over seeds its continuation anew, past no draws."""
+    offset = RolloutPayload(prompt_token_ids=[1, 2], stream_offset=2, sampling=SamplingParams(seed=5))
+    check_job(_job(payload=offset))
+    with pytest.raises(E.InvalidRequest, match="resumable"):
+        check_job(_job(payload=offset, retry_policy="resume"))
 
 
 def test_constraints() -> None:

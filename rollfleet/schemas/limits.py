@@ -50,6 +50,10 @@ def check_payload(payload: RolloutPayload, limits: Limits = DEFAULT_LIMITS) -> N
         raise InvalidRequest(f"top_k must be >= 0, got {s.top_k}")
     if s.stop_token_ids and min(s.stop_token_ids) < 0:  # (as the prompt's: no generator per job)
         raise InvalidRequest("stop_token_ids must be non-negative")
+    if not 0 <= payload.stream_offset <= limits.max_new_tokens:
+        raise InvalidRequest(f"stream_offset must be in [0, {limits.max_new_tokens}], got {payload.stream_offset}")
+    if payload.stream_offset and s.seed is None:
+        raise InvalidRequest("stream_offset advances a seeded stream; give sampling.seed")
     if not 1 <= payload.n <= limits.max_samples:
         raise InvalidRequest(f"n must be in [1, {limits.max_samples}], got {payload.n}")
     if not depth_within(payload.extra, MAX_DEPTH):  # passed on to engines, which recurse into it
@@ -64,3 +68,6 @@ def check_job(job: RolloutJob, limits: Limits = DEFAULT_LIMITS) -> None:
     if not math.isfinite(job.deadline):
         raise InvalidRequest("deadline must be a finite unix time")
     check_payload(job.payload, limits)
+    if job.payload.stream_offset and job.behaviour.checkpoints:
+        # (a run that takes it over seeds its continuation anew, past no draws: the offset would be lost)
+        raise InvalidRequest("stream_offset is for a replay's one request; a resumable job cannot carry it")

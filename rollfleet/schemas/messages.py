@@ -69,6 +69,11 @@ class RolloutPayload(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Serve it batch-invariant, so that the same request gives the same bits again (the hf engine
     # runs it alone; echo always is; an engine that cannot says so in the result's coordinate).
     deterministic: bool = False
+    # Each sample's random stream starts advanced past this many tokens' draws, as if that many
+    # had been sampled before the first one made here: a replay of a segment that began inside a
+    # sampled request, at an activation, whose stream ran on from the request's start. An engine
+    # that cannot advance its streams refuses it (``NotReplayable``); seeded requests only.
+    stream_offset: int = 0
     # Engine-specific pass-through (e.g. extra SGLang sampling keys); never interpreted here.
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
 

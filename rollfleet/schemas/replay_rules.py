@@ -47,6 +47,9 @@ class ReplayRequest(msgspec.Struct, frozen=True, kw_only=True):
     end: int | None = None  # None: to the sample's end
     restart: bool = False
     prompt: tuple[int, ...] | None = None
+    # A segment that began inside its sampled request, at an activation: its stream advanced past
+    # the draws of the request's tokens before it (``RolloutPayload.stream_offset``).
+    stream_offset: int = 0
 
 
 class ReplayOutcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -172,11 +175,11 @@ def _versions_from(coord: ReplayCoordinate, sample: Completion, index: int, vers
     raise NotReplayable(f"sample {index} names no version to replay at", reason="multi_span", index=index)
 
 
-def _across_activation(index: int, start: int, version: int, began: int) -> NotReplayable:
+def _across_activation(index: int, start: int, version: int, began: int, engine: str) -> NotReplayable:
     return NotReplayable(
         f"sample {index}'s tokens from {start} were made at version {version} by the request that began at "
         f"{began}, its random stream running on across the activation; replaying them needs the engine's "
-        f"stream advanced past {start - began} tokens' draws, which no engine takes",
+        f"stream advanced past {start - began} tokens' draws, which {engine} does not take",
         reason="multi_span",
         index=index,
     )
@@ -195,16 +198,18 @@ def segment_requests(
     asks for: one request a segment. A segment begins where the sample's version changes (a
     span) or where a request of its own began its tokens (``coord.restarts``: a resumed run's
     continuation, a non-streaming engine's segment). Each is asked at its own version, prompted
-    with ``prompt`` and the sample's tokens before it, for its own tokens.
+    with ``prompt`` and the sample's tokens before it, for its own tokens; one that begins
+    mid-request, at an activation, of a sampled (temperature > 0) request, with its request's
+    stream advanced past the draws of the tokens that request made before it (``stream_offset``;
+    a greedy one needs none).
 
     Raises ``NotReplayable`` naming why: a resumed sample whose coordinate recorded no restarts
     (``resumed``: a replica before they were recorded); a segment that begins mid-request, at an
-    activation, of a sampled (temperature > 0) request (``multi_span``: its request's random
-    stream ran on across the activation, and replaying from there would need the engine's stream
-    advanced past the draws of the tokens before it, which no engine takes; a greedy one needs
-    none); an unseeded random sample (``unseeded``: its stream was never recorded; a resumed
-    run's continuations, each its own request, drew seeds of their own that no record keeps);
-    a later segment with no ``prompt`` given (``prompt``). ``version``: where the sample has no
+    activation, of a sampled request of an engine that cannot advance its stream (``multi_span``:
+    vLLM, SGLang, echo, whose tokens there are keyed by their place in the request); an
+    unseeded random sample (``unseeded``: its stream was never recorded; a resumed run's
+    continuations, each its own request, drew seeds of their own that no record keeps); a later
+    segment with no ``prompt`` given (``prompt``). ``version``: where the sample has no
     span (no token), the version it ran at."""
     if resumed and coord.restarts is None:
         raise NotReplayable(
@@ -233,9 +238,14 @@ def segment_requests(
         if a == b and (a > 0 or k + 1 < len(starts)):
             continue  # (a request that made nothing: nothing to remake)
         restart = a in restarts
+        offset = 0
         if not restart and a > 0 and (coord.sampling.temperature > 0 or indexed):
+            # Begun at an activation inside a sampled request: asked as that request was, its
+            # stream advanced past the draws of its tokens before this one (an engine that can).
             began = max((r for r in restarts if r < a), default=0)
-            raise _across_activation(index, a, current, began)
+            if indexed or coord.build.engine not in _STREAM_ADVANCING_ENGINES:
+                raise _across_activation(index, a, current, began, coord.build.engine)
+            offset = a - began
         if a > 0 and prompt is None:
             raise NotReplayable(
                 f"sample {index}'s segment from token {a} is replayed after the prompt; give the prompt's token ids",
@@ -244,7 +254,8 @@ def segment_requests(
             )
         last = k + 1 == len(starts)
         forced = None if prompt is None else (*prompt, *tokens[:a])
-        requests.append(_segment(coord, index, current, a, b, last=last, restart=restart, seed=seed, forced=forced))
+        made = _segment(coord, index, current, a, b, last=last, restart=restart, seed=seed, forced=forced)
+        requests.append(msgspec.structs.replace(made, stream_offset=offset) if offset else made)
     return requests
 
 
@@ -317,6 +328,10 @@ def segment_view(coord: ReplayCoordinate, request: ReplayRequest) -> ReplayCoord
 # Engines whose samples are a pure function of their inputs and their index within the request,
 # with no random stream of their own (an unseeded one is as replayable as a seeded one).
 _INDEXED_ENGINES = frozenset({"echo"})
+# Engines that take ``stream_offset`` (``Engine.advances_streams``): a segment begun at an
+# activation inside a sampled request is replayable on them. vLLM and SGLang seed a request's
+# stream at its start and take no offset.
+_STREAM_ADVANCING_ENGINES = frozenset({"hf"})
 
 
 def judge_replay(

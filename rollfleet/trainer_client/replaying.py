@@ -83,6 +83,7 @@ async def replay(
             n=request.n,
             sampling=request.sampling,
             deterministic=True,
+            stream_offset=request.stream_offset,
         )
         handle = await client.submit(
             again, exact_version=request.version, timeout=timeout, wait_for_replica=wait_for_replica

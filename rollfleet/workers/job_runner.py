@@ -62,6 +62,7 @@ from rollfleet.schemas.errors import (
     Cancelled,
     EngineFailure,
     InvalidRequest,
+    NotReplayable,
     RollfleetError,
     Superseded,
 )
@@ -294,6 +295,12 @@ class JobRunner:
         failure already answered or left to a redelivery, or another run has the job)."""
         job = run.job
         try:
+            if job.payload.stream_offset and not self._engine.advances_streams:
+                raise NotReplayable(
+                    f"the {self._engine.name} engine cannot advance a sample's stream past "
+                    f"{job.payload.stream_offset} draws (stream_offset)",
+                    reason="multi_span",
+                )
             if job.behaviour.checkpoints:
                 return await self.resumable.generate(run, log)  # (None: another run has the job now)
             return await self._engine.generate(job.job_id, job.payload, job.session_id)

@@ -19,6 +19,16 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
 
 
+def advance_stream(gen: torch.Generator, draws: int, like: torch.Tensor) -> None:
+    """Advance ``gen`` past ``draws`` tokens' draws, as ``sample_token`` makes them from logits
+    rows shaped as ``like``: a stream replayed from inside a request. (``multinomial`` of one
+    sample draws by the distribution's shape and dtype, never its values: drawing from a uniform
+    row of the same shape leaves the generator where the real draws left it.)"""
+    uniform = torch.full_like(like, 1.0 / like.numel(), dtype=torch.float32)
+    for _ in range(draws):
+        torch.multinomial(uniform, 1, generator=gen)
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> tuple[int, float]:
     """Sample one token from a ``[vocab]`` float32 logits row; returns (token, logprob)."""
     if params.temperature <= 0.0:

@@ -92,6 +92,9 @@ class Engine(abc.ABC):
     # engine that does not is run in segments of ``checkpoint_tokens`` (a request each), which
     # an engine with a prefix cache prefills cheaply (``workers.progress``).
     streams_tokens: bool = False
+    # Whether ``generate`` honours ``RolloutPayload.stream_offset`` (advances each sample's seeded
+    # stream before its first token). A job asking it of an engine that does not is refused.
+    advances_streams: bool = False
     # How long ``health()`` may take before the engine counts as hung (an HTTP engine sets its
     # own: it judges its server by that bound, and the worker must not judge it sooner).
     health_timeout_s: float = 5.0

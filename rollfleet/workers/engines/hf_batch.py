@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from rollfleet.workers.engines import _kvrows
-from rollfleet.workers.engines._sampling import sample_token
+from rollfleet.workers.engines._sampling import advance_stream, sample_token
 from rollfleet.workers.engines.hf_requests import HFSeq
 from rollfleet.workers.engines.session_cache import Branch, Lookup, SessionCache
 
@@ -70,6 +70,10 @@ class BatchStepper:
         """The next token of every sequence in ``batch`` and its log-prob (in that order)."""
         with torch.inference_mode():
             logits = self._forward(batch)
+            for i, seq in enumerate(batch):
+                if seq.skip_draws and seq.gen is not None:  # (a replay from inside a request: once, first)
+                    advance_stream(seq.gen, seq.skip_draws, logits[i])
+                    seq.skip_draws = 0
             return [sample_token(logits[i], seq.req.params, seq.gen) for i, seq in enumerate(batch)]
 
     def _release(self, batch: list[HFSeq]) -> KVBatch:

@@ -40,6 +40,7 @@ class HFSeq:
     finish: str | None = None
     cached: int = 0  # prompt tokens whose KV came from the session cache when it joined the batch
     kv_epoch: int = -1  # the weights epoch of the oldest KV in its batch row (-1: never had a row)
+    skip_draws: int = 0  # draws its stream is advanced past before its first token (``stream_offset``)
 
 
 @dataclass(eq=False)
@@ -121,7 +122,8 @@ def new_request(
         gen = None
         if params.temperature > 0:  # the same stream whether sample i is sent alone or not
             gen = make_generator(sample_seed(seed, i), device)
-        req.seqs.append(HFSeq(req=req, index=i, tokens=list(prompt), gen=gen))
+        skip = payload.stream_offset if gen is not None else 0
+        req.seqs.append(HFSeq(req=req, index=i, tokens=list(prompt), gen=gen, skip_draws=skip))
     return req
 
 
