@@ -8,13 +8,12 @@ consumer, so a restarted trainer with the same ``client_id`` still receives them
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import suppress
 from functools import partial
-from pathlib import Path
 from typing import Any
 
-from rollfleet.broker.buckets import KVBucket, open_bucket
+from rollfleet.broker.buckets import KVBucket
 from rollfleet.broker.connection import connect
 from rollfleet.broker.startup import not_ready
 from rollfleet.broker.topology import (
@@ -30,26 +29,19 @@ from rollfleet.schemas import (
     DEFAULT_LIMITS,
     Limits,
     Names,
-    Outcome,
-    ReplicaStatus,
     RetryPolicy,
     RolloutPayload,
-    RolloutResult,
-    VersionConstraint,
-    VersionPolicy,
-    VersionRecord,
     check_token,
 )
 from rollfleet.schemas.asked import AskedConstraint
-from rollfleet.schemas.bell_wire import end_session_payload
 from rollfleet.schemas.errors import ServiceUnavailable
-from rollfleet.schemas.progress import TokenChunk
-from rollfleet.schemas.replay_rules import ReplayOutcome
-from rollfleet.trainer_client import replaying
 from rollfleet.trainer_client.answer_settling import Settler
 from rollfleet.trainer_client.bells import Bells
 from rollfleet.trainer_client.canceller import Canceller
 from rollfleet.trainer_client.client_metrics import ClientMetrics
+from rollfleet.trainer_client.client_results import ClientResults
+from rollfleet.trainer_client.client_sessions import ClientSessions
+from rollfleet.trainer_client.client_versions import ClientVersions
 from rollfleet.trainer_client.consumers import JobConsumers
 from rollfleet.trainer_client.earlier_answers import EarlierAnswers
 from rollfleet.trainer_client.fleet import FleetView
@@ -63,13 +55,15 @@ from rollfleet.trainer_client.reconnects import Reconnects
 from rollfleet.trainer_client.refusals import RefusalNotes
 from rollfleet.trainer_client.requests import asked_of
 from rollfleet.trainer_client.restore import restore_namespace
-from rollfleet.trainer_client.sessions import OpenSession, Session
-from rollfleet.trainer_client.streaming import stream_tokens
+from rollfleet.trainer_client.sessions import OpenSession
 from rollfleet.trainer_client.submitting import Submitter, no_replica_message
 from rollfleet.trainer_client.versions import VersionCommits
 
 
-class RolloutClient:
+class RolloutClient(ClientSessions, ClientResults, ClientVersions):
+    """The trainer's side of the fleet: submitting jobs (here), sessions (``ClientSessions``),
+    results beyond a handle (``ClientResults``) and policy versions (``ClientVersions``)."""
+
     def __init__(
         self,
         nc: NATS,
@@ -298,10 +292,6 @@ class RolloutClient:
             await self.nc.close()
 
     # -- submitting -------------------------------------------------------------------------
-    @property
-    def latest_version(self) -> int | None:
-        return self.fleet.latest_version
-
     async def submit(
         self,
         payload: RolloutPayload,
@@ -345,78 +335,10 @@ class RolloutClient:
             wait_for_replica=wait_for_replica,
         )
 
-    # -- sessions ------------------------------------------------------------------------------
-    async def sessions_kv(self) -> KVBucket:
-        """The sessions bucket, looked up once per client."""
-        if self._sessions_bucket is None:
-            self._sessions_bucket = await open_bucket(self.js, self.names.sessions_bucket)
-        return self._sessions_bucket
-
-    async def submit_turn(self, payload: RolloutPayload, constraint: VersionConstraint, **turn: Any) -> RolloutHandle:
-        """A session's turn (``SessionHost.submit_turn``): a job under the turn's key, on its
-        replica's own subject if it names one (``Submitter.submit_turn``)."""
-        return await self.submitter.submit_turn(payload, constraint, **turn)
-
-    async def end_session(self, replica: str, session_id: str) -> None:
-        await self.nc.publish(self.names.bell_subject(replica), end_session_payload(session_id))
-
-    def session(
-        self,
-        session_id: str | None = None,
-        *,
-        min_version: int | None = None,
-        exact_version: int | None = None,
-        max_staleness: int | None = None,
-        version_policy: VersionPolicy = "monotonic",
-        ttl: float = 600.0,
-        retry_policy: RetryPolicy = "replayable",
-        affinity_wait_s: float = 2.0,
-    ) -> Session:
-        """A multi-turn session (``async with client.session(...) as s: await s.generate(...)``):
-        its turns stick to the replica that served the previous one, follow ``version_policy``
-        (``pinned``: every turn at the first turn's version; ``monotonic``: never an older
-        version than the previous turn; ``free``: each turn by the constraint alone), and are
-        answered once each. Opening an existing id resumes it, with the same settings or
-        ``SessionConflict``. Without a constraint: ``max_staleness=0`` at each turn."""
-        if min_version is None and exact_version is None and max_staleness is None:
-            max_staleness = 0
-        return Session(
-            self,
-            session_id=session_id,
-            min_version=min_version,
-            exact_version=exact_version,
-            max_staleness=max_staleness,
-            version_policy=version_policy,
-            ttl=ttl,
-            retry_policy=retry_policy,
-            affinity_wait_s=affinity_wait_s,
-        )
-
-    async def resume_session(self, session_id: str, *, affinity_wait_s: float = 2.0) -> Session:
-        """Reopen a session from its record (after a trainer restart); ``UnknownSession`` if it
-        was never opened, was closed, or expired."""
-        return await Session.resume(self, session_id, affinity_wait_s=affinity_wait_s)
-
     # -- withdrawing -----------------------------------------------------------------------------
     async def _withdraw(self, handle: RolloutHandle) -> bool:
         self._handles.pop(handle.idempotency_key, None)
         return await self.placement.delete(handle)
-
-    # -- policy versions --------------------------------------------------------------------
-    async def publish_policy(self, publisher: Any, named_tensors: Any) -> VersionRecord:
-        """Write the next version with a ``PolicyPublisher`` (in a thread) and commit it.
-
-        The first call records the base checkpoint as version 0 and commits that.
-        """
-        return await self.versions.publish(publisher, named_tensors)
-
-    async def commit_version(self, record: VersionRecord) -> VersionRecord:
-        """Make a written version visible to the fleet (create ``v.<N>``, CAS ``latest``, announce)."""
-        return await self.versions.commit(record)
-
-    async def adopt_version(self, store_dir: str | Path, version_dir: str | Path) -> VersionRecord:
-        """Verify and commit a version directory written by another publisher, without re-encoding."""
-        return await self.versions.adopt(store_dir, version_dir)
 
     # -- what restoring a lost namespace needs (``restore.RestoreHost``) ----------------------------
     def forget_consumers(self) -> None:
@@ -438,47 +360,3 @@ class RolloutClient:
 
     async def declare_version_consumers(self, version: int) -> None:
         await self.consumers.version(version)
-
-    async def wait_for_version(
-        self, version: int, *, replicas: int | None = None, fraction: float | None = None, timeout: float = 120.0
-    ) -> list[ReplicaStatus]:
-        """Wait until ``replicas`` (or ``fraction``, default all live) replicas serve ``version``+."""
-        return await self.fleet.wait_for_version(version, replicas=replicas, fraction=fraction, timeout=timeout)
-
-    # -- results ----------------------------------------------------------------------------
-    def stream(self, handle: RolloutHandle) -> AsyncIterator[TokenChunk]:
-        """A job's tokens as its worker checkpoints them (``resume`` jobs; other jobs: at the end),
-        then the rest from its answer: ``async for chunk in client.stream(handle)``. The chunks put
-        together are the result's tokens, in order, each once, across resumes; the job's error,
-        if it fails, is raised. ``await handle`` still returns the same result."""
-        return stream_tokens(self.js, self.names, handle)
-
-    async def replay(self, target: Any, payload: RolloutPayload, **options: Any) -> ReplayOutcome:
-        """Generate sample ``index`` of ``target`` (a result, or a coordinate and the ``original``
-        sample) again, deterministic and at its version, and say whether every token and log-prob
-        matched, or where it diverged and which part of the coordinate differs
-        (``replaying.replay``, whose keyword options it takes)."""
-        return await replaying.replay(self, target, payload, **options)
-
-    async def result(self, idempotency_key: str, timeout: float | None = None) -> RolloutResult:
-        """The result for a key, whether submitted by this process or before a restart; waits up
-        to ``timeout`` (by default the client's ``default_timeout_s``), then ``TimeoutError``."""
-        return await self.earlier.result(idempotency_key, timeout)
-
-    def unclaimed(self) -> dict[str, Outcome]:
-        """Results that arrived for keys this process did not submit (e.g. before a restart)."""
-        return dict(self.inbox.unclaimed)
-
-    def take_unclaimed(self, idempotency_key: str) -> Outcome | None:
-        """The unclaimed answer under ``idempotency_key``, removed (a caller that will never ask
-        for the key counts it instead: ``RolloutLoop``'s answers of a predecessor); None if none."""
-        return self.inbox.take(idempotency_key)
-
-    # Called with every answer message received, before deduplication (for audits and tests).
-    @property
-    def observe(self) -> Callable[[Outcome, int | None], None] | None:
-        return self.inbox.observe
-
-    @observe.setter
-    def observe(self, fn: Callable[[Outcome, int | None], None] | None) -> None:
-        self.inbox.observe = fn
