@@ -164,26 +164,69 @@ def demand_signal(
     lately per ``(kind, version)`` of their constraint. A replica subject of a replica the
     registry no longer lists counts nowhere (its client moves those turns)."""
     fleet = [r for r in replicas if r.counted]
-    by_id = {r.worker_id: r for r in fleet}
-    acc: dict[ClassKey, dict[str, float]] = {}
+    totals = _Totals()
+    _add_subject_loads(totals, subjects, fleet, latest, now)
+    for version, count in (pinned or {}).items():
+        if count > 0:
+            totals.add(class_of_version(version, latest), sessions=count)
+    for (kind, version), count in (refusals or {}).items():
+        if count > 0:
+            totals.add(LATEST if kind == "min" else class_of_version(version, latest), refusals=count)
+    for r in fleet:
+        if r.serving and not r.coming:
+            totals.add(r.klass, slots=r.capacity, busy=min(r.in_flight, r.capacity))
+    classes = totals.demands()
+    return Signal(latest=latest, classes=classes, unavailable=frozenset(unavailable))
 
-    def add(klass: ClassKey, **amounts: float) -> None:
-        row = acc.setdefault(klass, {})
+
+class _Totals:
+    """Each class's amounts, summed as they are added (``oldest_wait_s``: the largest)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[ClassKey, dict[str, float]] = {}
+
+    def add(self, klass: ClassKey, **amounts: float) -> None:
+        row = self.rows.setdefault(klass, {})
         for name, amount in amounts.items():
             if name == "oldest_wait_s":
                 row[name] = max(row.get(name, 0.0), amount)
             else:
                 row[name] = row.get(name, 0) + amount
 
+    def demands(self) -> dict[ClassKey, ClassDemand]:
+        return {
+            klass: ClassDemand(
+                backlog=int(row.get("backlog", 0)),
+                in_flight=int(row.get("in_flight", 0)),
+                oldest_wait_s=float(row.get("oldest_wait_s", 0.0)),
+                awaiting_activation=int(row.get("awaiting_activation", 0)),
+                sessions=int(row.get("sessions", 0)),
+                refusals=int(row.get("refusals", 0)),
+                slots=int(row.get("slots", 0)),
+                busy=int(row.get("busy", 0)),
+            )
+            for klass, row in self.rows.items()
+        }
+
+
+def _add_subject_loads(
+    totals: _Totals,
+    subjects: Mapping[SubjectKey, SubjectLoad],
+    fleet: list[ReplicaFacts],
+    latest: int | None,
+    now: float,
+) -> None:
+    """Each subject's jobs, counted in the class that serves them: a replica's own subject in its
+    replica's class, a ``min`` one in the latest's, an ``exact`` one in its version's."""
+    by_id = {r.worker_id: r for r in fleet}
     for key, load in subjects.items():
         if load.pending <= 0 and load.in_flight <= 0:
             continue
         wait = max(0.0, now - load.oldest_at) if load.pending > 0 and load.oldest_at is not None else 0.0
         if key[0] == "replica":
             owner = by_id.get(str(key[1]))
-            if owner is None:
-                continue
-            add(owner.klass, backlog=load.pending, in_flight=load.in_flight, oldest_wait_s=wait)
+            if owner is not None:
+                totals.add(owner.klass, backlog=load.pending, in_flight=load.in_flight, oldest_wait_s=wait)
             continue
         kind, version = key[0], int(key[1])
         klass = LATEST if kind == "min" else class_of_version(version, latest)
@@ -192,32 +235,9 @@ def demand_signal(
             _prepares(r, kind, version) for r in fleet
         )
         if waiting_out:
-            add(klass, awaiting_activation=load.pending, in_flight=load.in_flight)
+            totals.add(klass, awaiting_activation=load.pending, in_flight=load.in_flight)
         else:
-            add(klass, backlog=load.pending, in_flight=load.in_flight, oldest_wait_s=wait)
-    for version, count in (pinned or {}).items():
-        if count > 0:
-            add(class_of_version(version, latest), sessions=count)
-    for (kind, version), count in (refusals or {}).items():
-        if count > 0:
-            add(LATEST if kind == "min" else class_of_version(version, latest), refusals=count)
-    for r in fleet:
-        if r.serving and not r.coming:
-            add(r.klass, slots=r.capacity, busy=min(r.in_flight, r.capacity))
-    classes = {
-        klass: ClassDemand(
-            backlog=int(row.get("backlog", 0)),
-            in_flight=int(row.get("in_flight", 0)),
-            oldest_wait_s=float(row.get("oldest_wait_s", 0.0)),
-            awaiting_activation=int(row.get("awaiting_activation", 0)),
-            sessions=int(row.get("sessions", 0)),
-            refusals=int(row.get("refusals", 0)),
-            slots=int(row.get("slots", 0)),
-            busy=int(row.get("busy", 0)),
-        )
-        for klass, row in acc.items()
-    }
-    return Signal(latest=latest, classes=classes, unavailable=frozenset(unavailable))
+            totals.add(klass, backlog=load.pending, in_flight=load.in_flight, oldest_wait_s=wait)
 
 
 def with_own_pending(

@@ -127,8 +127,39 @@ async def connect(
     # Called after every reconnect; the list may be appended to after connecting.
     reconnect_hooks = reconnect_hooks if reconnect_hooks is not None else []
     conn: dict[str, NATS] = {}
+    refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+    client = _Client()
+    opts: dict[str, Any] = dict(
+        servers=servers,
+        name=name,
+        connect_timeout=connect_timeout,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        allow_reconnect=True,
+        ping_interval=PING_INTERVAL_S,
+        max_outstanding_pings=MAX_OUTSTANDING_PINGS,
+        **_callbacks(client, conn, name, reconnect_hooks, refused, log_errors=log_errors),
+    )
+    opts.update(_credentials(token, user, password, creds_file, tls_ca, tls_cert, tls_key), **extra)
+    conn["nc"] = await _first_connect(client, opts, refused, initial_timeout, shown)
+    return client
+
+
+def _callbacks(
+    client: _Client,
+    conn: dict[str, NATS],
+    name: str,
+    reconnect_hooks: list[Callable[[], None]],
+    refused: asyncio.Future[Exception],
+    *,
+    log_errors: bool,
+) -> dict[str, Any]:
+    """The connection's callbacks: errors said (wrong credentials before the first connection
+    fail it: they never fix themselves), disconnects said, and every reconnect's hooks run."""
 
     async def on_error(exc: Exception) -> None:
+        if "nc" not in conn and refuses_credentials(exc) and not refused.done():
+            refused.set_result(exc)
         if log_errors:
             log.warning("nats error", error=redact_urls(str(exc)), client=name)
 
@@ -143,32 +174,7 @@ async def connect(
         for hook in reconnect_hooks:
             hook()
 
-    opts: dict[str, Any] = dict(
-        servers=servers,
-        name=name,
-        connect_timeout=connect_timeout,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        allow_reconnect=True,
-        error_cb=on_error,
-        disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect,
-        ping_interval=PING_INTERVAL_S,
-        max_outstanding_pings=MAX_OUTSTANDING_PINGS,
-    )
-    opts.update(_credentials(token, user, password, creds_file, tls_ca, tls_cert, tls_key), **extra)
-    refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
-
-    async def on_error_first(exc: Exception) -> None:
-        # Wrong credentials never fix themselves: fail the first connect instead of retrying.
-        if "nc" not in conn and refuses_credentials(exc) and not refused.done():
-            refused.set_result(exc)
-        await on_error(exc)
-
-    opts["error_cb"] = on_error_first
-    client = _Client()
-    conn["nc"] = await _first_connect(client, opts, refused, initial_timeout, shown)
-    return client
+    return {"error_cb": on_error, "disconnected_cb": on_disconnect, "reconnected_cb": on_reconnect}
 
 
 async def _first_connect(

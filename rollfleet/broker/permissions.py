@@ -114,7 +114,22 @@ def worker_permissions(n: Names, worker_id: str, others: Sequence[str] = ()) -> 
         n.versions_activated,
         "$JS.FC.>",
     ]
-    deny = [
+    subscribe = [
+        f"{n.inbox_prefix('worker', worker_id)}.>",  # its own replies and job deliveries, no one else's
+        n.bell_subject(worker_id),  # its own wake-ups only
+        n.cancel_subject(),  # a trainer stopping a running job (named by its claim key)
+        n.consumers_declared,
+        f"{root}.versions.>",
+        n.consumer_leader_advisory(s["jobs"]),  # a fail-over: its waiting pull requests are gone
+    ]
+    deny = _worker_denied(n, jobs, worker_id, others)
+    return {"publish": {"allow": allow, "deny": deny}, "subscribe": {"allow": subscribe}}
+
+
+def _worker_denied(n: Names, jobs: str, worker_id: str, others: Sequence[str]) -> list[str]:
+    """What a worker may never publish: jobs, commits, streams' and consumers' changes, and the
+    other workers' own subjects (their sessions' turns), pulled or acked."""
+    return [
         "rf.*.jobs.>",
         "rf.*.versions.published",
         "rf.*.consumers.declared",
@@ -130,15 +145,6 @@ def worker_permissions(n: Names, worker_id: str, others: Sequence[str] = ()) -> 
         *(f"$JS.API.CONSUMER.MSG.NEXT.{jobs}.{n.replica_consumer(o)}" for o in others if o != worker_id),
         *(f"$JS.ACK.{jobs}.{n.replica_consumer(o)}.>" for o in others if o != worker_id),
     ]
-    subscribe = [
-        f"{n.inbox_prefix('worker', worker_id)}.>",  # its own replies and job deliveries, no one else's
-        n.bell_subject(worker_id),  # its own wake-ups only
-        n.cancel_subject(),  # a trainer stopping a running job (named by its claim key)
-        n.consumers_declared,
-        f"{root}.versions.>",
-        n.consumer_leader_advisory(s["jobs"]),  # a fail-over: its waiting pull requests are gone
-    ]
-    return {"publish": {"allow": allow, "deny": deny}, "subscribe": {"allow": subscribe}}
 
 
 def password_variable(user: str) -> str:

@@ -115,6 +115,19 @@ async def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _autoscaled_ready(url: str, namespace: str, replicas: int, controller: asyncio.Task[None]) -> None:
+    """Until ``replicas`` live replicas are ready (the control loop's failure raised)."""
+    from rollfleet.cli.status import collect_status
+
+    while True:
+        snapshot = await collect_status(url, namespace)
+        if sum(r["live"] and r["state"] == "ready" for r in snapshot["replicas"]) >= replicas:
+            return
+        if controller.done():
+            controller.result()
+        await asyncio.sleep(0.3)
+
+
 async def _up_autoscaled(
     args: argparse.Namespace, fleet: LocalFleet, stop: asyncio.Event, store: Path | None, model_dir: Path | None
 ) -> int:
@@ -123,7 +136,6 @@ async def _up_autoscaled(
     from rollfleet.autoscale.controller import Controller, ControllerConfig
     from rollfleet.autoscale.drivers.local import LocalDriver
     from rollfleet.autoscale.planner import Policy
-    from rollfleet.cli.status import collect_status
 
     lo, hi = args.autoscale
     version: int | None = None
@@ -149,17 +161,7 @@ async def _up_autoscaled(
             ControllerConfig(url=url, namespace=args.namespace, policy=Policy(min_replicas=lo, max_replicas=hi)), driver
         )
         task = asyncio.create_task(controller.run(halt), name="autoscale")
-
-        async def ready() -> None:
-            while True:
-                snapshot = await collect_status(url, args.namespace)
-                if sum(r["live"] and r["state"] == "ready" for r in snapshot["replicas"]) >= lo:
-                    return
-                if task.done():
-                    task.result()
-                await asyncio.sleep(0.3)
-
-        waiting = asyncio.create_task(ready())
+        waiting = asyncio.create_task(_autoscaled_ready(url, args.namespace, lo, task))
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if waiting.done():

@@ -365,25 +365,7 @@ def materialize(
         layout = CheckpointLayout.read(local)
         result.total_bytes = layout.total_bytes
         for v in chain:
-            path = version_path(store, v)
-            if hook is not None:
-                hook(path)
-            ov = open_version(path, expected_version=v)
-            if ov.is_delta:
-                if ov.index.metadata.base_version != result.version:
-                    raise LineageMismatch(
-                        f"{path.name} is based on {ov.index.metadata.base_version}, the local checkpoint is at "
-                        f"{result.version}"
-                    )
-                names = _apply_delta(state, layout, ov, result.version)
-            else:
-                names = _apply_full(state, layout, ov)
-            rec = ov.record()
-            result.changed_bytes += rec.changed_bytes
-            result.wire_bytes += ov.wire_bytes
-            result.applied.append(v)
-            result.version = v
-            changed.update(names)
+            changed.update(_apply_version(state, layout, version_path(store, v), v, hook, result))
         order = {n: i for i, n in enumerate(layout.tensors)}
         result.changed = sorted(changed, key=lambda n: order.get(n, 0))
         if result.total_bytes:
@@ -391,6 +373,29 @@ def materialize(
         result.checksums = dict(state.sums)
         result.seconds = time.perf_counter() - t0
         return result
+
+
+def _apply_version(
+    state: _Local, layout: CheckpointLayout, path: Path, v: int, hook: Hook | None, result: MaterializeResult
+) -> list[str]:
+    """Apply version ``v`` (a delta onto ``result.version``, its base, or a full version) to the
+    local checkpoint, counting it in ``result``; the names of the tensors it changed."""
+    if hook is not None:
+        hook(path)
+    ov = open_version(path, expected_version=v)
+    if ov.is_delta:
+        if ov.index.metadata.base_version != result.version:
+            raise LineageMismatch(
+                f"{path.name} is based on {ov.index.metadata.base_version}, the local checkpoint is at {result.version}"
+            )
+        names = _apply_delta(state, layout, ov, result.version)
+    else:
+        names = _apply_full(state, layout, ov)
+    result.changed_bytes += ov.record().changed_bytes
+    result.wire_bytes += ov.wire_bytes
+    result.applied.append(v)
+    result.version = v
+    return names
 
 
 # -- apply a delta in place --------------------------------------------------------------------

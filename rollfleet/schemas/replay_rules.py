@@ -221,15 +221,7 @@ def segment_requests(
     restarts = [r for r in coord.restarts_of(index) if r <= len(tokens)]
     version_at = _versions_from(coord, sample, index, version)
     starts = sorted({0, *restarts, *version_at})
-    indexed = coord.build.engine in _INDEXED_ENGINES
-    seed = sample_seed(coord.sampling.seed, index)
-    if seed is None and coord.sampling.temperature > 0 and not indexed:
-        why = "; the runs that continued it drew seeds of their own that no record keeps" if restarts else ""
-        raise NotReplayable(
-            f"sample {index} was drawn unseeded by {coord.build.engine}, which recorded no seed{why}",
-            reason="unseeded",
-            index=index,
-        )
+    seed = _stream_seed(coord, index, continued=bool(restarts))
     requests: list[ReplayRequest] = []
     current = version_at.get(0, 0)
     for k, a in enumerate(starts):
@@ -238,14 +230,7 @@ def segment_requests(
         if a == b and (a > 0 or k + 1 < len(starts)):
             continue  # (a request that made nothing: nothing to remake)
         restart = a in restarts
-        offset = 0
-        if not restart and a > 0 and (coord.sampling.temperature > 0 or indexed):
-            # Begun at an activation inside a sampled request: asked as that request was, its
-            # stream advanced past the draws of its tokens before this one (an engine that can).
-            began = max((r for r in restarts if r < a), default=0)
-            if indexed or coord.build.engine not in _STREAM_ADVANCING_ENGINES:
-                raise _across_activation(index, a, current, began, coord.build.engine)
-            offset = a - began
+        offset = 0 if restart else _draws_before(coord, index, a, current, restarts)
         if a > 0 and prompt is None:
             raise NotReplayable(
                 f"sample {index}'s segment from token {a} is replayed after the prompt; give the prompt's token ids",
@@ -257,6 +242,36 @@ def segment_requests(
         made = _segment(coord, index, current, a, b, last=last, restart=restart, seed=seed, forced=forced)
         requests.append(msgspec.structs.replace(made, stream_offset=offset) if offset else made)
     return requests
+
+
+def _stream_seed(coord: ReplayCoordinate, index: int, *, continued: bool) -> int | None:
+    """The seed of sample ``index``'s stream; ``NotReplayable`` (``unseeded``) for a random sample
+    whose engine recorded none (``continued``: runs of its own continued it, each drawing a seed
+    that no record keeps)."""
+    seed = sample_seed(coord.sampling.seed, index)
+    if seed is None and coord.sampling.temperature > 0 and coord.build.engine not in _INDEXED_ENGINES:
+        why = "; the runs that continued it drew seeds of their own that no record keeps" if continued else ""
+        raise NotReplayable(
+            f"sample {index} was drawn unseeded by {coord.build.engine}, which recorded no seed{why}",
+            reason="unseeded",
+            index=index,
+        )
+    return seed
+
+
+def _draws_before(coord: ReplayCoordinate, index: int, a: int, version: int, restarts: list[int]) -> int:
+    """How many draws the stream of the request that made token ``a`` (at ``version``) had made
+    before it: 0 where that request began there, or draws nothing (greedy); else the tokens it
+    made before, on an engine that can advance its stream (``multi_span`` on one that cannot)."""
+    indexed = coord.build.engine in _INDEXED_ENGINES
+    if a == 0 or not (coord.sampling.temperature > 0 or indexed):
+        return 0
+    # Begun at an activation inside a sampled request: asked as that request was, its stream
+    # advanced past the draws of its tokens before this one.
+    began = max((r for r in restarts if r < a), default=0)
+    if indexed or coord.build.engine not in _STREAM_ADVANCING_ENGINES:
+        raise _across_activation(index, a, version, began, coord.build.engine)
+    return a - began
 
 
 def _segment(

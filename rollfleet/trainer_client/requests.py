@@ -103,29 +103,10 @@ def build_job(
     constraint as the caller wrote it (``AskedConstraint.written``); ``max_timeout_s``: the
     longest an ``at_most_once`` job may wait (its claim must outlive it); ``asked_at``: when the
     caller asked, where that was before this call (a ``timeout`` counts from then)."""
-    if not isinstance(payload, RolloutPayload):
-        raise InvalidRequest(f"payload must be a RolloutPayload, got {type(payload).__name__}")
-    if retry_policy not in RETRY_POLICIES:
-        raise InvalidRequest(f"retry_policy must be one of {RETRY_POLICIES}, got {retry_policy!r}")
-    if idempotency_key is not None and not isinstance(idempotency_key, str):
-        raise InvalidRequest(f"idempotency_key must be a string, got {type(idempotency_key).__name__}")
-    if idempotency_key is not None and not 1 <= len(idempotency_key) <= limits.max_key_chars:
-        raise InvalidRequest(f"idempotency_key must have 1..{limits.max_key_chars} characters")
-    if session_id is not None:
-        check_token(session_id, "session_id")  # type: ignore[arg-type]
+    _check_arguments(payload, retry_policy, idempotency_key, session_id, limits)
     now = time.time() if asked_at is None else asked_at
     when = _deadline(deadline, timeout, default_timeout_s, now)
-    # A job whose holder's death ends it must find its claim until its deadline: a redelivery
-    # after the claim expired would start it a second time.
-    if (
-        retry_behaviour(str(retry_policy)).holder_gone == "interrupted"
-        and max_timeout_s is not None
-        and when - now > max_timeout_s
-    ):
-        raise InvalidRequest(
-            f"an {retry_policy} job may wait at most {max_timeout_s:g} s (how long its claim is kept); "
-            f"asked for {when - now:g} s"
-        )
+    _check_claim_outlives(str(retry_policy), when - now, max_timeout_s)
     if constraint.version < 0:
         raise InvalidRequest(f"version constraint must be >= 0, got {constraint}")
     raw = _encoded(payload)
@@ -151,6 +132,38 @@ def build_job(
     if len(data) > limits.max_job_bytes:
         raise InvalidRequest(f"job is {len(data)} bytes, over the limit of {limits.max_job_bytes}")
     return RolloutJob(payload=payload, **fields), data  # type: ignore[arg-type]
+
+
+def _check_arguments(
+    payload: object, retry_policy: object, idempotency_key: object, session_id: object, limits: Limits
+) -> None:
+    """``InvalidRequest`` for an argument of the wrong type or value (the payload's own fields are
+    checked once it is decoded as a worker decodes it)."""
+    if not isinstance(payload, RolloutPayload):
+        raise InvalidRequest(f"payload must be a RolloutPayload, got {type(payload).__name__}")
+    if retry_policy not in RETRY_POLICIES:
+        raise InvalidRequest(f"retry_policy must be one of {RETRY_POLICIES}, got {retry_policy!r}")
+    if idempotency_key is not None and not isinstance(idempotency_key, str):
+        raise InvalidRequest(f"idempotency_key must be a string, got {type(idempotency_key).__name__}")
+    if idempotency_key is not None and not 1 <= len(idempotency_key) <= limits.max_key_chars:
+        raise InvalidRequest(f"idempotency_key must have 1..{limits.max_key_chars} characters")
+    if session_id is not None:
+        check_token(session_id, "session_id")  # type: ignore[arg-type]
+
+
+def _check_claim_outlives(retry_policy: str, wait_s: float, max_timeout_s: float | None) -> None:
+    """A job whose holder's death ends it must find its claim until its deadline: a redelivery
+    after the claim expired would start it a second time. ``InvalidRequest`` where it may wait
+    (``wait_s``) longer than a claim is kept (``max_timeout_s``)."""
+    if (
+        retry_behaviour(retry_policy).holder_gone == "interrupted"
+        and max_timeout_s is not None
+        and wait_s > max_timeout_s
+    ):
+        raise InvalidRequest(
+            f"an {retry_policy} job may wait at most {max_timeout_s:g} s (how long its claim is kept); "
+            f"asked for {wait_s:g} s"
+        )
 
 
 __all__ = [

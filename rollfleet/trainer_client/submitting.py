@@ -136,20 +136,28 @@ class Submitter:
         # The caller's choice, whatever the fleet holds now: a replica at the version that could
         # serve the job at submit may move on before it does, and the job then waits all the same.
         handle.waits_for_replica = wait_for_replica
-        if self._earlier.settle_unclaimed(handle):
-            return handle  # the answer came before we asked again (trainer restart)
-        if idempotency_key is not None and await self._earlier.answered_before(handle):
-            return handle
         until = min(handle.job.deadline, time.time() + PUBLISH_BUDGET_S)  # (as storing it waits)
-        if host.fail_fast and replica is None and await self._settled_unservable(handle, until, keyed=key_given):
-            return handle
+        if not await self._settled_unstored(handle, replica, until, keyed=key_given):
+            await self._store(handle, constraint, replica, until, keyed=key_given)
+        return handle
+
+    async def _settled_unstored(self, handle: RolloutHandle, replica: str | None, until: float, *, keyed: bool) -> bool:
+        """Whether ``handle`` is settled with no job stored: by an answer that came before it was
+        asked (a trainer restart), one stored before under its key, or as unservable (no replica
+        can serve it, ``fail_fast``). Else it is registered, to wait for the job about to be stored."""
+        if self._earlier.settle_unclaimed(handle):
+            return True  # the answer came before we asked again (trainer restart)
+        if keyed and await self._earlier.answered_before(handle):
+            return True
+        if self._host.fail_fast and replica is None and await self._settled_unservable(handle, until, keyed=keyed):
+            return True
+        key = handle.idempotency_key
         self._handles[key] = handle
         # An answer that came while the look-ups above awaited went to the unclaimed ones.
         if self._earlier.settle_unclaimed(handle):
             self._handles.pop(key, None)
-            return handle
-        await self._store(handle, constraint, replica, until, keyed=key_given)
-        return handle
+            return True
+        return False
 
     async def _store(
         self, handle: RolloutHandle, constraint: VersionConstraint, replica: str | None, until: float, *, keyed: bool

@@ -27,6 +27,11 @@ from rollfleet.workers.subject_pullers import SubjectPullers
 # open: what it delivers later is run, and its end frees it as any request's does.
 NO_WAIT_ANSWER_S = 0.5
 
+# A pull pass that took longer than this is said (debug): it awaited the broker, and nothing
+# else was pulled meanwhile (campaign 8, seed 101: a replica with free slots and stalled bells
+# fetched nothing for 1.8 s, and its log could not say why).
+SLOW_PASS_S = 0.5
+
 FetchTold = Literal["served", "empty", "unknown", "unanswered"]
 
 
@@ -108,3 +113,16 @@ class BacklogPull:
                     self._log.debug("backlog left to a busy request", subject=str(subject))
             free = self._free()
         return free
+
+    # -- what a stalled pull loop says (debug) ---------------------------------------------------
+    def say_slow_pass(self, began: float) -> None:
+        """A pass of the pull loop begun at ``began`` (monotonic) that took over ``SLOW_PASS_S``."""
+        if self._debug and (took := time.monotonic() - began) > SLOW_PASS_S:
+            self._log.debug("pull pass slow", took_s=round(took, 3), free=self._free())
+
+    def say_held(self, in_flight: int, capacity: int) -> None:
+        """Backlog is known and no slot is free, though fewer jobs run than ``capacity``: the
+        slots are promised to open requests; which."""
+        if self._debug and in_flight < capacity and self._free() <= 0:
+            held = {str(s): p.outstanding for s, p in self._subjects.by_subject.items() if p.outstanding}
+            self._log.debug("backlog waits behind open requests", in_flight=in_flight, held=held)

@@ -26,7 +26,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from rollfleet.broker.claims_bucket import ClaimsBucket
+from rollfleet.broker.claims_bucket import ClaimEntry, ClaimsBucket
 from rollfleet.broker.errors import typed_errors
 from rollfleet.broker.types import KeyValue
 from rollfleet.schemas import RolloutJob
@@ -179,13 +179,22 @@ class ClaimKeeper:
         for a replayable turn the claim is ours now). A claim old by the clock is watched (the
         delivery kept in progress) until its holder has missed refreshes while the broker answered
         (``judge_claim``): a broker that stalled stalled every holder's refreshes too."""
-        job_id = run.job.job_id
         try:
-            run.claim_revision = await self.bucket.create(job_id, self.value(run.job))
+            run.claim_revision = await self.bucket.create(run.job.job_id, self.value(run.job))
             run.claimed_at = time.monotonic()
             return "ok"
         except Fenced:
             pass
+        judged = await self._judge_holder(run)
+        if judged is None:
+            return "held"
+        return await self._write_verdict(run, *judged)
+
+    async def _judge_holder(self, run: RunningJob) -> tuple[ClaimEntry | None, Claim] | None:
+        """Watch the job's claim, another's, until its holder is judged (``ClaimWatch``): the
+        claim judged stopped (its entry, None where there is none, and the claim read), or None
+        where its holder runs it, or nothing could be judged."""
+        job_id = run.job.job_id
         stale_s = self.resume_stale_s if run.job.behaviour.checkpoints else self.stale_s
         # (A broker that keeps stalling past four stale periods: this delivery judges nothing.)
         watch = ClaimWatch(stale_s, self.confirm_s, self.refresh_s, give_up_at=time.monotonic() + 4 * stale_s)
@@ -196,13 +205,13 @@ class ClaimKeeper:
                 claim = self.read(run.job, entry.value) if entry is not None else Claim("", 0.0)
             except (BrokerError, TimeoutError):  # the broker did not answer: it judges nothing
                 if run.handed_back or watch.given_up(time.monotonic()):
-                    return "held"
+                    return None
                 watch.unanswered()
                 await asyncio.sleep(self.refresh_s)
                 continue
             answered = time.monotonic()
             if self.runs_here(run):
-                return "held"
+                return None
             verdict = watch.judge(
                 None if entry is None else entry.revision,
                 claim.refreshed,
@@ -214,12 +223,16 @@ class ClaimKeeper:
             if verdict != "watch":
                 break
             if run.handed_back or watch.given_up(answered):
-                return "held"
+                return None
             with suppress(Exception):
                 await run.msg.in_progress()
             await asyncio.sleep(self.refresh_s)
-        if verdict == "held":
-            return "held"
+        return None if verdict == "held" else (entry, claim)
+
+    async def _write_verdict(self, run: RunningJob, entry: ClaimEntry | None, claim: Claim) -> str:
+        """Write the verdict "stopped" over the claim revision judged: ``"stopped"`` where it was
+        written, ``"held"`` where another verdict won or the write's fate is unknown."""
+        job_id = run.job.job_id
         # The verdict is written over the claim revision judged, whatever the job's policy: a
         # holder that was only paused or cut off and refreshes first keeps the job (this delivery
         # is handed back), and one that refreshes after finds its claim gone and answers nothing.

@@ -37,7 +37,6 @@ from rollfleet.broker.errors import typed_errors
 from rollfleet.broker.pull_consumer import PullConsumer, delivery_info
 from rollfleet.broker.topology import queue_depths
 from rollfleet.broker.types import NATS, JetStreamContext, Msg
-from rollfleet.runtime.logs import debug_enabled
 from rollfleet.schemas import Names
 from rollfleet.schemas.errors import BrokerError, Fenced
 from rollfleet.workers.backlog_pull import BacklogPull
@@ -46,10 +45,6 @@ from rollfleet.workers.pull_placement import ListenedSubjects, QuietClock, Stand
 from rollfleet.workers.scheduler import SubjectScheduler
 from rollfleet.workers.served_version import ServedVersion, Subject
 from rollfleet.workers.subject_pullers import SubjectPullers
-
-# A pull pass that took longer than this is said (debug): it awaited the broker, and nothing
-# else was pulled meanwhile.
-SLOW_PASS_S = 0.5
 
 
 class JobPuller:
@@ -113,7 +108,6 @@ class JobPuller:
             log=log,
         )
         self.loop_failures = 0  # passes of the pull loop that a defect ended (logged as errors)
-        self._debug = debug_enabled(log)
         self._tidied: list[Subject] | None = None
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -250,9 +244,7 @@ class JobPuller:
                 self.loop_failures += 1
                 await asyncio.sleep(0.2)
                 continue
-            if self._debug and (took := time.monotonic() - began) > SLOW_PASS_S:
-                # (A pass that awaited this long held every free slot and every bell behind it.)
-                self._log.debug("pull pass slow", took_s=round(took, 3), free=self._free())
+            self._backlog.say_slow_pass(began)
             # Event-driven; the timer only lets hot subjects cool down and overdue requests be
             # noticed, with no broker traffic. (A timer, not wait_for: this runs after every
             # finished job.)
@@ -291,10 +283,7 @@ class JobPuller:
         if starving and self._own.pending:
             await self._pull_own(now)
         if self.scheduler.has_candidates():
-            if self._debug and free <= 0 and self._in_flight() < self.capacity:
-                # (Slots promised to open requests, not running jobs, while backlog waits: which.)
-                held = {str(s): p.outstanding for s, p in self._pullers.items() if p.outstanding}
-                self._log.debug("backlog waits behind open requests", in_flight=self._in_flight(), held=held)
+            self._backlog.say_held(self._in_flight(), self.capacity)
             return  # backlog left and no slot free: the next finished job pulls it
         if free <= 0 and not any(p.waiting for p in self._pullers.values()):
             return

@@ -62,13 +62,13 @@ from rollfleet.schemas.errors import (
     Cancelled,
     EngineFailure,
     InvalidRequest,
-    NotReplayable,
     RollfleetError,
     Superseded,
 )
 from rollfleet.schemas.names import HDR_CLIENT_ID, HDR_MSG_ID
 from rollfleet.workers.delivery_check import checked_job, refusal_address
 from rollfleet.workers.engines import Engine, Generation
+from rollfleet.workers.engines.base import check_engine_takes
 from rollfleet.workers.exact_drain import drain_exact
 from rollfleet.workers.job_claim import ClaimKeeper
 from rollfleet.workers.job_result import result_of
@@ -109,8 +109,7 @@ class JobRunner:
         self._own_subject = names.replica_job_subject(worker_id)  # sessions' turns for this replica
         self._limits, self._ack_wait_s = limits, ack_wait_s
         self._chunk_bytes = max(1024, max_message_bytes - _HEADROOM)
-        self._metrics = metrics
-        self._log = log
+        self._metrics, self._log = metrics, log
         self._debug = debug_enabled(log)  # per-job debug lines' fields are worked out only then
         self._served = served
         self._on_engine_down = on_engine_down  # tells the worker to stop taking jobs
@@ -295,12 +294,7 @@ class JobRunner:
         failure already answered or left to a redelivery, or another run has the job)."""
         job = run.job
         try:
-            if job.payload.stream_offset and not self._engine.advances_streams:
-                raise NotReplayable(
-                    f"the {self._engine.name} engine cannot advance a sample's stream past "
-                    f"{job.payload.stream_offset} draws (stream_offset)",
-                    reason="multi_span",
-                )
+            check_engine_takes(self._engine, job.payload)
             if job.behaviour.checkpoints:
                 return await self.resumable.generate(run, log)  # (None: another run has the job now)
             return await self._engine.generate(job.job_id, job.payload, job.session_id)

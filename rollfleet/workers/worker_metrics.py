@@ -56,26 +56,33 @@ class _FoldFirst(Collector):
         return []
 
 
+class _Declare:
+    """Declaring a worker's metrics in its registry, each with the worker's labels."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self._r, self._labels = registry, labels
+
+    def counter(self, name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        return Counter(name, doc, (*self._labels, *extra), registry=self._r)
+
+    def count(self, name: str, doc: str) -> Any:  # a counter of this worker (its labels bound)
+        return self.counter(name, doc).labels(**self._labels)
+
+    def gauge(self, name: str, doc: str) -> Any:
+        return Gauge(name, doc, tuple(self._labels), registry=self._r).labels(**self._labels)
+
+    def hist(self, name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+        return Histogram(name, doc, tuple(self._labels), buckets=buckets, registry=self._r).labels(**self._labels)
+
+
 class WorkerMetrics:
     def __init__(self, worker_id: str, engine: str) -> None:
         self.registry = CollectorRegistry()
         labels = {"worker_id": worker_id, "engine": engine}
-        r = self.registry
         deferred: list[_Deferred] = []
-        r.register(_FoldFirst(deferred))
-
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, (*labels, *extra), registry=r)
-
-        def count(name: str, doc: str) -> Any:  # a counter of this worker (its labels bound)
-            return counter(name, doc).labels(**labels)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, tuple(labels), registry=r).labels(**labels)
-
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, tuple(labels), buckets=buckets, registry=r).labels(**labels)
-
+        self.registry.register(_FoldFirst(deferred))
+        d = _Declare(self.registry, labels)
+        counter, count, gauge, hist = d.counter, d.count, d.gauge, d.hist
         self._labels = labels
         self._job_children: dict[str, Counter] = {}
         self._jobs = counter("rollfleet_jobs_total", "Jobs finished, by outcome (ok or an error code)", ("outcome",))
@@ -104,6 +111,11 @@ class WorkerMetrics:
         self.contract_violations = count(
             "rollfleet_contract_violations_total", "Results outside their constraint (never stored)"
         )
+        self._declare_sessions_and_resumes(d)
+        self.port: int | None = None
+
+    def _declare_sessions_and_resumes(self, d: _Declare) -> None:
+        count, gauge = d.count, d.gauge
         # Sessions: what the engine's prefix cache saved, and what it holds.
         self.prefix_tokens_reused = count(
             "rollfleet_prefix_tokens_reused_total", "Prompt tokens served from a session's cached context"
@@ -135,7 +147,6 @@ class WorkerMetrics:
         )
         self.sessions = gauge("rollfleet_sessions", "Sessions whose context the engine holds")
         self.session_cache_bytes = gauge("rollfleet_session_cache_bytes", "Bytes of session contexts held")
-        self.port: int | None = None
 
     def job(self, outcome: str) -> None:
         self._outcomes.observe(outcome)

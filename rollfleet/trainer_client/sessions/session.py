@@ -63,10 +63,11 @@ from rollfleet.schemas.errors import (
 from rollfleet.trainer_client.handle import RolloutHandle
 from rollfleet.trainer_client.requests import asked_of
 from rollfleet.trainer_client.sessions import session_record, version_policy
-from rollfleet.trainer_client.sessions.host import SessionHost
+from rollfleet.trainer_client.sessions.host import SessionHost, TurnPlacement
 from rollfleet.trainer_client.sessions.session_store import SessionStore, read_record
 from rollfleet.trainer_client.sessions.sticky import await_turn
 from rollfleet.trainer_client.sessions.turn_answers import TurnAnswers
+from rollfleet.trainer_client.sessions.turn_job import store_turn
 from rollfleet.trainer_client.sessions.turn_replica import turn_replica
 
 log = get_logger("rollfleet.sessions")
@@ -234,27 +235,38 @@ class Session:
         if key is not None and key in self._record.keys:
             return await self._asked_again(payload, key, own, timeout, asked_at, submitted)
         await self._may_start()
+        return await self._next_turn(
+            payload, own, nxt, key=key, timeout=timeout, asked_at=asked_at, submitted=submitted
+        )
+
+    async def _next_turn(
+        self,
+        payload: RolloutPayload,
+        own: AskedConstraint | None,
+        nxt: int,
+        *,
+        key: str | None,
+        timeout: float | None,
+        asked_at: float,
+        submitted: Callable[[RolloutHandle], None] | None,
+    ) -> RolloutResult:
+        """Run turn ``nxt``, the session's next, on the replica it sticks to: its job stored (the
+        index spent once it is), its answer awaited, the record saved by the turn's deadline."""
         constraint = version_policy.turn_constraint(self._record, own, self._host.fleet, self._host.latest_version)
         previous, sticky = self._record.replica, self._turn_replica(constraint)
         self._running, self._heading = nxt, sticky  # (no await between: the next burst's choice sees it)
         spent = False
         due: float | None = None  # the turn's deadline, once its job is built
         try:
-            handle = await self._host.submit_turn(
-                payload,
-                constraint,
-                written=version_policy.written(self._record, own),
-                key=key if key is not None else self.turn_key(nxt),
-                timeout=timeout,
-                retry_policy=self._record.retry_policy,
-                session_id=self.session_id,
-                replica=sticky,
+            turn_key = key if key is not None else self.turn_key(nxt)
+            handle = await store_turn(
+                self._host, self._record, payload, constraint, own, key=turn_key, timeout=timeout, replica=sticky,
                 asked_at=asked_at,
-            )
+            )  # fmt: skip
             spent, due = handle.stored, handle.job.deadline  # stored: this turn is answered once
             if spent:
                 self._note_spent(nxt, key, handle, submitted)
-            result = await self._watch(handle)
+            result = await _watched(self._host.placement, handle, self.affinity_wait_s)
             version_policy.note_served(self._record, result)
         except IdempotencyConflict as exc:
             if key is not None:
@@ -325,30 +337,13 @@ class Session:
         # (Built again only if the key's job and answer are gone: at the constraint as asked, or
         # at the pin; the policy's floor has moved with the turns since, and is not this turn's.)
         constraint = version_policy.asked_again_constraint(self._record, own, self._host.latest_version)
-        handle = await self._host.submit_turn(
-            payload,
-            constraint,
-            written=version_policy.written(self._record, own),
-            key=key,
-            timeout=timeout,
-            retry_policy=self._record.retry_policy,
-            session_id=self.session_id,
-            replica=None,
+        handle = await store_turn(
+            self._host, self._record, payload, constraint, own, key=key, timeout=timeout, replica=None,
             asked_at=asked_at,
-        )
+        )  # fmt: skip
         if submitted is not None and handle.stored:
             submitted(handle)
-        return await self._watch(handle)
-
-    async def _watch(self, handle: RolloutHandle) -> RolloutResult:
-        """The turn's answer, its placement watched by one ``generate`` at a time (``_WATCHED``)."""
-        if handle in _WATCHED:
-            return await handle
-        _WATCHED.add(handle)
-        try:
-            return await await_turn(self._host.placement, handle, self.affinity_wait_s)
-        finally:
-            _WATCHED.discard(handle)
+        return await _watched(self._host.placement, handle, self.affinity_wait_s)
 
     # -- the record ----------------------------------------------------------------------------
     async def _check_still_open(self) -> None:
@@ -376,6 +371,17 @@ class Session:
             constraint,
             lambda: Counter(s.placed_on for s in self._host.sessions.values() if s is not self),
         )
+
+
+async def _watched(placement: TurnPlacement, handle: RolloutHandle, affinity_wait_s: float) -> RolloutResult:
+    """The turn's answer, its placement watched by one ``generate`` at a time (``_WATCHED``)."""
+    if handle in _WATCHED:
+        return await handle
+    _WATCHED.add(handle)
+    try:
+        return await await_turn(placement, handle, affinity_wait_s)
+    finally:
+        _WATCHED.discard(handle)
 
 
 async def expire_idle(sessions: list[Session]) -> None:

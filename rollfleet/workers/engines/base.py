@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 from rollfleet.schemas import Completion, EngineBuild, RolloutPayload
+from rollfleet.schemas.errors import NotReplayable
 from rollfleet.schemas.seeds import sample_seed as sample_seed  # (the rule lives with the contract)
 from rollfleet.workers.engines.session_cache import SessionCacheStats
 
@@ -176,3 +177,15 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None: ...
+
+
+def check_engine_takes(engine: Engine, payload: RolloutPayload) -> None:
+    """Refuse, before it runs, what ``engine`` would not honour: a ``stream_offset`` (a replay's
+    segment begun inside a sampled request) where it cannot advance its streams (``NotReplayable``,
+    ``multi_span``: its samples would start their streams over, and be another sample)."""
+    if payload.stream_offset and not engine.advances_streams:
+        raise NotReplayable(
+            f"the {engine.name} engine cannot advance a sample's stream past {payload.stream_offset} draws "
+            "(stream_offset)",
+            reason="multi_span",
+        )

@@ -102,6 +102,13 @@ from rollfleet.workers.engines.sglang_protocol import (
 DETERMINISTIC_FLAG = "--enable-deterministic-inference"
 
 
+def _pulling_dirs(pull_dir: str | Path | None, store_dir: str | Path | None) -> tuple[Path | None, Path | None]:
+    """Where ``/pull_weights`` brings versions (``pull_dir``) and the store it pulls them from."""
+    if pull_dir is not None and store_dir is None:
+        raise InvalidRequest("pulling weights (pull_dir) needs the store to pull from (store_dir)")
+    return (Path(pull_dir) if pull_dir is not None else None, Path(store_dir) if store_dir is not None else None)
+
+
 class SGLangEngine(HTTPServerEngine):
     name = "sglang"
     server_name = "SGLang"
@@ -150,10 +157,7 @@ class SGLangEngine(HTTPServerEngine):
             health_interval_s=health_interval_s,
             version_cache_salt=version_cache_salt,
         )
-        if pull_dir is not None and store_dir is None:
-            raise InvalidRequest("pulling weights (pull_dir) needs the store to pull from (store_dir)")
-        self.pull_dir = Path(pull_dir) if pull_dir is not None else None
-        self.store_dir = Path(store_dir) if store_dir is not None else None
+        self.pull_dir, self.store_dir = _pulling_dirs(pull_dir, store_dir)
         self._pulled: int | None = None  # the version /pull_weights last brought pull_dir to
         self.model_path = model_path
         # The command that starts a server; the flags --model-path/--host/--port follow it.
