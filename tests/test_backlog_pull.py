@@ -22,19 +22,27 @@ class Puller:
     """A subject's pull consumer: ``answers`` says whether its ``no_wait`` request is answered
     (with ``queued`` messages) or left open."""
 
-    def __init__(self, answers: bool, queued: int) -> None:
+    def __init__(self, answers: bool, queued: int, waiting: bool = False) -> None:
         self.answers, self.queued = answers, queued
-        self.waiting = self.missing = False
-        self.busy = False
+        self.waiting = self.busy = waiting  # (a waiting request open, holding ``outstanding`` slots)
+        self.missing = False
+        self.outstanding = 1 if waiting else 0
         self.asked_timeouts: list[float] = []
+        self.requested: list[int] = []  # batches of waiting requests (top-ups)
 
     async def fetch_now(self, batch: int, timeout: float = 5.0) -> int:
         self.asked_timeouts.append(timeout)
         if self.answers:
-            return min(batch, self.queued)
+            got = min(batch, self.queued)
+            self.queued -= got
+            return got
         self.busy = True  # (its request stays open)
         await asyncio.sleep(timeout)
         return 0
+
+    async def request(self, batch: int, wait_s: float | None = None) -> None:
+        self.requested.append(batch)
+        self.outstanding += batch
 
 
 class Pullers:
@@ -71,7 +79,44 @@ async def test_an_unanswered_fetch_holds_the_loop_only_briefly_and_its_subject_s
         stopping=asyncio.Event(),
         log=logging.getLogger("test"),
     )
-    left = await loop.pull(3, 100.0, [])
+    left = await loop.pull(3, 100.0)
     assert stuck.asked_timeouts == [NO_WAIT_ANSWER_S] and NO_WAIT_ANSWER_S <= 1.0
     assert ready.asked_timeouts  # the loop went on to min-12
     assert left == 3 and ("min", 5) in scheduler.order(100.0)  # unanswered: neither served nor empty
+
+
+async def test_backlog_never_parks_every_free_slot_on_one_subject() -> None:
+    """Campaign 8, seed 101: a restarted replica drained a hot subject (``min-4``) and, in the next
+    pass, asked it for all its free slots with a waiting request (the subject was hot), which held
+    them while ``min-13`` and ``min-14``'s older jobs waited; one expired. A subject with no request
+    open is fetched ``no_wait`` (what is queued comes, the rest goes on); one with a waiting request
+    is topped up with what its last delivery said still waits, no more."""
+    served = ServedVersion(19)
+    scheduler = SubjectScheduler(served)
+    hot, older = Puller(answers=True, queued=0), Puller(answers=True, queued=2)
+    busy = Puller(answers=True, queued=0, waiting=True)
+    scheduler.note_pending(("min", 4), 100.0, waited_s=14.0)
+    scheduler.note_pending(("min", 13), 100.0, waited_s=11.0)
+    scheduler.note_delivered(("min", 16), 100.0, age_s=9.0, pending=1)  # its waiting request got one; 1 waits
+    pullers = {("min", 4): hot, ("min", 13): older, ("min", 16): busy}
+    ran = [0]
+
+    def free() -> int:
+        return 4 - ran[0] - sum(p.outstanding for p in pullers.values())
+
+    loop = BacklogPull(
+        Pullers(pullers),  # type: ignore[arg-type]
+        scheduler,
+        served,
+        QuietClock(1.0),
+        wait_pull_s=240.0,
+        free=free,
+        stopping=asyncio.Event(),
+        log=logging.getLogger("test"),
+    )
+    left = await loop.pull(free(), 100.0)
+    assert hot.requested == [] and hot.asked_timeouts == [NO_WAIT_ANSWER_S]  # fetched, not parked on
+    assert older.queued == 0  # min-13's two jobs came
+    assert busy.requested == [1]  # topped up with the one its delivery said waits, not every slot
+    assert ("min", 4) not in scheduler.order(100.0)  # answered empty
+    assert left == free()

@@ -1,9 +1,13 @@
 """Pulling known backlog: subjects the scheduler knows hold jobs (a delivery said more waits
 behind it, a bell, a scan of the queue depths), best subject first, into the free slots.
 
-A subject whose waiting request takes what is queued at once is served by it; one with no
-request open is fetched at once (``no_wait``). A subject whose waiting request got nothing for
-``rebalance_s`` has no backlog left (others took it).
+A subject with no request open is fetched at once (``no_wait``): what is queued comes, the rest
+of the slots go on to the next subject. One whose waiting request is open is topped up with what
+its last delivery said still waits, no more: slots parked on a subject with little left would idle
+while older backlog elsewhere waits (campaign 8, seed 101: a restarted replica parked its free
+slots on a hot subject it had just drained with a waiting request, while a job of another subject
+expired). A subject whose waiting request got nothing for ``rebalance_s`` has no backlog left
+(others took it).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any, Literal
 from rollfleet.runtime.logs import debug_enabled
 from rollfleet.workers.pull_placement import QuietClock
 from rollfleet.workers.scheduler import SubjectScheduler
-from rollfleet.workers.served_version import ServedVersion, Subject
+from rollfleet.workers.served_version import ServedVersion
 from rollfleet.workers.subject_pullers import SubjectPullers
 
 # How long the pull loop waits for a ``no_wait`` request's answer before it goes on to the next
@@ -78,7 +82,7 @@ class BacklogPull:
             if puller is not None and puller.waiting and self._quiet.quiet(puller, now):
                 self._scheduler.note_empty(subject)
 
-    async def pull(self, free: int, now: float, listen: list[Subject]) -> int:
+    async def pull(self, free: int, now: float) -> int:
         """Pull known backlog, best subject first; returns the slots still free."""
         for subject in self._scheduler.order(now):
             if free <= 0 or self._stopping.is_set():
@@ -91,13 +95,18 @@ class BacklogPull:
                     self._log.debug("backlog subject has no consumer", subject=str(subject))
                 self._scheduler.note_empty(subject)
                 continue
-            if puller.waiting or (subject in listen and not puller.busy):
-                # A waiting request takes what is queued at once, and what comes next; deliveries
-                # say when the queue is empty again (num_pending 0).
+            if puller.waiting:
+                # Its waiting request takes what is queued at once, up to its batch; a top-up beside
+                # it asks for what the last delivery said still waits (one where none said), and
+                # deliveries say when the queue is empty again (num_pending 0).
+                known = self._scheduler.known_pending(subject)
+                want = min(free, 1 if known is None else known)
                 if self._debug:
-                    self._log.debug("backlog requested", subject=str(subject), waiting=puller.waiting, free=free)
-                await puller.request(free, wait_s=self._wait_pull_s)
-                self._scheduler.note_served(subject, now)
+                    self._log.debug("backlog topped up", subject=str(subject), asked=want, free=free)
+                if want > 0:  # (0: asked for all the last delivery said waits; it is on its way)
+                    await puller.request(want, wait_s=self._wait_pull_s)
+                    self._scheduler.note_asked(subject, want)
+                    self._scheduler.note_served(subject, now)
             elif not puller.busy:
                 asked = time.monotonic()
                 fetched = await puller.fetch_now(free, timeout=NO_WAIT_ANSWER_S)

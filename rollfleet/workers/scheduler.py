@@ -23,10 +23,11 @@ class SubjectScheduler:
     # subject -> when it was first seen with work we have not pulled since
     _waiting_since: dict[Subject, float] = field(default_factory=dict)
     _delivered_at: dict[Subject, float] = field(default_factory=dict)  # subject -> its last delivery's word
+    _pending: dict[Subject, int] = field(default_factory=dict)  # subject -> jobs its last delivery said wait behind it
 
     def _prune(self) -> None:
         """Forget subjects the live version can no longer serve (it moved on)."""
-        for book in (self._waiting_since, self._delivered_at):
+        for book in (self._waiting_since, self._delivered_at, self._pending):
             for subject in [s for s in book if not self.served.accepts(s)]:
                 del book[subject]
 
@@ -52,6 +53,7 @@ class SubjectScheduler:
         drained ``min-0``, newer jobs included, while a turn moved to ``min-13`` waited behind them
         until it expired). Nothing behind it: the subject is empty."""
         self._delivered_at[subject] = now
+        self._pending[subject] = max(0, pending)
         if pending <= 0:
             self.note_empty(subject)
         elif self.served.accepts(subject):
@@ -75,6 +77,17 @@ class SubjectScheduler:
 
     def note_empty(self, subject: Subject) -> None:
         self._waiting_since.pop(subject, None)
+        self._pending.pop(subject, None)
+
+    def known_pending(self, subject: Subject) -> int | None:
+        """How many jobs the subject's last delivery said wait behind it, less those asked for
+        since (None: no delivery said)."""
+        return self._pending.get(subject)
+
+    def note_asked(self, subject: Subject, n: int) -> None:
+        """A request asked for ``n`` more of the subject's jobs: they are no longer to ask for."""
+        if subject in self._pending:
+            self._pending[subject] = max(0, self._pending[subject] - n)
 
     def order(self, now: float) -> list[Subject]:
         """Candidates, best first."""
