@@ -1398,7 +1398,11 @@ class Oracle:
                 if c.t0 > ref_t + self.window - 1.0:
                     self.unverified["asked again after the duplicate window"] += 1
                     continue
-                if ref is not None and c.is_result:
+                if ref is not None and (c.is_result or c.error):
+                    # The first answer lost with the store (a rollback, a wipe) is not kept: the
+                    # key's promise holds while the results stream keeps it. A result asked again
+                    # may come from a second run; an at_most_once job's redelivery finds no answer
+                    # and a holder gone, and is answered Interrupted (campaign 9, seed 90912).
                     ref_seen = self._answer_seen_at((ref.answer or {}).get("job_id"), ref_t)
                     if self.lost_with_store(ref_seen, "results", after=c.t0):
                         self.unverified[f"once: the first answer {LOST_WITH_STORE}"] += 1
