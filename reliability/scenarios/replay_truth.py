@@ -21,6 +21,7 @@ past the draws before it, and refuses nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ from rollfleet.broker.topology import TopologyConfig
 from rollfleet.policy_store.digest import content_digest
 from rollfleet.schemas import RolloutPayload, RolloutResult, SamplingParams
 from rollfleet.schemas.errors import NotReplayable
-from rollfleet.schemas.replay_rules import ReplayOutcome
+from rollfleet.schemas.replay_rules import ReplayOutcome, replay_segments
 from rollfleet.trainer_client import PolicyPublisher, RolloutClient
 
 # Fast checkpoints, so that a kill at a random moment leaves kept tokens to resume from, and a
@@ -314,3 +315,11 @@ async def replay_all(
     fig.notes["batched samples replayed: same tokens"] = f"{load_tokens}/{load_total}"
     fig.notes["batched samples replayed: bit-exact"] = f"{load_exact}/{load_total}"
     fig.notes["refused (reason: samples)"] = refused
+    # Segments begun at an activation inside a sampled request: replayed with the stream advanced.
+    advanced = 0
+    for key, r in results.items():
+        for i in range(len(r.outputs)):
+            with contextlib.suppress(NotReplayable):
+                prompt = payloads[key].prompt_token_ids
+                advanced += sum(q.stream_offset > 0 for q in replay_segments(r, i, prompt=prompt))
+    fig.notes["segments replayed from inside their request (stream advanced)"] = advanced
