@@ -79,7 +79,7 @@ async def test_an_unanswered_fetch_holds_the_loop_only_briefly_and_its_subject_s
         stopping=asyncio.Event(),
         log=logging.getLogger("test"),
     )
-    left = await loop.pull(3, 100.0)
+    left = await loop.pull(3, 100.0, [])
     assert stuck.asked_timeouts == [NO_WAIT_ANSWER_S] and NO_WAIT_ANSWER_S <= 1.0
     assert ready.asked_timeouts  # the loop went on to min-12
     assert left == 3 and ("min", 5) in scheduler.order(100.0)  # unanswered: neither served nor empty
@@ -114,9 +114,33 @@ async def test_backlog_never_parks_every_free_slot_on_one_subject() -> None:
         stopping=asyncio.Event(),
         log=logging.getLogger("test"),
     )
-    left = await loop.pull(free(), 100.0)
+    left = await loop.pull(free(), 100.0, [("min", 4), ("min", 16), ("min", 19)])  # min-4 and min-16 hot
     assert hot.requested == [] and hot.asked_timeouts == [NO_WAIT_ANSWER_S]  # fetched, not parked on
     assert older.queued == 0  # min-13's two jobs came
     assert busy.requested == [1]  # topped up with the one its delivery said waits, not every slot
     assert ("min", 4) not in scheduler.order(100.0)  # answered empty
     assert left == free()
+
+
+async def test_a_listened_subject_with_more_queued_than_slots_gets_a_waiting_request() -> None:
+    """Under load the queue holds more than the free slots: a waiting request fills at once and goes
+    on taking what comes (no round trip per fetch); with fewer queued, a fetch takes them."""
+    served = ServedVersion(3)
+    scheduler = SubjectScheduler(served)
+    deep, shallow = Puller(answers=True, queued=9), Puller(answers=True, queued=1)
+    scheduler.note_delivered(("min", 3), 100.0, age_s=0.1, pending=9)
+    scheduler.note_delivered(("min", 2), 100.0, age_s=0.1, pending=1)
+    pullers = {("min", 3): deep, ("min", 2): shallow}
+    loop = BacklogPull(
+        Pullers(pullers),  # type: ignore[arg-type]
+        scheduler,
+        served,
+        QuietClock(1.0),
+        wait_pull_s=240.0,
+        free=lambda: 4 - sum(p.outstanding for p in pullers.values()),
+        stopping=asyncio.Event(),
+        log=logging.getLogger("test"),
+    )
+    await loop.pull(2, 100.0, [("min", 3)])
+    assert deep.requested == [2] and deep.asked_timeouts == []
+    assert shallow.requested == [] and shallow.queued == 0  # fetched: min(2, 1) came

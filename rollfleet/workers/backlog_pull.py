@@ -2,8 +2,10 @@
 behind it, a bell, a scan of the queue depths), best subject first, into the free slots.
 
 A subject with no request open is fetched at once (``no_wait``): what is queued comes, the rest
-of the slots go on to the next subject. One whose waiting request is open is topped up with what
-its last delivery said still waits, no more: slots parked on a subject with little left would idle
+of the slots go on to the next subject; a listened one whose last delivery said at least as many
+jobs wait as slots are free gets a waiting request instead (it fills at once, and goes on taking
+what comes). One whose waiting request is open is topped up with what its last delivery said
+still waits, no more: slots parked on a subject with little left would idle
 while older backlog elsewhere waits (campaign 8, seed 101: a restarted replica parked its free
 slots on a hot subject it had just drained with a waiting request, while a job of another subject
 expired). A subject whose waiting request got nothing for ``rebalance_s`` has no backlog left
@@ -20,7 +22,7 @@ from typing import Any, Literal
 from rollfleet.runtime.logs import debug_enabled
 from rollfleet.workers.pull_placement import QuietClock
 from rollfleet.workers.scheduler import SubjectScheduler
-from rollfleet.workers.served_version import ServedVersion
+from rollfleet.workers.served_version import ServedVersion, Subject
 from rollfleet.workers.subject_pullers import SubjectPullers
 
 # How long the pull loop waits for a ``no_wait`` request's answer before it goes on to the next
@@ -82,8 +84,9 @@ class BacklogPull:
             if puller is not None and puller.waiting and self._quiet.quiet(puller, now):
                 self._scheduler.note_empty(subject)
 
-    async def pull(self, free: int, now: float) -> int:
-        """Pull known backlog, best subject first; returns the slots still free."""
+    async def pull(self, free: int, now: float, listen: list[Subject]) -> int:
+        """Pull known backlog, best subject first; returns the slots still free. ``listen``: the
+        subjects work is expected on (a waiting request there is no waste while jobs queue)."""
         for subject in self._scheduler.order(now):
             if free <= 0 or self._stopping.is_set():
                 break
@@ -95,11 +98,11 @@ class BacklogPull:
                     self._log.debug("backlog subject has no consumer", subject=str(subject))
                 self._scheduler.note_empty(subject)
                 continue
-            if puller.waiting:
-                # Its waiting request takes what is queued at once, up to its batch; a top-up beside
-                # it asks for what the last delivery said still waits (one where none said), and
-                # deliveries say when the queue is empty again (num_pending 0).
-                known = self._scheduler.known_pending(subject)
+            known = self._scheduler.known_pending(subject)
+            if puller.waiting or (subject in listen and not puller.busy and known is not None and known >= free):
+                # A waiting request takes what is queued at once, up to its batch, and what comes
+                # next: it asks for what the last delivery said still waits (one where none said),
+                # no more, and deliveries say when the queue is empty again (num_pending 0).
                 want = min(free, 1 if known is None else known)
                 if self._debug:
                     self._log.debug("backlog topped up", subject=str(subject), asked=want, free=free)

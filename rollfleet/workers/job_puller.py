@@ -279,7 +279,7 @@ class JobPuller:
         if self.scheduler.has_candidates():
             if free <= 0:
                 free += await self._reclaim(now)
-            free = await self._backlog.pull(free, now)
+            free = await self._backlog.pull(free, now, listen)
         if starving and self._own.pending:
             await self._pull_own(now)
         if self.scheduler.has_candidates():
