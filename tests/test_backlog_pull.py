@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
-from rollfleet.workers.backlog_pull import NO_WAIT_ANSWER_S, BacklogPull, fetch_told
+from rollfleet.workers.backlog_pull import NO_WAIT_ANSWER_S, BacklogPull, fetch_told, pull_step
 from rollfleet.workers.pull_placement import QuietClock
 from rollfleet.workers.scheduler import SubjectScheduler
 from rollfleet.workers.served_version import ServedVersion, Subject
@@ -53,6 +54,36 @@ class Pullers:
         return self.by_subject.get(subject)
 
 
+def backlog(
+    pullers: dict[Subject, Puller], scheduler: SubjectScheduler, free: Callable[[], int], wait_pull_s: float = 240.0
+) -> BacklogPull:
+    """The walk over ``pullers``, with ``free`` slots (stand-in consumers, a real scheduler)."""
+    return BacklogPull(
+        Pullers(pullers),  # type: ignore[arg-type]
+        scheduler,
+        scheduler.served,
+        QuietClock(1.0),
+        wait_pull_s=wait_pull_s,
+        free=free,
+        stopping=asyncio.Event(),
+        log=logging.getLogger("test"),
+    )
+
+
+def test_how_a_subject_with_backlog_is_pulled() -> None:
+    """The decision alone: a waiting request is topped up with what its last delivery said waits
+    (one where none said); a listened subject with at least as many queued as free slots gets a
+    waiting request that fills at once; any other subject with no request open is fetched no_wait."""
+    assert pull_step(waiting=True, busy=True, listened=False, known=None, free=3) == ("wait", 1)
+    assert pull_step(waiting=True, busy=True, listened=True, known=2, free=3) == ("wait", 2)
+    assert pull_step(waiting=True, busy=True, listened=True, known=0, free=3) == ("wait", 0)
+    assert pull_step(waiting=False, busy=False, listened=True, known=5, free=3) == ("wait", 3)
+    assert pull_step(waiting=False, busy=False, listened=True, known=2, free=3) == ("fetch", 3)
+    assert pull_step(waiting=False, busy=False, listened=True, known=None, free=3) == ("fetch", 3)
+    assert pull_step(waiting=False, busy=False, listened=False, known=9, free=3) == ("fetch", 3)
+    assert pull_step(waiting=False, busy=True, listened=True, known=9, free=3) == ("leave", 0)
+
+
 def test_what_a_fetch_says_of_its_subject() -> None:
     assert fetch_told(2, answered=True, missing=False) == "served"
     assert fetch_told(1, answered=False, missing=False) == "served"
@@ -69,16 +100,7 @@ async def test_an_unanswered_fetch_holds_the_loop_only_briefly_and_its_subject_s
     scheduler.note_pending(("min", 5), 100.0, waited_s=12.0)
     scheduler.note_pending(("min", 12), 100.0, waited_s=3.0)
     free = [3]
-    loop = BacklogPull(
-        Pullers({("min", 5): stuck, ("min", 12): ready}),  # type: ignore[arg-type]
-        scheduler,
-        served,
-        QuietClock(1.0),
-        wait_pull_s=5.0,
-        free=lambda: free[0],
-        stopping=asyncio.Event(),
-        log=logging.getLogger("test"),
-    )
+    loop = backlog({("min", 5): stuck, ("min", 12): ready}, scheduler, lambda: free[0], wait_pull_s=5.0)
     left = await loop.pull(3, 100.0, [])
     assert stuck.asked_timeouts == [NO_WAIT_ANSWER_S] and NO_WAIT_ANSWER_S <= 1.0
     assert ready.asked_timeouts  # the loop went on to min-12
@@ -104,16 +126,7 @@ async def test_backlog_never_parks_every_free_slot_on_one_subject() -> None:
     def free() -> int:
         return 4 - ran[0] - sum(p.outstanding for p in pullers.values())
 
-    loop = BacklogPull(
-        Pullers(pullers),  # type: ignore[arg-type]
-        scheduler,
-        served,
-        QuietClock(1.0),
-        wait_pull_s=240.0,
-        free=free,
-        stopping=asyncio.Event(),
-        log=logging.getLogger("test"),
-    )
+    loop = backlog(pullers, scheduler, free, wait_pull_s=240.0)
     left = await loop.pull(free(), 100.0, [("min", 4), ("min", 16), ("min", 19)])  # min-4 and min-16 hot
     assert hot.requested == [] and hot.asked_timeouts == [NO_WAIT_ANSWER_S]  # fetched, not parked on
     assert older.queued == 0  # min-13's two jobs came
@@ -131,16 +144,7 @@ async def test_a_listened_subject_with_more_queued_than_slots_gets_a_waiting_req
     scheduler.note_delivered(("min", 3), 100.0, age_s=0.1, pending=9)
     scheduler.note_delivered(("min", 2), 100.0, age_s=0.1, pending=1)
     pullers = {("min", 3): deep, ("min", 2): shallow}
-    loop = BacklogPull(
-        Pullers(pullers),  # type: ignore[arg-type]
-        scheduler,
-        served,
-        QuietClock(1.0),
-        wait_pull_s=240.0,
-        free=lambda: 4 - sum(p.outstanding for p in pullers.values()),
-        stopping=asyncio.Event(),
-        log=logging.getLogger("test"),
-    )
+    loop = backlog(pullers, scheduler, lambda: 4 - sum(p.outstanding for p in pullers.values()), wait_pull_s=240.0)
     await loop.pull(2, 100.0, [("min", 3)])
     assert deep.requested == [2] and deep.asked_timeouts == []
     assert shallow.requested == [] and shallow.queued == 0  # fetched: min(2, 1) came

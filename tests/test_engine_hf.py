@@ -381,3 +381,22 @@ async def test_llama_style_model(tmp_path: Path) -> None:
         assert out.logprobs == pytest.approx(forward_logprobs(eng, out.token_ids), abs=1e-4)
     finally:
         await eng.close()
+
+
+def test_only_an_engine_that_advances_its_streams_takes_a_stream_offset() -> None:
+    """One table decides both what the replay rules ask of an engine and what a worker refuses."""
+    from types import SimpleNamespace
+
+    from rollfleet.schemas.errors import NotReplayable
+    from rollfleet.workers.engines.base import check_engine_takes
+    from rollfleet.workers.engines.echo import EchoEngine
+    from rollfleet.workers.engines.sglang import SGLangEngine
+    from rollfleet.workers.engines.vllm import VLLMEngine
+
+    offset = RolloutPayload(prompt_token_ids=[1], sampling=SamplingParams(seed=3), stream_offset=2)
+    check_engine_takes(SimpleNamespace(name=HFEngine.name), offset)  # type: ignore[arg-type]
+    for engine in (EchoEngine, VLLMEngine, SGLangEngine):
+        with pytest.raises(NotReplayable) as err:
+            check_engine_takes(SimpleNamespace(name=engine.name), offset)  # type: ignore[arg-type]
+        assert err.value.reason == "multi_span" and engine.name in err.value.message
+        check_engine_takes(SimpleNamespace(name=engine.name), msgspec.structs.replace(offset, stream_offset=0))  # type: ignore[arg-type]

@@ -269,7 +269,7 @@ def _draws_before(coord: ReplayCoordinate, index: int, a: int, version: int, res
     # Begun at an activation inside a sampled request: asked as that request was, its stream
     # advanced past the draws of its tokens before this one.
     began = max((r for r in restarts if r < a), default=0)
-    if indexed or coord.build.engine not in _STREAM_ADVANCING_ENGINES:
+    if indexed or coord.build.engine not in STREAM_ADVANCING_ENGINES:
         raise _across_activation(index, a, version, began, coord.build.engine)
     return a - began
 
@@ -343,10 +343,11 @@ def segment_view(coord: ReplayCoordinate, request: ReplayRequest) -> ReplayCoord
 # Engines whose samples are a pure function of their inputs and their index within the request,
 # with no random stream of their own (an unseeded one is as replayable as a seeded one).
 _INDEXED_ENGINES = frozenset({"echo"})
-# Engines that take ``stream_offset`` (``Engine.advances_streams``): a segment begun at an
-# activation inside a sampled request is replayable on them. vLLM and SGLang seed a request's
-# stream at its start and take no offset.
-_STREAM_ADVANCING_ENGINES = frozenset({"hf"})
+# Engines that take ``stream_offset`` (the hf engine's ``_sampling.advance_stream``): a segment
+# begun at an activation inside a sampled request is replayable on them. vLLM and SGLang seed a
+# request's stream at its start and take no offset. The one table: what the replay rules ask and
+# what a worker refuses (``workers.engines.base.check_engine_takes``) both read it.
+STREAM_ADVANCING_ENGINES = frozenset({"hf"})
 
 
 def judge_replay(

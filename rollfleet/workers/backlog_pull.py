@@ -53,6 +53,23 @@ def fetch_told(fetched: int, *, answered: bool, missing: bool) -> FetchTold:
     return "unknown" if missing else "empty"
 
 
+PullStep = Literal["wait", "fetch", "leave"]
+
+
+def pull_step(*, waiting: bool, busy: bool, listened: bool, known: int | None, free: int) -> tuple[PullStep, int]:
+    """How to pull a subject known to hold backlog into ``free`` slots, and how many to ask for:
+    ``wait``, a waiting request (a top-up beside one open, or a new one where the subject is
+    listened and its last delivery said at least ``free`` jobs wait: it fills at once), asking
+    for what that delivery said still waits (``known``; one where none said), never more;
+    ``fetch``, a ``no_wait`` fetch of what is queued now (no request open); ``leave``, a
+    ``no_wait`` request of its own still open."""
+    if waiting or (listened and not busy and known is not None and known >= free):
+        return "wait", min(free, 1 if known is None else known)
+    if not busy:
+        return "fetch", free
+    return "leave", 0
+
+
 class BacklogPull:
     def __init__(
         self,
@@ -98,19 +115,21 @@ class BacklogPull:
                     self._log.debug("backlog subject has no consumer", subject=str(subject))
                 self._scheduler.note_empty(subject)
                 continue
-            known = self._scheduler.known_pending(subject)
-            if puller.waiting or (subject in listen and not puller.busy and known is not None and known >= free):
-                # A waiting request takes what is queued at once, up to its batch, and what comes
-                # next: it asks for what the last delivery said still waits (one where none said),
-                # no more, and deliveries say when the queue is empty again (num_pending 0).
-                want = min(free, 1 if known is None else known)
+            step, want = pull_step(
+                waiting=puller.waiting,
+                busy=puller.busy,
+                listened=subject in listen,
+                known=self._scheduler.known_pending(subject),
+                free=free,
+            )
+            if step == "wait":
                 if self._debug:
                     self._log.debug("backlog topped up", subject=str(subject), asked=want, free=free)
                 if want > 0:  # (0: asked for all the last delivery said waits; it is on its way)
                     await puller.request(want, wait_s=self._wait_pull_s)
                     self._scheduler.note_asked(subject, want)
                     self._scheduler.note_served(subject, now)
-            elif not puller.busy:
+            elif step == "fetch":
                 asked = time.monotonic()
                 fetched = await puller.fetch_now(free, timeout=NO_WAIT_ANSWER_S)
                 told = fetch_told(fetched, answered=not puller.busy, missing=puller.missing)

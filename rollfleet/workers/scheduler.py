@@ -53,11 +53,11 @@ class SubjectScheduler:
         drained ``min-0``, newer jobs included, while a turn moved to ``min-13`` waited behind them
         until it expired). Nothing behind it: the subject is empty."""
         self._delivered_at[subject] = now
-        self._pending[subject] = max(0, pending)
         if pending <= 0:
             self.note_empty(subject)
         elif self.served.accepts(subject):
             self._waiting_since[subject] = now - max(0.0, age_s)
+            self._pending[subject] = pending
 
     def note_served(self, subject: Subject, now: float) -> None:
         """Pulled from ``subject`` (a request asked at ``now``); there may be more behind. A

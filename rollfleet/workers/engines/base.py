@@ -17,6 +17,7 @@ import msgspec
 
 from rollfleet.schemas import Completion, EngineBuild, RolloutPayload
 from rollfleet.schemas.errors import NotReplayable
+from rollfleet.schemas.replay_rules import STREAM_ADVANCING_ENGINES
 from rollfleet.schemas.seeds import sample_seed as sample_seed  # (the rule lives with the contract)
 from rollfleet.workers.engines.session_cache import SessionCacheStats
 
@@ -93,9 +94,6 @@ class Engine(abc.ABC):
     # engine that does not is run in segments of ``checkpoint_tokens`` (a request each), which
     # an engine with a prefix cache prefills cheaply (``workers.progress``).
     streams_tokens: bool = False
-    # Whether ``generate`` honours ``RolloutPayload.stream_offset`` (advances each sample's seeded
-    # stream before its first token). A job asking it of an engine that does not is refused.
-    advances_streams: bool = False
     # How long ``health()`` may take before the engine counts as hung (an HTTP engine sets its
     # own: it judges its server by that bound, and the worker must not judge it sooner).
     health_timeout_s: float = 5.0
@@ -183,7 +181,7 @@ def check_engine_takes(engine: Engine, payload: RolloutPayload) -> None:
     """Refuse, before it runs, what ``engine`` would not honour: a ``stream_offset`` (a replay's
     segment begun inside a sampled request) where it cannot advance its streams (``NotReplayable``,
     ``multi_span``: its samples would start their streams over, and be another sample)."""
-    if payload.stream_offset and not engine.advances_streams:
+    if payload.stream_offset and engine.name not in STREAM_ADVANCING_ENGINES:
         raise NotReplayable(
             f"the {engine.name} engine cannot advance a sample's stream past {payload.stream_offset} draws "
             "(stream_offset)",

@@ -61,7 +61,6 @@ from rollfleet.workers.engines.session_cache import DEFAULT_MAX_BYTES, DEFAULT_T
 class HFEngine(Engine):
     name = "hf"
     streams_tokens = True
-    advances_streams = True  # (``_sampling.advance_stream``)
 
     def __init__(
         self,
